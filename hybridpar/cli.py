@@ -1,0 +1,50 @@
+"""The `hybridpar` command (also `python -m hybridpar`)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Optional, Sequence
+
+from . import __version__
+from .mesh import MeshCoords, MeshSizeError, group_ranks, resolve_sizes
+
+
+def _cmd_mesh(args: argparse.Namespace) -> int:
+    """Print the rank layout a job of this shape would use, without starting any process."""
+    try:
+        dp_replicate, dp_shard, mp = resolve_sizes(args.world, args.mp, args.dp_shard, args.dp_replicate)
+    except MeshSizeError as err:
+        print(f"error: {err}")
+        return 2
+    per_node = args.procs_per_node
+    print(f"world {args.world} = dp_replicate {dp_replicate} x dp_shard {dp_shard} x mp {mp}")
+    if per_node and mp > per_node:
+        print(f"warning: mp={mp} spans nodes of {per_node} processes: tensor-parallel traffic leaves the node")
+    print(f"{'rank':>5} {'node':>5} {'mp_rank':>8} {'dp_rank':>8} {'replicate':>10} {'shard':>6}")
+    for rank in range(args.world):
+        c = MeshCoords.of(rank, dp_replicate, dp_shard, mp)
+        node = rank // per_node if per_node else 0
+        print(f"{rank:>5} {node:>5} {c.mp_rank:>8} {c.dp_rank:>8} {c.replicate_idx:>10} {c.shard_idx:>6}")
+    for kind, groups in group_ranks(dp_replicate, dp_shard, mp).items():
+        shown = groups if len(groups) <= 8 else groups[:4] + ["..."] + groups[-2:]
+        print(f"{kind} groups ({len(groups)}): {' '.join(str(g) for g in shown)}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hybridpar", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"hybridpar {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    mesh = sub.add_parser("mesh", help="print the rank layout of a (dp_replicate, dp_shard, mp) mesh")
+    mesh.add_argument("--world", type=int, required=True, help="number of ranks")
+    mesh.add_argument("--mp", type=int, default=1)
+    mesh.add_argument("--dp-shard", type=int, default=-1, help="-1: the remaining ranks")
+    mesh.add_argument("--dp-replicate", type=int, default=1)
+    mesh.add_argument("--procs-per-node", type=int, default=0, help="to show node boundaries")
+    mesh.set_defaults(func=_cmd_mesh)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)

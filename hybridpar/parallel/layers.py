@@ -1,0 +1,227 @@
+"""Tensor-parallel layers with fairscale's constructor arguments and shard layout.
+
+    ColumnParallelLinear   weight [out/mp, in]  Shard(0)   bias [out/mp] Shard(0)
+    RowParallelLinear      weight [out, in/mp]  Shard(1)   bias [out]    Replicate
+    VocabParallelEmbedding weight [V/mp, D]     Shard(0)
+    ParallelEmbedding      weight [V, D/mp]     Shard(1)
+
+Parameters are DTensors on the mp mesh dimension, so FSDP2, torch.distributed.checkpoint and
+gradient clipping see the true global tensor. Forward passes work on the local shards with the
+region functions of `mappings`, which is cheaper than DTensor dispatch for every op.
+
+Initialisation follows fairscale: `init_method` fills the full (master) weight, created alike on
+every rank from the global RNG, and each rank keeps its slice. The same seed therefore gives the
+same full tensors at any mp. Under `torch.device("meta")` nothing is allocated or initialised.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+
+from ..mesh import ParallelDims
+from .mappings import copy_to_region, gather_from_region, reduce_from_region, scatter_to_region
+
+InitMethod = Callable[[torch.Tensor], object]
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    """numerator / denominator, or a ValueError that says which size must change."""
+    if numerator % denominator:
+        raise ValueError(
+            f"{what} = {numerator} is not divisible by the model-parallel size mp = {denominator}; "
+            f"choose an mp that divides {numerator}"
+        )
+    return numerator // denominator
+
+
+def _default_device() -> torch.device:
+    return torch.empty(()).device
+
+
+def sharded_parameter(
+    full_shape: tuple[int, ...],
+    placement: Placement,
+    parallel: ParallelDims,
+    init_method: Optional[InitMethod],
+    dtype: Optional[torch.dtype] = None,
+    device: Optional[torch.device] = None,
+) -> nn.Parameter:
+    """A DTensor parameter on the mp mesh: `init_method` fills the full tensor, this rank keeps its slice.
+
+    init_method=None leaves zeros (biases).
+    """
+    device = torch.device(device) if device is not None else _default_device()
+    dtype = dtype or torch.get_default_dtype()
+    if device.type == "meta":
+        full = torch.empty(full_shape, dtype=dtype, device="meta")
+    else:
+        # Built in fp32 on the CPU, like fairscale's master weight: identical on every rank.
+        full = torch.zeros(full_shape, dtype=torch.float32, device="cpu")
+        if init_method is not None:
+            init_method(full)
+    if isinstance(placement, Shard):
+        local = full.chunk(parallel.mp, dim=placement.dim)[parallel.mp_rank]
+    else:
+        local = full
+    local = local.to(device=device, dtype=dtype).contiguous()
+    return nn.Parameter(DTensor.from_local(local, parallel.mp_mesh, [placement], run_check=False))
+
+
+def _local(param: Optional[nn.Parameter]) -> Optional[torch.Tensor]:
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+def _check_stride(stride: int) -> None:
+    if stride != 1:
+        raise ValueError(f"stride={stride} is not supported: only fairscale's default stride=1 layout is")
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A^T + b with A split by output rows: each rank computes out_features/mp outputs."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        gather_output: bool = True,
+        init_method: InitMethod = nn.init.xavier_normal_,
+        stride: int = 1,
+        keep_master_weight_for_test: bool = False,
+        *,
+        parallel: ParallelDims,
+        dtype: Optional[torch.dtype] = None,
+        device: Optional[torch.device] = None,
+    ) -> None:
+        super().__init__()
+        _check_stride(stride)
+        self.in_features, self.out_features = in_features, out_features
+        self.gather_output = gather_output
+        self.group = parallel.mp_group
+        self.output_size_per_partition = divide(out_features, parallel.mp, "out_features")
+        self.weight = sharded_parameter((out_features, in_features), Shard(0), parallel, init_method, dtype, device)
+        self.bias = sharded_parameter((out_features,), Shard(0), parallel, None, dtype, device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_region(x, self.group)
+        y = F.linear(x, _local(self.weight), _local(self.bias))
+        return gather_from_region(y, self.group) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, gather_output={self.gather_output}"
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A^T + b with A split by input columns: partial products summed across the group."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        input_is_parallel: bool = False,
+        init_method: InitMethod = nn.init.xavier_normal_,
+        stride: int = 1,
+        keep_master_weight_for_test: bool = False,
+        *,
+        parallel: ParallelDims,
+        dtype: Optional[torch.dtype] = None,
+        device: Optional[torch.device] = None,
+    ) -> None:
+        super().__init__()
+        _check_stride(stride)
+        self.in_features, self.out_features = in_features, out_features
+        self.input_is_parallel = input_is_parallel
+        self.group = parallel.mp_group
+        self.input_size_per_partition = divide(in_features, parallel.mp, "in_features")
+        self.weight = sharded_parameter((out_features, in_features), Shard(1), parallel, init_method, dtype, device)
+        self.bias = sharded_parameter((out_features,), Replicate(), parallel, None, dtype, device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_region(x, self.group)
+        y = reduce_from_region(F.linear(x, _local(self.weight)), self.group)
+        # The bias is added once, after the sum, not on every rank's partial product.
+        return y + _local(self.bias) if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, input_is_parallel={self.input_is_parallel}"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding split along the vocabulary: each rank looks up the ids in its own range."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_idx: Optional[int] = None,
+        max_norm: Optional[float] = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        sparse: bool = False,
+        init_method: InitMethod = nn.init.xavier_normal_,
+        *,
+        parallel: ParallelDims,
+        dtype: Optional[torch.dtype] = None,
+        device: Optional[torch.device] = None,
+    ) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.padding_idx, self.max_norm, self.norm_type = padding_idx, max_norm, norm_type
+        self.scale_grad_by_freq, self.sparse = scale_grad_by_freq, sparse
+        self.group = parallel.mp_group
+        per_rank = divide(num_embeddings, parallel.mp, "num_embeddings (vocab size)")
+        self.vocab_start_index = parallel.mp_rank * per_rank
+        self.vocab_end_index = self.vocab_start_index + per_rank
+        self.weight = sharded_parameter((num_embeddings, embedding_dim), Shard(0), parallel, init_method, dtype, device)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
+        local_ids = torch.where(outside, 0, ids - self.vocab_start_index)
+        out = F.embedding(
+            local_ids, _local(self.weight), self.padding_idx, self.max_norm,
+            self.norm_type, self.scale_grad_by_freq, self.sparse,
+        )
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_region(out, self.group)
+
+
+class ParallelEmbedding(nn.Module):
+    """Embedding split along the embedding dimension: every rank looks up every id, D/mp columns."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_idx: Optional[int] = None,
+        max_norm: Optional[float] = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        sparse: bool = False,
+        init_method: InitMethod = nn.init.xavier_normal_,
+        keep_master_weight_for_test: bool = False,
+        *,
+        parallel: ParallelDims,
+        dtype: Optional[torch.dtype] = None,
+        device: Optional[torch.device] = None,
+    ) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.padding_idx, self.max_norm, self.norm_type = padding_idx, max_norm, norm_type
+        self.scale_grad_by_freq, self.sparse = scale_grad_by_freq, sparse
+        self.group = parallel.mp_group
+        divide(embedding_dim, parallel.mp, "embedding_dim")
+        self.weight = sharded_parameter((num_embeddings, embedding_dim), Shard(1), parallel, init_method, dtype, device)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = F.embedding(
+            ids, _local(self.weight), self.padding_idx, self.max_norm,
+            self.norm_type, self.scale_grad_by_freq, self.sparse,
+        )
+        return gather_from_region(out, self.group)

@@ -1,0 +1,56 @@
+"""Shared fixtures: spawned worker pools (one per world size) and the equivalence-error table."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+
+from tests.distributed import WorkerPool  # noqa: E402
+
+_ERRORS: list[tuple[str, float, float]] = []
+
+
+@pytest.fixture(scope="session")
+def workers():
+    """workers(n) -> a WorkerPool of n gloo ranks, started once and reused by every test."""
+    pools: dict[int, WorkerPool] = {}
+
+    def get(world_size: int) -> WorkerPool:
+        pool = pools.get(world_size)
+        if pool is None or not pool.alive:
+            pool = pools[world_size] = WorkerPool(world_size)
+        return pool
+
+    yield get
+    for pool in pools.values():
+        pool.close()
+
+
+@pytest.fixture
+def check_close(request):
+    """check_close(label, per_rank, bound): every relative error <= bound; all are printed at the end."""
+
+    def check(label: str, per_rank, bound: float) -> None:
+        """per_rank: {name: error} or one such dict per rank (the worst rank counts)."""
+        worst: dict[str, float] = {}
+        for errors in [per_rank] if isinstance(per_rank, dict) else per_rank:
+            for name, err in errors.items():
+                worst[name] = max(worst.get(name, 0.0), float(err))
+        for name, err in worst.items():
+            _ERRORS.append((f"{request.node.name} {label} {name}".strip(), err, bound))
+        bad = {n: e for n, e in worst.items() if not e <= bound}
+        assert not bad, f"{label}: relative error above {bound:g}: " + ", ".join(f"{n}={e:.3g}" for n, e in bad.items())
+
+    return check
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _ERRORS:
+        return
+    terminalreporter.section("relative errors against single-process math")
+    width = max(len(name) for name, _, _ in _ERRORS)
+    for name, err, bound in _ERRORS:
+        terminalreporter.write_line(f"{name:<{width}}  {err:.2e}  (bound {bound:.0e})")

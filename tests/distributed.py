@@ -1,0 +1,146 @@
+"""A pool of spawned gloo workers that runs many test cases on one process group.
+
+Starting torch in 4 or 8 processes costs seconds on 2 cores, so a pool is started once per world
+size and every case is a module-level function sent to all ranks:
+
+    results = pool.run(case_fn, arg, ...)   # one result per rank, in rank order
+
+A case that raises on any rank fails with every rank's traceback. A case that hangs (a collective
+one rank never joins) fails after `timeout` seconds and the pool is restarted for the next case.
+"""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing as mp
+import os
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+DEFAULT_CASE_TIMEOUT = 300.0
+ERROR_GRACE = 20.0
+
+
+class WorkerError(AssertionError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker_main(rank: int, world_size: int, port: int, conn) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+    )
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
+    conn.send(("ready", None))
+    while True:
+        message = conn.recv()
+        if message is None:
+            break
+        fn, args, kwargs = message
+        try:
+            conn.send(("ok", fn(*args, **kwargs)))
+        except BaseException:  # noqa: BLE001 - every failure goes back to the test
+            conn.send(("error", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class WorkerPool:
+    def __init__(self, world_size: int, start_timeout: float = 120.0) -> None:
+        self.world_size = world_size
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self.conns, self.procs = [], []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker_main, args=(rank, world_size, port, child), daemon=True)
+            proc.start()
+            self.conns.append(parent)
+            self.procs.append(proc)
+        self._collect(start_timeout, "start-up")
+
+    def _collect(self, timeout: float, what: str) -> list[Any]:
+        deadline = time.monotonic() + timeout
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        pending = set(range(self.world_size))
+        while pending and time.monotonic() < deadline:
+            for rank in sorted(pending):
+                if self.conns[rank].poll(0.01):
+                    status, value = self.conns[rank].recv()
+                    (errors if status == "error" else results)[rank] = value
+                    pending.discard(rank)
+                elif not self.procs[rank].is_alive():
+                    errors[rank] = f"worker died (exit code {self.procs[rank].exitcode})"
+                    pending.discard(rank)
+            if errors:
+                # The other ranks are probably blocked in a collective the failed rank never joins.
+                deadline = min(deadline, time.monotonic() + ERROR_GRACE)
+        if pending:
+            self.close()
+        if pending or errors:
+            detail = "".join(f"\n--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
+            hung = f"; ranks {sorted(pending)} did not finish within the time limit" if pending else ""
+            raise WorkerError(f"{what} failed on ranks {sorted(errors)}{hung}{detail}")
+        return [results[r] for r in range(self.world_size)]
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = DEFAULT_CASE_TIMEOUT, **kwargs: Any) -> list[Any]:
+        if not self.alive:
+            raise WorkerError("the worker pool was closed by an earlier failure")
+        for conn in self.conns:
+            conn.send((fn, args, kwargs))
+        return self._collect(timeout, f"{fn.__name__}{args}")
+
+    @property
+    def alive(self) -> bool:
+        return bool(self.procs) and all(p.is_alive() for p in self.procs)
+
+    def close(self) -> None:
+        for conn, proc in zip(self.conns, self.procs):
+            if proc.is_alive():
+                try:
+                    conn.send(None)
+                except (BrokenPipeError, OSError):
+                    pass
+        for proc in self.procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        self.procs, self.conns = [], []
+
+
+# --- helpers for case functions (they run inside the workers) ----------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def parallel_dims(mp: int = 1, dp_shard: int = -1, dp_replicate: int = 1):
+    """One ParallelDims per layout per worker: building a mesh creates process groups, so reuse it."""
+    import hybridpar
+
+    return hybridpar.init_parallel(mp=mp, dp_shard=dp_shard, dp_replicate=dp_replicate)
+
+
+def rel_err(actual, expected) -> float:
+    """||actual - expected|| / ||expected|| in float64 (0 when both are zero)."""
+    import torch
+
+    actual, expected = actual.detach().double(), expected.detach().double()
+    if actual.shape != expected.shape:
+        raise AssertionError(f"shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
+    denom = expected.norm().item()
+    diff = (actual - expected).norm().item()
+    return diff / denom if denom > 0 else diff

@@ -43,7 +43,7 @@ def _default_device() -> torch.device:
     return torch.empty(()).device
 
 
-def sharded_parameter(
+def mp_parameter(
     full_shape: tuple[int, ...],
     placement: Placement,
     parallel: ParallelDims,
@@ -51,9 +51,8 @@ def sharded_parameter(
     dtype: Optional[torch.dtype] = None,
     device: Optional[torch.device] = None,
 ) -> nn.Parameter:
-    """A DTensor parameter on the mp mesh: `init_method` fills the full tensor, this rank keeps its slice.
-
-    init_method=None leaves zeros (biases).
+    """A DTensor parameter on the mp mesh: `init_method` fills the full tensor, this rank keeps its
+    slice (Shard) or all of it (Replicate). init_method=None leaves zeros (biases).
     """
     device = torch.device(device) if device is not None else _default_device()
     dtype = dtype or torch.get_default_dtype()
@@ -72,7 +71,7 @@ def sharded_parameter(
     return nn.Parameter(DTensor.from_local(local, parallel.mp_mesh, [placement], run_check=False))
 
 
-def _local(param: Optional[nn.Parameter]) -> Optional[torch.Tensor]:
+def local_tensor(param: Optional[nn.Parameter]) -> Optional[torch.Tensor]:
     return param.to_local() if isinstance(param, DTensor) else param
 
 
@@ -104,12 +103,12 @@ class ColumnParallelLinear(nn.Module):
         self.gather_output = gather_output
         self.group = parallel.mp_group
         self.output_size_per_partition = divide(out_features, parallel.mp, "out_features")
-        self.weight = sharded_parameter((out_features, in_features), Shard(0), parallel, init_method, dtype, device)
-        self.bias = sharded_parameter((out_features,), Shard(0), parallel, None, dtype, device) if bias else None
+        self.weight = mp_parameter((out_features, in_features), Shard(0), parallel, init_method, dtype, device)
+        self.bias = mp_parameter((out_features,), Shard(0), parallel, None, dtype, device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to_region(x, self.group)
-        y = F.linear(x, _local(self.weight), _local(self.bias))
+        y = F.linear(x, local_tensor(self.weight), local_tensor(self.bias))
         return gather_from_region(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -139,15 +138,15 @@ class RowParallelLinear(nn.Module):
         self.input_is_parallel = input_is_parallel
         self.group = parallel.mp_group
         self.input_size_per_partition = divide(in_features, parallel.mp, "in_features")
-        self.weight = sharded_parameter((out_features, in_features), Shard(1), parallel, init_method, dtype, device)
-        self.bias = sharded_parameter((out_features,), Replicate(), parallel, None, dtype, device) if bias else None
+        self.weight = mp_parameter((out_features, in_features), Shard(1), parallel, init_method, dtype, device)
+        self.bias = mp_parameter((out_features,), Replicate(), parallel, None, dtype, device) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_region(x, self.group)
-        y = reduce_from_region(F.linear(x, _local(self.weight)), self.group)
+        y = reduce_from_region(F.linear(x, local_tensor(self.weight)), self.group)
         # The bias is added once, after the sum, not on every rank's partial product.
-        return y + _local(self.bias) if self.bias is not None else y
+        return y + local_tensor(self.bias) if self.bias is not None else y
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, input_is_parallel={self.input_is_parallel}"
@@ -179,13 +178,13 @@ class VocabParallelEmbedding(nn.Module):
         per_rank = divide(num_embeddings, parallel.mp, "num_embeddings (vocab size)")
         self.vocab_start_index = parallel.mp_rank * per_rank
         self.vocab_end_index = self.vocab_start_index + per_rank
-        self.weight = sharded_parameter((num_embeddings, embedding_dim), Shard(0), parallel, init_method, dtype, device)
+        self.weight = mp_parameter((num_embeddings, embedding_dim), Shard(0), parallel, init_method, dtype, device)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
         local_ids = torch.where(outside, 0, ids - self.vocab_start_index)
         out = F.embedding(
-            local_ids, _local(self.weight), self.padding_idx, self.max_norm,
+            local_ids, local_tensor(self.weight), self.padding_idx, self.max_norm,
             self.norm_type, self.scale_grad_by_freq, self.sparse,
         )
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
@@ -217,11 +216,52 @@ class ParallelEmbedding(nn.Module):
         self.scale_grad_by_freq, self.sparse = scale_grad_by_freq, sparse
         self.group = parallel.mp_group
         divide(embedding_dim, parallel.mp, "embedding_dim")
-        self.weight = sharded_parameter((num_embeddings, embedding_dim), Shard(1), parallel, init_method, dtype, device)
+        self.weight = mp_parameter((num_embeddings, embedding_dim), Shard(1), parallel, init_method, dtype, device)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         out = F.embedding(
-            ids, _local(self.weight), self.padding_idx, self.max_norm,
+            ids, local_tensor(self.weight), self.padding_idx, self.max_norm,
             self.norm_type, self.scale_grad_by_freq, self.sparse,
         )
         return gather_from_region(out, self.group)
+
+
+class ReplicatedHeadLinear(nn.Module):
+    """The k or v projection when there are fewer kv heads than model-parallel ranks (mp > n_kv_heads).
+
+    Every rank holds the full weight [n_heads * head_dim, in] (Replicate) and computes only the head
+    its group of mp / n_heads ranks shares. Both the input and the weight enter through
+    copy_to_region, so their gradients are summed over the ranks that used them: the same values as
+    one process computing every head.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        n_heads: int,
+        head_dim: int,
+        init_method: InitMethod = nn.init.xavier_normal_,
+        *,
+        parallel: ParallelDims,
+        dtype: Optional[torch.dtype] = None,
+        device: Optional[torch.device] = None,
+    ) -> None:
+        super().__init__()
+        if parallel.mp % n_heads:
+            raise ValueError(
+                f"mp = {parallel.mp} is not a multiple of the {n_heads} heads to replicate; "
+                f"choose an mp that divides or is a multiple of {n_heads}"
+            )
+        self.in_features, self.n_heads, self.head_dim = in_features, n_heads, head_dim
+        self.group = parallel.mp_group
+        self.head = parallel.mp_rank // (parallel.mp // n_heads)
+        self.weight = mp_parameter((n_heads * head_dim, in_features), Replicate(), parallel, init_method, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_region(x, self.group)
+        weight = copy_to_region(local_tensor(self.weight), self.group)
+        rows = slice(self.head * self.head_dim, (self.head + 1) * self.head_dim)
+        return F.linear(x, weight[rows])
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, heads={self.n_heads} replicated, head on this rank={self.head}"

@@ -1,0 +1,42 @@
+"""Moving full (unsharded) tensors in and out of a model whose parameters are DTensors."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+
+def local_slice(full: torch.Tensor, like: DTensor) -> torch.Tensor:
+    """The part of `full` that this rank holds in a DTensor laid out like `like` (no communication)."""
+    if tuple(full.shape) != tuple(like.shape):
+        raise ValueError(f"full tensor has shape {tuple(full.shape)}, the parameter {tuple(like.shape)}")
+    shape, offset = compute_local_shape_and_global_offset(full.shape, like.device_mesh, like.placements)
+    index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+    return full[index]
+
+
+@torch.no_grad()
+def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
+    """Copy full tensors into a module's (possibly sharded) parameters and buffers; names must match exactly."""
+    own = dict(module.state_dict())
+    missing, unexpected = sorted(set(own) - set(state_dict)), sorted(set(state_dict) - set(own))
+    if missing or unexpected:
+        raise KeyError(f"state dict does not match the model: missing {missing[:10]}, unexpected {unexpected[:10]}")
+    for name, target in own.items():
+        full = state_dict[name]
+        if isinstance(target, DTensor):
+            target.to_local().copy_(local_slice(full, target))
+        else:
+            if target.shape != full.shape:
+                raise ValueError(f"{name}: shape {tuple(full.shape)} does not match the model's {tuple(target.shape)}")
+            target.copy_(full)
+
+
+@torch.no_grad()
+def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer as a full tensor (gathers across ranks: collective, for tests and export)."""
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in module.state_dict().items()}

@@ -1,0 +1,312 @@
+"""Llama 2, 3 and 3.1 on hybridpar's tensor-parallel layers, laid out as Meta's reference code.
+
+Parameter names, shard layouts and the RoPE convention (interleaved pairs rotated as complex
+numbers) are Meta's, so `consolidated.NN.pth` checkpoints map onto this model one to one:
+
+    tok_embeddings  ParallelEmbedding (Llama 2, split on dim) or VocabParallelEmbedding (Llama 3)
+    attention.wq/wk/wv  ColumnParallelLinear      attention.wo  RowParallelLinear
+    feed_forward.w1/w3  ColumnParallelLinear      feed_forward.w2  RowParallelLinear
+    output  ColumnParallelLinear (logits stay split along the vocabulary)
+
+Differences from Meta's code, all invisible in the numbers: attention uses
+F.scaled_dot_product_attention (causal), RoPE frequencies are computed per call instead of held
+in a buffer, and with mp > n_kv_heads the kv heads are replicated across ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import Replicate
+
+from hybridpar.mesh import ParallelDims
+from hybridpar.parallel import (
+    ColumnParallelLinear,
+    ParallelEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    gather_from_region,
+)
+from hybridpar.parallel.layers import ReplicatedHeadLinear, divide, local_tensor, mp_parameter
+
+PRESETS_DIR = Path(__file__).parent / "presets"
+
+
+@dataclasses.dataclass
+class ModelArgs:
+    """The fields of Meta's params.json (and Meta's ModelArgs), plus hybridpar's `embedding_split`."""
+
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: Optional[int] = None
+    vocab_size: int = -1  # -1 in Llama 2's params.json: the tokenizer decides
+    multiple_of: int = 256
+    ffn_dim_multiplier: Optional[float] = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0  # Llama 2's value; Llama 3's params.json says 500000
+    use_scaled_rope: bool = False
+    max_batch_size: int = 32
+    max_seq_len: int = 2048
+    # "dim": ParallelEmbedding as in Llama 2; "vocab": VocabParallelEmbedding as in Llama 3;
+    # "auto": "vocab" for the Llama 3 family (rope_theta >= 500000), else "dim".
+    embedding_split: str = "auto"
+
+    @classmethod
+    def from_dict(cls, params: dict, **overrides) -> "ModelArgs":
+        params = {**params, **overrides}
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(params) - known)
+        if unknown:
+            raise ValueError(f"unknown model fields {unknown}; valid fields are {sorted(known)}")
+        return cls(**params)
+
+    @classmethod
+    def from_params_json(cls, path: Union[str, Path], **overrides) -> "ModelArgs":
+        """Read Meta's params.json; `overrides` (e.g. vocab_size=32000 for Llama 2) win."""
+        path = Path(path)
+        try:
+            params = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise ValueError(f"cannot read model parameters from {path}: {err}") from err
+        try:
+            return cls.from_dict(params, **overrides)
+        except ValueError as err:
+            raise ValueError(f"{path}: {err}") from err
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> "ModelArgs":
+        path = PRESETS_DIR / f"{name}.json"
+        if not path.exists():
+            raise ValueError(f"unknown model preset {name!r}; presets: {', '.join(preset_names())}")
+        return cls.from_params_json(path, **overrides)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        """Meta's rule: 2/3 of 4 * dim, times ffn_dim_multiplier, rounded up to multiple_of."""
+        hidden = int(2 * (4 * self.dim) / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    @property
+    def resolved_embedding_split(self) -> str:
+        if self.embedding_split == "auto":
+            return "vocab" if self.rope_theta >= 500000 else "dim"
+        return self.embedding_split
+
+    def num_params(self) -> int:
+        d, kv = self.dim, self.kv_heads * self.head_dim
+        attention = d * d * 2 + d * kv * 2  # wq, wo; wk, wv
+        block = attention + 3 * d * self.ffn_hidden_dim + 2 * d  # + two norms
+        return self.n_layers * block + 2 * self.vocab_size * d + d  # embeddings, output, final norm
+
+    def check(self, mp: int = 1) -> None:
+        """Raise ValueError naming the numbers when this shape cannot run at model-parallel size mp."""
+        if self.embedding_split not in ("auto", "dim", "vocab"):
+            raise ValueError(f"embedding_split must be 'auto', 'dim' or 'vocab', got {self.embedding_split!r}")
+        if self.vocab_size <= 0:
+            raise ValueError(
+                f"vocab_size is {self.vocab_size}: Llama 2's params.json leaves it to the tokenizer; "
+                "pass vocab_size=<tokenizer vocabulary size>"
+            )
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim = {self.dim} is not divisible by n_heads = {self.n_heads}")
+        if self.n_heads % self.kv_heads:
+            raise ValueError(f"n_heads = {self.n_heads} is not a multiple of n_kv_heads = {self.kv_heads}")
+        divide(self.n_heads, mp, "n_heads")
+        if self.kv_heads % mp and mp % self.kv_heads:
+            raise ValueError(
+                f"n_kv_heads = {self.kv_heads} and mp = {mp}: one must divide the other "
+                f"(kv heads are split when mp divides them and replicated when mp is a multiple)"
+            )
+        divide(self.ffn_hidden_dim, mp, "the feed-forward hidden size (from dim, multiple_of, ffn_dim_multiplier)")
+        if self.resolved_embedding_split == "vocab":
+            divide(self.vocab_size, mp, "vocab_size (split by VocabParallelEmbedding)")
+        else:
+            divide(self.dim, mp, "dim (split by ParallelEmbedding)")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim = dim / n_heads = {self.head_dim} must be even for RoPE")
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.json"))
+
+
+# --- rotary position embedding, Meta's convention --------------------------------------------
+
+
+def _scale_llama31(freqs: torch.Tensor) -> torch.Tensor:
+    """Llama 3.1's long-context rescaling of the RoPE frequencies (factor 8 beyond 8192 positions)."""
+    scale, low_factor, high_factor, old_context = 8.0, 1.0, 4.0, 8192
+    wavelen = 2 * math.pi / freqs
+    # Long wavelengths are slowed down by `scale`, short ones kept, the band between blended.
+    smooth = (old_context / wavelen - low_factor) / (high_factor - low_factor)
+    blended = (1 - smooth) * freqs / scale + smooth * freqs
+    out = torch.where(wavelen > old_context / low_factor, freqs / scale, blended)
+    return torch.where(wavelen < old_context / high_factor, freqs, out)
+
+
+def rope_frequencies(head_dim: int, positions: torch.Tensor, theta: float, scaled: bool) -> torch.Tensor:
+    """Complex rotations [len(positions), head_dim / 2]: pair i of position p turns by p * theta^(-2i/d)."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device)[: head_dim // 2].float() / head_dim))
+    if scaled:
+        freqs = _scale_llama31(freqs)
+    angles = torch.outer(positions.float(), freqs)
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def apply_rope(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """Rotate x [batch, seq, heads, head_dim], taking (x[2i], x[2i+1]) as one complex number (Meta's layout)."""
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    rotated = torch.view_as_real(pairs * freqs_cis[None, :, None, :]).flatten(3)
+    return rotated.type_as(x)
+
+
+# --- the network -------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    """Meta's RMSNorm: normalise in fp32, cast back, then scale. The weight is replicated over mp."""
+
+    def __init__(self, dim: int, eps: float, parallel: ParallelDims, dtype=None, device=None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = mp_parameter((dim,), Replicate(), parallel, nn.init.ones_, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * local_tensor(self.weight)
+
+
+def _normal(std: float):
+    return lambda w: nn.init.normal_(w, mean=0.0, std=std)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, parallel: ParallelDims, init_std: float, out_std: float, **factory) -> None:
+        super().__init__()
+        mp, hd = parallel.mp, args.head_dim
+        self.head_dim = hd
+        self.n_local_heads = args.n_heads // mp
+        column = dict(bias=False, gather_output=False, init_method=_normal(init_std), parallel=parallel, **factory)
+        self.wq = ColumnParallelLinear(args.dim, args.n_heads * hd, **column)
+        if args.kv_heads % mp == 0:
+            self.n_local_kv_heads = args.kv_heads // mp
+            self.wk = ColumnParallelLinear(args.dim, args.kv_heads * hd, **column)
+            self.wv = ColumnParallelLinear(args.dim, args.kv_heads * hd, **column)
+        else:  # mp is a multiple of n_kv_heads: each rank computes the one kv head its q heads use
+            self.n_local_kv_heads = 1
+            replicated = dict(init_method=_normal(init_std), parallel=parallel, **factory)
+            self.wk = ReplicatedHeadLinear(args.dim, args.kv_heads, hd, **replicated)
+            self.wv = ReplicatedHeadLinear(args.dim, args.kv_heads, hd, **replicated)
+        self.wo = RowParallelLinear(
+            args.n_heads * hd, args.dim, bias=False, input_is_parallel=True,
+            init_method=_normal(out_std), parallel=parallel, **factory,
+        )
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q = self.wq(x).view(batch, seq, self.n_local_heads, self.head_dim)
+        k = self.wk(x).view(batch, seq, self.n_local_kv_heads, self.head_dim)
+        v = self.wv(x).view(batch, seq, self.n_local_kv_heads, self.head_dim)
+        q, k = apply_rope(q, freqs_cis), apply_rope(k, freqs_cis)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            is_causal=True, enable_gqa=self.n_local_heads != self.n_local_kv_heads,
+        )
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x), the hidden size split across model-parallel ranks."""
+
+    def __init__(self, args: ModelArgs, parallel: ParallelDims, init_std: float, out_std: float, **factory) -> None:
+        super().__init__()
+        hidden = args.ffn_hidden_dim
+        column = dict(bias=False, gather_output=False, init_method=_normal(init_std), parallel=parallel, **factory)
+        self.w1 = ColumnParallelLinear(args.dim, hidden, **column)
+        self.w3 = ColumnParallelLinear(args.dim, hidden, **column)
+        self.w2 = RowParallelLinear(
+            hidden, args.dim, bias=False, input_is_parallel=True,
+            init_method=_normal(out_std), parallel=parallel, **factory,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: ModelArgs, parallel: ParallelDims, **factory) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        # GPT-2 style: the projections that write into the residual stream start smaller with depth.
+        init_std, out_std = 0.02, 0.02 / math.sqrt(2 * args.n_layers)
+        self.attention = Attention(args, parallel, init_std, out_std, **factory)
+        self.feed_forward = FeedForward(args, parallel, init_std, out_std, **factory)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps, parallel, **factory)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, parallel, **factory)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Llama decoder. `model(tokens)` -> this rank's vocabulary shard of the logits [B, S, V/mp];
+    `model(tokens, gather_logits=True)` -> the full logits [B, S, V] on every rank.
+
+    Weights are drawn from the global RNG as full tensors (each rank keeps its slice), so the same
+    seed gives the same model at any (mp, dp) layout. Build under `torch.device("meta")` to skip
+    allocation when weights will be loaded.
+    """
+
+    def __init__(
+        self,
+        args: ModelArgs,
+        parallel: ParallelDims,
+        *,
+        dtype: Optional[torch.dtype] = None,
+        device: Optional[torch.device] = None,
+    ) -> None:
+        super().__init__()
+        args.check(parallel.mp)
+        self.args = args
+        self.group = parallel.mp_group
+        factory = dict(dtype=dtype, device=device)
+        embedding = VocabParallelEmbedding if args.resolved_embedding_split == "vocab" else ParallelEmbedding
+        self.tok_embeddings = embedding(args.vocab_size, args.dim, init_method=_normal(0.02), parallel=parallel, **factory)
+        self.layers = nn.ModuleList(TransformerBlock(i, args, parallel, **factory) for i in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps, parallel, **factory)
+        self.output = ColumnParallelLinear(
+            args.dim, args.vocab_size, bias=False, gather_output=False,
+            init_method=_normal(0.02), parallel=parallel, **factory,
+        )
+
+    def forward(self, tokens: torch.Tensor, gather_logits: bool = False) -> torch.Tensor:
+        seq = tokens.shape[1]
+        if seq > self.args.max_seq_len:
+            raise ValueError(f"sequence length {seq} exceeds max_seq_len = {self.args.max_seq_len}")
+        positions = torch.arange(seq, device=tokens.device)
+        freqs_cis = rope_frequencies(self.args.head_dim, positions, self.args.rope_theta, self.args.use_scaled_rope)
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, freqs_cis)
+        logits = self.output(self.norm(h))
+        return gather_from_region(logits, self.group) if gather_logits else logits

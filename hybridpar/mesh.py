@@ -103,6 +103,8 @@ class ParallelDims:
     dp_shard: int
     mp: int
     mesh: DeviceMesh
+    # The flattened (dp_replicate * dp_shard) mesh, kept here: torch deprecates slicing it back out of `mesh`.
+    dp_flat_mesh: DeviceMesh
     device: torch.device
     backend: str
     timeout: timedelta
@@ -143,8 +145,8 @@ class ParallelDims:
     def shard_idx(self) -> int:
         return self.coords.shard_idx
 
-    # Sub-meshes: DTensor parameters live on mp_mesh; FSDP works over dp_mesh (2D, HSDP) or the
-    # flattened dp_flat_mesh (1D).
+    # Sub-meshes: DTensor parameters live on mp_mesh; FSDP works over dp_mesh (2D, hybrid sharding)
+    # or dp_flat_mesh (1D).
     @property
     def mp_mesh(self) -> DeviceMesh:
         return self.mesh["mp"]
@@ -154,16 +156,12 @@ class ParallelDims:
         return self.mesh["dp_replicate", "dp_shard"]
 
     @property
-    def dp_flat_mesh(self) -> DeviceMesh:
-        return self.mesh["dp"]
-
-    @property
     def mp_group(self) -> dist.ProcessGroup:
         return self.mesh.get_group("mp")
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
-        return self.mesh["dp"].get_group()
+        return self.dp_flat_mesh.get_group()
 
     @property
     def dp_shard_group(self) -> dist.ProcessGroup:
@@ -296,5 +294,5 @@ def init_parallel(
     device = torch.device("cuda", local_rank) if "nccl" in backend else torch.device("cpu")
     sizes = resolve_sizes(dist.get_world_size(), mp=mp, dp_shard=dp_shard, dp_replicate=dp_replicate)
     mesh = init_device_mesh(device.type, sizes, mesh_dim_names=MESH_DIM_NAMES)
-    mesh["dp_replicate", "dp_shard"]._flatten("dp")
-    return ParallelDims(*sizes, mesh=mesh, device=device, backend=backend, timeout=timeout)
+    dp_flat_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    return ParallelDims(*sizes, mesh=mesh, dp_flat_mesh=dp_flat_mesh, device=device, backend=backend, timeout=timeout)

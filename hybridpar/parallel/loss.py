@@ -33,7 +33,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_target = target - start
         mine = valid & (local_target >= 0) & (local_target < vocab_local)
         local_target = torch.where(mine, local_target, 0)
-        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) * mine
+        # where, not a 0/1 product: a -inf logit (a banned token) times 0 would be NaN.
+        target_logit = torch.where(mine, shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1), 0.0)
         exp = shifted.exp()
         sum_exp = exp.sum(dim=-1)
         # One all-reduce for both [tokens] sums.
@@ -41,7 +42,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         dist.all_reduce(both, group=group)
         target_logit, sum_exp = both
 
-        loss = (sum_exp.log() - target_logit) * valid
+        loss = torch.where(valid, sum_exp.log() - target_logit, 0.0)
         softmax = exp.div_(sum_exp.unsqueeze(-1))
         ctx.save_for_backward(softmax, local_target, mine, valid)
         ctx.input_dtype = local_logits.dtype
@@ -49,6 +50,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
+        # The saved softmax becomes the gradient in place (no second [tokens, V/mp] buffer), so
+        # this graph can be backpropagated once only.
         softmax, local_target, mine, valid = ctx.saved_tensors
         # d loss / d logits = softmax - one_hot(target), zero where the target is ignored.
         grad = softmax

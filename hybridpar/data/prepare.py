@@ -1,0 +1,403 @@
+"""Text -> one flat file of token ids, EOS after every document, plus a JSON sidecar that describes it.
+
+Sources: "default" (the embedded stdlib corpus), a .txt file (the whole file is one document), a
+.jsonl file (one JSON object per line, the document in `text_field`), a directory of such files
+(sorted, recursive) or a list of any of these. The output is a raw array (uint16 when every id fits,
+else uint32) that numpy memory-maps, so training reads it without loading it.
+
+Memory stays bounded whatever the input size: files are read line by line, long documents are cut
+into pieces at line ends, and pieces are tokenised in batches appended to the output as they come.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Iterable, Iterator, Optional, Sequence, Union
+
+import numpy as np
+
+from hybridpar.data.corpus import default_corpus_documents, default_corpus_id
+from hybridpar.data.files import PathLike, atomic_output, file_lock, sha256_text, write_text_atomic
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SOURCE = "default"
+FORMAT_VERSION = 1
+SIDECAR_SUFFIX = ".json"
+DATA_FILE_KINDS = {".txt": "txt", ".jsonl": "jsonl"}
+# A document longer than this is tokenised in pieces, each cut right after a newline.
+PIECE_CHARS = 1 << 16
+# Characters handed to the tokenizer per call: bounds memory.
+BATCH_CHARS = 1 << 17
+# A piece that continues a document is encoded after this separator, whose tokens are then dropped,
+# so it is tokenised as in the middle of the text (no dummy-prefix space at its start).
+_CONTINUATION_PREFIX = "\n"
+
+Source = Union[PathLike, Sequence[PathLike]]
+
+
+# --- sources --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceFile:
+    kind: str  # "default", "txt" or "jsonl"
+    path: Optional[Path] = None
+
+
+def resolve_sources(source: Source) -> list[SourceFile]:
+    """Every input in reading order; errors name the path and what is accepted."""
+    if isinstance(source, (list, tuple)):
+        if not source:
+            raise ValueError("the data source list is empty; give 'default', files or directories")
+        return [f for item in source for f in resolve_sources(item)]
+    if isinstance(source, str) and source == DEFAULT_SOURCE:
+        return [SourceFile("default")]
+    path = Path(source)
+    if not path.exists():
+        raise FileNotFoundError(f"data path {path} does not exist")
+    if path.is_dir():
+        files = sorted(
+            (p for p in path.rglob("*") if p.is_file() and p.suffix in DATA_FILE_KINDS and not _hidden(p, path)),
+            key=lambda p: p.relative_to(path).as_posix(),
+        )
+        if not files:
+            raise ValueError(f"data directory {path} has no .txt or .jsonl files")
+        return [SourceFile(DATA_FILE_KINDS[p.suffix], p.resolve()) for p in files]
+    kind = DATA_FILE_KINDS.get(path.suffix)
+    if kind is None:
+        raise ValueError(
+            f"{path}: unknown data file type {path.suffix!r}; use .txt (the whole file is one document), "
+            f".jsonl (one JSON object per line with the text in a field), a directory of them, or 'default'"
+        )
+    return [SourceFile(kind, path.resolve())]
+
+
+def _hidden(path: Path, root: Path) -> bool:
+    return any(part.startswith(".") for part in path.relative_to(root).parts)
+
+
+def describe_sources(files: Sequence[SourceFile], text_field: str = "text") -> dict:
+    """What the output was made from; sizes and mtimes make an edited file count as a new source."""
+    described = []
+    for f in files:
+        if f.kind == "default":
+            described.append({"kind": "default", "corpus_id": default_corpus_id()})
+        else:
+            st = f.path.stat()
+            described.append({"kind": f.kind, "path": str(f.path), "size": st.st_size, "mtime_ns": st.st_mtime_ns})
+    uses_field = any(f.kind == "jsonl" for f in files)
+    return {"files": described, "text_field": text_field if uses_field else None}
+
+
+def source_id(source: Source, text_field: str = "text") -> str:
+    """A short stable name for a source (tokenizer cache key): the corpus id, or a hash of the files."""
+    files = resolve_sources(source)
+    if all(f.kind == "default" for f in files):
+        return default_corpus_id()
+    return "data-" + sha256_text(json.dumps(describe_sources(files, text_field), sort_keys=True))[:16]
+
+
+def source_documents(source: Source, text_field: str = "text") -> Iterator[str]:
+    """Every document of a source as one string, in reading order (to train a tokenizer on)."""
+    for pieces in _documents(resolve_sources(source), text_field):
+        yield "".join(pieces)
+
+
+# --- documents as pieces ---------------------------------------------------------------------
+
+
+def _documents(files: Sequence[SourceFile], text_field: str) -> Iterator[Iterator[str]]:
+    """Each document as an iterator of pieces that concatenate to it; consume each before the next."""
+    for f in files:
+        if f.kind == "default":
+            for doc in default_corpus_documents():
+                yield _cut(doc)
+        elif f.kind == "txt":
+            yield _txt_pieces(f.path)
+        else:
+            for doc in _jsonl_texts(f.path, text_field):
+                yield _cut(doc)
+
+
+def _txt_pieces(path: Path) -> Iterator[str]:
+    lines: list[str] = []
+    size = 0
+    try:
+        with open(path, encoding="utf-8") as f:  # universal newlines: '\r\n' arrives as '\n'
+            for line in f:
+                lines.append(line)
+                size += len(line)
+                if size >= PIECE_CHARS:
+                    yield "".join(lines)
+                    lines, size = [], 0
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e}); convert it to UTF-8") from e
+    if lines:
+        yield "".join(lines)
+
+
+def _jsonl_texts(path: Path, text_field: str) -> Iterator[str]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
+                if not isinstance(record, dict) or text_field not in record:
+                    fields = sorted(record)[:10] if isinstance(record, dict) else type(record).__name__
+                    raise ValueError(
+                        f"{path}:{lineno}: no {text_field!r} field (found {fields}); "
+                        f"every line needs one, or set text_field to the field that holds the text"
+                    )
+                text = record[text_field]
+                if not isinstance(text, str):
+                    raise ValueError(f"{path}:{lineno}: field {text_field!r} is a {type(text).__name__}, not a string")
+                yield text
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e}); convert it to UTF-8") from e
+
+
+def _cut(text: str) -> Iterator[str]:
+    """Pieces of about PIECE_CHARS, each ending right after a newline (or at the end of the text)."""
+    start = 0
+    while start < len(text):
+        end = text.find("\n", start + PIECE_CHARS - 1)
+        end = len(text) if end < 0 else end + 1
+        yield text[start:end]
+        start = end
+
+
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+    text: str
+    continues: bool  # not the document's first piece
+    ends: bool  # the document's last piece: EOS follows
+
+
+def _pieces(documents: Iterable[Iterator[str]]) -> Iterator[_Piece]:
+    for doc in documents:
+        previous: Optional[str] = None
+        first = True
+        for text in doc:
+            if previous is not None:
+                yield _Piece(previous, not first, False)
+                first = False
+            previous = text
+        if previous is not None:  # empty documents add nothing, not even an EOS
+            yield _Piece(previous, not first, True)
+
+
+# --- tokenising ------------------------------------------------------------------------------
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+
+
+def _token_batches(pieces: Iterable[_Piece], tokenizer) -> Iterator[tuple[np.ndarray, int]]:
+    """(ids as int32, documents ended) per batch of about BATCH_CHARS characters."""
+    prefix = _encode_arrays(tokenizer, [_CONTINUATION_PREFIX])[0]
+    batch: list[_Piece] = []
+    chars = 0
+    for piece in pieces:
+        batch.append(piece)
+        chars += len(piece.text)
+        if chars >= BATCH_CHARS:
+            yield _encode(batch, tokenizer, prefix)
+            batch, chars = [], 0
+    if batch:
+        yield _encode(batch, tokenizer, prefix)
+
+
+def _encode_arrays(tokenizer, texts: list[str]) -> list[np.ndarray]:
+    # Arrays straight from sentencepiece when the tokenizer offers them: lists hold one Python
+    # object per token, ten times the memory.
+    if hasattr(tokenizer, "encode_batch_numpy"):
+        return [np.asarray(ids, dtype=np.int32) for ids in tokenizer.encode_batch_numpy(texts)]
+    return [np.asarray(ids, dtype=np.int32) for ids in tokenizer.encode_batch(texts)]
+
+
+def _encode(batch: list[_Piece], tokenizer, prefix: np.ndarray) -> tuple[np.ndarray, int]:
+    texts = [_CONTINUATION_PREFIX + p.text if p.continues else p.text for p in batch]
+    eos = np.array([tokenizer.eos_id], dtype=np.int32)
+    parts: list[np.ndarray] = []
+    for piece, ids in zip(batch, _encode_arrays(tokenizer, texts)):
+        if piece.continues:
+            if np.array_equal(ids[: len(prefix)], prefix):
+                ids = ids[len(prefix):]
+            else:  # a tokenizer that merges across the separator: fall back to the piece alone
+                ids = _encode_arrays(tokenizer, [piece.text])[0]
+        parts.append(ids)
+        if piece.ends:
+            parts.append(eos)
+    return np.concatenate(parts), sum(p.ends for p in batch)
+
+
+# --- the token file --------------------------------------------------------------------------
+
+
+def sidecar_path(token_path: PathLike) -> Path:
+    token_path = Path(token_path)
+    return token_path.with_name(token_path.name + SIDECAR_SUFFIX)
+
+
+class TokenFile:
+    """A prepared token file: `.tokens` is a read-only memmap, the rest comes from the sidecar."""
+
+    def __init__(self, path: PathLike) -> None:
+        path = Path(path)
+        if path.suffix == SIDECAR_SUFFIX and path.with_suffix("").is_file():  # the sidecar was given
+            path = path.with_suffix("")
+        if not path.exists():
+            raise FileNotFoundError(f"token file {path} does not exist; create it with prepare_tokens")
+        meta_path = sidecar_path(path)
+        if not meta_path.exists():
+            raise ValueError(
+                f"{path} has no sidecar {meta_path.name}: it is not a prepared token file, or its "
+                f"preparation did not finish; prepare it again"
+            )
+        self.path = path
+        self.meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        expected = self.n_tokens * self.dtype.itemsize
+        actual = path.stat().st_size
+        if actual != expected:
+            raise ValueError(
+                f"{path} holds {actual} bytes but its sidecar says {self.n_tokens} {self.dtype} tokens "
+                f"({expected} bytes): the file is incomplete or was replaced; prepare it again"
+            )
+        self._tokens: Optional[np.memmap] = None
+
+    @property
+    def tokens(self) -> np.memmap:
+        if self._tokens is None:
+            self._tokens = np.memmap(self.path, dtype=self.dtype, mode="r", shape=(self.n_tokens,))
+        return self._tokens
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(self.meta["dtype"])
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.meta["n_tokens"])
+
+    @property
+    def n_documents(self) -> int:
+        return int(self.meta["n_documents"])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.meta["vocab_size"])
+
+    @property
+    def eos_id(self) -> int:
+        return int(self.meta["eos_id"])
+
+    @property
+    def tokenizer_sha256(self) -> str:
+        return self.meta["tokenizer_sha256"]
+
+    def __len__(self) -> int:
+        return self.n_tokens
+
+    # DataLoader workers get a copy: reopen the memmap there instead of pickling the tokens.
+    def __getstate__(self) -> dict:
+        return {"path": self.path, "meta": self.meta, "_tokens": None}
+
+    def __repr__(self) -> str:
+        return f"TokenFile({str(self.path)!r}, n_tokens={self.n_tokens}, dtype={self.dtype})"
+
+
+def prepare_tokens(source: Source, tokenizer, output_path: PathLike, *, text_field: str = "text") -> TokenFile:
+    """Tokenise `source` into `output_path` (+ its .json sidecar), streamed and written atomically.
+
+    `tokenizer` needs encode_batch, eos_id, vocab_size and sha256 (a Tokenizer has them).
+    """
+    files = resolve_sources(source)
+    return _prepare(files, describe_sources(files, text_field), tokenizer, Path(output_path), text_field)
+
+
+def _prepare(files: Sequence[SourceFile], description: dict, tokenizer, output: Path, text_field: str) -> TokenFile:
+    eos_id, vocab_size = int(tokenizer.eos_id), int(tokenizer.vocab_size)
+    if not 0 <= eos_id < vocab_size:
+        raise ValueError(f"the tokenizer has no usable eos piece (eos_id {eos_id}); documents need one between them")
+    dtype = token_dtype(vocab_size)
+    n_tokens = n_documents = 0
+    meta_path = sidecar_path(output)
+    with atomic_output(output, "wb") as out:
+        for ids, ended in _token_batches(_pieces(_documents(files, text_field)), tokenizer):
+            if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+                bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+                raise ValueError(f"the tokenizer produced id {bad}, outside its vocab of {vocab_size}")
+            out.write(ids.astype(dtype))
+            n_tokens += int(ids.size)
+            n_documents += ended
+        if n_tokens == 0:
+            raise ValueError(f"no tokens: the data source {_short(description)} holds no text")
+        # All tokens are written, the rename comes next. Drop an old sidecar first: a crash between
+        # the two renames leaves a token file with no sidecar (clearly unfinished), never new
+        # tokens described by an old sidecar. A failure before this point leaves the old output whole.
+        meta_path.unlink(missing_ok=True)
+    meta = {
+        "format": "hybridpar-tokens",
+        "version": FORMAT_VERSION,
+        "dtype": dtype.name,
+        "n_tokens": n_tokens,
+        "n_documents": n_documents,
+        "vocab_size": vocab_size,
+        "eos_id": eos_id,
+        "tokenizer_sha256": tokenizer.sha256,
+        "tokenizer_path": str(getattr(tokenizer, "path", "")),
+        "source": description,
+    }
+    write_text_atomic(meta_path, json.dumps(meta, indent=1) + "\n")
+    log.info("prepared %s: %d tokens in %d documents", output, n_tokens, n_documents)
+    return TokenFile(output)
+
+
+def _short(description: dict) -> str:
+    names = [f.get("path") or f"default corpus {f.get('corpus_id')}" for f in description["files"]]
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def prepare_cached(
+    source: Source,
+    tokenizer,
+    cache_dir: PathLike,
+    *,
+    text_field: str = "text",
+    lock_timeout: Optional[float] = None,
+) -> TokenFile:
+    """prepare_tokens into cache_dir, reusing an earlier result made from the same source and tokenizer.
+
+    The file name is a hash of the source description (paths, sizes, mtimes; the corpus id for
+    'default') and the tokenizer's sha256. Concurrent callers (ranks) wait for the first one.
+    """
+    files = resolve_sources(source)
+    description = describe_sources(files, text_field)
+    key = json.dumps({"source": description, "tokenizer": tokenizer.sha256, "version": FORMAT_VERSION}, sort_keys=True)
+    output = Path(cache_dir) / f"tokens-{sha256_text(key)[:16]}.bin"
+    cached = _load_if_complete(output)
+    if cached is not None:
+        return cached
+    with file_lock(output.with_name(output.name + ".lock"), timeout=lock_timeout, purpose="preparing tokens"):
+        cached = _load_if_complete(output)  # another rank may have finished it while we waited
+        if cached is not None:
+            return cached
+        return _prepare(files, description, tokenizer, output, text_field)
+
+
+def _load_if_complete(path: Path) -> Optional[TokenFile]:
+    if not path.exists() or not sidecar_path(path).exists():
+        return None
+    try:
+        return TokenFile(path)
+    except ValueError:
+        return None  # left unfinished by a killed job: prepare it again

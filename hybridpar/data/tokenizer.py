@@ -1,0 +1,237 @@
+"""SentencePiece tokenizers with Llama 2's conventions: load Meta's tokenizer.model or train one.
+
+Llama 2 ids: unk 0, bos 1, eos 2 and no pad piece (pad_id -1). Trained tokenizers follow Llama 2's
+trainer settings too (BPE, byte fallback so no text is ever unknown, digits split, no
+normalisation, whitespace kept as is), so decode(encode(text)) == text.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import re
+from functools import cached_property
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Optional, Sequence
+
+import numpy as np
+import sentencepiece as spm
+
+from hybridpar.data.files import PathLike, file_lock, sha256_file, sha256_text, write_bytes_atomic
+
+log = logging.getLogger(__name__)
+
+UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, -1
+# Part of the cache key: bump when the training options below change.
+TRAINER_VERSION = 1
+# Training reads at most this many lines (the first ones, no sampling): enough for a good
+# vocabulary, and it keeps training to seconds however large the corpus is.
+DEFAULT_MAX_TRAINING_SENTENCES = 1_000_000
+# SentencePiece drops longer sentences; cut them instead (its limit is in bytes, UTF-8 <= 4 per char).
+_MAX_SENTENCE_CHARS = 4096
+
+
+class Tokenizer:
+    """A sentencepiece model file. Ids are plain Python ints; bos/eos are added only when asked."""
+
+    def __init__(self, model_path: PathLike) -> None:
+        path = Path(model_path)
+        if not path.exists():
+            raise FileNotFoundError(
+                f"tokenizer model {path} does not exist; pass a sentencepiece tokenizer.model "
+                f"(e.g. Llama 2's) or none to train one on the corpus"
+            )
+        if path.is_dir():
+            raise IsADirectoryError(f"tokenizer model {path} is a directory; pass the tokenizer.model file inside it")
+        self.path = path
+        self._sp = _load_processor(path)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._sp.vocab_size()
+
+    @property
+    def bos_id(self) -> int:
+        return self._sp.bos_id()
+
+    @property
+    def eos_id(self) -> int:
+        return self._sp.eos_id()
+
+    @property
+    def unk_id(self) -> int:
+        return self._sp.unk_id()
+
+    @property
+    def pad_id(self) -> int:
+        return self._sp.pad_id()
+
+    @cached_property
+    def sha256(self) -> str:
+        """Of the model file: what a prepared token file records to know which tokenizer made it."""
+        return sha256_file(self.path)
+
+    def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError(f"encode takes one str, got {type(text).__name__}; use encode_batch for a list")
+        return self._with_specials(self._sp.encode(text), bos, eos)
+
+    def encode_batch(self, texts: Sequence[str], bos: bool = False, eos: bool = False) -> list[list[int]]:
+        """Encode many texts in one call (sentencepiece spreads it over its threads)."""
+        texts = list(texts)
+        if not texts:
+            return []
+        return [self._with_specials(ids, bos, eos) for ids in self._sp.encode(texts)]
+
+    def encode_batch_numpy(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """Like encode_batch (no bos/eos) as int32 arrays: no Python int per token, for bulk tokenising."""
+        texts = list(texts)
+        return self._sp.encode(texts, out_type="numpy") if texts else []
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Decode ids (a list, numpy array or tensor); bos/eos pieces decode to nothing."""
+        if hasattr(ids, "tolist"):
+            ids = ids.tolist()
+        return self._sp.decode([int(i) for i in ids])
+
+    def id_to_piece(self, token_id: int) -> str:
+        return self._sp.id_to_piece(int(token_id))
+
+    def _with_specials(self, ids: list[int], bos: bool, eos: bool) -> list[int]:
+        if bos:
+            ids = [self._required("bos", self.bos_id)] + ids
+        if eos:
+            ids = ids + [self._required("eos", self.eos_id)]
+        return ids
+
+    def _required(self, name: str, token_id: int) -> int:
+        if token_id < 0:
+            raise ValueError(f"tokenizer {self.path} has no {name} piece ({name}_id is -1)")
+        return token_id
+
+    # DataLoader workers and spawned processes get a copy: ship the path, not the C++ object.
+    def __getstate__(self) -> dict:
+        return {"path": self.path}
+
+    def __setstate__(self, state: dict) -> None:
+        self.path = state["path"]
+        self._sp = _load_processor(self.path)
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
+
+
+def _load_processor(path: Path) -> spm.SentencePieceProcessor:
+    try:
+        return spm.SentencePieceProcessor(model_file=str(path))
+    except (RuntimeError, OSError) as e:
+        raise ValueError(
+            f"{path} is not a valid sentencepiece model ({e}); pass a tokenizer.model file "
+            f"(e.g. Llama 2's) or none to train one"
+        ) from e
+
+
+def train_tokenizer(
+    documents: Iterable[str],
+    vocab_size: int,
+    output_path: PathLike,
+    *,
+    max_sentences: int = DEFAULT_MAX_TRAINING_SENTENCES,
+) -> Tokenizer:
+    """Train a BPE tokenizer (Llama 2 settings) on `documents` and write it atomically to output_path.
+
+    Deterministic: the same documents and vocab_size give the same file. Reads the documents'
+    non-blank lines up to `max_sentences`, streamed (the documents are never held in memory).
+    """
+    if not isinstance(vocab_size, int) or vocab_size < 1:
+        raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}")
+    counter = _SentenceCounter(documents, max_sentences)
+    model = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(counter),
+            model_writer=model,
+            model_type="bpe",
+            vocab_size=vocab_size,
+            byte_fallback=True,
+            unk_id=UNK_ID,
+            bos_id=BOS_ID,
+            eos_id=EOS_ID,
+            pad_id=PAD_ID,
+            split_digits=True,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            add_dummy_prefix=True,
+            allow_whitespace_only_pieces=True,
+            character_coverage=0.99995,
+            max_sentence_length=4 * _MAX_SENTENCE_CHARS,
+            input_sentence_size=0,  # we already cap the input; sampling would cost determinism
+            shuffle_input_sentence=False,
+            num_threads=1,  # results must not depend on the machine's core count
+            minloglevel=2,
+        )
+    except RuntimeError as e:
+        if counter.count == 0:
+            raise ValueError("cannot train a tokenizer: the documents hold no text") from e
+        raise ValueError(
+            f"could not train a tokenizer of vocab_size {vocab_size} on {counter.count} lines of text: {e}; "
+            f"choose a vocab_size the corpus supports (the message above says the limit) or train on more text"
+        ) from e
+    write_bytes_atomic(output_path, model.getvalue())
+    return Tokenizer(output_path)
+
+
+class _SentenceCounter:
+    """Non-blank lines of the documents, capped, counting how many were handed out."""
+
+    def __init__(self, documents: Iterable[str], limit: int) -> None:
+        self.documents, self.limit, self.count = documents, limit, 0
+
+    def __iter__(self) -> Iterator[str]:
+        for doc in self.documents:
+            for line in doc.split("\n"):
+                if not line.strip():
+                    continue
+                yield line[:_MAX_SENTENCE_CHARS]
+                self.count += 1
+                if self.count >= self.limit:
+                    return
+
+
+def load_or_train_tokenizer(
+    path_or_none: Optional[PathLike],
+    *,
+    vocab_size: int,
+    documents_factory: Callable[[], Iterable[str]],
+    corpus_id: str,
+    cache_dir: PathLike,
+    lock_timeout: Optional[float] = None,
+) -> Tokenizer:
+    """The tokenizer at `path_or_none` as it is, else one trained on the corpus and cached.
+
+    The cache file is keyed by (corpus_id, vocab_size, sentencepiece version, trainer settings);
+    the first caller trains it under a file lock while concurrent callers (other ranks) wait and
+    then load it. `documents_factory()` is called only when training. `vocab_size` applies to
+    training only: a given tokenizer keeps its own (check it against the model with check_vocab).
+    """
+    if path_or_none is not None:
+        return Tokenizer(path_or_none)
+    path = cached_tokenizer_path(cache_dir, corpus_id=corpus_id, vocab_size=vocab_size)
+    if path.exists():
+        return Tokenizer(path)
+    with file_lock(path.with_name(path.name + ".lock"), timeout=lock_timeout, purpose="training a tokenizer"):
+        if path.exists():  # another rank trained it while we waited
+            return Tokenizer(path)
+        log.info("training a %d-token tokenizer on corpus %s -> %s", vocab_size, corpus_id, path)
+        return train_tokenizer(documents_factory(), vocab_size, path)
+
+
+def cached_tokenizer_path(cache_dir: PathLike, *, corpus_id: str, vocab_size: int) -> Path:
+    key = json.dumps(
+        {"corpus": corpus_id, "vocab_size": vocab_size, "sentencepiece": spm.__version__, "trainer": TRAINER_VERSION},
+        sort_keys=True,
+    )
+    readable = re.sub(r"[^A-Za-z0-9._-]+", "_", corpus_id)[:48]
+    return Path(cache_dir) / f"tokenizer-{readable}-v{vocab_size}-{sha256_text(key)[:12]}.model"
+

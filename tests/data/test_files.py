@@ -1,0 +1,48 @@
+"""Atomic writes and the cross-process lock that the tokenizer and token caches rely on."""
+
+import multiprocessing
+import time
+
+import pytest
+
+from hybridpar.data.files import atomic_output, file_lock, write_text_atomic
+
+
+def test_atomic_output_replaces_only_when_complete(tmp_path):
+    target = tmp_path / "out.txt"
+    write_text_atomic(target, "old")
+    with pytest.raises(RuntimeError, match="disk full"):
+        with atomic_output(target, "w") as f:
+            f.write("half of the new cont")
+            raise RuntimeError("disk full")
+    assert target.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["out.txt"]  # the temporary file is gone
+    with atomic_output(target, "wb") as f:
+        f.write(b"new")
+        assert target.read_text() == "old"  # readers still see the old file while writing
+    assert target.read_text() == "new"
+
+
+def _hold_lock(path: str, seconds: float, ready) -> None:
+    with file_lock(path):
+        ready.set()
+        time.sleep(seconds)
+
+
+def test_file_lock_excludes_other_processes_and_times_out_clearly(tmp_path):
+    lock = tmp_path / "x.lock"
+    ctx = multiprocessing.get_context("fork")
+    ready = ctx.Event()
+    holder = ctx.Process(target=_hold_lock, args=(str(lock), 1.0, ready))
+    holder.start()
+    try:
+        assert ready.wait(10)
+        with pytest.raises(TimeoutError, match=r"waited 0 s for the lock .*x.lock \(testing\), held by another process"):
+            with file_lock(lock, timeout=0.2, purpose="testing"):
+                pass
+        start = time.monotonic()
+        with file_lock(lock, timeout=10):  # granted once the holder lets go
+            assert time.monotonic() - start > 0.3
+    finally:
+        holder.join(10)
+    assert holder.exitcode == 0

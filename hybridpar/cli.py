@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import Optional, Sequence
 
+import os
+import sys
+
 from . import __version__
 from .mesh import MeshCoords, MeshSizeError, group_ranks, resolve_sizes
 
@@ -31,6 +34,22 @@ def _cmd_mesh(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    """Train under torchrun/srun (or as a world of one): hybridpar train --config local --train.steps 20."""
+    import torch.distributed as dist
+
+    from .config import find_config, load_config
+    from .train import Trainer
+
+    config = load_config(find_config(args.config) if args.config else None, args.overrides)
+    try:
+        Trainer(config).run()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridpar", description=__doc__)
     parser.add_argument("--version", action="version", version=f"hybridpar {__version__}")
@@ -42,9 +61,28 @@ def build_parser() -> argparse.ArgumentParser:
     mesh.add_argument("--dp-replicate", type=int, default=1)
     mesh.add_argument("--procs-per-node", type=int, default=0, help="to show node boundaries")
     mesh.set_defaults(func=_cmd_mesh)
+    train = sub.add_parser(
+        "train", help="train a model (under torchrun or srun; a world of one without)",
+        epilog="Any config key can be overridden: --train.steps 20 --parallel.mp 2 --fsdp.param_dtype float32",
+    )
+    train.add_argument("--config", default="", help="a TOML file, or a preset name in launch/configs (e.g. local)")
+    train.set_defaults(func=_cmd_train)
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.func(args)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "train":
+        args.overrides = extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as err:
+        # Bad input (config, mesh sizes, model shape, data): one clear line instead of a traceback.
+        if os.environ.get("HYBRIDPAR_TRACEBACK"):
+            raise
+        rank = os.environ.get("RANK")
+        print(f"hybridpar: error{f' (rank {rank})' if rank else ''}: {err}", file=sys.stderr)
+        return 2

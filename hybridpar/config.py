@@ -1,0 +1,225 @@
+"""Training configuration: dataclasses, loaded from TOML, overridden by dotted flags.
+
+    hybridpar train --config configs/local.toml --train.steps 20 --parallel.mp 2
+
+Every key must exist: a misspelt key is an error that lists the valid ones, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+from .parallel.fsdp import FSDPConfig
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    preset: str = "tiny"  # a name in models/presets, or "" to use params_json
+    params_json: str = ""  # Meta's params.json (wins over preset when set)
+    vocab_size: int = 0  # 0: the preset's (or, for Llama 2's -1, the tokenizer's)
+    n_layers: int = 0  # 0: the preset's; a smaller value for quick experiments
+
+
+@dataclasses.dataclass
+class ParallelConfig:
+    mp: int = 1
+    dp_shard: int = -1  # -1: the remaining ranks
+    dp_replicate: int = 1
+    backend: str = ""  # "": nccl with GPUs, gloo without
+    init_timeout: float = 600.0  # seconds
+
+
+@dataclasses.dataclass
+class DataConfig:
+    source: str = "default"  # "default" (embedded corpus), a .txt/.jsonl file, or a directory of them
+    text_field: str = "text"  # jsonl field holding the text
+    tokenizer: str = ""  # a sentencepiece tokenizer.model; "" trains one on the source (cached)
+    tokenizer_vocab_size: int = 4096  # when training a tokenizer
+    seq_len: int = 128
+    micro_batch_size: int = 2  # sequences per rank per micro-batch
+    num_workers: int = 0  # DataLoader worker processes
+    seed: int = 0  # shuffling seed, shared by every rank
+    cache_dir: str = ""  # tokenizers and token files; "": ~/.cache/hybridpar
+
+
+@dataclasses.dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 10
+    weight_decay: float = 0.1  # on matrices and embeddings, not norms
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping (the norm is still logged)
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    steps: int = 100  # optimizer steps
+    grad_accum: int = 1  # micro-batches per optimizer step
+    seed: int = 0  # model initialisation
+    on_nonfinite: str = "stop"  # a NaN/inf loss: "stop" with an error naming the step, or "skip" the step
+    log_every: int = 10
+    peak_flops: float = 0.0  # per-device peak FLOP/s for MFU; 0 measures a matmul peak at start-up
+
+
+@dataclasses.dataclass
+class OutputConfig:
+    run_dir: str = "runs/default"  # metrics.jsonl, TensorBoard events, loss.png
+    tensorboard: bool = True
+    plot: bool = True
+
+
+@dataclasses.dataclass
+class Config:
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    fsdp: FSDPConfig = dataclasses.field(default_factory=FSDPConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    output: OutputConfig = dataclasses.field(default_factory=OutputConfig)
+
+    def validate(self) -> None:
+        self.fsdp.validate()
+        if self.train.on_nonfinite not in ("stop", "skip"):
+            raise ConfigError(f"train.on_nonfinite must be 'stop' or 'skip', got {self.train.on_nonfinite!r}")
+        for key in ("train.steps", "train.grad_accum", "train.log_every", "data.seq_len", "data.micro_batch_size"):
+            if get_value(self, key) < 1:
+                raise ConfigError(f"{key} must be >= 1, got {get_value(self, key)}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _sections(obj: Any) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(obj)}
+
+
+def get_value(config: Config, dotted: str) -> Any:
+    section, _, key = dotted.partition(".")
+    return getattr(getattr(config, section), key)
+
+
+_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
+
+
+def _convert(value: Any, annotation: Any, key: str) -> Any:
+    """Coerce a TOML value or a command-line string to the field's type (annotations are strings here)."""
+    target = _TYPES.get(annotation if isinstance(annotation, str) else getattr(annotation, "__name__", ""))
+    if target is None:
+        return value
+    if target is bool:
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected {target.__name__}, got {value!r}")
+    if target is float and isinstance(value, int):
+        return float(value)
+    if isinstance(value, target):
+        return value
+    if isinstance(value, str):
+        try:
+            return target(value)
+        except ValueError:
+            pass
+    raise ConfigError(f"{key}: expected {target.__name__}, got {value!r}")
+
+
+def set_value(config: Config, dotted: str, value: Any) -> None:
+    """Set `section.key`; unknown sections or keys raise ConfigError listing the valid ones."""
+    section, _, key = dotted.partition(".")
+    sections = _sections(config)
+    if section not in sections or not key:
+        raise ConfigError(f"unknown config key {dotted!r}; sections are {sorted(sections)} (keys look like train.steps)")
+    target = getattr(config, section)
+    fields = _sections(target)
+    if key not in fields:
+        raise ConfigError(f"unknown config key {dotted!r}; valid keys in [{section}] are {sorted(fields)}")
+    setattr(target, key, _convert(value, fields[key].type, dotted))
+
+
+def load_config(path: Union[str, Path, None] = None, overrides: Sequence[str] = ()) -> Config:
+    """Defaults, then the TOML file, then `--section.key value` (or `--section.key=value`) overrides."""
+    config = Config()
+    if path:
+        path = Path(path)
+        if not path.exists():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"{path}: {err}") from err
+        for section, table in data.items():
+            if not isinstance(table, dict):
+                raise ConfigError(f"{path}: {section!r} must be a [section] table, e.g. [{section}]")
+            for key, value in table.items():
+                set_value(config, f"{section}.{key}", value)
+    for dotted, value in _parse_overrides(overrides):
+        set_value(config, dotted, value)
+    config.validate()
+    return config
+
+
+def _parse_overrides(args: Sequence[str]) -> list[tuple[str, str]]:
+    pairs, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ConfigError(f"expected an override like --train.steps 20, got {arg!r}")
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"override {arg} has no value")
+            key, value = arg[2:], args[i + 1]
+            i += 2
+        pairs.append((key, value))
+    return pairs
+
+
+def dump_toml(config: Config) -> str:
+    """The resolved configuration as TOML (written into the run folder)."""
+    lines: list[str] = []
+    for section, values in config.to_dict().items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def find_config(name_or_path: str, search: Optional[Path] = None) -> Path:
+    """A config path as given, or a preset name in launch/configs ("local" -> launch/configs/local.toml)."""
+    path = Path(name_or_path)
+    if path.exists():
+        return path
+    folder = search or Path(__file__).resolve().parent.parent / "launch" / "configs"
+    candidate = folder / f"{name_or_path}.toml"
+    if candidate.exists():
+        return candidate
+    presets = sorted(p.stem for p in folder.glob("*.toml")) if folder.exists() else []
+    raise ConfigError(f"config {name_or_path!r} is neither a file nor a preset in {folder} ({', '.join(presets)})")

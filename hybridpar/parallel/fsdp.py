@@ -1,0 +1,124 @@
+"""FSDP2 over the data-parallel mesh dims, with the strategy names FSDP1 users know.
+
+    full_shard          shard over every dp rank (1-D dp mesh); reshard after forward
+    shard_grad_op       same mesh, keep parameters gathered between forward and backward (ZeRO-2)
+    hybrid_shard        shard inside dp_shard, replicate across dp_replicate (2-D mesh)
+    hybrid_shard_zero2  hybrid_shard without resharding after forward
+    no_shard            replicate over every dp rank (needs dp_shard = 1)
+
+FSDP2 (`fully_shard`) instead of FSDP1: per-parameter DTensor sharding that composes with the
+tensor-parallel DTensors of `hybridpar.parallel`, and no silent NO_SHARD fallback: FSDP1's
+HYBRID_SHARD with a shard group of one rank stops all-reducing across replicas, while a 2-D
+FSDP2 mesh with dp_shard = 1 still all-reduces over dp_replicate.
+
+Units: one per transformer block, the token embeddings and the output head each their own, then
+the root (final norm). Activation checkpointing is applied before sharding, with the composable
+API so parameter names stay Meta's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.distributed._composable import checkpoint as checkpoint_module
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from ..mesh import ParallelDims
+
+STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "hybrid_shard_zero2", "no_shard")
+AC_MODES = ("none", "full", "selective")
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclasses.dataclass
+class FSDPConfig:
+    sharding_strategy: str = "hybrid_shard"
+    param_dtype: str = "bfloat16"  # compute dtype of gathered parameters
+    reduce_dtype: str = "float32"  # gradient reduction dtype
+    activation_checkpointing: str = "none"  # none | full | selective
+    ac_every: int = 2  # selective: checkpoint every k-th block
+    cpu_offload: bool = False
+    forward_prefetch: int = 1  # blocks whose all-gather is issued ahead in forward (0: FSDP2's implicit)
+    backward_prefetch: int = 1  # same in backward
+
+    def validate(self) -> None:
+        if self.sharding_strategy not in STRATEGIES:
+            raise ValueError(f"sharding_strategy must be one of {STRATEGIES}, got {self.sharding_strategy!r}")
+        if self.activation_checkpointing not in AC_MODES:
+            raise ValueError(f"activation_checkpointing must be one of {AC_MODES}, got {self.activation_checkpointing!r}")
+        for name in ("param_dtype", "reduce_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"{name} must be one of {sorted(DTYPES)}, got {getattr(self, name)!r}")
+        if self.ac_every < 1:
+            raise ValueError(f"ac_every must be >= 1, got {self.ac_every}")
+
+
+def dp_mesh_for(strategy: str, parallel: ParallelDims):
+    """The data-parallel mesh a strategy shards over; errors name the sizes to change."""
+    if strategy in ("full_shard", "shard_grad_op"):
+        if parallel.dp_replicate != 1:
+            raise ValueError(
+                f"{strategy} shards over every data-parallel rank, but dp_replicate = {parallel.dp_replicate}: "
+                "use hybrid_shard (or hybrid_shard_zero2), or set dp_replicate = 1"
+            )
+        return parallel.dp_flat_mesh
+    if strategy == "no_shard" and parallel.dp_shard != 1:
+        raise ValueError(
+            f"no_shard replicates over every data-parallel rank, but dp_shard = {parallel.dp_shard}: "
+            f"set dp_shard = 1 and dp_replicate = {parallel.dp_size}"
+        )
+    return parallel.dp_mesh  # 2-D (dp_replicate, dp_shard); no_shard is the case dp_shard = 1
+
+
+def apply_activation_checkpointing(blocks: nn.ModuleList, mode: str, every: int = 2) -> list[int]:
+    """Recompute the activations of the chosen blocks in backward; returns their indices."""
+    if mode == "none":
+        return []
+    chosen = [i for i in range(len(blocks)) if mode == "full" or i % every == 0]
+    for i in chosen:
+        checkpoint_module(blocks[i])
+    return chosen
+
+
+def apply_fsdp(model: nn.Module, parallel: ParallelDims, config: Optional[FSDPConfig] = None) -> nn.Module:
+    """Shard `model` (a models.llama.Transformer) in place over the data-parallel dims and return it."""
+    config = config or FSDPConfig()
+    config.validate()
+    mesh = dp_mesh_for(config.sharding_strategy, parallel)
+    apply_activation_checkpointing(model.layers, config.activation_checkpointing, config.ac_every)
+
+    offload: OffloadPolicy = OffloadPolicy()
+    if config.cpu_offload:
+        if parallel.device.type == "cpu":
+            warnings.warn("cpu_offload has no effect: the parameters already live on the CPU", stacklevel=2)
+        else:
+            offload = CPUOffloadPolicy(pin_memory=True)
+    common = dict(
+        mesh=mesh,
+        mp_policy=MixedPrecisionPolicy(param_dtype=DTYPES[config.param_dtype], reduce_dtype=DTYPES[config.reduce_dtype]),
+        offload_policy=offload,
+    )
+    reshard = config.sharding_strategy in ("full_shard", "hybrid_shard")
+    fully_shard(model.tok_embeddings, reshard_after_forward=reshard, **common)
+    for block in model.layers:
+        fully_shard(block, reshard_after_forward=reshard, **common)
+    # The head runs last in forward and first in backward: resharding it in between only costs a gather.
+    fully_shard(model.output, reshard_after_forward=False, **common)
+    fully_shard(model, reshard_after_forward=False, **common)
+    _set_prefetch(model, config.forward_prefetch, config.backward_prefetch)
+    return model
+
+
+def _set_prefetch(model: nn.Module, forward: int, backward: int) -> None:
+    """Issue the next units' all-gathers early so communication overlaps compute."""
+    units = [model.tok_embeddings, *model.layers, model.output]
+    for i, unit in enumerate(units):
+        if forward > 0 and i + 1 < len(units):
+            unit.set_modules_to_forward_prefetch(units[i + 1 : i + 1 + forward])
+        if backward > 0 and i > 0:
+            unit.set_modules_to_backward_prefetch(units[max(0, i - backward) : i][::-1])

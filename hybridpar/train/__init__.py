@@ -1,0 +1,5 @@
+"""The training loop and its metrics."""
+
+from .trainer import NonFiniteLossError, Trainer
+
+__all__ = ["Trainer", "NonFiniteLossError"]

@@ -1,0 +1,113 @@
+"""Training metrics: throughput, MFU, memory, and where they are written (rank 0 only).
+
+MFU counts the FLOPs of the model's math, not of the hardware's work: 6 per parameter per token
+for forward + backward of the matrix multiplies, plus 12 * n_layers * dim * seq_len per token for
+attention scores (PaLM's formula). Activation recomputation is not counted, as is customary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+
+def flops_per_token(args, seq_len: int) -> float:
+    """Training FLOPs per token of a models.llama.ModelArgs shape (embedding lookups are free)."""
+    matmul_params = args.num_params() - args.vocab_size * args.dim  # the output head counts, the lookup not
+    return 6.0 * matmul_params + 12.0 * args.n_layers * args.dim * seq_len
+
+
+def measure_matmul_peak(seconds: float = 1.0, size: int = 1024, dtype: torch.dtype = torch.float32) -> float:
+    """FLOP/s this process reaches on a square matmul with its current thread count: the CPU 'peak'."""
+    a = torch.randn(size, size, dtype=dtype)
+    b = torch.randn(size, size, dtype=dtype)
+    torch.mm(a, b)  # warm-up: first call pays allocation and dispatch set-up
+    runs, start = 0, time.perf_counter()
+    while True:
+        torch.mm(a, b)
+        runs += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds:
+            return runs * 2.0 * size**3 / elapsed
+
+
+def memory_bytes(device: torch.device) -> int:
+    """Peak CUDA memory allocated, or the process's peak resident set size on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class MetricsWriter:
+    """metrics.jsonl + TensorBoard events in the run folder; a no-op on every rank but the first."""
+
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool = True) -> None:
+        self.enabled = enabled
+        self.run_dir = Path(run_dir)
+        self.jsonl_path = self.run_dir / "metrics.jsonl"
+        self._file = None
+        self._tb = None
+        if not enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.jsonl_path, "a", buffering=1)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+
+    def write(self, step: int, values: dict) -> None:
+        if not self.enabled:
+            return
+        self._file.write(json.dumps({"step": step, **values}) + "\n")
+        if self._tb is not None:
+            for key, value in values.items():
+                if isinstance(value, (int, float)):
+                    self._tb.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def read_metrics(jsonl_path: Path) -> list[dict]:
+    with open(jsonl_path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_loss(jsonl_path: Path, png_path: Path, title: Optional[str] = None) -> Path:
+    """Loss against step from metrics.jsonl, saved as a PNG (written atomically)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on training nodes
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in read_metrics(jsonl_path) if "loss" in r]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], marker=".")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(title or "training loss")
+    ax.grid(alpha=0.3)
+    tmp = Path(png_path).with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    os.replace(tmp, png_path)
+    return Path(png_path)
+
+
+def progress_line(step: int, steps: int, m: dict) -> str:
+    return (
+        f"step {step:>5}/{steps}  loss {m['loss']:.4f}  lr {m['lr']:.2e}  grad_norm {m['grad_norm']:.3f}  "
+        f"{m['tokens_per_s']:,.0f} tok/s  mfu {100 * m['mfu']:.1f}%  mem {m['memory_gb']:.2f} GB"
+    )

@@ -1,0 +1,235 @@
+"""The training loop: tensor parallelism inside model-parallel groups, FSDP across data-parallel ranks.
+
+One optimizer step:
+  1. fetch `grad_accum` micro-batches and count the targets of the whole global batch (one
+     all-reduce of a single number over the dp group);
+  2. forward + backward each micro-batch with loss = sum of token losses / global target count;
+     gradients are synchronised only after the last micro-batch;
+  3. clip by the norm of the whole model's gradient (across mp and dp);
+  4. AdamW step, learning-rate schedule step, metrics.
+
+Normalising by the global target count makes the result independent of how the batch is split
+over ranks and micro-batches: any layout computes the gradient of the same mean loss.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from models.llama import ModelArgs, Transformer
+
+from ..config import Config, ConfigError, dump_toml
+from ..data import (
+    PackedDataset,
+    build_dataloader,
+    check_dataset_size,
+    check_vocab,
+    load_or_train_tokenizer,
+    prepare_cached,
+    source_documents,
+    source_id,
+)
+from ..mesh import ParallelDims, init_parallel
+from ..parallel import vocab_parallel_cross_entropy
+from ..parallel.fsdp import apply_fsdp
+from .metrics import MetricsWriter, flops_per_token, measure_matmul_peak, memory_bytes, plot_loss, progress_line
+
+
+class NonFiniteLossError(FloatingPointError):
+    pass
+
+
+def default_cache_dir() -> Path:
+    return Path.home() / ".cache" / "hybridpar"
+
+
+def build_optimizer(model: torch.nn.Module, config) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices and embeddings only (norm weights are scales, not features)."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    on_gpu = next(model.parameters()).device.type == "cuda"
+    return torch.optim.AdamW(
+        groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps,
+        **({"fused": True} if on_gpu else {"foreach": True}),
+    )
+
+
+def lr_lambda(warmup: int, total: int, min_ratio: float):
+    """Linear warmup to 1, then cosine decay to min_ratio at the last step."""
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def grad_norm_and_clip(params: list[torch.nn.Parameter], max_norm: float) -> float:
+    """Global L2 norm of all gradients across mp and dp (DTensor math), clipped to max_norm if > 0."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, foreach=True)
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    return total.item()
+
+
+class Trainer:
+    def __init__(self, config: Config, parallel: Optional[ParallelDims] = None) -> None:
+        self.config = c = config
+        c.validate()
+        self.parallel = parallel or init_parallel(
+            mp=c.parallel.mp, dp_shard=c.parallel.dp_shard, dp_replicate=c.parallel.dp_replicate,
+            timeout=c.parallel.init_timeout, backend=c.parallel.backend or None,
+        )
+        p = self.parallel
+        self.is_main = p.rank == 0
+        self.device = p.device
+        self.global_batch = c.data.micro_batch_size * c.train.grad_accum * p.dp_size
+
+        self.args = self._model_args()
+        if c.data.seq_len > self.args.max_seq_len:
+            raise ConfigError(
+                f"data.seq_len = {c.data.seq_len} is larger than the model's max_seq_len = {self.args.max_seq_len}: "
+                "lower data.seq_len"
+            )
+        self.args.check(p.mp)
+        self.tokenizer, self.dataset = self._build_data()
+        check_vocab(self.tokenizer.vocab_size, self.args.vocab_size)
+        check_dataset_size(
+            self.dataset, self.global_batch, micro_batch_size=c.data.micro_batch_size,
+            grad_accum=c.train.grad_accum, dp_size=p.dp_size,
+        )
+        self.loader = build_dataloader(
+            self.dataset, dp_rank=p.dp_rank, dp_size=p.dp_size, micro_batch_size=c.data.micro_batch_size,
+            seed=c.data.seed, num_workers=c.data.num_workers,
+        )
+
+        torch.manual_seed(c.train.seed)  # same full weights on every rank, whatever the layout
+        self.model = apply_fsdp(Transformer(self.args, p, device=self.device), p, c.fsdp)
+        self.params = list(self.model.parameters())
+        self.optimizer = build_optimizer(self.model, c.optim)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(c.optim.warmup_steps, c.train.steps, c.optim.min_lr_ratio)
+        )
+        self.step = 0
+        self.history: list[dict] = []
+        self.run_dir = Path(c.output.run_dir)
+        self.metrics = MetricsWriter(self.run_dir, enabled=self.is_main, tensorboard=c.output.tensorboard)
+        self.flops_per_token = flops_per_token(self.args, c.data.seq_len)
+        self.peak_flops = c.train.peak_flops or self._measure_peak()
+
+    # --- set-up ---------------------------------------------------------------------------------
+
+    def _model_args(self) -> ModelArgs:
+        m = self.config.model
+        overrides = {}
+        if m.vocab_size:
+            overrides["vocab_size"] = m.vocab_size
+        if m.n_layers:
+            overrides["n_layers"] = m.n_layers
+        if m.params_json:
+            return ModelArgs.from_params_json(m.params_json, **overrides)
+        return ModelArgs.from_preset(m.preset, **overrides)
+
+    def _build_data(self):
+        """Tokenizer (given, or trained on the source and cached), token file, packed windows."""
+        d = self.config.data
+        cache = Path(d.cache_dir) if d.cache_dir else default_cache_dir()
+        tokenizer = load_or_train_tokenizer(
+            d.tokenizer or None, vocab_size=d.tokenizer_vocab_size,
+            documents_factory=lambda: source_documents(d.source, d.text_field),
+            corpus_id=source_id(d.source, d.text_field), cache_dir=cache,
+        )
+        token_file = prepare_cached(d.source, tokenizer, cache, text_field=d.text_field)
+        return tokenizer, PackedDataset(token_file, d.seq_len)
+
+    def _measure_peak(self) -> float:
+        if self.device.type == "cuda":
+            raise ConfigError("train.peak_flops must be set on GPUs (the accelerator's dense bf16 peak, e.g. 989e12)")
+        dist.barrier()  # every rank measures at once, under the same contention as training
+        return measure_matmul_peak(seconds=0.5)
+
+    # --- the loop -------------------------------------------------------------------------------
+
+    def train_step(self) -> dict:
+        c, p = self.config, self.parallel
+        start = time.perf_counter()
+        batches = [next(self.loader) for _ in range(c.train.grad_accum)]
+        counts = torch.tensor([float(sum((t != -100).sum() for _, t in batches))])
+        dist.all_reduce(counts, group=p.dp_group)
+        global_targets = counts.item()
+        # FSDP averages gradients over the dp ranks; undo that so the sum over ranks is the global mean.
+        scale = p.dp_size / global_targets
+
+        loss_sum = torch.zeros((), device=self.device)
+        for i, (inputs, targets) in enumerate(batches):
+            self.model.set_requires_gradient_sync(i == len(batches) - 1)
+            inputs = inputs.to(self.device, non_blocking=True)
+            targets = targets.to(self.device, non_blocking=True)
+            loss = vocab_parallel_cross_entropy(self.model(inputs), targets, parallel=p, reduction="sum")
+            (loss * scale).backward()
+            loss_sum += loss.detach()
+        dist.all_reduce(loss_sum, group=p.dp_group)
+        mean_loss = loss_sum.item() / global_targets
+
+        grad_norm = grad_norm_and_clip(self.params, c.optim.grad_clip)
+        lr = self.scheduler.get_last_lr()[0]
+        skipped = not (math.isfinite(mean_loss) and math.isfinite(grad_norm))
+        if skipped and c.train.on_nonfinite == "stop":
+            raise NonFiniteLossError(
+                f"step {self.step + 1}: loss {mean_loss}, gradient norm {grad_norm}: training stopped. "
+                "Lower optim.lr, check the data, or set train.on_nonfinite = \"skip\" to skip such steps"
+            )
+        if not skipped:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.step += 1
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elapsed = time.perf_counter() - start
+        tokens_per_s = global_targets / elapsed
+        return {
+            "step": self.step, "loss": mean_loss, "lr": lr, "grad_norm": grad_norm, "skipped": skipped,
+            "tokens": global_targets, "step_time": elapsed, "tokens_per_s": tokens_per_s,
+            "mfu": self.flops_per_token * tokens_per_s / (self.peak_flops * p.world_size),
+            "memory_gb": memory_bytes(self.device) / 1e9,
+        }
+
+    def run(self) -> list[dict]:
+        c = self.config
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.toml").write_text(dump_toml(c))
+            print(
+                f"hybridpar: {self.args.num_params() / 1e6:.1f}M parameters, {self.parallel.world_size} ranks = "
+                f"dp_replicate {self.parallel.dp_replicate} x dp_shard {self.parallel.dp_shard} x mp {self.parallel.mp}, "
+                f"{c.fsdp.sharding_strategy}, global batch {self.global_batch} x {c.data.seq_len} tokens, "
+                f"{len(self.dataset)} sequences in the data",
+                flush=True,
+            )
+        while self.step < c.train.steps:
+            m = self.train_step()
+            self.history.append(m)
+            if m["skipped"] and self.is_main:
+                print(f"step {m['step']}: non-finite loss {m['loss']} or gradient norm: step skipped", flush=True)
+            if m["step"] % c.train.log_every == 0 or m["step"] in (1, c.train.steps):
+                self.metrics.write(m["step"], {k: v for k, v in m.items() if k != "step"})
+                if self.is_main:
+                    print(progress_line(m["step"], c.train.steps, m), flush=True)
+        self.metrics.close()
+        if self.is_main and c.output.plot and self.metrics.jsonl_path.exists():
+            plot_loss(self.metrics.jsonl_path, self.run_dir / "loss.png")
+        return self.history

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The CPU quickstart: train the tiny Llama on 4 local processes (mp 2 x dp 2) on the embedded
+# corpus. Installs hybridpar first if needed. Extra arguments override the config, e.g.
+#   bash launch/local.sh --train.steps 50
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if ! python3 -c "import hybridpar, torch, sentencepiece, matplotlib, tensorboard" 2>/dev/null; then
+    echo "launch/local.sh: installing hybridpar (torch 2.13.0 first, so no CUDA build is pulled in)"
+    python3 -m pip install -q torch==2.13.0
+    python3 -m pip install -q -e .
+fi
+# 4 processes share this machine's cores: one thread each avoids oversubscription.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+exec python3 -m torch.distributed.run --standalone --nproc_per_node 4 \
+    -m hybridpar train --config launch/configs/local.toml "$@"

@@ -51,13 +51,15 @@ class MetricsWriter:
         self.enabled = enabled
         self.run_dir = Path(run_dir)
         self.jsonl_path = self.run_dir / "metrics.jsonl"
+        self.tensorboard = tensorboard
         self._file = None
         self._tb = None
-        if not enabled:
-            return
+
+    def _open(self) -> None:
+        # Opened at the first write, so a run that fails during set-up leaves no files behind.
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._file = open(self.jsonl_path, "a", buffering=1)
-        if tensorboard:
+        if self.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
@@ -65,6 +67,8 @@ class MetricsWriter:
     def write(self, step: int, values: dict) -> None:
         if not self.enabled:
             return
+        if self._file is None:
+            self._open()
         self._file.write(json.dumps({"step": step, **values}) + "\n")
         if self._tb is not None:
             for key, value in values.items():

@@ -75,13 +75,35 @@ def lr_lambda(warmup: int, total: int, min_ratio: float):
 
 
 def grad_norm_and_clip(params: list[torch.nn.Parameter], max_norm: float) -> float:
-    """Global L2 norm of all gradients across mp and dp (DTensor math), clipped to max_norm if > 0."""
-    grads = [p.grad for p in params if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads, foreach=True)
+    """Global L2 norm of every gradient across mp and dp; clip to max_norm when it is > 0.
+
+    Each rank sums the squares of its local shards, dividing by the number of ranks holding the
+    same values (the mesh dims where the gradient is replicated), and one all-reduce of that scalar
+    over the world gives the squared norm of the whole model: one collective, instead of DTensor's
+    sequential all-reduces per mesh dim.
+    """
+    locals_, copies = [], []
+    for p in params:
+        if p.grad is None:
+            continue
+        grad = p.grad
+        if isinstance(grad, DTensor):
+            mesh = grad.device_mesh
+            copies.append(math.prod(mesh.size(i) for i, pl in enumerate(grad.placements) if pl.is_replicate()))
+            grad = grad.to_local()
+        else:  # a plain tensor: the same on every rank
+            copies.append(dist.get_world_size())
+        locals_.append(grad)
+    if not locals_:
+        return 0.0
+    norms = torch.stack(torch._foreach_norm(locals_, 2.0)).float()
+    weights = torch.tensor(copies, dtype=torch.float32, device=norms.device)
+    total_sq = (norms.square() / weights).sum()
+    dist.all_reduce(total_sq)
+    total = total_sq.sqrt()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        torch._foreach_mul_(locals_, coef.to(locals_[0].dtype))
     return total.item()
 
 

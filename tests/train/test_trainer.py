@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -102,3 +103,118 @@ def test_bf16_mixed_precision_trains(workers, corpus, tmp_path):
     first, last = hist[0]["loss"], sum(m["loss"] for m in hist[-3:]) / 3
     print(f"\nbf16 loss {first:.3f} -> {last:.3f}")
     assert math.isfinite(last) and last < first - 0.5
+
+
+# --- bad input: clear errors before any work is lost ------------------------------------------
+
+
+def _case_trainer_error(config):
+    from hybridpar.train import Trainer
+
+    try:
+        Trainer(config)
+    except (ValueError, FileNotFoundError) as err:
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+BAD_INPUT = {
+    "mesh sizes": ({"parallel.mp": 3}, r"world size 1 is not divisible by mp \* dp_replicate = 3 \* 1 = 3"),
+    "seq_len": ({"data.seq_len": 65}, r"data.seq_len = 65 is larger than the model's max_seq_len = 64"),
+    "dataset too small": ({"data.micro_batch_size": 4000}, r"dataset has 2126 windows .* but one global batch needs 4000 \(micro_batch 4000 x grad_accum 1 x dp_size 1\)"),
+    "tokenizer vocab": ({"model.vocab_size": 256}, r"512.*256|256.*512"),
+    "missing data": ({"data.source": "/nonexistent/corpus.jsonl"}, r"data path /nonexistent/corpus.jsonl does not exist"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_gives_a_clear_error(workers, corpus, tmp_path, case):
+    overrides, expected = BAD_INPUT[case]
+    config = make_config(corpus, tmp_path / "run", **overrides)
+    message = workers(1).run(_case_trainer_error, config)[0]
+    print(f"\n{case}: {message}")
+    assert re.search(expected, message), message
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_unknown_config_key_lists_valid_keys(tmp_path):
+    from hybridpar.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"unknown config key 'train.stepz'; valid keys in \[train\] are \[.*'steps'"):
+        load_config(None, ["--train.stepz", "3"])
+    path = tmp_path / "bad.toml"
+    path.write_text("[optim]\nlearning_rate = 0.1\n")
+    with pytest.raises(ConfigError, match=r"unknown config key 'optim.learning_rate'; valid keys in \[optim\]"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"train.steps: expected int, got 'many'"):
+        load_config(None, ["--train.steps", "many"])
+
+
+def _case_strategy_mesh_error(strategy, mp, dp_shard, dp_replicate):
+    from hybridpar.parallel.fsdp import dp_mesh_for
+    from tests.distributed import parallel_dims
+
+    try:
+        dp_mesh_for(strategy, parallel_dims(mp, dp_shard, dp_replicate))
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_strategy_that_does_not_fit_the_mesh_is_an_error(workers):
+    pool = workers(4)
+    assert "use hybrid_shard" in pool.run(_case_strategy_mesh_error, "full_shard", 1, 2, 2)[0]
+    assert "set dp_shard = 1 and dp_replicate = 4" in pool.run(_case_strategy_mesh_error, "no_shard", 1, 4, 1)[0]
+    assert pool.run(_case_strategy_mesh_error, "hybrid_shard", 2, 1, 2)[0] == "no error"
+
+
+# --- non-finite losses -------------------------------------------------------------------------
+
+
+def _case_nonfinite(config, bad_step):
+    from hybridpar.train import NonFiniteLossError, Trainer
+
+    trainer = Trainer(config)
+    forward = trainer.model.forward
+
+    def poisoned(tokens, *args, **kwargs):  # NaN logits during one chosen step
+        out = forward(tokens, *args, **kwargs)
+        return out * float("nan") if trainer.step + 1 == bad_step else out
+
+    trainer.model.forward = poisoned
+    try:
+        history = trainer.run()
+    except NonFiniteLossError as err:
+        return {"error": str(err), "steps_done": trainer.step}
+    return {"skipped": [m["step"] for m in history if m["skipped"]], "final_loss": history[-1]["loss"]}
+
+
+def test_nan_loss_stops_naming_the_step(workers, corpus, tmp_path):
+    result = workers(4).run(_case_nonfinite, make_config(corpus, tmp_path, mp=2, dp_shard=2, dp=2), 3)[0]
+    assert result["steps_done"] == 2 and result["error"].startswith("step 3: loss nan"), result
+    assert "train.on_nonfinite" in result["error"]
+
+
+def test_nan_loss_is_skipped_when_configured(workers, corpus, tmp_path):
+    config = make_config(corpus, tmp_path, mp=2, dp_shard=2, dp=2, **{"train.on_nonfinite": "skip"})
+    result = workers(4).run(_case_nonfinite, config, 3)[0]
+    assert result["skipped"] == [3] and math.isfinite(result["final_loss"]), result
+
+
+# --- outputs ---------------------------------------------------------------------------------
+
+
+def test_run_folder_has_metrics_tensorboard_and_plot(workers, corpus, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    config = make_config(corpus, tmp_path, mp=2, dp_shard=2, dp=2, steps=4,
+                         **{"output.tensorboard": True, "output.plot": True, "train.log_every": 2})
+    workers(4).run(_case_train, config, False)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 4]
+    assert {"loss", "lr", "grad_norm", "tokens_per_s", "mfu", "memory_gb"} <= rows[0].keys()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss")] == [1, 2, 4]
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "[train]" in (tmp_path / "config.toml").read_text()

@@ -17,7 +17,7 @@ def _cmd_mesh(args: argparse.Namespace) -> int:
     try:
         dp_replicate, dp_shard, mp = resolve_sizes(args.world, args.mp, args.dp_shard, args.dp_replicate)
     except MeshSizeError as err:
-        print(f"error: {err}")
+        print(f"hybridpar: error: {err}", file=sys.stderr)
         return 2
     per_node = args.procs_per_node
     print(f"world {args.world} = dp_replicate {dp_replicate} x dp_shard {dp_shard} x mp {mp}")

@@ -13,7 +13,9 @@ is fairscale's data-parallel group.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import gc
 import os
 import re
 import socket
@@ -195,20 +197,25 @@ class LaunchEnv:
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
-    """Expand a Slurm node list such as 'gpu[01-03,07],login1' into host names, in order."""
+    """Expand a Slurm node list such as 'gpu[01-03,07],rack[1-2]-n[1-2]-ib' into host names, in order."""
     hosts: list[str] = []
-    for prefix, ranges, plain in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,\[\]]+)", nodelist):
-        if plain:
-            hosts.append(plain)
-            continue
-        for part in ranges.split(","):
-            lo, _, hi = part.partition("-")
-            if not hi:
-                hosts.append(prefix + lo)
-                continue
-            width = len(lo)
-            hosts.extend(f"{prefix}{i:0{width}d}" for i in range(int(lo), int(hi) + 1))
+    for expression in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", nodelist):
+        hosts.extend(_expand_host(expression))
     return hosts
+
+
+def _expand_host(expression: str) -> list[str]:
+    """Expand the first [...] range of one host expression, then the rest of it, recursively."""
+    match = re.match(r"([^\[]*)\[([^\]]+)\](.*)", expression)
+    if not match:
+        return [expression]
+    prefix, ranges, rest = match.groups()
+    numbers: list[str] = []
+    for part in ranges.split(","):
+        lo, _, hi = part.partition("-")
+        # Zero padding follows the lower bound's width, as in Slurm: [08-10] -> 08 09 10.
+        numbers.extend([lo] if not hi else [f"{i:0{len(lo)}d}" for i in range(int(lo), int(hi) + 1)])
+    return [prefix + n + tail for n in numbers for tail in _expand_host(rest)]
 
 
 def _free_port() -> int:
@@ -253,6 +260,18 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
 
 
+def _shutdown() -> None:
+    """Tear the process groups down before interpreter exit.
+
+    Gloo groups left to the interpreter's final garbage collection can abort the process
+    ("terminate called without an active exception") after the job's work is done, which the
+    launcher then reports as a failure: about one run in four here.
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
+
+
 def init_parallel(
     mp: int = 1,
     dp_shard: int = -1,
@@ -290,6 +309,7 @@ def init_parallel(
         if backend == "nccl":
             torch.cuda.set_device(local_rank)
         dist.init_process_group(backend=backend, timeout=timeout)
+        atexit.register(_shutdown)
 
     device = torch.device("cuda", local_rank) if "nccl" in backend else torch.device("cpu")
     sizes = resolve_sizes(dist.get_world_size(), mp=mp, dp_shard=dp_shard, dp_replicate=dp_replicate)

@@ -126,9 +126,18 @@ class WorkerPool:
 # --- helpers for case functions (they run inside the workers) ----------------------------------
 
 
-@functools.lru_cache(maxsize=None)
 def parallel_dims(mp: int = 1, dp_shard: int = -1, dp_replicate: int = 1):
     """One ParallelDims per layout per worker: building a mesh creates process groups, so reuse it."""
+    import torch.distributed as dist
+
+    from hybridpar.mesh import resolve_sizes
+
+    # Cache on the resolved sizes, so (mp=2) and (mp=2, dp_shard=2) at world 4 share one mesh.
+    return _parallel_dims(*resolve_sizes(dist.get_world_size(), mp, dp_shard, dp_replicate))
+
+
+@functools.lru_cache(maxsize=None)
+def _parallel_dims(dp_replicate: int, dp_shard: int, mp: int):
     import hybridpar
 
     return hybridpar.init_parallel(mp=mp, dp_shard=dp_shard, dp_replicate=dp_replicate)

@@ -1,0 +1,352 @@
+"""The mesh: size resolution, the documented rank layout, launcher environments and the `mesh` CLI.
+
+The layout every module relies on (hybridpar/mesh.py): a (dp_replicate, dp_shard, mp) grid with mp
+innermost, rank = (replicate_idx * dp_shard + shard_idx) * mp + mp_rank, which is fairscale's
+`arange(world).reshape(dp, mp)`. The expected tables below are written out by hand on purpose.
+"""
+
+import ast
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hybridpar.mesh import LaunchEnv, MeshCoords, MeshSizeError, expand_nodelist, group_ranks, launch_env, resolve_sizes
+from tests.distributed import free_port, parallel_dims
+
+# World 8, (dp_replicate, dp_shard, mp) = (2, 2, 2): (rank, replicate_idx, shard_idx, mp_rank, dp_rank).
+LAYOUT_8 = [
+    (0, 0, 0, 0, 0),
+    (1, 0, 0, 1, 0),
+    (2, 0, 1, 0, 1),
+    (3, 0, 1, 1, 1),
+    (4, 1, 0, 0, 2),
+    (5, 1, 0, 1, 2),
+    (6, 1, 1, 0, 3),
+    (7, 1, 1, 1, 3),
+]
+GROUPS_8 = {
+    "mp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+    "dp": [[0, 2, 4, 6], [1, 3, 5, 7]],
+    "dp_shard": [[0, 2], [1, 3], [4, 6], [5, 7]],
+    "dp_replicate": [[0, 4], [1, 5], [2, 6], [3, 7]],
+}
+# World 4, mp 2, dp_shard -1 (the rest) -> (1, 2, 2).
+LAYOUT_4 = [(0, 0, 0, 0, 0), (1, 0, 0, 1, 0), (2, 0, 1, 0, 1), (3, 0, 1, 1, 1)]
+GROUPS_4 = {
+    "mp": [[0, 1], [2, 3]],
+    "dp": [[0, 2], [1, 3]],
+    "dp_shard": [[0, 2], [1, 3]],
+    "dp_replicate": [[0], [1], [2], [3]],
+}
+# world -> ((dp_replicate, dp_shard, mp), init_parallel arguments, layout, groups). The arguments are
+# spelled as elsewhere in the tests so that each worker reuses its memoised mesh.
+TABLES = {
+    8: ((2, 2, 2), dict(mp=2, dp_shard=2, dp_replicate=2), LAYOUT_8, GROUPS_8),
+    4: ((1, 2, 2), dict(mp=2), LAYOUT_4, GROUPS_4),
+}
+
+
+def _groups_of(rank: int, groups: dict) -> dict:
+    """The one group of each kind that contains `rank`."""
+    return {kind: next(g for g in lists if rank in g) for kind, lists in groups.items()}
+
+
+# --- sizes --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "world,kwargs,expected",
+    [
+        (1, {}, (1, 1, 1)),
+        (8, dict(mp=2), (1, 4, 2)),
+        (8, dict(mp=2, dp_replicate=2), (2, 2, 2)),
+        (8, dict(mp=2, dp_shard=2, dp_replicate=2), (2, 2, 2)),
+        (16, dict(mp=8, dp_shard=-1), (1, 2, 8)),
+        (12, dict(mp=1, dp_shard=3, dp_replicate=4), (4, 3, 1)),
+    ],
+)
+def test_resolve_sizes(world, kwargs, expected):
+    assert resolve_sizes(world, **kwargs) == expected
+
+
+@pytest.mark.parametrize(
+    "world,kwargs,numbers",
+    [
+        (8, dict(mp=3), ["8", "3"]),  # mp does not divide the world
+        (8, dict(mp=2, dp_replicate=3), ["8", "6"]),  # mp * dp_replicate does not divide it
+        (8, dict(mp=2, dp_shard=2, dp_replicate=1), ["4", "8"]),  # product != world
+        (8, dict(mp=2, dp_shard=8), ["16", "8"]),  # product > world
+        (8, dict(mp=0), ["mp", "0"]),
+        (8, dict(mp=-2), ["mp", "-2"]),
+        (8, dict(dp_replicate=0), ["dp_replicate", "0"]),
+        (8, dict(dp_shard=0), ["dp_shard", "0"]),
+        (8, dict(dp_shard=-2), ["dp_shard", "-2"]),
+    ],
+)
+def test_resolve_sizes_errors_name_the_numbers(world, kwargs, numbers):
+    with pytest.raises(MeshSizeError) as info:
+        resolve_sizes(world, **kwargs)
+    _assert_names(str(info.value), numbers)
+
+
+def _assert_names(text: str, words: list[str]) -> None:
+    """Each word appears as a whole token ("8" does not count inside "18")."""
+    for word in words:
+        assert re.search(rf"(?<![\w-]){re.escape(word)}(?!\w)", text), (word, text)
+
+
+# --- the layout, as pure arithmetic --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", sorted(TABLES))
+def test_coords_and_groups_match_the_documented_table(world):
+    sizes, _, layout, groups = TABLES[world]
+    coords = [MeshCoords.of(rank, *sizes) for rank in range(world)]
+    assert [(c.rank, c.replicate_idx, c.shard_idx, c.mp_rank, c.dp_rank) for c in coords] == layout
+    assert group_ranks(*sizes) == groups
+
+
+@pytest.mark.parametrize(
+    "dp_replicate,dp_shard,mp", [(1, 4, 1), (1, 2, 2), (1, 1, 4), (1, 4, 2), (1, 2, 8), (2, 2, 2), (2, 4, 2)]
+)
+def test_groups_are_fairscales_layout(dp_replicate, dp_shard, mp):
+    """mp groups are the rows and dp groups the columns of fairscale's arange(world).reshape(dp, mp)."""
+    grid = torch.arange(dp_replicate * dp_shard * mp).reshape(dp_replicate * dp_shard, mp)
+    groups = group_ranks(dp_replicate, dp_shard, mp)
+    assert groups["mp"] == grid.tolist()
+    assert groups["dp"] == grid.t().tolist()
+
+
+def test_coords_outside_the_world_are_refused():
+    with pytest.raises(ValueError, match="8"):
+        MeshCoords.of(8, 2, 2, 2)
+
+
+# --- launcher environments -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "nodelist,hosts",
+    [
+        ("gpu[01-03,07],login1", ["gpu01", "gpu02", "gpu03", "gpu07", "login1"]),
+        ("n1", ["n1"]),
+        ("a[1-2],b[08-10]", ["a1", "a2", "b08", "b09", "b10"]),
+        ("node[9-11]", ["node9", "node10", "node11"]),
+        ("localhost", ["localhost"]),
+    ],
+)
+def test_expand_nodelist(nodelist, hosts):
+    assert expand_nodelist(nodelist) == hosts
+
+
+# Slurm's host lists allow a suffix after the brackets; MASTER_ADDR would come out as "node1".
+def test_expand_nodelist_with_suffix():
+    assert expand_nodelist("node[1-2]-ib") == ["node1-ib", "node2-ib"]
+    assert expand_nodelist("rack[1-2]-n[08-09],x") == ["rack1-n08", "rack1-n09", "rack2-n08", "rack2-n09", "x"]
+
+
+SLURM = dict(
+    SLURM_PROCID="5", SLURM_NTASKS="8", SLURM_LOCALID="1", SLURM_JOB_NODELIST="gpu[03-04]", SLURM_JOB_ID="4242"
+)
+
+
+@pytest.mark.parametrize(
+    "environ,expected",
+    [
+        # torchrun's variables win, even inside an srun allocation.
+        (
+            dict(SLURM, RANK="3", WORLD_SIZE="4", LOCAL_RANK="1", MASTER_ADDR="h0", MASTER_PORT="1234"),
+            LaunchEnv(3, 4, 1, "h0", 1234, "torchrun"),
+        ),
+        # srun: the first host of the node list, a port derived from the job id (15000 + 4242 % 20000).
+        (SLURM, LaunchEnv(5, 8, 1, "gpu03", 19242, "slurm")),
+        (dict(SLURM, MASTER_ADDR="10.0.0.7", MASTER_PORT="2222"), LaunchEnv(5, 8, 1, "10.0.0.7", 2222, "slurm")),
+    ],
+    ids=["torchrun", "srun", "srun-with-master"],
+)
+def test_launch_env(environ, expected):
+    assert launch_env(environ) == expected
+
+
+def test_launch_env_without_a_launcher_is_a_world_of_one():
+    env = launch_env({})
+    assert (env.rank, env.world_size, env.local_rank, env.master_addr, env.source) == (0, 1, 0, "127.0.0.1", "single")
+    assert 0 < env.master_port < 65536
+
+
+# --- init_parallel on real process groups -----------------------------------------------------------
+
+
+def _case_mesh(dims: dict) -> dict:
+    import torch.distributed as dist
+    from fairscale.nn.model_parallel import initialize as fs
+
+    parallel = parallel_dims(**dims)
+    ranks = dist.get_process_group_ranks
+    seen = {
+        "coords": (dist.get_rank(), parallel.replicate_idx, parallel.shard_idx, parallel.mp_rank, parallel.dp_rank),
+        "groups": {
+            "mp": ranks(parallel.mp_group),
+            "dp": ranks(parallel.dp_group),
+            "dp_shard": ranks(parallel.dp_shard_group),
+            "dp_replicate": ranks(parallel.dp_replicate_group),
+        },
+    }
+    fs.initialize_model_parallel(parallel.mp)
+    try:
+        seen["fairscale"] = {"mp": ranks(fs.get_model_parallel_group()), "dp": ranks(fs.get_data_parallel_group())}
+    finally:
+        fs.destroy_model_parallel()
+    return seen
+
+
+@pytest.mark.parametrize("world", sorted(TABLES))
+def test_init_parallel_builds_the_documented_mesh(workers, world):
+    _, dims, layout, groups = TABLES[world]
+    for rank, seen in enumerate(workers(world).run(_case_mesh, dims)):
+        mine = _groups_of(rank, groups)
+        assert seen["coords"] == layout[rank]
+        assert seen["groups"] == mine, f"rank {rank}"
+        assert seen["fairscale"] == {"mp": mine["mp"], "dp": mine["dp"]}, f"rank {rank}"
+
+
+# --- launchers (real subprocesses) ---------------------------------------------------------------
+
+LAUNCHER_VARS = re.compile(
+    r"RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|GROUP_RANK|ROLE_RANK|MASTER_ADDR|MASTER_PORT"
+    r"|TORCHELASTIC_\w*|SLURM_\w*"
+)
+SUBPROCESS_TIMEOUT = 120
+
+# Initialise from whatever launcher started it, all-reduce rank + 1 over the world and over the mp
+# group, write what it saw to <out_dir>/rank<r>.json (files, because ranks share one stdout).
+WORKER_SCRIPT = """
+import json, os, sys
+import torch, torch.distributed as dist
+import hybridpar
+from hybridpar.mesh import launch_env
+
+mp, out_dir = int(sys.argv[1]), sys.argv[2]
+source = launch_env(os.environ).source
+parallel = hybridpar.init_parallel(mp=mp)
+world_sum, mp_sum = torch.tensor([dist.get_rank() + 1.0]), torch.tensor([dist.get_rank() + 1.0])
+dist.all_reduce(world_sum)
+dist.all_reduce(mp_sum, group=parallel.mp_group)
+print(parallel.describe(), flush=True)
+seen = dict(source=source, rank=dist.get_rank(), world=dist.get_world_size(), mp_rank=parallel.mp_rank,
+            world_sum=world_sum.item(), mp_sum=mp_sum.item())
+with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as f:
+    json.dump(seen, f)
+# No explicit teardown: init_parallel's exit hook must make a plain end of script exit cleanly.
+"""
+
+
+def _clean_env(**extra: str) -> dict:
+    """This environment without any launcher's variables, single-threaded, plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if not LAUNCHER_VARS.fullmatch(k)}
+    env.update(OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+def _run(commands: list[tuple[list[str], dict]]) -> list[str]:
+    """Start every (argv, env) at once, wait for all; on a failure or timeout show every output."""
+    procs = [
+        subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for argv, env in commands
+    ]
+    outputs, problem = [], None
+    for proc in procs:
+        try:
+            outputs.append(proc.communicate(timeout=SUBPROCESS_TIMEOUT)[0])
+        except subprocess.TimeoutExpired:
+            problem = f"timed out after {SUBPROCESS_TIMEOUT}s"
+            for other in procs:
+                other.kill()
+            outputs.append(proc.communicate()[0])
+        if proc.returncode and problem is None:
+            problem = f"exit code {proc.returncode}"
+    if problem:
+        shown = "".join(f"\n--- process {i}: {' '.join(commands[i][0])} ---\n{out}" for i, out in enumerate(outputs))
+        pytest.fail(f"{problem}{shown}")
+    return outputs
+
+
+@pytest.fixture
+def launch(tmp_path):
+    """launch(argv_prefix, envs, mp) -> (outputs, per-rank results): the worker script under a launcher."""
+    script, out_dir = tmp_path / "worker.py", tmp_path / "results"
+    script.write_text(WORKER_SCRIPT)
+    out_dir.mkdir()
+
+    def run(argv_prefix: list[str], envs: list[dict], mp: int):
+        outputs = _run([([*argv_prefix, str(script), str(mp), str(out_dir)], env) for env in envs])
+        results = [json.loads(path.read_text()) for path in sorted(out_dir.glob("rank*.json"))]
+        return "".join(outputs), results
+
+    return run
+
+
+def _expected(source: str, world: int) -> list[dict]:
+    """These runs use mp = world, so both all-reduces give 1 + 2 + ... + world."""
+    total = world * (world + 1) / 2
+    return [dict(source=source, rank=r, world=world, mp_rank=r, world_sum=total, mp_sum=total) for r in range(world)]
+
+
+def test_single_process_without_a_launcher(launch):
+    out, results = launch([sys.executable], [_clean_env()], mp=1)
+    assert "rank 0/1: mp 0/1, dp 0/1" in out, out
+    assert results == _expected("single", 1), out
+
+
+def test_srun_style_environment(launch):
+    slurm = dict(SLURM_NTASKS="2", SLURM_JOB_NODELIST="localhost", SLURM_JOB_ID="77", MASTER_PORT=str(free_port()))
+    envs = [_clean_env(SLURM_PROCID=str(r), SLURM_LOCALID=str(r), **slurm) for r in range(2)]
+    out, results = launch([sys.executable], envs, mp=2)
+    assert results == _expected("slurm", 2), out
+
+
+def test_torchrun(launch):
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    out, results = launch(torchrun, [_clean_env()], mp=2)
+    assert results == _expected("torchrun", 2), out
+
+
+# --- the `hybridpar mesh` command ----------------------------------------------------------------
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "hybridpar", "mesh", *args],
+        env=_clean_env(), capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT,
+    )
+
+
+def test_cli_prints_the_documented_table():
+    result = _cli("--world", "8", "--mp", "2", "--dp-shard", "2", "--dp-replicate", "2")
+    out = result.stdout
+    assert result.returncode == 0, out + result.stderr
+    # Rows: rank node mp_rank dp_rank replicate shard.
+    rows = [tuple(map(int, line.split())) for line in out.splitlines() if re.fullmatch(r"(\s*\d+){6}\s*", line)]
+    assert [(rank, mp_rank, dp_rank, rep, shard) for rank, _, mp_rank, dp_rank, rep, shard in rows] == [
+        (rank, mp_rank, dp_rank, rep, shard) for rank, rep, shard, mp_rank, dp_rank in LAYOUT_8
+    ], out
+    groups = {
+        m.group(1): [ast.literal_eval(g) for g in re.findall(r"\[[^\]]*\]", m.group(2))]
+        for m in re.finditer(r"^(\w+) groups \(\d+\): (.*)$", out, re.MULTILINE)
+    }
+    assert groups == GROUPS_8, out
+    assert "world 8 = dp_replicate 2 x dp_shard 2 x mp 2" in out, out
+
+
+def test_cli_rejects_sizes_that_do_not_divide_the_world():
+    result = _cli("--world", "8", "--mp", "3")
+    out = result.stdout + result.stderr
+    assert result.returncode != 0, out
+    assert "error" in out, out
+    _assert_names(out, ["8", "3"])
+    assert "Traceback" not in out, out

@@ -1,0 +1,57 @@
+"""The command line as a user runs it: `hybridpar train` without a launcher, and the quickstart script."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _env() -> dict:
+    # No launcher variables: the run must work as a plain process.
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+    result = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+    return result
+
+
+def test_train_world_of_one_without_launcher(tmp_path):
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": f"document {i}: " + "the quick brown fox jumps. " * 20}) + "\n"
+                            for i in range(200)))
+    result = _run([sys.executable, "-m", "hybridpar", "train", "--model.preset", "debug", "--model.vocab_size", "512",
+                   "--data.source", str(data), "--data.cache_dir", str(tmp_path / "cache"),
+                   "--data.tokenizer_vocab_size", "300", "--data.seq_len", "32", "--train.steps", "3",
+                   "--train.peak_flops", "1e12", "--output.run_dir", str(tmp_path / "run"),
+                   "--output.tensorboard", "false", "--output.plot", "false", "--fsdp.param_dtype", "float32"], 300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "step     3/3" in result.stdout
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2  # steps 1 and 3
+
+
+def test_bad_override_is_one_clear_line():
+    result = _run([sys.executable, "-m", "hybridpar", "train", "--train.stepz", "3"], 120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith("hybridpar: error: unknown config key 'train.stepz'")
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_quickstart_script_trains_and_writes_its_outputs(tmp_path):
+    """The README's first command, shortened: 4 processes, mp 2 x dp 2, the embedded corpus."""
+    run_dir = tmp_path / "local"
+    result = _run(["bash", "launch/local.sh", "--train.steps", "30", "--output.run_dir", str(run_dir)], 900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    print(f"\nquickstart loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}")
+    assert rows[-1]["step"] == 30 and rows[-1]["loss"] < rows[0]["loss"] - 1.0
+    assert (run_dir / "loss.png").stat().st_size > 1000
+    assert any((run_dir / "tensorboard").iterdir())

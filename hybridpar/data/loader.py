@@ -199,26 +199,10 @@ class ResumableDataLoader:
         self._batches = None  # batches the workers fetched from the old position are dropped
 
 
-def build_dataloader(
-    dataset: PackedDataset,
-    *,
-    dp_rank: int,
-    dp_size: int,
-    micro_batch_size: int,
-    seed: int,
-    num_workers: int = 0,
-    pin_memory: Optional[bool] = None,
-) -> ResumableDataLoader:
-    """The loader for one data-parallel rank; pass ParallelDims.dp_rank / dp_size, never the global rank."""
-    return ResumableDataLoader(
-        dataset,
-        dp_rank=dp_rank,
-        dp_size=dp_size,
-        micro_batch_size=micro_batch_size,
-        seed=seed,
-        num_workers=num_workers,
-        pin_memory=pin_memory,
-    )
+def build_dataloader(dataset: PackedDataset, **kwargs) -> ResumableDataLoader:
+    """The loader for one data-parallel rank (ResumableDataLoader's keyword arguments): pass
+    ParallelDims.dp_rank / dp_size, never the global rank."""
+    return ResumableDataLoader(dataset, **kwargs)
 
 
 def check_dataset_size(

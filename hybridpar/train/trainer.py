@@ -14,6 +14,7 @@ over ranks and micro-batches: any layout computes the gradient of the same mean 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from pathlib import Path
@@ -126,8 +127,12 @@ class Trainer:
                 f"data.seq_len = {c.data.seq_len} is larger than the model's max_seq_len = {self.args.max_seq_len}: "
                 "lower data.seq_len"
             )
-        self.args.check(p.mp)
+        if self.args.vocab_size > 0:
+            self.args.check(p.mp)  # fail fast, before any data work
         self.tokenizer, self.dataset = self._build_data()
+        if self.args.vocab_size <= 0:  # Llama 2's params.json says -1: the tokenizer decides
+            self.args = dataclasses.replace(self.args, vocab_size=self.tokenizer.vocab_size)
+            self.args.check(p.mp)
         check_vocab(self.tokenizer.vocab_size, self.args.vocab_size)
         check_dataset_size(
             self.dataset, self.global_batch, micro_batch_size=c.data.micro_batch_size,
@@ -230,6 +235,18 @@ class Trainer:
             "memory_gb": memory_bytes(self.device) / 1e9,
         }
 
+    def _summarise(self, window: list[dict]) -> dict:
+        """One log row for the steps since the last: mean loss, throughput over the whole interval."""
+        good = [m for m in window if not m["skipped"]] or window
+        last = window[-1]
+        tokens, seconds = sum(m["tokens"] for m in window), sum(m["step_time"] for m in window)
+        return {
+            "loss": sum(m["loss"] for m in good) / len(good), "lr": last["lr"], "grad_norm": last["grad_norm"],
+            "skipped_steps": sum(m["skipped"] for m in window), "step_time": seconds / len(window),
+            "tokens_per_s": tokens / seconds, "mfu": sum(m["mfu"] * m["step_time"] for m in window) / seconds,
+            "memory_gb": last["memory_gb"],
+        }
+
     def run(self) -> list[dict]:
         c = self.config
         if self.is_main:
@@ -242,15 +259,19 @@ class Trainer:
                 f"{len(self.dataset)} sequences in the data",
                 flush=True,
             )
+        window: list[dict] = []  # the steps since the last log line
         while self.step < c.train.steps:
             m = self.train_step()
             self.history.append(m)
+            window.append(m)
             if m["skipped"] and self.is_main:
                 print(f"step {m['step']}: non-finite loss {m['loss']} or gradient norm: step skipped", flush=True)
             if m["step"] % c.train.log_every == 0 or m["step"] in (1, c.train.steps):
-                self.metrics.write(m["step"], {k: v for k, v in m.items() if k != "step"})
+                summary = self._summarise(window)
+                self.metrics.write(m["step"], summary)
                 if self.is_main:
-                    print(progress_line(m["step"], c.train.steps, m), flush=True)
+                    print(progress_line(m["step"], c.train.steps, summary), flush=True)
+                window = []
         self.metrics.close()
         if self.is_main and c.output.plot and self.metrics.jsonl_path.exists():
             plot_loss(self.metrics.jsonl_path, self.run_dir / "loss.png")

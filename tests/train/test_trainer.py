@@ -223,3 +223,17 @@ def test_run_folder_has_metrics_tensorboard_and_plot(workers, corpus, tmp_path):
     assert [e.step for e in events.Scalars("loss")] == [1, 2, 4]
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "[train]" in (tmp_path / "config.toml").read_text()
+
+
+def _case_vocab_from_tokenizer(config):
+    from hybridpar.train import Trainer
+
+    return Trainer(config).args.vocab_size
+
+
+def test_llama2_params_json_takes_the_tokenizer_vocab(workers, corpus, tmp_path):
+    params = tmp_path / "params.json"  # Meta's Llama 2 convention: vocab_size -1
+    params.write_text(json.dumps({"dim": 64, "n_layers": 1, "n_heads": 4, "multiple_of": 32, "norm_eps": 1e-05,
+                                  "vocab_size": -1, "max_seq_len": 64}))
+    config = make_config(corpus, tmp_path / "run", **{"model.params_json": str(params), "model.vocab_size": 0})
+    assert workers(1).run(_case_vocab_from_tokenizer, config)[0] == 512

@@ -72,6 +72,17 @@ class TrainConfig:
 
 
 @dataclasses.dataclass
+class CheckpointConfig:
+    folder: str = ""  # "": <output.run_dir>/checkpoints
+    every: int = 0  # save every N steps (0: only at the end)
+    at_end: bool = True  # save after the last step
+    keep: int = 3  # complete checkpoints kept (older ones are deleted)
+    async_save: bool = False  # write in the background while training continues
+    resume: bool = False  # continue from the newest complete checkpoint in `folder`, if any
+    init_from: str = ""  # start from these weights: a Meta consolidated folder or a hybridpar checkpoint
+
+
+@dataclasses.dataclass
 class OutputConfig:
     run_dir: str = "runs/default"  # metrics.jsonl, TensorBoard events, loss.png
     tensorboard: bool = True
@@ -86,13 +97,15 @@ class Config:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     output: OutputConfig = dataclasses.field(default_factory=OutputConfig)
 
     def validate(self) -> None:
         self.fsdp.validate()
         if self.train.on_nonfinite not in ("stop", "skip"):
             raise ConfigError(f"train.on_nonfinite must be 'stop' or 'skip', got {self.train.on_nonfinite!r}")
-        for key in ("train.steps", "train.grad_accum", "train.log_every", "data.seq_len", "data.micro_batch_size"):
+        for key in ("train.steps", "train.grad_accum", "train.log_every", "data.seq_len", "data.micro_batch_size",
+                    "checkpoint.keep"):
             if get_value(self, key) < 1:
                 raise ConfigError(f"{key} must be >= 1, got {get_value(self, key)}")
 

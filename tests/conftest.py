@@ -11,6 +11,21 @@ import pytest  # noqa: E402
 from tests.distributed import WorkerPool  # noqa: E402
 
 # (test and label, worst quantity, its relative error, bound): one row per check_close call.
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    """A small jsonl corpus (real text from the embedded corpus) and a cache folder shared by all runs."""
+    import json
+
+    from hybridpar.data import default_corpus_documents
+
+    root = tmp_path_factory.mktemp("train_data")
+    path = root / "docs.jsonl"
+    with open(path, "w") as f:
+        for doc in default_corpus_documents(400):
+            f.write(json.dumps({"text": doc}) + "\n")
+    return {"source": str(path), "cache_dir": str(root / "cache")}
+
+
 _ERRORS: list[tuple[str, str, float, float]] = []
 
 

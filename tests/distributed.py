@@ -20,7 +20,7 @@ import traceback
 from typing import Any, Callable
 
 DEFAULT_CASE_TIMEOUT = 300.0
-ERROR_GRACE = 20.0
+ERROR_GRACE = 10.0
 
 
 class WorkerError(AssertionError):
@@ -80,7 +80,11 @@ class WorkerPool:
         while pending and time.monotonic() < deadline:
             for rank in sorted(pending):
                 if self.conns[rank].poll(0.01):
-                    status, value = self.conns[rank].recv()
+                    try:
+                        status, value = self.conns[rank].recv()
+                    except (EOFError, OSError):  # the worker's end closed: it died
+                        self.procs[rank].join(timeout=5)
+                        status, value = "error", f"worker died (exit code {self.procs[rank].exitcode})"
                     (errors if status == "error" else results)[rank] = value
                     pending.discard(rank)
                 elif not self.procs[rank].is_alive():
@@ -90,7 +94,7 @@ class WorkerPool:
                 # The other ranks are probably blocked in a collective the failed rank never joins.
                 deadline = min(deadline, time.monotonic() + ERROR_GRACE)
         if pending:
-            self.close()
+            self.close(force=True)  # hung ranks never read another message
         if pending or errors:
             detail = "".join(f"\n--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
             hung = f"; ranks {sorted(pending)} did not finish within the time limit" if pending else ""
@@ -108,15 +112,18 @@ class WorkerPool:
     def alive(self) -> bool:
         return bool(self.procs) and all(p.is_alive() for p in self.procs)
 
-    def close(self) -> None:
-        for conn, proc in zip(self.conns, self.procs):
-            if proc.is_alive():
-                try:
-                    conn.send(None)
-                except (BrokenPipeError, OSError):
-                    pass
+    def close(self, force: bool = False) -> None:
+        """Stop the workers: politely (they leave the process group), or at once with force."""
+        if not force:
+            for conn, proc in zip(self.conns, self.procs):
+                if proc.is_alive():
+                    try:
+                        conn.send(None)
+                    except (BrokenPipeError, OSError):
+                        pass
+        deadline = time.monotonic() + (0 if force else 10)
         for proc in self.procs:
-            proc.join(timeout=10)
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
                 proc.kill()
                 proc.join()
@@ -145,8 +152,6 @@ def _parallel_dims(dp_replicate: int, dp_shard: int, mp: int):
 
 def rel_err(actual, expected) -> float:
     """||actual - expected|| / ||expected|| in float64 (0 when both are zero)."""
-    import torch
-
     actual, expected = actual.detach().double(), expected.detach().double()
     if actual.shape != expected.shape:
         raise AssertionError(f"shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")

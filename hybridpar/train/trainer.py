@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from models.llama import ModelArgs, Transformer
 
+from ..checkpoint.dcp import Checkpointer, latest_checkpoint, params_dict
 from ..config import Config, ConfigError, dump_toml
 from ..data import (
     PackedDataset,
@@ -144,7 +145,12 @@ class Trainer:
         )
 
         torch.manual_seed(c.train.seed)  # same full weights on every rank, whatever the layout
-        self.model = apply_fsdp(Transformer(self.args, p, device=self.device), p, c.fsdp)
+        model = Transformer(self.args, p, device=self.device)
+        if self.init_from_meta:  # Meta's shards are sliced into the unsharded model, before FSDP
+            from ..checkpoint.meta import load_meta_checkpoint
+
+            load_meta_checkpoint(c.checkpoint.init_from, model, p)
+        self.model = apply_fsdp(model, p, c.fsdp)
         self.params = list(self.model.parameters())
         self.optimizer = build_optimizer(self.model, c.optim)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -153,13 +159,46 @@ class Trainer:
         self.step = 0
         self.history: list[dict] = []
         self.run_dir = Path(c.output.run_dir)
+        self.checkpointer = Checkpointer(
+            Path(c.checkpoint.folder) if c.checkpoint.folder else self.run_dir / "checkpoints", p,
+            keep=c.checkpoint.keep, async_save=c.checkpoint.async_save,
+        )
+        self.resumed_from = self._restore()
         self.metrics = MetricsWriter(self.run_dir, enabled=self.is_main, tensorboard=c.output.tensorboard)
         self.flops_per_token = flops_per_token(self.args, c.data.seq_len)
         self.peak_flops = c.train.peak_flops or self._measure_peak()
 
     # --- set-up ---------------------------------------------------------------------------------
 
+    @property
+    def init_from_meta(self) -> bool:
+        folder = self.config.checkpoint.init_from
+        return bool(folder) and (Path(folder) / "params.json").exists() and not (Path(folder) / ".metadata").exists()
+
+    def _restore(self) -> Optional[Path]:
+        """Resume from the newest complete checkpoint, or take the weights of checkpoint.init_from."""
+        c = self.config.checkpoint
+        params = params_dict(self.args)
+        latest = latest_checkpoint(self.checkpointer.folder) if c.resume else None
+        if latest is not None:
+            state = self.checkpointer.load(latest, self.model, self.optimizer, params)
+            self.step = state["step"]
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.loader.load_state_dict(state["data"])
+            return latest
+        if c.init_from and not self.init_from_meta:
+            self.checkpointer.load(Path(c.init_from), self.model, None, params)
+        return None
+
+    def save_checkpoint(self) -> Path:
+        train_state = {"scheduler": self.scheduler.state_dict(), "data": self.loader.state_dict()}
+        return self.checkpointer.save(self.step, self.model, self.optimizer, train_state, params_dict(self.args))
+
     def _model_args(self) -> ModelArgs:
+        if self.init_from_meta:
+            from ..checkpoint.meta import read_meta_params
+
+            return read_meta_params(self.config.checkpoint.init_from)
         m = self.config.model
         overrides = {}
         if m.vocab_size:
@@ -259,7 +298,10 @@ class Trainer:
                 f"{len(self.dataset)} sequences in the data",
                 flush=True,
             )
+        if self.resumed_from is not None and self.is_main:
+            print(f"resumed from {self.resumed_from} at step {self.step}", flush=True)
         window: list[dict] = []  # the steps since the last log line
+        saved_at = None
         while self.step < c.train.steps:
             m = self.train_step()
             self.history.append(m)
@@ -272,6 +314,12 @@ class Trainer:
                 if self.is_main:
                     print(progress_line(m["step"], c.train.steps, summary), flush=True)
                 window = []
+            if c.checkpoint.every and self.step % c.checkpoint.every == 0:
+                self.save_checkpoint()
+                saved_at = self.step
+        if c.checkpoint.at_end and saved_at != self.step:
+            self.save_checkpoint()
+        self.checkpointer.close()
         self.metrics.close()
         if self.is_main and c.output.plot and self.metrics.jsonl_path.exists():
             plot_loss(self.metrics.jsonl_path, self.run_dir / "loss.png")

@@ -1,0 +1,1 @@
+"""Checkpoints: sharded DCP save/resume, Meta consolidated and Hugging Face formats."""

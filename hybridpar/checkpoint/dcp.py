@@ -1,0 +1,192 @@
+"""Sharded training checkpoints on torch.distributed.checkpoint (DCP), saved atomically.
+
+A checkpoint is a folder `step-00000100/` holding:
+    .metadata, __*_*.distcp   model and optimizer state, every rank writing its own shards in
+                              parallel; DCP records global shapes, so a checkpoint loads into any
+                              (mp, dp_shard, dp_replicate) layout
+    params.json               the model's shape (ModelArgs), checked before anything is loaded
+    train_state.json          step, lr schedule, data position (a global sample offset)
+    rng/rank{N}.pt            each rank's RNG state (restored when the world size matches)
+
+Every rank writes into `step-00000100.partial/`; only when all ranks have finished does rank 0
+write train_state.json and rename the folder. A crash mid-save leaves a `.partial` folder that
+resuming ignores and the next save removes: the last complete checkpoint is never damaged.
+A shared file system between ranks is assumed, as DCP's file-system storage does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from ..mesh import ParallelDims
+
+STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def complete_checkpoints(folder: Path) -> list[Path]:
+    """Finished checkpoints in `folder`, oldest first (partial ones are never listed)."""
+    if not folder.is_dir():
+        return []
+    found = [p for p in folder.iterdir() if STEP_DIR.match(p.name) and (p / "train_state.json").exists()]
+    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
+
+
+def latest_checkpoint(folder: Path) -> Optional[Path]:
+    found = complete_checkpoints(folder)
+    return found[-1] if found else None
+
+
+def _write_json_atomic(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Checkpointer:
+    """Save and load one run's checkpoints. Every method is collective: call it on every rank."""
+
+    def __init__(self, folder: Path, parallel: ParallelDims, *, keep: int = 3, async_save: bool = False) -> None:
+        if keep < 1:
+            raise CheckpointError(f"checkpoint.keep must be >= 1, got {keep}")
+        self.folder = Path(folder)
+        self.parallel = parallel
+        self.keep = keep
+        self.async_save = async_save
+        self._pending: Optional[tuple[Any, Path, dict]] = None
+        # Background writes run collectives of their own: give them a group apart from training's.
+        self._async_group = dist.new_group(backend="gloo") if async_save else None
+
+    # --- saving ------------------------------------------------------------------------------
+
+    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, train_state: dict,
+             params: dict) -> Path:
+        """Write checkpoint `step` (async: start writing and return; it completes at the next save,
+        `wait()`, or `close()`)."""
+        self.wait()
+        final = self.folder / step_dir_name(step)
+        partial = final.with_name(final.name + ".partial")
+        if self.parallel.rank == 0:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(partial, ignore_errors=True)  # left by a crash: never trusted
+            (partial / "rng").mkdir(parents=True)
+        dist.barrier()
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optimizer": optim_sd}
+        torch.save(torch.get_rng_state(), partial / "rng" / f"rank{self.parallel.rank}.pt")
+        meta = {"train_state": {**train_state, "step": step, "world_size": self.parallel.world_size}, "params": params}
+        if self.async_save:
+            future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._async_group)
+            self._pending = (future, partial, meta)
+        else:
+            dcp.save(state, checkpoint_id=str(partial))
+            self._finish(partial, meta)
+        return final
+
+    def wait(self) -> None:
+        """Complete a pending asynchronous save."""
+        if self._pending is None:
+            return
+        future, partial, meta = self._pending
+        self._pending = None
+        future.result()
+        self._finish(partial, meta)
+
+    def _finish(self, partial: Path, meta: dict) -> None:
+        dist.barrier()  # every rank's shards are on disk
+        if self.parallel.rank == 0:
+            _write_json_atomic(partial / "params.json", meta["params"])
+            _write_json_atomic(partial / "train_state.json", meta["train_state"])
+            final = partial.with_name(partial.name[: -len(".partial")])
+            os.replace(partial, final)
+            _fsync_dir(self.folder)
+            for old in complete_checkpoints(self.folder)[: -self.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        dist.barrier()  # nobody looks for the checkpoint before it exists
+
+    def close(self) -> None:
+        self.wait()
+        if self._async_group is not None:
+            dist.destroy_process_group(self._async_group)
+            self._async_group = None
+
+    # --- loading -----------------------------------------------------------------------------
+
+    def load(self, path: Path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
+             params: dict) -> dict:
+        """Load model (and optimizer) state from checkpoint `path` into this layout; returns train_state."""
+        path = Path(path)
+        check_checkpoint(path, params, model)
+        if optimizer is None:  # weights only, e.g. to start a new run from them
+            state = {"model": get_model_state_dict(model)}
+            dcp.load(state, checkpoint_id=str(path))
+            set_model_state_dict(model, state["model"])
+        else:
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            state = {"model": model_sd, "optimizer": optim_sd}
+            dcp.load(state, checkpoint_id=str(path))
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        train_state = json.loads((path / "train_state.json").read_text())
+        rng = path / "rng" / f"rank{self.parallel.rank}.pt"
+        if train_state.get("world_size") == self.parallel.world_size and rng.exists():
+            torch.set_rng_state(torch.load(rng, weights_only=True))
+        return train_state
+
+
+def check_checkpoint(path: Path, params: dict, model: torch.nn.Module) -> None:
+    """Refuse, with the differences named, a checkpoint that is incomplete or saved for another model."""
+    if not (path / "train_state.json").exists() or not (path / ".metadata").exists():
+        raise CheckpointError(f"{path} is not a complete hybridpar checkpoint (no train_state.json or .metadata)")
+    saved = json.loads((path / "params.json").read_text())
+    differ = {k: (saved.get(k), v) for k, v in params.items() if k != "max_batch_size" and saved.get(k) != v}
+    if differ:
+        listed = ", ".join(f"{k}: checkpoint {a!r}, this model {b!r}" for k, (a, b) in differ.items())
+        raise CheckpointError(f"{path} was saved for a different model ({listed}); use the same model settings")
+    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    for name, param in model.named_parameters():
+        stored = metadata.get(f"model.{name}")
+        if not isinstance(stored, TensorStorageMetadata):
+            raise CheckpointError(f"{path} has no tensor for model parameter {name}: saved for a different model")
+        if tuple(stored.size) != tuple(param.shape):
+            raise CheckpointError(
+                f"{path}: {name} has shape {tuple(stored.size)} in the checkpoint, {tuple(param.shape)} in this model"
+            )
+
+
+def params_dict(args) -> dict:
+    return dataclasses.asdict(args)

@@ -1,0 +1,168 @@
+"""Sharded checkpoints: bit-exact resume in new processes, resharding to other layouts, crash safety."""
+
+import shutil
+
+import pytest
+import torch
+
+from tests.distributed import WorkerPool, rel_err
+from tests.runs import make_config
+
+STEPS, HALF = 10, 5
+
+
+def _case_run(config, stop_after=None):
+    """Train (resuming if configured); optionally stop after `stop_after` steps and save there."""
+    import torch.distributed as dist
+
+    from hybridpar.parallel.state import full_state_dict
+    from hybridpar.train import Trainer
+
+    trainer = Trainer(config)
+    start = trainer.step
+    if stop_after is not None:
+        config.train.steps = stop_after
+    history = trainer.run()
+    params = full_state_dict(trainer.model)
+    return {"start": start, "losses": [m["loss"] for m in history], "params": params if dist.get_rank() == 0 else None}
+
+
+def _config(corpus, folder, run_dir, layout, **overrides):
+    mp, dp_shard, dp_replicate = layout
+    dp = dp_shard * dp_replicate
+    strategy = "hybrid_shard" if dp_replicate > 1 or dp_shard == 1 else "full_shard"
+    return make_config(corpus, run_dir, mp=mp, dp_shard=dp_shard, dp_replicate=dp_replicate, strategy=strategy, dp=dp,
+                       steps=STEPS, **{"checkpoint.folder": str(folder), "checkpoint.resume": True,
+                                       "checkpoint.at_end": True, "optim.warmup_steps": 3, **overrides})
+
+
+@pytest.fixture(scope="module", params=[(2, 2, 1), (2, 2, 2)], ids=["mp2-dp2", "mp2-hybrid2x2"])
+def straight_and_half(request, workers, corpus, tmp_path_factory):
+    """A 10-step run straight through, and a run stopped and saved at step 5, both at one layout."""
+    layout = request.param
+    world = layout[0] * layout[1] * layout[2]
+    root = tmp_path_factory.mktemp("ckpt")
+    straight = workers(world).run(_case_run, _config(corpus, root / "straight", root / "run0", layout))[0]
+    half = workers(world).run(_case_run, _config(corpus, root / "half", root / "run1", layout), HALF)[0]
+    return {"layout": layout, "world": world, "folder": root / "half", "straight": straight, "half": half, "root": root}
+
+
+def test_resume_is_bit_exact_in_new_processes(straight_and_half, check_close, corpus):
+    s = straight_and_half
+    assert s["half"]["losses"] == s["straight"]["losses"][:HALF]
+    pool = WorkerPool(s["world"])  # new processes: nothing survives but the files
+    try:
+        resumed = pool.run(_case_run, _config(corpus, s["folder"], s["root"] / "run2", s["layout"]))[0]
+    finally:
+        pool.close()
+    assert resumed["start"] == HALF
+    print(f"\nstraight {s['straight']['losses'][HALF:]}\nresumed  {resumed['losses']}")
+    assert resumed["losses"] == s["straight"]["losses"][HALF:], "losses after resume differ"
+    errors = {name: rel_err(resumed["params"][name], value) for name, value in s["straight"]["params"].items()}
+    check_close("bit-exact resume", errors, 0.0)
+
+
+RESHARD = {"mp1-dp4": (1, 4, 1), "mp4-dp1": (4, 1, 1), "mp2-hybrid2x2": (2, 2, 2)}
+
+
+@pytest.mark.parametrize("target", list(RESHARD))
+def test_resume_at_another_layout(straight_and_half, check_close, workers, corpus, tmp_path, target):
+    s = straight_and_half
+    if s["layout"] != (2, 2, 1):
+        pytest.skip("resharding is checked from the mp2 x dp2 checkpoint")
+    layout = RESHARD[target]
+    # Copy the checkpoint so each target resumes from step 5, not from the others' step 10.
+    folder = tmp_path / "ckpt"
+    shutil.copytree(s["folder"] / "step-00000005", folder / "step-00000005")
+    world = layout[0] * layout[1] * layout[2]
+    resumed = workers(world).run(_case_run, _config(corpus, folder, tmp_path / "run", layout))[0]
+    assert resumed["start"] == HALF
+    expected = s["straight"]["losses"][HALF:]
+    errors = {f"loss step {HALF + 1 + i}": rel_err(torch.tensor(a), torch.tensor(b))
+              for i, (a, b) in enumerate(zip(resumed["losses"], expected))}
+    check_close(f"mp2-dp2 -> {target}", errors, 1e-5)
+
+
+def test_keeps_the_last_k(workers, corpus, tmp_path):
+    config = _config(corpus, tmp_path / "ckpt", tmp_path / "run", (2, 2, 1),
+                     **{"checkpoint.every": 1, "checkpoint.keep": 2, "train.steps": 4})
+    workers(4).run(_case_run, config)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-00000003", "step-00000004"]
+
+
+def test_async_save_resumes_like_sync(straight_and_half, workers, corpus, tmp_path):
+    s = straight_and_half
+    if s["layout"] != (2, 2, 1):
+        pytest.skip("one layout is enough")
+    config = _config(corpus, tmp_path / "ckpt", tmp_path / "run", (2, 2, 1),
+                     **{"checkpoint.async_save": True, "checkpoint.every": 2})
+    workers(4).run(_case_run, config, HALF)
+    resumed = workers(4).run(_case_run, _config(corpus, tmp_path / "ckpt", tmp_path / "run2", (2, 2, 1)))[0]
+    assert resumed["start"] == HALF and resumed["losses"] == s["straight"]["losses"][HALF:]
+
+
+def _case_die_during_save(config, die_at_step):
+    """Rank 1 dies (os._exit) in the middle of writing checkpoint `die_at_step`."""
+    import os
+
+    import torch.distributed as dist
+
+    import hybridpar.checkpoint.dcp as ckpt
+    from hybridpar.train import Trainer
+
+    trainer = Trainer(config)
+    save = ckpt.dcp.save
+
+    def dying_save(state, checkpoint_id):
+        if trainer.step == die_at_step and dist.get_rank() == 1:
+            os._exit(9)
+        return save(state, checkpoint_id=checkpoint_id)
+
+    ckpt.dcp.save = dying_save
+    try:
+        trainer.run()
+    finally:
+        ckpt.dcp.save = save
+
+
+def test_rank_killed_mid_save_leaves_the_previous_checkpoint(corpus, tmp_path):
+    from hybridpar.checkpoint.dcp import latest_checkpoint
+    from tests.distributed import WorkerError
+
+    folder = tmp_path / "ckpt"
+    config = _config(corpus, folder, tmp_path / "run", (2, 2, 1), **{"checkpoint.every": 2, "train.steps": 6})
+    pool = WorkerPool(4)
+    with pytest.raises(WorkerError, match="worker died"):
+        pool.run(_case_die_during_save, config, 4, timeout=120)
+    pool.close()
+    names = sorted(p.name for p in folder.iterdir())
+    print(f"\nafter the crash: {names}")
+    assert "step-00000002" in names and "step-00000004" not in names
+    assert latest_checkpoint(folder).name == "step-00000002"
+    pool = WorkerPool(4)
+    try:
+        resumed = pool.run(_case_run, config)[0]
+    finally:
+        pool.close()
+    assert resumed["start"] == 2 and len(resumed["losses"]) == 4
+    # The retried step-4 save replaced the partial folder the crash left.
+    assert sorted(p.name for p in folder.iterdir()) == ["step-00000002", "step-00000004", "step-00000006"]
+
+
+def _case_load_error(config):
+    from hybridpar.train import Trainer
+
+    try:
+        Trainer(config)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_checkpoint_of_another_model_is_refused(straight_and_half, workers, corpus, tmp_path):
+    s = straight_and_half
+    if s["layout"] != (2, 2, 1):
+        pytest.skip("one layout is enough")
+    config = _config(corpus, s["folder"], tmp_path / "run", (2, 2, 1), **{"model.n_layers": 3})
+    message = workers(4).run(_case_load_error, config)[0]
+    assert "was saved for a different model (n_layers: checkpoint 2, this model 3)" in message, message

@@ -7,6 +7,7 @@ from typing import Optional, Sequence
 
 import os
 import sys
+from pathlib import Path
 
 from . import __version__
 from .mesh import MeshCoords, MeshSizeError, group_ranks, resolve_sizes
@@ -50,6 +51,24 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_convert(args: argparse.Namespace) -> int:
+    """Convert a checkpoint between formats (under torchrun for large models; a world of one works)."""
+    from .checkpoint.convert import convert
+    from .mesh import init_parallel
+
+    parallel = init_parallel(mp=args.load_mp)
+    written = convert(Path(args.src), Path(args.dst), args.to, parallel, mp_out=args.mp)
+    if parallel.rank == 0:
+        print(f"wrote {written} ({args.to})")
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from .generate import main_generate
+
+    return main_generate(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridpar", description=__doc__)
     parser.add_argument("--version", action="version", version=f"hybridpar {__version__}")
@@ -67,6 +86,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--config", default="", help="a TOML file, or a preset name in launch/configs (e.g. local)")
     train.set_defaults(func=_cmd_train)
+    convert = sub.add_parser("convert", help="convert a checkpoint: hybridpar (dcp), Meta consolidated, Hugging Face")
+    convert.add_argument("src", help="a hybridpar checkpoint (or a folder of them: the newest) or a Meta folder")
+    convert.add_argument("dst", help="the folder to write")
+    convert.add_argument("--to", required=True, choices=("dcp", "meta", "hf"))
+    convert.add_argument("--mp", type=int, default=None, help="model-parallel size of the Meta files written")
+    convert.add_argument("--load-mp", type=int, default=1,
+                         help="model-parallel size to load at (under torchrun: spreads the work; default 1)")
+    convert.set_defaults(func=_cmd_convert)
+    gen = sub.add_parser("generate", help="continue prompts with a trained model (greedy or top-p, KV cache)")
+    gen.add_argument("--checkpoint", required=True, help="a hybridpar checkpoint (or a folder of them) or a Meta folder")
+    gen.add_argument("--tokenizer", required=True, help="the sentencepiece tokenizer.model the model was trained with")
+    gen.add_argument("--prompt", action="append", dest="prompts", required=True, help="repeat for a batch")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    gen.add_argument("--top-p", type=float, default=0.9)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--mp", type=int, default=1, help="model-parallel size (run under torchrun with that many ranks)")
+    gen.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
+    gen.set_defaults(func=_cmd_generate)
     return parser
 
 

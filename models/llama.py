@@ -11,6 +11,9 @@ numbers) are Meta's, so `consolidated.NN.pth` checkpoints map onto this model on
 Differences from Meta's code, all invisible in the numbers: attention uses
 F.scaled_dot_product_attention (causal), RoPE frequencies are computed per call instead of held
 in a buffer, and with mp > n_kv_heads the kv heads are replicated across ranks.
+
+Generation: `cache = model.new_cache(batch, max_len)`, then `model(tokens, start_pos=p, cache=cache)`
+feeds tokens for positions p .. p + seq - 1, attending to the keys and values cached before them.
 """
 
 from __future__ import annotations
@@ -178,6 +181,33 @@ def apply_rope(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
     return rotated.type_as(x)
 
 
+# --- key/value cache for generation -------------------------------------------------------------
+
+
+class KVCache:
+    """Keys and values of the positions seen so far, per layer, for this rank's kv heads.
+
+    keys[i] and values[i] are [batch, max_len, n_local_kv_heads, head_dim]; position p of a sequence
+    is written when a forward pass covers p, so the caller decides (through start_pos) what is valid.
+    """
+
+    def __init__(self, n_layers: int, batch: int, max_len: int, n_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        shape = (batch, max_len, n_kv_heads, head_dim)
+        self.batch, self.max_len = batch, max_len
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys[i], self.values[i]
+
+
+def _chunk_mask(seq: int, start_pos: int, device: torch.device) -> torch.Tensor:
+    """[seq, start_pos + seq] True where query start_pos + i may see key j, i.e. j <= start_pos + i."""
+    # SDPA's is_causal aligns the triangle to the top-left corner, wrong once keys precede the queries.
+    return torch.ones(seq, start_pos + seq, dtype=torch.bool, device=device).tril(diagonal=start_pos)
+
+
 # --- the network -------------------------------------------------------------------------------
 
 
@@ -221,15 +251,32 @@ class Attention(nn.Module):
             init_method=_normal(out_std), parallel=parallel, **factory,
         )
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        freqs_cis: torch.Tensor,
+        kv_cache: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        start_pos: int = 0,
+    ) -> torch.Tensor:
         batch, seq, _ = x.shape
         q = self.wq(x).view(batch, seq, self.n_local_heads, self.head_dim)
         k = self.wk(x).view(batch, seq, self.n_local_kv_heads, self.head_dim)
         v = self.wv(x).view(batch, seq, self.n_local_kv_heads, self.head_dim)
         q, k = apply_rope(q, freqs_cis), apply_rope(k, freqs_cis)
+        mask, causal = None, True
+        if kv_cache is not None:
+            cache_k, cache_v = kv_cache
+            end = start_pos + seq
+            cache_k[:batch, start_pos:end] = k
+            cache_v[:batch, start_pos:end] = v
+            k, v = cache_k[:batch, :end], cache_v[:batch, :end]
+            if start_pos > 0:
+                # One new token sees every cached key; a longer chunk needs the shifted triangle.
+                causal = False
+                mask = _chunk_mask(seq, start_pos, x.device) if seq > 1 else None
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            is_causal=True, enable_gqa=self.n_local_heads != self.n_local_kv_heads,
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+            is_causal=causal, enable_gqa=self.n_local_heads != self.n_local_kv_heads,
         )
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
@@ -263,8 +310,14 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps, parallel, **factory)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps, parallel, **factory)
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs_cis)
+    def forward(
+        self,
+        x: torch.Tensor,
+        freqs_cis: torch.Tensor,
+        kv_cache: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        start_pos: int = 0,
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis, kv_cache, start_pos)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -299,14 +352,44 @@ class Transformer(nn.Module):
             init_method=_normal(0.02), parallel=parallel, **factory,
         )
 
-    def forward(self, tokens: torch.Tensor, gather_logits: bool = False) -> torch.Tensor:
-        seq = tokens.shape[1]
-        if seq > self.args.max_seq_len:
-            raise ValueError(f"sequence length {seq} exceeds max_seq_len = {self.args.max_seq_len}")
-        positions = torch.arange(seq, device=tokens.device)
+    def new_cache(self, batch: int, max_len: Optional[int] = None, dtype: Optional[torch.dtype] = None) -> KVCache:
+        """An empty KVCache for `batch` sequences of up to `max_len` positions (default max_seq_len)."""
+        max_len = self.args.max_seq_len if max_len is None else max_len
+        if not 0 < max_len <= self.args.max_seq_len:
+            raise ValueError(f"cache max_len = {max_len} must be between 1 and max_seq_len = {self.args.max_seq_len}")
+        attention = self.layers[0].attention
+        weight = local_tensor(attention.wq.weight)
+        return KVCache(self.args.n_layers, batch, max_len, attention.n_local_kv_heads, attention.head_dim,
+                       dtype or weight.dtype, weight.device)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        gather_logits: bool = False,
+        *,
+        start_pos: int = 0,
+        cache: Optional[KVCache] = None,
+    ) -> torch.Tensor:
+        """Logits for `tokens` [B, S] at positions start_pos .. start_pos + S - 1.
+
+        Without a cache start_pos must be 0. With one, the keys and values of these positions are
+        written into it and attention also sees the cached positions before start_pos.
+        """
+        batch, seq = tokens.shape
+        end = start_pos + seq
+        if end > self.args.max_seq_len:
+            raise ValueError(f"sequence length {end} exceeds max_seq_len = {self.args.max_seq_len}")
+        if cache is None and start_pos != 0:
+            raise ValueError(f"start_pos = {start_pos} needs a cache holding the earlier positions (model.new_cache)")
+        if cache is not None and (end > cache.max_len or batch > cache.batch):
+            raise ValueError(
+                f"positions up to {end} for {batch} sequences do not fit a cache of max_len {cache.max_len} "
+                f"and batch {cache.batch}; create it with model.new_cache(batch, max_len) large enough"
+            )
+        positions = torch.arange(start_pos, end, device=tokens.device)
         freqs_cis = rope_frequencies(self.args.head_dim, positions, self.args.rope_theta, self.args.use_scaled_rope)
         h = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            h = layer(h, freqs_cis)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, freqs_cis) if cache is None else layer(h, freqs_cis, cache.layer(i), start_pos)
         logits = self.output(self.norm(h))
         return gather_from_region(logits, self.group) if gather_logits else logits

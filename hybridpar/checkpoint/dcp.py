@@ -94,8 +94,8 @@ class Checkpointer:
 
     # --- saving ------------------------------------------------------------------------------
 
-    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, train_state: dict,
-             params: dict) -> Path:
+    def save(self, step: int, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
+             train_state: dict, params: dict) -> Path:
         """Write checkpoint `step` (async: start writing and return; it completes at the next save,
         `wait()`, or `close()`)."""
         self.wait()
@@ -106,8 +106,11 @@ class Checkpointer:
             shutil.rmtree(partial, ignore_errors=True)  # left by a crash: never trusted
             (partial / "rng").mkdir(parents=True)
         dist.barrier()
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        state = {"model": model_sd, "optimizer": optim_sd}
+        if optimizer is None:  # weights only (a converted checkpoint)
+            state = {"model": get_model_state_dict(model)}
+        else:
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            state = {"model": model_sd, "optimizer": optim_sd}
         torch.save(torch.get_rng_state(), partial / "rng" / f"rank{self.parallel.rank}.pt")
         meta = {"train_state": {**train_state, "step": step, "world_size": self.parallel.world_size}, "params": params}
         if self.async_save:
@@ -151,7 +154,7 @@ class Checkpointer:
              params: dict) -> dict:
         """Load model (and optimizer) state from checkpoint `path` into this layout; returns train_state."""
         path = Path(path)
-        check_checkpoint(path, params, model)
+        check_checkpoint(path, params, model, needs_optimizer=optimizer is not None)
         if optimizer is None:  # weights only, e.g. to start a new run from them
             state = {"model": get_model_state_dict(model)}
             dcp.load(state, checkpoint_id=str(path))
@@ -168,7 +171,7 @@ class Checkpointer:
         return train_state
 
 
-def check_checkpoint(path: Path, params: dict, model: torch.nn.Module) -> None:
+def check_checkpoint(path: Path, params: dict, model: torch.nn.Module, needs_optimizer: bool = False) -> None:
     """Refuse, with the differences named, a checkpoint that is incomplete or saved for another model."""
     if not (path / "train_state.json").exists() or not (path / ".metadata").exists():
         raise CheckpointError(f"{path} is not a complete hybridpar checkpoint (no train_state.json or .metadata)")
@@ -178,6 +181,11 @@ def check_checkpoint(path: Path, params: dict, model: torch.nn.Module) -> None:
         listed = ", ".join(f"{k}: checkpoint {a!r}, this model {b!r}" for k, (a, b) in differ.items())
         raise CheckpointError(f"{path} was saved for a different model ({listed}); use the same model settings")
     metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    if needs_optimizer and not any(key.startswith("optimizer.") for key in metadata):
+        raise CheckpointError(
+            f"{path} holds weights only (no optimizer state) and cannot be resumed: start a run from it "
+            "with checkpoint.init_from instead"
+        )
     for name, param in model.named_parameters():
         stored = metadata.get(f"model.{name}")
         if not isinstance(stored, TensorStorageMetadata):

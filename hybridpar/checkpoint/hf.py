@@ -1,0 +1,258 @@
+"""Export to a Hugging Face Llama folder that transformers' LlamaForCausalLM loads.
+
+The folder holds `config.json` (LlamaConfig fields) and `model.safetensors` under HF's names:
+
+    tok_embeddings                  model.embed_tokens
+    layers.N.attention.wq/wk/wv/wo  model.layers.N.self_attn.q_proj/k_proj/v_proj/o_proj
+    layers.N.feed_forward.w1/w3/w2  model.layers.N.mlp.gate_proj/up_proj/down_proj
+    layers.N.attention_norm         model.layers.N.input_layernorm
+    layers.N.ffn_norm               model.layers.N.post_attention_layernorm
+    norm / output                   model.norm / lm_head
+
+RoPE: Meta rotates the interleaved pairs (x[2i], x[2i+1]) of each head by angle theta_i; HF's
+rotate-half rotates (y[i], y[i + d/2]) by theta_i. With y = x[perm], perm = [0, 2, 4, ..., 1, 3,
+5, ...] per head, HF's rotation of y is Meta's rotation of x, permuted the same way. So the rows
+of wq and wk are reordered by perm within each head; q.k is unchanged by a shared reordering, so
+attention scores, wv and wo stay as they are.
+
+Public API:
+    export_hf(model, out_dir, parallel, *, dtype=torch.float32, overwrite=False, ...) -> Path
+    write_hf_folder(state, args, out_dir, *, dtype=torch.float32, overwrite=False, ...) -> Path
+    hf_state_dict(state, args) / hf_config(args, ...) / rope_permutation(n_heads, head_dim)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from models.llama import ModelArgs
+
+CONFIG_JSON = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+# Llama 3.1's RoPE rescaling, the constants of models.llama._scale_llama31 in HF's vocabulary.
+LLAMA31_ROPE_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+_LAYER_NAMES = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_TOP_NAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+class HFExportError(ValueError):
+    """A model or folder that cannot be exported to the Hugging Face format."""
+
+
+def rope_permutation(n_heads: int, head_dim: int) -> torch.Tensor:
+    """Row order [n_heads * head_dim] taking Meta's interleaved RoPE pairs to HF's rotate-half halves."""
+    if head_dim % 2:
+        raise HFExportError(f"head_dim = {head_dim} must be even for RoPE")
+    # Within a head: the even rows (first of each pair) become the first half, the odd rows the second.
+    per_head = torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
+    return (torch.arange(n_heads)[:, None] * head_dim + per_head).flatten()
+
+
+def hf_name(name: str) -> str:
+    """HF's name for one of Meta's (= models.llama's) parameter names."""
+    if name in _TOP_NAMES:
+        return _TOP_NAMES[name]
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "layers" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    raise HFExportError(f"{name} is not a parameter of Meta's Llama format; no Hugging Face name for it")
+
+
+def _to_hf_tensor(name: str, tensor: torch.Tensor, args: ModelArgs) -> torch.Tensor:
+    if name.endswith("attention.wq.weight"):
+        return tensor[rope_permutation(args.n_heads, args.head_dim)]
+    if name.endswith("attention.wk.weight"):
+        return tensor[rope_permutation(args.kv_heads, args.head_dim)]
+    return tensor
+
+
+def hf_state_dict(state: Mapping[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """Full tensors under Meta's names -> HF's names, wq/wk rows permuted for rotate-half RoPE."""
+    return {hf_name(name): _to_hf_tensor(name, tensor, args) for name, tensor in state.items()}
+
+
+def hf_config(args: ModelArgs, *, dtype: torch.dtype = torch.float32, bos_token_id: int = 1,
+              eos_token_id: int = 2) -> dict[str, Any]:
+    """config.json of a LlamaForCausalLM with this shape."""
+    if dtype not in _DTYPE_NAMES:
+        raise HFExportError(f"dtype {dtype} cannot be exported; use one of {', '.join(_DTYPE_NAMES.values())}")
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": args.dim,
+        "intermediate_size": args.ffn_hidden_dim,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.kv_heads,
+        "num_hidden_layers": args.n_layers,
+        "head_dim": args.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "rope_scaling": dict(LLAMA31_ROPE_SCALING) if args.use_scaled_rope else None,
+        "vocab_size": args.vocab_size,
+        "max_position_embeddings": args.max_seq_len,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "initializer_range": 0.02,
+        "pretraining_tp": 1,
+        "use_cache": True,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+        "torch_dtype": _DTYPE_NAMES[dtype],
+    }
+
+
+def _check_target(out_dir: Path, overwrite: bool) -> None:
+    if out_dir.exists() and not overwrite:
+        raise FileExistsError(f"{out_dir} already exists: choose a new folder or pass overwrite=True")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise FileExistsError(f"{out_dir} exists and is not a folder; choose another output path")
+
+
+def write_hf_folder(
+    state: Mapping[str, torch.Tensor],
+    args: ModelArgs,
+    out_dir: Union[str, Path],
+    *,
+    dtype: torch.dtype = torch.float32,
+    overwrite: bool = False,
+    bos_token_id: int = 1,
+    eos_token_id: int = 2,
+) -> Path:
+    """Write full tensors under Meta's names as an HF folder (one process). Atomic: everything goes
+    into a temporary folder beside out_dir, renamed to out_dir once complete."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    _check_target(out_dir, overwrite)
+    config = hf_config(args, dtype=dtype, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
+    # contiguous clones: safetensors refuses views and tensors that share storage.
+    tensors = {k: v.detach().to("cpu", dtype).contiguous().clone() for k, v in hf_state_dict(state, args).items()}
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # Same parent as out_dir: os.replace is atomic only within one file system.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
+    try:
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        (tmp / CONFIG_JSON).write_text(json.dumps(config, indent=2) + "\n")
+        for path in tmp.iterdir():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+        old = None
+        if out_dir.exists():  # overwrite: move the old folder aside first, a directory rename needs a free name
+            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".old", dir=out_dir.parent))
+            os.replace(out_dir, old / out_dir.name)
+        os.replace(tmp, out_dir)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _from_rank0(value: Any, world: int) -> Any:
+    if world == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def export_hf(
+    model: nn.Module,
+    out_dir: Union[str, Path],
+    parallel: Any = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    overwrite: bool = False,
+    bos_token_id: int = 1,
+    eos_token_id: int = 2,
+) -> Path:
+    """Write `model` (a models.llama.Transformer at any mp, plain or FSDP2-wrapped) as an HF Llama
+    folder. Collective: every rank calls it; rank 0 writes (so it holds the whole model in `dtype`).
+
+    bos/eos ids default to Llama 2's (1, 2); pass Llama 3's for a Llama 3 tokenizer. `parallel` is
+    accepted for symmetry with the other checkpoint functions (the layout comes from the DTensors).
+    Every rank returns out_dir or raises the same error.
+    """
+    out_dir = Path(out_dir)
+    args = getattr(model, "args", None)
+    if not isinstance(args, ModelArgs):
+        raise HFExportError("export_hf needs a models.llama.Transformer (a model with .args)")
+    rank, world = _world()
+
+    # Rank 0 checks the target (its view of the file system) and tells the others before any gather.
+    problem = None
+    if rank == 0:
+        try:
+            _check_target(out_dir, overwrite)
+            hf_config(args, dtype=dtype)
+            if importlib.util.find_spec("safetensors") is None:  # fail before the gathers, not after
+                raise HFExportError("export_hf needs the safetensors package: pip install safetensors")
+        except (FileExistsError, HFExportError) as err:
+            problem = f"{type(err).__name__}: {err}"
+    problem = _from_rank0(problem, world)
+    if problem:
+        raise HFExportError(problem)
+
+    state: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            # Collective: every rank gathers every tensor in the same order; only rank 0 keeps it.
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            if rank == 0:
+                state[name] = full.to(dtype)
+            del full
+
+    error: Optional[str] = None
+    if rank == 0:
+        try:
+            write_hf_folder(state, args, out_dir, dtype=dtype, overwrite=overwrite,
+                            bos_token_id=bos_token_id, eos_token_id=eos_token_id)
+        except Exception as err:  # noqa: BLE001 - every rank must raise it, not wait forever
+            error = f"{type(err).__name__}: {err}"
+    error = _from_rank0(error, world)
+    if error:
+        raise HFExportError(f"exporting to {out_dir} failed on rank 0: {error}")
+    return out_dir

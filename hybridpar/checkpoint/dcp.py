@@ -136,7 +136,14 @@ class Checkpointer:
             _write_json_atomic(partial / "params.json", meta["params"])
             _write_json_atomic(partial / "train_state.json", meta["train_state"])
             final = partial.with_name(partial.name[: -len(".partial")])
-            os.replace(partial, final)
+            if final.exists():  # the same step saved again: swap, so one complete copy always exists
+                aside = final.with_name(final.name + ".replaced")
+                shutil.rmtree(aside, ignore_errors=True)
+                os.replace(final, aside)
+                os.replace(partial, final)
+                shutil.rmtree(aside)
+            else:
+                os.replace(partial, final)
             _fsync_dir(self.folder)
             for old in complete_checkpoints(self.folder)[: -self.keep]:
                 shutil.rmtree(old, ignore_errors=True)

@@ -300,8 +300,11 @@ class Trainer:
             )
         if self.resumed_from is not None and self.is_main:
             print(f"resumed from {self.resumed_from} at step {self.step}", flush=True)
+            if self.step >= c.train.steps:
+                print(f"already at step {self.step} of {c.train.steps}: nothing to train "
+                      "(raise train.steps to continue)", flush=True)
         window: list[dict] = []  # the steps since the last log line
-        saved_at = None
+        saved_at = self.step if self.resumed_from is not None else None
         while self.step < c.train.steps:
             m = self.train_step()
             self.history.append(m)

@@ -32,8 +32,9 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
-    set_state_dict,
+    set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from ..mesh import ParallelDims
 
@@ -114,12 +115,18 @@ class Checkpointer:
         torch.save(torch.get_rng_state(), partial / "rng" / f"rank{self.parallel.rank}.pt")
         meta = {"train_state": {**train_state, "step": step, "world_size": self.parallel.world_size}, "params": params}
         if self.async_save:
-            future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._async_group)
+            future = dcp.async_save(state, storage_writer=self._writer(partial), process_group=self._async_group)
             self._pending = (future, partial, meta)
         else:
-            dcp.save(state, checkpoint_id=str(partial))
+            dcp.save(state, storage_writer=self._writer(partial))
             self._finish(partial, meta)
         return final
+
+    @staticmethod
+    def _writer(folder: Path) -> dcp.FileSystemWriter:
+        # Two writer threads per rank: serialising one file while another is flushed measured
+        # ~1.5x faster saves here (bench/checkpoint.py).
+        return dcp.FileSystemWriter(str(folder), thread_count=2)
 
     def wait(self) -> None:
         """Complete a pending asynchronous save."""
@@ -164,18 +171,34 @@ class Checkpointer:
         check_checkpoint(path, params, model, needs_optimizer=optimizer is not None)
         if optimizer is None:  # weights only, e.g. to start a new run from them
             state = {"model": get_model_state_dict(model)}
-            dcp.load(state, checkpoint_id=str(path))
-            set_model_state_dict(model, state["model"])
         else:
             model_sd, optim_sd = get_state_dict(model, optimizer)
             state = {"model": model_sd, "optimizer": optim_sd}
-            dcp.load(state, checkpoint_id=str(path))
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        dcp.load(state, checkpoint_id=str(path))
+        # DCP reads into the tensors it is given; when those are the parameters themselves (FSDP2's
+        # sharded state dict), copying them over again would only cost time.
+        if not _is_parameter_storage(state["model"], model):
+            set_model_state_dict(model, state["model"])
+        if optimizer is not None:
+            set_optimizer_state_dict(model, optimizer, state["optimizer"])
         train_state = json.loads((path / "train_state.json").read_text())
         rng = path / "rng" / f"rank{self.parallel.rank}.pt"
         if train_state.get("world_size") == self.parallel.world_size and rng.exists():
             torch.set_rng_state(torch.load(rng, weights_only=True))
         return train_state
+
+
+def _is_parameter_storage(state: dict, model: torch.nn.Module) -> bool:
+    own = dict(model.named_parameters())
+    own.update(model.named_buffers())
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    return state.keys() == own.keys() and all(
+        local(v).data_ptr() == local(own[k]).data_ptr() and local(v).shape == local(own[k]).shape
+        for k, v in state.items()
+    )
 
 
 def check_checkpoint(path: Path, params: dict, model: torch.nn.Module, needs_optimizer: bool = False) -> None:

@@ -102,7 +102,7 @@ def test_async_save_resumes_like_sync(straight_and_half, workers, corpus, tmp_pa
 
 
 def _case_die_during_save(config, die_at_step):
-    """Rank 1 dies (os._exit) in the middle of writing checkpoint `die_at_step`."""
+    """Rank 1 dies (os._exit) in the middle of saving checkpoint `die_at_step`."""
     import os
 
     import torch.distributed as dist
@@ -113,10 +113,11 @@ def _case_die_during_save(config, die_at_step):
     trainer = Trainer(config)
     save = ckpt.dcp.save
 
-    def dying_save(state, checkpoint_id):
+    def dying_save(state, **kwargs):
+        result = save(state, **kwargs)  # every shard and DCP's .metadata are written...
         if trainer.step == die_at_step and dist.get_rank() == 1:
-            os._exit(9)
-        return save(state, checkpoint_id=checkpoint_id)
+            os._exit(9)  # ...but the rank dies before the checkpoint is committed
+        return result
 
     ckpt.dcp.save = dying_save
     try:
@@ -138,6 +139,7 @@ def test_rank_killed_mid_save_leaves_the_previous_checkpoint(corpus, tmp_path):
     names = sorted(p.name for p in folder.iterdir())
     print(f"\nafter the crash: {names}")
     assert "step-00000002" in names and "step-00000004" not in names
+    assert (folder / "step-00000004.partial" / ".metadata").exists()  # written, never committed
     assert latest_checkpoint(folder).name == "step-00000002"
     pool = WorkerPool(4)
     try:

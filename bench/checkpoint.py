@@ -68,7 +68,6 @@ def main() -> None:
         local = torch.randn(rows // world, 1024)
         model.register_parameter(f"w{i}", torch.nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)])))
     nbytes = sum(p.numel() * 4 for p in model.parameters())
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # stateless: the bytes are the parameters'
 
     root = Path(args.folder or tempfile.gettempdir()) / "hybridpar-ckpt-bench"
     if rank == 0:
@@ -93,7 +92,7 @@ def main() -> None:
 
     def save_hybridpar() -> None:
         step[0] += 1
-        checkpointer.save(step[0], model, optimizer, {}, {})
+        checkpointer.save(step[0], model, None, {}, {})  # the state is the sharded tensors alone
 
     def save_rank0() -> None:
         full = {name: p.full_tensor() for name, p in model.named_parameters()}  # every rank joins each gather
@@ -105,7 +104,7 @@ def main() -> None:
         del full
 
     def load_hybridpar() -> None:
-        checkpointer.load(root / "dcp" / f"step-{step[0]:08d}", model, optimizer, {})
+        checkpointer.load(root / "dcp" / f"step-{step[0]:08d}", model, None, {})
 
     @torch.no_grad()
     def load_rank0() -> None:

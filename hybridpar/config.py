@@ -83,6 +83,12 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass
+class DiagnosticsConfig:
+    data_guard: bool = True  # check at step 1 that mp groups share batches and dp ranks differ
+    data_guard_every: int = 0  # and every N steps after (0: step 1 only)
+
+
+@dataclasses.dataclass
 class OutputConfig:
     run_dir: str = "runs/default"  # metrics.jsonl, TensorBoard events, loss.png
     tensorboard: bool = True
@@ -98,6 +104,7 @@ class Config:
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    diagnostics: DiagnosticsConfig = dataclasses.field(default_factory=DiagnosticsConfig)
     output: OutputConfig = dataclasses.field(default_factory=OutputConfig)
 
     def validate(self) -> None:

@@ -38,13 +38,13 @@ def _gather_last_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     # Gather along dim 0 into one contiguous buffer, then move the rank axis next to the last dim.
     x = x.contiguous()
     out = x.new_empty((size * x.shape[0],) + tuple(x.shape[1:]))
-    _all_gather_single(out, x, group=group)
+    all_gather_single(out, x, group=group)
     out = out.view((size,) + tuple(x.shape))
     return out.movedim(0, -2).reshape(*x.shape[:-1], size * x.shape[-1])
 
 
 # all_gather_into_tensor was renamed all_gather_single (torch 2.13 warns on the old name).
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class _Copy(torch.autograd.Function):

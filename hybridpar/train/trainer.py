@@ -38,6 +38,7 @@ from ..data import (
     source_documents,
     source_id,
 )
+from ..diagnostics.data_guard import batch_fingerprint, check_data
 from ..mesh import ParallelDims, init_parallel
 from ..parallel import vocab_parallel_cross_entropy
 from ..parallel.fsdp import apply_fsdp
@@ -229,10 +230,20 @@ class Trainer:
 
     # --- the loop -------------------------------------------------------------------------------
 
+    def _guard_data(self, batches) -> float:
+        """Run the data guard when due (step 1, and every N steps if configured); its seconds."""
+        d, step = self.config.diagnostics, self.step + 1
+        if not d.data_guard or not (step == 1 or (d.data_guard_every and step % d.data_guard_every == 0)):
+            return 0.0
+        start = time.perf_counter()
+        check_data(batch_fingerprint(*(t for pair in batches for t in pair)), self.parallel, step)
+        return time.perf_counter() - start
+
     def train_step(self) -> dict:
         c, p = self.config, self.parallel
         start = time.perf_counter()
         batches = [next(self.loader) for _ in range(c.train.grad_accum)]
+        guard_seconds = self._guard_data(batches)
         counts = torch.tensor([float(sum((t != -100).sum() for _, t in batches))])
         dist.all_reduce(counts, group=p.dp_group)
         global_targets = counts.item()
@@ -271,7 +282,7 @@ class Trainer:
             "step": self.step, "loss": mean_loss, "lr": lr, "grad_norm": grad_norm, "skipped": skipped,
             "tokens": global_targets, "step_time": elapsed, "tokens_per_s": tokens_per_s,
             "mfu": self.flops_per_token * tokens_per_s / (self.peak_flops * p.world_size),
-            "memory_gb": memory_bytes(self.device) / 1e9,
+            "memory_gb": memory_bytes(self.device) / 1e9, "data_guard_s": guard_seconds,
         }
 
     def _summarise(self, window: list[dict]) -> dict:

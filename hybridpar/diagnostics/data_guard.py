@@ -1,0 +1,88 @@
+"""Data guard: catch broken data parallelism at step 1 instead of after a week of training.
+
+Every rank hashes the batch it is about to train on and one all-gather of those 8-byte hashes
+gives every rank the whole table. Two rules must hold:
+  - the ranks of one model-parallel group see the same batch (they compute one model together);
+  - different data-parallel ranks see different batches (else data parallelism does nothing).
+The classic mistakes break them recognisably: a sampler given the global rank splits the data of
+a model-parallel group; no sampler (or one built with the same rank everywhere) gives every
+data-parallel rank the same batch ("every GPU produces the same output").
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from ..mesh import MeshCoords, ParallelDims
+from ..parallel.mappings import all_gather_single
+
+
+class DataGuardError(RuntimeError):
+    pass
+
+
+def batch_fingerprint(*tensors: torch.Tensor) -> int:
+    """A 63-bit hash of the batch's contents (the token ids: a few KB to copy and hash)."""
+    digest = hashlib.blake2b(digest_size=8)
+    for t in tensors:
+        digest.update(t.detach().to("cpu", torch.int64).contiguous().numpy().tobytes())
+    return int.from_bytes(digest.digest(), "little") >> 1  # fits a signed int64
+
+
+def gather_fingerprints(fingerprint: int, parallel: ParallelDims) -> list[int]:
+    """Every rank's fingerprint, indexed by global rank (one all-gather of int64s over the world)."""
+    mine = torch.tensor([fingerprint], dtype=torch.int64, device=parallel.device)
+    table = torch.empty(parallel.world_size, dtype=torch.int64, device=parallel.device)
+    all_gather_single(table, mine)
+    return table.tolist()
+
+
+def find_problems(fingerprints: list[int], dp_replicate: int, dp_shard: int, mp: int) -> list[str]:
+    """The rule violations in a table of per-rank fingerprints, as sentences naming the ranks."""
+    coords = [MeshCoords.of(r, dp_replicate, dp_shard, mp) for r in range(len(fingerprints))]
+    problems = []
+    split_groups = []
+    for start in range(0, len(fingerprints), mp):
+        group = list(range(start, start + mp))
+        if len({fingerprints[r] for r in group}) > 1:
+            split_groups.append(group)
+    if split_groups:
+        shown = ", ".join(str(g) for g in split_groups[:4]) + (" ..." if len(split_groups) > 4 else "")
+        problems.append(
+            f"ranks of one model-parallel group got different batches: {shown}. They compute one model "
+            "together and must read the same data. Likely cause: the sampler was built with the global rank "
+            "and world size; build it with num_replicas=parallel.dp_size, rank=parallel.dp_rank"
+        )
+    # One representative per data-parallel rank (mp rank 0 of each group).
+    by_batch: dict[int, list[int]] = {}
+    for c in coords:
+        if c.mp_rank == 0:
+            by_batch.setdefault(fingerprints[c.rank], []).append(c.dp_rank)
+    duplicates = [ranks for ranks in by_batch.values() if len(ranks) > 1]
+    if duplicates:
+        every = len(duplicates) == 1 and len(duplicates[0]) == dp_replicate * dp_shard
+        listed = "; ".join(
+            f"dp ranks {ranks} (global ranks {[d * mp for d in ranks]} and their model-parallel peers)"
+            for ranks in duplicates[:4]
+        )
+        cause = (
+            "every data-parallel rank reads the same data: no DistributedSampler, a sampler built with the same "
+            "rank on every process, or per-rank data shuffled with equal seeds"
+            if every else
+            "some data-parallel ranks read the same data: check the sampler's num_replicas and rank"
+        )
+        problems.append(
+            f"data-parallel ranks got identical batches: {listed}. Data parallelism is doing no useful work. "
+            f"Likely cause: {cause}. Build the sampler with num_replicas=parallel.dp_size, rank=parallel.dp_rank"
+        )
+    return problems
+
+
+def check_data(fingerprint: int, parallel: ParallelDims, step: int) -> None:
+    """Collective: raise DataGuardError on every rank if the batches break either rule."""
+    table = gather_fingerprints(fingerprint, parallel)
+    problems = find_problems(table, parallel.dp_replicate, parallel.dp_shard, parallel.mp)
+    if problems:
+        raise DataGuardError(f"data guard, step {step}: " + " | ".join(problems))

@@ -39,6 +39,7 @@ from ..data import (
     source_id,
 )
 from ..diagnostics.data_guard import batch_fingerprint, check_data
+from ..diagnostics.replicas import check_replicas
 from ..mesh import ParallelDims, init_parallel
 from ..parallel import vocab_parallel_cross_entropy
 from ..parallel.fsdp import apply_fsdp
@@ -274,6 +275,9 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.step += 1
+        every = c.diagnostics.replica_check_every
+        if every and self.step % every == 0:
+            check_replicas(self.model, p, self.step)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - start

@@ -49,7 +49,7 @@ def _case_first_step(config, mistake):
     elif mistake == "no sampler":  # every rank reads the whole dataset in the same order
         trainer.loader = build_dataloader(trainer.dataset, dp_rank=0, dp_size=1, **common)
     try:
-        first = trainer.train_step()
+        trainer.train_step()  # step 1: the guard runs here
     except DataGuardError as err:
         return {"error": str(err)}
     later = [trainer.train_step()["step_time"] for _ in range(2)]  # steady state, no guard

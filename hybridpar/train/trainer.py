@@ -245,7 +245,7 @@ class Trainer:
         start = time.perf_counter()
         batches = [next(self.loader) for _ in range(c.train.grad_accum)]
         guard_seconds = self._guard_data(batches)
-        counts = torch.tensor([float(sum((t != -100).sum() for _, t in batches))])
+        counts = torch.tensor([float(sum((t != -100).sum() for _, t in batches))], device=self.device)
         dist.all_reduce(counts, group=p.dp_group)
         global_targets = counts.item()
         # FSDP averages gradients over the dp ranks; undo that so the sum over ranks is the global mean.

@@ -87,6 +87,7 @@ class DiagnosticsConfig:
     data_guard: bool = True  # check at step 1 that mp groups share batches and dp ranks differ
     data_guard_every: int = 0  # and every N steps after (0: step 1 only)
     replica_check_every: int = 0  # every N steps, check that replicated parameters agree (0: never)
+    train_timeout: float = 300.0  # seconds a collective may wait once the first step is done (0: keep init_timeout)
 
 
 @dataclasses.dataclass

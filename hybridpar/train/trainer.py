@@ -40,6 +40,7 @@ from ..data import (
 )
 from ..diagnostics.data_guard import batch_fingerprint, check_data
 from ..diagnostics.replicas import check_replicas
+from ..diagnostics.timeouts import apply_env_defaults, set_train_timeout
 from ..mesh import ParallelDims, init_parallel
 from ..parallel import vocab_parallel_cross_entropy
 from ..parallel.fsdp import apply_fsdp
@@ -115,6 +116,7 @@ class Trainer:
     def __init__(self, config: Config, parallel: Optional[ParallelDims] = None) -> None:
         self.config = c = config
         c.validate()
+        apply_env_defaults(Path(c.output.run_dir) / "flight_recorder")  # before the process group exists
         self.parallel = parallel or init_parallel(
             mp=c.parallel.mp, dp_shard=c.parallel.dp_shard, dp_replicate=c.parallel.dp_replicate,
             timeout=c.parallel.init_timeout, backend=c.parallel.backend or None,
@@ -275,6 +277,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.step += 1
+        if self.step == 1 and c.diagnostics.train_timeout > 0:
+            set_train_timeout(p, c.diagnostics.train_timeout)  # start-up is over: a long wait is now a hang
         every = c.diagnostics.replica_check_every
         if every and self.step % every == 0:
             check_replicas(self.model, p, self.step)

@@ -36,15 +36,30 @@ def _config(corpus, folder, run_dir, layout, **overrides):
                                        "checkpoint.at_end": True, "optim.warmup_steps": 3, **overrides})
 
 
-@pytest.fixture(scope="module", params=[(2, 2, 1), (2, 2, 2)], ids=["mp2-dp2", "mp2-hybrid2x2"])
-def straight_and_half(request, workers, corpus, tmp_path_factory):
+_RUNS: dict = {}  # layout -> its runs, made once per test session
+
+
+def _straight_and_half(layout, workers, corpus, tmp_path_factory) -> dict:
     """A 10-step run straight through, and a run stopped and saved at step 5, both at one layout."""
-    layout = request.param
-    world = layout[0] * layout[1] * layout[2]
-    root = tmp_path_factory.mktemp("ckpt")
-    straight = workers(world).run(_case_run, _config(corpus, root / "straight", root / "run0", layout))[0]
-    half = workers(world).run(_case_run, _config(corpus, root / "half", root / "run1", layout), HALF)[0]
-    return {"layout": layout, "world": world, "folder": root / "half", "straight": straight, "half": half, "root": root}
+    if layout not in _RUNS:
+        world = layout[0] * layout[1] * layout[2]
+        root = tmp_path_factory.mktemp("ckpt")
+        straight = workers(world).run(_case_run, _config(corpus, root / "straight", root / "run0", layout))[0]
+        half = workers(world).run(_case_run, _config(corpus, root / "half", root / "run1", layout), HALF)[0]
+        _RUNS[layout] = {"layout": layout, "world": world, "folder": root / "half", "straight": straight,
+                         "half": half, "root": root}
+    return _RUNS[layout]
+
+
+@pytest.fixture(params=[(2, 2, 1), (2, 2, 2)], ids=["mp2-dp2", "mp2-hybrid2x2"])
+def straight_and_half(request, workers, corpus, tmp_path_factory):
+    return _straight_and_half(request.param, workers, corpus, tmp_path_factory)
+
+
+@pytest.fixture
+def mp2_dp2_runs(workers, corpus, tmp_path_factory):
+    """The mp2 x dp2 runs: the source of the resharding, async and wrong-model checks."""
+    return _straight_and_half((2, 2, 1), workers, corpus, tmp_path_factory)
 
 
 def test_resume_is_bit_exact_in_new_processes(straight_and_half, check_close, corpus):
@@ -66,10 +81,8 @@ RESHARD = {"mp1-dp4": (1, 4, 1), "mp4-dp1": (4, 1, 1), "mp2-hybrid2x2": (2, 2, 2
 
 
 @pytest.mark.parametrize("target", list(RESHARD))
-def test_resume_at_another_layout(straight_and_half, check_close, workers, corpus, tmp_path, target):
-    s = straight_and_half
-    if s["layout"] != (2, 2, 1):
-        pytest.skip("resharding is checked from the mp2 x dp2 checkpoint")
+def test_resume_at_another_layout(mp2_dp2_runs, check_close, workers, corpus, tmp_path, target):
+    s = mp2_dp2_runs
     layout = RESHARD[target]
     # Copy the checkpoint so each target resumes from step 5, not from the others' step 10.
     folder = tmp_path / "ckpt"
@@ -90,10 +103,8 @@ def test_keeps_the_last_k(workers, corpus, tmp_path):
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-00000003", "step-00000004"]
 
 
-def test_async_save_resumes_like_sync(straight_and_half, workers, corpus, tmp_path):
-    s = straight_and_half
-    if s["layout"] != (2, 2, 1):
-        pytest.skip("one layout is enough")
+def test_async_save_resumes_like_sync(mp2_dp2_runs, workers, corpus, tmp_path):
+    s = mp2_dp2_runs
     config = _config(corpus, tmp_path / "ckpt", tmp_path / "run", (2, 2, 1),
                      **{"checkpoint.async_save": True, "checkpoint.every": 2})
     workers(4).run(_case_run, config, HALF)
@@ -161,10 +172,8 @@ def _case_load_error(config):
     return "no error"
 
 
-def test_checkpoint_of_another_model_is_refused(straight_and_half, workers, corpus, tmp_path):
-    s = straight_and_half
-    if s["layout"] != (2, 2, 1):
-        pytest.skip("one layout is enough")
+def test_checkpoint_of_another_model_is_refused(mp2_dp2_runs, workers, corpus, tmp_path):
+    s = mp2_dp2_runs
     config = _config(corpus, s["folder"], tmp_path / "run", (2, 2, 1), **{"model.n_layers": 3})
     message = workers(4).run(_case_load_error, config)[0]
     assert "was saved for a different model (n_layers: checkpoint 2, this model 3)" in message, message

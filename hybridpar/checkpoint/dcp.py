@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from ..files import replace_folder, write_text_atomic
 from ..mesh import ParallelDims
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -60,15 +61,6 @@ def complete_checkpoints(folder: Path) -> list[Path]:
 def latest_checkpoint(folder: Path) -> Optional[Path]:
     found = complete_checkpoints(folder)
     return found[-1] if found else None
-
-
-def _write_json_atomic(path: Path, data: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -140,17 +132,10 @@ class Checkpointer:
     def _finish(self, partial: Path, meta: dict) -> None:
         dist.barrier()  # every rank's shards are on disk
         if self.parallel.rank == 0:
-            _write_json_atomic(partial / "params.json", meta["params"])
-            _write_json_atomic(partial / "train_state.json", meta["train_state"])
-            final = partial.with_name(partial.name[: -len(".partial")])
-            if final.exists():  # the same step saved again: swap, so one complete copy always exists
-                aside = final.with_name(final.name + ".replaced")
-                shutil.rmtree(aside, ignore_errors=True)
-                os.replace(final, aside)
-                os.replace(partial, final)
-                shutil.rmtree(aside)
-            else:
-                os.replace(partial, final)
+            write_text_atomic(partial / "params.json", json.dumps(meta["params"], indent=2))
+            write_text_atomic(partial / "train_state.json", json.dumps(meta["train_state"], indent=2))
+            # The same step saved again (a re-run) replaces the old copy without a moment of none.
+            replace_folder(partial, partial.with_name(partial.name[: -len(".partial")]))
             _fsync_dir(self.folder)
             for old in complete_checkpoints(self.folder)[: -self.keep]:
                 shutil.rmtree(old, ignore_errors=True)

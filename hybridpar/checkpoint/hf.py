@@ -32,11 +32,13 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from models.llama import ModelArgs
+
+from ..files import replace_folder
+from .ranks import from_rank0, rank_and_world
 
 CONFIG_JSON = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -172,31 +174,11 @@ def write_hf_folder(
         for path in tmp.iterdir():
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
-        old = None
-        if out_dir.exists():  # overwrite: move the old folder aside first, a directory rename needs a free name
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".old", dir=out_dir.parent))
-            os.replace(out_dir, old / out_dir.name)
-        os.replace(tmp, out_dir)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        replace_folder(tmp, out_dir)  # overwrite: the old folder goes only once the new one is in place
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
-
-
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _from_rank0(value: Any, world: int) -> Any:
-    if world == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def export_hf(
@@ -220,7 +202,7 @@ def export_hf(
     args = getattr(model, "args", None)
     if not isinstance(args, ModelArgs):
         raise HFExportError("export_hf needs a models.llama.Transformer (a model with .args)")
-    rank, world = _world()
+    rank, world = rank_and_world()
 
     # Rank 0 checks the target (its view of the file system) and tells the others before any gather.
     problem = None
@@ -232,7 +214,7 @@ def export_hf(
                 raise HFExportError("export_hf needs the safetensors package: pip install safetensors")
         except (FileExistsError, HFExportError) as err:
             problem = f"{type(err).__name__}: {err}"
-    problem = _from_rank0(problem, world)
+    problem = from_rank0(problem, world)
     if problem:
         raise HFExportError(problem)
 
@@ -252,7 +234,7 @@ def export_hf(
                             bos_token_id=bos_token_id, eos_token_id=eos_token_id)
         except Exception as err:  # noqa: BLE001 - every rank must raise it, not wait forever
             error = f"{type(err).__name__}: {err}"
-    error = _from_rank0(error, world)
+    error = from_rank0(error, world)
     if error:
         raise HFExportError(f"exporting to {out_dir} failed on rank 0: {error}")
     return out_dir

@@ -45,12 +45,14 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from models.llama import ModelArgs
+
+from ..files import replace_folder
+from .ranks import from_rank0, gather_all, rank_and_world
 
 PARAMS_JSON = "params.json"
 SHARD_FILE = re.compile(r"^consolidated\.(\d+)\.pth$")
@@ -519,28 +521,6 @@ def _write_durably(path: Path, write) -> None:
         os.fsync(f.fileno())
 
 
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _broadcast(value: Any, world: int) -> Any:
-    if world == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _gather(value: Any, world: int) -> list[Any]:
-    if world == 1:
-        return [value]
-    out: list[Any] = [None] * world
-    dist.all_gather_object(out, value)
-    return out
-
-
 def save_meta_checkpoint(
     model: nn.Module,
     folder: Union[str, Path],
@@ -566,7 +546,7 @@ def save_meta_checkpoint(
     if not isinstance(args, ModelArgs):
         raise MetaCheckpointError("save_meta_checkpoint needs a models.llama.Transformer (a model with .args)")
     _check_mp_out(args, mp_out)
-    rank, world = _world()
+    rank, world = rank_and_world()
     split = args.resolved_embedding_split
     shapes = meta_shapes(args)
 
@@ -583,7 +563,7 @@ def save_meta_checkpoint(
             decision = ("ok", str(tmp))
         except Exception as err:  # noqa: BLE001 - every rank must raise the same error
             decision = ("error", f"{type(err).__name__}: {err}")
-    status, value = _broadcast(decision, world)
+    status, value = from_rank0(decision, world)
     if status == "error":
         raise MetaCheckpointError(value)
     tmp = Path(value)
@@ -620,7 +600,7 @@ def save_meta_checkpoint(
                 outputs[j] = {}  # free each file's tensors once written
         except Exception as err:  # noqa: BLE001 - reported to every rank below
             error = f"{type(err).__name__}: {err}"
-    errors = [e for e in _gather(error, world) if e is not None]
+    errors = [e for e in gather_all(error, world) if e is not None]
 
     outcome: Any = None
     if rank == 0:
@@ -630,18 +610,12 @@ def save_meta_checkpoint(
             # params.json last: a folder with it is complete.
             text = json.dumps(meta_params_json(args), indent=2) + "\n"
             _write_durably(tmp / PARAMS_JSON, lambda f: f.write(text.encode()))
-            if folder.exists():  # overwrite=True: move the old one aside, swap, then delete it
-                old = folder.parent / f".{folder.name}.{uuid.uuid4().hex[:12]}.old"
-                os.replace(folder, old)
-                os.replace(tmp, folder)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, folder)
+            replace_folder(tmp, folder)  # overwrite=True: the old folder goes only once the new one is in place
             outcome = ("ok", str(folder))
         except Exception as err:  # noqa: BLE001
             shutil.rmtree(tmp, ignore_errors=True)
             outcome = ("error", str(err) if isinstance(err, MetaCheckpointError) else f"{type(err).__name__}: {err}")
-    status, value = _broadcast(outcome, world)
+    status, value = from_rank0(outcome, world)
     if status == "error":
         raise MetaCheckpointError(value)
     return folder

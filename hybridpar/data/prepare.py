@@ -20,7 +20,7 @@ from typing import Iterable, Iterator, Optional, Sequence, Union
 import numpy as np
 
 from hybridpar.data.corpus import default_corpus_documents, default_corpus_id
-from hybridpar.data.files import PathLike, atomic_output, file_lock, sha256_text, write_text_atomic
+from hybridpar.files import PathLike, atomic_output, file_lock, sha256_text, write_text_atomic
 
 log = logging.getLogger(__name__)
 

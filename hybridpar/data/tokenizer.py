@@ -18,7 +18,7 @@ from typing import Callable, Iterable, Iterator, Optional, Sequence
 import numpy as np
 import sentencepiece as spm
 
-from hybridpar.data.files import PathLike, file_lock, sha256_file, sha256_text, write_bytes_atomic
+from hybridpar.files import PathLike, file_lock, sha256_file, sha256_text, write_bytes_atomic
 
 log = logging.getLogger(__name__)
 

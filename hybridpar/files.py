@@ -14,6 +14,7 @@ import fcntl
 import hashlib
 import logging
 import os
+import shutil
 import socket
 import tempfile
 import time
@@ -48,6 +49,20 @@ def atomic_output(path: PathLike, mode: str = "wb") -> Iterator[IO]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def replace_folder(new: PathLike, target: PathLike) -> None:
+    """Rename the finished folder `new` to `target` (same file system). An existing `target` is moved
+    aside first and deleted after, so one complete copy exists at every moment."""
+    new, target = Path(new), Path(target)
+    if not target.exists():
+        os.replace(new, target)
+        return
+    # A directory rename needs a free name: park the old one under a unique hidden name.
+    aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent)) / target.name
+    os.replace(target, aside)
+    os.replace(new, target)
+    shutil.rmtree(aside.parent, ignore_errors=True)
 
 
 def write_bytes_atomic(path: PathLike, data: bytes) -> None:

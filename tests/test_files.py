@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from hybridpar.data.files import atomic_output, file_lock, write_text_atomic
+from hybridpar.files import atomic_output, file_lock, write_text_atomic
 
 
 def test_atomic_output_replaces_only_when_complete(tmp_path):
@@ -46,3 +46,18 @@ def test_file_lock_excludes_other_processes_and_times_out_clearly(tmp_path):
     finally:
         holder.join(10)
     assert holder.exitcode == 0
+
+
+def test_replace_folder_swaps_in_the_new_one_and_removes_the_old(tmp_path):
+    from hybridpar.files import replace_folder
+
+    target, new = tmp_path / "ckpt", tmp_path / "ckpt.partial"
+    new.mkdir()
+    (new / "a").write_text("first")
+    replace_folder(new, target)
+    assert (target / "a").read_text() == "first" and not new.exists()
+    new.mkdir()
+    (new / "b").write_text("second")
+    replace_folder(new, target)
+    assert sorted(p.name for p in target.iterdir()) == ["b"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # nothing parked is left behind

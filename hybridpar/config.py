@@ -88,6 +88,8 @@ class DiagnosticsConfig:
     data_guard_every: int = 0  # and every N steps after (0: step 1 only)
     replica_check_every: int = 0  # every N steps, check that replicated parameters agree (0: never)
     train_timeout: float = 300.0  # seconds a collective may wait once the first step is done (0: keep init_timeout)
+    watchdog: bool = True  # report who is to blame when no rank progresses for train_timeout, then exit 124
+    watchdog_interval: float = 0.0  # seconds between heartbeats (0: train_timeout / 20, within 0.2-5 s)
 
 
 @dataclasses.dataclass

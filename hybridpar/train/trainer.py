@@ -41,6 +41,7 @@ from ..data import (
 from ..diagnostics.data_guard import batch_fingerprint, check_data
 from ..diagnostics.replicas import check_replicas
 from ..diagnostics.timeouts import apply_env_defaults, set_train_timeout
+from ..diagnostics.watchdog import BACKSTOP_GRACE, Watchdog
 from ..mesh import ParallelDims, init_parallel
 from ..parallel import vocab_parallel_cross_entropy
 from ..parallel.fsdp import apply_fsdp
@@ -116,7 +117,9 @@ class Trainer:
     def __init__(self, config: Config, parallel: Optional[ParallelDims] = None) -> None:
         self.config = c = config
         c.validate()
-        apply_env_defaults(Path(c.output.run_dir) / "flight_recorder")  # before the process group exists
+        self.trace_dir = Path(c.output.run_dir) / "flight_recorder"
+        apply_env_defaults(self.trace_dir)  # before the process group exists
+        self.watchdog: Optional[Watchdog] = None  # runs during run()
         self.parallel = parallel or init_parallel(
             mp=c.parallel.mp, dp_shard=c.parallel.dp_shard, dp_replicate=c.parallel.dp_replicate,
             timeout=c.parallel.init_timeout, backend=c.parallel.backend or None,
@@ -196,7 +199,23 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         train_state = {"scheduler": self.scheduler.state_dict(), "data": self.loader.state_dict()}
-        return self.checkpointer.save(self.step, self.model, self.optimizer, train_state, params_dict(self.args))
+        # Writing a large checkpoint can outlast the train timeout without any collective: not a hang.
+        self._at("checkpoint", timeout=self.config.parallel.init_timeout)
+        path = self.checkpointer.save(self.step, self.model, self.optimizer, train_state, params_dict(self.args))
+        self._at("checkpointed", timeout=self._train_timeout())
+        return path
+
+    def _at(self, phase: str, timeout: Optional[float] = None) -> None:
+        """Tell the watchdog where this rank is (cheap: two attribute writes)."""
+        if self.watchdog is not None:
+            self.watchdog.phase = phase
+            if timeout is not None:
+                self.watchdog.arm(timeout)
+
+    def _train_timeout(self) -> float:
+        """The no-progress limit for this step: the init timeout until step 1 is done, then the train timeout."""
+        c = self.config
+        return c.diagnostics.train_timeout if self.step >= 1 and c.diagnostics.train_timeout > 0 else c.parallel.init_timeout
 
     def _model_args(self) -> ModelArgs:
         if self.init_from_meta:
@@ -245,6 +264,9 @@ class Trainer:
     def train_step(self) -> dict:
         c, p = self.config, self.parallel
         start = time.perf_counter()
+        if self.watchdog is not None:
+            self.watchdog.step = self.step + 1  # the step in progress
+        self._at("data")
         batches = [next(self.loader) for _ in range(c.train.grad_accum)]
         guard_seconds = self._guard_data(batches)
         counts = torch.tensor([float(sum((t != -100).sum() for _, t in batches))], device=self.device)
@@ -258,12 +280,16 @@ class Trainer:
             self.model.set_requires_gradient_sync(i == len(batches) - 1)
             inputs = inputs.to(self.device, non_blocking=True)
             targets = targets.to(self.device, non_blocking=True)
+            self._at("forward")
             loss = vocab_parallel_cross_entropy(self.model(inputs), targets, parallel=p, reduction="sum")
+            self._at("backward")
             (loss * scale).backward()
             loss_sum += loss.detach()
+        self._at("loss")
         dist.all_reduce(loss_sum, group=p.dp_group)
         mean_loss = loss_sum.item() / global_targets
 
+        self._at("optimizer")
         grad_norm = grad_norm_and_clip(self.params, c.optim.grad_clip)
         lr = self.scheduler.get_last_lr()[0]
         skipped = not (math.isfinite(mean_loss) and math.isfinite(grad_norm))
@@ -278,7 +304,11 @@ class Trainer:
         self.scheduler.step()
         self.step += 1
         if self.step == 1 and c.diagnostics.train_timeout > 0:
-            set_train_timeout(p, c.diagnostics.train_timeout)  # start-up is over: a long wait is now a hang
+            # Start-up is over: a long wait is now a hang. The watchdog reports it after train_timeout;
+            # the collectives' own timeout stays a little longer, as a backstop.
+            grace = BACKSTOP_GRACE if self.watchdog is not None else 0.0
+            set_train_timeout(p, c.diagnostics.train_timeout + grace)
+            self._at("step 1 done", timeout=c.diagnostics.train_timeout)
         every = c.diagnostics.replica_check_every
         if every and self.step % every == 0:
             check_replicas(self.model, p, self.step)
@@ -306,6 +336,23 @@ class Trainer:
         }
 
     def run(self) -> list[dict]:
+        d = self.config.diagnostics
+        if d.watchdog:
+            self.watchdog = Watchdog(self.parallel, timeout=self._train_timeout(), run_dir=self.run_dir,
+                                     trace_dir=self.trace_dir, interval=d.watchdog_interval).start()
+            self.watchdog.step = self.step
+        error = None
+        try:
+            return self._run()
+        except BaseException as err:
+            error = err
+            raise
+        finally:
+            if self.watchdog is not None:
+                self.watchdog.close(error)
+                self.watchdog = None
+
+    def _run(self) -> list[dict]:
         c = self.config
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)

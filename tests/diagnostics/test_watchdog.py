@@ -1,0 +1,172 @@
+"""The hang watchdog and `hybridpar hang-report`: planted faults in real training jobs, and the
+analysis on hand-made traces."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hybridpar.diagnostics.flight import Collective, GroupTrace, RankTrace, analyse, format_report
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAIN_TIMEOUT = 4.0
+REPORT_WITHIN = TRAIN_TIMEOUT + 15.0  # the issue's bound: train timeout + 15 s
+
+
+# --- the analysis on hand-made traces ----------------------------------------------------------
+
+def _trace(rank, groups, stack=("train.py:10 in step",), note=""):
+    """groups: {name: (dim, ranks, [(seq, op, order)], completed)}"""
+    out = {}
+    for name, (dim, ranks, calls, completed) in groups.items():
+        recent = [Collective(seq, op, [[4]], order) for seq, op, order in calls]
+        out[name] = GroupTrace(name, dim, ranks, recent[-1].seq if recent else 0, completed, recent)
+    return RankTrace(rank=rank, host="h", coords=f"r{rank}", stack=list(stack), groups=out, note=note)
+
+
+def test_a_rank_outside_any_collective_is_named_with_its_line():
+    traces = {
+        0: _trace(0, {"mp": ("mp", [0, 1], [(1, "all_reduce", 1), (2, "all_reduce", 2)], 1)}),
+        1: _trace(1, {"mp": ("mp", [0, 1], [(1, "all_reduce", 1)], 1)}, stack=("train.py:99 in slow_io",)),
+    }
+    verdict = analyse(traces)
+    (finding,) = verdict.findings
+    assert (finding.kind, finding.ranks, finding.dim, finding.op, finding.seq) == ("not_arrived", [1], "mp", "all_reduce", 2)
+    assert "train.py:99 in slow_io" in finding.text
+    assert "CAUSE  rank 1 has not joined all_reduce #2" in format_report(verdict, "headline")
+
+
+def test_a_skipped_collective_is_told_from_its_victims_by_the_healthy_order():
+    # dp then world is the program's order (ranks 1 and 3 did both). Rank 2 skipped dp #5 and waits
+    # in world #9; rank 0 waits in dp #5 for rank 2 and has not reached world #9: a victim.
+    dp02, dp13 = ("dp", [0, 2]), ("dp", [1, 3])
+    world = ("world", [0, 1, 2, 3])
+    traces = {
+        0: _trace(0, {"dpA": (*dp02, [(5, "all_reduce", 10)], 4), "w": (*world, [(8, "all_reduce", 9)], 8)}),
+        1: _trace(1, {"dpB": (*dp13, [(5, "all_reduce", 10)], 5), "w": (*world, [(8, "all_reduce", 9), (9, "all_reduce", 11)], 8)}),
+        2: _trace(2, {"dpA": (*dp02, [(4, "all_reduce", 8)], 4), "w": (*world, [(8, "all_reduce", 9), (9, "all_reduce", 11)], 8)}),
+        3: _trace(3, {"dpB": (*dp13, [(5, "all_reduce", 10)], 5), "w": (*world, [(8, "all_reduce", 9), (9, "all_reduce", 11)], 8)}),
+    }
+    verdict = analyse(traces)
+    assert verdict.culprits == [2]
+    assert (verdict.findings[0].kind, verdict.findings[0].dim, verdict.findings[0].seq) == ("skipped", "dp", 5)
+
+
+def test_a_shape_mismatch_names_the_odd_rank_even_in_a_group_of_two():
+    # Two ranks cannot outvote each other: the other mp groups' call at the same number decides.
+    def mp(rank, sizes):
+        t = _trace(rank, {f"mp{rank // 2}": ("mp", [rank // 2 * 2, rank // 2 * 2 + 1], [(3, "all_reduce", 3)], 2)})
+        t.groups[f"mp{rank // 2}"].recent[0].sizes = sizes
+        return t
+
+    traces = {0: mp(0, [[4]]), 1: mp(1, [[4]]), 2: mp(2, [[4]]), 3: mp(3, [[7]])}
+    finding = analyse(traces).findings[0]
+    assert (finding.kind, finding.ranks, finding.dim, finding.seq) == ("mismatch", [3], "mp", 3)
+    assert "7" in finding.text
+
+
+def test_a_dead_rank_is_named_with_the_collective_its_peers_wait_in():
+    traces = {0: _trace(0, {"mp": ("mp", [0, 1], [(6, "all_reduce", 6), (7, "all_reduce", 7)], 6)})}
+    verdict = analyse(traces, dead=[1], last_issued={1: {"mp": 6}})
+    (finding,) = verdict.findings
+    assert (finding.kind, finding.ranks, finding.dim, finding.op, finding.seq) == ("dead", [1], "mp", "all_reduce", 7)
+    assert "rank    1  gone" in format_report(verdict, "headline")
+
+
+# --- planted faults in real jobs ---------------------------------------------------------------
+
+FAULTS = {
+    # fault: (faulty rank, expected kind, dim, op)
+    "sleep_mp": (3, "not_arrived", "mp", "all_reduce"),
+    "skip_dp": (2, "mismatch", "dp", "all_reduce"),  # its next dp call (FSDP's all-gather) meets the skipped one
+    "exit": (3, "dead", "mp", "all_reduce"),
+    "shape": (1, "mismatch", "dp", "all_reduce"),
+}
+FAULT_STEP = 3
+
+
+def _flags(corpus, run_dir: Path) -> dict:
+    return {
+        "model.preset": "debug", "model.vocab_size": 512, "parallel.mp": 2, "parallel.dp_shard": 2,
+        "fsdp.sharding_strategy": "full_shard", "fsdp.param_dtype": "float32",
+        "data.source": corpus["source"], "data.cache_dir": corpus["cache_dir"], "data.tokenizer_vocab_size": 512,
+        "data.seq_len": 32, "data.micro_batch_size": 2, "train.steps": 6, "train.log_every": 1,
+        "train.peak_flops": 1e12, "output.run_dir": str(run_dir), "output.tensorboard": False,
+        "output.plot": False, "checkpoint.at_end": False,
+        "diagnostics.train_timeout": TRAIN_TIMEOUT, "diagnostics.watchdog_interval": 0.25,
+    }
+
+
+def _run_fault(corpus, tmp_path: Path, fault: str, rank: int, world: int = 4) -> tuple[subprocess.CompletedProcess, float]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+           str(ROOT / "tests" / "diagnostics" / "fault_job.py"), fault, str(rank), str(FAULT_STEP),
+           json.dumps(_flags(corpus, tmp_path / "run"))]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env, cwd=ROOT)
+    fired = re.search(r"FAULT \S+ on rank \d+ at ([\d.]+)", result.stderr)
+    assert fired, f"the fault never fired:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+    return result, float(fired.group(1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_planted_fault_is_reported_naming_rank_group_and_collective(corpus, tmp_path, fault):
+    rank, kind, dim, op = FAULTS[fault]
+    result, fired_at = _run_fault(corpus, tmp_path, fault, rank)
+    report_path = tmp_path / "run" / "hang_report.json"
+    assert result.returncode != 0, "the job must exit non-zero"
+    assert report_path.exists(), f"no report:\n{result.stderr[-4000:]}"
+    delay = report_path.stat().st_mtime - fired_at
+    report = json.loads(report_path.read_text())
+    first = report["findings"][0]
+    text = result.stderr[result.stderr.index("hybridpar watchdog"):]
+    print(f"\n{fault}: report {delay:.1f} s after the fault (bound {REPORT_WITHIN:g} s)\n"
+          + "\n".join(text.splitlines()[:6]))
+    assert delay <= REPORT_WITHIN
+    assert (first["kind"], first["ranks"], first["dim"], first["op"]) == (kind, [rank], dim, op), first
+    assert report["step"] == FAULT_STEP
+    assert f"rank {rank}" in text.splitlines()[1]
+
+    # The same verdict offline, from the dumps every rank left in the run folder.
+    from hybridpar.cli import main
+
+    offline = tmp_path / "offline.json"
+    assert main(["hang-report", str(tmp_path / "run" / "flight_recorder"), "--json", str(offline)]) == 0
+    again = json.loads(offline.read_text())["findings"][0]
+    assert (again["kind"], again["ranks"], again["dim"], again["op"], again["seq"]) == \
+        (first["kind"], first["ranks"], first["dim"], first["op"], first["seq"])
+
+
+def test_hang_report_without_dumps_says_what_it_needs(tmp_path, capsys):
+    from hybridpar.cli import main
+
+    assert main(["hang-report", str(tmp_path)]) == 2
+    assert "no flight-recorder dumps" in capsys.readouterr().err
+
+
+def test_a_healthy_run_is_left_alone_and_the_watchdog_stops(corpus, tmp_path, workers):
+    results = workers(4).run(_healthy_run, corpus, str(tmp_path / "run"))
+    assert all(r["steps"] == 4 and not r["report"] and not r["watchdog_thread"] for r in results), results
+
+
+def _healthy_run(corpus, run_dir):
+    import threading
+
+    from tests.distributed import parallel_dims
+    from tests.runs import make_config
+
+    from hybridpar.train import Trainer
+
+    config = make_config(corpus, run_dir, mp=2, dp=2, steps=4, **{
+        "diagnostics.train_timeout": 2.0, "diagnostics.watchdog_interval": 0.1})
+    history = Trainer(config, parallel_dims(mp=2)).run()
+    time.sleep(0.5)  # longer than a beat: a stale monitor would have acted by now
+    return {"steps": len(history), "report": (Path(run_dir) / "hang_report.json").exists(),
+            "watchdog_thread": any(t.name == "hybridpar-watchdog" for t in threading.enumerate())}

@@ -40,6 +40,7 @@ def atomic_output(path: PathLike, mode: str = "wb") -> Iterator[IO]:
     # Same folder as the target: os.replace is only atomic within one file system.
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~umask())  # mkstemp makes 0600; a normal file respects the umask
         with os.fdopen(fd, mode, **({"encoding": "utf-8"} if mode == "w" else {})) as f:
             yield f
             f.flush()
@@ -49,6 +50,18 @@ def atomic_output(path: PathLike, mode: str = "wb") -> Iterator[IO]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def umask() -> int:
+    """The process umask, read without changing it (os.umask would, briefly, for every thread)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
 
 
 def replace_folder(new: PathLike, target: PathLike) -> None:

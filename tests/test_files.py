@@ -61,3 +61,13 @@ def test_replace_folder_swaps_in_the_new_one_and_removes_the_old(tmp_path):
     replace_folder(new, target)
     assert sorted(p.name for p in target.iterdir()) == ["b"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # nothing parked is left behind
+
+
+def test_atomic_files_get_the_umask_mode_not_mkstemps_0600(tmp_path):
+    import os
+
+    from hybridpar.files import umask
+
+    write_text_atomic(tmp_path / "report.json", "{}")
+    assert (tmp_path / "report.json").stat().st_mode & 0o777 == 0o666 & ~umask()
+    assert umask() == os.umask(umask())  # read without changing it

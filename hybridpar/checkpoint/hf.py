@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 
 from models.llama import ModelArgs
 
-from ..files import replace_folder
+from ..files import replace_folder, umask
 from .ranks import from_rank0, rank_and_world
 
 CONFIG_JSON = "config.json"
@@ -168,6 +168,7 @@ def write_hf_folder(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     # Same parent as out_dir: os.replace is atomic only within one file system.
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
+    os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes 0700, which the renamed folder would keep
     try:
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / CONFIG_JSON).write_text(json.dumps(config, indent=2) + "\n")

@@ -83,21 +83,25 @@ def test_a_dead_rank_is_named_with_the_collective_its_peers_wait_in():
 # --- planted faults in real jobs ---------------------------------------------------------------
 
 FAULTS = {
-    # fault: (faulty rank, expected kind, dim, op)
-    "sleep_mp": (3, "not_arrived", "mp", "all_reduce"),
-    "skip_dp": (2, "mismatch", "dp", "all_reduce"),  # its next dp call (FSDP's all-gather) meets the skipped one
-    "exit": (3, "dead", "mp", "all_reduce"),
-    "shape": (1, "mismatch", "dp", "all_reduce"),
+    # case: (fault, world, faulty rank, expected kind, dim, op)
+    "sleep_mp": ("sleep_mp", 4, 3, "not_arrived", "mp", "all_reduce"),
+    # mp2 x dp2: the next call on the dp group (FSDP's all-gather) meets the skipped all-reduce
+    "skip_dp": ("skip_dp", 4, 2, "mismatch", "dp", "all_reduce"),
+    "exit": ("exit", 4, 3, "dead", "mp", "all_reduce"),
+    "shape": ("shape", 4, 1, "mismatch", "dp", "all_reduce"),
+    # mp2 x hybrid 2x2: FSDP gathers on dp_shard, so the skipped dp call stays pending behind it
+    "skip_dp_world8": ("skip_dp", 8, 5, "skipped", "dp", "all_reduce"),
 }
 FAULT_STEP = 3
 
 
-def _flags(corpus, run_dir: Path) -> dict:
+def _flags(corpus, run_dir: Path, world: int) -> dict:
     return {
         "model.preset": "debug", "model.vocab_size": 512, "parallel.mp": 2, "parallel.dp_shard": 2,
-        "fsdp.sharding_strategy": "full_shard", "fsdp.param_dtype": "float32",
+        "parallel.dp_replicate": world // 4, "fsdp.sharding_strategy": "full_shard" if world == 4 else "hybrid_shard",
+        "fsdp.param_dtype": "float32",
         "data.source": corpus["source"], "data.cache_dir": corpus["cache_dir"], "data.tokenizer_vocab_size": 512,
-        "data.seq_len": 32, "data.micro_batch_size": 2, "train.steps": 6, "train.log_every": 1,
+        "data.seq_len": 32, "data.micro_batch_size": 8 // world, "train.steps": 6, "train.log_every": 1,
         "train.peak_flops": 1e12, "output.run_dir": str(run_dir), "output.tensorboard": False,
         "output.plot": False, "checkpoint.at_end": False,
         "diagnostics.train_timeout": TRAIN_TIMEOUT, "diagnostics.watchdog_interval": 0.25,
@@ -108,7 +112,7 @@ def _run_fault(corpus, tmp_path: Path, fault: str, rank: int, world: int = 4) ->
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
            str(ROOT / "tests" / "diagnostics" / "fault_job.py"), fault, str(rank), str(FAULT_STEP),
-           json.dumps(_flags(corpus, tmp_path / "run"))]
+           json.dumps(_flags(corpus, tmp_path / "run", world))]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env, cwd=ROOT)
     fired = re.search(r"FAULT \S+ on rank \d+ at ([\d.]+)", result.stderr)
     assert fired, f"the fault never fired:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
@@ -116,10 +120,10 @@ def _run_fault(corpus, tmp_path: Path, fault: str, rank: int, world: int = 4) ->
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fault", list(FAULTS))
-def test_planted_fault_is_reported_naming_rank_group_and_collective(corpus, tmp_path, fault):
-    rank, kind, dim, op = FAULTS[fault]
-    result, fired_at = _run_fault(corpus, tmp_path, fault, rank)
+@pytest.mark.parametrize("case", list(FAULTS))
+def test_planted_fault_is_reported_naming_rank_group_and_collective(corpus, tmp_path, case):
+    fault, world, rank, kind, dim, op = FAULTS[case]
+    result, fired_at = _run_fault(corpus, tmp_path, fault, rank, world)
     report_path = tmp_path / "run" / "hang_report.json"
     assert result.returncode != 0, "the job must exit non-zero"
     assert report_path.exists(), f"no report:\n{result.stderr[-4000:]}"
@@ -127,7 +131,7 @@ def test_planted_fault_is_reported_naming_rank_group_and_collective(corpus, tmp_
     report = json.loads(report_path.read_text())
     first = report["findings"][0]
     text = result.stderr[result.stderr.index("hybridpar watchdog"):]
-    print(f"\n{fault}: report {delay:.1f} s after the fault (bound {REPORT_WITHIN:g} s)\n"
+    print(f"\n{case}: report {delay:.1f} s after the fault (bound {REPORT_WITHIN:g} s)\n"
           + "\n".join(text.splitlines()[:6]))
     assert delay <= REPORT_WITHIN
     assert (first["kind"], first["ranks"], first["dim"], first["op"]) == (kind, [rank], dim, op), first

@@ -19,6 +19,7 @@ from hybridpar.data.loader import (
     check_dataset_size,
     check_vocab,
 )
+from hybridpar.data.pipeline import build_data, default_cache_dir
 from hybridpar.data.prepare import TokenFile, prepare_cached, prepare_tokens, source_documents, source_id
 from hybridpar.data.tokenizer import Tokenizer, load_or_train_tokenizer, train_tokenizer
 
@@ -37,6 +38,8 @@ __all__ = [
     "DistributedSampler",
     "ResumableDataLoader",
     "build_dataloader",
+    "build_data",
+    "default_cache_dir",
     "check_dataset_size",
     "check_vocab",
 ]

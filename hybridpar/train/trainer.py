@@ -28,16 +28,7 @@ from models.llama import ModelArgs, Transformer
 
 from ..checkpoint.dcp import Checkpointer, latest_checkpoint, params_dict
 from ..config import Config, ConfigError, dump_toml
-from ..data import (
-    PackedDataset,
-    build_dataloader,
-    check_dataset_size,
-    check_vocab,
-    load_or_train_tokenizer,
-    prepare_cached,
-    source_documents,
-    source_id,
-)
+from ..data import build_data, build_dataloader, check_dataset_size, check_vocab
 from ..diagnostics.data_guard import batch_fingerprint, check_data
 from ..diagnostics.replicas import check_replicas
 from ..diagnostics.timeouts import apply_env_defaults, set_train_timeout
@@ -50,10 +41,6 @@ from .metrics import MetricsWriter, flops_per_token, measure_matmul_peak, memory
 
 class NonFiniteLossError(FloatingPointError):
     pass
-
-
-def default_cache_dir() -> Path:
-    return Path.home() / ".cache" / "hybridpar"
 
 
 def build_optimizer(model: torch.nn.Module, config) -> torch.optim.Optimizer:
@@ -137,7 +124,7 @@ class Trainer:
             )
         if self.args.vocab_size > 0:
             self.args.check(p.mp)  # fail fast, before any data work
-        self.tokenizer, self.dataset = self._build_data()
+        self.tokenizer, self.dataset = build_data(c.data)
         if self.args.vocab_size <= 0:  # Llama 2's params.json says -1: the tokenizer decides
             self.args = dataclasses.replace(self.args, vocab_size=self.tokenizer.vocab_size)
             self.args.check(p.mp)
@@ -231,18 +218,6 @@ class Trainer:
         if m.params_json:
             return ModelArgs.from_params_json(m.params_json, **overrides)
         return ModelArgs.from_preset(m.preset, **overrides)
-
-    def _build_data(self):
-        """Tokenizer (given, or trained on the source and cached), token file, packed windows."""
-        d = self.config.data
-        cache = Path(d.cache_dir) if d.cache_dir else default_cache_dir()
-        tokenizer = load_or_train_tokenizer(
-            d.tokenizer or None, vocab_size=d.tokenizer_vocab_size,
-            documents_factory=lambda: source_documents(d.source, d.text_field),
-            corpus_id=source_id(d.source, d.text_field), cache_dir=cache,
-        )
-        token_file = prepare_cached(d.source, tokenizer, cache, text_field=d.text_field)
-        return tokenizer, PackedDataset(token_file, d.seq_len)
 
     def _measure_peak(self) -> float:
         if self.device.type == "cuda":

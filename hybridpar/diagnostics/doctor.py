@@ -1,0 +1,418 @@
+"""`hybridpar doctor`: check a job's mesh, environment, links and data pipeline before training on it.
+
+Run under the same launcher and environment as training (torchrun, srun; a world of one works):
+
+  1. layout: every rank reports host, local rank, device, pid; rank 0 prints one table with the
+     mesh coordinates and warns when a model-parallel group spans hosts;
+  2. environment (hybridpar.diagnostics.env): deprecated or unparsable NCCL variables, missing
+     socket interfaces on multi-host jobs, contradicting timeouts, variables that differ between
+     ranks, CPU oversubscription;
+  3. bus bandwidth of all_reduce, all_gather and reduce_scatter on every mesh dimension, with
+     nccl-tests' definitions: algbw = bytes / time, busbw = algbw * 2(n-1)/n for all_reduce and
+     algbw * (n-1)/n for all_gather and reduce_scatter, where bytes is the size of the whole
+     (gathered / unreduced) buffer, so busbw is comparable with the link speed at any n;
+  4. data guard (with --config): the trainer's data pipeline is built and its first batch checked
+     (ranks of an mp group share it, dp ranks differ), as the trainer does at step 1.
+
+Every finding is an error, a warning or ok; `run_doctor` returns 1 when there is an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import socket
+import time
+from pathlib import Path
+from typing import Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..config import Config
+from ..files import write_text_atomic
+from ..mesh import MeshCoords, ParallelDims, group_ranks, launch_env
+from ..parallel.mappings import all_gather_single
+from .data_guard import DataGuardError, batch_fingerprint, check_data
+from .env import (ERROR, OK, WARNING, Finding, check_env, check_rank_envs, check_threads, merge_findings, relevant_env,
+                  sort_findings)
+
+OPS = ("all_reduce", "all_gather", "reduce_scatter")
+DEFAULT_SIZES = "4K:64M"
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# --- 1. layout --------------------------------------------------------------------------------------
+
+
+def rank_info(parallel: ParallelDims, environ: Mapping[str, str]) -> dict:
+    """What one rank reports about itself (small: it is all-gathered as a Python object)."""
+    try:
+        interfaces = sorted(name for _, name in socket.if_nameindex())
+    except OSError:
+        interfaces = None
+    # The cores this process may run on (a Slurm allocation binds fewer than the host has).
+    cpu_ids = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    return {
+        "rank": parallel.rank, "host": socket.gethostname(), "local_rank": launch_env(environ).local_rank,
+        "device": str(parallel.device), "pid": os.getpid(), "threads": torch.get_num_threads(),
+        "cpu_ids": cpu_ids, "interfaces": interfaces, "env": relevant_env(environ),
+    }
+
+
+def gather_objects(obj) -> list:
+    """Every rank's `obj`, in rank order (all_gather_object over the world)."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def layout_rows(infos: Sequence[Mapping], dp_replicate: int, dp_shard: int, mp: int) -> list[dict]:
+    rows = []
+    for info in infos:
+        c = MeshCoords.of(info["rank"], dp_replicate, dp_shard, mp)
+        rows.append({"rank": c.rank, "host": info["host"], "local_rank": info["local_rank"], "device": info["device"],
+                     "pid": info["pid"], "mp_rank": c.mp_rank, "dp_rank": c.dp_rank,
+                     "replicate_idx": c.replicate_idx, "shard_idx": c.shard_idx})
+    return rows
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence], right: Sequence[bool]) -> str:
+    cells = [[str(v) for v in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(header)]
+
+    def line(values):
+        return "  ".join(v.rjust(w) if r else v.ljust(w) for v, w, r in zip(values, widths, right)).rstrip()
+
+    return "\n".join([line(header)] + [line(r) for r in cells])
+
+
+def format_layout(rows: Sequence[Mapping]) -> str:
+    keys = ("rank", "host", "local_rank", "device", "pid", "mp_rank", "dp_rank", "replicate_idx", "shard_idx")
+    header = ("rank", "host", "local", "device", "pid", "mp_rank", "dp_rank", "replicate", "shard")
+    right = (True, False, True, False, True, True, True, True, True)
+    return format_table(header, [[row[k] for k in keys] for row in rows], right)
+
+
+def check_layout(infos: Sequence[Mapping], dp_replicate: int, dp_shard: int, mp: int) -> list[Finding]:
+    """Model-parallel groups inside one host; no two ranks of a host on one device or local rank."""
+    host = {i["rank"]: i["host"] for i in infos}
+    findings = []
+    spanning = [g for g in group_ranks(dp_replicate, dp_shard, mp)["mp"] if len({host[r] for r in g}) > 1]
+    if spanning:
+        shown = "; ".join(f"{g} on {sorted({host[r] for r in g})}" for g in spanning[:4])
+        findings.append(Finding(WARNING, "layout",
+                                f"{len(spanning)} model-parallel group(s) span hosts ({shown}): tensor-parallel "
+                                "all-reduces run every layer and then cross the slower inter-node network; make mp "
+                                "at most the processes per host and give each host a whole number of mp groups"))
+    for key, what in (("device", "device"), ("local_rank", "local rank")):
+        seen: dict[tuple, list[int]] = {}
+        for i in infos:
+            if key == "device" and not i["device"].startswith("cuda"):
+                continue  # CPU ranks share the CPU by design
+            seen.setdefault((i["host"], i[key]), []).append(i["rank"])
+        for (h, value), ranks in seen.items():
+            if len(ranks) > 1:
+                findings.append(Finding(ERROR, "layout",
+                                        f"ranks {ranks} on host {h} have the same {what} {value}: each process of a "
+                                        "host needs its own LOCAL_RANK (torchrun sets it; under srun SLURM_LOCALID) "
+                                        "and its own GPU"))
+    if not findings:
+        hosts = len(set(host.values()))
+        findings.append(Finding(OK, "layout", f"{len(infos)} ranks on {hosts} host(s); model-parallel groups stay "
+                                              "inside a host"))
+    return findings
+
+
+# --- 3. bus bandwidth -------------------------------------------------------------------------------
+
+
+def bus_factor(op: str, n: int) -> float:
+    """nccl-tests' busbw / algbw: the fraction of the buffer each rank's link must carry."""
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter"):
+        return (n - 1) / n
+    raise ValueError(f"unknown collective {op!r}; choose from {', '.join(OPS)}")
+
+
+def bandwidths(op: str, nbytes: int, seconds: float, n: int) -> tuple[float, float]:
+    """(algbw, busbw) in bytes/s for one collective over `nbytes` (the whole buffer) taking `seconds`."""
+    algbw = nbytes / seconds
+    return algbw, algbw * bus_factor(op, n)
+
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "G": 1 << 30, "GB": 1 << 30}
+
+
+def _parse_size(text: str) -> int:
+    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?B?)\s*", text.upper())
+    if not match or int(match.group(1)) <= 0:
+        raise ValueError(f"bad size {text!r}: write bytes with an optional K, M or G suffix, e.g. 4K or 64M")
+    return int(match.group(1)) * _UNITS[match.group(2)]
+
+
+def parse_sizes(text: str) -> list[int]:
+    """'4K:64M' (x4 steps, as nccl-tests -f 4), '4K:64M:2' (factor 2) or a list '4K,1M,64M' -> bytes."""
+    if ":" in text:
+        parts = text.split(":")
+        if len(parts) not in (2, 3):
+            raise ValueError(f"bad --sizes {text!r}: use MIN:MAX[:FACTOR] such as 4K:64M, or a list such as 4K,1M")
+        lo, hi = _parse_size(parts[0]), _parse_size(parts[1])
+        factor = int(parts[2]) if len(parts) == 3 and parts[2].strip().isdigit() else (4 if len(parts) == 2 else 0)
+        if factor < 2 or lo > hi:
+            raise ValueError(f"bad --sizes {text!r}: need MIN <= MAX and an integer FACTOR >= 2")
+        sizes = []
+        while lo <= hi:
+            sizes.append(lo)
+            lo *= factor
+        return sizes
+    return [_parse_size(part) for part in text.split(",") if part.strip()]
+
+
+def format_bytes(n: int) -> str:
+    for unit, size in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return f"{n}B" if n < 1 << 10 else f"{n / (1 << 20):.2f}M"
+
+
+def dim_groups(dp_replicate: int, dp_shard: int, mp: int) -> list[tuple[str, list[str], list[list[int]]]]:
+    """The mesh dimensions worth measuring: (name, other names of the same groups, groups), in order
+    mp, dp, dp_shard, dp_replicate, world; dimensions of one rank and repeats of an earlier one skipped."""
+    kinds = group_ranks(dp_replicate, dp_shard, mp)
+    candidates = [("mp", kinds["mp"]), ("dp", kinds["dp"]), ("dp_shard", kinds["dp_shard"]),
+                  ("dp_replicate", kinds["dp_replicate"]), ("world", [list(range(dp_replicate * dp_shard * mp))])]
+    dims: list[tuple[str, list[str], list[list[int]]]] = []
+    for name, groups in candidates:
+        if len(groups[0]) < 2:
+            continue
+        same = next((d for d in dims if sorted(map(sorted, d[2])) == sorted(map(sorted, groups))), None)
+        if same is not None:
+            same[1].append(name)
+        else:
+            dims.append((name, [], groups))
+    return dims
+
+
+def _process_group(parallel: ParallelDims, name: str):
+    return {"mp": parallel.mp_group, "dp": parallel.dp_group, "dp_shard": parallel.dp_shard_group,
+            "dp_replicate": parallel.dp_replicate_group, "world": dist.group.WORLD}[name]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def buffer_numel(nbytes: int, n: int) -> int:
+    """float32 elements of the whole buffer for a requested size: a multiple of the group size n."""
+    return max(n, nbytes // 4 // n * n)
+
+
+def time_collective(op: str, group, n: int, nbytes: int, iters: int, warmup: int, device: torch.device) -> float:
+    """Mean seconds of one `op` over a float32 buffer of about `nbytes` (see buffer_numel)."""
+    numel = buffer_numel(nbytes, n)
+    full = torch.ones(numel, dtype=torch.float32, device=device)
+    part = torch.ones(numel // n, dtype=torch.float32, device=device)
+
+    def once():
+        if op == "all_reduce":
+            dist.all_reduce(full, group=group)
+        elif op == "all_gather":
+            all_gather_single(full, part, group=group)
+        else:
+            reduce_scatter_single(part, full, group=group)
+
+    for _ in range(warmup):
+        once()
+    _sync(device)
+    dist.barrier(group=group)  # start together, so the time is the collective's, not the skew's
+    start = time.perf_counter()
+    for _ in range(iters):
+        once()
+    _sync(device)
+    return (time.perf_counter() - start) / iters
+
+
+def measure_busbw(parallel: ParallelDims, sizes: Sequence[int], iters: int, warmup: int = 2,
+                  ops: Sequence[str] = OPS) -> list[dict]:
+    """Collective: every rank times every (dim, op, size) on its own group of that dim (all groups of
+    a dim run at once, as in training). Returns this rank's timings."""
+    records = []
+    for name, _, groups in dim_groups(parallel.dp_replicate, parallel.dp_shard, parallel.mp):
+        group, n = _process_group(parallel, name), len(groups[0])
+        for op in ops:
+            for size in sizes:
+                seconds = time_collective(op, group, n, size, iters, warmup, parallel.device)
+                records.append({"dim": name, "op": op, "bytes": 4 * buffer_numel(size, n), "seconds": seconds})
+    return records
+
+
+def summarise_busbw(per_rank: Sequence[Sequence[Mapping]], dp_replicate: int, dp_shard: int, mp: int) -> list[dict]:
+    """Rows of the bandwidth table from every rank's timings: a group's time is its slowest rank's
+    (the collective ends when the last rank is done), and each row reports the slowest group."""
+    dims = {name: (aliases, groups) for name, aliases, groups in dim_groups(dp_replicate, dp_shard, mp)}
+    rows = []
+    for i, record in enumerate(per_rank[0]):
+        aliases, groups = dims[record["dim"]]
+        n = len(groups[0])
+        group_times = [max(per_rank[r][i]["seconds"] for r in g) for g in groups]
+        slowest = max(range(len(groups)), key=lambda j: group_times[j])
+        seconds = group_times[slowest]
+        algbw, busbw = bandwidths(record["op"], record["bytes"], seconds, n)
+        rows.append({"dim": record["dim"], "same_as": aliases, "n": n, "op": record["op"], "bytes": record["bytes"],
+                     "time_us": seconds * 1e6, "algbw_gbps": algbw / 1e9, "busbw_gbps": busbw / 1e9,
+                     "slowest_group": groups[slowest],
+                     "group_busbw_gbps": [bandwidths(record["op"], record["bytes"], t, n)[1] / 1e9
+                                          for t in group_times]})
+    return rows
+
+
+def format_busbw(rows: Sequence[Mapping]) -> str:
+    """One line per (dim, size), a time and busbw column pair per collective (algbw is in the JSON)."""
+    ops = list(dict.fromkeys(r["op"] for r in rows))
+    lines: dict[tuple, dict] = {}
+    for r in rows:
+        lines.setdefault(("=".join([r["dim"], *r["same_as"]]), r["n"], r["bytes"]), {})[r["op"]] = r
+    header = ["dim", "n", "size"] + [h for op in ops for h in (f"{op}_us", "busbw")]
+    table = [[dim, n, format_bytes(nbytes)]
+             + [v for op in ops for v in (f"{by_op[op]['time_us']:.1f}", f"{by_op[op]['busbw_gbps']:.3f}")]
+             for (dim, n, nbytes), by_op in lines.items()]
+    return format_table(header, table, [False] + [True] * (len(header) - 1))
+
+
+# --- 4. data guard ----------------------------------------------------------------------------------
+
+
+def build_loader(config: Config, parallel: ParallelDims):
+    """The loader the trainer builds: hybridpar.data.build_data, then build_dataloader keyed by the
+    data-parallel coordinates."""
+    from ..data import build_data, build_dataloader, check_dataset_size
+
+    d = config.data
+    _, dataset = build_data(d)
+    grad_accum = config.train.grad_accum
+    check_dataset_size(dataset, d.micro_batch_size * grad_accum * parallel.dp_size, micro_batch_size=d.micro_batch_size,
+                       grad_accum=grad_accum, dp_size=parallel.dp_size)
+    return build_dataloader(dataset, dp_rank=parallel.dp_rank, dp_size=parallel.dp_size,
+                            micro_batch_size=d.micro_batch_size, seed=d.seed, num_workers=d.num_workers)
+
+
+def first_step_batches(loader, grad_accum: int) -> list:
+    """The micro-batches of step 1, which the trainer fingerprints together."""
+    return [next(loader) for _ in range(grad_accum)]
+
+
+def guard_batches(parallel: ParallelDims, batches: Optional[list], problem: str = "") -> Finding:
+    """Collective: the data guard on this rank's step-1 batches (None with `problem` when this rank
+    could not build them: then no rank runs the check, and every rank reports the failures)."""
+    problems = gather_objects(problem)
+    if any(problems):
+        shown = "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p)
+        return Finding(ERROR, "data-guard", f"the data pipeline could not be built: {shown}")
+    try:
+        check_data(batch_fingerprint(*(t for pair in batches for t in pair)), parallel, step=1)
+    except DataGuardError as err:
+        return Finding(ERROR, "data-guard", str(err))
+    shape = "x".join(map(str, batches[0][0].shape))
+    return Finding(OK, "data-guard",
+                   f"step-1 batches ({len(batches)} micro-batch(es) of {shape} tokens per rank): the {parallel.mp} "
+                   f"rank(s) of each model-parallel group share theirs, the {parallel.dp_size} data-parallel ranks "
+                   "all differ")
+
+
+def run_data_guard(config: Config, parallel: ParallelDims) -> Finding:
+    try:
+        batches, problem = first_step_batches(build_loader(config, parallel), config.train.grad_accum), ""
+    except Exception as err:  # noqa: BLE001 - reported as a finding on every rank, not a hang
+        batches, problem = None, f"{type(err).__name__}: {err}"
+    return guard_batches(parallel, batches, problem)
+
+
+# --- the run ----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class DoctorOptions:
+    sizes: Sequence[int] = dataclasses.field(default_factory=lambda: parse_sizes(DEFAULT_SIZES))
+    iters: int = 5
+    warmup: int = 2
+    ops: Sequence[str] = OPS
+    busbw: bool = True
+    data_guard: bool = False  # needs a config whose data section describes the training data
+    out: Optional[Path] = None
+
+
+def _section(title: str) -> str:
+    return f"\n== {title} " + "=" * max(0, 72 - len(title))
+
+
+def _print(text: str) -> None:
+    print(text, flush=True)
+
+
+def run_doctor(config: Config, parallel: ParallelDims, options: DoctorOptions,
+               environ: Optional[Mapping[str, str]] = None, echo=_print) -> int:
+    """Collective: run every check, rank 0 prints the report (and writes --out); 1 on errors, else 0
+    on every rank. `environ` is the environment as launched (before hybridpar's defaults)."""
+    environ = dict(os.environ if environ is None else environ)
+    for op in options.ops:
+        bus_factor(op, 2)  # unknown names fail here, before any collective
+    if options.iters < 1 or options.warmup < 0:
+        raise ValueError(f"--iters must be >= 1 and --warmup >= 0, got {options.iters} and {options.warmup}")
+    p, is_main = parallel, parallel.rank == 0
+    sizes = (p.dp_replicate, p.dp_shard, p.mp)
+
+    infos = gather_objects(rank_info(p, environ))
+    n_hosts = len({i["host"] for i in infos})
+    findings = check_layout(infos, *sizes)
+    per_rank = [check_env(i["env"], n_hosts=n_hosts, backend=p.backend, interfaces=i["interfaces"],
+                          init_timeout=config.parallel.init_timeout, train_timeout=config.diagnostics.train_timeout)
+                for i in infos]
+    findings += merge_findings(per_rank)
+    findings += check_rank_envs([i["env"] for i in infos])
+    findings += check_threads(infos)
+
+    rows: list[dict] = []
+    if options.busbw:
+        timings = gather_objects(measure_busbw(p, options.sizes, options.iters, options.warmup, options.ops))
+        rows = summarise_busbw(timings, *sizes)
+    if options.data_guard:
+        findings.append(run_data_guard(config, p))
+    findings = sort_findings(findings)
+
+    errors = sum(f.level == ERROR for f in findings)
+    warnings = sum(f.level == WARNING for f in findings)
+    if is_main:
+        echo(f"hybridpar doctor: {p.world_size} ranks = dp_replicate {p.dp_replicate} x dp_shard {p.dp_shard} x "
+             f"mp {p.mp}, {p.backend} on {p.device.type}, {n_hosts} host(s), torch {torch.__version__}")
+        echo(_section("mesh layout"))
+        echo(format_layout(layout_rows(infos, *sizes)))
+        echo(_section("bus bandwidth in GB/s (nccl-tests formulas; slowest group per dim)"))
+        if not options.busbw:
+            echo("skipped (--no-busbw)")
+        else:
+            echo(format_busbw(rows) if rows else "nothing to measure: every mesh dimension has one rank")
+        echo(_section("checks"))
+        for f in findings:
+            echo(f.line())
+        if not options.data_guard:
+            echo("(data guard skipped: pass --config with the training config to check its data pipeline)")
+        verdict = "FAILED" if errors else "passed"
+        echo(f"\ndoctor {verdict}: {errors} error(s), {warnings} warning(s)")
+        if options.out:
+            report = {
+                "world_size": p.world_size, "dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "mp": p.mp,
+                "backend": p.backend, "torch": torch.__version__, "hosts": sorted({i["host"] for i in infos}),
+                "layout": layout_rows(infos, *sizes), "busbw": rows, "iters": options.iters,
+                "findings": [f.to_dict() for f in findings], "errors": errors, "warnings": warnings,
+            }
+            write_text_atomic(options.out, json.dumps(report, indent=1) + "\n")
+            echo(f"wrote {options.out}")
+    # Every rank exits with the same code; waiting here keeps a launcher from stopping rank 0 (when the
+    # others exit 1 first) before its report is out.
+    dist.barrier()
+    return 1 if errors else 0

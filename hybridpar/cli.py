@@ -69,6 +69,86 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return main_generate(args)
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    """Per-GPU memory and step time of every (mp, dp_shard, dp_replicate, AC) layout; 1 when none fits."""
+    from models.llama import ModelArgs
+
+    from .plan import Hardware, Workload, format_plan, make_plan, parse_global_batch
+
+    overrides = {"vocab_size": args.vocab_size} if args.vocab_size else {}
+    if args.model.endswith(".json") or os.sep in args.model:
+        model = ModelArgs.from_params_json(args.model, **overrides)
+    else:
+        model = ModelArgs.from_preset(args.model, **overrides)
+    if model.vocab_size <= 0:
+        raise ValueError(f"{args.model} leaves vocab_size to the tokenizer ({model.vocab_size}): "
+                         "pass --vocab-size N (32000 for Llama 2's tokenizer)")
+    seq_len = args.seq_len or min(model.max_seq_len, 8192)
+    workload = Workload(
+        seq_len=seq_len, micro_batch=args.micro_batch,
+        global_batch=parse_global_batch(args.global_batch, seq_len) if args.global_batch else 0,
+        param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype,
+    )
+    hardware = Hardware(
+        gpus=args.gpus, gpu_mem_gib=args.gpu_mem_gb, gpus_per_node=args.gpus_per_node,
+        intra_node_busbw=args.intra_node_gbs * 1e9, inter_node_busbw=args.inter_node_gbs * 1e9,
+        peak_flops=args.peak_tflops * 1e12, mfu=args.mfu, reserve_gib=args.reserve_gb,
+    )
+    plan = make_plan(model, workload, hardware, allow_cross_node_mp=args.allow_cross_node_mp,
+                     zero2=args.zero2, ac_every=args.ac_every)
+    print(format_plan(plan, top=args.top, model_name=Path(args.model).name))
+    return 0 if plan.fitting else 1
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    """Check layout, environment, bandwidth per mesh dim and (with --config) the data pipeline; 1 on errors."""
+    import torch.distributed as dist
+
+    from .config import find_config, load_config
+    from .diagnostics.doctor import DoctorOptions, parse_sizes, run_doctor
+    from .diagnostics.timeouts import apply_env_defaults
+    from .mesh import init_parallel
+
+    config = load_config(find_config(args.config) if args.config else None, args.overrides)
+    for key in ("mp", "dp_shard", "dp_replicate"):
+        if getattr(args, key) is not None:
+            setattr(config.parallel, key, getattr(args, key))
+    options = DoctorOptions(sizes=parse_sizes(args.sizes), iters=args.iters, warmup=args.warmup,
+                            ops=[op for op in args.ops.split(",") if op], busbw=not args.no_busbw,
+                            data_guard=bool(args.config), out=Path(args.out) if args.out else None)
+    launched = dict(os.environ)  # checked as the user set it, before hybridpar's defaults
+    apply_env_defaults()  # then run the collectives with the settings training would use
+    c = config.parallel
+    parallel = init_parallel(mp=c.mp, dp_shard=c.dp_shard, dp_replicate=c.dp_replicate, timeout=c.init_timeout,
+                             backend=c.backend or None)
+    try:
+        return run_doctor(config, parallel, options, environ=launched)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _cmd_hang_report(args: argparse.Namespace) -> int:
+    """The watchdog's analysis, offline, over flight-recorder dumps collected from every node."""
+    import json
+
+    from .diagnostics.flight import analyse, format_report, load_dumps
+    from .files import write_text_atomic
+
+    traces, world = load_dumps(Path(args.dir))
+    if not traces:
+        print(f"hybridpar: error: no flight-recorder dumps in {args.dir} (files ending in the rank number, "
+              "as written by the watchdog or by TORCH_FR_DUMP_TEMP_FILE)", file=sys.stderr)
+        return 2
+    world = max(world, args.world, max(traces) + 1)
+    missing = sorted(set(range(world)) - set(traces))
+    verdict = analyse(traces, dead=missing)
+    print(format_report(verdict, f"hybridpar hang-report: {len(traces)} of {world} ranks' dumps in {args.dir}", world))
+    if args.json:
+        write_text_atomic(args.json, json.dumps(verdict.to_json(), indent=1))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridpar", description=__doc__)
     parser.add_argument("--version", action="version", version=f"hybridpar {__version__}")
@@ -105,13 +185,69 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--mp", type=int, default=1, help="model-parallel size (run under torchrun with that many ranks)")
     gen.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     gen.set_defaults(func=_cmd_generate)
+    doctor = sub.add_parser(
+        "doctor", help="check mesh layout, NCCL/gloo environment, bus bandwidth per mesh dim and the data pipeline",
+        epilog="Run under the job's launcher (torchrun, srun); exit code 1 when a check finds an error. "
+               "Config keys can be overridden as for train: --parallel.mp 2",
+    )
+    doctor.add_argument("--config", default="",
+                        help="the training config (TOML or preset name): its mesh, timeouts and data pipeline are checked")
+    doctor.add_argument("--mp", type=int, default=None, help="shorthand for --parallel.mp")
+    doctor.add_argument("--dp-shard", type=int, default=None, help="shorthand for --parallel.dp_shard")
+    doctor.add_argument("--dp-replicate", type=int, default=None, help="shorthand for --parallel.dp_replicate")
+    doctor.add_argument("--sizes", default="4K:64M",
+                        help="buffer sizes: MIN:MAX[:FACTOR] (default factor 4) or a list, e.g. 4K,1M (default 4K:64M)")
+    doctor.add_argument("--iters", type=int, default=5, help="timed iterations per size (default 5)")
+    doctor.add_argument("--warmup", type=int, default=2, help="untimed iterations per size (default 2)")
+    doctor.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter", help="collectives to time")
+    doctor.add_argument("--no-busbw", action="store_true", help="skip the bandwidth measurement")
+    doctor.add_argument("--out", default="", help="also write the report as JSON here (rank 0)")
+    doctor.set_defaults(func=_cmd_doctor)
+    hang = sub.add_parser("hang-report", help="explain a hang from the flight-recorder dumps of every rank")
+    hang.add_argument("dir", help="a folder with one dump per rank (e.g. the run folder's flight_recorder/)")
+    hang.add_argument("--world", type=int, default=0, help="number of ranks, if the dumps do not say (nccl dumps)")
+    hang.add_argument("--json", default="", help="also write the verdict as JSON here")
+    hang.set_defaults(func=_cmd_hang_report)
+    plan = sub.add_parser(
+        "plan", help="estimate per-GPU memory and step time of every layout, best first",
+        epilog="Example: hybridpar plan --model llama3_70b --gpus 128 --gpu-mem-gb 80 --global-batch 4Mtok. "
+               "Measure your bandwidths with `hybridpar doctor`. Exit code 1 when no layout fits.",
+    )
+    plan.add_argument("--model", required=True, help="a preset name (llama3_70b, ...) or Meta's params.json")
+    plan.add_argument("--vocab-size", type=int, default=0, help="for a params.json with vocab_size -1 (Llama 2)")
+    plan.add_argument("--gpus", type=int, required=True, help="number of GPUs (the world size)")
+    plan.add_argument("--gpu-mem-gb", type=float, required=True, help="memory per GPU in GiB (80 for 80 GB cards)")
+    plan.add_argument("--gpus-per-node", type=int, default=8)
+    plan.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (default: max_seq_len, at most 8192)")
+    plan.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch per dp rank (default 1)")
+    plan.add_argument("--global-batch", default="",
+                      help="per step: sequences (512) or tokens (4Mtok); default: one micro-batch per dp rank")
+    plan.add_argument("--param-dtype", default="bf16", choices=("bf16", "fp16", "fp32"),
+                      help="FSDP compute dtype; master weights, gradients and AdamW stay fp32 (default bf16)")
+    plan.add_argument("--reduce-dtype", default="fp32", choices=("bf16", "fp16", "fp32"),
+                      help="gradient reduction dtype (default fp32)")
+    plan.add_argument("--mfu", type=float, default=0.4,
+                      help="fraction of the peak the math reaches, communication excluded (default 0.4)")
+    plan.add_argument("--peak-tflops", type=float, default=312.0,
+                      help="dense bf16 TFLOP/s per GPU (default 312, A100; H100 SXM: 989)")
+    plan.add_argument("--intra-node-gbs", type=float, default=150.0,
+                      help="bus bandwidth inside a node, GB/s as nccl-tests reports it (default 150, NVLink)")
+    plan.add_argument("--inter-node-gbs", type=float, default=25.0,
+                      help="bus bandwidth between nodes per GPU, GB/s (default 25: one 200 Gb/s NIC per GPU)")
+    plan.add_argument("--reserve-gb", type=float, default=4.0,
+                      help="GiB per GPU kept free for the CUDA context, NCCL and fragmentation (default 4)")
+    plan.add_argument("--allow-cross-node-mp", action="store_true", help="also consider mp > GPUs per node")
+    plan.add_argument("--zero2", action="store_true", help="also consider not resharding after forward (ZeRO-2)")
+    plan.add_argument("--ac-every", type=int, default=2, help="selective AC: checkpoint every k-th block (default 2)")
+    plan.add_argument("--top", type=int, default=10, help="layouts to list (default 10)")
+    plan.set_defaults(func=_cmd_plan)
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if args.command == "train":
+    if args.command in ("train", "doctor"):
         args.overrides = extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

@@ -1,0 +1,369 @@
+"""`hybridpar plan`: its memory and communication model against the real code on CPU, and its
+choices at scale.
+
+The measured side runs models/llama.py under hybridpar.parallel.fsdp.apply_fsdp on 4 gloo ranks
+and counts, per rank:
+  - parameters, gradients and AdamW moments: the bytes of the local shards (as bench/memory.py);
+  - activations: the unique storages autograd saves during one forward + loss (a saved-tensors
+    hook), parameters excluded, sized at the end of forward, with and without checkpointing;
+  - the unsharded gradients FSDP keeps alive between accumulation micro-batches;
+  - the bytes handed to every collective in one forward + backward, by mesh group.
+"""
+
+from __future__ import annotations
+
+import collections
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed import parallel_dims
+
+ROOT = Path(__file__).resolve().parent.parent
+# The issue asks for 20%. The estimate is derived from the code and matches to a few bytes, so the
+# test holds it to 2%: a change to the model's saved tensors must come with a change to plan.py.
+TOLERANCE = 0.02
+
+
+# --- measured on the real model --------------------------------------------------------------
+
+
+def _local_bytes(t) -> int:
+    from torch.distributed.tensor import DTensor
+
+    t = t.to_local() if isinstance(t, DTensor) else t
+    return t.numel() * t.element_size()
+
+
+def _sharded_model(overrides: dict, mp: int, dp_shard: int, dp_replicate: int, ac: str, param_dtype: str):
+    from hybridpar.parallel.fsdp import FSDPConfig, apply_fsdp
+    from models.llama import ModelArgs, Transformer
+
+    parallel = parallel_dims(mp=mp, dp_shard=dp_shard, dp_replicate=dp_replicate)
+    args = ModelArgs.from_preset("tiny", **overrides)
+    torch.manual_seed(0)
+    strategy = "hybrid_shard" if dp_replicate > 1 else "full_shard"
+    model = apply_fsdp(Transformer(args, parallel), parallel, FSDPConfig(
+        sharding_strategy=strategy, param_dtype=param_dtype, activation_checkpointing=ac))
+    return args, parallel, model
+
+
+def _batch(args, parallel, micro_batch: int, seq_len: int):
+    tokens = torch.randint(0, args.vocab_size, (micro_batch, seq_len + 1),
+                           generator=torch.Generator().manual_seed(1 + parallel.dp_rank))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _case_measure(overrides: dict, mp: int, dp_shard: int, ac: str, micro_batch: int, seq_len: int,
+                  param_dtype: str) -> dict:
+    from torch.autograd.graph import saved_tensors_hooks
+    from torch.distributed.tensor import DTensor
+
+    from hybridpar.parallel import vocab_parallel_cross_entropy
+
+    args, parallel, model = _sharded_model(overrides, mp, dp_shard, 1, ac, param_dtype)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    inputs, targets = _batch(args, parallel, micro_batch, seq_len)
+
+    def loss_fn():
+        return vocab_parallel_cross_entropy(model(inputs), targets, parallel=parallel)
+
+    loss_fn().backward()  # one step, so that AdamW's moments exist
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+    saved: dict[int, torch.UntypedStorage] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        # Parameters in use are the gathered ones registered on their modules at this moment.
+        params = {(p.to_local() if isinstance(p, DTensor) else p).untyped_storage().data_ptr()
+                  for p in model.parameters()}
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage
+        return t
+
+    with saved_tensors_hooks(pack, lambda t: t):
+        loss = loss_fn()
+    # Sized now, when backward would start.
+    activations = sum(s.nbytes() for s in saved.values())
+    saved.clear()
+    loss.backward()
+    params = list(model.parameters())
+    measured = {
+        "params": sum(_local_bytes(p) for p in params),
+        "grads": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
+        "optimizer": sum(_local_bytes(v) for state in optimizer.state.values()
+                         for k, v in state.items() if k in ("exp_avg", "exp_avg_sq")),
+        "activations": activations,
+    }
+    optimizer.zero_grad(set_to_none=True)
+
+    # Gradient accumulation: what a micro-batch without gradient sync leaves alive for the next one.
+    before = _live_storages()
+    model.set_requires_gradient_sync(False)
+    loss_fn().backward()
+    measured["accumulated_grads"] = sum(s.nbytes() for ptr, s in _live_storages().items() if ptr not in before)
+    model.set_requires_gradient_sync(True)
+    loss_fn().backward()  # the last micro-batch reduces and frees them
+    optimizer.zero_grad(set_to_none=True)
+    return measured
+
+
+def _live_storages() -> dict:
+    """Every storage a live Python tensor object holds (DTensors by their local tensor), by address."""
+    import gc
+
+    from torch.distributed.tensor import DTensor
+
+    found = {}
+    for obj in gc.get_objects():
+        kind = type(obj)  # not isinstance: some objects warn when their __class__ is read
+        if issubclass(kind, torch.Tensor):
+            t = obj.to_local() if issubclass(kind, DTensor) else obj
+            storage = t.untyped_storage()
+            if storage.nbytes():
+                found[storage.data_ptr()] = storage
+    return found
+
+
+def _case_count_collectives(overrides: dict, mp: int, dp_shard: int, dp_replicate: int, ac: str,
+                            micro_batch: int, seq_len: int) -> dict:
+    """Bytes given to each collective in one forward + backward (gradient sync on), by mesh group."""
+    import torch.distributed as dist
+
+    from hybridpar.parallel import vocab_parallel_cross_entropy
+
+    args, parallel, model = _sharded_model(overrides, mp, dp_shard, dp_replicate, ac, "float32")
+    inputs, targets = _batch(args, parallel, micro_batch, seq_len)
+
+    def step():
+        vocab_parallel_cross_entropy(model(inputs), targets, parallel=parallel).backward()
+        model.zero_grad(set_to_none=True)
+
+    step()  # FSDP's lazy initialisation happens here, uncounted
+    groups = {name: tuple(dist.get_process_group_ranks(getattr(parallel, f"{name}_group")))
+              for name in ("mp", "dp_shard", "dp_replicate")}
+    counted: collections.Counter = collections.Counter()
+    # (function, the argument that nccl-tests sizes it by: the tensor, the gathered output, the unreduced input)
+    sized_by = {"all_reduce": (0, "tensor"), "all_gather_single": (0, "output_tensor"),
+                "reduce_scatter_single": (1, "input")}
+    originals = {name: getattr(dist, name) for name in sized_by}
+
+    def counting(name):
+        def call(*a, **kw):
+            position, keyword = sized_by[name]
+            tensor = a[position] if len(a) > position else kw[keyword]
+            ranks = tuple(dist.get_process_group_ranks(kw["group"])) if kw.get("group") is not None else None
+            if ranks is not None and len(ranks) > 1:
+                kind = next((g for g, members in groups.items() if members == ranks), str(ranks))
+                counted[f"{name} {kind}"] += tensor.numel() * tensor.element_size()
+            return originals[name](*a, **kw)
+        return call
+
+    try:
+        for name in sized_by:
+            setattr(dist, name, counting(name))
+        step()
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    return dict(counted)
+
+
+# --- the planner's side ---------------------------------------------------------------------------
+
+
+def _workload(layout, micro_batch: int, seq_len: int, param_dtype: str):
+    from hybridpar.plan import Workload
+
+    # Two micro-batches per step, so that the accumulated gradients are counted.
+    return Workload(seq_len=seq_len, micro_batch=micro_batch, global_batch=2 * layout.dp * micro_batch,
+                    param_dtype=param_dtype, reduce_dtype="float32")
+
+
+CASES = [  # (model overrides, mp, dp_shard, micro_batch, seq_len, FSDP param_dtype)
+    ({}, 2, 2, 2, 128, "float32"),
+    ({"n_kv_heads": 2}, 4, 1, 2, 64, "float32"),  # mp 4 > 2 kv heads: wk, wv replicated on every mp rank
+    ({}, 2, 2, 2, 128, "bfloat16"),  # the default mixed precision: bf16 compute, fp32 master and reduce
+]
+
+
+@pytest.mark.parametrize("overrides,mp,dp_shard,micro_batch,seq_len,param_dtype", CASES)
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_memory_estimate_matches_measured(workers, check_close, overrides, mp, dp_shard, micro_batch, seq_len,
+                                         param_dtype, ac):
+    from hybridpar.plan import Hardware, Layout, estimate
+    from models.llama import ModelArgs
+
+    measured_per_rank = workers(4).run(_case_measure, overrides, mp, dp_shard, ac, micro_batch, seq_len, param_dtype)
+    layout = Layout(mp, dp_shard, 4 // (mp * dp_shard), ac)
+    est = estimate(ModelArgs.from_preset("tiny", **overrides), layout,
+                   _workload(layout, micro_batch, seq_len, param_dtype), Hardware(gpus=4, gpu_mem_gib=80))
+    assert est.grad_accum == 2
+    modelled = {"params": est.memory.params, "grads": est.memory.grads, "optimizer": est.memory.optimizer,
+                "activations": est.memory.activations, "accumulated_grads": est.memory.accumulated_grads}
+    print(f"\nmp{mp} x dp_shard {dp_shard}, AC {ac}, {param_dtype}, {overrides or 'tiny'}:")
+    errors = {}
+    for key, value in modelled.items():
+        worst = max(m[key] for m in measured_per_rank)
+        errors[key] = abs(value - worst) / worst
+        print(f"  {key:<17} measured {worst:>12,} B  estimated {value:>12,.0f} B  error {100 * errors[key]:.2f}%")
+    check_close("memory estimate vs measured", errors, TOLERANCE)
+
+
+@pytest.mark.parametrize("overrides,mp,dp_shard,dp_replicate,ac", [
+    ({}, 2, 2, 1, "full"),  # tensor parallel + FSDP, with the recomputation's all-reduces
+    ({"n_kv_heads": 2}, 4, 1, 1, "none"),  # replicated kv heads: their weight gradients are all-reduced
+    ({}, 1, 2, 2, "none"),  # hybrid sharding: reduce-scatter, then all-reduce across replicas
+])
+def test_communication_bytes_match_the_collectives_issued(workers, overrides, mp, dp_shard, dp_replicate, ac):
+    from hybridpar.plan import Layout, collective_bytes
+    from models.llama import ModelArgs
+
+    micro_batch, seq_len = 2, 64
+    counted = workers(4).run(_case_count_collectives, overrides, mp, dp_shard, dp_replicate, ac, micro_batch, seq_len)
+    assert all(c == counted[0] for c in counted), counted
+    layout = Layout(mp, dp_shard, dp_replicate, ac)
+    comm = collective_bytes(ModelArgs.from_preset("tiny", **overrides), layout,
+                            _workload(layout, micro_batch, seq_len, "float32"))
+    # One micro-batch with gradient sync: every per-micro-batch and per-step term once.
+    modelled = {"all_reduce mp": comm.tp_all_reduce, "all_gather_single dp_shard": comm.fsdp_all_gather,
+                "reduce_scatter_single dp_shard": comm.fsdp_reduce_scatter,
+                "all_reduce dp_replicate": comm.replica_all_reduce}
+    modelled = {k: v for k, v in modelled.items() if v}
+    print(f"\n{layout.describe()}: {counted[0]}")
+    assert counted[0] == pytest.approx(modelled, rel=0), (counted[0], modelled)
+
+
+def test_flops_match_the_trainers_mfu_count():
+    from hybridpar.plan import flops_per_token
+    from hybridpar.train.metrics import flops_per_token as trainer_flops
+    from models.llama import ModelArgs
+
+    for preset in ("tiny", "llama2_7b", "llama3_70b"):
+        args = ModelArgs.from_preset(preset)
+        assert flops_per_token(args, 4096) == trainer_flops(args, 4096)
+
+
+# --- choices at scale -----------------------------------------------------------------------------
+
+
+def _plan(preset: str, gpus: int, gib: float, **workload):
+    from hybridpar.plan import Hardware, Workload, make_plan
+    from models.llama import ModelArgs
+
+    args = ModelArgs.from_preset(preset)
+    return make_plan(args, Workload(**{"seq_len": min(args.max_seq_len, 8192), **workload}),
+                     Hardware(gpus=gpus, gpu_mem_gib=gib))
+
+
+def test_llama3_70b_on_128_gpus_fits_and_needs_mp8_at_a_4m_token_batch():
+    plan = _plan("llama3_70b", 128, 80, global_batch=512)  # 512 x 8192 = 4M tokens, Llama 3's batch
+    best = plan.fitting[0]
+    assert best.memory.total <= best.usable_bytes
+    # 32 accumulation micro-batches per step: FSDP keeps the unsharded fp32 gradients of the mp slice
+    # between them (70.6B x 4 B / mp), which only mp 8 brings under 80 GB.
+    assert best.grad_accum == 32 and best.layout.mp == 8 and best.layout.dp == 16
+    assert best.memory.accumulated_grads == pytest.approx(70.55e9 * 4 / 8, rel=0.01)
+    assert {e.layout.mp for e in plan.fitting} == {8}
+    # Without activation checkpointing no layout of it fits: 80 blocks of 8192-token activations.
+    assert all(e.layout.ac != "none" for e in plan.fitting)
+    # mp 16 would split a tensor-parallel group over two nodes: refused unless asked for.
+    assert "spans nodes" in plan.rejected[16]
+
+
+def test_llama2_7b_on_8_gpus():
+    plan = _plan("llama2_7b", 8, 80)
+    assert plan.fitting, "a 7B model must fit on 8 GPUs of 80 GB"
+    best = plan.fitting[0]
+    assert best.memory.total <= best.usable_bytes and best.layout.world == 8
+    # Everything inside one node: fast collectives, and nothing is rejected for spanning nodes.
+    assert not plan.rejected
+    # More memory is never faster to need: each layout without AC needs more than the same with full AC.
+    by_key = {(e.layout.mp, e.layout.dp_shard, e.layout.dp_replicate, e.layout.ac): e for e in plan.estimates}
+    for (mp, ds, dr, ac), e in by_key.items():
+        if ac == "none":
+            full = by_key[(mp, ds, dr, "full")]
+            assert e.memory.activations > full.memory.activations and e.time.step < full.time.step
+
+
+def test_step_time_arithmetic_by_hand():
+    """mp 8 x dp 16 for Llama 3 70B, one micro-batch, no AC: the terms recomputed from the formulas."""
+    from hybridpar.plan import Hardware, Layout, Workload, estimate
+    from models.llama import ModelArgs
+
+    args = ModelArgs.from_preset("llama3_70b")
+    hw = Hardware(gpus=128, gpu_mem_gib=80, intra_node_busbw=100e9, inter_node_busbw=10e9, peak_flops=1e15, mfu=0.5)
+    e = estimate(args, Layout(8, 16, 1, "none"), Workload(seq_len=4096), hw)
+    tokens, act = 4096, 4096 * 8192 * 2
+    compute = (6 * (args.num_params() - 128256 * 8192) + 12 * 80 * 8192 * 4096) * tokens / 8 / (1e15 * 0.5)
+    assert e.time.compute == pytest.approx(compute)
+    # 4 all-reduces per block, the head's and the embedding's, 2(n-1)/n of each over NVLink.
+    tp = (act * (4 * 80 + 2) + 3 * tokens * 4) * 2 * 7 / 8 / 100e9
+    assert e.time.tp_comm == pytest.approx(tp)
+    # dp_shard groups (16 ranks, 8 apart) leave the node: inter-node bandwidth, (n-1)/n of the data.
+    # bf16 all-gathers of the mp slice in forward and again in backward (but for the output head,
+    # kept gathered), then one fp32 reduce-scatter; the slice is close to 1/8 of the model.
+    local, head = args.num_params() / 8, 128256 * 8192 / 8
+    dp = ((2 * local - head) * 2 + local * 4) * 15 / 16 / 10e9
+    assert e.time.dp_comm == pytest.approx(dp, rel=1e-3)
+    assert e.time.step == pytest.approx(e.time.compute + e.time.tp_comm + max(0.0, e.time.dp_comm - compute - tp))
+
+
+def test_global_batch_parsing():
+    from hybridpar.plan import parse_global_batch
+
+    assert parse_global_batch("512", 8192) == 512
+    assert parse_global_batch("4Mtok", 8192) == 512
+    assert parse_global_batch("4M tokens", 4096) == 1024
+    assert parse_global_batch("65536t", 4096) == 16
+    for bad in ("4 sequences", "1000tok"):
+        with pytest.raises(ValueError, match="global-batch"):
+            parse_global_batch(bad, 4096)
+
+
+# --- the command ------------------------------------------------------------------------------
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    """`hybridpar plan ...` in this process (tests/test_cli.py covers the `python -m hybridpar` entry)."""
+    from hybridpar.cli import main
+
+    code = main(["plan", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cli_prints_the_70b_plan_with_mp8_dp16(capsys):
+    code, out, err = _run(capsys, "--model", "llama3_70b", "--gpus", "128", "--gpu-mem-gb", "80",
+                          "--global-batch", "4Mtok")
+    assert code == 0, err
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["#", "layout"])
+    first = lines[header + 1].split()
+    assert first[:5] == ["1", "mp8_dp16", "8", "16", "1"] and first[5] == "full", out
+    assert any(line.startswith("best: mp 8 x dp_shard 16") for line in lines)
+    assert "--parallel.mp 8" in out and "--train.grad_accum 32" in out
+    # The README shows this plan as its worked example: its table and breakdown must be today's.
+    readme = (ROOT / "README.md").read_text()
+    shown = lines[header:header + 3] + [line for line in lines if line.startswith(("best:", "  memory", "  step"))]
+    stale = [line for line in shown if "    " + line not in readme]
+    assert not stale, f"README.md's worked example differs from the output: {stale}"
+
+
+def test_cli_says_clearly_when_nothing_fits_and_takes_a_params_json(capsys, tmp_path):
+    code, out, _ = _run(capsys, "--model", "llama3.1_405b", "--gpus", "8", "--gpu-mem-gb", "80")
+    assert code == 1
+    assert "no layout fits: the smallest needs" in out and "Try: more GPUs (about" in out, out
+
+    params = tmp_path / "params.json"  # Llama 2's params.json leaves the vocabulary to the tokenizer
+    params.write_text((ROOT / "models" / "presets" / "llama2_7b.json").read_text().replace("32000", "-1"))
+    code, _, err = _run(capsys, "--model", str(params), "--gpus", "8", "--gpu-mem-gb", "80")
+    assert code == 2 and "vocab_size" in err and "--vocab-size" in err, err
+    code, out, _ = _run(capsys, "--model", str(params), "--vocab-size", "32000", "--gpus", "8", "--gpu-mem-gb", "80")
+    assert code == 0 and out.startswith("params.json: 6.7"), out
+    code, _, err = _run(capsys, "--model", str(params), "--vocab-size", "32000", "--gpus", "8", "--gpu-mem-gb", "80",
+                        "--micro-batch", "3", "--global-batch", "1000")
+    assert code == 2 and "global batch 1000 is not a multiple" in err, err

@@ -87,7 +87,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     workload = Workload(
         seq_len=seq_len, micro_batch=args.micro_batch,
         global_batch=parse_global_batch(args.global_batch, seq_len) if args.global_batch else 0,
-        param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype,
+        param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype, grad_sync=args.grad_sync,
     )
     hardware = Hardware(
         gpus=args.gpus, gpu_mem_gib=args.gpu_mem_gb, gpus_per_node=args.gpus_per_node,
@@ -224,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="per step: sequences (512) or tokens (4Mtok); default: one micro-batch per dp rank")
     plan.add_argument("--param-dtype", default="bf16", choices=("bf16", "fp16", "fp32"),
                       help="FSDP compute dtype; master weights, gradients and AdamW stay fp32 (default bf16)")
+    plan.add_argument("--grad-sync", default="last", choices=("last", "every"),
+                      help="train.grad_sync: with accumulation, reduce-scatter after the last micro-batch "
+                           "(keeps unsharded gradients) or after every one (sharded, more traffic)")
     plan.add_argument("--reduce-dtype", default="fp32", choices=("bf16", "fp16", "fp32"),
                       help="gradient reduction dtype (default fp32)")
     plan.add_argument("--mfu", type=float, default=0.4,

@@ -65,6 +65,10 @@ class OptimConfig:
 class TrainConfig:
     steps: int = 100  # optimizer steps
     grad_accum: int = 1  # micro-batches per optimizer step
+    # With accumulation: "last" keeps unsharded gradients until the last micro-batch (one reduce-
+    # scatter per step), "every" reduce-scatters each micro-batch (sharded accumulation: memory of
+    # 1/dp_shard of the gradients instead of all of them, for grad_accum times the traffic).
+    grad_sync: str = "last"
     seed: int = 0  # model initialisation
     on_nonfinite: str = "stop"  # a NaN/inf loss: "stop" with an error naming the step, or "skip" the step
     log_every: int = 10
@@ -113,6 +117,8 @@ class Config:
 
     def validate(self) -> None:
         self.fsdp.validate()
+        if self.train.grad_sync not in ("last", "every"):
+            raise ConfigError(f"train.grad_sync must be 'last' or 'every', got {self.train.grad_sync!r}")
         if self.train.on_nonfinite not in ("stop", "skip"):
             raise ConfigError(f"train.on_nonfinite must be 'stop' or 'skip', got {self.train.on_nonfinite!r}")
         for key in ("train.steps", "train.grad_accum", "train.log_every", "data.seq_len", "data.micro_batch_size",

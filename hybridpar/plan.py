@@ -121,6 +121,7 @@ class Workload:
     global_batch: int = 0  # sequences per optimizer step; 0: one micro-batch per dp rank (no accumulation)
     param_dtype: str = "bf16"  # FSDP compute dtype (the gathered parameters and activations)
     reduce_dtype: str = "fp32"  # FSDP gradient reduction dtype
+    grad_sync: str = "last"  # train.grad_sync: reduce-scatter after the last micro-batch, or after "every" one
 
     def grad_accum(self, dp: int) -> int:
         """Micro-batches per step for `dp` data-parallel ranks; ValueError when they do not divide."""
@@ -422,7 +423,8 @@ def estimate(args: ModelArgs, layout: Layout, workload: Workload, hw: Hardware) 
     kept_blocks = L if not layout.reshard_after_forward else min(2, L)  # current + prefetched
     gathered = (counts.output + counts.root + kept_blocks * counts.block) * a
     grad_buffers = max(counts.block, counts.output) * (a + r)
-    accumulated = counts.total * r if grad_accum > 1 else 0.0
+    sync_every = workload.grad_sync == "every"
+    accumulated = counts.total * r if grad_accum > 1 and not sync_every else 0.0
     # Backward of a block: its recomputation (AC) plus gradient temporaries of a few [T, D] and
     # [T, ffn/mp] tensors (dL/dh, and the three SwiGLU input gradients).
     t = b * s
@@ -446,11 +448,13 @@ def estimate(args: ModelArgs, layout: Layout, workload: Workload, hw: Hardware) 
     rs = all_gather_seconds(comm.fsdp_reduce_scatter, ds, ds_bw)
     ar = all_reduce_seconds(comm.replica_all_reduce, dr, dr_bw)
     busy = compute_mb + tp_mb
-    exposed = (grad_accum - 1) * max(0.0, ag - busy) + max(0.0, ag + rs + ar - busy)
-    time = StepTime(
-        compute=grad_accum * compute_mb, tp_comm=grad_accum * tp_mb,
-        dp_comm=grad_accum * ag + rs + ar, dp_exposed=exposed,
-    )
+    if sync_every:  # every micro-batch gathers and reduces: sharded accumulation, more traffic
+        exposed = grad_accum * max(0.0, ag + rs + ar - busy)
+        dp_comm = grad_accum * (ag + rs + ar)
+    else:
+        exposed = (grad_accum - 1) * max(0.0, ag - busy) + max(0.0, ag + rs + ar - busy)
+        dp_comm = grad_accum * ag + rs + ar
+    time = StepTime(compute=grad_accum * compute_mb, tp_comm=grad_accum * tp_mb, dp_comm=dp_comm, dp_exposed=exposed)
     tokens = global_batch * s
     return Estimate(
         layout=layout, grad_accum=grad_accum, global_batch=global_batch, memory=memory, time=time,
@@ -629,7 +633,8 @@ def format_plan(plan: Plan, top: int = 10, model_name: str = "") -> str:
                    f"--parallel.dp_replicate {best.dp_replicate} --fsdp.sharding_strategy {best.strategy} "
                    f"--fsdp.activation_checkpointing {best.ac}"
                    + (f" --fsdp.ac_every {best.ac_every}" if best.ac == "selective" else "")
-                   + f" --data.micro_batch_size {w.micro_batch} --train.grad_accum {fitting[0].grad_accum}")
+                   + f" --data.micro_batch_size {w.micro_batch} --train.grad_accum {fitting[0].grad_accum}"
+                   + (f" --train.grad_sync {w.grad_sync}" if w.grad_sync != "last" else ""))
     else:
         out.append(no_fit_message(plan))
     too_big = [e for e in plan.estimates if not e.fits]

@@ -252,7 +252,7 @@ class Trainer:
 
         loss_sum = torch.zeros((), device=self.device)
         for i, (inputs, targets) in enumerate(batches):
-            self.model.set_requires_gradient_sync(i == len(batches) - 1)
+            self.model.set_requires_gradient_sync(c.train.grad_sync == "every" or i == len(batches) - 1)
             inputs = inputs.to(self.device, non_blocking=True)
             targets = targets.to(self.device, non_blocking=True)
             self._at("forward")

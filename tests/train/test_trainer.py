@@ -42,6 +42,8 @@ LAYOUTS = {
     "mp2-no_shard-dp2": (4, dict(mp=2, dp_shard=1, dp_replicate=2, strategy="no_shard", dp=2)),
     "mp2-dp2-accum2": (4, dict(mp=2, dp_shard=2, strategy="full_shard", dp=2, grad_accum=2)),
     "mp1-world1-accum2": (1, dict(dp=1, grad_accum=2)),
+    "mp2-hybrid-2x2-accum2-sync_every": (8, dict(mp=2, dp_shard=2, dp_replicate=2, strategy="hybrid_shard", dp=4,
+                                                 grad_accum=2, **{"train.grad_sync": "every"})),
     # ZeRO-2 variants and activation checkpointing change when things are computed, not what.
     "mp1-shard_grad_op-dp4-ac_selective": (4, dict(mp=1, dp_shard=4, strategy="shard_grad_op", dp=4, **{
         "fsdp.activation_checkpointing": "selective", "fsdp.ac_every": 2})),

@@ -1,0 +1,270 @@
+#!/usr/bin/env bash
+#SBATCH --job-name=hybridpar
+#SBATCH --ntasks-per-node=1
+#SBATCH --exclusive
+#SBATCH --output=slurm-%x-%j.out
+#
+# Train on a Slurm allocation: srun starts one torchrun agent per node, each agent starts
+# PROCS_PER_NODE ranks, and the agents meet (c10d rendezvous) on the first host of the job.
+# Options given to sbatch override the #SBATCH lines above (sbatch reads them only above the first
+# command). GPU nodes train with nccl, CPU nodes with gloo.
+#
+#   sbatch --nodes 2 --gpus-per-node 8 launch/slurm.sh --procs-per-node 8 --mp 8
+#   MP=2 PROCS_PER_NODE=2 sbatch --nodes 2 launch/slurm.sh -- --train.steps 50       # CPU nodes
+#   NODES=16 PROCS_PER_NODE=8 MP=8 bash launch/slurm.sh --dry-run   # print the commands and the mesh
+#
+# Settings: the option, else the environment variable, else the default.
+#   --mp / MP                          model-parallel (tensor-parallel) size; contiguous ranks, so a
+#                                      group stays inside a node when MP divides PROCS_PER_NODE (1)
+#   --dp-shard / DP_SHARD              ranks an FSDP shard group spans (-1: what the others leave)
+#   --dp-replicate / DP_REPLICATE      replicas of each shard group (1; -1: what the others leave)
+#   --nodes / NODES                    the allocation's node count (needed only for --dry-run outside one)
+#   --procs-per-node / PROCS_PER_NODE  ranks per node (default: the GPUs the job has on the node, so
+#                                      request them with --gpus-per-node; set it on CPU nodes)
+#   --config / CONFIG                  a TOML file or a preset name in launch/configs (local)
+#   --dry-run / DRY_RUN=1              print the srun and torchrun commands and the mesh; start nothing
+#   RUN_DIR        the run folder (runs/<job name>): checkpoints/ shared by every job of the run,
+#                  job-<id>/ for each job's logs, metrics, layout and flight-recorder traces
+#   RDZV_HOST      rendezvous host (the first host of SLURM_JOB_NODELIST)
+#   RDZV_PORT      rendezvous port (15000 + job id % 20000, so jobs sharing a first host differ)
+#   MAX_RESTARTS   how often torchrun restarts every rank after a failure; each restart resumes
+#                  from the newest complete checkpoint (3)
+#   PREFLIGHT      1: before training, every rank joins the mesh and reports its place (1)
+#   PYTHON         the interpreter with hybridpar installed (python3)
+# Any other argument (e.g. --train.steps 50), and everything after `--`, overrides the config.
+set -euo pipefail
+
+die() { echo "slurm.sh: error: $*" >&2; exit 2; }
+
+MP=${MP:-1}
+DP_SHARD=${DP_SHARD:--1}
+DP_REPLICATE=${DP_REPLICATE:-1}
+NODES=${NODES:-}
+PROCS_PER_NODE=${PROCS_PER_NODE:-}
+CONFIG=${CONFIG:-local}
+DRY_RUN=${DRY_RUN:-0}
+MAX_RESTARTS=${MAX_RESTARTS:-3}
+PREFLIGHT=${PREFLIGHT:-1}
+PYTHON=${PYTHON:-python3}
+
+set_option() {
+  case $1 in
+    --mp) MP=$2 ;;
+    --dp-shard) DP_SHARD=$2 ;;
+    --dp-replicate) DP_REPLICATE=$2 ;;
+    --nodes) NODES=$2 ;;
+    --procs-per-node) PROCS_PER_NODE=$2 ;;
+    --config) CONFIG=$2 ;;
+  esac
+}
+overrides=()
+while (($#)); do
+  case $1 in
+    --mp | --dp-shard | --dp-replicate | --nodes | --procs-per-node | --config)
+      (($# >= 2)) || die "$1 needs a value"
+      set_option "$1" "$2"
+      shift 2 ;;
+    --mp=* | --dp-shard=* | --dp-replicate=* | --nodes=* | --procs-per-node=* | --config=*)
+      set_option "${1%%=*}" "${1#*=}"
+      shift ;;
+    --dry-run) DRY_RUN=1; shift ;;
+    --) shift; overrides+=("$@"); break ;;
+    *) overrides+=("$1"); shift ;;
+  esac
+done
+
+is_int() { [[ $1 =~ ^-?[0-9]+$ ]]; }
+for name in MP DP_SHARD DP_REPLICATE MAX_RESTARTS; do
+  is_int "${!name}" || die "$name must be an integer, got '${!name}'"
+done
+
+# --- the allocation -----------------------------------------------------------------------------
+if [[ -n ${SLURM_JOB_ID:-} ]]; then
+  NODES=${NODES:-$SLURM_NNODES}
+  [[ $NODES == "$SLURM_NNODES" ]] ||
+    die "NODES=$NODES but the job has $SLURM_NNODES nodes: submit with sbatch --nodes $NODES (or unset NODES)"
+elif [[ $DRY_RUN != 1 ]]; then
+  die "not inside a Slurm job: submit it, e.g. 'sbatch --nodes 2 launch/slurm.sh --procs-per-node 8', or add --dry-run"
+fi
+NODES=${NODES:-1}
+if [[ -z $PROCS_PER_NODE ]]; then
+  if [[ -n ${SLURM_GPUS_ON_NODE:-} ]]; then
+    PROCS_PER_NODE=$SLURM_GPUS_ON_NODE
+  elif command -v nvidia-smi >/dev/null && gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU') && ((gpus > 0)); then
+    PROCS_PER_NODE=$gpus
+  else
+    die "no GPUs found: set PROCS_PER_NODE (or --procs-per-node), the ranks to start on each node"
+  fi
+fi
+for name in NODES PROCS_PER_NODE; do
+  [[ ${!name} =~ ^[1-9][0-9]*$ ]] || die "$name must be a positive integer, got '${!name}'"
+done
+WORLD=$((NODES * PROCS_PER_NODE))
+
+# -1 takes what the other sizes leave (sizes that do not tile are left for hybridpar's error).
+if ((DP_REPLICATE == -1)); then
+  ((DP_SHARD > 0)) || die "DP_SHARD and DP_REPLICATE cannot both be -1: give one of them a size"
+  ((MP > 0 && WORLD % (MP * DP_SHARD) == 0)) ||
+    die "$WORLD ranks ($NODES nodes x $PROCS_PER_NODE) are not divisible by MP x DP_SHARD = $MP x $DP_SHARD"
+  DP_REPLICATE=$((WORLD / (MP * DP_SHARD)))
+elif ((DP_SHARD == -1 && MP > 0 && DP_REPLICATE > 0 && WORLD % (MP * DP_REPLICATE) == 0)); then
+  DP_SHARD=$((WORLD / (MP * DP_REPLICATE)))  # resolved here so the logs show the real size
+fi
+if ((MP > 0 && PROCS_PER_NODE % MP != 0)); then
+  echo "slurm.sh: warning: MP=$MP does not divide PROCS_PER_NODE=$PROCS_PER_NODE: some model-parallel" \
+    "groups span two nodes, and their every-layer traffic leaves the node" >&2
+fi
+
+# --- where things go ----------------------------------------------------------------------------
+JOB_ID=${SLURM_JOB_ID:-dryrun}
+RUN_DIR=$(realpath -m -- "${RUN_DIR:-runs/${SLURM_JOB_NAME:-hybridpar}}")
+JOB_DIR=$RUN_DIR/job-$JOB_ID
+CKPT_DIR=$RUN_DIR/checkpoints
+
+if [[ -z ${RDZV_HOST:-} ]]; then
+  if [[ -n ${SLURM_JOB_NODELIST:-} ]]; then
+    if command -v scontrol >/dev/null; then
+      mapfile -t hosts < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+    else
+      mapfile -t hosts < <("$PYTHON" -c 'import sys; from hybridpar.mesh import expand_nodelist
+print("\n".join(expand_nodelist(sys.argv[1])))' "$SLURM_JOB_NODELIST")
+    fi
+    RDZV_HOST=${hosts[0]:?could not expand SLURM_JOB_NODELIST=$SLURM_JOB_NODELIST}
+  else
+    RDZV_HOST=$(hostname)  # a dry run outside a job: this machine stands for the first node
+  fi
+fi
+RDZV_PORT=${RDZV_PORT:-$((15000 + ${SLURM_JOB_ID:-0} % 20000))}
+
+# --- environment of every rank --------------------------------------------------------------------
+CPUS_PER_NODE=${SLURM_CPUS_ON_NODE:-$(nproc)}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$((CPUS_PER_NODE / PROCS_PER_NODE > 0 ? CPUS_PER_NODE / PROCS_PER_NODE : 1))}
+export PYTHONUNBUFFERED=1
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+# A failed or timed-out NCCL collective tears the process down instead of hanging: torchrun then
+# sees a dead rank and restarts (or srun ends the job).
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-3}
+# The flight recorder keeps the last 2000 collectives of every group; when an NCCL collective times
+# out each rank writes them to the job folder: which rank never joined, in which group.
+export TORCH_FR_BUFFER_SIZE=${TORCH_FR_BUFFER_SIZE:-2000}
+export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
+export TORCH_FR_DUMP_TEMP_FILE=${TORCH_FR_DUMP_TEMP_FILE:-$JOB_DIR/flight_recorder/flight_recorder_rank_}
+# torchrun's agents share their rendezvous store with the ranks by default, and keep it across
+# restarts: restarted ranks then read the previous attempt's addresses and fail to connect
+# (pytorch/pytorch#135712). A fresh store per attempt, hosted by the new rank 0, avoids that.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
+# Cluster-specific network choices (NCCL_SOCKET_IFNAME, NCCL_IB_HCA, ...) are left to the environment.
+export MP DP_SHARD DP_REPLICATE
+export LAYOUT_FILE=$JOB_DIR/layout.txt
+
+# --- the commands ---------------------------------------------------------------------------------
+srun_cmd=(srun --nodes="$NODES" --ntasks="$NODES" --ntasks-per-node=1 --kill-on-bad-exit=1 --label)
+# A step gets every GPU the job requested (request them: --gpus-per-node; with --exclusive alone it
+# gets none), but since Slurm 22.05 not the job's CPUs per task: give the agent the whole node.
+[[ -n ${SLURM_CPUS_ON_NODE:-} ]] && srun_cmd+=(--cpus-per-task="$SLURM_CPUS_ON_NODE")
+rdzv=(--nnodes="$NODES" --nproc-per-node="$PROCS_PER_NODE" --rdzv-backend=c10d
+  --rdzv-endpoint="$RDZV_HOST:$RDZV_PORT")
+train_overrides=(--parallel.mp "$MP" --parallel.dp_shard "$DP_SHARD" --parallel.dp_replicate "$DP_REPLICATE"
+  --output.run_dir "$JOB_DIR" --checkpoint.folder "$CKPT_DIR" --checkpoint.resume true "${overrides[@]}")
+torchrun_cmd=("$PYTHON" -m torch.distributed.run "${rdzv[@]}" --rdzv-id="$JOB_ID"
+  --max-restarts="$MAX_RESTARTS" --log-dir="$JOB_DIR/torchrun" --tee=3
+  -m hybridpar train --config "$CONFIG" "${train_overrides[@]}")
+export MESH_ARGS="mesh --world $WORLD --mp $MP --dp-shard $DP_SHARD --dp-replicate $DP_REPLICATE --procs-per-node $PROCS_PER_NODE"
+mesh_cmd=("$PYTHON" -m hybridpar $MESH_ARGS)
+
+# Each rank joins the real mesh once and reports where it landed; rank 0 writes layout.txt.
+read -r -d '' PREFLIGHT_PY <<'PY' || true
+import os, socket
+import torch.distributed as dist
+from hybridpar.files import write_text_atomic
+from hybridpar.mesh import group_ranks, init_parallel
+p = init_parallel(mp=int(os.environ["MP"]), dp_shard=int(os.environ["DP_SHARD"]),
+                  dp_replicate=int(os.environ["DP_REPLICATE"]))
+node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+line = (f"layout: node {node} node_rank {os.environ['GROUP_RANK']} local_rank {os.environ['LOCAL_RANK']} "
+        f"{p.describe()}")
+rows = [None] * p.world_size
+dist.all_gather_object(rows, (p.rank, node, line))
+if p.rank == 0:
+    rows.sort()
+    split = [g for g in group_ranks(p.dp_replicate, p.dp_shard, p.mp)["mp"] if len({rows[r][1] for r in g}) > 1]
+    text = "\n".join(r[2] for r in rows) + "\n"
+    if split:
+        text += f"warning: model-parallel groups span nodes: {split}\n"
+    write_text_atomic(os.environ["LAYOUT_FILE"], text)
+    print(text, end="", flush=True)
+dist.destroy_process_group()
+PY
+preflight_cmd=("$PYTHON" -m torch.distributed.run "${rdzv[@]}" --rdzv-id="$JOB_ID-preflight" --max-restarts=0
+  --no-python "$PYTHON" -c "$PREFLIGHT_PY")
+
+quoted() { printf '%q ' "$@" | sed 's/ $//'; }
+# The variables set above for every rank, as NAME=value words (shell-quoted).
+env_names=(OMP_NUM_THREADS NCCL_DEBUG TORCH_NCCL_ASYNC_ERROR_HANDLING TORCH_FR_BUFFER_SIZE TORCH_NCCL_DUMP_ON_TIMEOUT
+  TORCH_FR_DUMP_TEMP_FILE TORCH_DISABLE_SHARE_RDZV_TCP_STORE)
+env_assignments() { for name in "${env_names[@]}"; do printf '%s=%q ' "$name" "${!name}"; done | sed 's/ $//'; }
+
+# The mesh table, then the config with every override: bad sizes or keys fail here, in one process
+# on one node, before any rank starts.
+check() {
+  "$PYTHON" - "$CONFIG" "${train_overrides[@]}" <<'PY'
+import os, sys
+from hybridpar.cli import main
+from hybridpar.config import ConfigError, find_config, load_config
+if main(os.environ["MESH_ARGS"].split()) != 0:
+    sys.exit("slurm.sh: error: these sizes do not tile the job (see above)")
+try:
+    load_config(find_config(sys.argv[1]), sys.argv[2:])
+except ConfigError as err:
+    sys.exit(f"slurm.sh: error: config: {err}")
+PY
+}
+
+describe() {
+  echo "hybridpar on Slurm: $NODES nodes x $PROCS_PER_NODE processes = $WORLD ranks," \
+    "mp $MP x dp_shard $DP_SHARD x dp_replicate $DP_REPLICATE, config $CONFIG"
+  echo "rendezvous: c10d at $RDZV_HOST:$RDZV_PORT; up to $MAX_RESTARTS restarts from the newest checkpoint"
+  echo "run folder: $RUN_DIR (checkpoints/ and this job's job-$JOB_ID/)"
+  echo "env: $(env_assignments)"
+  echo "srun: $(quoted "${srun_cmd[@]}")"
+  echo "torchrun: $(quoted "${torchrun_cmd[@]}")"
+  echo "mesh: $(quoted "${mesh_cmd[@]}")"
+}
+
+if [[ $DRY_RUN == 1 ]]; then
+  echo "dry run: nothing is started"
+  describe
+  check
+  exit 0
+fi
+
+# --- the job ----------------------------------------------------------------------------------------
+mkdir -p "$JOB_DIR/flight_recorder" "$CKPT_DIR"
+# Everything this job prints also goes to job.log in its folder.
+exec > >(tee -a "$JOB_DIR/job.log") 2>&1
+tee_pid=$!
+trap 'exec >&- 2>&-; wait "$tee_pid"' EXIT
+
+describe
+check
+{
+  echo "#!/usr/bin/env bash"
+  echo "# job $JOB_ID: what launch/slurm.sh ran, with its environment"
+  echo "export $(env_assignments)"
+  echo "$(quoted "${srun_cmd[@]}") \\"
+  echo "  $(quoted "${torchrun_cmd[@]}")"
+} >"$JOB_DIR/command.sh"
+
+if [[ $PREFLIGHT == 1 ]]; then
+  echo "preflight: every rank joins the mesh"
+  "${srun_cmd[@]}" "${preflight_cmd[@]}" || die "preflight failed: the ranks could not form the mesh (see above)"
+fi
+echo "training: $(date -u +%FT%TZ)"
+status=0
+"${srun_cmd[@]}" "${torchrun_cmd[@]}" || status=$?
+if ((status == 0)); then
+  echo "done: checkpoints in $CKPT_DIR, logs and metrics in $JOB_DIR"
+else
+  echo "slurm.sh: training failed with exit code $status; logs in $JOB_DIR (torchrun/ has each rank's output)" >&2
+fi
+exit "$status"

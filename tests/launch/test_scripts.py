@@ -1,0 +1,87 @@
+"""The Slurm scripts without Slurm: syntax, and the dry run's exact commands and mesh for 16 x 8 ranks."""
+
+import subprocess
+
+import pytest
+
+from tests.launch.common import (
+    MP8_DP16_SH, ROOT, SLURM_SH, documented_coords, mesh_table, printed_command, run_script, script_env,
+)
+
+
+@pytest.mark.parametrize("script", [SLURM_SH, MP8_DP16_SH], ids=lambda p: p.name)
+def test_scripts_parse(script):
+    result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_mp8_dp16_dry_run_prints_the_exact_commands_and_mesh(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_script(MP8_DP16_SH, "--dry-run", env=script_env(RDZV_HOST="gpu001", RDZV_PORT=29400, RUN_DIR=run_dir))
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    job = f"{run_dir}/job-dryrun"
+    assert printed_command(out, "srun") == [
+        "srun", "--nodes=16", "--ntasks=16", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "--label"]
+    assert printed_command(out, "torchrun") == [
+        "python3", "-m", "torch.distributed.run", "--nnodes=16", "--nproc-per-node=8", "--rdzv-backend=c10d",
+        "--rdzv-endpoint=gpu001:29400", "--rdzv-id=dryrun", "--max-restarts=3", f"--log-dir={job}/torchrun",
+        "--tee=3", "-m", "hybridpar", "train", "--config", "launch/configs/llama2_70b.toml",
+        "--parallel.mp", "8", "--parallel.dp_shard", "8", "--parallel.dp_replicate", "2",
+        "--output.run_dir", job, "--checkpoint.folder", f"{run_dir}/checkpoints", "--checkpoint.resume", "true"]
+    assert printed_command(out, "mesh") == [
+        "python3", "-m", "hybridpar", "mesh", "--world", "128", "--mp", "8", "--dp-shard", "8",
+        "--dp-replicate", "2", "--procs-per-node", "8"]
+    assert "world 128 = dp_replicate 2 x dp_shard 8 x mp 8" in out
+    rows = mesh_table(out)
+    assert [r[0] for r in rows] == list(range(128))
+    for rank, node, mp_rank, dp_rank, replicate, shard in rows:
+        assert node == rank // 8  # torchrun: node k holds ranks 8k..8k+7, so each mp group is one node
+        assert dict(mp_rank=mp_rank, dp_rank=dp_rank, replicate=replicate, shard=shard) == documented_coords(rank, 8, 8)
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING=3" in out and "TORCH_NCCL_DUMP_ON_TIMEOUT=1" in out
+    assert f"TORCH_FR_DUMP_TEMP_FILE={job}/flight_recorder/" in out
+    assert not run_dir.exists(), "a dry run must not create the run folder"
+
+
+def test_shard_group_size_is_configurable(tmp_path):
+    result = run_script(MP8_DP16_SH, "--dry-run", "--dp-shard", "16", env=script_env(RUN_DIR=tmp_path / "run"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "world 128 = dp_replicate 1 x dp_shard 16 x mp 8" in result.stdout
+    argv = printed_command(result.stdout, "torchrun")
+    assert argv[argv.index("--parallel.dp_shard") + 1] == "16"
+    assert argv[argv.index("--parallel.dp_replicate") + 1] == "1"
+
+
+def test_generic_script_takes_sizes_from_environment_and_options(tmp_path):
+    env = script_env(NODES=4, PROCS_PER_NODE=2, MP=2, DP_REPLICATE=2, RUN_DIR=tmp_path / "run", MAX_RESTARTS=1)
+    result = run_script(SLURM_SH, "--dry-run", "--config", "launch/configs/local.toml", "--", "--train.steps", "7",
+                        env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "world 8 = dp_replicate 2 x dp_shard 2 x mp 2" in result.stdout
+    argv = printed_command(result.stdout, "torchrun")
+    assert "--nnodes=4" in argv and "--nproc-per-node=2" in argv and "--max-restarts=1" in argv
+    assert argv[-2:] == ["--train.steps", "7"]  # user overrides come last: they win
+
+
+@pytest.mark.parametrize("env, args, message", [
+    ({"MP": 3}, ["--dry-run"], "128 ranks (16 nodes x 8) are not divisible by MP x DP_SHARD = 3 x 8"),
+    ({}, ["--dry-run", "--dp-shard", "5"], "not divisible by MP x DP_SHARD = 8 x 5"),
+    ({}, ["--dry-run", "--", "--train.stepz", "3"], "unknown config key 'train.stepz'"),
+    ({}, [], "not inside a Slurm job: submit it"),
+], ids=["mp3", "dp-shard5", "bad-key", "outside-a-job"])
+def test_bad_input_is_one_clear_error_before_anything_starts(tmp_path, env, args, message):
+    result = run_script(MP8_DP16_SH, *args, env=script_env(RUN_DIR=tmp_path / "run", **env))
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_mesh_command_prints_the_128_rank_layout():
+    result = subprocess.run(["python3", "-m", "hybridpar", "mesh", "--world", "128", "--mp", "8", "--dp-shard", "8",
+                             "--dp-replicate", "2", "--procs-per-node", "8"], cwd=ROOT, env=script_env(),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert len(mesh_table(result.stdout)) == 128
+    assert "mp groups (16): [0, 1, 2, 3, 4, 5, 6, 7] [8, 9, 10, 11, 12, 13, 14, 15]" in result.stdout
+    assert "warning" not in result.stdout

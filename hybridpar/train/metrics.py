@@ -16,6 +16,8 @@ from typing import Optional
 
 import torch
 
+from ..files import write_text_atomic
+
 
 def flops_per_token(args, seq_len: int) -> float:
     """Training FLOPs per token of a models.llama.ModelArgs shape (embedding lookups are free)."""
@@ -47,8 +49,12 @@ def memory_bytes(device: torch.device) -> int:
 class MetricsWriter:
     """metrics.jsonl + TensorBoard events in the run folder; a no-op on every rank but the first."""
 
-    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool = True) -> None:
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool = True, start_step: int = 0) -> None:
+        """start_step: the step training starts from (a resumed checkpoint's). Rows logged after it
+        by an earlier attempt (one killed between that checkpoint and its end) are dropped, so
+        the files hold each step once."""
         self.enabled = enabled
+        self.start_step = start_step
         self.run_dir = Path(run_dir)
         self.jsonl_path = self.run_dir / "metrics.jsonl"
         self.tensorboard = tensorboard
@@ -58,11 +64,15 @@ class MetricsWriter:
     def _open(self) -> None:
         # Opened at the first write, so a run that fails during set-up leaves no files behind.
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.jsonl_path.exists():
+            kept = [row for row in read_metrics(self.jsonl_path) if row.get("step", 0) <= self.start_step]
+            write_text_atomic(self.jsonl_path, "".join(json.dumps(row) + "\n" for row in kept))
         self._file = open(self.jsonl_path, "a", buffering=1)
         if self.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+            # purge_step: TensorBoard hides the earlier attempt's events from that step on.
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), purge_step=self.start_step + 1)
 
     def write(self, step: int, values: dict) -> None:
         if not self.enabled:

@@ -158,7 +158,8 @@ class Trainer:
             keep=c.checkpoint.keep, async_save=c.checkpoint.async_save,
         )
         self.resumed_from = self._restore()
-        self.metrics = MetricsWriter(self.run_dir, enabled=self.is_main, tensorboard=c.output.tensorboard)
+        self.metrics = MetricsWriter(self.run_dir, enabled=self.is_main, tensorboard=c.output.tensorboard,
+                                     start_step=self.step)
         self.flops_per_token = flops_per_token(self.args, c.data.seq_len)
         self.peak_flops = c.train.peak_flops or self._measure_peak()
 

@@ -90,6 +90,8 @@ class Watchdog:
         self._beats: dict[int, tuple[object, float]] = {}
         self._progress: dict[int, tuple[object, float]] = {}
         self._last: dict[int, dict] = {}
+        self._all_beating = False
+        self._dead: list[int] = []
 
     # --- the trainer's side ----------------------------------------------------------------------
 
@@ -292,7 +294,11 @@ class Watchdog:
 
     def _read_beats(self) -> dict[int, dict]:
         names = [f"beat/{r}" for r in range(self.world_size)]
-        present = [n for n in names if self._store.check([self._key(n)])]
+        if not self._all_beating:  # until every rank has beaten once: one check each
+            present = [n for n in names if self._store.check([self._key(n)])]
+            self._all_beating = len(present) == len(names)
+        else:  # then one round trip for all (a beat key is never deleted)
+            present = names
         values = self._get_many(present) if present else []
         return {int(n.split("/")[1]): json.loads(v) for n, v in zip(present, values)}
 
@@ -336,12 +342,12 @@ class Watchdog:
     def _report(self, reason: str) -> None:
         self._set("dump", reason)
         self._answer_dump_request()
-        dead = list(getattr(self, "_dead", []))
+        dead = list(self._dead)
         if self._state == "terminating" or "launcher" in reason:
             # Ranks killed before the launcher's SIGTERM stop beating first: wait until that shows.
             time.sleep(min(self._dead_after(), 3 * self.interval + 1.0))
             self._check()
-            dead = list(getattr(self, "_dead", []))
+            dead = list(self._dead)
         traces = self._collect(dead)
         gone = sorted(set(dead) | (set(range(self.world_size)) - set(traces)))
         last_issued = {r: self._last.get(r, {}).get("seqs", {}) for r in gone}

@@ -35,6 +35,7 @@ from hybridpar.parallel import (
     ParallelEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
+    copy_to_region,
     gather_from_region,
 )
 from hybridpar.parallel.layers import ReplicatedHeadLinear, divide, local_tensor, mp_parameter
@@ -233,6 +234,7 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs, parallel: ParallelDims, init_std: float, out_std: float, **factory) -> None:
         super().__init__()
         mp, hd = parallel.mp, args.head_dim
+        self.group = parallel.mp_group
         self.head_dim = hd
         self.n_local_heads = args.n_heads // mp
         column = dict(bias=False, gather_output=False, init_method=_normal(init_std), parallel=parallel, **factory)
@@ -259,9 +261,12 @@ class Attention(nn.Module):
         start_pos: int = 0,
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
-        q = self.wq(x).view(batch, seq, self.n_local_heads, self.head_dim)
-        k = self.wk(x).view(batch, seq, self.n_local_kv_heads, self.head_dim)
-        v = self.wv(x).view(batch, seq, self.n_local_kv_heads, self.head_dim)
+        # One entry into the model-parallel region for the three projections: one all-reduce of
+        # the input's gradient in backward instead of three.
+        x = copy_to_region(x, self.group)
+        q = self.wq(x, copy_input=False).view(batch, seq, self.n_local_heads, self.head_dim)
+        k = self.wk(x, copy_input=False).view(batch, seq, self.n_local_kv_heads, self.head_dim)
+        v = self.wv(x, copy_input=False).view(batch, seq, self.n_local_kv_heads, self.head_dim)
         q, k = apply_rope(q, freqs_cis), apply_rope(k, freqs_cis)
         mask, causal = None, True
         if kv_cache is not None:
@@ -287,6 +292,7 @@ class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs, parallel: ParallelDims, init_std: float, out_std: float, **factory) -> None:
         super().__init__()
         hidden = args.ffn_hidden_dim
+        self.group = parallel.mp_group
         column = dict(bias=False, gather_output=False, init_method=_normal(init_std), parallel=parallel, **factory)
         self.w1 = ColumnParallelLinear(args.dim, hidden, **column)
         self.w3 = ColumnParallelLinear(args.dim, hidden, **column)
@@ -296,7 +302,8 @@ class FeedForward(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        x = copy_to_region(x, self.group)  # w1 and w3 share one all-reduce of the input's gradient
+        return self.w2(F.silu(self.w1(x, copy_input=False)) * self.w3(x, copy_input=False))
 
 
 class TransformerBlock(nn.Module):

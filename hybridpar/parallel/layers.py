@@ -106,8 +106,11 @@ class ColumnParallelLinear(nn.Module):
         self.weight = mp_parameter((out_features, in_features), Shard(0), parallel, init_method, dtype, device)
         self.bias = mp_parameter((out_features,), Shard(0), parallel, None, dtype, device) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_region(x, self.group)
+    def forward(self, x: torch.Tensor, *, copy_input: bool = True) -> torch.Tensor:
+        """copy_input=False: the caller already passed x through copy_to_region, once for several
+        layers reading the same input (wq, wk, wv), so its gradient is all-reduced once, not per layer."""
+        if copy_input:
+            x = copy_to_region(x, self.group)
         y = F.linear(x, local_tensor(self.weight), local_tensor(self.bias))
         return gather_from_region(y, self.group) if self.gather_output else y
 
@@ -257,8 +260,10 @@ class ReplicatedHeadLinear(nn.Module):
         self.head = parallel.mp_rank // (parallel.mp // n_heads)
         self.weight = mp_parameter((n_heads * head_dim, in_features), Replicate(), parallel, init_method, dtype, device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_region(x, self.group)
+    def forward(self, x: torch.Tensor, *, copy_input: bool = True) -> torch.Tensor:
+        """copy_input as in ColumnParallelLinear."""
+        if copy_input:
+            x = copy_to_region(x, self.group)
         weight = copy_to_region(local_tensor(self.weight), self.group)
         rows = slice(self.head * self.head_dim, (self.head + 1) * self.head_dim)
         return F.linear(x, weight[rows])

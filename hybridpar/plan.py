@@ -52,6 +52,8 @@ from typing import Iterable, Optional
 
 from models.llama import ModelArgs
 
+from .parallel.cost import collective_seconds
+
 GIB = 2**30
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 AC_MODES = ("none", "selective", "full")
@@ -351,12 +353,12 @@ def group_busbw(stride: int, size: int, hw: Hardware) -> float:
 
 
 def all_reduce_seconds(nbytes: float, n: int, busbw: float) -> float:
-    return 0.0 if n <= 1 else nbytes * 2 * (n - 1) / n / busbw
+    return collective_seconds("all_reduce", nbytes, n, busbw)
 
 
 def all_gather_seconds(nbytes: float, n: int, busbw: float) -> float:
     """Also reduce-scatter; nbytes is the unsharded (gathered / reduced) size."""
-    return 0.0 if n <= 1 else nbytes * (n - 1) / n / busbw
+    return collective_seconds("all_gather", nbytes, n, busbw)
 
 
 @dataclasses.dataclass(frozen=True)

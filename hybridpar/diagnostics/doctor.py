@@ -34,12 +34,13 @@ import torch.distributed as dist
 from ..config import Config
 from ..files import write_text_atomic
 from ..mesh import MeshCoords, ParallelDims, group_ranks, launch_env
+from ..parallel.cost import COLLECTIVES as OPS
+from ..parallel.cost import bus_factor
 from ..parallel.mappings import all_gather_single
 from .data_guard import DataGuardError, batch_fingerprint, check_data
 from .env import (ERROR, OK, WARNING, Finding, check_env, check_rank_envs, check_threads, merge_findings, relevant_env,
                   sort_findings)
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter")
 DEFAULT_SIZES = "4K:64M"
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -127,15 +128,6 @@ def check_layout(infos: Sequence[Mapping], dp_replicate: int, dp_shard: int, mp:
 
 
 # --- 3. bus bandwidth -------------------------------------------------------------------------------
-
-
-def bus_factor(op: str, n: int) -> float:
-    """nccl-tests' busbw / algbw: the fraction of the buffer each rank's link must carry."""
-    if op == "all_reduce":
-        return 2 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter"):
-        return (n - 1) / n
-    raise ValueError(f"unknown collective {op!r}; choose from {', '.join(OPS)}")
 
 
 def bandwidths(op: str, nbytes: int, seconds: float, n: int) -> tuple[float, float]:

@@ -39,14 +39,20 @@ def apply_env_defaults(trace_dir: Optional[Path] = None,
     return applied
 
 
-def mesh_groups(parallel: ParallelDims) -> list:
-    """Every process group a training step can use: the world and each mesh dimension's."""
-    return [dist.group.WORLD, parallel.mp_group, parallel.dp_group, parallel.dp_shard_group,
-            parallel.dp_replicate_group]
+def mesh_groups(parallel: ParallelDims) -> list[tuple[str, object]]:
+    """(dimension name, group) for every process group a training step can use; each group once."""
+    named = [("mp", parallel.mp_group), ("dp_shard", parallel.dp_shard_group),
+             ("dp_replicate", parallel.dp_replicate_group), ("dp", parallel.dp_group), ("world", dist.group.WORLD)]
+    seen, out = set(), []
+    for dim, group in named:
+        if group is not None and group.group_name not in seen:
+            seen.add(group.group_name)
+            out.append((dim, group))
+    return out
 
 
 def set_train_timeout(parallel: ParallelDims, seconds: float) -> None:
     """Give every group of the mesh the (shorter) timeout used once training runs."""
     timeout = timedelta(seconds=seconds)
-    for group in mesh_groups(parallel):
+    for _, group in mesh_groups(parallel):
         distributed_c10d._set_pg_timeout(timeout, group)

@@ -18,6 +18,7 @@ report, e.g. when the store itself is gone.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
@@ -35,6 +36,7 @@ import torch.distributed as dist
 from ..files import write_bytes_atomic, write_text_atomic
 from ..mesh import ParallelDims
 from . import flight
+from .timeouts import mesh_groups
 
 HANG_EXIT_CODE = 124  # as timeout(1): the job was stopped because it stopped making progress
 BACKSTOP_GRACE = 30.0  # seconds the c10d timeout leaves the watchdog to report first
@@ -43,18 +45,6 @@ BACKSTOP_GRACE = 30.0  # seconds the c10d timeout leaves the watchdog to report 
 def default_interval(timeout: float) -> float:
     """Beat often enough to report within a few percent of the timeout, but not more than needed."""
     return min(5.0, max(0.2, timeout / 20))
-
-
-def mesh_group_dims(parallel: ParallelDims) -> list[tuple[str, object]]:
-    """(dimension name, group) for every group a training step uses; each group once."""
-    named = [("mp", parallel.mp_group), ("dp_shard", parallel.dp_shard_group),
-             ("dp_replicate", parallel.dp_replicate_group), ("dp", parallel.dp_group), ("world", dist.group.WORLD)]
-    seen, out = set(), []
-    for dim, group in named:
-        if group is not None and group.group_name not in seen:
-            seen.add(group.group_name)
-            out.append((dim, group))
-    return out
 
 
 class Watchdog:
@@ -71,7 +61,7 @@ class Watchdog:
         self.run_dir, self.trace_dir = Path(run_dir), Path(trace_dir)
         self.step, self.phase, self.note = 0, "start", ""
         self._exit = exit_fn
-        self._groups = mesh_group_dims(parallel)
+        self._groups = mesh_groups(parallel)
         # Keys must not meet those of an earlier watchdog in the same store: torchrun's store outlives
         # restarts, and a process may train several times. Every rank counts alike, so keys agree.
         Watchdog._instances += 1
@@ -91,6 +81,7 @@ class Watchdog:
         self._progress: dict[int, tuple[object, float]] = {}
         self._last: dict[int, dict] = {}
         self._all_beating = False
+        self._teardown = False  # some rank got SIGTERM: the launcher is stopping the job
         self._dead: list[int] = []
 
     # --- the trainer's side ----------------------------------------------------------------------
@@ -261,7 +252,7 @@ class Watchdog:
             info["note"] = (info["note"] + "; " if info["note"] else "") + f"no flight recorder ({err})"
         dump["hybridpar"] = info
         trace = flight.trace_from_dump(dump, info)
-        self._set(f"trace/{self.rank}", json.dumps(_asdict(trace)))
+        self._set(f"trace/{self.rank}", json.dumps(dataclasses.asdict(trace)))
         try:  # this node's own copy, for `hybridpar hang-report` later
             write_bytes_atomic(self.trace_dir / f"flight_recorder_rank_{self.rank}", pickle.dumps(dump))
         except OSError:
@@ -334,6 +325,7 @@ class Watchdog:
             notes = "; ".join(f"rank {r} {self._last[r]['note']}" for r in failed[:3])
             return f"rank(s) {failed} failed: {notes}"
         if terminating:
+            self._teardown = True
             return f"the launcher is stopping the job (SIGTERM to ranks {terminating})"
         if idle > timeout:
             return f"no progress on any rank for {idle:.1f} s (timeout {timeout:g} s)"
@@ -343,7 +335,7 @@ class Watchdog:
         self._set("dump", reason)
         self._answer_dump_request()
         dead = list(self._dead)
-        if self._state == "terminating" or "launcher" in reason:
+        if self._teardown or self._state == "terminating":
             # Ranks killed before the launcher's SIGTERM stop beating first: wait until that shows.
             time.sleep(min(self._dead_after(), 3 * self.interval + 1.0))
             self._check()
@@ -383,9 +375,3 @@ class Watchdog:
             if len(traces) == len(wanted) or time.monotonic() > deadline:
                 return traces
             time.sleep(0.1)
-
-
-def _asdict(trace: flight.RankTrace) -> dict:
-    import dataclasses
-
-    return dataclasses.asdict(trace)

@@ -99,7 +99,11 @@ def test_resume_at_another_layout(mp2_dp2_runs, check_close, workers, corpus, tm
 def test_keeps_the_last_k(workers, corpus, tmp_path):
     config = _config(corpus, tmp_path / "ckpt", tmp_path / "run", (2, 2, 1),
                      **{"checkpoint.every": 1, "checkpoint.keep": 2, "train.steps": 4})
+    stale = tmp_path / "ckpt" / "step-00000000.deleting"  # a background deletion a crash cut short
+    stale.mkdir(parents=True)
+    (stale / "__0_0.distcp").write_bytes(b"x")
     workers(4).run(_case_run, config)
+    # Old checkpoints leave the listing at once and are deleted in the background; close() waits.
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-00000003", "step-00000004"]
 
 

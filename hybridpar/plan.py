@@ -9,8 +9,8 @@ Pure arithmetic on the model's shape, derived from what hybridpar's code keeps i
   fp32 moments, 16 bytes per parameter of the rank's tensor-parallel slice / dp_shard. Norm weights
   are whole on every mp rank; with mp > n_kv_heads every mp rank holds the whole wk and wv
   (kv heads replicated).
-- Gathered parameters in the compute dtype (`param_dtype`): the output head and the final norm stay
-  gathered from forward to backward (hybridpar never reshards them), blocks are gathered two at a
+- Gathered parameters in the compute dtype (`param_dtype`): the embedding, the output head and the
+  final norm stay gathered from forward to backward (hybridpar never reshards them), blocks are gathered two at a
   time (the current one and the prefetched next one); all blocks when not resharding (ZeRO-2).
 - Gradient buffers in backward: one unit's unsharded gradient in the compute dtype plus its copy in
   the reduce dtype that is reduce-scattered. With gradient accumulation (grad_accum > 1) FSDP2 keeps
@@ -399,9 +399,9 @@ def collective_bytes(args: ModelArgs, layout: Layout, workload: Workload) -> Com
     shapes = local_param_shapes(args, mp)
     padded = {unit: sum(_sharded_numel(x, ds) * ds for x in xs) for unit, xs in shapes.items()}
     every_unit = padded["embedding"] + L * padded["block"] + padded["output"] + padded["root"]
-    # The head and the root stay gathered from forward to backward; the rest is gathered again
-    # in backward unless resharding is off.
-    again = padded["embedding"] + L * padded["block"] if layout.reshard_after_forward else 0
+    # The embedding, the head and the root stay gathered from forward to backward; the blocks are
+    # gathered again in backward unless resharding is off.
+    again = L * padded["block"] if layout.reshard_after_forward else 0
     ag = (every_unit + again) * a if ds > 1 else 0.0
     rs = every_unit * r if ds > 1 else 0.0
     ar = counts.sharded * r if dr > 1 else 0.0
@@ -423,7 +423,7 @@ def estimate(args: ModelArgs, layout: Layout, workload: Workload, hw: Hardware) 
     acts = activation_bytes(args, mp, b, s, a, n_ac)
 
     kept_blocks = L if not layout.reshard_after_forward else min(2, L)  # current + prefetched
-    gathered = (counts.output + counts.root + kept_blocks * counts.block) * a
+    gathered = (counts.embedding + counts.output + counts.root + kept_blocks * counts.block) * a
     grad_buffers = max(counts.block, counts.output) * (a + r)
     sync_every = workload.grad_sync == "every"
     accumulated = counts.total * r if grad_accum > 1 and not sync_every else 0.0

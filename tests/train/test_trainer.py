@@ -39,6 +39,9 @@ LAYOUTS = {
     "mp1-full_shard-dp4": (4, dict(mp=1, dp_shard=4, strategy="full_shard", dp=4)),
     "mp2-dp_shard2": (4, dict(mp=2, dp_shard=2, strategy="hybrid_shard", dp=2)),
     "mp2-hybrid_shard-2x2": (8, dict(mp=2, dp_shard=2, dp_replicate=2, strategy="hybrid_shard", dp=4)),
+    # FSDP2's own all-gather and reduce-scatter, the collectives nccl runs (gloo's default is all-to-all).
+    "mp2-hybrid_shard-2x2-fsdp_collectives": (8, dict(mp=2, dp_shard=2, dp_replicate=2, strategy="hybrid_shard",
+                                                      dp=4, **{"fsdp.gloo_all_to_all": False})),
     "mp2-no_shard-dp2": (4, dict(mp=2, dp_shard=1, dp_replicate=2, strategy="no_shard", dp=2)),
     "mp2-dp2-accum2": (4, dict(mp=2, dp_shard=2, strategy="full_shard", dp=2, grad_accum=2)),
     "mp1-world1-accum2": (1, dict(dp=1, grad_accum=2)),

@@ -20,6 +20,7 @@ applied before sharding, with the composable API so parameter names stay Meta's.
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from typing import Optional
 
@@ -108,6 +109,31 @@ class _Scratch:
         return b[:numel]
 
 
+class _BufferPool:
+    """The buffers FSDP asks its collectives for (gathered parameters, gradients to reduce, reduced
+    shards), kept and handed out again: YaFSDP's preallocated buffers, on the CPU.
+
+    CUDA's caching allocator already reuses freed memory; on the CPU a fresh buffer of this size
+    comes from the kernel and faults its pages in at first touch, which was a fifth of hybridpar's
+    CPU time per step here (bench/README.md). A buffer is reused only when nothing but the pool
+    holds its storage (FSDP dropped every view of it), so a buffer still in use is never shared.
+    """
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple, list[torch.Tensor]] = {}
+
+    def get(self, size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        numel = math.prod(size)
+        kept = self.buffers.setdefault((numel, dtype, torch.device(device)), [])
+        for buffer in kept:
+            # 2: the pool's tensor and the storage object this call creates; any view adds one.
+            if torch._C._storage_Use_Count(buffer.untyped_storage()._cdata) == 2:
+                return buffer.view(size)
+        buffer = torch.empty(numel, dtype=dtype, device=device)
+        kept.append(buffer)
+        return buffer.view(size)
+
+
 if AllGather is not None:
 
     class AllToAllGather(AllGather):
@@ -117,11 +143,11 @@ if AllGather is not None:
         bytes (bench/README.md): every rank sends its shard to each peer as one all-to-all chunk.
         """
 
-        def __init__(self, scratch: _Scratch) -> None:
-            self.scratch = scratch
+        def __init__(self, scratch: _Scratch, pool: _BufferPool) -> None:
+            self.scratch, self.pool = scratch, pool
 
         def allocate(self, size, *, dtype, device):
-            return torch.empty(*size, dtype=dtype, device=device)
+            return self.pool.get(size, dtype, device)
 
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
             n = group.size()
@@ -138,11 +164,11 @@ if AllGather is not None:
         order, so the result is deterministic.
         """
 
-        def __init__(self, scratch: _Scratch) -> None:
-            self.scratch = scratch
+        def __init__(self, scratch: _Scratch, pool: _BufferPool) -> None:
+            self.scratch, self.pool = scratch, pool
 
         def allocate(self, size, *, dtype, device):
-            return torch.empty(*size, dtype=dtype, device=device)
+            return self.pool.get(size, dtype, device)
 
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
             if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
@@ -161,7 +187,8 @@ def _use_gloo_collectives(units: list[nn.Module], parallel: ParallelDims) -> Non
     if AllGather is None or "gloo" not in parallel.backend:
         return
     scratch = _Scratch()  # shared: the units never communicate at the same time
-    gather, scatter = AllToAllGather(scratch), AllToAllReduceScatter(scratch)
+    pool = _BufferPool()
+    gather, scatter = AllToAllGather(scratch, pool), AllToAllReduceScatter(scratch, pool)
     for unit in units:
         unit.set_custom_all_gather(gather)
         unit.set_custom_reduce_scatter(scatter)

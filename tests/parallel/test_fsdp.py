@@ -1,4 +1,5 @@
-"""Activation checkpointing picks the right blocks and really recomputes them in backward."""
+"""Activation checkpointing picks the right blocks and really recomputes them in backward; the
+collectives' buffer pool never hands out a buffer still in use."""
 
 import pytest
 import torch
@@ -34,3 +35,22 @@ def _case_recompute_counts(mode: str, every: int) -> tuple:
 def test_activation_checkpointing_recomputes_chosen_blocks(workers, mode, every, chosen, calls):
     # A checkpointed block runs its forward twice: once in forward, once recomputed in backward.
     assert workers(1).run(_case_recompute_counts, mode, every)[0] == (chosen, calls)
+
+
+def test_buffer_pool_reuses_only_buffers_nothing_else_holds():
+    from hybridpar.parallel.fsdp import _BufferPool
+
+    pool = _BufferPool()
+    a = pool.get((4, 3), torch.float32, "cpu")
+    b = pool.get((12,), torch.float32, "cpu")
+    first = a.data_ptr()
+    assert b.data_ptr() != first  # a is in use
+    view = a[1:]  # FSDP keeps views (a gradient in the reduced shard, say)
+    del a
+    c = pool.get((12,), torch.float32, "cpu")
+    assert c.data_ptr() not in (first, b.data_ptr())  # the view still holds the first buffer
+    del view, b
+    d = pool.get((2, 6), torch.float32, "cpu")
+    assert d.data_ptr() == first and d.shape == (2, 6)  # free again: reused, no new memory
+    assert pool.get((12,), torch.bfloat16, "cpu").dtype == torch.bfloat16  # kept apart by dtype
+    assert len(pool.buffers[(12, torch.float32, torch.device("cpu"))]) == 3

@@ -302,10 +302,3 @@ class RecipeTrainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum.item() / global_targets
-
-    def state_tensors(self):
-        """(parameters, gradients, optimizer moments) as lists of the tensors that hold them."""
-        params = list(self.model.parameters())
-        grads = [p.grad for p in params if p.grad is not None]
-        moments = [v for st in self.optimizer.state.values() for k, v in st.items() if k in ("exp_avg", "exp_avg_sq")]
-        return params, grads, moments

@@ -111,11 +111,13 @@ class HybridparEngine:
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum.item() / global_targets
 
-    def state_tensors(self):
-        params = list(self.model.parameters())
-        grads = [p.grad for p in params if p.grad is not None]
-        moments = [v for st in self.optimizer.state.values() for k, v in st.items() if k in ("exp_avg", "exp_avg_sq")]
-        return params, grads, moments
+
+def state_tensors(engine):
+    """(parameters, gradients, AdamW moments) of either engine, as lists of the tensors holding them."""
+    params = list(engine.model.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    moments = [v for st in engine.optimizer.state.values() for k, v in st.items() if k in ("exp_avg", "exp_avg_sq")]
+    return params, grads, moments
 
 
 def _local_shards(args, parallel, seed: int) -> dict[str, torch.Tensor]:
@@ -196,7 +198,7 @@ def run_case(case: dict) -> dict:
         state = {}
 
         def probe(eng) -> None:
-            params, grads, moments = eng.state_tensors()
+            params, grads, moments = state_tensors(eng)
             state.update(parameters=unique_bytes(params), gradients=unique_bytes(grads), optimizer=unique_bytes(moments))
 
         with CollectiveCounter() as counter:

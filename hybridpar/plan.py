@@ -10,8 +10,9 @@ Pure arithmetic on the model's shape, derived from what hybridpar's code keeps i
   are whole on every mp rank; with mp > n_kv_heads every mp rank holds the whole wk and wv
   (kv heads replicated).
 - Gathered parameters in the compute dtype (`param_dtype`): the embedding, the output head and the
-  final norm stay gathered from forward to backward (hybridpar never reshards them), blocks are gathered two at a
-  time (the current one and the prefetched next one); all blocks when not resharding (ZeRO-2).
+  final norm stay gathered from forward to backward (hybridpar never reshards them), blocks are
+  gathered two at a time (the current one and the prefetched next one); all blocks when not
+  resharding (ZeRO-2).
 - Gradient buffers in backward: one unit's unsharded gradient in the compute dtype plus its copy in
   the reduce dtype that is reduce-scattered. With gradient accumulation (grad_accum > 1) FSDP2 keeps
   every unit's unsharded gradient, in the reduce dtype, between micro-batches: 4 bytes per parameter

@@ -147,11 +147,12 @@ class Checkpointer:
             write_text_atomic(partial / "train_state.json", json.dumps(meta["train_state"], indent=2))
             # The same step saved again (a re-run) replaces the old copy without a moment of none.
             replace_folder(partial, partial.with_name(partial.name[: -len(".partial")]))
-            old = complete_checkpoints(self.folder)[: -self.keep]
-            for path in old:  # out of the listing at once; freeing the blocks can wait
-                path.rename(path.with_name(path.name + DELETING))
+            doomed = []
+            for path in complete_checkpoints(self.folder)[: -self.keep]:
+                # Out of the listing at once; freeing the blocks can wait.
+                doomed.append(path.rename(path.with_name(path.name + DELETING)))
             _fsync_dir(self.folder)
-            self._delete_in_background([path.with_name(path.name + DELETING) for path in old])
+            self._delete_in_background(doomed)
         dist.barrier()  # nobody looks for the checkpoint before it exists
 
     def _delete_in_background(self, paths: list[Path]) -> None:

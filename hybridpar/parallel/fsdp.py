@@ -26,8 +26,8 @@ from typing import Optional
 
 import torch
 from torch import nn
-from torch.distributed._composable import checkpoint as checkpoint_module
 import torch.distributed as dist
+from torch.distributed._composable import checkpoint as checkpoint_module
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 try:  # the custom-collective hooks of FSDP2 (torch >= 2.7)
@@ -134,20 +134,26 @@ class _BufferPool:
         return buffer.view(size)
 
 
+class _PooledCollective:
+    """The buffers FSDP allocates for a custom collective come from the shared pool; `scratch` is
+    the collective's own working space."""
+
+    def __init__(self, scratch: _Scratch, pool: _BufferPool) -> None:
+        self.scratch, self.pool = scratch, pool
+
+    def allocate(self, size, *, dtype, device):
+        return self.pool.get(size, dtype, device)
+
+
 if AllGather is not None:
 
-    class AllToAllGather(AllGather):
+    class AllToAllGather(_PooledCollective, AllGather):
         """FSDP's parameter all-gather as one all_to_all_single (gloo only).
 
         gloo's all_gather costs about twice the CPU time of an all-to-all that moves the same
         bytes (bench/README.md): every rank sends its shard to each peer as one all-to-all chunk.
         """
 
-        def __init__(self, scratch: _Scratch, pool: _BufferPool) -> None:
-            self.scratch, self.pool = scratch, pool
-
-        def allocate(self, size, *, dtype, device):
-            return self.pool.get(size, dtype, device)
 
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
             n = group.size()
@@ -157,18 +163,13 @@ if AllGather is not None:
             dist.all_to_all_single(output_tensor, staged.reshape(-1), group=group)
             return None  # done: FSDP waits only on a returned Work
 
-    class AllToAllReduceScatter(ReduceScatter):
+    class AllToAllReduceScatter(_PooledCollective, ReduceScatter):
         """FSDP's gradient reduce-scatter as an all_to_all_single and a local sum (gloo only).
 
         gloo's reduce_scatter costs two to three times the CPU time of this; the sum runs in rank
         order, so the result is deterministic.
         """
 
-        def __init__(self, scratch: _Scratch, pool: _BufferPool) -> None:
-            self.scratch, self.pool = scratch, pool
-
-        def allocate(self, size, *, dtype, device):
-            return self.pool.get(size, dtype, device)
 
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
             if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):

@@ -325,9 +325,10 @@ def analyse(traces: dict[int, RankTrace], dead: Iterable[int] = (),
                 continue
             t = traces[r]
             pending = t.pending()
-            if t.note.startswith("raised"):
-                continue  # it failed inside a collective: a consequence, reported below
+            raised = t.note.startswith("raised")
             if not pending:
+                if raised:
+                    continue  # it failed outside any collective: reported below as 'failed'
                 findings.append(Finding("not_arrived", [r], w.dim, w.group, w.op, w.seq,
                                         f"rank {r} has not joined {w.op} #{w.seq} on the {w.dim} group {w.group} "
                                         f"that ranks {w.waiting} wait in; it is not in any collective: {t.where}"))
@@ -335,6 +336,8 @@ def analyse(traces: dict[int, RankTrace], dead: Iterable[int] = (),
                 continue
             g, c = pending[0]
             later = _issued_later(traces, r, (w.dim, w.seq), (g.dim, c.seq))
+            if raised and not later:
+                continue  # it failed in a collective it reached in order: often a peer's exit; below
             if later is None:
                 findings.append(Finding("order", [r], w.dim, w.group, w.op, w.seq,
                                         f"rank {r} waits in {c.op} #{c.seq} on the {g.dim} group {g.ranks} while ranks "

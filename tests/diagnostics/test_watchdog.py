@@ -43,15 +43,18 @@ def test_a_rank_outside_any_collective_is_named_with_its_line():
     assert "CAUSE  rank 1 has not joined all_reduce #2" in format_report(verdict, "headline")
 
 
-def test_a_skipped_collective_is_told_from_its_victims_by_the_healthy_order():
+@pytest.mark.parametrize("note", ["", "raised RuntimeError: Connection closed by peer"])
+def test_a_skipped_collective_is_told_from_its_victims_by_the_healthy_order(note):
     # dp then world is the program's order (ranks 1 and 3 did both). Rank 2 skipped dp #5 and waits
-    # in world #9; rank 0 waits in dp #5 for rank 2 and has not reached world #9: a victim.
+    # in world #9; rank 0 waits in dp #5 for rank 2 and has not reached world #9: a victim. When the
+    # job is torn down, rank 2's wait may end in an error (`note`): it still skipped dp #5 first.
     dp02, dp13 = ("dp", [0, 2]), ("dp", [1, 3])
     world = ("world", [0, 1, 2, 3])
     traces = {
         0: _trace(0, {"dpA": (*dp02, [(5, "all_reduce", 10)], 4), "w": (*world, [(8, "all_reduce", 9)], 8)}),
         1: _trace(1, {"dpB": (*dp13, [(5, "all_reduce", 10)], 5), "w": (*world, [(8, "all_reduce", 9), (9, "all_reduce", 11)], 8)}),
-        2: _trace(2, {"dpA": (*dp02, [(4, "all_reduce", 8)], 4), "w": (*world, [(8, "all_reduce", 9), (9, "all_reduce", 11)], 8)}),
+        2: _trace(2, {"dpA": (*dp02, [(4, "all_reduce", 8)], 4), "w": (*world, [(8, "all_reduce", 9), (9, "all_reduce", 11)], 8)},
+                  note=note),
         3: _trace(3, {"dpB": (*dp13, [(5, "all_reduce", 10)], 5), "w": (*world, [(8, "all_reduce", 9), (9, "all_reduce", 11)], 8)}),
     }
     verdict = analyse(traces)

@@ -82,6 +82,15 @@ def _payload(name: str, args: tuple, kwargs: dict) -> int:
     return _nbytes(obj)
 
 
+def _sent(name: str, args: tuple, kwargs: dict, group) -> Optional[float]:
+    """Bytes an all_to_all_single with input split sizes sends to other ranks (its own chunk stays)."""
+    splits = kwargs.get("input_split_sizes", args[3] if len(args) > 3 else None)
+    if name != "all_to_all_single" or not splits:
+        return None
+    own = splits[dist.get_rank(group) if group is not None else dist.get_rank()]
+    return _payload(name, args, kwargs) * (sum(splits) - own) / sum(splits)
+
+
 def _group_of(args: tuple, kwargs: dict, name: str):
     if "group" in kwargs:
         return kwargs["group"]
@@ -102,9 +111,11 @@ class Record:
     seconds: float = 0.0  # inside the call: the transfer, plus waiting for peers (async ops: the launch)
     cpu_seconds: float = 0.0  # this process's CPU time inside the call (gloo does not spin while waiting)
 
+    sent: Optional[float] = None  # bytes sent when known from the call (all-to-all with split sizes)
+
     @property
     def wire(self) -> float:
-        return self.payload * wire_factor(self.kind, self.group_size)
+        return self.sent if self.sent is not None else self.payload * wire_factor(self.kind, self.group_size)
 
 
 class CollectiveCounter:
@@ -130,7 +141,7 @@ class CollectiveCounter:
             if depth == 0 and counter.enabled:
                 group = _group_of(args, kwargs, name)
                 n = dist.get_world_size(group) if group is not None else dist.get_world_size()
-                record = Record(_WRAPPED[name][0], n, _payload(name, args, kwargs))
+                record = Record(_WRAPPED[name][0], n, _payload(name, args, kwargs), sent=_sent(name, args, kwargs, group))
                 counter.records.append(record)
             counter._depth.n = depth + 1
             start, cpu_start = time.perf_counter(), time.process_time()

@@ -152,11 +152,18 @@ if AllGather is not None:
 
         gloo's all_gather costs about twice the CPU time of an all-to-all that moves the same
         bytes (bench/README.md): every rank sends its shard to each peer as one all-to-all chunk.
+        Between two ranks the chunk to itself is left out (split size 0), which removes both copies.
         """
-
 
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
             n = group.size()
+            if n == 2:  # the shard goes out as it is and the peer's lands in its slot: no copies
+                peer = 1 - group.rank()
+                splits = [0, 0]
+                splits[peer] = input_tensor.numel()
+                dist.all_to_all_single(output_tensor.view(2, -1)[peer], input_tensor.reshape(-1), splits, splits,
+                                       group=group)
+                return None
             # input_tensor is a view of this rank's slot of output_tensor: read it before the call.
             staged = self.scratch.get(output_tensor.numel(), output_tensor).view(n, -1)
             staged.copy_(input_tensor.reshape(1, -1).expand(n, -1))
@@ -170,11 +177,21 @@ if AllGather is not None:
         order, so the result is deterministic.
         """
 
-
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
             if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
                 return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
             n = group.size()
+            if n == 2:  # send the peer's half, receive ours: a sum of two is the same in either order
+                rank = group.rank()
+                halves = input_tensor.view(2, -1)
+                received = self.scratch.get(halves.shape[1], input_tensor)
+                splits = [0, 0]
+                splits[1 - rank] = halves.shape[1]
+                dist.all_to_all_single(received, halves[1 - rank], splits, splits, group=group)
+                torch.add(halves[rank], received, out=output_tensor.view(-1))
+                if op == dist.ReduceOp.AVG:
+                    output_tensor.div_(n)
+                return None
             received = self.scratch.get(input_tensor.numel(), input_tensor)
             dist.all_to_all_single(received, input_tensor, group=group)
             torch.sum(received.view(n, -1), dim=0, out=output_tensor.view(-1))

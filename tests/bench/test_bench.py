@@ -82,8 +82,9 @@ def test_counter_matches_hand_counts(workers):
         fsdp = {k: (v["calls"], v["payload"], v["wire"]) for k, v in seen["fsdp"].items()}
         assert fsdp == {"all_gather/n2": (2, 256, 128.0), "reduce_scatter/n2": (1, 128, 64.0)}, fsdp
         a2a = {k: (v["calls"], v["payload"], v["wire"]) for k, v in seen["a2a"].items()}
-        # Two gathers and a reduce-scatter, each one all-to-all of the full 128-byte weight.
-        assert a2a == {"all_to_all/n2": (3, 3 * 128, 3 * 64.0)}, a2a
+        # Two gathers and a reduce-scatter, each an all-to-all that hands over only the 64 bytes
+        # (half the weight) going to the other rank: the same wire bytes as FSDP's own.
+        assert a2a == {"all_to_all/n2": (3, 3 * 64, 3 * 64.0)}, a2a
         assert seen["a2a_grad_diff"] < 1e-6
         tp = {k: (v["calls"], v["payload"], v["wire"]) for k, v in seen["tp"].items()}
         assert tp == {"all_reduce/n2": (2, 192, 192.0)}, tp

@@ -250,6 +250,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "train.json"))
     parser.add_argument("--optimizer", default="trainer", choices=("trainer", "foreach"),
                         help="variant's AdamW: as Trainer builds it (fused), or torch's foreach")
+    parser.add_argument("--compile", default="", help="comma list of hybridpar engines (hybridpar, variant, "
+                        "baseline) that torch.compile their blocks, as train.compile = true does")
     parser.add_argument("--precision", default="float32", choices=("float32", "bfloat16"),
                         help="compute dtype of both engines (FSDP param_dtype; gradients reduce in fp32)")
     opts = parser.parse_args(argv)
@@ -276,9 +278,11 @@ def main(argv=None) -> int:
             return {"name": "recipe", "engine": "recipe"}
         # Options under test (--fsdp, --optimizer) apply to "variant" only: hybridpar of this tree
         # with them, against "hybridpar" with the defaults, in the same processes.
+        compiled = engine in opts.compile.split(",")
         if engine == "variant":
-            return {"name": "variant", "engine": "hybridpar", "fsdp": fsdp_extra, "optimizer": opts.optimizer}
-        return {"name": engine, "engine": "hybridpar", "fsdp": {}, "optimizer": "trainer"}
+            return {"name": "variant", "engine": "hybridpar", "fsdp": fsdp_extra, "optimizer": opts.optimizer,
+                    "compile": compiled}
+        return {"name": engine, "engine": "hybridpar", "fsdp": {}, "optimizer": "trainer", "compile": compiled}
 
     def make_case(names, shape_name, mp, shard, rep, micro, seq, steps, warmup):
         case = {

@@ -83,7 +83,8 @@ class HybridparEngine:
         model = Transformer(args, parallel, device=parallel.device)
         fsdp = FSDPConfig(sharding_strategy=case["strategy"], param_dtype=case.get("precision", "float32"),
                           reduce_dtype="float32", **case.get("fsdp", {}))
-        self.model = apply_fsdp(model, parallel, fsdp)
+        # Only when asked: a baseline checkout from before train.compile has no such argument.
+        self.model = apply_fsdp(model, parallel, fsdp, **({"compile_blocks": True} if case.get("compile") else {}))
         self.params = list(self.model.parameters())
         optim = OptimConfig(**case["optim"])
         # "foreach": the A/B of the trainer's fused AdamW against torch's multi-tensor one

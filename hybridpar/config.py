@@ -73,6 +73,9 @@ class TrainConfig:
     on_nonfinite: str = "stop"  # a NaN/inf loss: "stop" with an error naming the step, or "skip" the step
     log_every: int = 10
     peak_flops: float = 0.0  # per-device peak FLOP/s for MFU; 0 measures a matmul peak at start-up
+    # torch.compile each transformer block (inductor: fused element-wise kernels). Costs start-up
+    # time (tens of seconds on a CPU, which also needs a C++ compiler); bench/README.md has the gain.
+    compile: bool = False
 
 
 @dataclasses.dataclass

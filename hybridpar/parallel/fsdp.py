@@ -14,13 +14,15 @@ FSDP2 mesh with dp_shard = 1 still all-reduces over dp_replicate.
 Units: one per transformer block, the token embeddings and the output head each their own, then
 the root (final norm). On gloo, FSDP's all-gather and reduce-scatter run as all-to-alls, which gloo
 does at a half to a third of the CPU cost (FSDPConfig.gloo_all_to_all). Activation checkpointing is
-applied before sharding, with the composable API so parameter names stay Meta's.
+applied before sharding, with the composable API so parameter names stay Meta's; so is torch.compile
+of the blocks (train.compile), which keeps FSDP's hooks outside the compiled code.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import shutil
 import warnings
 from typing import Optional
 
@@ -212,12 +214,23 @@ def _use_gloo_collectives(units: list[nn.Module], parallel: ParallelDims) -> Non
         unit.set_custom_reduce_scatter(scatter)
 
 
-def apply_fsdp(model: nn.Module, parallel: ParallelDims, config: Optional[FSDPConfig] = None) -> nn.Module:
-    """Shard `model` (a models.llama.Transformer) in place over the data-parallel dims and return it."""
+def apply_fsdp(model: nn.Module, parallel: ParallelDims, config: Optional[FSDPConfig] = None, *,
+               compile_blocks: bool = False) -> nn.Module:
+    """Shard `model` (a models.llama.Transformer) in place over the data-parallel dims and return it.
+
+    compile_blocks: torch.compile each transformer block, after activation checkpointing and before
+    sharding, so FSDP's hooks stay outside the compiled code.
+    """
     config = config or FSDPConfig()
     config.validate()
     mesh = dp_mesh_for(config.sharding_strategy, parallel)
     apply_activation_checkpointing(model.layers, config.activation_checkpointing, config.ac_every)
+    if compile_blocks:
+        if parallel.device.type == "cpu" and not (shutil.which("c++") or shutil.which("g++")):
+            raise ValueError("train.compile on the CPU needs a C++ compiler (inductor builds its kernels with it): "
+                             "install g++ or set train.compile = false")
+        for block in model.layers:
+            block.compile()
 
     offload: OffloadPolicy = OffloadPolicy()
     if config.cpu_offload:

@@ -147,7 +147,7 @@ class Trainer:
             from ..checkpoint.meta import load_meta_checkpoint
 
             load_meta_checkpoint(c.checkpoint.init_from, model, p)
-        self.model = apply_fsdp(model, p, c.fsdp)
+        self.model = apply_fsdp(model, p, c.fsdp, compile_blocks=c.train.compile)
         self.params = list(self.model.parameters())
         self.optimizer = build_optimizer(self.model, c.optim)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(

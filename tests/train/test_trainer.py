@@ -52,6 +52,9 @@ LAYOUTS = {
         "fsdp.activation_checkpointing": "selective", "fsdp.ac_every": 2})),
     "mp2-hybrid_shard_zero2-2x2-ac_full": (8, dict(mp=2, dp_shard=2, dp_replicate=2, strategy="hybrid_shard_zero2",
                                                    dp=4, **{"fsdp.activation_checkpointing": "full"})),
+    # Compiled blocks (fused kernels, the tensor-parallel collectives traced), one of them checkpointed.
+    "mp2-dp_shard2-compile-ac_selective": (4, dict(mp=2, dp_shard=2, strategy="hybrid_shard", dp=2, **{
+        "train.compile": True, "fsdp.activation_checkpointing": "selective", "fsdp.ac_every": 2})),
 }
 
 

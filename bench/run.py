@@ -4,6 +4,7 @@
     python3 bench/run.py --shapes tiny --layouts 2:2:1 --repeats 3 --weak ""
     python3 bench/run.py --engines hybridpar,variant --fsdp gloo_all_to_all=0    # A/B of an option
     python3 bench/run.py --baseline /tmp/hybridpar-before --engines hybridpar,baseline   # A/B of two versions
+    python3 bench/run.py --compile hybridpar             # hybridpar with train.compile = true
 
 Each run starts `world` fresh processes (OMP_NUM_THREADS=1, gloo, a free port), so peak memory and
 process-global state (fairscale's groups) never leak between runs. 4-8 ranks on 2 shared cores vary

@@ -141,6 +141,9 @@ class Trainer:
             seed=c.data.seed, num_workers=c.data.num_workers,
         )
 
+        # Before the model: torch.compile's worker processes start with it and would take a share of
+        # the cores from the measurement.
+        self.peak_flops = c.train.peak_flops or self._measure_peak()
         torch.manual_seed(c.train.seed)  # same full weights on every rank, whatever the layout
         model = Transformer(self.args, p, device=self.device)
         if self.init_from_meta:  # Meta's shards are sliced into the unsharded model, before FSDP
@@ -164,7 +167,6 @@ class Trainer:
         self.metrics = MetricsWriter(self.run_dir, enabled=self.is_main, tensorboard=c.output.tensorboard,
                                      start_step=self.step)
         self.flops_per_token = flops_per_token(self.args, c.data.seq_len)
-        self.peak_flops = c.train.peak_flops or self._measure_peak()
 
     # --- set-up ---------------------------------------------------------------------------------
 

@@ -176,27 +176,25 @@ if AllGather is not None:
         """FSDP's gradient reduce-scatter as an all_to_all_single and a local sum (gloo only).
 
         gloo's reduce_scatter costs two to three times the CPU time of this; the sum runs in rank
-        order, so the result is deterministic.
+        order, so the result is deterministic. Between two ranks each sends only the peer's half.
         """
 
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
             if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
                 return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
-            n = group.size()
-            if n == 2:  # send the peer's half, receive ours: a sum of two is the same in either order
+            n, out = group.size(), output_tensor.view(-1)
+            if n == 2:  # a sum of two is the same in either order: both ranks get identical results
                 rank = group.rank()
                 halves = input_tensor.view(2, -1)
                 received = self.scratch.get(halves.shape[1], input_tensor)
                 splits = [0, 0]
                 splits[1 - rank] = halves.shape[1]
                 dist.all_to_all_single(received, halves[1 - rank], splits, splits, group=group)
-                torch.add(halves[rank], received, out=output_tensor.view(-1))
-                if op == dist.ReduceOp.AVG:
-                    output_tensor.div_(n)
-                return None
-            received = self.scratch.get(input_tensor.numel(), input_tensor)
-            dist.all_to_all_single(received, input_tensor, group=group)
-            torch.sum(received.view(n, -1), dim=0, out=output_tensor.view(-1))
+                torch.add(halves[rank], received, out=out)
+            else:
+                received = self.scratch.get(input_tensor.numel(), input_tensor)
+                dist.all_to_all_single(received, input_tensor, group=group)
+                torch.sum(received.view(n, -1), dim=0, out=out)
             if op == dist.ReduceOp.AVG:
                 output_tensor.div_(n)
             return None

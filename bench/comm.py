@@ -84,8 +84,10 @@ def _payload(name: str, args: tuple, kwargs: dict) -> int:
 
 def _sent(name: str, args: tuple, kwargs: dict, group) -> Optional[float]:
     """Bytes an all_to_all_single with input split sizes sends to other ranks (its own chunk stays)."""
+    if name != "all_to_all_single":
+        return None
     splits = kwargs.get("input_split_sizes", args[3] if len(args) > 3 else None)
-    if name != "all_to_all_single" or not splits:
+    if not splits:
         return None
     own = splits[dist.get_rank(group) if group is not None else dist.get_rank()]
     return _payload(name, args, kwargs) * (sum(splits) - own) / sum(splits)

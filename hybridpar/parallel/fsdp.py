@@ -147,6 +147,14 @@ class _PooledCollective:
         return self.pool.get(size, dtype, device)
 
 
+def _swap_with_peer(send: torch.Tensor, recv: torch.Tensor, group) -> None:
+    """In a group of two, send `send` to the other rank and receive its tensor into `recv`: an
+    all_to_all_single whose chunk to oneself is empty, so nothing is staged or copied locally."""
+    splits = [0, 0]
+    splits[1 - group.rank()] = send.numel()
+    dist.all_to_all_single(recv, send, splits, splits, group=group)
+
+
 if AllGather is not None:
 
     class AllToAllGather(_PooledCollective, AllGather):
@@ -160,11 +168,7 @@ if AllGather is not None:
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
             n = group.size()
             if n == 2:  # the shard goes out as it is and the peer's lands in its slot: no copies
-                peer = 1 - group.rank()
-                splits = [0, 0]
-                splits[peer] = input_tensor.numel()
-                dist.all_to_all_single(output_tensor.view(2, -1)[peer], input_tensor.reshape(-1), splits, splits,
-                                       group=group)
+                _swap_with_peer(input_tensor.reshape(-1), output_tensor.view(2, -1)[1 - group.rank()], group)
                 return None
             # input_tensor is a view of this rank's slot of output_tensor: read it before the call.
             staged = self.scratch.get(output_tensor.numel(), output_tensor).view(n, -1)
@@ -187,9 +191,7 @@ if AllGather is not None:
                 rank = group.rank()
                 halves = input_tensor.view(2, -1)
                 received = self.scratch.get(halves.shape[1], input_tensor)
-                splits = [0, 0]
-                splits[1 - rank] = halves.shape[1]
-                dist.all_to_all_single(received, halves[1 - rank], splits, splits, group=group)
+                _swap_with_peer(halves[1 - rank], received, group)
                 torch.add(halves[rank], received, out=out)
             else:
                 received = self.scratch.get(input_tensor.numel(), input_tensor)

@@ -141,8 +141,8 @@ class Trainer:
             seed=c.data.seed, num_workers=c.data.num_workers,
         )
 
-        # Before the model: torch.compile's worker processes start with it and would take a share of
-        # the cores from the measurement.
+        # Before the model is built and compiled: measured after block.compile(), a compiled run's
+        # peak came out 2.6x low (the compiler's start-up took a share of the cores).
         self.peak_flops = c.train.peak_flops or self._measure_peak()
         torch.manual_seed(c.train.seed)  # same full weights on every rank, whatever the layout
         model = Transformer(self.args, p, device=self.device)

@@ -223,12 +223,12 @@ def apply_fsdp(model: nn.Module, parallel: ParallelDims, config: Optional[FSDPCo
     """
     config = config or FSDPConfig()
     config.validate()
+    if compile_blocks and parallel.device.type == "cpu" and not (shutil.which("c++") or shutil.which("g++")):
+        raise ValueError("train.compile on the CPU needs a C++ compiler (inductor builds its kernels with it): "
+                         "install g++ or set train.compile = false")
     mesh = dp_mesh_for(config.sharding_strategy, parallel)
     apply_activation_checkpointing(model.layers, config.activation_checkpointing, config.ac_every)
     if compile_blocks:
-        if parallel.device.type == "cpu" and not (shutil.which("c++") or shutil.which("g++")):
-            raise ValueError("train.compile on the CPU needs a C++ compiler (inductor builds its kernels with it): "
-                             "install g++ or set train.compile = false")
         for block in model.layers:
             block.compile()
 

@@ -1,5 +1,6 @@
 """Activation checkpointing picks the right blocks and really recomputes them in backward; the
-collectives' buffer pool never hands out a buffer still in use."""
+collectives' buffer pool never hands out a buffer still in use; compiling on a CPU without a C++
+compiler is refused with the fix."""
 
 import pytest
 import torch
@@ -54,3 +55,27 @@ def test_buffer_pool_reuses_only_buffers_nothing_else_holds():
     assert d.data_ptr() == first and d.shape == (2, 6)  # free again: reused, no new memory
     assert pool.get((12,), torch.bfloat16, "cpu").dtype == torch.bfloat16  # kept apart by dtype
     assert len(pool.buffers[(12, torch.float32, torch.device("cpu"))]) == 3
+
+
+def _case_compile_without_compiler() -> tuple:
+    from unittest import mock
+
+    from hybridpar.parallel import fsdp
+    from models.llama import ModelArgs, Transformer
+
+    model = Transformer(ModelArgs.from_preset("debug"), parallel_dims())
+    with mock.patch.object(fsdp.shutil, "which", return_value=None):
+        try:
+            fsdp.apply_fsdp(model, parallel_dims(), compile_blocks=True)
+        except ValueError as err:
+            message = str(err)
+        else:
+            message = ""
+    untouched = not any(getattr(block, "_compiled_call_impl", None) for block in model.layers)
+    return message, untouched
+
+
+def test_compile_without_a_cpp_compiler_says_what_to_do(workers):
+    message, untouched = workers(1).run(_case_compile_without_compiler)[0]
+    assert "needs a C++ compiler" in message and "set train.compile = false" in message, message
+    assert untouched  # refused before any block was compiled or sharded

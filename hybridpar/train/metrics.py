@@ -12,7 +12,7 @@ import os
 import resource
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -25,11 +25,15 @@ def flops_per_token(args, seq_len: int) -> float:
     return 6.0 * matmul_params + 12.0 * args.n_layers * args.dim * seq_len
 
 
-def measure_matmul_peak(seconds: float = 1.0, size: int = 1024, dtype: torch.dtype = torch.float32) -> float:
-    """FLOP/s this process reaches on a square matmul with its current thread count: the CPU 'peak'."""
+def measure_matmul_peak(seconds: float = 1.0, size: int = 1024, dtype: torch.dtype = torch.float32,
+                        start_together: Callable[[], None] = lambda: None) -> float:
+    """FLOP/s this process reaches on a square matmul with its current thread count: the CPU 'peak'.
+    `start_together` runs after the warm-up, just before the clock starts (a barrier, so that ranks
+    sharing cores measure the same window)."""
     a = torch.randn(size, size, dtype=dtype)
     b = torch.randn(size, size, dtype=dtype)
     torch.mm(a, b)  # warm-up: first call pays allocation and dispatch set-up
+    start_together()
     runs, start = 0, time.perf_counter()
     while True:
         torch.mm(a, b)

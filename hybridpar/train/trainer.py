@@ -228,10 +228,10 @@ class Trainer:
     def _measure_peak(self) -> float:
         if self.device.type == "cuda":
             raise ConfigError("train.peak_flops must be set on GPUs (the accelerator's dense bf16 peak, e.g. 989e12)")
-        dist.barrier()  # every rank measures at once, under the same contention as training
-        # Over half a second the scheduler shares the cores unevenly (4 ranks on 2 cores measured
-        # 42-120 GFLOP/s each, the sum steady): the mean over ranks is the fair per-rank peak.
-        peak = torch.tensor([measure_matmul_peak(seconds=0.5)], dtype=torch.float64)
+        # Every rank measures the same window, under the same contention as training. Within it the
+        # scheduler shares the cores unevenly (4 ranks on 2 cores: 30-145 GFLOP/s each, the sum
+        # 298-303 over five runs), so the per-rank peak is the mean over ranks.
+        peak = torch.tensor([measure_matmul_peak(seconds=0.5, start_together=dist.barrier)], dtype=torch.float64)
         dist.all_reduce(peak)
         return peak.item() / dist.get_world_size()
 

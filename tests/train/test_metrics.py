@@ -1,6 +1,9 @@
-"""The metrics files of a run that was killed and resumed hold every step once."""
+"""The metrics files of a run that was killed and resumed hold every step once; the CPU matmul peak
+behind MFU is timed only once every rank is ready."""
 
-from hybridpar.train.metrics import MetricsWriter, read_metrics
+import time
+
+from hybridpar.train.metrics import MetricsWriter, measure_matmul_peak, read_metrics
 
 
 def _log(run_dir, steps, start_step=0, loss=1.0):
@@ -22,3 +25,14 @@ def test_a_fresh_run_in_an_old_folder_starts_a_fresh_file(tmp_path):
     _log(tmp_path, range(1, 4))
     _log(tmp_path, range(1, 3), start_step=0, loss=3.0)
     assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == [(1, 3.0), (2, 3.0)]
+
+
+def test_the_matmul_peak_is_timed_from_start_together_on():
+    # A barrier that takes long must not count as matmul time: a clock started before it would
+    # report at most one 64 x 64 matmul per half second.
+    waited = []
+    peak = measure_matmul_peak(seconds=0.05, size=64, start_together=lambda: (time.sleep(0.5), waited.append(1)))
+    one_matmul_per_wait = 2 * 64**3 / 0.5
+    print(f"peak {peak / 1e9:.2f} GFLOP/s, a clock started before the wait would give <= {one_matmul_per_wait / 1e9:.5f}")
+    assert waited == [1]
+    assert peak > 100 * one_matmul_per_wait

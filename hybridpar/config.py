@@ -8,6 +8,7 @@ Every key must exist: a misspelt key is an error that lists the valid ones, neve
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import tomllib
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
@@ -178,12 +179,23 @@ def set_value(config: Config, dotted: str, value: Any) -> None:
     section, _, key = dotted.partition(".")
     sections = _sections(config)
     if section not in sections or not key:
-        raise ConfigError(f"unknown config key {dotted!r}; sections are {sorted(sections)} (keys look like train.steps)")
+        raise ConfigError(f"unknown config key {dotted!r}{_did_you_mean(config, dotted)}; sections are "
+                          f"{sorted(sections)} (keys look like train.steps)")
     target = getattr(config, section)
     fields = _sections(target)
     if key not in fields:
-        raise ConfigError(f"unknown config key {dotted!r}; valid keys in [{section}] are {sorted(fields)}")
+        raise ConfigError(f"unknown config key {dotted!r}{_did_you_mean(config, dotted)}; valid keys in [{section}] "
+                          f"are {sorted(fields)}")
     setattr(target, key, _convert(value, fields[key].type, dotted))
+
+
+def _did_you_mean(config: Config, dotted: str) -> str:
+    """The valid key a mistyped or section-less one most likely meant ('run_dir' -> 'output.run_dir')."""
+    valid = [f"{s}.{k}" for s in _sections(config) for k in _sections(getattr(config, s))]
+    name = dotted.rpartition(".")[2]
+    same_name = [v for v in valid if v.endswith("." + name)]
+    close = same_name or difflib.get_close_matches(dotted, valid, n=1, cutoff=0.75)
+    return f" (did you mean {' or '.join(close)}?)" if close else ""
 
 
 def load_config(path: Union[str, Path, None] = None, overrides: Sequence[str] = ()) -> Config:

@@ -121,8 +121,11 @@ def test_bad_input_gives_a_clear_error(workers, corpus, tmp_path, case):
 def test_unknown_config_key_lists_valid_keys(tmp_path):
     from hybridpar.config import ConfigError, load_config
 
-    with pytest.raises(ConfigError, match=r"unknown config key 'train.stepz'; valid keys in \[train\] are \[.*'steps'"):
+    with pytest.raises(ConfigError, match=r"unknown config key 'train.stepz' \(did you mean train.steps\?\); "
+                                          r"valid keys in \[train\] are \[.*'steps'"):
         load_config(None, ["--train.stepz", "3"])
+    with pytest.raises(ConfigError, match=r"unknown config key 'run_dir' \(did you mean output.run_dir\?\); sections"):
+        load_config(None, ["--run_dir", "runs/x"])
     path = tmp_path / "bad.toml"
     path.write_text("[optim]\nlearning_rate = 0.1\n")
     with pytest.raises(ConfigError, match=r"unknown config key 'optim.learning_rate'; valid keys in \[optim\]"):

@@ -164,6 +164,7 @@ class Trainer:
             keep=c.checkpoint.keep, async_save=c.checkpoint.async_save,
         )
         self.resumed_from = self._restore()
+        self.start_step = self.step  # 0, or the step a resumed run continues from
         self.metrics = MetricsWriter(self.run_dir, enabled=self.is_main, tensorboard=c.output.tensorboard,
                                      start_step=self.step)
         self.flops_per_token = flops_per_token(self.args, c.data.seq_len)
@@ -206,9 +207,11 @@ class Trainer:
                 self.watchdog.arm(timeout)
 
     def _train_timeout(self) -> float:
-        """The no-progress limit for this step: the init timeout until step 1 is done, then the train timeout."""
+        """The no-progress limit for this step: the init timeout until this run's first step is done (it
+        pays for compiling and the first collectives, also after a resume), then the train timeout."""
         c = self.config
-        return c.diagnostics.train_timeout if self.step >= 1 and c.diagnostics.train_timeout > 0 else c.parallel.init_timeout
+        started = self.step > self.start_step
+        return c.diagnostics.train_timeout if started and c.diagnostics.train_timeout > 0 else c.parallel.init_timeout
 
     def _model_args(self) -> ModelArgs:
         if self.init_from_meta:
@@ -288,12 +291,12 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.step += 1
-        if self.step == 1 and c.diagnostics.train_timeout > 0:
+        if self.step == self.start_step + 1 and c.diagnostics.train_timeout > 0:
             # Start-up is over: a long wait is now a hang. The watchdog reports it after train_timeout;
             # the collectives' own timeout stays a little longer, as a backstop.
             grace = BACKSTOP_GRACE if self.watchdog is not None else 0.0
             set_train_timeout(p, c.diagnostics.train_timeout + grace)
-            self._at("step 1 done", timeout=c.diagnostics.train_timeout)
+            self._at("first step done", timeout=c.diagnostics.train_timeout)
         every = c.diagnostics.replica_check_every
         if every and self.step % every == 0:
             check_replicas(self.model, p, self.step)

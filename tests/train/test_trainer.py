@@ -216,3 +216,37 @@ def test_llama2_params_json_takes_the_tokenizer_vocab(workers, corpus, tmp_path)
                                   "vocab_size": -1, "max_seq_len": 64}))
     config = make_config(corpus, tmp_path / "run", **{"model.params_json": str(params), "model.vocab_size": 0})
     assert workers(1).run(_case_vocab_from_tokenizer, config)[0] == 512
+
+
+# --- timeouts after a resume -------------------------------------------------------------------
+
+
+def _case_timeouts(config):
+    import hybridpar.train.trainer as trainer_module
+
+    real, calls = trainer_module.set_train_timeout, []
+    trainer = trainer_module.Trainer(config)
+
+    def recording(parallel, seconds):
+        calls.append((trainer.step, seconds))
+        real(parallel, seconds)
+
+    trainer_module.set_train_timeout = recording
+    try:
+        before = trainer._train_timeout()
+        trainer.run()
+    finally:
+        trainer_module.set_train_timeout = real
+    return {"start": trainer.start_step, "before": before, "calls": calls, "after": trainer._train_timeout()}
+
+
+def test_a_resumed_run_keeps_the_init_timeout_until_its_own_first_step(workers, corpus, tmp_path):
+    # The first step of a resumed run compiles and all-gathers like any first step: the short train
+    # timeout must wait for it, and must then be set (it once was only set at global step 1).
+    flags = {"diagnostics.train_timeout": 300, "parallel.init_timeout": 600, "checkpoint.resume": True}
+    workers(2).run(_case_train, make_config(corpus, tmp_path, dp=2, steps=2, **flags, **{"checkpoint.at_end": True}),
+                   False)
+    result = workers(2).run(_case_timeouts, make_config(corpus, tmp_path, dp=2, steps=4, **flags))[0]
+    print(result)
+    assert result["start"] == 2 and result["before"] == 600 and result["after"] == 300, result
+    assert [step for step, _ in result["calls"]] == [3], result

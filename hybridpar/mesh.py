@@ -306,7 +306,7 @@ def init_parallel(
             MASTER_PORT=str(env.master_port),
         )
         local_rank = env.local_rank
-        if backend == "nccl":
+        if "nccl" in backend:  # "nccl", or a per-device string such as "cpu:gloo,cuda:nccl"
             torch.cuda.set_device(local_rank)
         dist.init_process_group(backend=backend, timeout=timeout)
         atexit.register(_shutdown)

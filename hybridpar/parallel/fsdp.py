@@ -203,8 +203,10 @@ if AllGather is not None:
 
 
 def _use_gloo_collectives(units: list[nn.Module], parallel: ParallelDims) -> None:
-    """On gloo, FSDP's all-gather and reduce-scatter go through all_to_all_single (see above)."""
-    if AllGather is None or "gloo" not in parallel.backend:
+    """On the CPU (gloo), FSDP's all-gather and reduce-scatter go through all_to_all_single (see above).
+    Decided by the device, not the backend string ("cpu:gloo,cuda:nccl" holds both): these run one at
+    a time and share buffers, which only holds for synchronous CPU collectives, not CUDA streams."""
+    if AllGather is None or parallel.device.type != "cpu":
         return
     scratch = _Scratch()  # shared: the units never communicate at the same time
     pool = _BufferPool()

@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from torch.utils.serialization import config as serialization_config
 
-from ..files import replace_folder, write_text_atomic
+from ..files import atomic_output, replace_folder, write_text_atomic
 from ..mesh import ParallelDims
 from .reader import CheckpointReadError, FastFileSystemReader, SafeLoadPlanner
 
@@ -105,8 +105,10 @@ class Checkpointer:
         partial = final.with_name(final.name + ".partial")
         if self.parallel.rank == 0:
             self.folder.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(partial, ignore_errors=True)  # left by a crash: never trusted
-            for stale in self.folder.glob("*" + DELETING):  # a deletion a crash interrupted
+            # Left by a crash: partial saves (never trusted), interrupted deletions, and old copies
+            # parked by a replace (files.replace_folder) that did not finish.
+            for stale in [*self.folder.glob("step-*.partial"), *self.folder.glob("*" + DELETING),
+                          *self.folder.glob(".step-*.old")]:
                 shutil.rmtree(stale, ignore_errors=True)
             (partial / "rng").mkdir(parents=True)
         dist.barrier()
@@ -115,7 +117,8 @@ class Checkpointer:
         else:
             model_sd, optim_sd = get_state_dict(model, optimizer)
             state = {"model": model_sd, "optimizer": optim_sd}
-        torch.save(torch.get_rng_state(), partial / "rng" / f"rank{self.parallel.rank}.pt")
+        with atomic_output(partial / "rng" / f"rank{self.parallel.rank}.pt") as f:  # fsynced, as DCP's files are
+            torch.save(torch.get_rng_state(), f)
         meta = {"train_state": {**train_state, "step": step, "world_size": self.parallel.world_size}, "params": params}
         if self.async_save:
             future = dcp.async_save(state, storage_writer=self._writer(partial), process_group=self._async_group)
@@ -145,10 +148,12 @@ class Checkpointer:
         if self.parallel.rank == 0:
             write_text_atomic(partial / "params.json", json.dumps(meta["params"], indent=2))
             write_text_atomic(partial / "train_state.json", json.dumps(meta["train_state"], indent=2))
-            # The same step saved again (a re-run) replaces the old copy without a moment of none.
-            replace_folder(partial, partial.with_name(partial.name[: -len(".partial")]))
+            # The same step saved again (a re-run) replaces the old copy, which is parked aside first.
+            final = partial.with_name(partial.name[: -len(".partial")])
+            replace_folder(partial, final)
             doomed = []
-            for path in complete_checkpoints(self.folder)[: -self.keep]:
+            # By step number; never the checkpoint just written, even if the folder holds later steps.
+            for path in [p for p in complete_checkpoints(self.folder)[: -self.keep] if p != final]:
                 # Out of the listing at once; freeing the blocks can wait.
                 doomed.append(path.rename(path.with_name(path.name + DELETING)))
             _fsync_dir(self.folder)
@@ -302,6 +307,11 @@ def _allocate_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Opt
     optimizer.state.update(made)
 
 
+# ModelArgs fields that do not change what the stored tensors mean: batch and sequence limits
+# (RoPE is computed on the fly) and how the embedding is split over mp (DCP stores whole tensors).
+_NOT_IN_THE_WEIGHTS = {"max_batch_size", "max_seq_len", "embedding_split"}
+
+
 def check_checkpoint(path: Path, params: dict, model: torch.nn.Module,
                      needs_optimizer: bool = False) -> dict:
     """Refuse, with the differences named, a checkpoint that is incomplete or saved for another model.
@@ -309,7 +319,7 @@ def check_checkpoint(path: Path, params: dict, model: torch.nn.Module,
     if not (path / "train_state.json").exists() or not (path / ".metadata").exists():
         raise CheckpointError(f"{path} is not a complete hybridpar checkpoint (no train_state.json or .metadata)")
     saved = json.loads((path / "params.json").read_text())
-    differ = {k: (saved.get(k), v) for k, v in params.items() if k != "max_batch_size" and saved.get(k) != v}
+    differ = {k: (saved.get(k), v) for k, v in params.items() if k not in _NOT_IN_THE_WEIGHTS and saved.get(k) != v}
     if differ:
         listed = ", ".join(f"{k}: checkpoint {a!r}, this model {b!r}" for k, (a, b) in differ.items())
         raise CheckpointError(f"{path} was saved for a different model ({listed}); use the same model settings")

@@ -70,13 +70,15 @@ def lr_lambda(warmup: int, total: int, min_ratio: float):
     return factor
 
 
-def grad_norm_and_clip(params: list[torch.nn.Parameter], max_norm: float) -> float:
+def grad_norm_and_clip(params: list[torch.nn.Parameter], max_norm: float,
+                       device: Optional[torch.device] = None) -> float:
     """Global L2 norm of every gradient across mp and dp; clip to max_norm when it is > 0.
 
     Each rank sums the squares of its local shards, dividing by the number of ranks holding the
     same values (the mesh dims where the gradient is replicated), and one all-reduce of that scalar
     over the world gives the squared norm of the whole model: one collective, instead of DTensor's
-    sequential all-reduces per mesh dim.
+    sequential all-reduces per mesh dim. `device` is where that all-reduce runs (default: the
+    gradients' own): with CPU offload the gradients live on the CPU while the group may be nccl only.
     """
     locals_, copies = [], []
     for p in params:
@@ -94,12 +96,12 @@ def grad_norm_and_clip(params: list[torch.nn.Parameter], max_norm: float) -> flo
         return 0.0
     norms = torch.stack(torch._foreach_norm(locals_, 2.0)).float()
     weights = torch.tensor(copies, dtype=torch.float32, device=norms.device)
-    total_sq = (norms.square() / weights).sum()
+    total_sq = (norms.square() / weights).sum().to(device or norms.device)
     dist.all_reduce(total_sq)
     total = total_sq.sqrt()
     if max_norm > 0:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        torch._foreach_mul_(locals_, coef.to(locals_[0].dtype))
+        torch._foreach_mul_(locals_, coef.to(locals_[0].device, locals_[0].dtype))
     return total.item()
 
 
@@ -180,7 +182,14 @@ class Trainer:
         """Resume from the newest complete checkpoint, or take the weights of checkpoint.init_from."""
         c = self.config.checkpoint
         params = params_dict(self.args)
-        latest = latest_checkpoint(self.checkpointer.folder) if c.resume else None
+        latest = latest_checkpoint(self.checkpointer.folder)
+        if latest is not None and not c.resume:
+            # Its saves would mix with the old run's, and pruning by step could delete the new ones.
+            raise ConfigError(
+                f"{self.checkpointer.folder} already holds checkpoints (newest {latest.name}) and checkpoint.resume "
+                "is false: set checkpoint.resume = true to continue that run, or give this run its own "
+                "output.run_dir or checkpoint.folder"
+            )
         if latest is not None:
             state = self.checkpointer.load(latest, self.model, self.optimizer, params)
             self.step = state["step"]
@@ -278,7 +287,7 @@ class Trainer:
         mean_loss = loss_sum.item() / global_targets
 
         self._at("optimizer")
-        grad_norm = grad_norm_and_clip(self.params, c.optim.grad_clip)
+        grad_norm = grad_norm_and_clip(self.params, c.optim.grad_clip, self.device)
         lr = self.scheduler.get_last_lr()[0]
         skipped = not (math.isfinite(mean_loss) and math.isfinite(grad_norm))
         if skipped and c.train.on_nonfinite == "stop":

@@ -1,5 +1,7 @@
 """Sharded checkpoints: bit-exact resume in new processes, resharding to other layouts, crash safety."""
 
+import json
+import re
 import shutil
 
 import pytest
@@ -181,3 +183,26 @@ def test_checkpoint_of_another_model_is_refused(mp2_dp2_runs, workers, corpus, t
     config = _config(corpus, s["folder"], tmp_path / "run", (2, 2, 1), **{"model.n_layers": 3})
     message = workers(4).run(_case_load_error, config)[0]
     assert "was saved for a different model (n_layers: checkpoint 2, this model 3)" in message, message
+
+
+def test_a_fresh_run_into_a_folder_of_checkpoints_is_refused(mp2_dp2_runs, workers, corpus, tmp_path):
+    # Its saves would mix with the old run's, and pruning by step number could delete the new ones.
+    s = mp2_dp2_runs
+    config = _config(corpus, s["folder"], tmp_path / "run", (2, 2, 1), **{"checkpoint.resume": False})
+    message = workers(4).run(_case_load_error, config)[0]
+    assert re.search(rf"{re.escape(str(s['folder']))} already holds checkpoints \(newest step-\d{{8}}\)", message), message
+    assert "set checkpoint.resume = true" in message, message
+
+
+def test_settings_that_do_not_shape_the_weights_do_not_block_a_load(mp2_dp2_runs, workers, corpus, tmp_path):
+    # A checkpoint converted from Meta's folder records Meta's max_seq_len and a resolved embedding
+    # split; the preset says otherwise, and the weights are the same either way.
+    s = mp2_dp2_runs
+    source = next(s["folder"].glob("step-*"))
+    copy = tmp_path / source.name
+    shutil.copytree(source, copy)
+    params = json.loads((copy / "params.json").read_text())
+    params.update(max_seq_len=params["max_seq_len"] * 2, embedding_split="vocab")
+    (copy / "params.json").write_text(json.dumps(params))
+    config = _config(corpus, tmp_path / "ckpt", tmp_path / "run", (2, 2, 1), **{"checkpoint.init_from": str(copy)})
+    assert workers(4).run(_case_load_error, config)[0] == "no error"

@@ -235,7 +235,8 @@ def check_timeouts(environ: Mapping[str, str], init_timeout: Optional[float] = N
                                     f"parallel.init_timeout = {init_timeout:g} s: rendezvous, data preparation and "
                                     "the first step often take minutes on a cluster; use 600 or more"))
     if not findings:
-        shown = f" (init {init_timeout:g} s, train {train_timeout:g} s)" if init_timeout is not None else ""
+        both = init_timeout is not None and train_timeout is not None
+        shown = f" (init {init_timeout:g} s, train {train_timeout:g} s)" if both else ""
         findings.append(Finding(OK, "timeouts", f"timeout settings are consistent{shown}"))
     return findings
 

@@ -12,7 +12,10 @@ Culprits, in order of confidence:
   mismatch    at one (dimension, sequence number) a rank issued another op or other shapes;
   dead        a rank whose heartbeat stopped or that left no trace, while peers wait for it;
   not_arrived a rank the peers wait for that is not in any collective (its Python line shows why);
-  skipped     a rank waiting in a later collective than one its peers wait for it in.
+  skipped     a rank waiting in a later collective than one its peers wait for it in;
+  order       a rank waiting in another collective than the one its peers wait for it in, when no
+              other rank issued both to tell which comes first;
+  failed      a rank that raised an exception, when nothing above explains the hang.
 """
 
 from __future__ import annotations
@@ -168,7 +171,7 @@ def trace_from_dump(dump: dict, info: Optional[dict] = None) -> RankTrace:
     """One rank's trace from its flight-recorder dump; `info` (rank, host, groups, stack...) adds what
     hybridpar knows about the mesh. Any backend's prefix ('gloo:', 'nccl:') is accepted."""
     info = dict(info or dump.get("hybridpar") or {})
-    known: dict[str, dict] = info.get("groups", {})
+    known: dict[str, dict] = dict(info.get("groups", {}))  # a copy: groups found below are not the caller's
     by_group: dict[str, list[dict]] = {}
     pg_names: dict[str, str] = {}  # the recorder's local pg id -> group name
     for e in dump.get("entries", []):

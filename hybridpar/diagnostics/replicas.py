@@ -3,8 +3,8 @@
 Two kinds of copies exist in a hybrid-parallel job: the dp_replicate copies of each FSDP shard
 (hybrid sharding, no_shard), and the mp copies of parameters replicated over the model-parallel
 group (the norms). A missed gradient all-reduce, a rank-dependent update or silent data
-corruption makes them drift apart without any error. Each rank takes two float64 checksums of
-every local shard on its own device (no copy to the host); one all-gather compares them.
+corruption makes them drift apart without any error. Each rank takes two int64 checksums of the
+raw bits of every local shard on its own device (no copy to the host); one all-gather compares them.
 """
 
 from __future__ import annotations
@@ -16,6 +16,10 @@ from ..mesh import MeshCoords, ParallelDims
 from ..parallel.mappings import all_gather_single
 
 
+# Parameters are read as their raw bits: an integer type of their element size (others byte by byte).
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 class ReplicaMismatchError(RuntimeError):
     pass
 
@@ -25,9 +29,11 @@ def _checksums(model: torch.nn.Module) -> tuple[list[str], list[bool], torch.Ten
     names, mp_replicated, sums = [], [], []
     for name, param in model.named_parameters():
         local = param.to_local() if isinstance(param, DTensor) else param
-        flat = local.detach().reshape(-1).double()
+        # Integer sums of the bits: a float sum depends on how intra-op threads split it, so equal
+        # copies on ranks with other thread counts would differ. int64 overflow wraps, in any order.
+        flat = local.detach().reshape(-1).view(_BITS.get(local.element_size(), torch.uint8)).long()
         # Plain sum misses swapped values; the position-weighted sum catches them.
-        weights = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.float64)
+        weights = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.int64)
         sums.append(torch.stack([flat.sum(), (flat * weights).sum()]))
         names.append(name)
         mp_replicated.append(_replicated_over_mp(param))
@@ -44,6 +50,7 @@ def _replicated_over_mp(param: torch.Tensor) -> bool:
 def check_replicas(model: torch.nn.Module, parallel: ParallelDims, step: int) -> None:
     """Collective: raise ReplicaMismatchError on every rank naming the parameters and ranks that differ."""
     names, mp_replicated, local = _checksums(model)
+    local = local.to(parallel.device)  # with CPU offload the parameters live on the CPU; nccl needs cuda
     table = torch.empty((parallel.world_size * local.shape[0], 2), dtype=local.dtype, device=local.device)
     all_gather_single(table, local.contiguous())
     table = table.view(parallel.world_size, -1, 2).cpu()

@@ -6,11 +6,13 @@ the trainer is in, and the number of collectives issued on each mesh group (chea
 without touching the flight recorder). Rank 0's thread watches all heartbeats (rank 1's takes over
 if rank 0's stops). It acts when
   - no rank has made progress (step, phase or collective count) for the timeout: a hang;
-  - a rank's heartbeat stopped: the process is gone (killed, crashed, os._exit);
+  - a rank's heartbeat stopped: the process is gone (killed, crashed, os._exit), or a rank never
+    started beating within the timeout (stuck before training);
   - the launcher is tearing the job down (SIGTERM after another rank failed).
 Then it asks every live rank for its flight-recorder trace and Python stack (each rank also writes
 them to its own trace folder for `hybridpar hang-report`), runs `flight.analyse`, prints one report,
-writes `hang_report.json` in the run folder and makes every rank exit with HANG_EXIT_CODE.
+writes `hang_report.json` in the run folder and makes every rank exit with HANG_EXIT_CODE (ranks the
+launcher is already stopping exit with 128 + SIGTERM instead).
 
 The collectives themselves keep a (longer) c10d timeout as a backstop in case the watchdog cannot
 report, e.g. when the store itself is gone.
@@ -28,6 +30,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -75,6 +78,7 @@ class Watchdog:
         self._state = "running"
         self._dumped = False
         self._wake_r: Optional[socket.socket] = None
+        self._wake_w: Optional[socket.socket] = None
         self._previous_handler = None
         # The monitor's view: rank -> (last value, monitor time it last changed).
         self._beats: dict[int, tuple[object, float]] = {}
@@ -124,8 +128,11 @@ class Watchdog:
             except Exception:
                 pass
         self._stop.set()
-        if self._wake_r is not None:
-            self._wake_r.close()
+        if self._wake_w is not None:  # closing a socket does not wake a select() in another thread; a byte does
+            try:
+                self._wake_w.send(b"\0")
+            except BlockingIOError:  # the buffer is full: the thread is woken already
+                pass
         self._thread.join(timeout=10)
         try:
             self._publish()
@@ -134,6 +141,9 @@ class Watchdog:
         if self._previous_handler is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._previous_handler)
             signal.set_wakeup_fd(-1)
+        if self._wake_r is not None:
+            self._wake_r.close()
+            self._wake_w.close()
         self._thread = None
 
     # --- store helpers --------------------------------------------------------------------------
@@ -184,7 +194,7 @@ class Watchdog:
         self._previous_handler = signal.signal(signal.SIGTERM, on_sigterm)
 
     def _sleep(self) -> bool:
-        """Wait one interval; True if SIGTERM arrived."""
+        """Wait one interval; True if SIGTERM arrived (close() wakes it with a zero byte: not SIGTERM)."""
         if self._wake_r is None:
             self._stop.wait(self.interval)
             return False
@@ -275,6 +285,8 @@ class Watchdog:
         return min(self.timeout, max(5.0, 10 * self.interval))
 
     def _rank0_gone(self) -> bool:
+        if not self._has("beat/0"):  # rank 0 is still setting up: a get would block until it beats
+            return False
         beat = json.loads(self._get_many(["beat/0"])[0])
         now = time.monotonic()
         last = self._beats.get(0)
@@ -312,15 +324,27 @@ class Watchdog:
         active = [r for r in range(self.world_size) if self._last.get(r, {}).get("state") != "done"]
         if not active:
             return None
-        self._dead = [r for r in active if now - self._beats[r][1] > self._dead_after()]
-        if self.rank == 1 and 0 not in self._dead:  # rank 1 monitors only when rank 0 is gone
-            self._dead.append(0)
         failed = [r for r in active if self._last.get(r, {}).get("state") == "failed"]
         terminating = [r for r in active if self._last.get(r, {}).get("state") == "terminating"]
         timeout = max(self._last.get(r, {}).get("timeout", self.timeout) for r in active)
         idle = now - max(self._progress[r][1] for r in active)
-        if self._dead:
-            return f"rank(s) {sorted(self._dead)} stopped sending heartbeats (process gone)"
+        # A failed rank stops beating once it has published its error and trace: not a death.
+        stopped = [r for r in active if r not in failed and self._beats[r][0] is not None
+                   and now - self._beats[r][1] > self._dead_after()]
+        if self.rank == 1 and 0 not in stopped + failed:  # rank 1 monitors only when rank 0 is gone
+            stopped.append(0)
+        # A rank that never beat may still be setting up (building the model, loading a checkpoint)
+        # without any collective: it gets the whole timeout.
+        unstarted = [r for r in active if self._beats[r][0] is None and now - self._beats[r][1] > timeout]
+        self._dead = sorted(stopped + unstarted)
+        reasons = []
+        if stopped:
+            reasons.append(f"rank(s) {sorted(stopped)} stopped sending heartbeats (process gone)")
+        if unstarted:
+            reasons.append(f"rank(s) {unstarted} have not started their watchdog within {timeout:g} s "
+                           "(not reached training: stuck in set-up, or never started)")
+        if reasons:
+            return "; ".join(reasons)
         if failed and idle > self._dead_after():  # failed alone, and the others are stuck without it
             notes = "; ".join(f"rank {r} {self._last[r]['note']}" for r in failed[:3])
             return f"rank(s) {failed} failed: {notes}"
@@ -347,16 +371,23 @@ class Watchdog:
             b = self._last.get(r)
             if b and b.get("note") and not t.note:
                 t.note = b["note"]
-        verdict = flight.analyse(traces, gone, last_issued)
         step = max((b.get("step", 0) for b in self._last.values()), default=0)
         headline = f"hybridpar watchdog at step {step}: {reason}"
-        text = flight.format_report(verdict, headline, self.world_size)
+        try:
+            verdict = flight.analyse(traces, gone, last_issued)
+            text = flight.format_report(verdict, headline, self.world_size)
+            report = {"reason": reason, "step": step, **verdict.to_json()}
+        except Exception:  # a bug in the analysis must not cost the report, nor the other ranks' exit
+            error = traceback.format_exc()
+            text = f"{headline}\nthe analysis of the traces failed:\n{error}"
+            report = {"reason": reason, "step": step, "analysis_error": error}
         report_path = self.run_dir / "hang_report.json"
         text += (f"\nreport: {report_path}; per-rank traces: {self.trace_dir} on each node "
-                 f"(`hybridpar hang-report DIR` after collecting them)\nevery rank exits with code {HANG_EXIT_CODE}")
+                 f"(`hybridpar hang-report DIR` after collecting them)\nthe ranks exit with code {HANG_EXIT_CODE} "
+                 f"(those the launcher is stopping: {128 + signal.SIGTERM})")
         print("\n" + text + "\n", file=sys.stderr, flush=True)
         try:
-            write_text_atomic(report_path, json.dumps({"reason": reason, "step": step, **verdict.to_json()}, indent=1))
+            write_text_atomic(report_path, json.dumps(report, indent=1))
         except OSError as err:
             print(f"hybridpar watchdog: could not write {report_path}: {err}", file=sys.stderr, flush=True)
         self._set("verdict", text)

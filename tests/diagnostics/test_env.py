@@ -150,6 +150,10 @@ def test_train_timeout_longer_than_init_timeout_is_a_warning():
     _only(check_timeouts({}, 600, 0), OK)  # 0: keep the init timeout
 
 
+def test_an_init_timeout_without_a_train_timeout_is_consistent():
+    assert _only(check_timeouts({}, init_timeout=600.0), OK) == "timeout settings are consistent"
+
+
 def test_dump_on_timeout_without_a_recorder_is_a_warning():
     assert "nothing to dump" in _only(check_timeouts({"TORCH_FR_BUFFER_SIZE": "0"}), WARNING)
 

@@ -1,8 +1,34 @@
 """The replica check passes on healthy training and names a planted divergence."""
 
 import pytest
+import torch
 
+from hybridpar.diagnostics.replicas import _checksums
 from tests.runs import make_config
+
+
+def _one_parameter(values):
+    model = torch.nn.Module()
+    model.weight = torch.nn.Parameter(values)
+    return model
+
+
+def test_checksums_do_not_depend_on_the_thread_count():
+    # Values of many magnitudes: a float sum split over 1 or 2 threads rounds differently.
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(40000, generator=g) * torch.rand(40000, generator=g).pow(8) * 1e4
+    threads = torch.get_num_threads()
+    sums = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            sums.append(_checksums(_one_parameter(values))[2])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(sums[0], sums[1])
+    swapped = values.clone()
+    swapped[[0, 1]] = values[[1, 0]]
+    assert not torch.equal(_checksums(_one_parameter(swapped))[2], sums[0])
 
 
 def _case_replicas(config, plant):

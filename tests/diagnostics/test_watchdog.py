@@ -3,17 +3,22 @@ analysis on hand-made traces."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch.distributed as dist
 
-from hybridpar.diagnostics.flight import Collective, GroupTrace, RankTrace, analyse, format_report
+from hybridpar.diagnostics import flight, watchdog
+from hybridpar.diagnostics.flight import Collective, GroupTrace, RankTrace, analyse, format_report, trace_from_dump
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN_TIMEOUT = 4.0
@@ -81,6 +86,114 @@ def test_a_dead_rank_is_named_with_the_collective_its_peers_wait_in():
     (finding,) = verdict.findings
     assert (finding.kind, finding.ranks, finding.dim, finding.op, finding.seq) == ("dead", [1], "mp", "all_reduce", 7)
     assert "rank    1  gone" in format_report(verdict, "headline")
+
+
+def test_reading_a_dump_leaves_the_callers_groups_alone():
+    info = {"rank": 0, "groups": {"0": {"dim": "world", "ranks": [0, 1]}}}
+    entry = {"process_group": ("1", "mesh_mp"), "pg_id": 1, "collective_seq_id": 1, "record_id": 0,
+             "profiling_name": "gloo:all_reduce", "input_sizes": [[4]]}
+    trace = trace_from_dump({"entries": [entry]}, info)
+    assert trace.groups["1"].dim == "mp"
+    assert info["groups"] == {"0": {"dim": "world", "ranks": [0, 1]}}
+
+
+# --- the watchdog's own logic, in this process: an in-memory store and a clock the test moves ---
+
+
+class _Clock:
+    """Stands in for the watchdog module's `time`; sleeping moves it on."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def _watchdog(tmp_path, rank=0, world=2, timeout=60.0, interval=1.0) -> watchdog.Watchdog:
+    """An unstarted watchdog without a process group (no mesh groups); exit codes go to `.exits`.
+    timeout 60 s, interval 1 s: a heartbeat silent for 10 s means the process is gone."""
+    coords = SimpleNamespace(mp_rank=rank, dp_rank=0, replicate_idx=0, shard_idx=0)
+    parallel = SimpleNamespace(rank=rank, world_size=world, coords=coords, mp_group=None, dp_shard_group=None,
+                               dp_replicate_group=None, dp_group=None)
+    exits = []
+    wd = watchdog.Watchdog(parallel, timeout=timeout, run_dir=tmp_path, trace_dir=tmp_path, interval=interval,
+                           exit_fn=exits.append)
+    wd.exits = exits
+    wd._store = dist.HashStore()
+    wd._info = {"host": "h", "pid": 1, "coords": f"r{rank}", "groups": {}}
+    return wd
+
+
+@pytest.fixture
+def clock(monkeypatch) -> _Clock:
+    clock = _Clock()
+    monkeypatch.setattr(watchdog, "time", clock)
+    return clock
+
+
+def test_a_rank_still_setting_up_gets_the_whole_timeout(tmp_path, clock):
+    wd = _watchdog(tmp_path)
+    wd._publish()
+    assert wd._check() is None
+    clock.now += 30  # rank 1 still loads a checkpoint: no heartbeat yet, long past the 10 s of a death
+    wd._publish()
+    assert wd._check() is None
+    clock.now += 31
+    wd._publish()
+    assert wd._check().startswith("rank(s) [1] have not started their watchdog within 60 s (not reached training")
+    assert wd._dead == [1]
+
+
+def test_rank_1_does_not_wait_for_rank_0s_first_beat(tmp_path):
+    wd = _watchdog(tmp_path, rank=1)
+    wd._store.set_timeout(timedelta(seconds=1))  # a blocking get would raise after this
+    assert wd._rank0_gone() is False
+
+
+def test_a_rank_that_raised_and_exited_is_reported_as_failed_not_gone(tmp_path, clock):
+    wd = _watchdog(tmp_path)
+    note = "raised RuntimeError: boom"
+    wd._set("beat/1", json.dumps({"beat": 7, "step": 3, "phase": "forward", "seqs": {}, "state": "failed",
+                                  "timeout": 60.0, "note": note}))
+    wd._set("trace/1", json.dumps(dataclasses.asdict(_trace(1, {}, note=note))))
+    wd._publish()
+    assert wd._check() is None
+    clock.now += 20  # rank 1 published its error and trace, then exited: its heartbeat stopped
+    wd._publish()
+    reason = wd._check()
+    assert reason == f"rank(s) [1] failed: rank 1 {note}"
+    wd._report(reason)
+    report = json.loads((tmp_path / "hang_report.json").read_text())
+    assert wd.exits == [watchdog.HANG_EXIT_CODE]
+    assert report["dead"] == [] and report["ranks"]["1"]["note"] == note
+    assert [(f["kind"], f["ranks"]) for f in report["findings"]] == [("failed", [1])]
+
+
+def test_a_failing_analysis_still_writes_a_report_and_stops_the_job(tmp_path, clock, monkeypatch):
+    def broken(*args, **kwargs):
+        raise ValueError("a bug in the analysis")
+
+    monkeypatch.setattr(flight, "analyse", broken)
+    wd = _watchdog(tmp_path, world=1)
+    wd._report("no progress on any rank for 61.0 s (timeout 60 s)")
+    report = json.loads((tmp_path / "hang_report.json").read_text())
+    assert report["reason"] == "no progress on any rank for 61.0 s (timeout 60 s)"
+    assert "ValueError: a bug in the analysis" in report["analysis_error"]
+    assert wd._has("verdict") and wd._has("abort") and wd.exits == [watchdog.HANG_EXIT_CODE]
+
+
+def test_close_wakes_the_thread_without_waiting_for_its_interval(tmp_path, monkeypatch):
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", dist.HashStore)
+    wd = _watchdog(tmp_path, world=1, timeout=600.0, interval=30.0).start()
+    time.sleep(0.2)  # the thread is now in its 30 s select()
+    began = time.monotonic()
+    wd.close()
+    assert time.monotonic() - began < 2.0
+    assert wd.exits == []  # the wake-up is not taken for SIGTERM
 
 
 # --- planted faults in real jobs ---------------------------------------------------------------

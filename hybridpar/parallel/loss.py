@@ -1,7 +1,8 @@
 """Cross-entropy over logits split along the vocabulary, without ever gathering the full logits.
 
-Each rank holds logits for vocab ids [mp_rank * V/mp, (mp_rank + 1) * V/mp). Three all-reduces of
-[tokens]-sized tensors (max, target logit, sum of exponentials) replace a gather of [tokens, V]. The
+Each rank holds logits for vocab ids [mp_rank * V/mp, (mp_rank + 1) * V/mp). Two all-reduces of
+[tokens]-sized tensors (the max; then target logit and sum of exponentials, stacked) replace a
+gather of [tokens, V]. The
 arithmetic is fp32 whatever the logits' dtype; the gradient comes back in the logits' dtype.
 """
 

@@ -4,7 +4,8 @@ One optimizer step:
   1. fetch `grad_accum` micro-batches and count the targets of the whole global batch (one
      all-reduce of a single number over the dp group);
   2. forward + backward each micro-batch with loss = sum of token losses / global target count;
-     gradients are synchronised only after the last micro-batch;
+     gradients are synchronised only after the last micro-batch (train.grad_sync = "last", the
+     default; "every" reduce-scatters after each one);
   3. clip by the norm of the whole model's gradient (across mp and dp);
   4. AdamW step, learning-rate schedule step, metrics.
 
@@ -33,6 +34,7 @@ from ..diagnostics.data_guard import batch_fingerprint, check_data
 from ..diagnostics.replicas import check_replicas
 from ..diagnostics.timeouts import apply_env_defaults, set_train_timeout
 from ..diagnostics.watchdog import BACKSTOP_GRACE, Watchdog
+from ..files import write_text_atomic
 from ..mesh import ParallelDims, init_parallel
 from ..parallel import vocab_parallel_cross_entropy
 from ..parallel.fsdp import apply_fsdp
@@ -110,7 +112,9 @@ class Trainer:
         self.config = c = config
         c.validate()
         self.trace_dir = Path(c.output.run_dir) / "flight_recorder"
-        apply_env_defaults(self.trace_dir)  # before the process group exists
+        # Before init_parallel makes the process group: NCCL reads some of these when a group is
+        # created, so a group passed in (or made earlier by the caller) gets them only in part.
+        apply_env_defaults(self.trace_dir)
         self.watchdog: Optional[Watchdog] = None  # runs during run()
         self.parallel = parallel or init_parallel(
             mp=c.parallel.mp, dp_shard=c.parallel.dp_shard, dp_replicate=c.parallel.dp_replicate,
@@ -202,11 +206,24 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         train_state = {"scheduler": self.scheduler.state_dict(), "data": self.loader.state_dict()}
-        # Writing a large checkpoint can outlast the train timeout without any collective: not a hang.
-        self._at("checkpoint", timeout=self.config.parallel.init_timeout)
+        # Writing a large checkpoint can outlast the train timeout: fast writers wait for slow ones in
+        # DCP's closing collective. Not a hang, so the watchdog and the collectives both wait longer.
+        init_timeout = self.config.parallel.init_timeout
+        shortened = self._train_timeout() != init_timeout  # the train timeout is in force
+        self._at("checkpoint", timeout=init_timeout)
+        if shortened:
+            set_train_timeout(self.parallel, init_timeout)
         path = self.checkpointer.save(self.step, self.model, self.optimizer, train_state, params_dict(self.args))
+        if shortened:
+            set_train_timeout(self.parallel, self._collective_timeout())
         self._at("checkpointed", timeout=self._train_timeout())
         return path
+
+    def _collective_timeout(self) -> float:
+        """The collectives' timeout once training runs: the watchdog reports a hang after
+        train_timeout; the collectives' own limit stays a little longer, as a backstop."""
+        grace = BACKSTOP_GRACE if self.watchdog is not None else 0.0
+        return self.config.diagnostics.train_timeout + grace
 
     def _at(self, phase: str, timeout: Optional[float] = None) -> None:
         """Tell the watchdog where this rank is (cheap: two attribute writes)."""
@@ -250,9 +267,11 @@ class Trainer:
     # --- the loop -------------------------------------------------------------------------------
 
     def _guard_data(self, batches) -> float:
-        """Run the data guard when due (step 1, and every N steps if configured); its seconds."""
+        """Run the data guard when due (this run's first step, resumed or not, and every N steps if
+        configured); its seconds."""
         d, step = self.config.diagnostics, self.step + 1
-        if not d.data_guard or not (step == 1 or (d.data_guard_every and step % d.data_guard_every == 0)):
+        first = step == self.start_step + 1  # a resume at another layout is when the data can go wrong
+        if not d.data_guard or not (first or (d.data_guard_every and step % d.data_guard_every == 0)):
             return 0.0
         start = time.perf_counter()
         check_data(batch_fingerprint(*(t for pair in batches for t in pair)), self.parallel, step)
@@ -301,10 +320,8 @@ class Trainer:
         self.scheduler.step()
         self.step += 1
         if self.step == self.start_step + 1 and c.diagnostics.train_timeout > 0:
-            # Start-up is over: a long wait is now a hang. The watchdog reports it after train_timeout;
-            # the collectives' own timeout stays a little longer, as a backstop.
-            grace = BACKSTOP_GRACE if self.watchdog is not None else 0.0
-            set_train_timeout(p, c.diagnostics.train_timeout + grace)
+            # Start-up is over: a long wait is now a hang.
+            set_train_timeout(p, self._collective_timeout())
             self._at("first step done", timeout=c.diagnostics.train_timeout)
         every = c.diagnostics.replica_check_every
         if every and self.step % every == 0:
@@ -353,7 +370,7 @@ class Trainer:
         c = self.config
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.toml").write_text(dump_toml(c))
+            write_text_atomic(self.run_dir / "config.toml", dump_toml(c))
             print(
                 f"hybridpar: {self.args.num_params() / 1e6:.1f}M parameters, {self.parallel.world_size} ranks = "
                 f"dp_replicate {self.parallel.dp_replicate} x dp_shard {self.parallel.dp_shard} x mp {self.parallel.mp}, "

@@ -26,7 +26,7 @@ import shutil
 import threading
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,7 @@ from torch.utils.serialization import config as serialization_config
 
 from ..files import atomic_output, replace_folder, write_text_atomic
 from ..mesh import ParallelDims
+from .ranks import from_rank0
 from .reader import CheckpointReadError, FastFileSystemReader, SafeLoadPlanner
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -103,7 +104,8 @@ class Checkpointer:
         self.wait()
         final = self.folder / step_dir_name(step)
         partial = final.with_name(final.name + ".partial")
-        if self.parallel.rank == 0:
+
+        def prepare() -> None:
             self.folder.mkdir(parents=True, exist_ok=True)
             # Left by a crash: partial saves (never trusted), interrupted deletions, and old copies
             # parked by a replace (files.replace_folder) that did not finish.
@@ -111,7 +113,8 @@ class Checkpointer:
                           *self.folder.glob(".step-*.old")]:
                 shutil.rmtree(stale, ignore_errors=True)
             (partial / "rng").mkdir(parents=True)
-        dist.barrier()
+
+        self._on_rank0(prepare, f"prepare {partial}")
         if optimizer is None:  # weights only (a converted checkpoint)
             state = {"model": get_model_state_dict(model)}
         else:
@@ -145,7 +148,8 @@ class Checkpointer:
 
     def _finish(self, partial: Path, meta: dict) -> None:
         dist.barrier()  # every rank's shards are on disk
-        if self.parallel.rank == 0:
+
+        def commit() -> None:
             write_text_atomic(partial / "params.json", json.dumps(meta["params"], indent=2))
             write_text_atomic(partial / "train_state.json", json.dumps(meta["train_state"], indent=2))
             # The same step saved again (a re-run) replaces the old copy, which is parked aside first.
@@ -158,7 +162,23 @@ class Checkpointer:
                 doomed.append(path.rename(path.with_name(path.name + DELETING)))
             _fsync_dir(self.folder)
             self._delete_in_background(doomed)
-        dist.barrier()  # nobody looks for the checkpoint before it exists
+
+        self._on_rank0(commit, f"complete {partial}")  # nobody looks for the checkpoint before it exists
+
+    def _on_rank0(self, work: Callable[[], None], what: str) -> None:
+        """Run `work` on rank 0 while the other ranks wait; if it fails, every rank raises, instead of
+        the others waiting for rank 0 until the collectives time out."""
+        error: Optional[BaseException] = None
+        if self.parallel.rank == 0:
+            try:
+                work()
+            except Exception as err:  # noqa: BLE001 - shared with the other ranks, then re-raised
+                error = err
+        message = from_rank0(None if error is None else f"{type(error).__name__}: {error}", self.parallel.world_size)
+        if error is not None:
+            raise error
+        if message is not None:
+            raise CheckpointError(f"rank 0 could not {what}: {message}")
 
     def _delete_in_background(self, paths: list[Path]) -> None:
         # Removing 1 GB took ~0.25 s here (ext4 with discard): a quarter of a save.

@@ -206,3 +206,36 @@ def test_settings_that_do_not_shape_the_weights_do_not_block_a_load(mp2_dp2_runs
     (copy / "params.json").write_text(json.dumps(params))
     config = _config(corpus, tmp_path / "ckpt", tmp_path / "run", (2, 2, 1), **{"checkpoint.init_from": str(copy)})
     assert workers(4).run(_case_load_error, config)[0] == "no error"
+
+
+def _case_rank0_cannot_write(config):
+    import torch.distributed as dist
+
+    import hybridpar.checkpoint.dcp as dcp_module
+    from hybridpar.train import Trainer
+
+    def full_disk(path, text):
+        raise OSError(28, "No space left on device", str(path))
+
+    real = dcp_module.write_text_atomic
+    if dist.get_rank() == 0:
+        dcp_module.write_text_atomic = full_disk
+    try:
+        Trainer(config).run()
+    except Exception as err:  # noqa: BLE001 - the test compares what each rank raised
+        return f"{type(err).__name__}: {err}"
+    finally:
+        dcp_module.write_text_atomic = real  # the worker processes serve later tests
+    return "no error"
+
+
+def test_a_save_rank_0_cannot_finish_fails_on_every_rank(workers, corpus, tmp_path):
+    # Rank 0 alone writes the checkpoint's last files and renames it: if that fails, the other ranks
+    # must raise too rather than wait for it until the collectives time out.
+    config = _config(corpus, tmp_path / "ckpt", tmp_path / "run", (1, 2, 1),
+                     **{"train.steps": 1, "checkpoint.every": 1})
+    errors = workers(2).run(_case_rank0_cannot_write, config)
+    print(errors)
+    assert errors[0].startswith("OSError: [Errno 28] No space left on device"), errors
+    assert errors[1].startswith("CheckpointError: rank 0 could not complete ") and "No space left" in errors[1], errors
+    assert not list((tmp_path / "ckpt").glob("step-*[0-9]")), "no complete checkpoint may appear"

@@ -75,9 +75,13 @@ def local_tensor(param: Optional[nn.Parameter]) -> Optional[torch.Tensor]:
     return param.to_local() if isinstance(param, DTensor) else param
 
 
-def _check_stride(stride: int) -> None:
+def _check_fairscale_options(stride: int = 1, keep_master_weight_for_test: bool = False) -> None:
+    """fairscale's signatures are kept; the options whose behaviour is not implemented are refused."""
     if stride != 1:
         raise ValueError(f"stride={stride} is not supported: only fairscale's default stride=1 layout is")
+    if keep_master_weight_for_test:
+        raise ValueError("keep_master_weight_for_test=True is not supported: the full weight is "
+                         "layer.weight.full_tensor()")
 
 
 class ColumnParallelLinear(nn.Module):
@@ -98,7 +102,7 @@ class ColumnParallelLinear(nn.Module):
         device: Optional[torch.device] = None,
     ) -> None:
         super().__init__()
-        _check_stride(stride)
+        _check_fairscale_options(stride, keep_master_weight_for_test)
         self.in_features, self.out_features = in_features, out_features
         self.gather_output = gather_output
         self.group = parallel.mp_group
@@ -136,7 +140,7 @@ class RowParallelLinear(nn.Module):
         device: Optional[torch.device] = None,
     ) -> None:
         super().__init__()
-        _check_stride(stride)
+        _check_fairscale_options(stride, keep_master_weight_for_test)
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel = input_is_parallel
         self.group = parallel.mp_group
@@ -174,6 +178,9 @@ class VocabParallelEmbedding(nn.Module):
         device: Optional[torch.device] = None,
     ) -> None:
         super().__init__()
+        if max_norm is not None and parallel.mp > 1:
+            # Every id outside a rank's range looks up its local row 0, which max_norm would rescale.
+            raise ValueError("VocabParallelEmbedding: max_norm is not supported with mp > 1")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx, self.max_norm, self.norm_type = padding_idx, max_norm, norm_type
         self.scale_grad_by_freq, self.sparse = scale_grad_by_freq, sparse
@@ -181,13 +188,18 @@ class VocabParallelEmbedding(nn.Module):
         per_rank = divide(num_embeddings, parallel.mp, "num_embeddings (vocab size)")
         self.vocab_start_index = parallel.mp_rank * per_rank
         self.vocab_end_index = self.vocab_start_index + per_rank
+        # padding_idx is a global id: only the rank holding its row keeps that row's gradient at zero.
+        if padding_idx is not None and padding_idx < 0:
+            padding_idx += num_embeddings
+        owned = padding_idx is not None and self.vocab_start_index <= padding_idx < self.vocab_end_index
+        self._local_padding_idx = padding_idx - self.vocab_start_index if owned else None
         self.weight = mp_parameter((num_embeddings, embedding_dim), Shard(0), parallel, init_method, dtype, device)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
         local_ids = torch.where(outside, 0, ids - self.vocab_start_index)
         out = F.embedding(
-            local_ids, local_tensor(self.weight), self.padding_idx, self.max_norm,
+            local_ids, local_tensor(self.weight), self._local_padding_idx, self.max_norm,
             self.norm_type, self.scale_grad_by_freq, self.sparse,
         )
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
@@ -214,6 +226,7 @@ class ParallelEmbedding(nn.Module):
         device: Optional[torch.device] = None,
     ) -> None:
         super().__init__()
+        _check_fairscale_options(keep_master_weight_for_test=keep_master_weight_for_test)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx, self.max_norm, self.norm_type = padding_idx, max_norm, norm_type
         self.scale_grad_by_freq, self.sparse = scale_grad_by_freq, sparse

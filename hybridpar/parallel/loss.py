@@ -61,10 +61,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.input_dtype), None, None, None
 
 
+IGNORE_INDEX = -100  # targets that take no part in the loss (torch's cross_entropy default)
+
+
 def vocab_parallel_cross_entropy(
     local_logits: torch.Tensor,
     target: torch.Tensor,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     *,
     parallel: Optional[ParallelDims] = None,
     group: Optional[ProcessGroup] = None,

@@ -37,6 +37,7 @@ from ..diagnostics.watchdog import BACKSTOP_GRACE, Watchdog
 from ..files import write_text_atomic
 from ..mesh import ParallelDims, init_parallel
 from ..parallel import vocab_parallel_cross_entropy
+from ..parallel.loss import IGNORE_INDEX
 from ..parallel.fsdp import apply_fsdp
 from .metrics import MetricsWriter, flops_per_token, measure_matmul_peak, memory_bytes, plot_loss, progress_line
 
@@ -61,7 +62,8 @@ def build_optimizer(model: torch.nn.Module, config, fused: bool = True) -> torch
 
 
 def lr_lambda(warmup: int, total: int, min_ratio: float):
-    """Linear warmup to 1, then cosine decay to min_ratio at the last step."""
+    """Linear warmup to 1, then cosine decay that would reach min_ratio at step `total` (the last
+    step, total - 1, is a hair above it)."""
 
     def factor(step: int) -> float:
         if step < warmup:
@@ -285,7 +287,7 @@ class Trainer:
         self._at("data")
         batches = [next(self.loader) for _ in range(c.train.grad_accum)]
         guard_seconds = self._guard_data(batches)
-        counts = torch.tensor([float(sum((t != -100).sum() for _, t in batches))], device=self.device)
+        counts = torch.tensor([float(sum((t != IGNORE_INDEX).sum() for _, t in batches))], device=self.device)
         dist.all_reduce(counts, group=p.dp_group)
         global_targets = counts.item()
         # FSDP averages gradients over the dp ranks; undo that so the sum over ranks is the global mean.

@@ -22,10 +22,10 @@ def _case_layer(kind: str, mp: int, flag: bool) -> dict:
         layer = RowParallelLinear(d_in, d_out, bias=True, input_is_parallel=flag, parallel=parallel)
         with torch.no_grad():
             layer.bias.to_local().normal_()
-    elif kind == "vocab_embedding":
-        layer = VocabParallelEmbedding(vocab, d_out, parallel=parallel)
+    elif kind == "vocab_embedding":  # flag: padding_idx, a global id
+        layer = VocabParallelEmbedding(vocab, d_out, padding_idx=flag, parallel=parallel)
     else:
-        layer = ParallelEmbedding(vocab, d_out, parallel=parallel)
+        layer = ParallelEmbedding(vocab, d_out, padding_idx=flag, parallel=parallel)
     weight = layer.weight.full_tensor().detach().requires_grad_()
     bias = layer.bias.full_tensor().detach().requires_grad_() if getattr(layer, "bias", None) is not None else None
 
@@ -34,7 +34,8 @@ def _case_layer(kind: str, mp: int, flag: bool) -> dict:
         ref = F.linear(x, weight, bias)
     else:
         x = torch.randint(0, vocab, (batch, seq))
-        ref = F.embedding(x, weight)
+        x[0, :2] = 20  # the padding id of the padded cases: its row's gradient stays zero
+        ref = F.embedding(x, weight, padding_idx=flag)
     grad_out = torch.randn_like(ref)
     ref.backward(grad_out)
 
@@ -63,7 +64,8 @@ def _case_layer(kind: str, mp: int, flag: bool) -> dict:
     return errors
 
 
-CASES = [("column", True), ("column", False), ("row", False), ("row", True), ("vocab_embedding", None), ("parallel_embedding", None)]
+CASES = [("column", True), ("column", False), ("row", False), ("row", True), ("vocab_embedding", None),
+         ("vocab_embedding", 20), ("parallel_embedding", None), ("parallel_embedding", 20)]
 
 
 @pytest.mark.parametrize("mp", [1, 2, 4])
@@ -71,3 +73,25 @@ CASES = [("column", True), ("column", False), ("row", False), ("row", True), ("v
 def test_layer_matches_single_process(workers, check_close, kind, flag, mp):
     results = workers(4).run(_case_layer, kind, mp, flag)
     check_close(f"{kind} mp{mp}", results, BOUND)
+
+
+def _case_unsupported_options(mp: int) -> list:
+    from hybridpar.parallel import ColumnParallelLinear, ParallelEmbedding, VocabParallelEmbedding
+
+    parallel = parallel_dims(mp=mp)
+    errors = []
+    for make in (lambda: VocabParallelEmbedding(32, 8, max_norm=1.0, parallel=parallel),
+                 lambda: ColumnParallelLinear(8, 8, keep_master_weight_for_test=True, parallel=parallel),
+                 lambda: ParallelEmbedding(32, 8, keep_master_weight_for_test=True, parallel=parallel)):
+        try:
+            make()
+            errors.append("no error")
+        except ValueError as err:
+            errors.append(str(err))
+    return errors
+
+
+def test_fairscale_options_without_an_implementation_are_refused(workers):
+    errors = workers(2).run(_case_unsupported_options, 2)[0]
+    assert errors[0] == "VocabParallelEmbedding: max_norm is not supported with mp > 1", errors
+    assert all(e.startswith("keep_master_weight_for_test=True is not supported") for e in errors[1:]), errors

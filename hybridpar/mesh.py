@@ -293,7 +293,8 @@ def init_parallel(
 
     if dist.is_initialized():
         backend = dist.get_backend()
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        # The caller's group: the GPU is the launcher's local rank (torchrun's, or Slurm's under srun).
+        local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0)))
     else:
         env = launch_env(os.environ)
         backend = backend or default_backend()

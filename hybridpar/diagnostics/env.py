@@ -242,12 +242,15 @@ def check_timeouts(environ: Mapping[str, str], init_timeout: Optional[float] = N
 
 
 def _nccl_matches(spec: str, interfaces: Sequence[str]) -> list[str]:
-    """The interfaces NCCL_SOCKET_IFNAME selects: comma list of prefixes, '=' exact, leading '^' excludes."""
+    """The interfaces NCCL_SOCKET_IFNAME selects: a comma list of name prefixes; a leading '^'
+    excludes them, and a leading '=' (after any '^') makes every name in the list an exact match."""
     exclude = spec.startswith("^")
-    items = [s for s in spec[1:].split(",") if s] if exclude else [s for s in spec.split(",") if s]
+    spec = spec[1:] if exclude else spec
+    exact = spec.startswith("=")
+    items = [s for s in (spec[1:] if exact else spec).split(",") if s]
 
     def hit(iface: str) -> bool:
-        return any(iface == s[1:] if s.startswith("=") else iface.startswith(s) for s in items)
+        return any(iface == s if exact else iface.startswith(s) for s in items)
 
     return [i for i in interfaces if hit(i) != exclude]
 

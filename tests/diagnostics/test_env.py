@@ -216,3 +216,14 @@ def test_findings_from_several_ranks_are_merged_with_their_ranks():
     assert merged == [Finding(WARNING, "x", "on some", (0, 2)), Finding(OK, "y", "everywhere")]
     assert merged[0].line() == "warning  x [ranks 0,2]: on some"
     assert format_ranks([7, 0, 1, 2, 5, 8]) == "0-2,5,7-8"
+
+
+@pytest.mark.parametrize("spec,selected", [
+    ("eth", ["eth0", "eth1", "eth10"]), ("=eth0,eth1", ["eth0", "eth1"]), ("^=eth0,eth1", ["eth10", "ib0"]),
+    ("^eth", ["ib0"]), ("eth1,ib", ["eth1", "eth10", "ib0"]),
+])
+def test_nccl_interface_lists_select_as_nccl_does(spec, selected):
+    # A leading '=' makes the whole list exact (NCCL's rule), not only its first name.
+    from hybridpar.diagnostics.env import _nccl_matches
+
+    assert _nccl_matches(spec, ["eth0", "eth1", "eth10", "ib0"]) == selected

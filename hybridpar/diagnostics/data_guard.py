@@ -31,6 +31,11 @@ def batch_fingerprint(*tensors: torch.Tensor) -> int:
     return int.from_bytes(digest.digest(), "little") >> 1  # fits a signed int64
 
 
+def step_fingerprint(batches) -> int:
+    """The fingerprint of one optimizer step's micro-batches, a list of (inputs, targets) pairs."""
+    return batch_fingerprint(*(t for pair in batches for t in pair))
+
+
 def gather_fingerprints(fingerprint: int, parallel: ParallelDims) -> list[int]:
     """Every rank's fingerprint, indexed by global rank (one all-gather of int64s over the world)."""
     mine = torch.tensor([fingerprint], dtype=torch.int64, device=parallel.device)

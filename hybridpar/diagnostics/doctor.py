@@ -37,7 +37,7 @@ from ..mesh import MeshCoords, ParallelDims, group_ranks, launch_env
 from ..parallel.cost import COLLECTIVES as OPS
 from ..parallel.cost import bus_factor
 from ..parallel.mappings import all_gather_single
-from .data_guard import DataGuardError, batch_fingerprint, check_data
+from .data_guard import DataGuardError, check_data, step_fingerprint
 from .env import (ERROR, OK, WARNING, Finding, check_env, check_rank_envs, check_threads, merge_findings, relevant_env,
                   sort_findings)
 
@@ -306,7 +306,7 @@ def guard_batches(parallel: ParallelDims, batches: Optional[list], problem: str 
         shown = "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p)
         return Finding(ERROR, "data-guard", f"the data pipeline could not be built: {shown}")
     try:
-        check_data(batch_fingerprint(*(t for pair in batches for t in pair)), parallel, step=1)
+        check_data(step_fingerprint(batches), parallel, step=1)
     except DataGuardError as err:
         return Finding(ERROR, "data-guard", str(err))
     shape = "x".join(map(str, batches[0][0].shape))

@@ -118,7 +118,7 @@ def effective_env(environ: Mapping[str, str]) -> dict[str, str]:
 def _who_set(name: str, environ: Mapping[str, str]) -> str:
     if name not in environ:
         return "hybridpar's default, applied because it was unset"
-    if name == "TORCH_NCCL_ASYNC_ERROR_HANDLING":
+    if name == "TORCH_NCCL_ASYNC_ERROR_HANDLING" and environ[name] == "1":
         return "torchrun sets it to 1 in every worker unless it is already set"
     return "set in the environment"
 

@@ -103,7 +103,6 @@ class Watchdog:
             "groups": {g.group_name: {"dim": dim, "ranks": dist.get_process_group_ranks(g)} for dim, g in self._groups},
         }
         self._info = info
-        self._set(f"info/{self.rank}", json.dumps(info))
         self._publish()
         self._watch_signals()
         self._thread = threading.Thread(target=self._run, name="hybridpar-watchdog", daemon=True)

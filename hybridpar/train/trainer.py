@@ -30,7 +30,7 @@ from models.llama import ModelArgs, Transformer
 from ..checkpoint.dcp import Checkpointer, latest_checkpoint, params_dict
 from ..config import Config, ConfigError, dump_toml
 from ..data import build_data, build_dataloader, check_dataset_size, check_vocab
-from ..diagnostics.data_guard import batch_fingerprint, check_data
+from ..diagnostics.data_guard import check_data, step_fingerprint
 from ..diagnostics.replicas import check_replicas
 from ..diagnostics.timeouts import apply_env_defaults, set_train_timeout
 from ..diagnostics.watchdog import BACKSTOP_GRACE, Watchdog
@@ -276,7 +276,7 @@ class Trainer:
         if not d.data_guard or not (first or (d.data_guard_every and step % d.data_guard_every == 0)):
             return 0.0
         start = time.perf_counter()
-        check_data(batch_fingerprint(*(t for pair in batches for t in pair)), self.parallel, step)
+        check_data(step_fingerprint(batches), self.parallel, step)
         return time.perf_counter() - start
 
     def train_step(self) -> dict:

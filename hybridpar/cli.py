@@ -53,20 +53,33 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _cmd_convert(args: argparse.Namespace) -> int:
     """Convert a checkpoint between formats (under torchrun for large models; a world of one works)."""
+    import torch.distributed as dist
+
     from .checkpoint.convert import convert
     from .mesh import init_parallel
 
     parallel = init_parallel(mp=args.load_mp)
-    written = convert(Path(args.src), Path(args.dst), args.to, parallel, mp_out=args.mp)
-    if parallel.rank == 0:
-        print(f"wrote {written} ({args.to})")
+    try:
+        written = convert(Path(args.src), Path(args.dst), args.to, parallel, mp_out=args.mp,
+                          bos_id=args.bos_id, eos_id=args.eos_id, max_seq_len=args.max_seq_len)
+        if parallel.rank == 0:
+            print(f"wrote {written} ({args.to})")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return 0
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
     from .generate import main_generate
 
-    return main_generate(args)
+    try:
+        return main_generate(args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -173,6 +186,15 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--mp", type=int, default=None, help="model-parallel size of the Meta files written")
     convert.add_argument("--load-mp", type=int, default=1,
                          help="model-parallel size to load at (under torchrun: spreads the work; default 1)")
+    convert.add_argument("--bos-id", type=int, default=None,
+                         help="--to hf: config.json's bos_token_id (default: 128000 for Llama 3's 128256-token "
+                              "vocabulary, else Llama 2's 1)")
+    convert.add_argument("--eos-id", type=int, default=None,
+                         help="--to hf: config.json's eos_token_id (default: 128001 for Llama 3's 128256-token "
+                              "vocabulary, else Llama 2's 2)")
+    convert.add_argument("--max-seq-len", type=int, default=None,
+                         help="--to hf/dcp: the context length recorded (max_position_embeddings); default: the "
+                              "source's max_seq_len (2048 for a Meta folder, whose params.json has none)")
     convert.set_defaults(func=_cmd_convert)
     gen = sub.add_parser("generate", help="continue prompts with a trained model (greedy or top-p, KV cache)")
     gen.add_argument("--checkpoint", required=True, help="a hybridpar checkpoint (or a folder of them) or a Meta folder")

@@ -64,17 +64,32 @@ def umask() -> int:
     return 0o022
 
 
+def fsync_dir(path: PathLike) -> None:
+    """Make a folder's entries (names created, renamed or removed in it) durable, as fsync does a file's data."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def replace_folder(new: PathLike, target: PathLike) -> None:
-    """Rename the finished folder `new` to `target` (same file system). An existing `target` is moved
-    aside first and deleted after, so one complete copy exists at every moment."""
+    """Rename the finished folder `new` (its files already fsynced) to `target` (same file system),
+    durably. An existing `target` is moved aside first and deleted after, so one complete copy exists
+    at every moment."""
     new, target = Path(new), Path(target)
+    # The files' names in `new`, then the rename in the parent: without these a crash can leave the
+    # final name missing, or present with files missing, although every file was fsynced.
+    fsync_dir(new)
     if not target.exists():
         os.replace(new, target)
+        fsync_dir(target.parent)
         return
     # A directory rename needs a free name: park the old one under a unique hidden name.
     aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent)) / target.name
     os.replace(target, aside)
     os.replace(new, target)
+    fsync_dir(target.parent)
     shutil.rmtree(aside.parent, ignore_errors=True)
 
 

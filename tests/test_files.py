@@ -71,3 +71,25 @@ def test_atomic_files_get_the_umask_mode_not_mkstemps_0600(tmp_path):
     write_text_atomic(tmp_path / "report.json", "{}")
     assert (tmp_path / "report.json").stat().st_mode & 0o777 == 0o666 & ~umask()
     assert umask() == os.umask(umask())  # read without changing it
+
+
+def test_replace_folder_fsyncs_the_new_folder_then_the_parent(tmp_path, monkeypatch):
+    import os
+
+    from hybridpar.files import replace_folder
+
+    target, new = tmp_path / "ckpt", tmp_path / "ckpt.partial"
+    synced, real_fsync = [], os.fsync
+
+    def fsync(fd):  # which folder, and what the final name held at that moment
+        held = [p.name for p in target.iterdir()] if target.exists() else None
+        synced.append((os.readlink(f"/proc/self/fd/{fd}"), held))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    for name, before in (("a", None), ("b", ["a"])):  # a fresh target, then one replaced
+        new.mkdir()
+        (new / name).write_text(name)
+        synced.clear()
+        replace_folder(new, target)
+        assert synced == [(os.path.realpath(new), before), (os.path.realpath(tmp_path), [name])]

@@ -1,10 +1,10 @@
 """Between formats: hybridpar (DCP) checkpoints, Meta consolidated folders, Hugging Face export.
 
-    hybridpar convert SRC DST --to {dcp,meta,hf} [--mp N]
+    hybridpar convert SRC DST --to {dcp,meta,hf} [--mp N] [--load-mp N] [--bos-id N --eos-id N] [--max-seq-len N]
 
-The source format is detected from the folder's files. The model is built at the job's model-
-parallel size (1 without a launcher) and the weights resharded on the way in, so any source MP
-converts to any target MP.
+The source format is detected from the folder's files. The model is built at model-parallel size
+`--load-mp` (default 1; more under torchrun spreads the work) and the weights resharded on the way
+in, so any source MP converts to any target MP.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from models.llama import ModelArgs, Transformer
 
 from ..mesh import ParallelDims
 from .dcp import Checkpointer, CheckpointError, latest_checkpoint, params_dict
+from .ranks import from_rank0
 
 FORMATS = ("dcp", "meta", "hf")
 
@@ -43,10 +44,11 @@ def detect_format(path: Path) -> tuple[str, Path]:
 
 
 def load_model(path: Path, parallel: ParallelDims, *, dtype: Optional[torch.dtype] = None,
-               vocab_size: Optional[int] = None) -> tuple[Transformer, ModelArgs]:
+               vocab_size: Optional[int] = None, max_seq_len: Optional[int] = None) -> tuple[Transformer, ModelArgs]:
     """A Transformer at this job's mp holding the weights of checkpoint `path` (either format).
 
-    vocab_size fills in Llama 2's -1 (the tokenizer decides) when the checkpoint cannot tell.
+    vocab_size fills in Llama 2's -1 (the tokenizer decides) when the checkpoint cannot tell;
+    max_seq_len, when given, replaces the checkpoint's (Meta's params.json has none: 2048 then).
     """
     kind, path = detect_format(path)
     if kind == "meta":
@@ -57,6 +59,8 @@ def load_model(path: Path, parallel: ParallelDims, *, dtype: Optional[torch.dtyp
         args = ModelArgs.from_dict(json.loads((path / "params.json").read_text()))
     if args.vocab_size <= 0 and vocab_size:
         args = dataclasses.replace(args, vocab_size=vocab_size)
+    if max_seq_len is not None:
+        args = dataclasses.replace(args, max_seq_len=max_seq_len)
     # Built without memory, then allocated once: the checkpoint overwrites every weight anyway.
     with torch.device("meta"):
         model = Transformer(args, parallel, dtype=dtype)
@@ -68,23 +72,51 @@ def load_model(path: Path, parallel: ParallelDims, *, dtype: Optional[torch.dtyp
     return model, args
 
 
-def convert(src: Path, dst: Path, to: str, parallel: ParallelDims, mp_out: Optional[int] = None) -> Path:
-    """Write the weights of `src` to `dst` in format `to`; returns what was written."""
+def _refuse_occupied(dst: Path, parallel: ParallelDims) -> None:
+    """Refuse an existing, non-empty dst on every rank (rank 0 looks: one view of the file system)."""
+    problem = None
+    if parallel.rank == 0:
+        try:
+            if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+                problem = f"{dst} already exists and is not an empty folder: choose a new folder"
+        except OSError as err:
+            problem = f"{dst} cannot be checked ({type(err).__name__}: {err}); choose another folder"
+    problem = from_rank0(problem, parallel.world_size)
+    if problem:
+        raise CheckpointError(problem)
+
+
+def convert(src: Path, dst: Path, to: str, parallel: ParallelDims, mp_out: Optional[int] = None, *,
+            bos_id: Optional[int] = None, eos_id: Optional[int] = None, max_seq_len: Optional[int] = None) -> Path:
+    """Write the weights of `src` to `dst` in format `to`; returns what was written.
+
+    bos_id / eos_id (hf only): config.json's token ids, default hf.default_token_ids. max_seq_len
+    (hf, dcp): the context length recorded, default the source's.
+    """
     if to not in FORMATS:
         raise ValueError(f"--to must be one of {FORMATS}, got {to!r}")
-    model, args = load_model(src, parallel)
+    # Option mistakes before the (long) load.
+    if mp_out is not None and to != "meta":
+        raise ValueError("--mp applies to --to meta only: dcp and hf checkpoints load at any model-parallel size")
+    if (bos_id is not None or eos_id is not None) and to != "hf":
+        raise ValueError("--bos-id / --eos-id apply to --to hf only: the other formats do not record token ids")
+    if max_seq_len is not None and to == "meta":
+        raise ValueError("--max-seq-len applies to --to hf and dcp only: Meta's params.json does not record it")
+    if max_seq_len is not None and max_seq_len < 1:
+        raise ValueError(f"--max-seq-len must be a positive number of tokens, got {max_seq_len}")
     dst = Path(dst)
+    if to == "dcp":
+        _refuse_occupied(dst, parallel)
+    model, args = load_model(src, parallel, max_seq_len=max_seq_len)
     if to == "meta":
         from .meta import save_meta_checkpoint
 
         save_meta_checkpoint(model, dst, parallel, mp_out or parallel.mp)
         return dst
-    if mp_out is not None:
-        raise ValueError("--mp applies to --to meta only: dcp and hf checkpoints load at any model-parallel size")
     if to == "hf":
         from .hf import export_hf
 
-        export_hf(model, dst, parallel)
+        export_hf(model, dst, parallel, bos_token_id=bos_id, eos_token_id=eos_id)
         return dst
     # A weights-only hybridpar checkpoint (step 0): start training from it with checkpoint.init_from.
     return Checkpointer(dst, parallel).save(0, model, None, {}, params_dict(args))

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import shutil
 import threading
@@ -42,7 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from torch.utils.serialization import config as serialization_config
 
-from ..files import atomic_output, replace_folder, write_text_atomic
+from ..files import atomic_output, fsync_dir, replace_folder, write_text_atomic
 from ..mesh import ParallelDims
 from .ranks import from_rank0
 from .reader import CheckpointReadError, FastFileSystemReader, SafeLoadPlanner
@@ -70,14 +69,6 @@ def complete_checkpoints(folder: Path) -> list[Path]:
 def latest_checkpoint(folder: Path) -> Optional[Path]:
     found = complete_checkpoints(folder)
     return found[-1] if found else None
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Checkpointer:
@@ -160,7 +151,8 @@ class Checkpointer:
             for path in [p for p in complete_checkpoints(self.folder)[: -self.keep] if p != final]:
                 # Out of the listing at once; freeing the blocks can wait.
                 doomed.append(path.rename(path.with_name(path.name + DELETING)))
-            _fsync_dir(self.folder)
+            if doomed:
+                fsync_dir(self.folder)  # replace_folder made the new one durable; these renames too
             self._delete_in_background(doomed)
 
         self._on_rank0(commit, f"complete {partial}")  # nobody looks for the checkpoint before it exists

@@ -19,6 +19,7 @@ Public API:
     export_hf(model, out_dir, parallel, *, dtype=torch.float32, overwrite=False, ...) -> Path
     write_hf_folder(state, args, out_dir, *, dtype=torch.float32, overwrite=False, ...) -> Path
     hf_state_dict(state, args) / hf_config(args, ...) / rope_permutation(n_heads, head_dim)
+    default_token_ids(vocab_size) -> (bos_token_id, eos_token_id)
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ _TOP_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+LLAMA3_VOCAB_SIZE = 128256
 
 
 class HFExportError(ValueError):
@@ -107,11 +109,17 @@ def hf_state_dict(state: Mapping[str, torch.Tensor], args: ModelArgs) -> dict[st
     return {hf_name(name): _to_hf_tensor(name, tensor, args) for name, tensor in state.items()}
 
 
-def hf_config(args: ModelArgs, *, dtype: torch.dtype = torch.float32, bos_token_id: int = 1,
-              eos_token_id: int = 2) -> dict[str, Any]:
-    """config.json of a LlamaForCausalLM with this shape."""
+def default_token_ids(vocab_size: int) -> tuple[int, int]:
+    """(bos, eos): Llama 3's (128000, 128001) for its 128256-token vocabulary, else Llama 2's (1, 2)."""
+    return (128000, 128001) if vocab_size == LLAMA3_VOCAB_SIZE else (1, 2)
+
+
+def hf_config(args: ModelArgs, *, dtype: torch.dtype = torch.float32, bos_token_id: Optional[int] = None,
+              eos_token_id: Optional[int] = None) -> dict[str, Any]:
+    """config.json of a LlamaForCausalLM with this shape; token ids left None: default_token_ids."""
     if dtype not in _DTYPE_NAMES:
         raise HFExportError(f"dtype {dtype} cannot be exported; use one of {', '.join(_DTYPE_NAMES.values())}")
+    default_bos, default_eos = default_token_ids(args.vocab_size)
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -133,8 +141,8 @@ def hf_config(args: ModelArgs, *, dtype: torch.dtype = torch.float32, bos_token_
         "initializer_range": 0.02,
         "pretraining_tp": 1,
         "use_cache": True,
-        "bos_token_id": bos_token_id,
-        "eos_token_id": eos_token_id,
+        "bos_token_id": default_bos if bos_token_id is None else bos_token_id,
+        "eos_token_id": default_eos if eos_token_id is None else eos_token_id,
         "torch_dtype": _DTYPE_NAMES[dtype],
     }
 
@@ -146,6 +154,14 @@ def _check_target(out_dir: Path, overwrite: bool) -> None:
         raise FileExistsError(f"{out_dir} exists and is not a folder; choose another output path")
 
 
+def _owning(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, copied only if it is a view into a larger storage: safetensors refuses those, and a
+    copy of every tensor would hold the model twice."""
+    if tensor.untyped_storage().nbytes() != tensor.nbytes or tensor.storage_offset():
+        return tensor.clone()
+    return tensor
+
+
 def write_hf_folder(
     state: Mapping[str, torch.Tensor],
     args: ModelArgs,
@@ -153,8 +169,8 @@ def write_hf_folder(
     *,
     dtype: torch.dtype = torch.float32,
     overwrite: bool = False,
-    bos_token_id: int = 1,
-    eos_token_id: int = 2,
+    bos_token_id: Optional[int] = None,
+    eos_token_id: Optional[int] = None,
 ) -> Path:
     """Write full tensors under Meta's names as an HF folder (one process). Atomic: everything goes
     into a temporary folder beside out_dir, renamed to out_dir once complete."""
@@ -163,8 +179,7 @@ def write_hf_folder(
     out_dir = Path(out_dir)
     _check_target(out_dir, overwrite)
     config = hf_config(args, dtype=dtype, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
-    # contiguous clones: safetensors refuses views and tensors that share storage.
-    tensors = {k: v.detach().to("cpu", dtype).contiguous().clone() for k, v in hf_state_dict(state, args).items()}
+    tensors = {k: _owning(v.detach().to("cpu", dtype).contiguous()) for k, v in hf_state_dict(state, args).items()}
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     # Same parent as out_dir: os.replace is atomic only within one file system.
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
@@ -189,13 +204,14 @@ def export_hf(
     *,
     dtype: torch.dtype = torch.float32,
     overwrite: bool = False,
-    bos_token_id: int = 1,
-    eos_token_id: int = 2,
+    bos_token_id: Optional[int] = None,
+    eos_token_id: Optional[int] = None,
 ) -> Path:
     """Write `model` (a models.llama.Transformer at any mp, plain or FSDP2-wrapped) as an HF Llama
     folder. Collective: every rank calls it; rank 0 writes (so it holds the whole model in `dtype`).
 
-    bos/eos ids default to Llama 2's (1, 2); pass Llama 3's for a Llama 3 tokenizer. `parallel` is
+    bos/eos ids default to default_token_ids(vocab_size): Llama 3's (128000, 128001) for a
+    128256-token vocabulary, else Llama 2's (1, 2); pass others for another tokenizer. `parallel` is
     accepted for symmetry with the other checkpoint functions (the layout comes from the DTensors).
     Every rank returns out_dir or raises the same error.
     """
@@ -213,7 +229,7 @@ def export_hf(
             hf_config(args, dtype=dtype)
             if importlib.util.find_spec("safetensors") is None:  # fail before the gathers, not after
                 raise HFExportError("export_hf needs the safetensors package: pip install safetensors")
-        except (FileExistsError, HFExportError) as err:
+        except Exception as err:  # noqa: BLE001 - any error (e.g. PermissionError) must reach every rank
             problem = f"{type(err).__name__}: {err}"
     problem = from_rank0(problem, world)
     if problem:

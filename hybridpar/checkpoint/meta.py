@@ -171,7 +171,8 @@ def _load_file(path: Path, verify_checksums: bool = False) -> dict[str, torch.Te
         if zipfile.is_zipfile(path):
             if verify_checksums:
                 # torch.load never checks the zip's CRC-32s: flipped bytes inside a tensor load silently.
-                bad = zipfile.ZipFile(path).testzip()
+                with zipfile.ZipFile(path) as archive:
+                    bad = archive.testzip()
                 if bad is not None:
                     raise MetaCheckpointError(
                         f"{path}: entry {bad} fails its CRC-32 check: the file is corrupt; copy or download it again"

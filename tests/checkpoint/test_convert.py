@@ -92,3 +92,71 @@ def test_convert_and_generate_commands(trained, corpus, tmp_path):
     assert out.stdout.startswith("Return the\n> ")
     out = run("convert", str(tmp_path / "nothing"), str(tmp_path / "x"), "--to", "hf")
     assert out.returncode == 2 and "does not exist" in out.stderr
+
+
+@pytest.mark.parametrize("to,options,message", [
+    ("hf", {"mp_out": 2}, "--mp applies to --to meta only"),
+    ("dcp", {"bos_id": 1}, "--bos-id / --eos-id apply to --to hf only"),
+    ("meta", {"max_seq_len": 4096}, "--max-seq-len applies to --to hf and dcp only"),
+    ("hf", {"max_seq_len": 0}, "--max-seq-len must be a positive number"),
+])
+def test_option_mistakes_are_refused_before_loading(tmp_path, to, options, message):
+    from hybridpar.checkpoint.convert import convert
+
+    # A missing source: loading first would fail with "does not exist" instead (no process group needed).
+    with pytest.raises(ValueError, match=message):
+        convert(tmp_path / "nothing", tmp_path / "out", to, None, **options)
+
+
+def _case_convert_options(root: str) -> tuple:
+    """From a Meta folder: hf with given token ids and context length; dcp into an occupied folder,
+    then into an empty one."""
+    from hybridpar.checkpoint.convert import convert
+    from hybridpar.checkpoint.dcp import CheckpointError
+    from hybridpar.checkpoint.meta import save_meta_checkpoint
+    from models.llama import ModelArgs, Transformer
+    from tests.distributed import parallel_dims
+
+    root = Path(root)
+    parallel = parallel_dims(mp=2)
+    save_meta_checkpoint(Transformer(ModelArgs.from_preset("debug"), parallel), root / "meta", parallel, 2)
+    convert(root / "meta", root / "hf", "hf", parallel, bos_id=5, eos_id=6, max_seq_len=96)
+    try:
+        convert(root / "meta", root / "occupied", "dcp", parallel)
+        refused = None
+    except CheckpointError as err:
+        refused = str(err)
+    return refused, str(convert(root / "meta", root / "empty", "dcp", parallel, max_seq_len=96))
+
+
+def test_convert_options_reach_the_output_and_dcp_refuses_an_occupied_folder(workers, tmp_path):
+    import json
+
+    (tmp_path / "occupied" / "step-00000000").mkdir(parents=True)
+    (tmp_path / "occupied" / "step-00000000" / "mine.txt").write_text("keep")
+    (tmp_path / "empty").mkdir()
+    results = workers(4).run(_case_convert_options, str(tmp_path))
+    assert all(r == results[0] for r in results), results
+    refused, written = results[0]
+    assert refused == f"{tmp_path / 'occupied'} already exists and is not an empty folder: choose a new folder"
+    assert [p.name for p in (tmp_path / "occupied").rglob("*")] == ["step-00000000", "mine.txt"]
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], config["max_position_embeddings"]) == (5, 6, 96)
+    assert written == str(tmp_path / "empty" / "step-00000000")
+    assert json.loads((tmp_path / "empty" / "step-00000000" / "params.json").read_text())["max_seq_len"] == 96
+
+
+def test_commands_leave_the_process_group_they_made(tmp_path):
+    """convert and generate destroy their process group, as train and doctor do, also when they fail."""
+    nothing = str(tmp_path / "nothing")
+    script = (
+        "import torch.distributed as dist\n"
+        "from hybridpar.cli import main\n"
+        f"print(main(['convert', {nothing!r}, {nothing!r}, '--to', 'hf']), dist.is_initialized())\n"
+        f"print(main(['generate', '--checkpoint', {nothing!r}, '--tokenizer', {nothing!r}, '--prompt', 'a']),"
+        " dist.is_initialized())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n") == ["2 False", "2 False", ""], (out.stdout, out.stderr[-2000:])

@@ -224,3 +224,69 @@ def test_transformers_logits_match(workers, check_close, tmp_path, name, mp):
     with torch.no_grad():
         hf_logits = model(_tokens(_args(name))).logits
     check_close(f"{name} mp{mp} transformers", {"logits": rel_err(hf_logits, logits)}, BOUND)
+
+
+def _case_export_failing_check(out_dir: str):
+    """Rank 0's look at the target raises an OSError (as an unreadable parent folder would)."""
+    from unittest import mock
+
+    from hybridpar.checkpoint import hf
+
+    def denied(path, overwrite):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    parallel = parallel_dims(mp=2)
+    model = Transformer(_args("debug"), parallel)
+    with mock.patch.object(hf, "_check_target", denied):
+        try:
+            export_hf(model, out_dir, parallel)
+        except HFExportError as err:
+            return str(err)
+    return None
+
+
+def test_any_error_of_rank0s_check_reaches_every_rank(workers, tmp_path):
+    results = workers(4).run(_case_export_failing_check, str(tmp_path / "hf"), timeout=60)
+    assert all(r == results[0] for r in results), results  # every rank raises; none waits in the broadcast
+    assert "PermissionError: [Errno 13] Permission denied" in results[0], results[0]
+    assert list(tmp_path.iterdir()) == []
+
+
+# --- one process: what write_hf_folder copies and writes -------------------------------------------
+
+
+def test_write_copies_only_views(tmp_path, monkeypatch):
+    """Tensors that own their storage go to safetensors as they are (rank 0 holds the model once);
+    views into a larger tensor, which safetensors refuses, are copied."""
+    import safetensors.torch
+    from safetensors.torch import load_file
+
+    from hybridpar.checkpoint.hf import write_hf_folder
+
+    saved, real_save = {}, safetensors.torch.save_file
+    monkeypatch.setattr(safetensors.torch, "save_file",
+                        lambda tensors, *a, **k: (saved.update(tensors), real_save(tensors, *a, **k))[1])
+    g = torch.Generator().manual_seed(0)
+    norm, rows = torch.randn(64, generator=g), torch.randn(2, 64, generator=g)
+    state = {"norm.weight": norm, "layers.0.attention_norm.weight": rows[0], "layers.0.ffn_norm.weight": rows[1]}
+    write_hf_folder(state, _args("debug"), tmp_path / "hf")
+    assert saved["model.norm.weight"].data_ptr() == norm.data_ptr()
+    views = ("model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight")
+    assert all(saved[name].untyped_storage().nbytes() == 64 * 4 for name in views)
+    tensors = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert torch.equal(tensors["model.norm.weight"], norm)
+    assert torch.equal(tensors[views[0]], rows[0]) and torch.equal(tensors[views[1]], rows[1])
+
+
+@pytest.mark.parametrize("vocab,given,expected", [
+    (128256, {}, (128000, 128001)),  # Llama 3's vocabulary: its tokenizer's ids
+    (32000, {}, (1, 2)),  # anything else: Llama 2's
+    (128256, {"bos_token_id": 7, "eos_token_id": 8}, (7, 8)),
+])
+def test_token_ids_follow_the_vocabulary_unless_given(tmp_path, vocab, given, expected):
+    from hybridpar.checkpoint.hf import write_hf_folder
+
+    args = ModelArgs.from_preset("debug", vocab_size=vocab)
+    out = write_hf_folder({"norm.weight": torch.ones(args.dim)}, args, tmp_path / "hf", **given)
+    config = json.loads((out / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"]) == expected

@@ -6,7 +6,7 @@ Layout (the contract every other module relies on): a DeviceMesh of shape
     rank = (replicate_idx * dp_shard + shard_idx) * mp + mp_rank
     dp_rank = replicate_idx * dp_shard + shard_idx,  dp_size = dp_replicate * dp_shard
 
-A model-parallel group is `mp` contiguous ranks (inside one node when mp <= GPUs per node), exactly
+A model-parallel group is `mp` contiguous ranks (inside one node when mp divides the GPUs per node), exactly
 fairscale's `arange(world).reshape(dp, mp)` layout, and the flattened data-parallel group of a rank
 is fairscale's data-parallel group.
 """

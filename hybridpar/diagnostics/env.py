@@ -94,7 +94,7 @@ KNOWN_TIMEOUT_VARS = {
 _FAKE_TIMEOUT = re.compile(r"^(NCCL_TIMEOUT|(TORCH_NCCL|TORCH_FR|GLOO|TORCH_GLOO|TORCH_DIST\w*|C10D)_\w*TIMEOUT)")
 
 # The variables compared across ranks (and gathered to rank 0).
-RELEVANT_PREFIXES = ("NCCL_", "TORCH_", "GLOO_", "MASTER_")
+RELEVANT_PREFIXES = ("NCCL_", "TORCH_", "GLOO_", "MASTER_", "C10D_")
 RELEVANT_NAMES = ("OMP_NUM_THREADS",)
 
 

@@ -279,8 +279,9 @@ class Watchdog:
     # --- the monitor ------------------------------------------------------------------------------
 
     def _dead_after(self) -> float:
-        """A heartbeat silent this long means the process is gone (the beat thread runs even while
-        the main thread waits in a collective or computes)."""
+        """A heartbeat silent this long means the process is gone. The beat thread runs while the
+        main thread waits in a collective or computes in kernels that release the GIL; C code that
+        holds the GIL this long would be mistaken for a dead process."""
         return min(self.timeout, max(5.0, 10 * self.interval))
 
     def _rank0_gone(self) -> bool:

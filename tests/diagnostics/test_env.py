@@ -227,3 +227,11 @@ def test_nccl_interface_lists_select_as_nccl_does(spec, selected):
     from hybridpar.diagnostics.env import _nccl_matches
 
     assert _nccl_matches(spec, ["eth0", "eth1", "eth10", "ib0"]) == selected
+
+
+def test_a_made_up_c10d_timeout_reaches_the_doctor():
+    # The doctor checks the variables relevant_env keeps: C10D_* must be among them to be flagged.
+    from hybridpar.diagnostics.env import check_env, relevant_env
+
+    messages = [f.message for f in check_env(relevant_env({"C10D_TIMEOUT": "30", "HOME": "/root"}))]
+    assert any(m.startswith("C10D_TIMEOUT=30 is read by neither torch 2.13 nor NCCL") for m in messages), messages

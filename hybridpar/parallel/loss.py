@@ -2,8 +2,8 @@
 
 Each rank holds logits for vocab ids [mp_rank * V/mp, (mp_rank + 1) * V/mp). Two all-reduces of
 [tokens]-sized tensors (the max; then target logit and sum of exponentials, stacked) replace a
-gather of [tokens, V]. The
-arithmetic is fp32 whatever the logits' dtype; the gradient comes back in the logits' dtype.
+gather of [tokens, V]. The arithmetic is fp32 whatever the logits' dtype; the gradient comes back
+in the logits' dtype.
 """
 
 from __future__ import annotations

@@ -37,8 +37,8 @@ from ..diagnostics.watchdog import BACKSTOP_GRACE, Watchdog
 from ..files import write_text_atomic
 from ..mesh import ParallelDims, init_parallel
 from ..parallel import vocab_parallel_cross_entropy
-from ..parallel.loss import IGNORE_INDEX
 from ..parallel.fsdp import apply_fsdp
+from ..parallel.loss import IGNORE_INDEX
 from .metrics import MetricsWriter, flops_per_token, measure_matmul_peak, memory_bytes, plot_loss, progress_line
 
 
@@ -210,8 +210,7 @@ class Trainer:
         train_state = {"scheduler": self.scheduler.state_dict(), "data": self.loader.state_dict()}
         # Writing a large checkpoint can outlast the train timeout: fast writers wait for slow ones in
         # DCP's closing collective. Not a hang, so the watchdog and the collectives both wait longer.
-        init_timeout = self.config.parallel.init_timeout
-        shortened = self._train_timeout() != init_timeout  # the train timeout is in force
+        init_timeout, shortened = self.config.parallel.init_timeout, self._train_timeout_in_force()
         self._at("checkpoint", timeout=init_timeout)
         if shortened:
             set_train_timeout(self.parallel, init_timeout)
@@ -238,8 +237,11 @@ class Trainer:
         """The no-progress limit for this step: the init timeout until this run's first step is done (it
         pays for compiling and the first collectives, also after a resume), then the train timeout."""
         c = self.config
-        started = self.step > self.start_step
-        return c.diagnostics.train_timeout if started and c.diagnostics.train_timeout > 0 else c.parallel.init_timeout
+        return c.diagnostics.train_timeout if self._train_timeout_in_force() else c.parallel.init_timeout
+
+    def _train_timeout_in_force(self) -> bool:
+        """This run's first step is done and a train timeout is configured."""
+        return self.step > self.start_step and self.config.diagnostics.train_timeout > 0
 
     def _model_args(self) -> ModelArgs:
         if self.init_from_meta:

@@ -1,4 +1,4 @@
-"""File helpers shared by the data modules: atomic writes, cross-process locks, hashes.
+"""File helpers: atomic files, staged folders, the occupied-destination check, locks, hashes.
 
 Every rank of a job may prepare the same tokenizer or token file in the same cache folder at the
 same moment, and a job can be killed at any point, so outputs are written to a temporary file in
@@ -19,7 +19,7 @@ import socket
 import tempfile
 import time
 from pathlib import Path
-from typing import IO, Iterator, Optional, Union
+from typing import IO, Callable, Iterator, Optional, Union
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +91,98 @@ def replace_folder(new: PathLike, target: PathLike) -> None:
     os.replace(new, target)
     fsync_dir(target.parent)
     shutil.rmtree(aside.parent, ignore_errors=True)
+
+
+# --- staged folders: a folder of files that appears complete or not at all ---------------------
+
+STAGING_SUFFIX = ".partial"
+
+
+def staging_path(target: PathLike) -> Path:
+    """Where the files of `target` are written before it exists: `<target>.partial` beside it (one
+    name every rank can compute; a crash leaves it there, and the next attempt removes it)."""
+    target = Path(target)
+    return target.with_name(target.name + STAGING_SUFFIX)
+
+
+def remove_stale(target: PathLike) -> None:
+    """Remove what an interrupted write of `target` left: its staging folder and old copies parked
+    by replace_folder."""
+    target = Path(target)
+    for stale in [staging_path(target), *target.parent.glob(f".{target.name}.*.old")]:
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def begin_staging(target: PathLike) -> Path:
+    """Create the (empty) staging folder of `target`, after removing stale ones; returns it."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale(target)
+    staged = staging_path(target)
+    staged.mkdir()  # os.mkdir honours the umask (mkdtemp's 0700 would become the folder's mode)
+    return staged
+
+
+def commit_staged(staged: PathLike, target: PathLike) -> Path:
+    """fsync every file under `staged` (a no-op for files their writers fsynced, as writers on other
+    hosts of a shared file system must), then rename it to `target` durably (replace_folder)."""
+    staged, target = Path(staged), Path(target)
+    for path in sorted(staged.rglob("*")):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        elif path.is_dir():
+            fsync_dir(path)
+    replace_folder(staged, target)
+    return target
+
+
+@contextlib.contextmanager
+def staged_folder(target: PathLike) -> Iterator[Path]:
+    """One process writes a folder: files go into the yielded staging folder, which becomes
+    `target` (replacing an old one) only when the block ends without an error; on an error it is
+    removed and `target` is untouched."""
+    staged = begin_staging(target)
+    try:
+        yield staged
+        commit_staged(staged, target)
+    except BaseException:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
+
+
+def refuse_occupied(path: PathLike, advice: str, *, error_type: type[Exception] = FileExistsError,
+                    overwrite: bool = False, empty_ok: bool = True,
+                    listing: Optional[tuple[str, Callable[[Path], list[Path]]]] = None) -> None:
+    """Raise `error_type("<path> <what is there>: <advice>")` when `path` cannot take new output:
+    a file; a folder with anything in it (any folder when empty_ok=False) unless overwrite=True;
+    or, with listing=(noun, lister), a folder where lister(path) finds something (e.g. checkpoints)."""
+    path = Path(path)
+    try:
+        problem = _occupant(path, overwrite, empty_ok, listing)
+    except OSError as err:
+        problem = f"cannot be checked ({type(err).__name__}: {err})"
+    if problem:
+        raise error_type(f"{path} {problem}: {advice}")
+
+
+def _occupant(path: Path, overwrite: bool, empty_ok: bool, listing) -> Optional[str]:
+    if not path.exists():
+        return None
+    if not path.is_dir():
+        return "already exists and is not a folder"
+    if listing is not None:
+        noun, lister = listing
+        found = lister(path)
+        return f"already holds {noun} (newest {found[-1].name})" if found else None
+    if overwrite:
+        return None
+    if not empty_ok:
+        return "already exists"
+    return "already exists and is not an empty folder" if any(path.iterdir()) else None
 
 
 def write_bytes_atomic(path: PathLike, data: bytes) -> None:

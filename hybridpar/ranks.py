@@ -1,0 +1,112 @@
+"""Cross-rank protocols: one rank acts, every rank learns the outcome, and all fail together.
+
+A rank that fails between collectives leaves the others waiting in the next one until it times
+out, so every step that can fail on some ranks only ends at an agreed point where the outcome is
+shared. One wording for what the ranks raise:
+
+  - a refusal, an error of the caller's `error_type` (bad input, an occupied folder), reads the
+    same on every rank;
+  - any other failure is re-raised where it happened; the other ranks raise
+    `error_type("rank R could not <what>: <Type>: <message>")`.
+
+Without a process group (a world of one) everything runs locally.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, TypeVar
+
+import torch
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+
+def rank_and_world() -> tuple[int, int]:
+    """(rank, world size) of the default group; (0, 1) without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def gather_objects(value: Any) -> list[Any]:
+    """Every rank's `value` (picklable), in rank order."""
+    _, world = rank_and_world()
+    if world == 1:
+        return [value]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, value)
+    return out
+
+
+def broadcast_from_rank0(value: Any) -> Any:
+    """Rank 0's `value` on every rank, so every rank takes the same decision."""
+    _, world = rank_and_world()
+    if world == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _shared(error: BaseException, error_type: type[Exception]) -> tuple[bool, str]:
+    """(is a refusal, text) as the other ranks will see it."""
+    if isinstance(error, error_type):
+        return True, str(error)
+    return False, f"{type(error).__name__}: {error}"
+
+
+def _raise_for_other(rank: int, what: str, refusal: bool, text: str, error_type: type[Exception]):
+    raise error_type(text if refusal else f"rank {rank} could not {what}: {text}")
+
+
+def on_rank0(work: Callable[[], T], what: str, *, error_type: type[Exception] = RuntimeError) -> T:
+    """Run `work()` on rank 0 alone; every rank returns its result, or raises (see the module's
+    wording) if it failed, instead of the others waiting for rank 0 until a collective times out.
+    `what` completes "rank 0 could not ..."."""
+    rank, world = rank_and_world()
+    if world == 1:
+        return work()
+    outcome: Any = None
+    error: Optional[Exception] = None
+    if rank == 0:
+        try:
+            outcome = ("ok", work())
+        except Exception as err:  # noqa: BLE001 - shared with every rank, then re-raised
+            error = err
+            outcome = ("error", *_shared(err, error_type))
+    outcome = broadcast_from_rank0(outcome)
+    if error is not None:
+        raise error
+    if outcome[0] == "error":
+        _raise_for_other(0, what, outcome[1], outcome[2], error_type)
+    return outcome[1]
+
+
+def _flag_device() -> torch.device:
+    # A backend string with gloo in it ("gloo", "cpu:gloo,cuda:nccl") reduces CPU tensors.
+    backend = str(dist.get_backend())
+    if "gloo" in backend or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def raise_if_any_failed(error: Optional[BaseException], what: str, *,
+                        error_type: type[Exception] = RuntimeError) -> None:
+    """Collective: each rank passes its own error (or None). If any rank failed, every rank
+    raises: its own error if it had one, else one naming the first rank that failed. Costs one
+    all-reduce of a flag when nothing failed."""
+    _, world = rank_and_world()
+    if world == 1:
+        if error is not None:
+            raise error
+        return
+    failed = torch.tensor([0 if error is None else 1], device=_flag_device())
+    dist.all_reduce(failed)
+    if not failed.item():
+        return
+    shared = gather_objects(None if error is None else _shared(error, error_type))
+    if error is not None:
+        raise error
+    rank, (refusal, text) = next((r, s) for r, s in enumerate(shared) if s is not None)
+    _raise_for_other(rank, what, refusal, text, error_type)

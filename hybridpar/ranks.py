@@ -14,7 +14,7 @@ Without a process group (a world of one) everything runs locally.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, NoReturn, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -56,7 +56,7 @@ def _shared(error: BaseException, error_type: type[Exception]) -> tuple[bool, st
     return False, f"{type(error).__name__}: {error}"
 
 
-def _raise_for_other(rank: int, what: str, refusal: bool, text: str, error_type: type[Exception]):
+def _raise_for_other(rank: int, what: str, refusal: bool, text: str, error_type: type[Exception]) -> NoReturn:
     raise error_type(text if refusal else f"rank {rank} could not {what}: {text}")
 
 

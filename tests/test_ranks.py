@@ -1,0 +1,118 @@
+"""hybridpar.ranks: rank 0 acts and every rank learns the outcome; any rank fails and all fail together."""
+
+import pytest
+
+WORLDS = [2, 4]
+
+
+class Refused(ValueError):
+    """The caller's error_type: a deliberate refusal."""
+
+
+def _outcome(fn, *args, **kwargs) -> str:
+    """What a rank got: 'ok <value>' or '<Type>: <message>'."""
+    try:
+        return f"ok {fn(*args, **kwargs)!r}"
+    except Exception as err:  # noqa: BLE001 - the test compares what each rank raised
+        return f"{type(err).__name__}: {err}"
+
+
+def _case_on_rank0_value():
+    import torch.distributed as dist
+
+    from hybridpar.ranks import on_rank0
+
+    calls = []
+
+    def work():
+        calls.append(dist.get_rank())
+        return {"from": dist.get_rank()}
+
+    return on_rank0(work, "say hello"), calls
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_on_rank0_runs_once_and_every_rank_returns_its_value(workers, world):
+    results = workers(world).run(_case_on_rank0_value)
+    assert [value for value, _ in results] == [{"from": 0}] * world
+    assert [calls for _, calls in results] == [[0]] + [[]] * (world - 1)
+
+
+def _case_on_rank0_error(kind: str):
+    from hybridpar.ranks import on_rank0
+
+    def work():
+        if kind == "refusal":
+            raise Refused("/data/out already exists: choose a new folder")
+        raise OSError(28, "No space left on device", "/data/out/params.json")
+
+    return _outcome(on_rank0, work, "complete /data/out", error_type=Refused)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_refusal_on_rank0_reads_the_same_on_every_rank(workers, world):
+    results = workers(world).run(_case_on_rank0_error, "refusal")
+    assert results == ["Refused: /data/out already exists: choose a new folder"] * world
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_another_error_on_rank0_is_reraised_there_and_named_on_the_others(workers, world):
+    results = workers(world).run(_case_on_rank0_error, "crash")
+    own = "OSError: [Errno 28] No space left on device: '/data/out/params.json'"
+    assert results[0] == own
+    assert results[1:] == [f"Refused: rank 0 could not complete /data/out: {own}"] * (world - 1)
+
+
+def _case_any_failed(failing: list, refusal: bool):
+    import torch.distributed as dist
+
+    from hybridpar.ranks import raise_if_any_failed
+
+    rank = dist.get_rank()
+    error = None
+    if rank in failing:
+        error = Refused(f"refused by rank {rank}") if refusal else OSError(5, f"I/O error on rank {rank}")
+    return _outcome(raise_if_any_failed, error, "write its files", error_type=Refused)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_raise_if_any_failed_passes_when_no_rank_failed(workers, world):
+    assert workers(world).run(_case_any_failed, [], False) == ["ok None"] * world
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_raise_if_any_failed_with_one_failing_rank(workers, world):
+    last = world - 1
+    results = workers(world).run(_case_any_failed, [last], False)
+    own = f"OSError: [Errno 5] I/O error on rank {last}"
+    assert results[last] == own
+    assert results[:last] == [f"Refused: rank {last} could not write its files: {own}"] * last
+    refused = workers(world).run(_case_any_failed, [last], True)
+    assert refused == [f"Refused: refused by rank {last}"] * world
+
+
+def test_raise_if_any_failed_names_the_first_failing_rank(workers):
+    results = workers(4).run(_case_any_failed, [1, 3], False)
+    assert results[1] == "OSError: [Errno 5] I/O error on rank 1"
+    assert results[3] == "OSError: [Errno 5] I/O error on rank 3"
+    assert results[0] == results[2] == "Refused: rank 1 could not write its files: OSError: [Errno 5] I/O error on rank 1"
+
+
+def test_a_world_of_one_without_a_process_group_runs_locally(monkeypatch):
+    import torch.distributed as dist
+
+    from hybridpar import ranks
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    assert ranks.rank_and_world() == (0, 1)
+    assert ranks.gather_objects("x") == ["x"] and ranks.broadcast_from_rank0("y") == "y"
+    assert ranks.on_rank0(lambda: 42, "answer") == 42
+
+    def full_disk():
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):  # raised as it is: there is no other rank to tell
+        ranks.on_rank0(full_disk, "write", error_type=Refused)
+    ranks.raise_if_any_failed(None, "write")
+    with pytest.raises(OSError, match="disk full"):
+        ranks.raise_if_any_failed(OSError("disk full"), "write", error_type=Refused)

@@ -93,3 +93,99 @@ def test_replace_folder_fsyncs_the_new_folder_then_the_parent(tmp_path, monkeypa
         synced.clear()
         replace_folder(new, target)
         assert synced == [(os.path.realpath(new), before), (os.path.realpath(tmp_path), [name])]
+
+
+# --- staged folders and the occupied-destination check ------------------------------------------
+
+
+def test_staged_folder_commits_only_a_complete_folder(tmp_path):
+    from hybridpar.files import staged_folder, staging_path
+
+    target = tmp_path / "out"
+    with staged_folder(target) as staged:
+        assert staged == staging_path(target) == tmp_path / "out.partial"
+        (staged / "a").write_text("first")
+        assert not target.exists()  # nothing under the final name until the block ends
+    assert (target / "a").read_text() == "first"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        with staged_folder(target) as staged:
+            (staged / "b").write_text("half")
+            raise RuntimeError("disk full")
+    assert sorted(p.name for p in target.iterdir()) == ["a"]  # the old folder is intact
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # and the staging folder is gone
+
+
+def test_staged_folder_removes_what_an_interrupted_write_left(tmp_path):
+    from hybridpar.files import staged_folder
+
+    target = tmp_path / "out"
+    (tmp_path / "out.partial").mkdir()
+    (tmp_path / "out.partial" / "stale").write_text("from a crash")
+    (tmp_path / ".out.x1y2.old" / "out").mkdir(parents=True)  # parked by a replace that did not finish
+    (tmp_path / "other.partial").mkdir()  # another target's: not ours to remove
+    with staged_folder(target) as staged:
+        assert list(staged.iterdir()) == []
+        (staged / "new").write_text("new")
+    assert sorted(p.name for p in target.iterdir()) == ["new"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other.partial", "out"]
+
+
+class Refused(ValueError):
+    pass
+
+
+@pytest.mark.parametrize("setup,options,problem", [
+    ("missing", {}, None),
+    ("empty", {}, None),
+    ("empty", {"empty_ok": False}, "already exists"),
+    ("full", {}, "already exists and is not an empty folder"),
+    ("full", {"overwrite": True}, None),
+    ("file", {}, "already exists and is not a folder"),
+    ("file", {"overwrite": True}, "already exists and is not a folder"),
+])
+def test_refuse_occupied(tmp_path, setup, options, problem):
+    from hybridpar.files import refuse_occupied
+
+    path = tmp_path / "out"
+    if setup == "file":
+        path.write_text("x")
+    elif setup != "missing":
+        path.mkdir()
+        if setup == "full":
+            (path / "mine.txt").write_text("keep")
+    if problem is None:
+        refuse_occupied(path, "choose a new folder", error_type=Refused, **options)
+        return
+    with pytest.raises(Refused) as info:
+        refuse_occupied(path, "choose a new folder", error_type=Refused, **options)
+    assert str(info.value) == f"{path} {problem}: choose a new folder"
+
+
+def test_refuse_occupied_with_a_listing(tmp_path):
+    from hybridpar.files import refuse_occupied
+
+    def steps(folder):
+        return sorted(folder.glob("step-*"))
+
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    refuse_occupied(tmp_path, "resume instead", listing=("checkpoints", steps))  # nothing listed: free
+    refuse_occupied(tmp_path / "missing", "resume instead", listing=("checkpoints", steps))
+    (tmp_path / "step-1").mkdir()
+    (tmp_path / "step-2").mkdir()
+    with pytest.raises(FileExistsError) as info:  # the default error type
+        refuse_occupied(tmp_path, "resume instead", listing=("checkpoints", steps))
+    assert str(info.value) == f"{tmp_path} already holds checkpoints (newest step-2): resume instead"
+
+
+def test_refuse_occupied_when_the_folder_cannot_be_looked_at(tmp_path):
+    from hybridpar.files import refuse_occupied
+
+    def denied(folder):
+        raise PermissionError(13, "Permission denied", str(folder))
+
+    with pytest.raises(Refused) as info:
+        refuse_occupied(tmp_path, "choose another folder", error_type=Refused, listing=("checkpoints", denied))
+    assert str(info.value) == (f"{tmp_path} cannot be checked (PermissionError: [Errno 13] Permission denied: "
+                               f"'{tmp_path}'): choose another folder")

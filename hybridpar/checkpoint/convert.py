@@ -18,9 +18,10 @@ import torch
 
 from models.llama import ModelArgs, Transformer
 
+from ..files import refuse_occupied
 from ..mesh import ParallelDims
+from ..ranks import on_rank0
 from .dcp import Checkpointer, CheckpointError, latest_checkpoint, params_dict
-from .ranks import from_rank0
 
 FORMATS = ("dcp", "meta", "hf")
 
@@ -72,20 +73,6 @@ def load_model(path: Path, parallel: ParallelDims, *, dtype: Optional[torch.dtyp
     return model, args
 
 
-def _refuse_occupied(dst: Path, parallel: ParallelDims) -> None:
-    """Refuse an existing, non-empty dst on every rank (rank 0 looks: one view of the file system)."""
-    problem = None
-    if parallel.rank == 0:
-        try:
-            if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
-                problem = f"{dst} already exists and is not an empty folder: choose a new folder"
-        except OSError as err:
-            problem = f"{dst} cannot be checked ({type(err).__name__}: {err}); choose another folder"
-    problem = from_rank0(problem, parallel.world_size)
-    if problem:
-        raise CheckpointError(problem)
-
-
 def convert(src: Path, dst: Path, to: str, parallel: ParallelDims, mp_out: Optional[int] = None, *,
             bos_id: Optional[int] = None, eos_id: Optional[int] = None, max_seq_len: Optional[int] = None) -> Path:
     """Write the weights of `src` to `dst` in format `to`; returns what was written.
@@ -105,8 +92,9 @@ def convert(src: Path, dst: Path, to: str, parallel: ParallelDims, mp_out: Optio
     if max_seq_len is not None and max_seq_len < 1:
         raise ValueError(f"--max-seq-len must be a positive number of tokens, got {max_seq_len}")
     dst = Path(dst)
-    if to == "dcp":
-        _refuse_occupied(dst, parallel)
+    if to == "dcp":  # rank 0 looks (one view of the file system); every rank refuses alike
+        on_rank0(lambda: refuse_occupied(dst, "choose a new folder", error_type=CheckpointError),
+                 f"check {dst}", error_type=CheckpointError)
     model, args = load_model(src, parallel, max_seq_len=max_seq_len)
     if to == "meta":
         from .meta import save_meta_checkpoint

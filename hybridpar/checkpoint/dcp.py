@@ -1,19 +1,16 @@
 """Sharded training checkpoints on torch.distributed.checkpoint (DCP), saved atomically.
 
 A checkpoint is a folder `step-00000100/` holding:
-    .metadata, __*_*.distcp   model and optimizer state, every rank writing its own shards in
-                              parallel; DCP records global shapes, so a checkpoint loads into any
-                              (mp, dp_shard, dp_replicate) layout
+    .metadata, __*_*.distcp   model and optimizer state, each rank writing its own shards; DCP
+                              records global shapes, so it loads into any (mp, dp_shard, dp_replicate)
     params.json               the model's shape (ModelArgs), checked before anything is loaded
     train_state.json          step, lr schedule, data position (a global sample offset)
     rng/rank{N}.pt            each rank's RNG state (restored when the world size matches)
 
-Every rank writes into `step-00000100.partial/`; only when all ranks have finished does rank 0
-write train_state.json and rename the folder. A crash mid-save leaves a `.partial` folder that
-resuming ignores and the next save removes: the last complete checkpoint is never damaged.
-Checkpoints beyond `keep` are renamed `*.deleting` (never listed again) and removed by a
-background thread, so training does not wait for the file system to free them.
-A shared file system between ranks is assumed, as DCP's file-system storage does.
+Every rank writes into `step-00000100.partial/`; once all have, rank 0 writes train_state.json and
+renames the folder. A crash mid-save leaves the `.partial` folder, which resuming ignores and the
+next save removes. Checkpoints beyond `keep` are renamed `*.deleting` (never listed again) and
+removed by a background thread. A file system shared by the ranks is assumed, as DCP's storage does.
 """
 
 from __future__ import annotations
@@ -25,7 +22,7 @@ import shutil
 import threading
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -41,9 +38,10 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from torch.utils.serialization import config as serialization_config
 
-from ..files import atomic_output, fsync_dir, replace_folder, write_text_atomic
+from ..files import (STAGING_SUFFIX, atomic_output, begin_staging, commit_staged, fsync_dir, staging_path,
+                     write_text_atomic)
 from ..mesh import ParallelDims
-from .ranks import from_rank0
+from ..ranks import on_rank0, raise_if_any_failed
 from .reader import CheckpointReadError, FastFileSystemReader, SafeLoadPlanner
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -94,18 +92,18 @@ class Checkpointer:
         `wait()`, or `close()`)."""
         self.wait()
         final = self.folder / step_dir_name(step)
-        partial = final.with_name(final.name + ".partial")
+        partial = staging_path(final)
 
         def prepare() -> None:
             self.folder.mkdir(parents=True, exist_ok=True)
-            # Left by a crash: partial saves (never trusted), interrupted deletions, and old copies
-            # parked by a replace (files.replace_folder) that did not finish.
-            for stale in [*self.folder.glob("step-*.partial"), *self.folder.glob("*" + DELETING),
+            # Retention: what a crash left of other saves (never trusted), interrupted deletions, and
+            # old copies parked by a replace (files.replace_folder) that did not finish.
+            for stale in [*self.folder.glob("step-*" + STAGING_SUFFIX), *self.folder.glob("*" + DELETING),
                           *self.folder.glob(".step-*.old")]:
                 shutil.rmtree(stale, ignore_errors=True)
-            (partial / "rng").mkdir(parents=True)
+            (begin_staging(final) / "rng").mkdir()
 
-        self._on_rank0(prepare, f"prepare {partial}")
+        on_rank0(prepare, f"prepare {partial}", error_type=CheckpointError)
         if optimizer is None:  # weights only (a converted checkpoint)
             state = {"model": get_model_state_dict(model)}
         else:
@@ -144,36 +142,22 @@ class Checkpointer:
             write_text_atomic(partial / "params.json", json.dumps(meta["params"], indent=2))
             write_text_atomic(partial / "train_state.json", json.dumps(meta["train_state"], indent=2))
             # The same step saved again (a re-run) replaces the old copy, which is parked aside first.
-            final = partial.with_name(partial.name[: -len(".partial")])
-            replace_folder(partial, final)
+            final = partial.with_name(partial.name[: -len(STAGING_SUFFIX)])
+            commit_staged(partial, final)
             doomed = []
             # By step number; never the checkpoint just written, even if the folder holds later steps.
             for path in [p for p in complete_checkpoints(self.folder)[: -self.keep] if p != final]:
                 # Out of the listing at once; freeing the blocks can wait.
                 doomed.append(path.rename(path.with_name(path.name + DELETING)))
             if doomed:
-                fsync_dir(self.folder)  # replace_folder made the new one durable; these renames too
+                fsync_dir(self.folder)  # commit_staged made the new one durable; these renames too
             self._delete_in_background(doomed)
 
-        self._on_rank0(commit, f"complete {partial}")  # nobody looks for the checkpoint before it exists
-
-    def _on_rank0(self, work: Callable[[], None], what: str) -> None:
-        """Run `work` on rank 0 while the other ranks wait; if it fails, every rank raises, instead of
-        the others waiting for rank 0 until the collectives time out."""
-        error: Optional[BaseException] = None
-        if self.parallel.rank == 0:
-            try:
-                work()
-            except Exception as err:  # noqa: BLE001 - shared with the other ranks, then re-raised
-                error = err
-        message = from_rank0(None if error is None else f"{type(error).__name__}: {error}", self.parallel.world_size)
-        if error is not None:
-            raise error
-        if message is not None:
-            raise CheckpointError(f"rank 0 could not {what}: {message}")
+        # Nobody looks for the checkpoint before it exists.
+        on_rank0(commit, f"complete {partial}", error_type=CheckpointError)
 
     def _delete_in_background(self, paths: list[Path]) -> None:
-        # Removing 1 GB took ~0.25 s here (ext4 with discard): a quarter of a save.
+        # Freeing a large checkpoint's blocks is a noticeable share of a save (bench/README.md).
         self._join_deleter()
         if paths:
             self._deleter = threading.Thread(
@@ -219,10 +203,9 @@ class Checkpointer:
         return train_state
 
     def _read(self, path: Path, state: dict) -> None:
-        """dcp.load without its planning collectives, which cost more than the reads at small sizes
-        here: DCP's default load plan involves no coordination (each rank reads what its own state
-        dict asks for), so ranks plan alone. One all-reduce afterwards makes every rank fail together
-        when any rank could not read, naming the damaged file."""
+        """dcp.load without its planning collectives: DCP's default load plan involves no coordination
+        (each rank reads what its own state dict asks for), so ranks plan alone. One all-reduce
+        afterwards makes every rank fail together when any rank could not read, naming the damaged file."""
         error: Optional[BaseException] = None
         try:
             with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
@@ -233,18 +216,10 @@ class Checkpointer:
             error = next(iter(err.failures.values()))[0] if err.failures else RuntimeError(str(err))
         except Exception as err:  # noqa: BLE001 - shared with the other ranks below, then re-raised
             error = err
-        failed = torch.tensor([0 if error is None else 1], device=self.parallel.device)
-        dist.all_reduce(failed)
-        if not failed.item():
-            return
-        messages = [None] * dist.get_world_size()
-        dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}")
-        if isinstance(error, CheckpointReadError):
-            raise CheckpointError(str(error)) from error
-        if error is not None:
-            raise error
-        rank, message = next((r, m) for r, m in enumerate(messages) if m is not None)
-        raise CheckpointError(f"rank {rank} could not load {path}: {message}")
+        if isinstance(error, CheckpointReadError):  # a damaged file: a refusal, the same on every rank
+            refusal = CheckpointError(str(error))
+            refusal.__cause__, error = error, refusal
+        raise_if_any_failed(error, f"load {path}", error_type=CheckpointError)
 
 
 class _UncheckedWriter(dcp.FileSystemWriter):

@@ -37,6 +37,7 @@ from ..mesh import MeshCoords, ParallelDims, group_ranks, launch_env
 from ..parallel.cost import COLLECTIVES as OPS
 from ..parallel.cost import bus_factor
 from ..parallel.mappings import all_gather_single
+from ..ranks import gather_objects
 from .data_guard import DataGuardError, check_data, step_fingerprint
 from .env import (ERROR, OK, WARNING, Finding, check_env, check_rank_envs, check_threads, merge_findings, relevant_env,
                   sort_findings)
@@ -61,13 +62,6 @@ def rank_info(parallel: ParallelDims, environ: Mapping[str, str]) -> dict:
         "device": str(parallel.device), "pid": os.getpid(), "threads": torch.get_num_threads(),
         "cpu_ids": cpu_ids, "interfaces": interfaces, "env": relevant_env(environ),
     }
-
-
-def gather_objects(obj) -> list:
-    """Every rank's `obj`, in rank order (all_gather_object over the world)."""
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
 
 
 def layout_rows(infos: Sequence[Mapping], dp_replicate: int, dp_shard: int, mp: int) -> list[dict]:

@@ -1,34 +1,24 @@
-"""Export to a Hugging Face Llama folder that transformers' LlamaForCausalLM loads.
+"""Export to a Hugging Face Llama folder that transformers' LlamaForCausalLM loads: `config.json`
+(LlamaConfig fields) and `model.safetensors`, under HF's names:
 
-The folder holds `config.json` (LlamaConfig fields) and `model.safetensors` under HF's names:
+    tok_embeddings / norm / output    model.embed_tokens / model.norm / lm_head
+    layers.N.attention.wq/wk/wv/wo    model.layers.N.self_attn.q_proj/k_proj/v_proj/o_proj
+    layers.N.feed_forward.w1/w3/w2    model.layers.N.mlp.gate_proj/up_proj/down_proj
+    layers.N.attention_norm/ffn_norm  model.layers.N.input_layernorm/post_attention_layernorm
 
-    tok_embeddings                  model.embed_tokens
-    layers.N.attention.wq/wk/wv/wo  model.layers.N.self_attn.q_proj/k_proj/v_proj/o_proj
-    layers.N.feed_forward.w1/w3/w2  model.layers.N.mlp.gate_proj/up_proj/down_proj
-    layers.N.attention_norm         model.layers.N.input_layernorm
-    layers.N.ffn_norm               model.layers.N.post_attention_layernorm
-    norm / output                   model.norm / lm_head
+RoPE: Meta rotates the interleaved pairs (x[2i], x[2i+1]) of each head by angle theta_i, HF's
+rotate-half (y[i], y[i + d/2]). With y = x[perm], perm = [0, 2, 4, ..., 1, 3, 5, ...] per head,
+HF's rotation of y is Meta's rotation of x, permuted the same way: so the rows of wq and wk are
+reordered by perm within each head, and q.k (so attention), wv and wo are unchanged.
 
-RoPE: Meta rotates the interleaved pairs (x[2i], x[2i+1]) of each head by angle theta_i; HF's
-rotate-half rotates (y[i], y[i + d/2]) by theta_i. With y = x[perm], perm = [0, 2, 4, ..., 1, 3,
-5, ...] per head, HF's rotation of y is Meta's rotation of x, permuted the same way. So the rows
-of wq and wk are reordered by perm within each head; q.k is unchanged by a shared reordering, so
-attention scores, wv and wo stay as they are.
-
-Public API:
-    export_hf(model, out_dir, parallel, *, dtype=torch.float32, overwrite=False, ...) -> Path
-    write_hf_folder(state, args, out_dir, *, dtype=torch.float32, overwrite=False, ...) -> Path
-    hf_state_dict(state, args) / hf_config(args, ...) / rope_permutation(n_heads, head_dim)
-    default_token_ids(vocab_size) -> (bos_token_id, eos_token_id)
+API: export_hf (collective), write_hf_folder (one process), hf_state_dict, hf_config,
+rope_permutation, default_token_ids.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
@@ -38,8 +28,8 @@ from torch.distributed.tensor import DTensor
 
 from models.llama import ModelArgs
 
-from ..files import replace_folder, umask
-from .ranks import from_rank0, rank_and_world
+from ..files import refuse_occupied, staged_folder
+from ..ranks import on_rank0, rank_and_world
 
 CONFIG_JSON = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -148,10 +138,19 @@ def hf_config(args: ModelArgs, *, dtype: torch.dtype = torch.float32, bos_token_
 
 
 def _check_target(out_dir: Path, overwrite: bool) -> None:
-    if out_dir.exists() and not overwrite:
-        raise FileExistsError(f"{out_dir} already exists: choose a new folder or pass overwrite=True")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise FileExistsError(f"{out_dir} exists and is not a folder; choose another output path")
+    advice = "choose a new folder" if overwrite else "choose a new folder or pass overwrite=True"
+    refuse_occupied(out_dir, advice, overwrite=overwrite, empty_ok=False)
+
+
+def _precheck(out_dir: Path, overwrite: bool, args: ModelArgs, dtype: torch.dtype) -> None:
+    """What export_hf refuses before its gathers, not after."""
+    try:
+        _check_target(out_dir, overwrite)
+    except OSError as err:  # an occupied folder, or one that cannot be looked at: a refusal all the same
+        raise HFExportError(f"{type(err).__name__}: {err}") from err
+    hf_config(args, dtype=dtype)
+    if importlib.util.find_spec("safetensors") is None:
+        raise HFExportError("export_hf needs the safetensors package: pip install safetensors")
 
 
 def _owning(tensor: torch.Tensor) -> torch.Tensor:
@@ -173,27 +172,17 @@ def write_hf_folder(
     eos_token_id: Optional[int] = None,
 ) -> Path:
     """Write full tensors under Meta's names as an HF folder (one process). Atomic: everything goes
-    into a temporary folder beside out_dir, renamed to out_dir once complete."""
+    into `<out_dir>.partial`, renamed to out_dir once complete. An existing out_dir is refused
+    (FileExistsError) unless overwrite=True."""
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
     _check_target(out_dir, overwrite)
     config = hf_config(args, dtype=dtype, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
     tensors = {k: _owning(v.detach().to("cpu", dtype).contiguous()) for k, v in hf_state_dict(state, args).items()}
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    # Same parent as out_dir: os.replace is atomic only within one file system.
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
-    os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes 0700, which the renamed folder would keep
-    try:
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-        (tmp / CONFIG_JSON).write_text(json.dumps(config, indent=2) + "\n")
-        for path in tmp.iterdir():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
-        replace_folder(tmp, out_dir)  # overwrite: the old folder goes only once the new one is in place
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with staged_folder(out_dir) as staged:  # overwrite: the old folder goes only once the new one is in place
+        save_file(tensors, str(staged / WEIGHTS_FILE), metadata={"format": "pt"})
+        (staged / CONFIG_JSON).write_text(json.dumps(config, indent=2) + "\n")
     return out_dir
 
 
@@ -213,28 +202,16 @@ def export_hf(
     bos/eos ids default to default_token_ids(vocab_size): Llama 3's (128000, 128001) for a
     128256-token vocabulary, else Llama 2's (1, 2); pass others for another tokenizer. `parallel` is
     accepted for symmetry with the other checkpoint functions (the layout comes from the DTensors).
-    Every rank returns out_dir or raises the same error.
+    Every rank returns out_dir or raises (hybridpar.ranks.on_rank0: a refusal reads the same on
+    every rank; rank 0's failure to write is re-raised there and named on the others).
     """
     out_dir = Path(out_dir)
     args = getattr(model, "args", None)
     if not isinstance(args, ModelArgs):
         raise HFExportError("export_hf needs a models.llama.Transformer (a model with .args)")
-    rank, world = rank_and_world()
-
-    # Rank 0 checks the target (its view of the file system) and tells the others before any gather.
-    problem = None
-    if rank == 0:
-        try:
-            _check_target(out_dir, overwrite)
-            hf_config(args, dtype=dtype)
-            if importlib.util.find_spec("safetensors") is None:  # fail before the gathers, not after
-                raise HFExportError("export_hf needs the safetensors package: pip install safetensors")
-        except Exception as err:  # noqa: BLE001 - any error (e.g. PermissionError) must reach every rank
-            problem = f"{type(err).__name__}: {err}"
-    problem = from_rank0(problem, world)
-    if problem:
-        raise HFExportError(problem)
-
+    # Rank 0 checks the target (its view of the file system) before any gather.
+    on_rank0(lambda: _precheck(out_dir, overwrite, args, dtype), f"check {out_dir}", error_type=HFExportError)
+    rank = rank_and_world()[0]
     state: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for name, tensor in model.state_dict().items():
@@ -244,14 +221,7 @@ def export_hf(
                 state[name] = full.to(dtype)
             del full
 
-    error: Optional[str] = None
-    if rank == 0:
-        try:
-            write_hf_folder(state, args, out_dir, dtype=dtype, overwrite=overwrite,
-                            bos_token_id=bos_token_id, eos_token_id=eos_token_id)
-        except Exception as err:  # noqa: BLE001 - every rank must raise it, not wait forever
-            error = f"{type(err).__name__}: {err}"
-    error = from_rank0(error, world)
-    if error:
-        raise HFExportError(f"exporting to {out_dir} failed on rank 0: {error}")
+    on_rank0(lambda: write_hf_folder(state, args, out_dir, dtype=dtype, overwrite=overwrite,
+                                     bos_token_id=bos_token_id, eos_token_id=eos_token_id),
+             f"export to {out_dir}", error_type=HFExportError)
     return out_dir

@@ -70,6 +70,7 @@ def _check_files(folder: Path, expected: dict, args: ModelArgs, mp_out: int) -> 
 
 
 def _case_round_trip(preset: str, src_mp: int, mp_out: int, dst_mp: int, folder: str):
+    from hybridpar.checkpoint import meta_write
     from hybridpar.checkpoint.meta import load_meta_checkpoint, read_meta_params, save_meta_checkpoint
     from hybridpar.parallel.state import full_state_dict
 
@@ -83,13 +84,14 @@ def _case_round_trip(preset: str, src_mp: int, mp_out: int, dst_mp: int, folder:
     with torch.no_grad():
         expected_logits = src(tokens, gather_logits=True)
 
-    # Record which rank writes which file: file j belongs to rank j % world_size.
-    written, real_save = [], torch.save
-    torch.save = lambda obj, f, *a, **k: (written.append(Path(getattr(f, "name", f)).name), real_save(obj, f, *a, **k))[1]
+    # Record which rank writes which file: file j belongs to rank j % world_size. Each file is
+    # written through files.atomic_output (a temporary name, renamed when complete): record its path.
+    written, real_output = [], meta_write.atomic_output
+    meta_write.atomic_output = lambda path, *a, **k: (written.append(Path(path).name), real_output(path, *a, **k))[1]
     try:
         save_meta_checkpoint(src, folder, src_parallel, mp_out)
     finally:
-        torch.save = real_save
+        meta_write.atomic_output = real_output
     if torch.distributed.get_rank() == 0:
         _check_files(folder, expected, args, mp_out)
 
@@ -458,6 +460,43 @@ def test_save_and_load_errors(workers, tmp_path):
     assert "rope_theta = 10000.0 (model: 20000.0)" in theta, theta
     assert "call it before apply_fsdp" in fsdp, fsdp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["debug"], "no temporary folder left behind"
+
+
+def _case_save_fails_on_rank1(folder: str) -> str:
+    """Rank 1 cannot write its consolidated file (a full disk)."""
+    import contextlib
+
+    import torch.distributed as dist
+
+    from hybridpar.checkpoint import meta_write
+    from hybridpar.checkpoint.meta import save_meta_checkpoint
+
+    @contextlib.contextmanager
+    def full_disk(path, mode="wb"):
+        raise OSError(28, "No space left on device", str(path))
+        yield
+
+    parallel = parallel_dims(mp=2)
+    model = Transformer(ModelArgs.from_preset("debug"), parallel)
+    real = meta_write.atomic_output
+    if dist.get_rank() == 1:
+        meta_write.atomic_output = full_disk
+    try:
+        save_meta_checkpoint(model, folder, parallel, 2)
+    except Exception as err:  # noqa: BLE001 - the test compares what each rank raised
+        return f"{type(err).__name__}: {err}"
+    finally:
+        meta_write.atomic_output = real  # the worker processes serve later tests
+    return "no error"
+
+
+def test_a_rank_that_cannot_write_fails_every_rank_and_leaves_nothing(workers, tmp_path):
+    folder = tmp_path / "meta"
+    results = workers(4).run(_case_save_fails_on_rank1, str(folder))
+    own = f"OSError: [Errno 28] No space left on device: '{folder}.partial/consolidated.01.pth'"
+    assert results[1] == own, results
+    assert results[0] == results[2] == results[3] == f"MetaCheckpointError: rank 1 could not write {folder}: {own}"
+    assert list(tmp_path.iterdir()) == [], "neither the folder nor its staging folder is left"
 
 
 # --- torch.load hygiene -------------------------------------------------------------------------

@@ -186,16 +186,17 @@ class Trainer:
 
     def _restore(self) -> Optional[Path]:
         """Resume from the newest complete checkpoint, or take the weights of checkpoint.init_from."""
+        from ..checkpoint.dcp import complete_checkpoints
+        from ..files import refuse_occupied
+
         c = self.config.checkpoint
         params = params_dict(self.args)
-        latest = latest_checkpoint(self.checkpointer.folder)
-        if latest is not None and not c.resume:
+        if not c.resume:
             # Its saves would mix with the old run's, and pruning by step could delete the new ones.
-            raise ConfigError(
-                f"{self.checkpointer.folder} already holds checkpoints (newest {latest.name}) and checkpoint.resume "
-                "is false: set checkpoint.resume = true to continue that run, or give this run its own "
-                "output.run_dir or checkpoint.folder"
-            )
+            refuse_occupied(self.checkpointer.folder, "checkpoint.resume is false; set checkpoint.resume = true to "
+                            "continue that run, or give this run its own output.run_dir or checkpoint.folder",
+                            error_type=ConfigError, listing=("checkpoints", complete_checkpoints))
+        latest = latest_checkpoint(self.checkpointer.folder)
         if latest is not None:
             state = self.checkpointer.load(latest, self.model, self.optimizer, params)
             self.step = state["step"]

@@ -23,7 +23,7 @@ try:
 except ImportError:
     AllGather = ReduceScatter = None
 
-# torch.save's process-wide settings; None on a torch without them (CRC-32s are then always written).
+# torch.save's settings; None on a torch without them (CRC-32s are then always written).
 try:
     from torch.utils.serialization import config as serialization_config
 except ImportError:
@@ -57,7 +57,8 @@ def stored_data_offset(tensor: torch.Tensor) -> Optional[int]:
 
 
 def save_without_crc32():
-    """A context in which torch.save skips the zip CRC-32 of each record (a process-wide setting)."""
+    """A context in which torch.save skips the zip CRC-32 of each record, on this thread only (torch
+    patches its settings per thread)."""
     if serialization_config is None:
         return contextlib.nullcontext()
     return serialization_config.patch({"save.compute_crc32": False})

@@ -7,8 +7,7 @@ known (offset, length) in a `.distcp` file. This reader
   - parses only each archive's description (torch.load to "meta", weights_only=True), never its
     data, from the archive's first and last few KiB, read up front in a few merged reads;
   - reads the bytes with one positioned read (os.preadv) into the destination when the stored layout
-    and the slice wanted are both contiguous (same layout, whole-row reshards); other slices are
-    read into a buffer and copied;
+    and the slice are both contiguous (same layout, whole-row reshards), else via a buffer and a copy;
   - splits the items into runs of about equal bytes in file order, one thread each (reads release
     the GIL), so every thread reads forward through its part of a file.
 Items it does not handle (non-tensor values, stream transforms such as compression) go to the stock

@@ -26,7 +26,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from .. import fastpaths
 from ..compat.torch import checkpoint_module
-# _BufferPool and _use_gloo_collectives: their old names here, which tests and benchmarks import.
+# _BufferPool and _use_gloo_collectives keep their old names here, where tests import them.
 from ..fastpaths.gloo_collectives import _BufferPool  # noqa: F401
 from ..fastpaths.gloo_collectives import use_gloo_collectives as _use_gloo_collectives
 from ..mesh import ParallelDims

@@ -36,13 +36,16 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor
-from torch.utils.serialization import config as serialization_config
 
+from .. import fastpaths
+from ..fastpaths.dcp_reader import FastFileSystemReader
+from ..fastpaths.dcp_writer import UncheckedWriter
+from ..fastpaths.optimizer_state import allocate_optimizer_state
 from ..files import (STAGING_SUFFIX, atomic_output, begin_staging, commit_staged, fsync_dir, staging_path,
                      write_text_atomic)
 from ..mesh import ParallelDims
 from ..ranks import on_rank0, raise_if_any_failed
-from .reader import CheckpointReadError, FastFileSystemReader, SafeLoadPlanner
+from .reader import CheckpointReadError, SafeLoadPlanner
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 DELETING = ".deleting"
@@ -122,9 +125,9 @@ class Checkpointer:
 
     @staticmethod
     def _writer(folder: Path) -> dcp.FileSystemWriter:
-        # Two writer threads per rank: serialising one file while another is flushed measured
-        # ~1.5x faster saves here (bench/checkpoint.py).
-        return _UncheckedWriter(str(folder), thread_count=2)
+        # Two writer threads per rank: one file is serialised while another is flushed.
+        writer = UncheckedWriter if fastpaths.enabled() else dcp.FileSystemWriter
+        return writer(str(folder), thread_count=2)
 
     def wait(self) -> None:
         """Complete a pending asynchronous save and the deletion of old checkpoints."""
@@ -186,7 +189,8 @@ class Checkpointer:
         if optimizer is None:  # weights only, e.g. to start a new run from them
             state = {"model": get_model_state_dict(model)}
         else:
-            _allocate_optimizer_state(model, optimizer, metadata)
+            if fastpaths.enabled():
+                allocate_optimizer_state(model, optimizer, metadata)
             model_sd, optim_sd = get_state_dict(model, optimizer)
             state = {"model": model_sd, "optimizer": optim_sd}
         self._read(path, state)
@@ -210,7 +214,8 @@ class Checkpointer:
         try:
             with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.load(state, storage_reader=FastFileSystemReader(path, thread_count=2),
+                dcp.load(state, storage_reader=(FastFileSystemReader(path, thread_count=2) if fastpaths.enabled()
+                                                else dcp.FileSystemReader(path)),
                          planner=SafeLoadPlanner(), no_dist=True)
         except CheckpointException as err:  # DCP's wrapper around what failed in planning or reading
             error = next(iter(err.failures.values()))[0] if err.failures else RuntimeError(str(err))
@@ -220,19 +225,6 @@ class Checkpointer:
             refusal = CheckpointError(str(error))
             refusal.__cause__, error = error, refusal
         raise_if_any_failed(error, f"load {path}", error_type=CheckpointError)
-
-
-class _UncheckedWriter(dcp.FileSystemWriter):
-    """DCP's file writer, minus the zip CRC-32 that torch.save computes for every tensor.
-
-    No reader checks those CRCs (neither torch.load nor DCP's readers nor ours), and computing them
-    took ~35% of a 1 GB save at world 4 here (bench/checkpoint.py). Truncation and damaged headers
-    are still caught by the reader. torch's flag is process-wide, so it is off only while this
-    writer writes."""
-
-    def write_data(self, plan, planner):
-        with serialization_config.patch({"save.compute_crc32": False}):
-            return super().write_data(plan, planner)
 
 
 def _is_parameter_storage(state: dict, model: torch.nn.Module) -> bool:
@@ -246,52 +238,6 @@ def _is_parameter_storage(state: dict, model: torch.nn.Module) -> bool:
         local(v).data_ptr() == local(own[k]).data_ptr() and local(v).shape == local(own[k]).shape
         for k, v in state.items()
     )
-
-
-# Module names that wrappers insert into parameter names and state-dict keys leave out.
-_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
-
-
-def _allocate_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, metadata: dict) -> None:
-    """Give a fresh optimizer the state tensors the checkpoint will be read into, uninitialised.
-
-    Otherwise get_state_dict creates them by running an optimizer step on zero gradients: every
-    state tensor zeroed, then updated, which took ~2.5x as long as reading the state from a warm
-    cache here (AdamW, 0.75 GB of state at world 4). DCP overwrites every tensor made here (it
-    refuses a checkpoint that lacks one). Done only when every trainable parameter's stored state
-    is parameter-shaped or a scalar (Adam's kind); otherwise torch's way runs unchanged."""
-    if optimizer.state:
-        return
-    stored: dict[str, dict[str, Any]] = {}
-    for key, entry in metadata.items():
-        if key.startswith("optimizer.state."):
-            fqn, _, name = key[len("optimizer.state."):].rpartition(".")  # state names have no dots
-            stored.setdefault(fqn, {})[name] = entry
-    names = {id(p): n for n, p in model.named_parameters()}
-    made: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            if not param.requires_grad:
-                continue  # never stepped, so no state either way
-            fqn = names.get(id(param), "")
-            for part in _WRAPPER_PARTS:
-                fqn = fqn.replace(part, "")
-            entries = stored.get(fqn)
-            if not entries:
-                return
-            state = {}
-            for name, entry in entries.items():
-                if not isinstance(entry, TensorStorageMetadata):
-                    return
-                dtype = entry.properties.dtype
-                if tuple(entry.size) == tuple(param.shape):
-                    state[name] = torch.empty_like(param, dtype=dtype, requires_grad=False)
-                elif len(entry.size) == 0:  # a step count
-                    state[name] = torch.zeros((), dtype=dtype)
-                else:
-                    return
-            made[param] = state
-    optimizer.state.update(made)
 
 
 # ModelArgs fields that do not change what the stored tensors mean: batch and sequence limits

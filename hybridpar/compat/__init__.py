@@ -1,1 +1,2 @@
-"""Bridges that let code written for other model-parallel libraries run on a hybridpar mesh."""
+"""Bridges to other libraries: fairscale's model-parallel state on a hybridpar mesh (fairscale.py), and
+the torch internals and renamed functions hybridpar relies on, each in one place (torch.py)."""

@@ -6,37 +6,29 @@
     hybrid_shard_zero2  hybrid_shard without resharding after forward
     no_shard            replicate over every dp rank (needs dp_shard = 1)
 
-FSDP2 (`fully_shard`) instead of FSDP1: per-parameter DTensor sharding that composes with the
-tensor-parallel DTensors of `hybridpar.parallel`, and no silent NO_SHARD fallback: FSDP1's
-HYBRID_SHARD with a shard group of one rank stops all-reducing across replicas, while a 2-D
-FSDP2 mesh with dp_shard = 1 still all-reduces over dp_replicate.
-
-Units: one per transformer block, the token embeddings and the output head each their own, then
-the root (final norm). On gloo, FSDP's all-gather and reduce-scatter run as all-to-alls, which gloo
-does at a half to a third of the CPU cost (FSDPConfig.gloo_all_to_all). Activation checkpointing is
-applied before sharding, with the composable API so parameter names stay Meta's; so is torch.compile
-of the blocks (train.compile), which keeps FSDP's hooks outside the compiled code.
+FSDP2 (`fully_shard`), not FSDP1: per-parameter DTensor sharding composes with tensor parallelism,
+and no silent NO_SHARD fallback (FSDP1's HYBRID_SHARD with a one-rank shard group stops
+all-reducing across replicas; a 2-D FSDP2 mesh with dp_shard = 1 still all-reduces over
+dp_replicate). `apply_fsdp` is the plan, one named step after another; on gloo its last step
+hands FSDP's collectives to hybridpar.fastpaths.gloo_collectives.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import shutil
 import warnings
 from typing import Optional
 
 import torch
 from torch import nn
-import torch.distributed as dist
-from torch.distributed._composable import checkpoint as checkpoint_module
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-try:  # the custom-collective hooks of FSDP2 (torch >= 2.7)
-    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
-except ImportError:  # older torch: FSDP's own collectives
-    AllGather = ReduceScatter = None
-
+from .. import fastpaths
+from ..compat.torch import checkpoint_module
+# _BufferPool and _use_gloo_collectives keep their old names here, where tests import them.
+from ..fastpaths.gloo_collectives import _BufferPool  # noqa: F401
+from ..fastpaths.gloo_collectives import use_gloo_collectives as _use_gloo_collectives
 from ..mesh import ParallelDims
 
 STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "hybrid_shard_zero2", "no_shard")
@@ -55,8 +47,9 @@ class FSDPConfig:
     cpu_offload: bool = False
     forward_prefetch: int = 1  # blocks whose all-gather is issued ahead in forward (0: FSDP2's implicit)
     backward_prefetch: int = 1  # same in backward
-    # gloo only: FSDP's all-gather and reduce-scatter as all-to-alls (half to a third of gloo's CPU
-    # cost for the same bytes). False keeps FSDP2's own collectives, the ones nccl runs.
+    # gloo only: FSDP's all-gather and reduce-scatter as all-to-alls, which cost gloo less CPU for the
+    # same bytes (a fast path: HYBRIDPAR_FAST_PATHS=0 turns it off too). False keeps FSDP2's own
+    # collectives, the ones nccl runs.
     gloo_all_to_all: bool = True
 
     def validate(self) -> None:
@@ -89,131 +82,14 @@ def dp_mesh_for(strategy: str, parallel: ParallelDims):
 
 
 def apply_activation_checkpointing(blocks: nn.ModuleList, mode: str, every: int = 2) -> list[int]:
-    """Recompute the activations of the chosen blocks in backward; returns their indices."""
+    """Recompute the activations of the chosen blocks in backward; returns their indices. The
+    composable API inserts no wrapper module, so parameter names stay Meta's."""
     if mode == "none":
         return []
     chosen = [i for i in range(len(blocks)) if mode == "full" or i % every == 0]
     for i in chosen:
         checkpoint_module(blocks[i])
     return chosen
-
-
-class _Scratch:
-    """One buffer reused by the gloo collectives below: they run synchronously, one at a time."""
-
-    def __init__(self) -> None:
-        self.buffer: Optional[torch.Tensor] = None
-
-    def get(self, numel: int, like: torch.Tensor) -> torch.Tensor:
-        b = self.buffer
-        if b is None or b.numel() < numel or b.dtype != like.dtype or b.device != like.device:
-            self.buffer = b = torch.empty(numel, dtype=like.dtype, device=like.device)
-        return b[:numel]
-
-
-class _BufferPool:
-    """The buffers FSDP asks its collectives for (gathered parameters, gradients to reduce, reduced
-    shards), kept and handed out again: YaFSDP's preallocated buffers, on the CPU.
-
-    CUDA's caching allocator already reuses freed memory; on the CPU a fresh buffer of this size
-    comes from the kernel and faults its pages in at first touch, which was a fifth of hybridpar's
-    CPU time per step here (bench/README.md). A buffer is reused only when nothing but the pool
-    holds its storage (FSDP dropped every view of it), so a buffer still in use is never shared.
-    """
-
-    def __init__(self) -> None:
-        self.buffers: dict[tuple, list[torch.Tensor]] = {}
-
-    def get(self, size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        numel = math.prod(size)
-        kept = self.buffers.setdefault((numel, dtype, torch.device(device)), [])
-        for buffer in kept:
-            # 2: the pool's tensor and the storage object this call creates; any view adds one.
-            if torch._C._storage_Use_Count(buffer.untyped_storage()._cdata) == 2:
-                return buffer.view(size)
-        buffer = torch.empty(numel, dtype=dtype, device=device)
-        kept.append(buffer)
-        return buffer.view(size)
-
-
-class _PooledCollective:
-    """The buffers FSDP allocates for a custom collective come from the shared pool; `scratch` is
-    the collective's own working space."""
-
-    def __init__(self, scratch: _Scratch, pool: _BufferPool) -> None:
-        self.scratch, self.pool = scratch, pool
-
-    def allocate(self, size, *, dtype, device):
-        return self.pool.get(size, dtype, device)
-
-
-def _swap_with_peer(send: torch.Tensor, recv: torch.Tensor, group) -> None:
-    """In a group of two, send `send` to the other rank and receive its tensor into `recv`: an
-    all_to_all_single whose chunk to oneself is empty, so nothing is staged or copied locally."""
-    splits = [0, 0]
-    splits[1 - group.rank()] = send.numel()
-    dist.all_to_all_single(recv, send, splits, splits, group=group)
-
-
-if AllGather is not None:
-
-    class AllToAllGather(_PooledCollective, AllGather):
-        """FSDP's parameter all-gather as one all_to_all_single (gloo only).
-
-        gloo's all_gather costs about twice the CPU time of an all-to-all that moves the same
-        bytes (bench/README.md): every rank sends its shard to each peer as one all-to-all chunk.
-        Between two ranks the chunk to itself is left out (split size 0), which removes both copies.
-        """
-
-        def __call__(self, output_tensor, input_tensor, group, async_op=False):
-            n = group.size()
-            if n == 2:  # the shard goes out as it is and the peer's lands in its slot: no copies
-                _swap_with_peer(input_tensor.reshape(-1), output_tensor.view(2, -1)[1 - group.rank()], group)
-                return None
-            # input_tensor is a view of this rank's slot of output_tensor: read it before the call.
-            staged = self.scratch.get(output_tensor.numel(), output_tensor).view(n, -1)
-            staged.copy_(input_tensor.reshape(1, -1).expand(n, -1))
-            dist.all_to_all_single(output_tensor, staged.reshape(-1), group=group)
-            return None  # done: FSDP waits only on a returned Work
-
-    class AllToAllReduceScatter(_PooledCollective, ReduceScatter):
-        """FSDP's gradient reduce-scatter as an all_to_all_single and a local sum (gloo only).
-
-        gloo's reduce_scatter costs two to three times the CPU time of this; the sum runs in rank
-        order, so the result is deterministic. Between two ranks each sends only the peer's half.
-        """
-
-        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-            if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-                return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
-            n, out = group.size(), output_tensor.view(-1)
-            if n == 2:  # a sum of two is the same in either order: both ranks get identical results
-                rank = group.rank()
-                halves = input_tensor.view(2, -1)
-                received = self.scratch.get(halves.shape[1], input_tensor)
-                _swap_with_peer(halves[1 - rank], received, group)
-                torch.add(halves[rank], received, out=out)
-            else:
-                received = self.scratch.get(input_tensor.numel(), input_tensor)
-                dist.all_to_all_single(received, input_tensor, group=group)
-                torch.sum(received.view(n, -1), dim=0, out=out)
-            if op == dist.ReduceOp.AVG:
-                output_tensor.div_(n)
-            return None
-
-
-def _use_gloo_collectives(units: list[nn.Module], parallel: ParallelDims) -> None:
-    """On the CPU (gloo), FSDP's all-gather and reduce-scatter go through all_to_all_single (see above).
-    Decided by the device, not the backend string ("cpu:gloo,cuda:nccl" holds both): these run one at
-    a time and share buffers, which only holds for synchronous CPU collectives, not CUDA streams."""
-    if AllGather is None or parallel.device.type != "cpu":
-        return
-    scratch = _Scratch()  # shared: the units never communicate at the same time
-    pool = _BufferPool()
-    gather, scatter = AllToAllGather(scratch, pool), AllToAllReduceScatter(scratch, pool)
-    for unit in units:
-        unit.set_custom_all_gather(gather)
-        unit.set_custom_reduce_scatter(scatter)
 
 
 def apply_fsdp(model: nn.Module, parallel: ParallelDims, config: Optional[FSDPConfig] = None, *,
@@ -225,40 +101,59 @@ def apply_fsdp(model: nn.Module, parallel: ParallelDims, config: Optional[FSDPCo
     """
     config = config or FSDPConfig()
     config.validate()
-    if compile_blocks and parallel.device.type == "cpu" and not (shutil.which("c++") or shutil.which("g++")):
-        raise ValueError("train.compile on the CPU needs a C++ compiler (inductor builds its kernels with it): "
-                         "install g++ or set train.compile = false")
+    _check_compiler(compile_blocks, parallel)
     mesh = dp_mesh_for(config.sharding_strategy, parallel)
     apply_activation_checkpointing(model.layers, config.activation_checkpointing, config.ac_every)
     if compile_blocks:
-        for block in model.layers:
-            block.compile()
+        _compile_blocks(model)
+    policies = _policies(config, parallel)
+    _shard_units(model, mesh, config.sharding_strategy, policies)
+    _set_prefetch(model, config.forward_prefetch, config.backward_prefetch)
+    _gloo_collectives(model, config, parallel)
+    return model
 
+
+def _check_compiler(compile_blocks: bool, parallel: ParallelDims) -> None:
+    """Refuse train.compile on a CPU without a C++ compiler before anything is changed."""
+    if compile_blocks and parallel.device.type == "cpu" and not (shutil.which("c++") or shutil.which("g++")):
+        raise ValueError("train.compile on the CPU needs a C++ compiler (inductor builds its kernels with it): "
+                         "install g++ or set train.compile = false")
+
+
+def _compile_blocks(model: nn.Module) -> None:
+    """torch.compile each block in place (after activation checkpointing, which it then traces)."""
+    for block in model.layers:
+        block.compile()
+
+
+def _policies(config: FSDPConfig, parallel: ParallelDims) -> dict:
+    """fully_shard's precision and offload policies, the same for every unit."""
     offload: OffloadPolicy = OffloadPolicy()
     if config.cpu_offload:
         if parallel.device.type == "cpu":
-            warnings.warn("cpu_offload has no effect: the parameters already live on the CPU", stacklevel=2)
+            # stacklevel 3: the warning points at apply_fsdp's caller, whose setting it is.
+            warnings.warn("cpu_offload has no effect: the parameters already live on the CPU", stacklevel=3)
         else:
             offload = CPUOffloadPolicy(pin_memory=True)
-    common = dict(
-        mesh=mesh,
+    return dict(
         mp_policy=MixedPrecisionPolicy(param_dtype=DTYPES[config.param_dtype], reduce_dtype=DTYPES[config.reduce_dtype]),
         offload_policy=offload,
     )
-    reshard = config.sharding_strategy in ("full_shard", "hybrid_shard")
+
+
+def _shard_units(model: nn.Module, mesh, strategy: str, policies: dict) -> None:
+    """One FSDP unit per block, the token embeddings and the output head each their own, then the root
+    (the final norm)."""
+    reshard = strategy in ("full_shard", "hybrid_shard")
     # The embedding's backward reads no weights, yet FSDP needs its unsharded parameter to take the
     # gradient: kept gathered from its forward to its backward (the memory of one unit), it saves an
     # all-gather per step.
-    fully_shard(model.tok_embeddings, reshard_after_forward=False, **common)
+    fully_shard(model.tok_embeddings, mesh=mesh, reshard_after_forward=False, **policies)
     for block in model.layers:
-        fully_shard(block, reshard_after_forward=reshard, **common)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, **policies)
     # The head runs last in forward and first in backward: resharding it in between only costs a gather.
-    fully_shard(model.output, reshard_after_forward=False, **common)
-    fully_shard(model, reshard_after_forward=False, **common)
-    _set_prefetch(model, config.forward_prefetch, config.backward_prefetch)
-    if config.gloo_all_to_all:
-        _use_gloo_collectives([model.tok_embeddings, *model.layers, model.output, model], parallel)
-    return model
+    fully_shard(model.output, mesh=mesh, reshard_after_forward=False, **policies)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, **policies)
 
 
 def _set_prefetch(model: nn.Module, forward: int, backward: int) -> None:
@@ -269,3 +164,9 @@ def _set_prefetch(model: nn.Module, forward: int, backward: int) -> None:
             unit.set_modules_to_forward_prefetch(units[i + 1 : i + 1 + forward])
         if backward > 0 and i > 0:
             unit.set_modules_to_backward_prefetch(units[max(0, i - backward) : i][::-1])
+
+
+def _gloo_collectives(model: nn.Module, config: FSDPConfig, parallel: ParallelDims) -> None:
+    """On gloo, FSDP's collectives as all-to-alls (a fast path): when the config and the switch allow."""
+    if config.gloo_all_to_all and fastpaths.enabled():
+        _use_gloo_collectives([model.tok_embeddings, *model.layers, model.output, model], parallel)

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from ..compat.torch import all_gather_single
+
 
 def _all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     x = x.contiguous().clone()
@@ -41,10 +43,6 @@ def _gather_last_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     all_gather_single(out, x, group=group)
     out = out.view((size,) + tuple(x.shape))
     return out.movedim(0, -2).reshape(*x.shape[:-1], size * x.shape[-1])
-
-
-# all_gather_into_tensor was renamed all_gather_single (torch 2.13 warns on the old name).
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class _Copy(torch.autograd.Function):

@@ -44,8 +44,9 @@ def test_allocated_state_loads_the_saved_state(tmp_path, monkeypatch):
     import torch.distributed.checkpoint as dcp
     import torch.distributed.checkpoint.state_dict as sd
 
-    from hybridpar.checkpoint.dcp import _allocate_optimizer_state
-    from hybridpar.checkpoint.reader import FastFileSystemReader, SafeLoadPlanner
+    from hybridpar.checkpoint.reader import SafeLoadPlanner
+    from hybridpar.fastpaths.dcp_reader import FastFileSystemReader
+    from hybridpar.fastpaths.optimizer_state import allocate_optimizer_state as _allocate_optimizer_state
 
     saved_model, saved_opt, metadata = _trained(tmp_path)
     model, optimizer = _fresh()
@@ -87,7 +88,7 @@ def test_allocated_state_loads_the_saved_state(tmp_path, monkeypatch):
 def test_state_of_another_shape_is_left_to_torch(tmp_path):
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from hybridpar.checkpoint.dcp import _allocate_optimizer_state
+    from hybridpar.fastpaths.optimizer_state import allocate_optimizer_state as _allocate_optimizer_state
 
     _, _, metadata = _trained(tmp_path)
     # As for a factored optimizer (Adafactor keeps row and column statistics, not a full copy).
@@ -100,7 +101,7 @@ def test_state_of_another_shape_is_left_to_torch(tmp_path):
 
 
 def test_missing_state_is_left_to_torch(tmp_path):
-    from hybridpar.checkpoint.dcp import _allocate_optimizer_state
+    from hybridpar.fastpaths.optimizer_state import allocate_optimizer_state as _allocate_optimizer_state
 
     _, _, metadata = _trained(tmp_path)
     metadata = {k: v for k, v in metadata.items() if not k.startswith("optimizer.state.1.weight.")}

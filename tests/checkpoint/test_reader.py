@@ -66,7 +66,8 @@ def _load_single(folder, target, reader, planner=None) -> dict:
 def test_loads_what_the_stock_reader_loads(tmp_path, threads):
     import torch.distributed.checkpoint as dcp
 
-    from hybridpar.checkpoint.reader import FastFileSystemReader, SafeLoadPlanner
+    from hybridpar.checkpoint.reader import SafeLoadPlanner
+    from hybridpar.fastpaths.dcp_reader import FastFileSystemReader
 
     saved = _varied_state()
     _save_single(tmp_path, saved)
@@ -83,7 +84,7 @@ def test_loads_what_the_stock_reader_loads(tmp_path, threads):
 def test_casts_and_strided_destinations_like_the_stock_reader(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from hybridpar.checkpoint.reader import FastFileSystemReader
+    from hybridpar.fastpaths.dcp_reader import FastFileSystemReader
 
     saved = {"a": torch.randn(20, 6, generator=torch.Generator().manual_seed(1)), "b": torch.arange(24.0).reshape(4, 6)}
     _save_single(tmp_path, saved)
@@ -98,7 +99,7 @@ def test_casts_and_strided_destinations_like_the_stock_reader(tmp_path):
 
 
 def test_other_byte_order_is_left_to_the_stock_reader(tmp_path, monkeypatch):
-    import hybridpar.checkpoint.reader as reader
+    import hybridpar.fastpaths.dcp_reader as reader
 
     saved = {"a": torch.randn(5, 3), "b": torch.arange(4)}
     _save_single(tmp_path, saved)
@@ -122,7 +123,8 @@ class _NotPlainData:
 def test_values_that_are_not_plain_data_are_refused(tmp_path):
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from hybridpar.checkpoint.reader import FastFileSystemReader, SafeLoadPlanner
+    from hybridpar.checkpoint.reader import SafeLoadPlanner
+    from hybridpar.fastpaths.dcp_reader import FastFileSystemReader
 
     _save_single(tmp_path, {"a": torch.ones(2), "obj": _NotPlainData(3)})
     # torch's default planner would unpickle it (running whatever the pickle names); this one refuses
@@ -139,7 +141,7 @@ def _distcp_file(folder):
 def test_truncated_file_is_named(tmp_path):
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from hybridpar.checkpoint.reader import FastFileSystemReader
+    from hybridpar.fastpaths.dcp_reader import FastFileSystemReader
 
     saved = {"a": torch.randn(64, 64), "b": torch.randn(64, 64)}
     _save_single(tmp_path, saved)
@@ -152,7 +154,7 @@ def test_truncated_file_is_named(tmp_path):
 def test_damaged_record_is_named(tmp_path):
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from hybridpar.checkpoint.reader import FastFileSystemReader
+    from hybridpar.fastpaths.dcp_reader import FastFileSystemReader
 
     saved = {"a": torch.randn(64, 64)}
     _save_single(tmp_path, saved)
@@ -181,7 +183,7 @@ def _case_reshard(folder):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from hybridpar.checkpoint.reader import FastFileSystemReader
+    from hybridpar.fastpaths.dcp_reader import FastFileSystemReader
 
     line = parallel_dims(mp=1, dp_shard=4).mesh["dp_shard"]
     square = parallel_dims(mp=2, dp_shard=2).mesh["dp_shard", "mp"]

@@ -1,0 +1,89 @@
+"""The torch internals and renamed functions hybridpar uses, each behind one name here.
+
+A torch upgrade breaks these first: private names (a leading underscore) change without notice and
+renamed functions lose their old name. Each shim says in one line why hybridpar needs it, so an
+upgrade is fixed in this file and the callers stay as they are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+# Activation checkpointing without a wrapper module, so parameter names stay Meta's.
+from torch.distributed._composable import checkpoint as checkpoint_module  # noqa: F401
+# Where a DTensor's local shard sits in the global tensor: torch has no public function for it.
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: F401
+
+# FSDP2's hooks for custom collectives (torch >= 2.7); None on older torch, where FSDP's own run.
+try:
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+except ImportError:
+    AllGather = ReduceScatter = None
+
+# torch.save's settings; None on a torch without them (CRC-32s are then always written).
+try:
+    from torch.utils.serialization import config as serialization_config
+except ImportError:
+    serialization_config = None
+
+# all_gather_into_tensor was renamed all_gather_single (torch 2.13 warns on the old name).
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# reduce_scatter_tensor was renamed reduce_scatter_single in the same release.
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+# The fused per-tensor norm and scale that clip_grad_norm_ uses too: one kernel for a list of tensors.
+foreach_norm = torch._foreach_norm
+foreach_mul_ = torch._foreach_mul_
+
+
+def storage_use_count(tensor: torch.Tensor) -> int:
+    """References to `tensor`'s storage (tensors and views on it, plus the storage object made
+    here): a pooled buffer is free when only the pool holds it. No public API counts these."""
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+
+
+def zip_reader(file):
+    """torch.save's archive reader over a file object: reads one record without loading the rest."""
+    return torch._C.PyTorchFileReader(file)
+
+
+def stored_data_offset(tensor: torch.Tensor) -> Optional[int]:
+    """Where the bytes of a tensor that torch.load put on the "meta" device start in its archive;
+    None when this torch does not record it."""
+    return getattr(tensor.untyped_storage(), "_checkpoint_offset", None)
+
+
+def save_without_crc32():
+    """A context in which torch.save skips the zip CRC-32 of each record, on this thread only (torch
+    patches its settings per thread)."""
+    if serialization_config is None:
+        return contextlib.nullcontext()
+    return serialization_config.patch({"save.compute_crc32": False})
+
+
+def set_pg_timeout(timeout, group) -> None:
+    """Change a live group's collective timeout: torch sets it only when a group is made."""
+    dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+def default_store():
+    """The default group's key-value store (the rendezvous), looked up at each call."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def sequence_number(group) -> int:
+    """How many collectives `group` has issued: ranks that disagree show where a hang began."""
+    return int(group._get_sequence_number_for_group())
+
+
+def flatten_mesh(mesh, name: str):
+    """Mesh dims merged into one named dim (FSDP's 1-D dp mesh): DeviceMesh has no public way."""
+    return mesh._flatten(name)
+
+
+def flight_recorder_dump() -> bytes:
+    """This process's flight recorder, pickled: collectives included, C++ stacks left out (they cost seconds)."""
+    return torch._C._distributed_c10d._dump_fr_trace(True, False, False)

@@ -37,12 +37,11 @@ try:  # the custom-collective hooks of FSDP2 (torch >= 2.7)
 except ImportError:  # older torch: FSDP's own collectives
     AllGather = ReduceScatter = None
 
+from ..dtypes import TORCH_DTYPES as DTYPES
 from ..mesh import ParallelDims
 
 STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "hybrid_shard_zero2", "no_shard")
-AC_MODES = ("none", "full", "selective")
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+AC_MODES = ("none", "selective", "full")  # least recomputation first: `hybridpar plan` lists layouts in this order
 
 
 @dataclasses.dataclass

@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from . import __version__
+from . import __version__, dtypes
 from .mesh import MeshCoords, MeshSizeError, group_ranks, resolve_sizes
 
 
@@ -71,14 +71,40 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
+    """Load a checkpoint, continue each prompt, rank 0 prints (under torchrun with mp ranks, or alone).
+
+    args (an argparse namespace or anything with these attributes): checkpoint (a hybridpar
+    checkpoint, a folder of them, or a Meta folder with params.json and consolidated.NN.pth),
+    tokenizer (sentencepiece tokenizer.model), prompts (list of str), max_new_tokens, temperature,
+    top_p, mp; optional seed (0) and dtype ("float32" on CPU, "bfloat16" on GPU when absent).
+    """
     import torch.distributed as dist
 
-    from .generate import main_generate
+    from .checkpoint.convert import load_model
+    from .data import Tokenizer, check_vocab
+    from .generate import generate_text
+    from .mesh import init_parallel
 
+    made_group = not dist.is_initialized()  # a caller's own process group is left to the caller
     try:
-        return main_generate(args)
+        prompts = [args.prompts] if isinstance(args.prompts, str) else list(args.prompts)
+        parallel = init_parallel(mp=args.mp)
+        tokenizer = Tokenizer(args.tokenizer)
+        dtype_name = getattr(args, "dtype", None) or ("bfloat16" if parallel.device.type == "cuda" else "float32")
+        model, model_args = load_model(Path(args.checkpoint), parallel, dtype=dtypes.parse(dtype_name).torch,
+                                       vocab_size=tokenizer.vocab_size)
+        check_vocab(tokenizer.vocab_size, model_args.vocab_size)
+        model.eval()
+        completions = generate_text(
+            model, parallel, tokenizer, prompts, max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature, top_p=args.top_p, seed=getattr(args, "seed", 0),
+        )
+        if parallel.rank == 0:
+            for prompt, completion in zip(prompts, completions):
+                print(f"{prompt}\n> {completion}\n", flush=True)
+        return 0
     finally:
-        if dist.is_initialized():
+        if made_group and dist.is_initialized():
             dist.destroy_process_group()
 
 
@@ -205,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=0.9)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--mp", type=int, default=1, help="model-parallel size (run under torchrun with that many ranks)")
-    gen.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
+    gen.add_argument("--dtype", choices=dtypes.NAMES, default=None)
     gen.set_defaults(func=_cmd_generate)
     doctor = sub.add_parser(
         "doctor", help="check mesh layout, NCCL/gloo environment, bus bandwidth per mesh dim and the data pipeline",
@@ -244,12 +270,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch per dp rank (default 1)")
     plan.add_argument("--global-batch", default="",
                       help="per step: sequences (512) or tokens (4Mtok); default: one micro-batch per dp rank")
-    plan.add_argument("--param-dtype", default="bf16", choices=("bf16", "fp16", "fp32"),
+    plan.add_argument("--param-dtype", default="bf16", choices=dtypes.ALIASES,
                       help="FSDP compute dtype; master weights, gradients and AdamW stay fp32 (default bf16)")
     plan.add_argument("--grad-sync", default="last", choices=("last", "every"),
                       help="train.grad_sync: with accumulation, reduce-scatter after the last micro-batch "
                            "(keeps unsharded gradients) or after every one (sharded, more traffic)")
-    plan.add_argument("--reduce-dtype", default="fp32", choices=("bf16", "fp16", "fp32"),
+    plan.add_argument("--reduce-dtype", default="fp32", choices=dtypes.ALIASES,
                       help="gradient reduction dtype (default fp32)")
     plan.add_argument("--mfu", type=float, default=0.4,
                       help="fraction of the peak the math reaches, communication excluded (default 0.4)")

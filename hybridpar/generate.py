@@ -128,16 +128,13 @@ def generate(
         if bool(done.all()):
             break
 
-    results = []
-    for i, n in enumerate(lengths):
-        new = tokens[i, n : min(n + max_new_tokens, prev + 1)].tolist()
-        if eos_id is not None and eos_id in new:
-            new = new[: new.index(eos_id)]
-        results.append(new)
-    return results
+    return [_new_tokens(tokens[i, n : min(n + max_new_tokens, prev + 1)].tolist(), eos_id)
+            for i, n in enumerate(lengths)]
 
 
-# --- the command ----------------------------------------------------------------------------------
+def _new_tokens(new: list[int], eos_id: Optional[int]) -> list[int]:
+    """A sequence's generated tokens, cut before its first eos_id."""
+    return new[: new.index(eos_id)] if eos_id is not None and eos_id in new else new
 
 
 def generate_text(model, parallel: ParallelDims, tokenizer, prompts: Sequence[str], **kwargs) -> list[str]:
@@ -147,37 +144,9 @@ def generate_text(model, parallel: ParallelDims, tokenizer, prompts: Sequence[st
     return [tokenizer.decode(c) for c in completions]
 
 
-def main_generate(args) -> int:
-    """`hybridpar generate`: load a checkpoint, continue each prompt, rank 0 prints.
+def __getattr__(name: str):
+    if name == "main_generate":  # the command's entry point, now in hybridpar.cli
+        from .cli import _cmd_generate
 
-    args (an argparse namespace or anything with these attributes): checkpoint (a hybridpar
-    checkpoint, a folder of them, or a Meta folder with params.json and consolidated.NN.pth),
-    tokenizer (sentencepiece tokenizer.model), prompts (list of str), max_new_tokens, temperature,
-    top_p, mp; optional seed (0) and dtype ("float32" on CPU, "bfloat16" on GPU when absent). Run
-    under torchrun with mp ranks, or as a world of one.
-    """
-    from pathlib import Path
-
-    import hybridpar
-    from hybridpar.checkpoint.convert import load_model
-    from hybridpar.data import Tokenizer, check_vocab
-
-    prompts = [args.prompts] if isinstance(args.prompts, str) else list(args.prompts)
-    parallel = hybridpar.init_parallel(mp=args.mp)
-    tokenizer = Tokenizer(args.tokenizer)
-    dtype_name = getattr(args, "dtype", None) or ("bfloat16" if parallel.device.type == "cuda" else "float32")
-    dtype = getattr(torch, dtype_name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {dtype_name!r}; use float32, bfloat16 or float16")
-    model, model_args = load_model(Path(args.checkpoint), parallel, dtype=dtype, vocab_size=tokenizer.vocab_size)
-    check_vocab(tokenizer.vocab_size, model_args.vocab_size)
-    model.eval()
-
-    completions = generate_text(
-        model, parallel, tokenizer, prompts, max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature, top_p=args.top_p, seed=getattr(args, "seed", 0),
-    )
-    if parallel.rank == 0:
-        for prompt, completion in zip(prompts, completions):
-            print(f"{prompt}\n> {completion}\n", flush=True)
-    return 0
+        return _cmd_generate
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

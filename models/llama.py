@@ -8,12 +8,10 @@ numbers) are Meta's, so `consolidated.NN.pth` checkpoints map onto this model on
     feed_forward.w1/w3  ColumnParallelLinear      feed_forward.w2  RowParallelLinear
     output  ColumnParallelLinear (logits stay split along the vocabulary)
 
-Differences from Meta's code, all invisible in the numbers: attention uses
-F.scaled_dot_product_attention (causal), RoPE frequencies are computed per call instead of held
-in a buffer, and with mp > n_kv_heads the kv heads are replicated across ranks.
-
+Differences from Meta's code, invisible in the numbers: F.scaled_dot_product_attention (causal),
+RoPE frequencies computed per call, kv heads replicated across ranks when mp > n_kv_heads.
 Generation: `cache = model.new_cache(batch, max_len)`, then `model(tokens, start_pos=p, cache=cache)`
-feeds tokens for positions p .. p + seq - 1, attending to the keys and values cached before them.
+feeds positions p .. p + seq - 1, attending to the keys and values cached before them.
 """
 
 from __future__ import annotations
@@ -119,6 +117,13 @@ class ModelArgs:
         attention = d * d * 2 + d * kv * 2  # wq, wo; wk, wv
         block = attention + 3 * d * self.ffn_hidden_dim + 2 * d  # + two norms
         return self.n_layers * block + 2 * self.vocab_size * d + d  # embeddings, output, final norm
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token as MFU counts them (PaLM's formula): 6 per parameter of the
+        matrix multiplies, forward and backward (the output head counts, the embedding lookup is
+        free), plus 12 * n_layers * dim * seq_len for the attention scores; no recomputation."""
+        matmul_params = self.num_params() - self.vocab_size * self.dim
+        return 6.0 * matmul_params + 12.0 * self.n_layers * self.dim * seq_len
 
     def check(self, mp: int = 1) -> None:
         """Raise ValueError naming the numbers when this shape cannot run at model-parallel size mp."""

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from models.llama import ModelArgs
 
+from ..dtypes import CANONICAL_NAMES as _DTYPE_NAMES
 from ..files import refuse_occupied, staged_folder
 from ..ranks import on_rank0, rank_and_world
 
@@ -59,7 +60,6 @@ _TOP_NAMES = {
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 LLAMA3_VOCAB_SIZE = 128256
 
 

@@ -1,17 +1,14 @@
 """Environment checks for `hybridpar doctor`: pure functions over mappings, so every rule is testable.
 
-Each check returns Findings: a level (error, warning or ok), the check's name, and a message that
-says what is wrong and what to change. An error means the job will fail or silently not do what
-its environment asks; a warning means it will run, but slower or with less protection than
-intended.
+Each check returns Findings: a level, the check's name, and a message saying what is wrong and what
+to change. Error: the job fails or silently ignores what its environment asks; warning: it runs,
+slower or less protected than intended.
 
-Facts these rules rely on (read in torch 2.13's sources: torch/include/torch/csrc/distributed/c10d/
-ProcessGroupNCCL.hpp, FlightRecorder.hpp and Utils.hpp, strings in torch/lib/libtorch_cpu.so):
-  - a renamed variable is read under both spellings, and when both are set the new spelling wins
-    (getCvarInt/getCvarBool walk the list backwards, so the first name is read last);
-  - boolean variables accept y/yes/t/true/1 and n/no/f/false/0, anything else raises
-    "Invalid value for environment variable" when the process group is created; integers go
-    through std::stoi;
+Facts relied on (torch 2.13's c10d ProcessGroupNCCL.hpp, FlightRecorder.hpp, Utils.hpp, libtorch_cpu.so):
+  - a renamed variable is read under both spellings; when both are set the new spelling wins
+    (getCvarInt/getCvarBool read the list backwards);
+  - boolean variables accept y/yes/t/true/1 and n/no/f/false/0, anything else raises "Invalid
+    value for environment variable" when the process group is created; integers go through std::stoi;
   - torchrun sets TORCH_NCCL_ASYNC_ERROR_HANDLING=1 in every worker unless it is already set,
     and hybridpar's trainer sets the variables in timeouts.ENV_DEFAULTS that are still unset;
   - with TORCH_NCCL_BLOCKING_WAIT on, ProcessGroupNCCL starts no watchdog thread.

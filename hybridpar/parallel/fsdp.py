@@ -20,21 +20,19 @@ import shutil
 import warnings
 from typing import Optional
 
-import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from .. import fastpaths
 from ..compat.torch import checkpoint_module
+from ..dtypes import TORCH_DTYPES as DTYPES
 # _BufferPool and _use_gloo_collectives keep their old names here, where tests import them.
 from ..fastpaths.gloo_collectives import _BufferPool  # noqa: F401
 from ..fastpaths.gloo_collectives import use_gloo_collectives as _use_gloo_collectives
 from ..mesh import ParallelDims
 
 STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "hybrid_shard_zero2", "no_shard")
-AC_MODES = ("none", "full", "selective")
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+AC_MODES = ("none", "selective", "full")  # least recomputation first: `hybridpar plan` lists layouts in this order
 
 
 @dataclasses.dataclass
@@ -42,7 +40,7 @@ class FSDPConfig:
     sharding_strategy: str = "hybrid_shard"
     param_dtype: str = "bfloat16"  # compute dtype of gathered parameters
     reduce_dtype: str = "float32"  # gradient reduction dtype
-    activation_checkpointing: str = "none"  # none | full | selective
+    activation_checkpointing: str = "none"  # one of AC_MODES
     ac_every: int = 2  # selective: checkpoint every k-th block
     cpu_offload: bool = False
     forward_prefetch: int = 1  # blocks whose all-gather is issued ahead in forward (0: FSDP2's implicit)

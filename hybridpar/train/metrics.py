@@ -1,8 +1,6 @@
 """Training metrics: throughput, MFU, memory, and where they are written (rank 0 only).
 
-MFU counts the FLOPs of the model's math, not of the hardware's work: 6 per parameter per token
-for forward + backward of the matrix multiplies, plus 12 * n_layers * dim * seq_len per token for
-attention scores (PaLM's formula). Activation recomputation is not counted, as is customary.
+MFU counts the FLOPs of the model's math, not of the hardware's work (ModelArgs.flops_per_token).
 """
 
 from __future__ import annotations
@@ -16,13 +14,11 @@ from typing import Callable, Optional
 
 import torch
 
+from models.llama import ModelArgs
+
 from ..files import write_text_atomic
 
-
-def flops_per_token(args, seq_len: int) -> float:
-    """Training FLOPs per token of a models.llama.ModelArgs shape (embedding lookups are free)."""
-    matmul_params = args.num_params() - args.vocab_size * args.dim  # the output head counts, the lookup not
-    return 6.0 * matmul_params + 12.0 * args.n_layers * args.dim * seq_len
+flops_per_token = ModelArgs.flops_per_token  # flops_per_token(args, seq_len), as the trainer and bench call it
 
 
 def measure_matmul_peak(seconds: float = 1.0, size: int = 1024, dtype: torch.dtype = torch.float32,

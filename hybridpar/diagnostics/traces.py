@@ -1,0 +1,233 @@
+"""Each rank's trace, the input of the hang analysis (hybridpar.diagnostics.flight): the flight
+recorder's recent collectives (torch records them for gloo and nccl alike), each group's issued
+and completed counts, and where the rank's Python main thread is. The live watchdog sends traces
+through the job's store; `hybridpar hang-report DIR` reads them from dump files."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import re
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, Optional
+
+RECENT = 16  # collectives kept per group in a trace: enough to compare orders around a hang
+
+
+@dataclasses.dataclass
+class Collective:
+    seq: int  # the group's sequence number of this collective (1 = its first)
+    op: str  # backend prefix dropped: 'all_reduce', '_allgather_base', ...
+    sizes: list  # input tensor sizes
+    order: int  # the rank's record id: the order in which this rank issued its collectives
+
+    def signature(self) -> tuple:
+        return self.op, repr(self.sizes)
+
+    def describe(self) -> str:
+        sizes = ", ".join("x".join(str(d) for d in s) or "scalar" for s in self.sizes)
+        return f"{self.op}[{sizes}]"
+
+
+@dataclasses.dataclass
+class GroupTrace:
+    name: str  # the process group's name, the same on every rank
+    dim: str  # 'mp', 'dp', 'dp_shard', 'dp_replicate', 'world' or the group's description
+    ranks: list[int]  # global ranks; empty when unknown
+    issued: int  # collectives this rank has issued on the group
+    completed: Optional[int]  # ... and seen complete (None: unknown)
+    recent: list[Collective]
+
+    @property
+    def pending(self) -> Optional[Collective]:
+        """The collective this rank waits in on this group, if any."""
+        if self.completed is None or self.completed >= self.issued:
+            return None
+        return self.at(self.completed + 1)
+
+    def at(self, seq: int) -> Optional[Collective]:
+        return next((c for c in self.recent if c.seq == seq), None)
+
+
+@dataclasses.dataclass
+class RankTrace:
+    rank: int
+    host: str = "?"
+    pid: int = 0
+    coords: str = ""  # 'mp 1, dp 0 (replicate 0, shard 0)'
+    step: int = 0
+    phase: str = ""
+    stack: list[str] = dataclasses.field(default_factory=list)  # 'file:line in func', outermost first
+    groups: dict[str, GroupTrace] = dataclasses.field(default_factory=dict)
+    note: str = ""  # e.g. the exception a rank raised
+
+    def pending(self) -> list[tuple[GroupTrace, Collective]]:
+        return [(g, g.pending) for g in self.groups.values() if g.pending is not None]
+
+    @property
+    def where(self) -> str:
+        """The innermost line of the rank's own code (outside torch), and the torch call under it."""
+        return where(self.stack)
+
+    @staticmethod
+    def from_json(data: dict) -> "RankTrace":
+        groups = {
+            name: GroupTrace(**{**g, "recent": [Collective(**c) for c in g["recent"]]})
+            for name, g in data.get("groups", {}).items()
+        }
+        return RankTrace(**{**data, "groups": groups})
+
+
+def where(stack: list[str]) -> str:
+    if not stack:
+        return "(no Python stack)"
+    own = [i for i, frame in enumerate(stack) if not _is_library(frame)]
+    if not own:
+        return stack[-1]
+    i = own[-1]
+    below = stack[i + 1:]
+    return stack[i] + (f"  ->  {below[-1].rsplit(' in ', 1)[-1]}()" if below else "")
+
+
+def _is_library(frame: str) -> bool:
+    """Frames of torch itself (and the threading machinery): not where a user's code waits."""
+    path = frame.split(":", 1)[0]
+    return path.startswith("torch" + os.sep) or (os.sep + "torch" + os.sep) in path or path.endswith("threading.py")
+
+
+def short_message(error: BaseException, limit: int = 120) -> str:
+    """The first line of an error, without the C++ source location gloo and nccl put in front."""
+    text = (str(error).splitlines() or [""])[0]
+    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", text)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def error_stack(error: BaseException) -> tuple[list[str], Optional[str]]:
+    """Where an exception was raised ('file:line in func', outermost first) and, when it came out of
+    a torch.distributed collective, that collective's group name."""
+    frames, group_name = [], None
+    tb = error.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        frames.append(f"{_short(code.co_filename)}:{tb.tb_lineno} in {code.co_name}")
+        if code.co_filename.endswith("distributed_c10d.py") and "group" in tb.tb_frame.f_locals:
+            group = tb.tb_frame.f_locals["group"]
+            group_name = getattr(group, "group_name", None) or "0"  # None: the default (world) group
+        tb = tb.tb_next
+    return frames[-40:], group_name
+
+
+def python_stack(thread_id: int) -> list[str]:
+    """'file:line in func' frames of a thread, outermost first (cheap: no source lines read)."""
+    frame = sys._current_frames().get(thread_id)
+    if frame is None:
+        return []
+    frames = [f"{_short(f.f_code.co_filename)}:{line} in {f.f_code.co_name}" for f, line in traceback.walk_stack(frame)]
+    return frames[:40][::-1]
+
+
+def _short(filename: str) -> str:
+    """Paths relative to site-packages or the working directory: shorter reports, same meaning."""
+    marker = "site-packages" + os.sep
+    if marker in filename:
+        return filename.split(marker, 1)[1]
+    try:
+        return os.path.relpath(filename)
+    except ValueError:
+        return filename
+
+
+# ---------------------------------------------------------------------------------------------
+# Flight-recorder dumps -> traces
+
+
+def dump_flight_recorder() -> dict:
+    """This process's flight recorder: recent collectives of every group (no C++ stacks: slow to collect)."""
+    import torch
+
+    return pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, False, False))
+
+
+def trace_from_dump(dump: dict, info: Optional[dict] = None) -> RankTrace:
+    """One rank's trace from its flight-recorder dump; `info` (rank, host, groups, stack...) adds what
+    hybridpar knows about the mesh. Any backend's prefix ('gloo:', 'nccl:') is accepted."""
+    info = dict(info or dump.get("hybridpar") or {})
+    known: dict[str, dict] = dict(info.get("groups", {}))  # a copy: groups found below are not the caller's
+    by_group: dict[str, list[dict]] = {}
+    pg_names: dict[str, str] = {}  # the recorder's local pg id -> group name
+    for e in dump.get("entries", []):
+        if e.get("is_p2p"):
+            continue
+        name, desc = _group_of(e)
+        pg_names[str(e.get("pg_id"))] = name
+        by_group.setdefault(name, []).append(e)
+        known.setdefault(name, {"dim": _dim_from_desc(desc), "ranks": _ranks_from_config(dump, name)})
+    status = dump.get("pg_status", {})
+    groups = {}
+    for name, entries in by_group.items():
+        recent = [Collective(int(e["collective_seq_id"]), _op(e["profiling_name"]), _plain(e.get("input_sizes")),
+                             int(e.get("record_id", 0))) for e in entries[-RECENT:]]
+        issued, completed = recent[-1].seq, _completed(entries, status, pg_names, name)
+        if name == info.get("failed_in") and completed is not None:
+            completed = min(completed, issued - 1)  # its last collective raised: it never completed
+        groups[name] = GroupTrace(name, known[name]["dim"], list(known[name]["ranks"]), issued, completed, recent)
+    rank = info.get("rank", dump.get("rank", -1))
+    fields = {k: info[k] for k in ("host", "pid", "coords", "step", "phase", "stack", "note") if k in info}
+    return RankTrace(rank=int(rank), groups=groups, **fields)
+
+
+def _group_of(entry: dict) -> tuple[str, str]:
+    pg = entry.get("process_group") or ("", "")
+    return str(pg[0]), str(pg[1] if len(pg) > 1 else "")
+
+
+def _op(profiling_name: str) -> str:
+    return profiling_name.split(":", 1)[-1]
+
+
+def _plain(sizes: Any) -> list:
+    return [list(s) for s in sizes or []]
+
+
+def _dim_from_desc(desc: str) -> str:
+    if desc in ("default_pg", ""):
+        return "world" if desc else "?"
+    return desc[len("mesh_"):] if desc.startswith("mesh_") else desc
+
+
+def _ranks_from_config(dump: dict, name: str) -> list[int]:
+    entry = (dump.get("pg_config") or {}).get(name) or {}
+    return [int(r) for r in re.findall(r"\d+", str(entry.get("ranks", "")))]
+
+
+def _completed(entries: list[dict], status: dict, pg_names: dict, name: str) -> Optional[int]:
+    """Completed count: the recorder's per-group status (gloo and nccl), else entry states (nccl)."""
+    for pg_id, s in status.items():
+        if pg_names.get(str(pg_id)) == name and isinstance(s, dict) and "last_completed_collective" in s:
+            return int(s["last_completed_collective"])
+    done = [int(e["collective_seq_id"]) for e in entries if e.get("state") == "completed"]
+    return max(done) if done else None
+
+
+def load_dumps(folder: Path) -> tuple[dict[int, RankTrace], int]:
+    """Every flight-recorder dump in a folder (one file per rank, any name ending in the rank number)
+    -> ({rank: trace}, the world size if known, else -1)."""
+    traces, world = {}, -1
+    files = [p for p in sorted(Path(folder).rglob("*")) if p.is_file() and re.search(r"\d+(\.pkl|\.pickle)?$", p.name)]
+    for path in files:
+        try:
+            dump = pickle.loads(path.read_bytes())
+        except Exception:  # not a dump: other files may share the folder
+            continue
+        if not isinstance(dump, dict) or "entries" not in dump:
+            continue
+        info = dict(dump.get("hybridpar") or {})
+        if "rank" not in info:
+            info["rank"] = int(re.search(r"(\d+)(\.pkl|\.pickle)?$", path.name).group(1))
+        world = max(world, int(info.get("world_size", -1)))
+        trace = trace_from_dump(dump, info)
+        traces[trace.rank] = trace
+    return traces, world

@@ -1,0 +1,34 @@
+"""Plan a layout before asking for GPUs: per-rank memory and step time of every (mp, dp_shard,
+dp_replicate, AC) layout, best first (`hybridpar plan`; README.md, "Planning a layout").
+
+Pure arithmetic on the model's shape, derived from what hybridpar's code keeps and sends: the fp32
+state FSDP2 shards, gathered compute-dtype parameters, gradient buffers and the unsharded
+gradients kept between accumulation micro-batches, the activations models/llama.py saves, and the
+collectives (tensor-parallel ones on the critical path, FSDP's overlapping compute).
+tests/test_plan.py checks the state, activation, accumulated-gradient and collective bytes
+against the real model on CPU; the rest follows FSDP2's documented behaviour. Not modelled:
+latency terms, the optimizer step, duplicated k/v FLOPs of replicated kv heads, allocator
+fragmentation (keep a reserve), pipeline parallelism (hybridpar has none).
+
+inputs: Layout, Workload, Hardware. memory: parameters, activations, Memory. comm: FLOPs,
+collective bytes and times. search: estimate, candidate_layouts, make_plan. report: the text.
+"""
+
+from ..dtypes import dtype_bytes
+from ..parallel.fsdp import AC_MODES
+from .comm import (CommBytes, StepTime, all_gather_seconds, all_reduce_seconds, collective_bytes, flops_per_token,
+                   group_busbw)
+from .inputs import GIB, MASTER_BYTES, Hardware, Layout, Workload
+from .memory import (Activations, Memory, ParamCounts, activation_bytes, kv_heads_per_rank, local_param_shapes,
+                     param_counts)
+from .report import breakdown, format_plan, no_fit_message, parse_global_batch
+from .search import Estimate, Plan, candidate_layouts, divisors, estimate, make_plan
+
+__all__ = [
+    "AC_MODES", "GIB", "MASTER_BYTES", "dtype_bytes",
+    "Layout", "Workload", "Hardware",
+    "kv_heads_per_rank", "local_param_shapes", "ParamCounts", "param_counts", "Activations", "activation_bytes",
+    "Memory", "StepTime", "CommBytes", "flops_per_token", "group_busbw", "all_reduce_seconds", "all_gather_seconds",
+    "collective_bytes", "Estimate", "estimate", "divisors", "candidate_layouts", "Plan", "make_plan",
+    "parse_global_batch", "breakdown", "format_plan", "no_fit_message",
+]

@@ -1,0 +1,92 @@
+"""Step time: the FLOPs of a step and the bytes and seconds of its collectives."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from models.llama import ModelArgs
+
+from ..dtypes import dtype_bytes
+from ..parallel.cost import collective_seconds
+from .inputs import Hardware, Layout, Workload
+from .memory import local_param_shapes, param_counts, sharded_numel
+
+flops_per_token = ModelArgs.flops_per_token  # the trainer's MFU count, as a function of (args, seq_len)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+    """Seconds per optimizer step on every rank."""
+
+    compute: float  # FLOPs / (peak x mfu), recomputation included
+    tp_comm: float  # tensor-parallel collectives (on the critical path)
+    dp_comm: float  # FSDP all-gathers, reduce-scatters and replica all-reduces
+    dp_exposed: float  # the part of dp_comm that compute does not hide
+
+    @property
+    def step(self) -> float:
+        return self.compute + self.tp_comm + self.dp_exposed
+
+
+def group_busbw(stride: int, size: int, hw: Hardware) -> float:
+    """Bus bandwidth of a group of `size` ranks `stride` apart: intra-node when they share a node."""
+    span = stride * size
+    per_node = min(hw.gpus_per_node, hw.gpus)
+    inside = span <= per_node and per_node % span == 0
+    return hw.intra_node_busbw if inside else hw.inter_node_busbw
+
+
+def all_reduce_seconds(nbytes: float, n: int, busbw: float) -> float:
+    return collective_seconds("all_reduce", nbytes, n, busbw)
+
+
+def all_gather_seconds(nbytes: float, n: int, busbw: float) -> float:
+    """Also reduce-scatter; nbytes is the unsharded (gathered / reduced) size."""
+    return collective_seconds("all_gather", nbytes, n, busbw)
+
+
+@dataclasses.dataclass(frozen=True)
+class CommBytes:
+    """Bytes one rank hands to collectives: tensor-parallel and FSDP per micro-batch, gradient
+    reduction per step. Sizes as nccl-tests counts them: the tensor for all-reduce, the gathered
+    output for all-gather, the unreduced input for reduce-scatter."""
+
+    tp_all_reduce: float  # over the mp group, per micro-batch
+    tp_all_gather: float  # over the mp group, per micro-batch (ParallelEmbedding's output)
+    fsdp_all_gather: float  # over dp_shard, per micro-batch (forward, and backward when resharding)
+    fsdp_reduce_scatter: float  # over dp_shard, per step
+    replica_all_reduce: float  # over dp_replicate, per step (hybrid sharding)
+
+
+def collective_bytes(args: ModelArgs, layout: Layout, workload: Workload) -> CommBytes:
+    """What models/llama.py, vocab_parallel_cross_entropy and apply_fsdp issue (tests count them)."""
+    mp, ds, dr, L = layout.mp, layout.dp_shard, layout.dp_replicate, args.n_layers
+    a, r = dtype_bytes(workload.param_dtype), dtype_bytes(workload.reduce_dtype)
+    t = workload.micro_batch * workload.seq_len
+    counts = param_counts(args, mp, ds)
+    tp_ar = tp_ag = 0.0
+    if mp > 1:
+        act = t * args.dim * a
+        # Forward: wo and w2 sum their partial outputs (2 per block). Backward: the attention's and
+        # the feed-forward's inputs enter the region once each (wq/wk/wv and w1/w3 share it), so 2
+        # gradient all-reduces per block, and 1 for the output head. A recomputed block repeats only
+        # wo's: recomputation stops once w2's input is back, before w2's all-reduce. The loss
+        # reduces 3 fp32 numbers per token.
+        n_ac = layout.checkpointed_blocks(L)
+        tp_ar = act * (2 * L + 2 * L + 1 + n_ac) + 3 * t * 4
+        if args.resolved_embedding_split == "vocab":
+            tp_ar += act  # VocabParallelEmbedding sums the shards' lookups
+        else:
+            tp_ag += act  # ParallelEmbedding gathers the embedding dim
+        if args.kv_heads % mp:  # replicated wk/wv: their weight gradients are summed over mp
+            tp_ar += L * 2 * args.kv_heads * args.head_dim * args.dim * a
+    shapes = local_param_shapes(args, mp)
+    padded = {unit: sum(sharded_numel(x, ds) * ds for x in xs) for unit, xs in shapes.items()}
+    every_unit = padded["embedding"] + L * padded["block"] + padded["output"] + padded["root"]
+    # The embedding, the head and the root stay gathered from forward to backward; the blocks are
+    # gathered again in backward unless resharding is off.
+    again = L * padded["block"] if layout.reshard_after_forward else 0
+    ag = (every_unit + again) * a if ds > 1 else 0.0
+    rs = every_unit * r if ds > 1 else 0.0
+    ar = counts.sharded * r if dr > 1 else 0.0
+    return CommBytes(tp_ar, tp_ag, ag, rs, ar)

@@ -1,0 +1,146 @@
+"""The plan as text: the table of layouts, the best one's breakdown and config, what to change
+when nothing fits; and the --global-batch syntax."""
+
+from __future__ import annotations
+
+import math
+import re
+
+from .inputs import GIB, Hardware
+from .search import Estimate, Plan
+
+_BATCH = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*(tok|tokens|t)?\s*$")
+
+
+def parse_global_batch(text: str, seq_len: int) -> int:
+    """'512' -> 512 sequences; '4Mtok' (or '4M tokens', '4194304t') -> tokens / seq_len sequences.
+    K and M are 1024 and 1024**2."""
+    m = _BATCH.match(str(text))
+    if not m:
+        raise ValueError(f"--global-batch {text!r}: write a number of sequences (512) or of tokens (4Mtok)")
+    value = float(m.group(1)) * {"": 1, "k": 2**10, "m": 2**20}[m.group(2).lower()]
+    if value != int(value):
+        raise ValueError(f"--global-batch {text!r} is not a whole number")
+    value = int(value)
+    if m.group(3):
+        if value % seq_len:
+            raise ValueError(f"--global-batch {text!r} = {value} tokens is not a multiple of seq_len {seq_len}")
+        value //= seq_len
+    return value
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / GIB:.1f}"
+
+
+def _seconds(x: float) -> str:
+    return f"{x:.3f}" if x < 10 else f"{x:.1f}"
+
+
+def breakdown(e: Estimate, hw: Hardware) -> list[str]:
+    m, t = e.memory, e.time
+    lines = [
+        f"{e.layout.describe()}: {e.grad_accum} micro-batch(es) per step",
+        f"  memory per GPU {_gib(m.total)} GiB of {_gib(e.usable_bytes)} usable: "
+        f"params {_gib(m.params)} + grads {_gib(m.grads)} + AdamW {_gib(m.optimizer)}"
+        f" + accumulated grads {_gib(m.accumulated_grads)} + gathered params {_gib(m.gathered_params)}"
+        f" + grad buffers {_gib(m.grad_buffers)} + activations {_gib(m.activations)} + transient {_gib(m.transient)}",
+        f"  step {_seconds(t.step)} s: compute {_seconds(t.compute)} + tensor-parallel {_seconds(t.tp_comm)}"
+        f" + exposed FSDP {_seconds(t.dp_exposed)} (of {_seconds(t.dp_comm)}); "
+        f"{e.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, MFU {100 * e.mfu(hw.peak_flops):.0f}%",
+    ]
+    return lines
+
+
+_HEADER = (f"{'#':>3} {'layout':<10} {'mp':>3} {'shard':>5} {'repl':>5} {'AC':<9} {'micro':>5} "
+           f"{'state':>6} {'accum':>6} {'act':>6} {'other':>6} {'total':>6} {'step s':>7} {'tok/s/GPU':>10} "
+           f"{'MFU':>5} {'tp s':>6} {'fsdp s':>7}")
+
+
+def _row(i: int, e: Estimate, hw: Hardware) -> str:
+    lay, m, t = e.layout, e.memory, e.time
+    ac = {"none": "none", "full": "full", "selective": f"every {lay.ac_every}"}[lay.ac]
+    ac += "" if lay.reshard_after_forward else " z2"
+    other = m.total - m.state - m.accumulated_grads - m.activations
+    return (f"{i:>3} {lay.name:<10} {lay.mp:>3} {lay.dp_shard:>5} {lay.dp_replicate:>5} {ac:<9} {e.grad_accum:>5} "
+            f"{_gib(m.state):>6} {_gib(m.accumulated_grads):>6} {_gib(m.activations):>6} {_gib(other):>6} "
+            f"{_gib(m.total):>6} "
+            f"{_seconds(t.step):>7} {e.tokens_per_s_per_gpu:>10,.0f} {100 * e.mfu(hw.peak_flops):>4.0f}% "
+            f"{_seconds(t.tp_comm):>6} {_seconds(t.dp_exposed):>7}")
+
+
+def format_plan(plan: Plan, top: int = 10, model_name: str = "") -> str:
+    args, w, hw = plan.args, plan.workload, plan.hardware
+    nodes = math.ceil(hw.gpus / hw.gpus_per_node)
+    batch = (f"global batch {w.global_batch} sequences ({w.global_batch * w.seq_len / 2**20:.2f}M tokens)"
+             if w.global_batch else "global batch = dp x micro-batch (no accumulation; --global-batch to fix it)")
+    out = [
+        f"{model_name or 'model'}: {args.num_params() / 1e9:.2f}B parameters, {args.n_layers} layers, dim {args.dim}, "
+        f"{args.n_heads} heads / {args.kv_heads} kv heads, vocab {args.vocab_size}",
+        f"{hw.gpus} GPUs ({nodes} node(s) x {hw.gpus_per_node}) of {hw.gpu_mem_gib:g} GiB, "
+        f"{hw.reserve_gib:g} GiB reserved; seq_len {w.seq_len}, micro-batch {w.micro_batch}, {batch}",
+        f"assumed: {hw.peak_flops / 1e12:g} TFLOP/s peak at {hw.mfu:g} of it; busbw {hw.intra_node_busbw / 1e9:g} GB/s "
+        f"inside a node, {hw.inter_node_busbw / 1e9:g} GB/s per GPU between nodes; fp32 master weights, "
+        f"{w.param_dtype} compute, {w.reduce_dtype} gradient reduction",
+        "",
+    ]
+    fitting = plan.fitting
+    if fitting:
+        out.append(f"{len(fitting)} of {len(plan.estimates)} layouts fit, the best first. GiB per GPU: state = fp32 "
+                   "params + grads + AdamW, accum = unsharded grads kept between micro-batches,")
+        out.append("act = saved activations, other = gathered params, buffers, peaks; "
+                   "fsdp s = FSDP time compute does not hide; micro = micro-batches per step.")
+        out.append(_HEADER)
+        out.extend(_row(i + 1, e, hw) for i, e in enumerate(fitting[:top]))
+        if len(fitting) > top:
+            out.append(f"    ... {len(fitting) - top} more (--top N)")
+        out.append("")
+        out.append("best: " + "\n".join(breakdown(fitting[0], hw)))
+        best = fitting[0].layout
+        out.append(f"  config: --parallel.mp {best.mp} --parallel.dp_shard {best.dp_shard} "
+                   f"--parallel.dp_replicate {best.dp_replicate} --fsdp.sharding_strategy {best.strategy} "
+                   f"--fsdp.activation_checkpointing {best.ac}"
+                   + (f" --fsdp.ac_every {best.ac_every}" if best.ac == "selective" else "")
+                   + f" --data.micro_batch_size {w.micro_batch} --train.grad_accum {fitting[0].grad_accum}"
+                   + (f" --train.grad_sync {w.grad_sync}" if w.grad_sync != "last" else ""))
+    else:
+        out.append(no_fit_message(plan))
+    too_big = [e for e in plan.estimates if not e.fits]
+    if too_big and fitting:
+        smallest = min(too_big, key=lambda e: e.memory.total)
+        out.append(f"{len(too_big)} layouts need more than {_gib(hw.usable_bytes)} GiB (smallest of them: "
+                   f"{smallest.layout.describe()}, {_gib(smallest.memory.total)} GiB)")
+    for mp, reason in sorted(plan.rejected.items()):
+        out.append(f"mp {mp} not considered: {reason}")
+    if plan.skipped:
+        dps = sorted({lay.dp for lay, _ in plan.skipped})
+        out.append(f"{len(plan.skipped)} layouts skipped: the global batch of {w.global_batch} sequences is not a "
+                   f"multiple of dp x micro-batch for dp in {dps}")
+    return "\n".join(out)
+
+
+def no_fit_message(plan: Plan) -> str:
+    hw = plan.hardware
+    if not plan.estimates:
+        return (f"no layout of {hw.gpus} GPUs can run this model (reasons below); "
+                "choose a GPU count with a divisor that is a valid mp")
+    least = min(plan.estimates, key=lambda e: e.memory.total)
+    m = least.memory
+    other = m.total - m.state  # what more data-parallel ranks do not shrink
+    hints = []
+    if other < hw.usable_bytes:
+        # The sharded state divides by mp x dp_shard, which grows with the GPU count.
+        gpus = hw.gpus * m.state / (hw.usable_bytes - other)
+        gpus = hw.gpus_per_node * math.ceil(gpus / hw.gpus_per_node)
+        hints.append(f"more GPUs (about {gpus}: the sharded state, {_gib(m.state)} GiB here, divides by mp x dp_shard)")
+    else:
+        hints.append(f"more GPUs will not do: activations and buffers alone need {_gib(other)} GiB")
+    if least.grad_accum > 1:
+        hints.append(f"fewer accumulation steps ({least.grad_accum} keep {_gib(m.accumulated_grads)} GiB of unsharded "
+                     "gradients: a smaller --global-batch or a larger --micro-batch)")
+    if plan.workload.micro_batch > 1:
+        hints.append("--micro-batch 1")
+    hints.append(f"a shorter --seq-len (activations {_gib(m.activations)} GiB)")
+    return (f"no layout fits: the smallest needs {_gib(m.total)} GiB per GPU ({least.layout.name}, "
+            f"{least.layout.describe()}), but {hw.gpu_mem_gib:g} GiB less the {hw.reserve_gib:g} GiB reserve "
+            f"leaves {_gib(hw.usable_bytes)} GiB. Try: " + "; ".join(hints))

@@ -1,0 +1,55 @@
+"""Definitions that several modules use are made once, and the old import paths still reach them."""
+
+import pytest
+import torch
+
+from hybridpar import dtypes
+from models.llama import ModelArgs
+
+
+def test_dtype_names_aliases_and_bytes():
+    assert dtypes.parse("bf16") is dtypes.parse("bfloat16")
+    assert (dtypes.parse("fp32").torch, dtypes.parse("fp32").bytes) == (torch.float32, 4)
+    assert [dtypes.dtype_bytes(name) for name in ("float16", "fp16", "bf16")] == [2, 2, 2]
+    assert dtypes.CANONICAL_NAMES == {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+    assert dtypes.NAMES == ("float32", "bfloat16", "float16") and dtypes.ALIASES == ("bf16", "fp16", "fp32")
+
+
+def test_an_unknown_dtype_names_the_valid_ones():
+    with pytest.raises(ValueError, match=r"unknown dtype 'int8'; choose one of "
+                                         r"\['bf16', 'bfloat16', 'float16', 'float32', 'fp16', 'fp32'\]"):
+        dtypes.parse("int8")
+
+
+def test_config_plan_and_export_read_the_one_dtype_table():
+    from hybridpar import plan
+    from hybridpar.checkpoint import hf
+    from hybridpar.parallel import fsdp
+
+    assert fsdp.DTYPES is dtypes.TORCH_DTYPES
+    assert hf._DTYPE_NAMES is dtypes.CANONICAL_NAMES
+    assert plan.dtype_bytes is dtypes.dtype_bytes
+
+
+def test_one_flops_per_token_and_one_list_of_ac_modes():
+    from hybridpar import plan
+    from hybridpar.parallel import fsdp
+    from hybridpar.train import metrics
+
+    assert plan.flops_per_token is metrics.flops_per_token is ModelArgs.flops_per_token
+    assert plan.AC_MODES is fsdp.AC_MODES
+    # The planner's candidates come in this order, and equal estimates keep it in the ranking.
+    layouts, _ = plan.candidate_layouts(ModelArgs.from_preset("tiny"), plan.Hardware(gpus=1, gpu_mem_gib=80))
+    assert [layout.ac for layout in layouts] == ["none", "selective", "full"]
+
+
+def test_moved_names_still_import_from_their_old_modules():
+    from hybridpar import cli, generate
+    from hybridpar.diagnostics import flight, traces
+
+    assert generate.main_generate is cli._cmd_generate
+    with pytest.raises(AttributeError):
+        generate.no_such_name  # noqa: B018
+    for name in flight.__all__:
+        assert getattr(flight, name) is not None
+    assert flight.RankTrace is traces.RankTrace and flight.trace_from_dump is traces.trace_from_dump

@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from .compat.torch import flatten_mesh
+
 MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "mp")
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
@@ -315,5 +317,5 @@ def init_parallel(
     device = torch.device("cuda", local_rank) if "nccl" in backend else torch.device("cpu")
     sizes = resolve_sizes(dist.get_world_size(), mp=mp, dp_shard=dp_shard, dp_replicate=dp_replicate)
     mesh = init_device_mesh(device.type, sizes, mesh_dim_names=MESH_DIM_NAMES)
-    dp_flat_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    dp_flat_mesh = flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp")
     return ParallelDims(*sizes, mesh=mesh, dp_flat_mesh=dp_flat_mesh, device=device, backend=backend, timeout=timeout)

@@ -16,10 +16,10 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from models.llama import ModelArgs
 
+from ..compat.torch import compute_local_shape_and_global_offset
 from .meta import (_BEHAVIOUR_FIELDS, _FLOAT_FIELDS, _INT_FIELDS, PARAMS_JSON, REQUIRED_FIELDS, ROPE_FREQS, SHARD_FILE,
                    MetaCheckpointError, _fmt, _load_file, meta_shapes, rope_inverse_frequencies, shard_name, split_dim)
 

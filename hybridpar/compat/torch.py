@@ -85,5 +85,5 @@ def flatten_mesh(mesh, name: str):
 
 
 def flight_recorder_dump() -> bytes:
-    """This process's flight recorder, pickled: collectives included, C++ stacks left out (they cost seconds)."""
+    """This process's flight recorder, pickled: collectives included, C++ stacks left out (slow to collect)."""
     return torch._C._distributed_c10d._dump_fr_trace(True, False, False)

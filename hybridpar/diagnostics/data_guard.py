@@ -16,7 +16,7 @@ import hashlib
 import torch
 
 from ..mesh import MeshCoords, ParallelDims
-from ..parallel.mappings import all_gather_single
+from ..compat.torch import all_gather_single
 
 
 class DataGuardError(RuntimeError):

@@ -36,14 +36,13 @@ from ..files import write_text_atomic
 from ..mesh import MeshCoords, ParallelDims, group_ranks, launch_env
 from ..parallel.cost import COLLECTIVES as OPS
 from ..parallel.cost import bus_factor
-from ..parallel.mappings import all_gather_single
+from ..compat.torch import all_gather_single, reduce_scatter_single
 from ..ranks import gather_objects
 from .data_guard import DataGuardError, check_data, step_fingerprint
 from .env import (ERROR, OK, WARNING, Finding, check_env, check_rank_envs, check_threads, merge_findings, relevant_env,
                   sort_findings)
 
 DEFAULT_SIZES = "4K:64M"
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 # --- 1. layout --------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..mesh import MeshCoords, ParallelDims
-from ..parallel.mappings import all_gather_single
+from ..compat.torch import all_gather_single
 
 
 # Parameters are read as their raw bits: an integer type of their element size (others byte by byte).

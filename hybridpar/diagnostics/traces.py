@@ -146,9 +146,9 @@ def _short(filename: str) -> str:
 
 def dump_flight_recorder() -> dict:
     """This process's flight recorder: recent collectives of every group (no C++ stacks: slow to collect)."""
-    import torch
+    from ..compat.torch import flight_recorder_dump  # torch only when a dump is asked for
 
-    return pickle.loads(torch._C._distributed_c10d._dump_fr_trace(True, False, False))
+    return pickle.loads(flight_recorder_dump())
 
 
 def trace_from_dump(dump: dict, info: Optional[dict] = None) -> RankTrace:

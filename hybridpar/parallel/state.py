@@ -7,7 +7,8 @@ from typing import Mapping
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from ..compat.torch import compute_local_shape_and_global_offset
 
 
 def local_slice(full: torch.Tensor, like: DTensor) -> torch.Tensor:

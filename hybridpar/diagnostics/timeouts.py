@@ -24,6 +24,7 @@ ENV_DEFAULTS = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",  # a timed-out NCCL collective tears the process down
     "NCCL_DEBUG": "WARN",
 }
+BACKSTOP_GRACE = 30.0  # seconds the c10d timeout leaves the watchdog to report first
 
 
 def apply_env_defaults(trace_dir: Optional[Path] = None,

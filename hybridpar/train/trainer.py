@@ -32,8 +32,8 @@ from ..config import Config, ConfigError, dump_toml
 from ..data import build_data, build_dataloader, check_dataset_size, check_vocab
 from ..diagnostics.data_guard import check_data, step_fingerprint
 from ..diagnostics.replicas import check_replicas
-from ..diagnostics.timeouts import apply_env_defaults, set_train_timeout
-from ..diagnostics.watchdog import BACKSTOP_GRACE, Watchdog
+from ..diagnostics.timeouts import Deadlines, apply_env_defaults
+from ..diagnostics.watchdog import Watchdog
 from ..files import write_text_atomic
 from ..mesh import ParallelDims, init_parallel
 from ..parallel import vocab_parallel_cross_entropy
@@ -173,6 +173,7 @@ class Trainer:
         )
         self.resumed_from = self._restore()
         self.start_step = self.step  # 0, or the step a resumed run continues from
+        self.deadlines = Deadlines(c.parallel.init_timeout, c.diagnostics.train_timeout, p, self.start_step)
         self.metrics = MetricsWriter(self.run_dir, enabled=self.is_main, tensorboard=c.output.tensorboard,
                                      start_step=self.step)
         self.flops_per_token = flops_per_token(self.args, c.data.seq_len)
@@ -208,40 +209,9 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         train_state = {"scheduler": self.scheduler.state_dict(), "data": self.loader.state_dict()}
-        # Writing a large checkpoint can outlast the train timeout: fast writers wait for slow ones in
-        # DCP's closing collective. Not a hang, so the watchdog and the collectives both wait longer.
-        init_timeout, shortened = self.config.parallel.init_timeout, self._train_timeout_in_force()
-        self._at("checkpoint", timeout=init_timeout)
-        if shortened:
-            set_train_timeout(self.parallel, init_timeout)
-        path = self.checkpointer.save(self.step, self.model, self.optimizer, train_state, params_dict(self.args))
-        if shortened:
-            set_train_timeout(self.parallel, self._collective_timeout())
-        self._at("checkpointed", timeout=self._train_timeout())
+        with self.deadlines.checkpointing():  # a large checkpoint's writes are not a hang
+            path = self.checkpointer.save(self.step, self.model, self.optimizer, train_state, params_dict(self.args))
         return path
-
-    def _collective_timeout(self) -> float:
-        """The collectives' timeout once training runs: the watchdog reports a hang after
-        train_timeout; the collectives' own limit stays a little longer, as a backstop."""
-        grace = BACKSTOP_GRACE if self.watchdog is not None else 0.0
-        return self.config.diagnostics.train_timeout + grace
-
-    def _at(self, phase: str, timeout: Optional[float] = None) -> None:
-        """Tell the watchdog where this rank is (cheap: two attribute writes)."""
-        if self.watchdog is not None:
-            self.watchdog.phase = phase
-            if timeout is not None:
-                self.watchdog.arm(timeout)
-
-    def _train_timeout(self) -> float:
-        """The no-progress limit for this step: the init timeout until this run's first step is done (it
-        pays for compiling and the first collectives, also after a resume), then the train timeout."""
-        c = self.config
-        return c.diagnostics.train_timeout if self._train_timeout_in_force() else c.parallel.init_timeout
-
-    def _train_timeout_in_force(self) -> bool:
-        """This run's first step is done and a train timeout is configured."""
-        return self.step > self.start_step and self.config.diagnostics.train_timeout > 0
 
     def _model_args(self) -> ModelArgs:
         if self.init_from_meta:
@@ -284,9 +254,7 @@ class Trainer:
     def train_step(self) -> dict:
         c, p = self.config, self.parallel
         start = time.perf_counter()
-        if self.watchdog is not None:
-            self.watchdog.step = self.step + 1  # the step in progress
-        self._at("data")
+        self.deadlines.at("data", step=self.step + 1)  # the step in progress
         batches = [next(self.loader) for _ in range(c.train.grad_accum)]
         guard_seconds = self._guard_data(batches)
         counts = torch.tensor([float(sum((t != IGNORE_INDEX).sum() for _, t in batches))], device=self.device)
@@ -300,16 +268,16 @@ class Trainer:
             self.model.set_requires_gradient_sync(c.train.grad_sync == "every" or i == len(batches) - 1)
             inputs = inputs.to(self.device, non_blocking=True)
             targets = targets.to(self.device, non_blocking=True)
-            self._at("forward")
+            self.deadlines.at("forward")
             loss = vocab_parallel_cross_entropy(self.model(inputs), targets, parallel=p, reduction="sum")
-            self._at("backward")
+            self.deadlines.at("backward")
             (loss * scale).backward()
             loss_sum += loss.detach()
-        self._at("loss")
+        self.deadlines.at("loss")
         dist.all_reduce(loss_sum, group=p.dp_group)
         mean_loss = loss_sum.item() / global_targets
 
-        self._at("optimizer")
+        self.deadlines.at("optimizer")
         grad_norm = grad_norm_and_clip(self.params, c.optim.grad_clip, self.device)
         lr = self.scheduler.get_last_lr()[0]
         skipped = not (math.isfinite(mean_loss) and math.isfinite(grad_norm))
@@ -323,10 +291,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.step += 1
-        if self.step == self.start_step + 1 and c.diagnostics.train_timeout > 0:
-            # Start-up is over: a long wait is now a hang.
-            set_train_timeout(p, self._collective_timeout())
-            self._at("first step done", timeout=c.diagnostics.train_timeout)
+        self.deadlines.step_done(self.step)
         every = c.diagnostics.replica_check_every
         if every and self.step % every == 0:
             check_replicas(self.model, p, self.step)
@@ -356,9 +321,11 @@ class Trainer:
     def run(self) -> list[dict]:
         d = self.config.diagnostics
         if d.watchdog:
-            self.watchdog = Watchdog(self.parallel, timeout=self._train_timeout(), run_dir=self.run_dir,
-                                     trace_dir=self.trace_dir, interval=d.watchdog_interval).start()
+            self.watchdog = Watchdog(self.parallel, timeout=self.deadlines.no_progress_limit(),
+                                     run_dir=self.run_dir, trace_dir=self.trace_dir,
+                                     interval=d.watchdog_interval).start()
             self.watchdog.step = self.step
+            self.deadlines.watchdog = self.watchdog
         error = None
         try:
             return self._run()
@@ -368,7 +335,7 @@ class Trainer:
         finally:
             if self.watchdog is not None:
                 self.watchdog.close(error)
-                self.watchdog = None
+                self.watchdog = self.deadlines.watchdog = None
 
     def _run(self) -> list[dict]:
         c = self.config

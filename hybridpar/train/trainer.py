@@ -29,7 +29,7 @@ from models.llama import ModelArgs, Transformer
 
 from ..checkpoint.dcp import Checkpointer, latest_checkpoint, params_dict
 from ..config import Config, ConfigError, dump_toml
-from ..data import build_data, build_dataloader, check_dataset_size, check_vocab
+from ..data import build_training_data, check_vocab
 from ..diagnostics.data_guard import check_data, step_fingerprint
 from ..diagnostics.replicas import check_replicas
 from ..diagnostics.timeouts import Deadlines, apply_env_defaults
@@ -127,38 +127,12 @@ class Trainer:
         self.device = p.device
         self.global_batch = c.data.micro_batch_size * c.train.grad_accum * p.dp_size
 
-        self.args = self._model_args()
-        if c.data.seq_len > self.args.max_seq_len:
-            raise ConfigError(
-                f"data.seq_len = {c.data.seq_len} is larger than the model's max_seq_len = {self.args.max_seq_len}: "
-                "lower data.seq_len"
-            )
-        if self.args.vocab_size > 0:
-            self.args.check(p.mp)  # fail fast, before any data work
-        self.tokenizer, self.dataset = build_data(c.data)
-        if self.args.vocab_size <= 0:  # Llama 2's params.json says -1: the tokenizer decides
-            self.args = dataclasses.replace(self.args, vocab_size=self.tokenizer.vocab_size)
-            self.args.check(p.mp)
-        check_vocab(self.tokenizer.vocab_size, self.args.vocab_size)
-        check_dataset_size(
-            self.dataset, self.global_batch, micro_batch_size=c.data.micro_batch_size,
-            grad_accum=c.train.grad_accum, dp_size=p.dp_size,
-        )
-        self.loader = build_dataloader(
-            self.dataset, dp_rank=p.dp_rank, dp_size=p.dp_size, micro_batch_size=c.data.micro_batch_size,
-            seed=c.data.seed, num_workers=c.data.num_workers,
-        )
-
+        self.args = self._model_args()  # checked before any data work
+        self.tokenizer, self.dataset, self.loader = build_training_data(c, p, on_tokenizer=self._fit_vocab)
         # Before the model is built and compiled: measured after block.compile(), a compiled run's
         # peak came out 2.6x low (the compiler's start-up took a share of the cores).
         self.peak_flops = c.train.peak_flops or self._measure_peak()
-        torch.manual_seed(c.train.seed)  # same full weights on every rank, whatever the layout
-        model = Transformer(self.args, p, device=self.device)
-        if self.init_from_meta:  # Meta's shards are sliced into the unsharded model, before FSDP
-            from ..checkpoint.meta import load_meta_checkpoint
-
-            load_meta_checkpoint(c.checkpoint.init_from, model, p)
-        self.model = apply_fsdp(model, p, c.fsdp, compile_blocks=c.train.compile)
+        self.model = self._build_model()
         self.params = list(self.model.parameters())
         self.optimizer = build_optimizer(self.model, c.optim)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -214,19 +188,49 @@ class Trainer:
         return path
 
     def _model_args(self) -> ModelArgs:
+        """The model's shape, checked against data.seq_len and the mesh (a vocab_size of -1, Llama 2's,
+        waits for the tokenizer: _fit_vocab)."""
+        c = self.config
         if self.init_from_meta:
             from ..checkpoint.meta import read_meta_params
 
-            return read_meta_params(self.config.checkpoint.init_from)
-        m = self.config.model
-        overrides = {}
-        if m.vocab_size:
-            overrides["vocab_size"] = m.vocab_size
-        if m.n_layers:
-            overrides["n_layers"] = m.n_layers
-        if m.params_json:
-            return ModelArgs.from_params_json(m.params_json, **overrides)
-        return ModelArgs.from_preset(m.preset, **overrides)
+            args = read_meta_params(c.checkpoint.init_from)
+        else:
+            m = c.model
+            overrides = {}
+            if m.vocab_size:
+                overrides["vocab_size"] = m.vocab_size
+            if m.n_layers:
+                overrides["n_layers"] = m.n_layers
+            args = (ModelArgs.from_params_json(m.params_json, **overrides) if m.params_json
+                    else ModelArgs.from_preset(m.preset, **overrides))
+        if c.data.seq_len > args.max_seq_len:
+            raise ConfigError(
+                f"data.seq_len = {c.data.seq_len} is larger than the model's max_seq_len = {args.max_seq_len}: "
+                "lower data.seq_len"
+            )
+        if args.vocab_size > 0:
+            args.check(self.parallel.mp)
+        return args
+
+    def _fit_vocab(self, tokenizer) -> None:
+        """Before the loader is built: a vocab_size of -1 (Llama 2's params.json) becomes the
+        tokenizer's, and the tokenizer's ids must fit the model's embedding."""
+        if self.args.vocab_size <= 0:
+            self.args = dataclasses.replace(self.args, vocab_size=tokenizer.vocab_size)
+            self.args.check(self.parallel.mp)
+        check_vocab(tokenizer.vocab_size, self.args.vocab_size)
+
+    def _build_model(self) -> torch.nn.Module:
+        """The same full weights on every rank, whatever the layout, then sharded by FSDP."""
+        c, p = self.config, self.parallel
+        torch.manual_seed(c.train.seed)
+        model = Transformer(self.args, p, device=self.device)
+        if self.init_from_meta:  # Meta's shards are sliced into the unsharded model, before FSDP
+            from ..checkpoint.meta import load_meta_checkpoint
+
+            load_meta_checkpoint(c.checkpoint.init_from, model, p)
+        return apply_fsdp(model, p, c.fsdp, compile_blocks=c.train.compile)
 
     def _measure_peak(self) -> float:
         if self.device.type == "cuda":

@@ -53,7 +53,7 @@ def build_optimizer(model: torch.nn.Module, config, fused: bool = True) -> torch
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # Fused: one kernel over all local shards. On the CPU too: foreach walks DTensor parameters one
-    # at a time, and the fused step measured 3x faster here (bench/README.md).
+    # at a time (bench/README.md compares the two).
     fused = fused and next(model.parameters()).device.type in ("cuda", "cpu")
     return torch.optim.AdamW(
         groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps,
@@ -129,8 +129,8 @@ class Trainer:
 
         self.args = self._model_args()  # checked before any data work
         self.tokenizer, self.dataset, self.loader = build_training_data(c, p, on_tokenizer=self._fit_vocab)
-        # Before the model is built and compiled: measured after block.compile(), a compiled run's
-        # peak came out 2.6x low (the compiler's start-up took a share of the cores).
+        # Before the model is built and compiled: the compiler's start-up takes a share of the cores,
+        # and a peak measured then comes out low.
         self.peak_flops = c.train.peak_flops or self._measure_peak()
         self.model = self._build_model()
         self.params = list(self.model.parameters())
@@ -236,8 +236,7 @@ class Trainer:
         if self.device.type == "cuda":
             raise ConfigError("train.peak_flops must be set on GPUs (the accelerator's dense bf16 peak, e.g. 989e12)")
         # Every rank measures the same window, under the same contention as training. Within it the
-        # scheduler shares the cores unevenly (4 ranks on 2 cores: 30-145 GFLOP/s each, the sum
-        # 298-303 over five runs), so the per-rank peak is the mean over ranks.
+        # scheduler shares the cores unevenly, so the per-rank peak is the mean over ranks.
         peak = torch.tensor([measure_matmul_peak(seconds=0.5, start_together=dist.barrier)], dtype=torch.float64)
         dist.all_reduce(peak)
         return peak.item() / dist.get_world_size()

@@ -13,12 +13,15 @@ import os
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Iterator, MutableMapping, Optional
+from typing import TYPE_CHECKING, Iterator, MutableMapping, Optional
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from ..mesh import ParallelDims
+
+if TYPE_CHECKING:
+    from .watchdog import Watchdog
 
 # Read by torch when the process group is created: set them before init_parallel.
 ENV_DEFAULTS = {
@@ -68,7 +71,7 @@ class Deadlines:
     `checkpointing()`; `watchdog` (set while one runs) is told the phase and its no-progress limit."""
 
     def __init__(self, init_timeout: float, train_timeout: float, parallel: ParallelDims, start_step: int = 0,
-                 watchdog=None) -> None:
+                 watchdog: Optional[Watchdog] = None) -> None:
         self.init_timeout, self.train_timeout = init_timeout, train_timeout
         self.parallel = parallel
         self.start_step = self.step = start_step

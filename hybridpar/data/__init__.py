@@ -19,7 +19,7 @@ from hybridpar.data.loader import (
     check_dataset_size,
     check_vocab,
 )
-from hybridpar.data.pipeline import build_data, default_cache_dir
+from hybridpar.data.pipeline import build_data, build_training_data, default_cache_dir
 from hybridpar.data.prepare import TokenFile, prepare_cached, prepare_tokens, source_documents, source_id
 from hybridpar.data.tokenizer import Tokenizer, load_or_train_tokenizer, train_tokenizer
 
@@ -39,6 +39,7 @@ __all__ = [
     "ResumableDataLoader",
     "build_dataloader",
     "build_data",
+    "build_training_data",
     "default_cache_dir",
     "check_dataset_size",
     "check_vocab",

@@ -1,11 +1,12 @@
-"""The data a config asks for: tokenizer and packed dataset, built the same way by the trainer and
-by `hybridpar doctor` (which checks the very batches training will read)."""
+"""The data a config asks for: tokenizer, packed dataset and each data-parallel rank's loader, built
+the same way by the trainer and by `hybridpar doctor` (which checks the very batches training will read)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable, Optional
 
-from hybridpar.data.loader import PackedDataset
+from hybridpar.data.loader import PackedDataset, ResumableDataLoader, build_dataloader, check_dataset_size
 from hybridpar.data.prepare import prepare_cached, source_documents, source_id
 from hybridpar.data.tokenizer import Tokenizer, load_or_train_tokenizer
 
@@ -25,3 +26,20 @@ def build_data(d) -> tuple[Tokenizer, PackedDataset]:
     )
     token_file = prepare_cached(d.source, tokenizer, cache, text_field=d.text_field)
     return tokenizer, PackedDataset(token_file, d.seq_len)
+
+
+def build_training_data(config, parallel, on_tokenizer: Optional[Callable[[Tokenizer], None]] = None
+                        ) -> tuple[Tokenizer, PackedDataset, ResumableDataLoader]:
+    """The training data of a config (its [data] and [train] sections) for this rank of `parallel`:
+    build_data, a dataset large enough for one global batch, and the loader keyed by the
+    data-parallel coordinates. `on_tokenizer(tokenizer)` runs before the size check and the loader
+    (the trainer fits the model's vocabulary to the tokenizer there)."""
+    d, grad_accum = config.data, config.train.grad_accum
+    tokenizer, dataset = build_data(d)
+    if on_tokenizer is not None:
+        on_tokenizer(tokenizer)
+    check_dataset_size(dataset, d.micro_batch_size * grad_accum * parallel.dp_size,
+                       micro_batch_size=d.micro_batch_size, grad_accum=grad_accum, dp_size=parallel.dp_size)
+    loader = build_dataloader(dataset, dp_rank=parallel.dp_rank, dp_size=parallel.dp_size,
+                              micro_batch_size=d.micro_batch_size, seed=d.seed, num_workers=d.num_workers)
+    return tokenizer, dataset, loader

@@ -273,17 +273,11 @@ def format_busbw(rows: Sequence[Mapping]) -> str:
 
 
 def build_loader(config: Config, parallel: ParallelDims):
-    """The loader the trainer builds: hybridpar.data.build_data, then build_dataloader keyed by the
-    data-parallel coordinates."""
-    from ..data import build_data, build_dataloader, check_dataset_size
+    """The loader the trainer builds, by the trainer's code (hybridpar.data.build_training_data):
+    keyed by the data-parallel coordinates."""
+    from ..data import build_training_data
 
-    d = config.data
-    _, dataset = build_data(d)
-    grad_accum = config.train.grad_accum
-    check_dataset_size(dataset, d.micro_batch_size * grad_accum * parallel.dp_size, micro_batch_size=d.micro_batch_size,
-                       grad_accum=grad_accum, dp_size=parallel.dp_size)
-    return build_dataloader(dataset, dp_rank=parallel.dp_rank, dp_size=parallel.dp_size,
-                            micro_batch_size=d.micro_batch_size, seed=d.seed, num_workers=d.num_workers)
+    return build_training_data(config, parallel)[2]
 
 
 def first_step_batches(loader, grad_accum: int) -> list:

@@ -29,11 +29,11 @@ from models.llama import ModelArgs, Transformer
 
 from ..checkpoint.dcp import Checkpointer, latest_checkpoint, params_dict
 from ..config import Config, ConfigError, dump_toml
-from ..data import build_data, build_dataloader, check_dataset_size, check_vocab
+from ..data import build_training_data, check_vocab
 from ..diagnostics.data_guard import check_data, step_fingerprint
 from ..diagnostics.replicas import check_replicas
-from ..diagnostics.timeouts import apply_env_defaults, set_train_timeout
-from ..diagnostics.watchdog import BACKSTOP_GRACE, Watchdog
+from ..diagnostics.timeouts import Deadlines, apply_env_defaults
+from ..diagnostics.watchdog import Watchdog
 from ..files import write_text_atomic
 from ..mesh import ParallelDims, init_parallel
 from ..parallel import vocab_parallel_cross_entropy
@@ -53,7 +53,7 @@ def build_optimizer(model: torch.nn.Module, config, fused: bool = True) -> torch
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # Fused: one kernel over all local shards. On the CPU too: foreach walks DTensor parameters one
-    # at a time, and the fused step measured 3x faster here (bench/README.md).
+    # at a time (bench/README.md compares the two).
     fused = fused and next(model.parameters()).device.type in ("cuda", "cpu")
     return torch.optim.AdamW(
         groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps,
@@ -127,38 +127,12 @@ class Trainer:
         self.device = p.device
         self.global_batch = c.data.micro_batch_size * c.train.grad_accum * p.dp_size
 
-        self.args = self._model_args()
-        if c.data.seq_len > self.args.max_seq_len:
-            raise ConfigError(
-                f"data.seq_len = {c.data.seq_len} is larger than the model's max_seq_len = {self.args.max_seq_len}: "
-                "lower data.seq_len"
-            )
-        if self.args.vocab_size > 0:
-            self.args.check(p.mp)  # fail fast, before any data work
-        self.tokenizer, self.dataset = build_data(c.data)
-        if self.args.vocab_size <= 0:  # Llama 2's params.json says -1: the tokenizer decides
-            self.args = dataclasses.replace(self.args, vocab_size=self.tokenizer.vocab_size)
-            self.args.check(p.mp)
-        check_vocab(self.tokenizer.vocab_size, self.args.vocab_size)
-        check_dataset_size(
-            self.dataset, self.global_batch, micro_batch_size=c.data.micro_batch_size,
-            grad_accum=c.train.grad_accum, dp_size=p.dp_size,
-        )
-        self.loader = build_dataloader(
-            self.dataset, dp_rank=p.dp_rank, dp_size=p.dp_size, micro_batch_size=c.data.micro_batch_size,
-            seed=c.data.seed, num_workers=c.data.num_workers,
-        )
-
-        # Before the model is built and compiled: measured after block.compile(), a compiled run's
-        # peak came out 2.6x low (the compiler's start-up took a share of the cores).
+        self.args = self._model_args()  # checked before any data work
+        self.tokenizer, self.dataset, self.loader = build_training_data(c, p, on_tokenizer=self._fit_vocab)
+        # Before the model is built and compiled: the compiler's start-up takes a share of the cores,
+        # and a peak measured then comes out low.
         self.peak_flops = c.train.peak_flops or self._measure_peak()
-        torch.manual_seed(c.train.seed)  # same full weights on every rank, whatever the layout
-        model = Transformer(self.args, p, device=self.device)
-        if self.init_from_meta:  # Meta's shards are sliced into the unsharded model, before FSDP
-            from ..checkpoint.meta import load_meta_checkpoint
-
-            load_meta_checkpoint(c.checkpoint.init_from, model, p)
-        self.model = apply_fsdp(model, p, c.fsdp, compile_blocks=c.train.compile)
+        self.model = self._build_model()
         self.params = list(self.model.parameters())
         self.optimizer = build_optimizer(self.model, c.optim)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -173,6 +147,7 @@ class Trainer:
         )
         self.resumed_from = self._restore()
         self.start_step = self.step  # 0, or the step a resumed run continues from
+        self.deadlines = Deadlines(c.parallel.init_timeout, c.diagnostics.train_timeout, p, self.start_step)
         self.metrics = MetricsWriter(self.run_dir, enabled=self.is_main, tensorboard=c.output.tensorboard,
                                      start_step=self.step)
         self.flops_per_token = flops_per_token(self.args, c.data.seq_len)
@@ -209,62 +184,60 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         train_state = {"scheduler": self.scheduler.state_dict(), "data": self.loader.state_dict()}
-        # Writing a large checkpoint can outlast the train timeout: fast writers wait for slow ones in
-        # DCP's closing collective. Not a hang, so the watchdog and the collectives both wait longer.
-        init_timeout, shortened = self.config.parallel.init_timeout, self._train_timeout_in_force()
-        self._at("checkpoint", timeout=init_timeout)
-        if shortened:
-            set_train_timeout(self.parallel, init_timeout)
-        path = self.checkpointer.save(self.step, self.model, self.optimizer, train_state, params_dict(self.args))
-        if shortened:
-            set_train_timeout(self.parallel, self._collective_timeout())
-        self._at("checkpointed", timeout=self._train_timeout())
+        with self.deadlines.checkpointing():  # a large checkpoint's writes are not a hang
+            path = self.checkpointer.save(self.step, self.model, self.optimizer, train_state, params_dict(self.args))
         return path
 
-    def _collective_timeout(self) -> float:
-        """The collectives' timeout once training runs: the watchdog reports a hang after
-        train_timeout; the collectives' own limit stays a little longer, as a backstop."""
-        grace = BACKSTOP_GRACE if self.watchdog is not None else 0.0
-        return self.config.diagnostics.train_timeout + grace
-
-    def _at(self, phase: str, timeout: Optional[float] = None) -> None:
-        """Tell the watchdog where this rank is (cheap: two attribute writes)."""
-        if self.watchdog is not None:
-            self.watchdog.phase = phase
-            if timeout is not None:
-                self.watchdog.arm(timeout)
-
-    def _train_timeout(self) -> float:
-        """The no-progress limit for this step: the init timeout until this run's first step is done (it
-        pays for compiling and the first collectives, also after a resume), then the train timeout."""
-        c = self.config
-        return c.diagnostics.train_timeout if self._train_timeout_in_force() else c.parallel.init_timeout
-
-    def _train_timeout_in_force(self) -> bool:
-        """This run's first step is done and a train timeout is configured."""
-        return self.step > self.start_step and self.config.diagnostics.train_timeout > 0
-
     def _model_args(self) -> ModelArgs:
+        """The model's shape, checked against data.seq_len and the mesh (a vocab_size of -1, Llama 2's,
+        waits for the tokenizer: _fit_vocab)."""
+        c = self.config
         if self.init_from_meta:
             from ..checkpoint.meta import read_meta_params
 
-            return read_meta_params(self.config.checkpoint.init_from)
-        m = self.config.model
-        overrides = {}
-        if m.vocab_size:
-            overrides["vocab_size"] = m.vocab_size
-        if m.n_layers:
-            overrides["n_layers"] = m.n_layers
-        if m.params_json:
-            return ModelArgs.from_params_json(m.params_json, **overrides)
-        return ModelArgs.from_preset(m.preset, **overrides)
+            args = read_meta_params(c.checkpoint.init_from)
+        else:
+            m = c.model
+            overrides = {}
+            if m.vocab_size:
+                overrides["vocab_size"] = m.vocab_size
+            if m.n_layers:
+                overrides["n_layers"] = m.n_layers
+            args = (ModelArgs.from_params_json(m.params_json, **overrides) if m.params_json
+                    else ModelArgs.from_preset(m.preset, **overrides))
+        if c.data.seq_len > args.max_seq_len:
+            raise ConfigError(
+                f"data.seq_len = {c.data.seq_len} is larger than the model's max_seq_len = {args.max_seq_len}: "
+                "lower data.seq_len"
+            )
+        if args.vocab_size > 0:
+            args.check(self.parallel.mp)
+        return args
+
+    def _fit_vocab(self, tokenizer) -> None:
+        """Before the loader is built: a vocab_size of -1 (Llama 2's params.json) becomes the
+        tokenizer's, and the tokenizer's ids must fit the model's embedding."""
+        if self.args.vocab_size <= 0:
+            self.args = dataclasses.replace(self.args, vocab_size=tokenizer.vocab_size)
+            self.args.check(self.parallel.mp)
+        check_vocab(tokenizer.vocab_size, self.args.vocab_size)
+
+    def _build_model(self) -> torch.nn.Module:
+        """The same full weights on every rank, whatever the layout, then sharded by FSDP."""
+        c, p = self.config, self.parallel
+        torch.manual_seed(c.train.seed)
+        model = Transformer(self.args, p, device=self.device)
+        if self.init_from_meta:  # Meta's shards are sliced into the unsharded model, before FSDP
+            from ..checkpoint.meta import load_meta_checkpoint
+
+            load_meta_checkpoint(c.checkpoint.init_from, model, p)
+        return apply_fsdp(model, p, c.fsdp, compile_blocks=c.train.compile)
 
     def _measure_peak(self) -> float:
         if self.device.type == "cuda":
             raise ConfigError("train.peak_flops must be set on GPUs (the accelerator's dense bf16 peak, e.g. 989e12)")
         # Every rank measures the same window, under the same contention as training. Within it the
-        # scheduler shares the cores unevenly (4 ranks on 2 cores: 30-145 GFLOP/s each, the sum
-        # 298-303 over five runs), so the per-rank peak is the mean over ranks.
+        # scheduler shares the cores unevenly, so the per-rank peak is the mean over ranks.
         peak = torch.tensor([measure_matmul_peak(seconds=0.5, start_together=dist.barrier)], dtype=torch.float64)
         dist.all_reduce(peak)
         return peak.item() / dist.get_world_size()
@@ -285,9 +258,7 @@ class Trainer:
     def train_step(self) -> dict:
         c, p = self.config, self.parallel
         start = time.perf_counter()
-        if self.watchdog is not None:
-            self.watchdog.step = self.step + 1  # the step in progress
-        self._at("data")
+        self.deadlines.at("data", step=self.step + 1)  # the step in progress
         batches = [next(self.loader) for _ in range(c.train.grad_accum)]
         guard_seconds = self._guard_data(batches)
         counts = torch.tensor([float(sum((t != IGNORE_INDEX).sum() for _, t in batches))], device=self.device)
@@ -301,16 +272,16 @@ class Trainer:
             self.model.set_requires_gradient_sync(c.train.grad_sync == "every" or i == len(batches) - 1)
             inputs = inputs.to(self.device, non_blocking=True)
             targets = targets.to(self.device, non_blocking=True)
-            self._at("forward")
+            self.deadlines.at("forward")
             loss = vocab_parallel_cross_entropy(self.model(inputs), targets, parallel=p, reduction="sum")
-            self._at("backward")
+            self.deadlines.at("backward")
             (loss * scale).backward()
             loss_sum += loss.detach()
-        self._at("loss")
+        self.deadlines.at("loss")
         dist.all_reduce(loss_sum, group=p.dp_group)
         mean_loss = loss_sum.item() / global_targets
 
-        self._at("optimizer")
+        self.deadlines.at("optimizer")
         grad_norm = grad_norm_and_clip(self.params, c.optim.grad_clip, self.device)
         lr = self.scheduler.get_last_lr()[0]
         skipped = not (math.isfinite(mean_loss) and math.isfinite(grad_norm))
@@ -324,10 +295,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.step += 1
-        if self.step == self.start_step + 1 and c.diagnostics.train_timeout > 0:
-            # Start-up is over: a long wait is now a hang.
-            set_train_timeout(p, self._collective_timeout())
-            self._at("first step done", timeout=c.diagnostics.train_timeout)
+        self.deadlines.step_done(self.step)
         every = c.diagnostics.replica_check_every
         if every and self.step % every == 0:
             check_replicas(self.model, p, self.step)
@@ -357,9 +325,11 @@ class Trainer:
     def run(self) -> list[dict]:
         d = self.config.diagnostics
         if d.watchdog:
-            self.watchdog = Watchdog(self.parallel, timeout=self._train_timeout(), run_dir=self.run_dir,
-                                     trace_dir=self.trace_dir, interval=d.watchdog_interval).start()
+            self.watchdog = Watchdog(self.parallel, timeout=self.deadlines.no_progress_limit(),
+                                     run_dir=self.run_dir, trace_dir=self.trace_dir,
+                                     interval=d.watchdog_interval).start()
             self.watchdog.step = self.step
+            self.deadlines.watchdog = self.watchdog
         error = None
         try:
             return self._run()
@@ -369,7 +339,7 @@ class Trainer:
         finally:
             if self.watchdog is not None:
                 self.watchdog.close(error)
-                self.watchdog = None
+                self.watchdog = self.deadlines.watchdog = None
 
     def _run(self) -> list[dict]:
         c = self.config

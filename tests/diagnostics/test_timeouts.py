@@ -1,6 +1,10 @@
-"""Tracing defaults respect the user's settings; after step 1 a stuck collective fails within the train timeout."""
+"""Tracing defaults respect the user's settings; after step 1 a stuck collective fails within the train timeout;
+Deadlines applies the init or the train timeout at the right moments."""
 
-from hybridpar.diagnostics.timeouts import ENV_DEFAULTS, apply_env_defaults
+import pytest
+
+from hybridpar.diagnostics import timeouts
+from hybridpar.diagnostics.timeouts import BACKSTOP_GRACE, ENV_DEFAULTS, Deadlines, apply_env_defaults
 from tests.distributed import WorkerPool
 
 
@@ -45,3 +49,96 @@ def test_collective_times_out_after_the_train_timeout():
     # Rank 0 gives up after ~2 s, not after the 120 s the group started with, nor the 8 s of sleep.
     assert rank0["raised_after"] is not None and rank0["raised_after"] < 6.0
     assert "Timed out" in rank0["error"]
+
+
+# --- Deadlines, without a process group: the groups' timeouts are recorded, not set ---------------
+
+INIT, TRAIN = 600.0, 300.0
+
+
+class _Watchdog:
+    """Records what the trainer tells a watchdog."""
+
+    def __init__(self) -> None:
+        self.step, self.phase, self.armed = 0, "start", []
+
+    def arm(self, timeout: float) -> None:
+        self.armed.append((self.phase, timeout))
+
+
+@pytest.fixture
+def group_timeouts(monkeypatch) -> list:
+    calls = []
+    monkeypatch.setattr(timeouts, "set_train_timeout", lambda parallel, seconds: calls.append(seconds))
+    return calls
+
+
+def _deadlines(train_timeout=TRAIN, start_step=0, watchdog=True) -> Deadlines:
+    return Deadlines(INIT, train_timeout, parallel=object(), start_step=start_step,
+                     watchdog=_Watchdog() if watchdog else None)
+
+
+def test_before_the_first_step_the_init_timeout_applies(group_timeouts):
+    d = _deadlines()
+    assert d.no_progress_limit() == INIT and not d.train_timeout_in_force
+    d.at("data", step=1)
+    d.at("forward")
+    assert (d.watchdog.step, d.watchdog.phase, d.watchdog.armed) == (1, "forward", [])
+    assert group_timeouts == []
+
+
+def test_the_first_step_done_sets_the_train_timeout_once(group_timeouts):
+    d = _deadlines()
+    d.step_done(1)
+    assert group_timeouts == [TRAIN + BACKSTOP_GRACE]  # the collectives leave the watchdog time to report
+    assert d.watchdog.armed == [("first step done", TRAIN)] and d.no_progress_limit() == TRAIN
+    d.step_done(2)
+    d.step_done(3)
+    assert group_timeouts == [TRAIN + BACKSTOP_GRACE] and len(d.watchdog.armed) == 1
+
+
+def test_a_resumed_run_keeps_the_init_timeout_until_its_own_first_step(group_timeouts):
+    d = _deadlines(start_step=2)
+    assert d.no_progress_limit() == INIT  # global step 2 > 0, but this run has not stepped yet
+    d.step_done(3)
+    assert group_timeouts == [TRAIN + BACKSTOP_GRACE] and d.no_progress_limit() == TRAIN
+    d.step_done(4)
+    assert group_timeouts == [TRAIN + BACKSTOP_GRACE]
+
+
+def test_a_checkpoint_gets_the_init_timeout_then_the_train_timeout_back(group_timeouts):
+    d = _deadlines()
+    d.step_done(1)
+    group_timeouts.clear()
+    d.watchdog.armed.clear()
+    with d.checkpointing():
+        assert d.watchdog.phase == "checkpoint" and group_timeouts == [INIT]
+    assert group_timeouts == [INIT, TRAIN + BACKSTOP_GRACE]
+    assert d.watchdog.armed == [("checkpoint", INIT), ("checkpointed", TRAIN)]
+
+
+def test_a_checkpoint_before_the_first_step_leaves_the_groups_alone(group_timeouts):
+    d = _deadlines()
+    with d.checkpointing():
+        pass
+    assert group_timeouts == []  # they still have the init timeout
+    assert d.watchdog.armed == [("checkpoint", INIT), ("checkpointed", INIT)]
+
+
+def test_a_train_timeout_of_0_keeps_the_init_timeout(group_timeouts):
+    d = _deadlines(train_timeout=0)
+    d.step_done(1)
+    with d.checkpointing():
+        pass
+    assert group_timeouts == [] and d.no_progress_limit() == INIT and not d.train_timeout_in_force
+    assert d.watchdog.armed == [("checkpoint", INIT), ("checkpointed", INIT)]
+
+
+def test_without_a_watchdog_the_collectives_get_the_train_timeout_itself(group_timeouts):
+    d = _deadlines(watchdog=False)
+    d.at("data", step=1, timeout=1.0)  # nobody to tell
+    d.step_done(1)
+    with d.checkpointing():
+        pass
+    assert group_timeouts == [TRAIN, INIT, TRAIN]
+    assert d.collective_timeout() == TRAIN and _deadlines().collective_timeout() == TRAIN + BACKSTOP_GRACE

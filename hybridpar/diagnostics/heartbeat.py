@@ -1,0 +1,215 @@
+"""Every rank's side of the hang watchdog: its heartbeat, and what it answers the monitor.
+
+A rank publishes a heartbeat through the job's store (the c10d store every launcher already
+provides; no shared file system needed): a beat counter, the step and phase the trainer is in, and
+the number of collectives issued on each mesh group (cheap counters, read without touching the
+flight recorder). When the monitor asks for it, the rank sends its flight-recorder trace and Python
+stack, and keeps a copy in its own trace folder for `hybridpar hang-report`. SIGTERM (the launcher
+stopping the job after another rank failed) wakes the beating thread at once; the rank then gives
+the monitor a few seconds to collect its trace and exits with 128 + SIGTERM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pickle
+import select
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch.distributed as dist
+
+from ..files import write_bytes_atomic
+from ..mesh import ParallelDims
+from . import flight
+from .timeouts import mesh_groups
+
+HANG_EXIT_CODE = 124  # as timeout(1): the job was stopped because it stopped making progress
+
+
+def default_interval(timeout: float) -> float:
+    """Beat often enough to report within a few percent of the timeout, but not more than needed."""
+    return min(5.0, max(0.2, timeout / 20))
+
+
+class Heartbeat:
+    """This rank's beat: the trainer sets `.step`, `.phase` and `.note`; a thread publishes them.
+    `clock` gives monotonic() and sleep() (the `time` module, or a test's stand-in)."""
+
+    _instances = 0
+
+    def __init__(self, parallel: ParallelDims, *, timeout: float, trace_dir: Path, interval: float = 0.0,
+                 exit_fn: Callable[[int], None] = os._exit, clock=time) -> None:
+        self.parallel = parallel
+        self.rank, self.world_size = parallel.rank, parallel.world_size
+        self.timeout = timeout
+        self.interval = interval or default_interval(timeout)
+        self.trace_dir = Path(trace_dir)
+        self.step, self.phase, self.note = 0, "start", ""
+        self._exit = exit_fn
+        self._clock = clock
+        self._groups = mesh_groups(parallel)
+        # Keys must not meet those of an earlier watchdog in the same store: torchrun's store outlives
+        # restarts, and a process may train several times. Every rank counts alike, so keys agree.
+        Heartbeat._instances += 1
+        attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        self._prefix = f"hybridpar/watchdog/{attempt}/{Heartbeat._instances}/"
+        self._store = None
+        self._info: dict = {}
+        self._thread: Optional[threading.Thread] = None  # the thread that beats (the watchdog's)
+        self._stop = threading.Event()
+        self._main_thread = threading.main_thread().ident
+        self._beat = 0
+        self._state = "running"
+        self._dumped = False
+        self._wake_r: Optional[socket.socket] = None
+        self._wake_w: Optional[socket.socket] = None
+        self._previous_handler = None
+
+    def _connect(self) -> None:
+        """This rank's own store connection, and what its trace says about it."""
+        store = dist.distributed_c10d._get_default_store()
+        try:
+            self._store = store.clone()  # its own connection: never queued behind the main thread's calls
+        except (AttributeError, RuntimeError):
+            self._store = store
+        c = self.parallel.coords
+        self._info = {
+            "host": socket.gethostname(), "pid": os.getpid(),
+            "coords": f"mp {c.mp_rank}, dp {c.dp_rank} (replicate {c.replicate_idx}, shard {c.shard_idx})",
+            "groups": {g.group_name: {"dim": dim, "ranks": dist.get_process_group_ranks(g)} for dim, g in self._groups},
+        }
+
+    # --- store helpers --------------------------------------------------------------------------
+
+    def _key(self, name: str) -> str:
+        return self._prefix + name
+
+    def _set(self, name: str, value: str | bytes) -> None:
+        self._store.set(self._key(name), value)
+
+    def _has(self, name: str) -> bool:
+        return self._store.check([self._key(name)])
+
+    def _get_many(self, names: list[str]) -> list[bytes]:
+        return self._store.multi_get([self._key(n) for n in names])
+
+    # --- the beat -------------------------------------------------------------------------------
+
+    def _seqs(self) -> dict[str, int]:
+        return {g.group_name: int(g._get_sequence_number_for_group()) for _, g in self._groups}
+
+    def _publish(self) -> None:
+        self._beat += 1
+        beat = {"beat": self._beat, "step": self.step, "phase": self.phase, "seqs": self._seqs(),
+                "state": self._state, "timeout": self.timeout, "note": self.note}
+        self._set(f"beat/{self.rank}", json.dumps(beat))
+
+    def _dead_after(self) -> float:
+        """A heartbeat silent this long means the process is gone. The beat thread runs while the
+        main thread waits in a collective or computes in kernels that release the GIL; C code that
+        holds the GIL this long would be mistaken for a dead process."""
+        return min(self.timeout, max(5.0, 10 * self.interval))
+
+    # --- SIGTERM and sleeping -------------------------------------------------------------------
+
+    def _watch_signals(self) -> None:
+        """SIGTERM (the launcher stopping the job after a failure) wakes the beating thread at once,
+        even while the main thread sits in a collective and cannot run Python signal handlers."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        r, w = socket.socketpair()
+        r.setblocking(False)
+        w.setblocking(False)
+        try:
+            signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
+        except ValueError:
+            r.close()
+            w.close()
+            return
+        self._wake_r, self._wake_w = r, w
+
+        def on_sigterm(signum, frame):  # runs in the main thread when it next runs Python
+            if self._thread is None or not self._thread.is_alive():
+                raise SystemExit(128 + signum)
+
+        self._previous_handler = signal.signal(signal.SIGTERM, on_sigterm)
+
+    def _unwatch_signals(self) -> None:
+        if self._previous_handler is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._previous_handler)
+            signal.set_wakeup_fd(-1)
+        if self._wake_r is not None:
+            self._wake_r.close()
+            self._wake_w.close()
+
+    def _wake(self) -> None:
+        """Wake the thread from its sleep (closing a socket does not wake a select() in another
+        thread; a byte does)."""
+        if self._wake_w is not None:
+            try:
+                self._wake_w.send(b"\0")
+            except BlockingIOError:  # the buffer is full: the thread is woken already
+                pass
+
+    def _sleep(self) -> bool:
+        """Wait one interval; True if SIGTERM arrived (_wake() sends a zero byte: not SIGTERM)."""
+        if self._wake_r is None:
+            self._stop.wait(self.interval)
+            return False
+        try:
+            ready, _, _ = select.select([self._wake_r], [], [], self.interval)
+            if ready:
+                return signal.SIGTERM in self._wake_r.recv(64)
+        except (OSError, ValueError):
+            self._stop.wait(self.interval)
+        return False
+
+    # --- answering the monitor ------------------------------------------------------------------
+
+    def _answer_dump_request(self) -> None:
+        if not self._dumped and self._has("dump"):
+            self._dump_trace()
+
+    def _record_failure(self, error: BaseException) -> None:
+        """What this rank saw when it raised, for the monitor and for hang-report: it is about to exit."""
+        self.note = f"raised {type(error).__name__}: {flight.short_message(error)}"
+        stack, group_name = flight.error_stack(error)
+        try:
+            self._dump_trace({"stack": stack, "failed_in": group_name})
+        except Exception:
+            pass
+
+    def _dump_trace(self, extra: Optional[dict] = None) -> None:
+        """Send this rank's trace to the monitor and keep a flight-recorder dump on this node."""
+        self._dumped = True
+        info = {**self._info, "rank": self.rank, "world_size": self.world_size, "step": self.step,
+                "phase": self.phase, "note": self.note, "stack": flight.python_stack(self._main_thread),
+                **(extra or {})}
+        try:
+            dump = flight.dump_flight_recorder()
+        except Exception as err:  # the recorder is off (TORCH_FR_BUFFER_SIZE=0): counts only
+            dump = {"entries": [], "pg_status": {}}
+            info["note"] = (info["note"] + "; " if info["note"] else "") + f"no flight recorder ({err})"
+        dump["hybridpar"] = info
+        trace = flight.trace_from_dump(dump, info)
+        self._set(f"trace/{self.rank}", json.dumps(dataclasses.asdict(trace)))
+        try:  # this node's own copy, for `hybridpar hang-report` later
+            write_bytes_atomic(self.trace_dir / f"flight_recorder_rank_{self.rank}", pickle.dumps(dump))
+        except OSError:
+            pass
+
+    def _wait_for_verdict(self) -> None:
+        """Being torn down: give the monitor a few seconds to collect this rank's trace, then go."""
+        deadline = self._clock.monotonic() + max(5.0, 4 * self.interval)
+        while self._clock.monotonic() < deadline and not self._has("verdict"):
+            self._answer_dump_request()
+            self._clock.sleep(min(0.2, self.interval))
+        self._answer_dump_request()
+        self._exit(128 + signal.SIGTERM)

@@ -1,0 +1,182 @@
+"""The hang watchdog's monitor: rank 0 reads every rank's heartbeat (rank 1 when rank 0's stops).
+
+It acts when
+  - no rank has made progress (step, phase or collective count) for the timeout: a hang;
+  - a rank's heartbeat stopped: the process is gone (killed, crashed, os._exit), or a rank never
+    started beating within the timeout (stuck before training);
+  - a rank raised and the others are stuck without it;
+  - the launcher is tearing the job down (SIGTERM after another rank failed).
+Then it asks every live rank for its trace, runs `flight.analyse`, prints one report, writes
+`hang_report.json` in the run folder and tells every rank to exit with HANG_EXIT_CODE.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import traceback
+from pathlib import Path
+from typing import Optional
+
+from ..files import write_text_atomic
+from ..mesh import ParallelDims
+from . import flight
+from .heartbeat import HANG_EXIT_CODE, Heartbeat
+
+
+class Monitor(Heartbeat):
+    """A heartbeat that also watches everyone's: rank 0's acts, rank 1's takes over when rank 0's stops."""
+
+    def __init__(self, parallel: ParallelDims, *, run_dir: Path, **beat) -> None:
+        super().__init__(parallel, **beat)
+        self.run_dir = Path(run_dir)
+        # rank -> (last value, monitor time it last changed)
+        self._beats: dict[int, tuple[object, float]] = {}
+        self._progress: dict[int, tuple[object, float]] = {}
+        self._last: dict[int, dict] = {}  # rank -> its last heartbeat
+        self._all_beating = False
+        self._teardown = False  # some rank got SIGTERM: the launcher is stopping the job
+        self._dead: list[int] = []
+
+    def _rank0_gone(self) -> bool:
+        """Rank 1's question before it takes over: has rank 0's heartbeat stopped?"""
+        if not self._has("beat/0"):  # rank 0 is still setting up: a get would block until it beats
+            return False
+        beat = json.loads(self._get_many(["beat/0"])[0])
+        now = self._clock.monotonic()
+        last = self._beats.get(0)
+        if last is None or last[0] != beat["beat"]:
+            self._beats[0] = (beat["beat"], now)
+            return False
+        return beat["state"] != "done" and now - last[1] > self._dead_after()
+
+    # --- reading the heartbeats -----------------------------------------------------------------
+
+    def _read_beats(self) -> dict[int, dict]:
+        names = [f"beat/{r}" for r in range(self.world_size)]
+        if not self._all_beating:  # until every rank has beaten once: one check each
+            present = [n for n in names if self._store.check([self._key(n)])]
+            self._all_beating = len(present) == len(names)
+        else:  # then one round trip for all (a beat key is never deleted)
+            present = names
+        values = self._get_many(present) if present else []
+        return {int(n.split("/")[1]): json.loads(v) for n, v in zip(present, values)}
+
+    def _observe(self, now: float) -> None:
+        """Note, per rank, when its beat and its progress last changed."""
+        beats = self._read_beats()
+        for r in range(self.world_size):
+            b = beats.get(r)
+            if b is None:
+                self._beats.setdefault(r, (None, now))
+                self._progress.setdefault(r, (None, now))
+                continue
+            self._last[r] = b
+            if self._beats.get(r, (None,))[0] != b["beat"]:
+                self._beats[r] = (b["beat"], now)
+            progress = (b["step"], b["phase"], tuple(sorted(b["seqs"].items())))
+            if self._progress.get(r, (None,))[0] != progress:
+                self._progress[r] = (progress, now)
+
+    def _states(self, state: str, ranks: list[int]) -> list[int]:
+        return [r for r in ranks if self._last.get(r, {}).get("state") == state]
+
+    # --- deciding -------------------------------------------------------------------------------
+
+    def _check(self) -> Optional[str]:
+        """The reason to report now, or None."""
+        now = self._clock.monotonic()
+        self._observe(now)
+        active = [r for r in range(self.world_size) if self._last.get(r, {}).get("state") != "done"]
+        if not active:
+            return None
+        failed, terminating = self._states("failed", active), self._states("terminating", active)
+        timeout = max(self._last.get(r, {}).get("timeout", self.timeout) for r in active)
+        idle = now - max(self._progress[r][1] for r in active)
+        # A failed rank stops beating once it has published its error and trace: not a death.
+        stopped = [r for r in active if r not in failed and self._beats[r][0] is not None
+                   and now - self._beats[r][1] > self._dead_after()]
+        if self.rank == 1 and 0 not in stopped + failed:  # rank 1 monitors only when rank 0 is gone
+            stopped.append(0)
+        # A rank that never beat may still be setting up (building the model, loading a checkpoint)
+        # without any collective: it gets the whole timeout.
+        unstarted = [r for r in active if self._beats[r][0] is None and now - self._beats[r][1] > timeout]
+        self._dead = sorted(stopped + unstarted)
+        reasons = []
+        if stopped:
+            reasons.append(f"rank(s) {sorted(stopped)} stopped sending heartbeats (process gone)")
+        if unstarted:
+            reasons.append(f"rank(s) {unstarted} have not started their watchdog within {timeout:g} s "
+                           "(not reached training: stuck in set-up, or never started)")
+        if reasons:
+            return "; ".join(reasons)
+        if failed and idle > self._dead_after():  # failed alone, and the others are stuck without it
+            notes = "; ".join(f"rank {r} {self._last[r]['note']}" for r in failed[:3])
+            return f"rank(s) {failed} failed: {notes}"
+        if terminating:
+            self._teardown = True
+            return f"the launcher is stopping the job (SIGTERM to ranks {terminating})"
+        if idle > timeout:
+            return f"no progress on any rank for {idle:.1f} s (timeout {timeout:g} s)"
+        return None
+
+    # --- reporting ------------------------------------------------------------------------------
+
+    def _report(self, reason: str) -> None:
+        """Collect the traces, print and write the verdict, and make every rank exit."""
+        self._set("dump", reason)
+        self._answer_dump_request()
+        dead = list(self._dead)
+        if self._teardown or self._state == "terminating":
+            # Ranks killed before the launcher's SIGTERM stop beating first: wait until that shows.
+            self._clock.sleep(min(self._dead_after(), 3 * self.interval + 1.0))
+            self._check()
+            dead = list(self._dead)
+        traces = self._collect(dead)
+        gone = sorted(set(dead) | (set(range(self.world_size)) - set(traces)))
+        for r, t in traces.items():
+            last = self._last.get(r)
+            if last and last.get("note") and not t.note:
+                t.note = last["note"]
+        text = self._write(reason, traces, gone)
+        self._set("verdict", text)
+        self._set("abort", "1")
+        self._exit(HANG_EXIT_CODE)
+
+    def _write(self, reason: str, traces: dict[int, flight.RankTrace], gone: list[int]) -> str:
+        """Analyse, print the report and write hang_report.json; the report's text."""
+        last_issued = {r: self._last.get(r, {}).get("seqs", {}) for r in gone}
+        step = max((last.get("step", 0) for last in self._last.values()), default=0)
+        headline = f"hybridpar watchdog at step {step}: {reason}"
+        try:
+            verdict = flight.analyse(traces, gone, last_issued)
+            text = flight.format_report(verdict, headline, self.world_size)
+            report = {"reason": reason, "step": step, **verdict.to_json()}
+        except Exception:  # a bug in the analysis must not cost the report, nor the other ranks' exit
+            error = traceback.format_exc()
+            text = f"{headline}\nthe analysis of the traces failed:\n{error}"
+            report = {"reason": reason, "step": step, "analysis_error": error}
+        report_path = self.run_dir / "hang_report.json"
+        text += (f"\nreport: {report_path}; per-rank traces: {self.trace_dir} on each node "
+                 f"(`hybridpar hang-report DIR` after collecting them)\nthe ranks exit with code {HANG_EXIT_CODE} "
+                 f"(those the launcher is stopping: {128 + signal.SIGTERM})")
+        print("\n" + text + "\n", file=sys.stderr, flush=True)
+        try:
+            write_text_atomic(report_path, json.dumps(report, indent=1))
+        except OSError as err:
+            print(f"hybridpar watchdog: could not write {report_path}: {err}", file=sys.stderr, flush=True)
+        return text
+
+    def _collect(self, dead: list[int]) -> dict[int, flight.RankTrace]:
+        """Traces of every live rank; those that do not answer within a few seconds are left out."""
+        wanted = [r for r in range(self.world_size) if r not in dead]
+        deadline = self._clock.monotonic() + max(5.0, 4 * self.interval)
+        traces: dict[int, flight.RankTrace] = {}
+        while True:
+            for r in wanted:
+                if r not in traces and self._has(f"trace/{r}"):
+                    traces[r] = flight.RankTrace.from_json(json.loads(self._get_many([f"trace/{r}"])[0]))
+            if len(traces) == len(wanted) or self._clock.monotonic() > deadline:
+                return traces
+            self._clock.sleep(0.1)

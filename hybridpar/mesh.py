@@ -267,7 +267,7 @@ def _shutdown() -> None:
 
     Gloo groups left to the interpreter's final garbage collection can abort the process
     ("terminate called without an active exception") after the job's work is done, which the
-    launcher then reports as a failure: about one run in four here.
+    launcher then reports as a failure (bench/README.md, "Notes").
     """
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -1,19 +1,14 @@
 """`hybridpar doctor`: check a job's mesh, environment, links and data pipeline before training on it.
 
-Run under the same launcher and environment as training (torchrun, srun; a world of one works):
-
-  1. layout: every rank reports host, local rank, device, pid; rank 0 prints one table with the
-     mesh coordinates and warns when a model-parallel group spans hosts;
-  2. environment (hybridpar.diagnostics.env): deprecated or unparsable NCCL variables, missing
-     socket interfaces on multi-host jobs, contradicting timeouts, variables that differ between
-     ranks, CPU oversubscription;
-  3. bus bandwidth of all_reduce, all_gather and reduce_scatter on every mesh dimension, with
-     nccl-tests' definitions: algbw = bytes / time, busbw = algbw * 2(n-1)/n for all_reduce and
-     algbw * (n-1)/n for all_gather and reduce_scatter, where bytes is the size of the whole
-     (gathered / unreduced) buffer, so busbw is comparable with the link speed at any n;
-  4. data guard (with --config): the trainer's data pipeline is built and its first batch checked
-     (ranks of an mp group share it, dp ranks differ), as the trainer does at step 1.
-
+Run under the launcher and environment of training (torchrun, srun; a world of one works):
+  1. layout: each rank's host, local rank, device and pid with its mesh coordinates; a warning when
+     a model-parallel group spans hosts;
+  2. environment (diagnostics/env.py): deprecated or unparsable NCCL variables, socket interfaces,
+     contradicting timeouts, variables that differ between ranks, CPU oversubscription;
+  3. bus bandwidth of all_reduce, all_gather and reduce_scatter on every mesh dimension, by
+     nccl-tests' definitions (algbw = whole buffer / time; busbw = algbw x 2(n-1)/n for all_reduce,
+     x (n-1)/n for the other two), comparable with the link speed at any n;
+  4. data guard (with --config): the trainer's own data pipeline, its step-1 batches checked.
 Every finding is an error, a warning or ok; `run_doctor` returns 1 when there is an error.
 """
 
@@ -342,19 +337,10 @@ def run_doctor(config: Config, parallel: ParallelDims, options: DoctorOptions,
         bus_factor(op, 2)  # unknown names fail here, before any collective
     if options.iters < 1 or options.warmup < 0:
         raise ValueError(f"--iters must be >= 1 and --warmup >= 0, got {options.iters} and {options.warmup}")
-    p, is_main = parallel, parallel.rank == 0
+    p = parallel
     sizes = (p.dp_replicate, p.dp_shard, p.mp)
-
     infos = gather_objects(rank_info(p, environ))
-    n_hosts = len({i["host"] for i in infos})
-    findings = check_layout(infos, *sizes)
-    per_rank = [check_env(i["env"], n_hosts=n_hosts, backend=p.backend, interfaces=i["interfaces"],
-                          init_timeout=config.parallel.init_timeout, train_timeout=config.diagnostics.train_timeout)
-                for i in infos]
-    findings += merge_findings(per_rank)
-    findings += check_rank_envs([i["env"] for i in infos])
-    findings += check_threads(infos)
-
+    findings = _environment_findings(config, p, infos)
     rows: list[dict] = []
     if options.busbw:
         timings = gather_objects(measure_busbw(p, options.sizes, options.iters, options.warmup, options.ops))
@@ -362,36 +348,53 @@ def run_doctor(config: Config, parallel: ParallelDims, options: DoctorOptions,
     if options.data_guard:
         findings.append(run_data_guard(config, p))
     findings = sort_findings(findings)
-
     errors = sum(f.level == ERROR for f in findings)
-    warnings = sum(f.level == WARNING for f in findings)
-    if is_main:
-        echo(f"hybridpar doctor: {p.world_size} ranks = dp_replicate {p.dp_replicate} x dp_shard {p.dp_shard} x "
-             f"mp {p.mp}, {p.backend} on {p.device.type}, {n_hosts} host(s), torch {torch.__version__}")
-        echo(_section("mesh layout"))
-        echo(format_layout(layout_rows(infos, *sizes)))
-        echo(_section("bus bandwidth in GB/s (nccl-tests formulas; slowest group per dim)"))
-        if not options.busbw:
-            echo("skipped (--no-busbw)")
-        else:
-            echo(format_busbw(rows) if rows else "nothing to measure: every mesh dimension has one rank")
-        echo(_section("checks"))
-        for f in findings:
-            echo(f.line())
-        if not options.data_guard:
-            echo("(data guard skipped: pass --config with the training config to check its data pipeline)")
-        verdict = "FAILED" if errors else "passed"
-        echo(f"\ndoctor {verdict}: {errors} error(s), {warnings} warning(s)")
-        if options.out:
-            report = {
-                "world_size": p.world_size, "dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "mp": p.mp,
-                "backend": p.backend, "torch": torch.__version__, "hosts": sorted({i["host"] for i in infos}),
-                "layout": layout_rows(infos, *sizes), "busbw": rows, "iters": options.iters,
-                "findings": [f.to_dict() for f in findings], "errors": errors, "warnings": warnings,
-            }
-            write_text_atomic(options.out, json.dumps(report, indent=1) + "\n")
-            echo(f"wrote {options.out}")
+    if p.rank == 0:
+        _report(p, infos, rows, findings, options, echo)
     # Every rank exits with the same code; waiting here keeps a launcher from stopping rank 0 (when the
     # others exit 1 first) before its report is out.
     dist.barrier()
     return 1 if errors else 0
+
+
+def _environment_findings(config: Config, p: ParallelDims, infos: Sequence[Mapping]) -> list[Finding]:
+    n_hosts = len({i["host"] for i in infos})
+    findings = check_layout(infos, p.dp_replicate, p.dp_shard, p.mp)
+    per_rank = [check_env(i["env"], n_hosts=n_hosts, backend=p.backend, interfaces=i["interfaces"],
+                          init_timeout=config.parallel.init_timeout, train_timeout=config.diagnostics.train_timeout)
+                for i in infos]
+    return findings + merge_findings(per_rank) + check_rank_envs([i["env"] for i in infos]) + check_threads(infos)
+
+
+def _report(p: ParallelDims, infos: Sequence[Mapping], rows: list[dict], findings: list[Finding],
+            options: DoctorOptions, echo) -> None:
+    """Rank 0's printout (and --out)."""
+    sizes = (p.dp_replicate, p.dp_shard, p.mp)
+    hosts = sorted({i["host"] for i in infos})
+    errors = sum(f.level == ERROR for f in findings)
+    warnings = sum(f.level == WARNING for f in findings)
+    echo(f"hybridpar doctor: {p.world_size} ranks = dp_replicate {p.dp_replicate} x dp_shard {p.dp_shard} x "
+         f"mp {p.mp}, {p.backend} on {p.device.type}, {len(hosts)} host(s), torch {torch.__version__}")
+    echo(_section("mesh layout"))
+    echo(format_layout(layout_rows(infos, *sizes)))
+    echo(_section("bus bandwidth in GB/s (nccl-tests formulas; slowest group per dim)"))
+    if not options.busbw:
+        echo("skipped (--no-busbw)")
+    else:
+        echo(format_busbw(rows) if rows else "nothing to measure: every mesh dimension has one rank")
+    echo(_section("checks"))
+    for f in findings:
+        echo(f.line())
+    if not options.data_guard:
+        echo("(data guard skipped: pass --config with the training config to check its data pipeline)")
+    verdict = "FAILED" if errors else "passed"
+    echo(f"\ndoctor {verdict}: {errors} error(s), {warnings} warning(s)")
+    if options.out:
+        report = {
+            "world_size": p.world_size, "dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "mp": p.mp,
+            "backend": p.backend, "torch": torch.__version__, "hosts": hosts,
+            "layout": layout_rows(infos, *sizes), "busbw": rows, "iters": options.iters,
+            "findings": [f.to_dict() for f in findings], "errors": errors, "warnings": warnings,
+        }
+        write_text_atomic(options.out, json.dumps(report, indent=1) + "\n")
+        echo(f"wrote {options.out}")

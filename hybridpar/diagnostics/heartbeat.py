@@ -25,6 +25,7 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
+from ..compat.torch import default_store, sequence_number
 from ..files import write_bytes_atomic
 from ..mesh import ParallelDims
 from . import flight
@@ -74,7 +75,7 @@ class Heartbeat:
 
     def _connect(self) -> None:
         """This rank's own store connection, and what its trace says about it."""
-        store = dist.distributed_c10d._get_default_store()
+        store = default_store()
         try:
             self._store = store.clone()  # its own connection: never queued behind the main thread's calls
         except (AttributeError, RuntimeError):
@@ -103,7 +104,7 @@ class Heartbeat:
     # --- the beat -------------------------------------------------------------------------------
 
     def _seqs(self) -> dict[str, int]:
-        return {g.group_name: int(g._get_sequence_number_for_group()) for _, g in self._groups}
+        return {g.group_name: sequence_number(g) for _, g in self._groups}
 
     def _publish(self) -> None:
         self._beat += 1

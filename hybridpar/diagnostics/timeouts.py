@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, MutableMapping, Optional
 
 import torch.distributed as dist
-from torch.distributed import distributed_c10d
 
+from ..compat.torch import set_pg_timeout
 from ..mesh import ParallelDims
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ def set_train_timeout(parallel: ParallelDims, seconds: float) -> None:
     """Give every group of the mesh the (shorter) timeout used once training runs."""
     timeout = timedelta(seconds=seconds)
     for _, group in mesh_groups(parallel):
-        distributed_c10d._set_pg_timeout(timeout, group)
+        set_pg_timeout(timeout, group)
 
 
 class Deadlines:

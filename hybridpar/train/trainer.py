@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from models.llama import ModelArgs, Transformer
 
 from ..checkpoint.dcp import Checkpointer, latest_checkpoint, params_dict
+from ..compat.torch import foreach_mul_, foreach_norm
 from ..config import Config, ConfigError, dump_toml
 from ..data import build_training_data, check_vocab
 from ..diagnostics.data_guard import check_data, step_fingerprint
@@ -98,14 +99,14 @@ def grad_norm_and_clip(params: list[torch.nn.Parameter], max_norm: float,
         locals_.append(grad)
     if not locals_:
         return 0.0
-    norms = torch.stack(torch._foreach_norm(locals_, 2.0)).float()
+    norms = torch.stack(foreach_norm(locals_, 2.0)).float()
     weights = torch.tensor(copies, dtype=torch.float32, device=norms.device)
     total_sq = (norms.square() / weights).sum().to(device or norms.device)
     dist.all_reduce(total_sq)
     total = total_sq.sqrt()
     if max_norm > 0:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        torch._foreach_mul_(locals_, coef.to(locals_[0].device, locals_[0].dtype))
+        foreach_mul_(locals_, coef.to(locals_[0].device, locals_[0].dtype))
     return total.item()
 
 

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from models.llama import ModelArgs, Transformer
 
-from ..checkpoint.dcp import Checkpointer, latest_checkpoint, params_dict
+from ..checkpoint.dcp import Checkpointer, complete_checkpoints, latest_checkpoint, params_dict
 from ..compat.torch import foreach_mul_, foreach_norm
 from ..config import Config, ConfigError, dump_toml
 from ..data import build_training_data, check_vocab
@@ -35,7 +35,7 @@ from ..diagnostics.data_guard import check_data, step_fingerprint
 from ..diagnostics.replicas import check_replicas
 from ..diagnostics.timeouts import Deadlines, apply_env_defaults
 from ..diagnostics.watchdog import Watchdog
-from ..files import write_text_atomic
+from ..files import refuse_occupied, write_text_atomic
 from ..mesh import ParallelDims, init_parallel
 from ..parallel import vocab_parallel_cross_entropy
 from ..parallel.fsdp import apply_fsdp
@@ -162,9 +162,6 @@ class Trainer:
 
     def _restore(self) -> Optional[Path]:
         """Resume from the newest complete checkpoint, or take the weights of checkpoint.init_from."""
-        from ..checkpoint.dcp import complete_checkpoints
-        from ..files import refuse_occupied
-
         c = self.config.checkpoint
         params = params_dict(self.args)
         if not c.resume:

@@ -1,8 +1,8 @@
-"""SentencePiece tokenizers with Llama 2's conventions: load Meta's tokenizer.model or train one.
+"""Tokenizers: load Llama 2's or Llama 3's tokenizer.model or a tokenizer.json, or train a sentencepiece one.
 
-Llama 2 ids: unk 0, bos 1, eos 2 and no pad piece (pad_id -1). Trained tokenizers follow Llama 2's
-trainer settings too (BPE, byte fallback so no text is ever unknown, digits split, no
-normalisation, whitespace kept as is), so decode(encode(text)) == text.
+Trained ones follow Llama 2's ids (unk 0, bos 1, eos 2, no pad piece: pad_id -1) and its trainer
+settings (BPE, byte fallback so no text is ever unknown, digits split, no normalisation,
+whitespace kept as is), so decode(encode(text)) == text.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Callable, Iterable, Iterator, Optional, Sequence
 import numpy as np
 import sentencepiece as spm
 
+from hybridpar.data.bpe import HuggingFaceBPE, TiktokenBPE, detect_kind, find_tokenizer_file
 from hybridpar.files import PathLike, file_lock, sha256_file, sha256_text, write_bytes_atomic
 
 log = logging.getLogger(__name__)
@@ -33,70 +34,86 @@ _MAX_SENTENCE_CHARS = 4096
 
 
 class Tokenizer:
-    """A sentencepiece model file. Ids are plain Python ints; bos/eos are added only when asked."""
+    """A tokenizer file; the kind is read from its contents, whatever the file is called:
+
+    - a sentencepiece model (Llama 2's tokenizer.model, or one train_tokenizer wrote);
+    - a tiktoken BPE file (Llama 3's tokenizer.model in Meta's original/ folder): bos is
+      <|begin_of_text|> = the number of BPE ranks, eos <|end_of_text|> = that + 1 (see bpe.py);
+    - a Hugging Face tokenizer.json (bos/eos: bpe.hf_special_ids).
+    A folder stands for its tokenizer.model, else its tokenizer.json. Ids are plain Python ints;
+    bos/eos are added only when asked, and ordinary text never encodes to special tokens.
+    """
 
     def __init__(self, model_path: PathLike) -> None:
         path = Path(model_path)
         if not path.exists():
             raise FileNotFoundError(
-                f"tokenizer model {path} does not exist; pass a sentencepiece tokenizer.model "
-                f"(e.g. Llama 2's) or none to train one on the corpus"
+                f"tokenizer model {path} does not exist; pass a tokenizer.model (sentencepiece, e.g. Llama 2's, "
+                f"or Meta's Llama 3 tiktoken file), a Hugging Face tokenizer.json, or none to train one on the corpus"
             )
         if path.is_dir():
-            raise IsADirectoryError(f"tokenizer model {path} is a directory; pass the tokenizer.model file inside it")
+            path = find_tokenizer_file(path)
         self.path = path
-        self._sp = _load_processor(path)
+        self._impl = _load(path)
+
+    @property
+    def kind(self) -> str:
+        """"sentencepiece", "tiktoken" or "huggingface"."""
+        return self._impl.kind
 
     @property
     def vocab_size(self) -> int:
-        return self._sp.vocab_size()
+        return self._impl.vocab_size
 
     @property
     def bos_id(self) -> int:
-        return self._sp.bos_id()
+        return self._impl.bos_id
 
     @property
     def eos_id(self) -> int:
-        return self._sp.eos_id()
+        return self._impl.eos_id
 
     @property
     def unk_id(self) -> int:
-        return self._sp.unk_id()
+        return self._impl.unk_id
 
     @property
     def pad_id(self) -> int:
-        return self._sp.pad_id()
+        return self._impl.pad_id
 
     @cached_property
     def sha256(self) -> str:
-        """Of the model file: what a prepared token file records to know which tokenizer made it."""
-        return sha256_file(self.path)
+        """Of the model file (and a tokenizer_config.json read beside a tokenizer.json): what a
+        prepared token file records to know which tokenizer made it."""
+        return self._impl.sha256
 
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
         if not isinstance(text, str):
             raise TypeError(f"encode takes one str, got {type(text).__name__}; use encode_batch for a list")
-        return self._with_specials(self._sp.encode(text), bos, eos)
+        return self._with_specials(self._impl.encode(text), bos, eos)
 
     def encode_batch(self, texts: Sequence[str], bos: bool = False, eos: bool = False) -> list[list[int]]:
-        """Encode many texts in one call (sentencepiece spreads it over its threads)."""
+        """Encode many texts in one call (the libraries spread it over their threads)."""
         texts = list(texts)
         if not texts:
             return []
-        return [self._with_specials(ids, bos, eos) for ids in self._sp.encode(texts)]
+        return [self._with_specials(ids, bos, eos) for ids in self._impl.encode_batch(texts)]
 
     def encode_batch_numpy(self, texts: Sequence[str]) -> list[np.ndarray]:
-        """Like encode_batch (no bos/eos) as int32 arrays: no Python int per token, for bulk tokenising."""
+        """Like encode_batch (no bos/eos) as int32 arrays, for bulk tokenising (sentencepiece makes
+        them directly, without a Python int per token)."""
         texts = list(texts)
-        return self._sp.encode(texts, out_type="numpy") if texts else []
+        return self._impl.encode_batch_numpy(texts) if texts else []
 
     def decode(self, ids: Iterable[int]) -> str:
-        """Decode ids (a list, numpy array or tensor); bos/eos pieces decode to nothing."""
+        """Decode ids (a list, numpy array or tensor); bos/eos and other special pieces decode to nothing."""
         if hasattr(ids, "tolist"):
             ids = ids.tolist()
-        return self._sp.decode([int(i) for i in ids])
+        return self._impl.decode([int(i) for i in ids])
 
     def id_to_piece(self, token_id: int) -> str:
-        return self._sp.id_to_piece(int(token_id))
+        """The token's piece: sentencepiece's ("▁the"), or for BPE kinds as bpe.py's docstring says."""
+        return self._impl.id_to_piece(int(token_id))
 
     def _with_specials(self, ids: list[int], bos: bool, eos: bool) -> list[int]:
         if bos:
@@ -110,16 +127,56 @@ class Tokenizer:
             raise ValueError(f"tokenizer {self.path} has no {name} piece ({name}_id is -1)")
         return token_id
 
-    # DataLoader workers and spawned processes get a copy: ship the path, not the C++ object.
+    # DataLoader workers and spawned processes get a copy: ship the path, not the library's object.
     def __getstate__(self) -> dict:
         return {"path": self.path}
 
     def __setstate__(self, state: dict) -> None:
         self.path = state["path"]
-        self._sp = _load_processor(self.path)
+        self._impl = _load(self.path)
 
     def __repr__(self) -> str:
-        return f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
+        return f"Tokenizer({str(self.path)!r}, kind={self.kind}, vocab_size={self.vocab_size})"
+
+
+def _load(path: Path):
+    kind = detect_kind(path)
+    if kind == "tiktoken":
+        return TiktokenBPE(path)
+    if kind == "huggingface":
+        return HuggingFaceBPE(path)
+    return _SentencePiece(path)
+
+
+class _SentencePiece:
+    """A sentencepiece model behind the Tokenizer interface, ids exactly as the processor gives them."""
+
+    kind = "sentencepiece"
+
+    def __init__(self, path: Path) -> None:
+        self._sp = _load_processor(path)
+        self.vocab_size, self.bos_id, self.eos_id = self._sp.vocab_size(), self._sp.bos_id(), self._sp.eos_id()
+        self.unk_id, self.pad_id = self._sp.unk_id(), self._sp.pad_id()
+        self.path = path
+
+    @cached_property
+    def sha256(self) -> str:
+        return sha256_file(self.path)
+
+    def encode(self, text: str) -> list[int]:
+        return self._sp.encode(text)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self._sp.encode(texts)
+
+    def encode_batch_numpy(self, texts: list[str]) -> list[np.ndarray]:
+        return self._sp.encode(texts, out_type="numpy")
+
+    def decode(self, ids: list[int]) -> str:
+        return self._sp.decode(ids)
+
+    def id_to_piece(self, token_id: int) -> str:
+        return self._sp.id_to_piece(token_id)
 
 
 def _load_processor(path: Path) -> spm.SentencePieceProcessor:
@@ -127,8 +184,9 @@ def _load_processor(path: Path) -> spm.SentencePieceProcessor:
         return spm.SentencePieceProcessor(model_file=str(path))
     except (RuntimeError, OSError) as e:
         raise ValueError(
-            f"{path} is not a valid sentencepiece model ({e}); pass a tokenizer.model file "
-            f"(e.g. Llama 2's) or none to train one"
+            f"{path} is not a valid sentencepiece model ({e}), nor a tiktoken BPE file (a 'base64-token rank' "
+            f"line each) nor a Hugging Face tokenizer.json (JSON); pass one of these three, e.g. Llama 2's "
+            f"tokenizer.model, Llama 3's original/tokenizer.model or a tokenizer.json, or none to train one"
         ) from e
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Iterable, Iterator, Optional, Sequence, Union
 
@@ -30,6 +31,11 @@ SIDECAR_SUFFIX = ".json"
 DATA_FILE_KINDS = {".txt": "txt", ".jsonl": "jsonl"}
 # A document longer than this is tokenised in pieces, each cut right after a newline.
 PIECE_CHARS = 1 << 16
+# Pieces end after a newline whose next line holds a non-space character: split patterns such as
+# Llama 3's join a newline to the blank lines or indentation after it, never to such a line, so
+# the pieces tokenise as the whole does. Past this many PIECE_CHARS any newline will do (memory).
+_CUT_AFTER = re.compile(r"\n(?=[^\S\r\n]*\S)")
+_LONGEST_PIECE = 16
 # Characters handed to the tokenizer per call: bounds memory.
 BATCH_CHARS = 1 << 17
 # A piece that continues a document is encoded after this separator, whose tokens are then dropped,
@@ -129,11 +135,11 @@ def _txt_pieces(path: Path) -> Iterator[str]:
     try:
         with open(path, encoding="utf-8") as f:  # universal newlines: '\r\n' arrives as '\n'
             for line in f:
-                lines.append(line)
-                size += len(line)
-                if size >= PIECE_CHARS:
+                if size >= PIECE_CHARS and (line.strip() or size >= _LONGEST_PIECE * PIECE_CHARS):
                     yield "".join(lines)
                     lines, size = [], 0
+                lines.append(line)
+                size += len(line)
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 text ({e}); convert it to UTF-8") from e
     if lines:
@@ -165,10 +171,13 @@ def _jsonl_texts(path: Path, text_field: str) -> Iterator[str]:
 
 
 def _cut(text: str) -> Iterator[str]:
-    """Pieces of about PIECE_CHARS, each ending right after a newline (or at the end of the text)."""
+    """Pieces of about PIECE_CHARS, each ending right after a newline (or at the end of the text),
+    where _CUT_AFTER allows if it can."""
     start = 0
     while start < len(text):
-        end = text.find("\n", start + PIECE_CHARS - 1)
+        first = start + PIECE_CHARS - 1
+        found = _CUT_AFTER.search(text, first, first + _LONGEST_PIECE * PIECE_CHARS)
+        end = found.start() if found else text.find("\n", first)
         end = len(text) if end < 0 else end + 1
         yield text[start:end]
         start = end

@@ -75,8 +75,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     args (an argparse namespace or anything with these attributes): checkpoint (a hybridpar
     checkpoint, a folder of them, or a Meta folder with params.json and consolidated.NN.pth),
-    tokenizer (sentencepiece tokenizer.model), prompts (list of str), max_new_tokens, temperature,
-    top_p, mp; optional seed (0) and dtype ("float32" on CPU, "bfloat16" on GPU when absent).
+    tokenizer (what Tokenizer reads: a tokenizer.model, a tokenizer.json or a folder holding one),
+    prompts (list of str), max_new_tokens, temperature, top_p, mp; optional seed (0) and dtype
+    ("float32" on CPU, "bfloat16" on GPU when absent).
     """
     import torch.distributed as dist
 
@@ -224,7 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     convert.set_defaults(func=_cmd_convert)
     gen = sub.add_parser("generate", help="continue prompts with a trained model (greedy or top-p, KV cache)")
     gen.add_argument("--checkpoint", required=True, help="a hybridpar checkpoint (or a folder of them) or a Meta folder")
-    gen.add_argument("--tokenizer", required=True, help="the sentencepiece tokenizer.model the model was trained with")
+    gen.add_argument("--tokenizer", required=True,
+                     help="the tokenizer the model was trained with: a tokenizer.model (sentencepiece, or Llama 3's "
+                          "tiktoken file), a Hugging Face tokenizer.json, or a folder holding one")
     gen.add_argument("--prompt", action="append", dest="prompts", required=True, help="repeat for a batch")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")

@@ -41,7 +41,7 @@ class ParallelConfig:
 class DataConfig:
     source: str = "default"  # "default" (embedded corpus), a .txt/.jsonl file, or a directory of them
     text_field: str = "text"  # jsonl field holding the text
-    tokenizer: str = ""  # a sentencepiece tokenizer.model; "" trains one on the source (cached)
+    tokenizer: str = ""  # a tokenizer.model, tokenizer.json or their folder; "" trains one on the source (cached)
     tokenizer_vocab_size: int = 4096  # when training a tokenizer
     seq_len: int = 128
     micro_batch_size: int = 2  # sequences per rank per micro-batch

@@ -240,3 +240,27 @@ def test_main_generate_prints_on_rank_0_only(workers, tmp_path):
     assert [bool(text) for _, text in results] == [True, False, False, False]
     printed = results[0][1]
     assert all(p in printed for p in prompts) and printed.count("\n> ") == 2
+
+
+def test_main_generate_with_llama3_and_hugging_face_tokenizers(workers, tmp_path):
+    """Meta's original/ folder with a tiktoken tokenizer.model, and a folder with a tokenizer.json."""
+    pytest.importorskip("hybridpar.checkpoint.meta", reason="the Meta checkpoint reader is not there yet")
+    from hybridpar.data import Tokenizer, default_corpus_documents
+    from tests.data.bpe_files import train_hf_bpe, write_tiktoken_file
+
+    hf, n_words = train_hf_bpe(list(default_corpus_documents(max_documents=150)), 800)
+    (tmp_path / "original").mkdir()
+    (tmp_path / "hf").mkdir()
+    write_tiktoken_file(hf, tmp_path / "original" / "tokenizer.model")
+    hf.save(str(tmp_path / "hf" / "tokenizer.json"))
+    assert Tokenizer(tmp_path / "original").vocab_size == Tokenizer(tmp_path / "hf").vocab_size == n_words + 256
+    folder = tmp_path / "meta"
+    folder.mkdir()
+    pool = workers(4)
+    pool.run(_case_meta_folder, str(folder), n_words + 256)
+    prompts = ["Return the", "A list of"]
+    for tokenizer in ("original", "hf"):
+        results = pool.run(_case_main_generate, str(folder), str(tmp_path / tokenizer), prompts)
+        assert [code for code, _ in results] == [0] * 4
+        printed = results[0][1]
+        assert all(p in printed for p in prompts) and printed.count("\n> ") == 2

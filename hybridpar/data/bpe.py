@@ -37,6 +37,8 @@ _NAMED_SPECIALS = {  # position after the BPE ranks -> name; the other positions
 _BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>")
 _EOS_NAMES = ("<|end_of_text|>", "</s>", "<|endoftext|>", "<eos>")
 _RANK_LINE = re.compile(rb"[A-Za-z0-9+/]+=*[ \t]+[0-9]+\s*")
+# A JSON object's opening; a bare "{" could also start a sentencepiece protobuf (a length byte).
+_JSON_OBJECT = re.compile(rb'\s*\{\s*["}]')
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json")  # looked for in this order in a folder
 
 
@@ -56,7 +58,7 @@ def detect_kind(path: Path) -> str:
     """"huggingface" (JSON), "tiktoken" (base64-token rank lines) or "sentencepiece" (anything else)."""
     with open(path, "rb") as f:
         head = f.read(1 << 12)
-    if head.lstrip().startswith(b"{"):
+    if _JSON_OBJECT.match(head):
         return "huggingface"
     first_line = head.split(b"\n", 1)[0]
     return "tiktoken" if _RANK_LINE.fullmatch(first_line) else "sentencepiece"
@@ -151,7 +153,8 @@ class HuggingFaceBPE:
             self._tok = HFTokenizer.from_file(str(path))
             spec = json.loads(path.read_text(encoding="utf-8"))
         except Exception as e:  # the library raises a bare Exception for a malformed file
-            raise ValueError(f"{path} is not a valid Hugging Face tokenizer.json ({e})") from e
+            raise ValueError(f"{path} is not a valid Hugging Face tokenizer.json ({e}); pass one the `tokenizers` "
+                             f"library (or transformers' save_pretrained) wrote, or a tokenizer.model") from e
         self._tok.encode_special_tokens = True  # special tokens written in the text stay plain text
         vocab = self._tok.get_vocab(with_added_tokens=True)
         self.vocab_size = max(vocab.values()) + 1 if vocab else 0

@@ -114,6 +114,10 @@ def test_unreadable_files_say_what_is_accepted(tmp_path):
     garbage.write_bytes(bytes(range(256)) * 4)
     with pytest.raises(ValueError, match=r"not a valid sentencepiece model .*nor a tiktoken BPE file .*tokenizer.json"):
         Tokenizer(garbage)
+    protobuf_like = tmp_path / "brace.model"
+    protobuf_like.write_bytes(b"\n{\n\x05<unk>")  # a "{" that is a length byte, not JSON
+    with pytest.raises(ValueError, match="brace.model is not a valid sentencepiece model"):
+        Tokenizer(protobuf_like)
     bad_json = tmp_path / "tokenizer.json"
     bad_json.write_text('{"model": ')
     with pytest.raises(ValueError, match="is not a valid Hugging Face tokenizer.json"):

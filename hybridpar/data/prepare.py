@@ -26,7 +26,7 @@ from hybridpar.files import PathLike, atomic_output, file_lock, sha256_text, wri
 log = logging.getLogger(__name__)
 
 DEFAULT_SOURCE = "default"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: long documents cut where no split pattern joins across the cut
 SIDECAR_SUFFIX = ".json"
 DATA_FILE_KINDS = {".txt": "txt", ".jsonl": "jsonl"}
 # A document longer than this is tokenised in pieces, each cut right after a newline.

@@ -207,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", default="", help="a TOML file, or a preset name in launch/configs (e.g. local)")
     train.set_defaults(func=_cmd_train)
     convert = sub.add_parser("convert", help="convert a checkpoint: hybridpar (dcp), Meta consolidated, Hugging Face")
-    convert.add_argument("src", help="a hybridpar checkpoint (or a folder of them: the newest) or a Meta folder")
+    convert.add_argument("src", help="a hybridpar checkpoint (or a folder of them: the newest), a Meta folder or a Hugging Face folder")
     convert.add_argument("dst", help="the folder to write")
     convert.add_argument("--to", required=True, choices=("dcp", "meta", "hf"))
     convert.add_argument("--mp", type=int, default=None, help="model-parallel size of the Meta files written")
@@ -224,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "source's max_seq_len (2048 for a Meta folder, whose params.json has none)")
     convert.set_defaults(func=_cmd_convert)
     gen = sub.add_parser("generate", help="continue prompts with a trained model (greedy or top-p, KV cache)")
-    gen.add_argument("--checkpoint", required=True, help="a hybridpar checkpoint (or a folder of them) or a Meta folder")
+    gen.add_argument("--checkpoint", required=True, help="a hybridpar checkpoint (or a folder of them), a Meta folder or a Hugging Face folder")
     gen.add_argument("--tokenizer", required=True,
                      help="the tokenizer the model was trained with: a tokenizer.model (sentencepiece, or Llama 3's "
                           "tiktoken file), a Hugging Face tokenizer.json, or a folder holding one")

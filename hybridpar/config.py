@@ -87,7 +87,7 @@ class CheckpointConfig:
     keep: int = 3  # complete checkpoints kept (older ones are deleted)
     async_save: bool = False  # write in the background while training continues
     resume: bool = False  # continue from the newest complete checkpoint in `folder`, if any
-    init_from: str = ""  # start from these weights: a Meta consolidated folder or a hybridpar checkpoint
+    init_from: str = ""  # start from these weights: a hybridpar checkpoint, a Meta or a Hugging Face folder
 
 
 @dataclasses.dataclass

@@ -20,7 +20,7 @@ import dataclasses
 import json
 import math
 from pathlib import Path
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +60,17 @@ class ModelArgs:
     # "dim": ParallelEmbedding as in Llama 2; "vocab": VocabParallelEmbedding as in Llama 3;
     # "auto": "vocab" for the Llama 3 family (rope_theta >= 500000), else "dim".
     embedding_split: str = "auto"
+    # Not in Meta's params.json (hybridpar's, for what Hugging Face configs state):
+    # the feed-forward size as given (None: Meta's rule from multiple_of and ffn_dim_multiplier);
+    ffn_hidden_size: Optional[int] = None
+    # Llama 3's rescaling of the RoPE frequencies, used when use_scaled_rope (Meta's code fixes
+    # Llama 3.1's values below; Llama 3.2 1B/3B were trained with factor 32);
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_context: int = 8192
+    # the output head reads the token embedding's weight (Llama 3.2 1B and 3B).
+    tie_embeddings: bool = False
 
     @classmethod
     def from_dict(cls, params: dict, **overrides) -> "ModelArgs":
@@ -100,11 +111,18 @@ class ModelArgs:
 
     @property
     def ffn_hidden_dim(self) -> int:
-        """Meta's rule: 2/3 of 4 * dim, times ffn_dim_multiplier, rounded up to multiple_of."""
-        hidden = int(2 * (4 * self.dim) / 3)
-        if self.ffn_dim_multiplier is not None:
-            hidden = int(self.ffn_dim_multiplier * hidden)
-        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+        """ffn_hidden_size when given, else Meta's rule (meta_ffn_rule)."""
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        return meta_ffn_rule(self.dim, self.multiple_of, self.ffn_dim_multiplier)
+
+    @property
+    def rope_scaling(self) -> Optional[RopeScaling]:
+        """The RoPE rescaling in use (None: plain RoPE)."""
+        if not self.use_scaled_rope:
+            return None
+        return RopeScaling(self.rope_scaling_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
+                           self.rope_original_context)
 
     @property
     def resolved_embedding_split(self) -> str:
@@ -116,13 +134,15 @@ class ModelArgs:
         d, kv = self.dim, self.kv_heads * self.head_dim
         attention = d * d * 2 + d * kv * 2  # wq, wo; wk, wv
         block = attention + 3 * d * self.ffn_hidden_dim + 2 * d  # + two norms
-        return self.n_layers * block + 2 * self.vocab_size * d + d  # embeddings, output, final norm
+        heads = 1 if self.tie_embeddings else 2  # the embedding, and the output head unless it is the same
+        return self.n_layers * block + heads * self.vocab_size * d + d  # + the final norm
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token as MFU counts them (PaLM's formula): 6 per parameter of the
         matrix multiplies, forward and backward (the output head counts, the embedding lookup is
         free), plus 12 * n_layers * dim * seq_len for the attention scores; no recomputation."""
-        matmul_params = self.num_params() - self.vocab_size * self.dim
+        # The output head is a matmul even when it shares the embedding's weight.
+        matmul_params = self.num_params() - (0 if self.tie_embeddings else self.vocab_size * self.dim)
         return 6.0 * matmul_params + 12.0 * self.n_layers * self.dim * seq_len
 
     def check(self, mp: int = 1) -> None:
@@ -151,6 +171,28 @@ class ModelArgs:
             divide(self.dim, mp, "dim (split by ParallelEmbedding)")
         if self.head_dim % 2:
             raise ValueError(f"head_dim = dim / n_heads = {self.head_dim} must be even for RoPE")
+        if self.ffn_hidden_size is not None and self.ffn_hidden_size < 1:
+            raise ValueError(f"ffn_hidden_size = {self.ffn_hidden_size} must be positive (or null: Meta's rule)")
+        if self.tie_embeddings and self.resolved_embedding_split != "vocab":
+            raise ValueError(
+                "tie_embeddings needs the embedding split on the vocabulary like the output head "
+                "(embedding_split = 'vocab', the Llama 3 layout)"
+            )
+        if self.use_scaled_rope:
+            s = self.rope_scaling
+            if not (s.factor > 0 and 0 < s.low_freq_factor < s.high_freq_factor and s.original_context > 0):
+                raise ValueError(
+                    f"RoPE scaling needs rope_scaling_factor > 0, 0 < rope_low_freq_factor < rope_high_freq_factor "
+                    f"and rope_original_context > 0; got {s}"
+                )
+
+
+def meta_ffn_rule(dim: int, multiple_of: int, ffn_dim_multiplier: Optional[float]) -> int:
+    """Meta's feed-forward size: 2/3 of 4 * dim, times ffn_dim_multiplier, rounded up to multiple_of."""
+    hidden = int(2 * (4 * dim) / 3)
+    if ffn_dim_multiplier is not None:
+        hidden = int(ffn_dim_multiplier * hidden)
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
 
 
 def preset_names() -> list[str]:
@@ -160,9 +202,19 @@ def preset_names() -> list[str]:
 # --- rotary position embedding, Meta's convention --------------------------------------------
 
 
-def _scale_llama31(freqs: torch.Tensor) -> torch.Tensor:
-    """Llama 3.1's long-context rescaling of the RoPE frequencies (factor 8 beyond 8192 positions)."""
-    scale, low_factor, high_factor, old_context = 8.0, 1.0, 4.0, 8192
+class RopeScaling(NamedTuple):
+    """Llama 3's rescaling of the RoPE frequencies (Hugging Face's rope_type "llama3"); the defaults
+    are Llama 3.1's, which Meta's code fixes."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_context: int = 8192
+
+
+def _scale_llama3(freqs: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    """Llama 3's long-context rescaling: wavelengths beyond the original context slowed by `factor`."""
+    scale, low_factor, high_factor, old_context = scaling
     wavelen = 2 * math.pi / freqs
     # Long wavelengths are slowed down by `scale`, short ones kept, the band between blended.
     smooth = (old_context / wavelen - low_factor) / (high_factor - low_factor)
@@ -171,11 +223,13 @@ def _scale_llama31(freqs: torch.Tensor) -> torch.Tensor:
     return torch.where(wavelen < old_context / high_factor, freqs, out)
 
 
-def rope_frequencies(head_dim: int, positions: torch.Tensor, theta: float, scaled: bool) -> torch.Tensor:
-    """Complex rotations [len(positions), head_dim / 2]: pair i of position p turns by p * theta^(-2i/d)."""
+def rope_frequencies(head_dim: int, positions: torch.Tensor, theta: float,
+                     scaled: Union[bool, RopeScaling, None]) -> torch.Tensor:
+    """Complex rotations [len(positions), head_dim / 2]: pair i of position p turns by p * theta^(-2i/d).
+    scaled: a RopeScaling, True for Llama 3.1's, False or None for none."""
     freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device)[: head_dim // 2].float() / head_dim))
     if scaled:
-        freqs = _scale_llama31(freqs)
+        freqs = _scale_llama3(freqs, RopeScaling() if scaled is True else scaled)
     angles = torch.outer(positions.float(), freqs)
     return torch.polar(torch.ones_like(angles), angles)
 
@@ -333,6 +387,22 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+class TiedOutput(nn.Module):
+    """The output head of a model with tied embeddings: logits from the token embedding's weight,
+    which VocabParallelEmbedding splits on the vocabulary just as the untied head's. It holds no
+    parameter: the weight is registered (and saved, and sharded) once, under tok_embeddings."""
+
+    def __init__(self, embedding: nn.Module, parallel: ParallelDims) -> None:
+        super().__init__()
+        self._embedding = (embedding,)  # a tuple, so that nn.Module does not register it a second time
+        self.group = parallel.mp_group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Looked up per call: FSDP swaps the registered parameter between its sharded and full forms.
+        weight = local_tensor(self._embedding[0].weight)
+        return F.linear(copy_to_region(x, self.group), weight)
+
+
 class Transformer(nn.Module):
     """Llama decoder. `model(tokens)` -> this rank's vocabulary shard of the logits [B, S, V/mp];
     `model(tokens, gather_logits=True)` -> the full logits [B, S, V] on every rank.
@@ -359,10 +429,13 @@ class Transformer(nn.Module):
         self.tok_embeddings = embedding(args.vocab_size, args.dim, init_method=_normal(0.02), parallel=parallel, **factory)
         self.layers = nn.ModuleList(TransformerBlock(i, args, parallel, **factory) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps, parallel, **factory)
-        self.output = ColumnParallelLinear(
-            args.dim, args.vocab_size, bias=False, gather_output=False,
-            init_method=_normal(0.02), parallel=parallel, **factory,
-        )
+        if args.tie_embeddings:
+            self.output = TiedOutput(self.tok_embeddings, parallel)
+        else:
+            self.output = ColumnParallelLinear(
+                args.dim, args.vocab_size, bias=False, gather_output=False,
+                init_method=_normal(0.02), parallel=parallel, **factory,
+            )
 
     def new_cache(self, batch: int, max_len: Optional[int] = None, dtype: Optional[torch.dtype] = None) -> KVCache:
         """An empty KVCache for `batch` sequences of up to `max_len` positions (default max_seq_len)."""
@@ -399,7 +472,7 @@ class Transformer(nn.Module):
                 f"and batch {cache.batch}; create it with model.new_cache(batch, max_len) large enough"
             )
         positions = torch.arange(start_pos, end, device=tokens.device)
-        freqs_cis = rope_frequencies(self.args.head_dim, positions, self.args.rope_theta, self.args.use_scaled_rope)
+        freqs_cis = rope_frequencies(self.args.head_dim, positions, self.args.rope_theta, self.args.rope_scaling)
         h = self.tok_embeddings(tokens)
         for i, layer in enumerate(self.layers):
             h = layer(h, freqs_cis) if cache is None else layer(h, freqs_cis, cache.layer(i), start_pos)

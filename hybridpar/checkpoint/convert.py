@@ -1,4 +1,4 @@
-"""Between formats: hybridpar (DCP) checkpoints, Meta consolidated folders, Hugging Face export.
+"""Between formats: hybridpar (DCP) checkpoints, Meta consolidated folders, Hugging Face folders.
 
     hybridpar convert SRC DST --to {dcp,meta,hf} [--mp N] [--load-mp N] [--bos-id N --eos-id N] [--max-seq-len N]
 
@@ -27,7 +27,8 @@ FORMATS = ("dcp", "meta", "hf")
 
 
 def detect_format(path: Path) -> tuple[str, Path]:
-    """('dcp', checkpoint folder) or ('meta', folder); a run's checkpoint folder means its newest checkpoint."""
+    """('dcp', checkpoint folder), ('meta', folder) or ('hf', folder); a run's checkpoint folder means
+    its newest checkpoint."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path} does not exist")
@@ -38,26 +39,53 @@ def detect_format(path: Path) -> tuple[str, Path]:
         return "dcp", latest
     if (path / "params.json").exists() and any(path.glob("consolidated.*.pth")):
         return "meta", path
+    from .hf_read import is_hf_folder
+
+    if is_hf_folder(path):
+        return "hf", path
     raise CheckpointError(
-        f"{path} is neither a hybridpar checkpoint (.metadata + params.json, or a folder of step-* checkpoints) "
-        "nor a Meta consolidated folder (params.json + consolidated.NN.pth)"
+        f"{path} is neither a hybridpar checkpoint (.metadata + params.json, or a folder of step-* checkpoints), "
+        "a Meta consolidated folder (params.json + consolidated.NN.pth) nor a Hugging Face folder "
+        "(config.json + model.safetensors, or model.safetensors.index.json and its shards)"
     )
+
+
+def read_args(kind: str, path: Path) -> ModelArgs:
+    """The ModelArgs a checkpoint of this kind (detect_format's) records."""
+    if kind == "meta":
+        from .meta import read_meta_params
+
+        return read_meta_params(path)
+    if kind == "hf":
+        from .hf_read import read_hf_config
+
+        return read_hf_config(path)
+    return ModelArgs.from_dict(json.loads((path / "params.json").read_text()))
+
+
+def load_into(kind: str, path: Path, model: Transformer, parallel: ParallelDims) -> None:
+    """Fill a model built (before FSDP) from read_args(kind, path) with the checkpoint's weights."""
+    if kind == "meta":
+        from .meta import load_meta_checkpoint
+
+        load_meta_checkpoint(path, model, parallel)
+    elif kind == "hf":
+        from .hf_read import load_hf_checkpoint
+
+        load_hf_checkpoint(path, model, parallel)
+    else:
+        Checkpointer(path.parent, parallel).load(path, model, None, params_dict(model.args))
 
 
 def load_model(path: Path, parallel: ParallelDims, *, dtype: Optional[torch.dtype] = None,
                vocab_size: Optional[int] = None, max_seq_len: Optional[int] = None) -> tuple[Transformer, ModelArgs]:
-    """A Transformer at this job's mp holding the weights of checkpoint `path` (either format).
+    """A Transformer at this job's mp holding the weights of checkpoint `path` (any format).
 
     vocab_size fills in Llama 2's -1 (the tokenizer decides) when the checkpoint cannot tell;
     max_seq_len, when given, replaces the checkpoint's (Meta's params.json has none: 2048 then).
     """
     kind, path = detect_format(path)
-    if kind == "meta":
-        from .meta import load_meta_checkpoint, read_meta_params
-
-        args = read_meta_params(path)
-    else:
-        args = ModelArgs.from_dict(json.loads((path / "params.json").read_text()))
+    args = read_args(kind, path)
     if args.vocab_size <= 0 and vocab_size:
         args = dataclasses.replace(args, vocab_size=vocab_size)
     if max_seq_len is not None:
@@ -66,10 +94,7 @@ def load_model(path: Path, parallel: ParallelDims, *, dtype: Optional[torch.dtyp
     with torch.device("meta"):
         model = Transformer(args, parallel, dtype=dtype)
     model.to_empty(device=parallel.device)
-    if kind == "meta":
-        load_meta_checkpoint(path, model, parallel)
-    else:
-        Checkpointer(path.parent, parallel).load(path, model, None, params_dict(args))
+    load_into(kind, path, model, parallel)
     return model, args
 
 

@@ -12,6 +12,7 @@ HF's rotation of y is Meta's rotation of x, permuted the same way: so the rows o
 reordered by perm within each head, and q.k (so attention), wv and wo are unchanged.
 
 API: export_hf (collective), write_hf_folder (one process), hf_state_dict, hf_config, ...
+Import (the reverse mapping, sliced per rank): hf_read.
 """
 
 from __future__ import annotations
@@ -33,15 +34,6 @@ from ..ranks import on_rank0, rank_and_world
 
 CONFIG_JSON = "config.json"
 WEIGHTS_FILE = "model.safetensors"
-
-# Llama 3.1's RoPE rescaling, the constants of models.llama._scale_llama31 in HF's vocabulary.
-LLAMA31_ROPE_SCALING = {
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 8192,
-}
 
 _LAYER_NAMES = {
     "attention.wq.weight": "self_attn.q_proj.weight",
@@ -103,6 +95,16 @@ def default_token_ids(vocab_size: int) -> tuple[int, int]:
     return (128000, 128001) if vocab_size == LLAMA3_VOCAB_SIZE else (1, 2)
 
 
+def _rope_scaling(args: ModelArgs) -> Optional[dict[str, Any]]:
+    """Llama 3's RoPE rescaling in transformers' vocabulary (rope_type "llama3"), or None."""
+    scaling = args.rope_scaling
+    if scaling is None:
+        return None
+    return {"rope_type": "llama3", "factor": scaling.factor, "low_freq_factor": scaling.low_freq_factor,
+            "high_freq_factor": scaling.high_freq_factor,
+            "original_max_position_embeddings": scaling.original_context}
+
+
 def hf_config(args: ModelArgs, *, dtype: torch.dtype = torch.float32, bos_token_id: Optional[int] = None,
               eos_token_id: Optional[int] = None) -> dict[str, Any]:
     """config.json of a LlamaForCausalLM with this shape; token ids left None: default_token_ids."""
@@ -121,10 +123,10 @@ def hf_config(args: ModelArgs, *, dtype: torch.dtype = torch.float32, bos_token_
         "hidden_act": "silu",
         "rms_norm_eps": args.norm_eps,
         "rope_theta": args.rope_theta,
-        "rope_scaling": dict(LLAMA31_ROPE_SCALING) if args.use_scaled_rope else None,
+        "rope_scaling": _rope_scaling(args),
         "vocab_size": args.vocab_size,
         "max_position_embeddings": args.max_seq_len,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": args.tie_embeddings,
         "attention_bias": False,
         "mlp_bias": False,
         "initializer_range": 0.02,

@@ -15,11 +15,11 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 from models.llama import ModelArgs
 
-from ..compat.torch import compute_local_shape_and_global_offset
+from ..parallel.state import local_box
 from .meta import (_BEHAVIOUR_FIELDS, _FLOAT_FIELDS, _INT_FIELDS, PARAMS_JSON, REQUIRED_FIELDS, ROPE_FREQS, SHARD_FILE,
                    MetaCheckpointError, _fmt, _load_file, meta_shapes, rope_inverse_frequencies, shard_name, split_dim)
 
@@ -256,21 +256,6 @@ def read_meta_params(folder: Union[str, Path], *, verify_checksums: bool = False
 # --- import -----------------------------------------------------------------------------------
 
 
-def _local_box(param: torch.Tensor, name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(offset, shape): the block of the full tensor this rank holds."""
-    if not isinstance(param, DTensor):
-        return (0,) * param.dim(), tuple(param.shape)
-    for placement in param.placements:
-        # Shard subclasses (FSDP2's _StridedShard) interleave; only plain tensor-parallel layouts are boxes here.
-        if not (type(placement) is Shard or isinstance(placement, Replicate)):
-            raise MetaCheckpointError(
-                f"{name} is placed as {param.placements} on mesh dims {param.device_mesh.mesh_dim_names}: "
-                "load_meta_checkpoint fills a model before FSDP; call it before apply_fsdp"
-            )
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    return tuple(offset), tuple(shape)
-
-
 @torch.no_grad()
 def _fill(local: torch.Tensor, offset: Sequence[int], pieces: list[torch.Tensor], dim: Optional[int]) -> None:
     """Copy block [offset, offset + local.shape) of the full tensor, stored as `pieces` split along
@@ -334,7 +319,7 @@ def load_meta_checkpoint(
             raise MetaCheckpointError(
                 f"{name} is on the meta device: allocate the model first (model.to_empty(device=...))"
             )
-        offset, shape = _local_box(target, name)
+        offset, shape = local_box(target, name, MetaCheckpointError)
         if tuple(local.shape) != tuple(shape):
             raise MetaCheckpointError(
                 f"{name}: local shard {_fmt(local.shape)} is not the block {_fmt(shape)} its placement implies; "

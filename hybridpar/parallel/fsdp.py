@@ -145,18 +145,28 @@ def _shard_units(model: nn.Module, mesh, strategy: str, policies: dict) -> None:
     reshard = strategy in ("full_shard", "hybrid_shard")
     # The embedding's backward reads no weights, yet FSDP needs its unsharded parameter to take the
     # gradient: kept gathered from its forward to its backward (the memory of one unit), it saves an
-    # all-gather per step.
-    fully_shard(model.tok_embeddings, mesh=mesh, reshard_after_forward=False, **policies)
+    # all-gather per step. Tied to the output head, it is used at both ends: the root unit holds it.
+    tied = model.args.tie_embeddings
+    if not tied:
+        fully_shard(model.tok_embeddings, mesh=mesh, reshard_after_forward=False, **policies)
     for block in model.layers:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, **policies)
     # The head runs last in forward and first in backward: resharding it in between only costs a gather.
-    fully_shard(model.output, mesh=mesh, reshard_after_forward=False, **policies)
+    if not tied:
+        fully_shard(model.output, mesh=mesh, reshard_after_forward=False, **policies)
     fully_shard(model, mesh=mesh, reshard_after_forward=False, **policies)
+
+
+def _units(model: nn.Module) -> list[nn.Module]:
+    """The FSDP units below the root, in forward order."""
+    if model.args.tie_embeddings:
+        return list(model.layers)
+    return [model.tok_embeddings, *model.layers, model.output]
 
 
 def _set_prefetch(model: nn.Module, forward: int, backward: int) -> None:
     """Issue the next units' all-gathers early so communication overlaps compute."""
-    units = [model.tok_embeddings, *model.layers, model.output]
+    units = _units(model)
     for i, unit in enumerate(units):
         if forward > 0 and i + 1 < len(units):
             unit.set_modules_to_forward_prefetch(units[i + 1 : i + 1 + forward])
@@ -167,4 +177,4 @@ def _set_prefetch(model: nn.Module, forward: int, backward: int) -> None:
 def _gloo_collectives(model: nn.Module, config: FSDPConfig, parallel: ParallelDims) -> None:
     """On gloo, FSDP's collectives as all-to-alls (a fast path): when the config and the switch allow."""
     if config.gloo_all_to_all and fastpaths.enabled():
-        _use_gloo_collectives([model.tok_embeddings, *model.layers, model.output, model], parallel)
+        _use_gloo_collectives([*_units(model), model], parallel)

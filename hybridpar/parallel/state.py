@@ -6,7 +6,7 @@ from typing import Mapping
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..compat.torch import compute_local_shape_and_global_offset
 
@@ -18,6 +18,23 @@ def local_slice(full: torch.Tensor, like: DTensor) -> torch.Tensor:
     shape, offset = compute_local_shape_and_global_offset(full.shape, like.device_mesh, like.placements)
     index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
     return full[index]
+
+
+def local_box(param: torch.Tensor, name: str, error_type: type = ValueError) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(offset, shape): the block of the full tensor this rank holds of a tensor-parallel parameter.
+
+    Only before FSDP: its Shard subclasses interleave, so an FSDP-wrapped parameter is refused
+    (error_type, naming the parameter)."""
+    if not isinstance(param, DTensor):
+        return (0,) * param.dim(), tuple(param.shape)
+    for placement in param.placements:
+        if not (type(placement) is Shard or isinstance(placement, Replicate)):
+            raise error_type(
+                f"{name} is placed as {param.placements} on mesh dims {param.device_mesh.mesh_dim_names}: "
+                "checkpoints are sliced into a model before FSDP; load before apply_fsdp"
+            )
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return tuple(offset), tuple(shape)
 
 
 @torch.no_grad()

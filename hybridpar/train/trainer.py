@@ -16,6 +16,7 @@ over ranks and micro-batches: any layout computes the gradient of the same mean 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from pathlib import Path
@@ -27,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from models.llama import ModelArgs, Transformer
 
+from ..checkpoint.convert import detect_format, load_into, read_args
 from ..checkpoint.dcp import Checkpointer, complete_checkpoints, latest_checkpoint, params_dict
 from ..compat.torch import foreach_mul_, foreach_norm
 from ..config import Config, ConfigError, dump_toml
@@ -155,10 +157,15 @@ class Trainer:
 
     # --- set-up ---------------------------------------------------------------------------------
 
-    @property
-    def init_from_meta(self) -> bool:
+    @functools.cached_property
+    def init_from_folder(self) -> Optional[tuple[str, Path]]:
+        """(kind, folder) when checkpoint.init_from is a Meta or Hugging Face folder: its shape is the
+        model's, and its weights are sliced into the unsharded model before FSDP."""
         folder = self.config.checkpoint.init_from
-        return bool(folder) and (Path(folder) / "params.json").exists() and not (Path(folder) / ".metadata").exists()
+        if not folder:
+            return None
+        kind, path = detect_format(Path(folder))
+        return (kind, path) if kind in ("meta", "hf") else None
 
     def _restore(self) -> Optional[Path]:
         """Resume from the newest complete checkpoint, or take the weights of checkpoint.init_from."""
@@ -176,7 +183,7 @@ class Trainer:
             self.scheduler.load_state_dict(state["scheduler"])
             self.loader.load_state_dict(state["data"])
             return latest
-        if c.init_from and not self.init_from_meta:
+        if c.init_from and self.init_from_folder is None:
             self.checkpointer.load(Path(c.init_from), self.model, None, params)
         return None
 
@@ -190,10 +197,8 @@ class Trainer:
         """The model's shape, checked against data.seq_len and the mesh (a vocab_size of -1, Llama 2's,
         waits for the tokenizer: _fit_vocab)."""
         c = self.config
-        if self.init_from_meta:
-            from ..checkpoint.meta import read_meta_params
-
-            args = read_meta_params(c.checkpoint.init_from)
+        if self.init_from_folder is not None:
+            args = read_args(*self.init_from_folder)
         else:
             m = c.model
             overrides = {}
@@ -225,10 +230,9 @@ class Trainer:
         c, p = self.config, self.parallel
         torch.manual_seed(c.train.seed)
         model = Transformer(self.args, p, device=self.device)
-        if self.init_from_meta:  # Meta's shards are sliced into the unsharded model, before FSDP
-            from ..checkpoint.meta import load_meta_checkpoint
-
-            load_meta_checkpoint(c.checkpoint.init_from, model, p)
+        if self.init_from_folder is not None:  # sliced into the unsharded model, before FSDP
+            kind, folder = self.init_from_folder
+            load_into(kind, folder, model, p)
         return apply_fsdp(model, p, c.fsdp, compile_blocks=c.train.compile)
 
     def _measure_peak(self) -> float:

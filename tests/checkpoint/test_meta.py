@@ -458,7 +458,7 @@ def test_save_and_load_errors(workers, tmp_path):
     assert "the model does not match the checkpoint" in layers and "model keys the checkpoint lacks ['layers.2." in layers, layers
     assert "layers.0.attention.wk.weight: the model's full shape is [32, 64]" in shape and "holds [64, 64]" in shape, shape
     assert "rope_theta = 10000.0 (model: 20000.0)" in theta, theta
-    assert "call it before apply_fsdp" in fsdp, fsdp
+    assert "load before apply_fsdp" in fsdp, fsdp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["debug"], "no temporary folder left behind"
 
 

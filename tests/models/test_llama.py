@@ -30,10 +30,10 @@ def _forward_backward(model, inputs, targets, parallel):
     return local_logits.detach(), loss.detach(), grads
 
 
-def _case_transformer_matches_mp1(preset: str, mp: int) -> dict:
+def _case_transformer_matches_mp1(preset: str, mp: int, **fields) -> dict:
     from hybridpar.parallel.state import full_state_dict, load_full_state_dict
 
-    args = ModelArgs.from_preset(preset)
+    args = ModelArgs.from_preset(preset, **fields)
     p1, pn = parallel_dims(mp=1), parallel_dims(mp=mp)
     torch.manual_seed(0)
     reference = Transformer(args, p1)
@@ -66,6 +66,51 @@ def _case_transformer_matches_mp1(preset: str, mp: int) -> dict:
 def test_transformer_matches_mp1(workers, check_close, preset, mp):
     results = workers(4).run(_case_transformer_matches_mp1, preset, mp)
     check_close(f"{preset} mp{mp}", results, BOUND)
+
+
+@pytest.mark.parametrize("mp", [2, 4])
+def test_tied_embeddings_match_mp1(workers, check_close, mp):
+    """The output head reads the embedding's weight; its gradient sums both uses, at any mp."""
+    fields = dict(tie_embeddings=True, use_scaled_rope=True, rope_scaling_factor=32.0)
+    results = workers(4).run(_case_transformer_matches_mp1, "debug_gqa", mp, **fields)
+    assert not any("output" in name for name in results[0])  # one weight, saved once
+    check_close(f"tied mp{mp}", results, BOUND)
+
+
+def _case_tied_fsdp_step(mp: int, strategy: str) -> dict:
+    """A tied model sharded by FSDP takes the optimizer step of the unsharded mp = 1 model on the
+    whole batch: the embedding's gradient sums the head's use and the lookup's, over dp ranks."""
+    import torch.distributed as dist
+
+    from hybridpar.parallel import vocab_parallel_cross_entropy
+    from hybridpar.parallel.fsdp import FSDPConfig, apply_fsdp
+    from hybridpar.parallel.state import full_state_dict
+
+    args = ModelArgs.from_preset("debug_gqa", tie_embeddings=True)
+    p1, pn = parallel_dims(mp=1), parallel_dims(mp=mp, dp_shard=-1)
+    torch.manual_seed(0)
+    reference = Transformer(args, p1)
+    torch.manual_seed(0)
+    model = apply_fsdp(Transformer(args, pn), pn, FSDPConfig(sharding_strategy=strategy, param_dtype="float32"))
+    inputs, targets = _batch(args, batch=2 * pn.dp_size)
+    targets = torch.where(targets < 0, 0, targets)  # equal token counts per rank: the mean of means is the mean
+    errors = {}
+    for name, m, par, rows in (("reference", reference, p1, slice(None)),
+                               ("fsdp", model, pn, slice(2 * pn.dp_rank, 2 * pn.dp_rank + 2))):
+        optimizer = torch.optim.SGD(m.parameters(), lr=0.5)
+        for _ in range(2):
+            optimizer.zero_grad()
+            loss = vocab_parallel_cross_entropy(m(inputs[rows]), targets[rows], parallel=par)
+            loss.backward()
+            optimizer.step()
+        errors[name] = full_state_dict(m)
+    assert "output.weight" not in errors["fsdp"] and dist.get_world_size() == mp * pn.dp_size
+    return {k: rel_err(errors["fsdp"][k], v) for k, v in errors.pop("reference").items()}
+
+
+@pytest.mark.parametrize("mp,strategy", [(1, "full_shard"), (2, "hybrid_shard"), (2, "full_shard")])
+def test_tied_embeddings_under_fsdp_take_the_single_process_step(workers, check_close, mp, strategy):
+    check_close(f"tied fsdp mp{mp} {strategy}", workers(4).run(_case_tied_fsdp_step, mp, strategy), BOUND)
 
 
 def _case_init_independent_of_mesh(preset: str, mp: int, dp_shard: int) -> dict:
@@ -109,6 +154,8 @@ PUBLISHED = {  # Meta's parameter counts and feed-forward sizes
     "llama3.1_8b": (8_030_261_248, 14336),
     "llama3.1_70b": (70_553_706_496, 28672),
     "llama3.1_405b": (405_853_388_800, 53248),
+    "llama3.2_1b": (1_235_814_400, 8192),
+    "llama3.2_3b": (3_212_749_824, 8192),
 }
 
 
@@ -117,7 +164,8 @@ def test_presets_have_meta_published_shapes(name):
     args = ModelArgs.from_preset(name)
     assert (args.num_params(), args.ffn_hidden_dim) == PUBLISHED[name]
     assert args.resolved_embedding_split == ("dim" if name.startswith("llama2") else "vocab")
-    assert args.use_scaled_rope == name.startswith("llama3.1")
+    assert args.use_scaled_rope == name.startswith(("llama3.1", "llama3.2"))
+    assert args.tie_embeddings == name.startswith("llama3.2")
 
 
 def test_every_preset_loads():

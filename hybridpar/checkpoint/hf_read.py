@@ -1,0 +1,317 @@
+"""Import from a Hugging Face Llama folder: config.json plus model.safetensors, or sharded
+model-0000K-of-0000N.safetensors files with model.safetensors.index.json (bf16, fp16 or fp32).
+
+read_hf_config turns config.json into ModelArgs, refusing (with the field named) what hybridpar's
+Llama cannot represent. load_hf_checkpoint fills a model at any mp, before FSDP: every rank opens
+the files memory-mapped and reads only its own block of each tensor (safetensors' get_slice), so
+a rank's extra memory is one block at a time. Rows of wq and wk are put back from HF's rotate-half
+order into Meta's interleaved pairs (the inverse of hf.rope_permutation, within each head).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from models.llama import ModelArgs
+
+from ..parallel.state import local_box
+from .hf import CONFIG_JSON, WEIGHTS_FILE, hf_name, rope_permutation
+from .meta import meta_shapes
+
+INDEX_FILE = "model.safetensors.index.json"
+_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+# Buffers some older exports saved alongside the weights: recomputed by the model, never loaded.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class HFImportError(ValueError):
+    """A Hugging Face folder (or a model meant to receive it) that cannot be imported."""
+
+
+def is_hf_folder(path: Union[str, Path]) -> bool:
+    path = Path(path)
+    return (path / CONFIG_JSON).is_file() and ((path / WEIGHTS_FILE).is_file() or (path / INDEX_FILE).is_file())
+
+
+# --- config.json -> ModelArgs -------------------------------------------------------------------
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except FileNotFoundError as err:
+        raise HFImportError(f"{path} does not exist: a Hugging Face folder needs config.json next to its weights") from err
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise HFImportError(f"{path} is not readable JSON ({err}); download it again") from err
+    if not isinstance(value, dict):
+        raise HFImportError(f"{path} holds a {type(value).__name__}, not a JSON object")
+    return value
+
+
+def _field(config: dict, name: str, kind: type, where: Path, default: Any = ...) -> Any:
+    if name not in config or config[name] is None:
+        if default is ...:
+            raise HFImportError(f"{where}: field {name!r} is missing; a LlamaConfig always has it")
+        return default
+    value = config[name]
+    ok = isinstance(value, kind) and not isinstance(value, bool) if kind is not bool else isinstance(value, bool)
+    if kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok:
+        raise HFImportError(f"{where}: field {name!r} = {value!r} should be of type {kind.__name__}")
+    return value
+
+
+def _refuse_unsupported(config: dict, where: Path) -> None:
+    model_type = config.get("model_type")
+    if model_type != "llama":
+        raise HFImportError(
+            f"{where}: model_type = {model_type!r}; hybridpar imports Llama models only (model_type 'llama')"
+        )
+    for name in ("attention_bias", "mlp_bias"):
+        if config.get(name):
+            raise HFImportError(f"{where}: {name} = true; hybridpar's Llama has no biases, so it cannot hold this model")
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        raise HFImportError(f"{where}: hidden_act = {act!r}; hybridpar's feed-forward is SwiGLU (hidden_act 'silu')")
+
+
+def _rope_fields(config: dict, where: Path) -> dict:
+    """rope_theta and the llama3 rescaling from either spelling: transformers 4's rope_theta +
+    rope_scaling, or transformers 5's rope_parameters (which holds rope_theta too)."""
+    key = "rope_parameters" if config.get("rope_parameters") is not None else "rope_scaling"
+    rope = config.get(key) or {}
+    if not isinstance(rope, dict):
+        raise HFImportError(f"{where}: {key} = {rope!r} should be an object")
+    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    fields: dict[str, Any] = {"rope_theta": float(_field({"rope_theta": theta}, "rope_theta", float, where))}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind in ("default", None):
+        return fields
+    if kind != "llama3":
+        raise HFImportError(
+            f"{where}: {key}.rope_type = {kind!r}; hybridpar implements plain RoPE and Llama 3's rescaling "
+            "('llama3') only"
+        )
+    sub = where.name + f" {key}"
+    fields.update(
+        use_scaled_rope=True,
+        rope_scaling_factor=float(_field(rope, "factor", float, Path(sub))),
+        rope_low_freq_factor=float(_field(rope, "low_freq_factor", float, Path(sub))),
+        rope_high_freq_factor=float(_field(rope, "high_freq_factor", float, Path(sub))),
+        rope_original_context=_field(rope, "original_max_position_embeddings", int, Path(sub)),
+    )
+    return fields
+
+
+def args_from_hf_config(config: dict, where: Path = Path(CONFIG_JSON), **overrides: Any) -> ModelArgs:
+    """ModelArgs of a LlamaForCausalLM config (a dict as in config.json); `overrides` win."""
+    _refuse_unsupported(config, where)
+    dim = _field(config, "hidden_size", int, where)
+    n_heads = _field(config, "num_attention_heads", int, where)
+    head_dim = config.get("head_dim")
+    if head_dim is not None and n_heads and head_dim * n_heads != dim:
+        raise HFImportError(
+            f"{where}: head_dim = {head_dim} but hidden_size / num_attention_heads = {dim} / {n_heads}; "
+            "hybridpar's Llama needs head_dim = hidden_size / num_attention_heads"
+        )
+    tied = _field(config, "tie_word_embeddings", bool, where, default=False)
+    fields = dict(
+        dim=dim,
+        n_layers=_field(config, "num_hidden_layers", int, where),
+        n_heads=n_heads,
+        n_kv_heads=_field(config, "num_key_value_heads", int, where, default=n_heads),
+        vocab_size=_field(config, "vocab_size", int, where),
+        ffn_hidden_size=_field(config, "intermediate_size", int, where),
+        norm_eps=float(_field(config, "rms_norm_eps", float, where)),
+        max_seq_len=_field(config, "max_position_embeddings", int, where),
+        tie_embeddings=tied,
+        # The output head and a tied embedding are both split on the vocabulary.
+        embedding_split="vocab" if tied else "auto",
+        **_rope_fields(config, where),
+    )
+    fields.update(overrides)
+    try:
+        args = ModelArgs.from_dict(fields)
+        args.check(1)
+    except ValueError as err:
+        raise HFImportError(f"{where}: {err}") from err
+    return args
+
+
+def read_hf_config(folder: Union[str, Path], **overrides: Any) -> ModelArgs:
+    """The ModelArgs of a Hugging Face Llama folder's config.json (its weights are checked on load)."""
+    folder = Path(folder)
+    return args_from_hf_config(_read_json(folder / CONFIG_JSON), folder / CONFIG_JSON, **overrides)
+
+
+# --- the weights ----------------------------------------------------------------------------------
+
+
+def _weight_map(folder: Path) -> dict[str, Path]:
+    """{HF tensor name: the file holding it}, from the index or the single file."""
+    from safetensors import safe_open
+
+    index = folder / INDEX_FILE
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise HFImportError(f"{index} has no weight_map: download it again")
+        files = {name: folder / file for name, file in weight_map.items()}
+        missing = sorted({p.name for p in files.values() if not p.is_file()})
+        if missing:
+            raise HFImportError(
+                f"{folder}: {INDEX_FILE} lists {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
+                "not in the folder; finish the download (every file the index names is needed)"
+            )
+        return files
+    single = folder / WEIGHTS_FILE
+    if not single.is_file():
+        raise HFImportError(f"{folder} has neither {WEIGHTS_FILE} nor {INDEX_FILE}: it holds no Hugging Face weights")
+    with safe_open(str(single), framework="pt") as handle:
+        return {name: single for name in handle.keys()}
+
+
+def expected_hf_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """{HF name: full shape} of every tensor a folder of this shape holds (no lm_head when tied)."""
+    shapes = meta_shapes(args)
+    if args.tie_embeddings:
+        del shapes["output.weight"]
+    return {hf_name(name): shape for name, shape in shapes.items()}
+
+
+class _Files:
+    """The folder's safetensors files, opened memory-mapped once each, closed together."""
+
+    def __init__(self, folder: Path, weight_map: dict[str, Path]) -> None:
+        from safetensors import safe_open
+
+        self.folder, self.weight_map, self.handles = folder, weight_map, {}
+        try:
+            for path in sorted(set(weight_map.values())):
+                self.handles[path] = safe_open(str(path), framework="pt")
+        except Exception as err:  # noqa: BLE001 - any failure to parse means a damaged file
+            self.close()
+            raise HFImportError(f"{path} cannot be read ({type(err).__name__}: {err}); download it again") from err
+
+    def slice(self, name: str):
+        return self.handles[self.weight_map[name]].get_slice(name)
+
+    def close(self) -> None:
+        for handle in self.handles.values():
+            exit_ = getattr(handle, "__exit__", None)
+            if exit_ is not None:
+                exit_(None, None, None)
+        self.handles = {}
+
+
+def _check_tensors(files: _Files, args: ModelArgs) -> None:
+    """Every tensor config.json implies is present, with its shape and a floating dtype."""
+    expected = expected_hf_shapes(args)
+    names = {n for n in files.weight_map if not n.endswith(_IGNORED_SUFFIXES)}
+    # A tied folder may still carry lm_head.weight (transformers ignores it then): so do we.
+    names.discard("lm_head.weight") if args.tie_embeddings else None
+    missing, unexpected = sorted(set(expected) - names), sorted(names - set(expected))
+    if missing or unexpected:
+        hint = ""
+        if missing == ["lm_head.weight"]:
+            hint = " (lm_head.weight missing: a tied checkpoint; its config.json should say tie_word_embeddings: true)"
+        raise HFImportError(
+            f"{files.folder} does not match its config.json (num_hidden_layers = {args.n_layers}): missing "
+            f"{missing[:8]}, unexpected {unexpected[:8]}{hint}"
+        )
+    for name, shape in expected.items():
+        piece = files.slice(name)
+        actual, dtype = tuple(piece.get_shape()), piece.get_dtype()
+        where = files.weight_map[name].name
+        if actual != shape:
+            raise HFImportError(
+                f"{name} in {where} has shape {list(actual)}, but config.json implies {list(shape)}; the file "
+                "belongs to another model or config.json is wrong"
+            )
+        if dtype not in _DTYPES:
+            raise HFImportError(f"{name} in {where} has dtype {dtype}; hybridpar imports F32, BF16 or F16 weights")
+
+
+def _heads(name: str, args: ModelArgs) -> Optional[int]:
+    """Rows per head for the RoPE-permuted projections (wq, wk), else None."""
+    return args.head_dim if name.endswith(("attention.wq.weight", "attention.wk.weight")) else None
+
+
+def _read_block(files: _Files, name: str, offset, shape, head_dim: Optional[int]) -> torch.Tensor:
+    """Block [offset, offset + shape) of Meta's tensor `name`, read from the HF file."""
+    index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+    block = files.slice(hf_name(name))[index]
+    if head_dim is not None:
+        # Whole heads (checked by the caller): undo HF's rotate-half order head by head.
+        order = torch.argsort(rope_permutation(shape[0] // head_dim, head_dim))
+        block = block[order]
+    return block
+
+
+def _check_model(model: nn.Module, args: ModelArgs, folder: Path) -> None:
+    model_args = getattr(model, "args", None)
+    if not isinstance(model_args, ModelArgs):
+        return
+    if model_args.tie_embeddings != args.tie_embeddings:
+        which = "tied (tie_word_embeddings: true)" if args.tie_embeddings else "untied (its own lm_head.weight)"
+        model_has = "tied" if model_args.tie_embeddings else "untied"
+        raise HFImportError(
+            f"{folder} is {which} but the model is {model_has}; build the model from read_hf_config(folder) "
+            "(or set model.tie_embeddings to match)"
+        )
+    fields = ("norm_eps", "rope_theta", "rope_scaling")
+    differ = [f for f in fields if getattr(model_args, f) != getattr(args, f)]
+    if differ:
+        detail = ", ".join(f"{f} = {getattr(args, f)!r} (model: {getattr(model_args, f)!r})" for f in differ)
+        raise HFImportError(f"{folder / CONFIG_JSON} has {detail}: build the model from read_hf_config(folder)")
+
+
+@torch.no_grad()
+def load_hf_checkpoint(folder: Union[str, Path], model: nn.Module, parallel: Any = None) -> ModelArgs:
+    """Fill `model` (a models.llama.Transformer built from read_hf_config(folder), at any mp, before
+    FSDP) from a Hugging Face folder. No communication: every rank reads its own blocks. Everything
+    is checked before anything is copied, so an error leaves the model untouched. `parallel` is
+    accepted for symmetry (the layout comes from the parameters' placements). Returns the folder's
+    ModelArgs."""
+    folder = Path(folder)
+    args = read_hf_config(folder)
+    _check_model(model, args, folder)
+    files = _Files(folder, _weight_map(folder))
+    try:
+        _check_tensors(files, args)
+        own = model.state_dict()
+        shapes = meta_shapes(args)
+        if args.tie_embeddings:
+            del shapes["output.weight"]
+        if set(own) != set(shapes):
+            raise HFImportError(
+                f"the model's parameters {sorted(set(own) - set(shapes))[:6]} / the checkpoint's "
+                f"{sorted(set(shapes) - set(own))[:6]} have no counterpart; build the model from read_hf_config(folder)"
+            )
+        plan = []
+        for name, target in own.items():
+            if tuple(target.shape) != shapes[name]:
+                raise HFImportError(
+                    f"{name}: the model's full shape is {list(target.shape)}, {folder} holds {list(shapes[name])}; "
+                    "build the model from read_hf_config(folder)"
+                )
+            local = target.to_local() if isinstance(target, DTensor) else target
+            if local.device.type == "meta":
+                raise HFImportError(f"{name} is on the meta device: allocate the model first (model.to_empty(device=...))")
+            offset, shape = local_box(target, name, HFImportError)
+            head_dim = _heads(name, args)
+            if head_dim is not None and (offset[0] % head_dim or shape[0] % head_dim):
+                raise HFImportError(f"{name}: rows {offset[0]}..{offset[0] + shape[0]} do not cover whole heads")
+            plan.append((name, local, offset, shape, head_dim))
+        for name, local, offset, shape, head_dim in plan:
+            local.copy_(_read_block(files, name, offset, shape, head_dim))
+    finally:
+        files.close()
+    return args

@@ -187,27 +187,36 @@ def expected_hf_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
 
 
 class _Files:
-    """The folder's safetensors files, opened memory-mapped once each, closed together."""
+    """The folder's safetensors files. Headers are read through handles kept open during the checks;
+    tensors are read each through its own short-lived handle, so the pages of one tensor at a time
+    are mapped into the process (a column block touches every page of a row-major tensor)."""
 
     def __init__(self, folder: Path, weight_map: dict[str, Path]) -> None:
+        self.folder, self.weight_map, self.handles = folder, weight_map, {}
+        for path in sorted(set(weight_map.values())):
+            self.handles[path] = self._open(path)
+
+    @staticmethod
+    def _open(path: Path):
         from safetensors import safe_open
 
-        self.folder, self.weight_map, self.handles = folder, weight_map, {}
         try:
-            for path in sorted(set(weight_map.values())):
-                self.handles[path] = safe_open(str(path), framework="pt")
+            return safe_open(str(path), framework="pt")
         except Exception as err:  # noqa: BLE001 - any failure to parse means a damaged file
-            self.close()
             raise HFImportError(f"{path} cannot be read ({type(err).__name__}: {err}); download it again") from err
 
     def slice(self, name: str):
+        """A lazy view of tensor `name` (shape and dtype from the header), for the checks."""
         return self.handles[self.weight_map[name]].get_slice(name)
+
+    def read(self, name: str, index: tuple) -> torch.Tensor:
+        """Block `index` of tensor `name`, copied out of its file, which is unmapped again."""
+        with self._open(self.weight_map[name]) as handle:
+            return handle.get_slice(name)[index]
 
     def close(self) -> None:
         for handle in self.handles.values():
-            exit_ = getattr(handle, "__exit__", None)
-            if exit_ is not None:
-                exit_(None, None, None)
+            handle.__exit__(None, None, None)
         self.handles = {}
 
 
@@ -247,7 +256,7 @@ def _heads(name: str, args: ModelArgs) -> Optional[int]:
 def _read_block(files: _Files, name: str, offset, shape, head_dim: Optional[int]) -> torch.Tensor:
     """Block [offset, offset + shape) of Meta's tensor `name`, read from the HF file."""
     index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
-    block = files.slice(hf_name(name))[index]
+    block = files.read(hf_name(name), index)
     if head_dim is not None:
         # Whole heads (checked by the caller): undo HF's rotate-half order head by head.
         order = torch.argsort(rope_permutation(shape[0] // head_dim, head_dim))
@@ -286,32 +295,36 @@ def load_hf_checkpoint(folder: Union[str, Path], model: nn.Module, parallel: Any
     files = _Files(folder, _weight_map(folder))
     try:
         _check_tensors(files, args)
-        own = model.state_dict()
-        shapes = meta_shapes(args)
-        if args.tie_embeddings:
-            del shapes["output.weight"]
-        if set(own) != set(shapes):
-            raise HFImportError(
-                f"the model's parameters {sorted(set(own) - set(shapes))[:6]} / the checkpoint's "
-                f"{sorted(set(shapes) - set(own))[:6]} have no counterpart; build the model from read_hf_config(folder)"
-            )
-        plan = []
-        for name, target in own.items():
-            if tuple(target.shape) != shapes[name]:
-                raise HFImportError(
-                    f"{name}: the model's full shape is {list(target.shape)}, {folder} holds {list(shapes[name])}; "
-                    "build the model from read_hf_config(folder)"
-                )
-            local = target.to_local() if isinstance(target, DTensor) else target
-            if local.device.type == "meta":
-                raise HFImportError(f"{name} is on the meta device: allocate the model first (model.to_empty(device=...))")
-            offset, shape = local_box(target, name, HFImportError)
-            head_dim = _heads(name, args)
-            if head_dim is not None and (offset[0] % head_dim or shape[0] % head_dim):
-                raise HFImportError(f"{name}: rows {offset[0]}..{offset[0] + shape[0]} do not cover whole heads")
-            plan.append((name, local, offset, shape, head_dim))
-        for name, local, offset, shape, head_dim in plan:
-            local.copy_(_read_block(files, name, offset, shape, head_dim))
     finally:
-        files.close()
+        files.close()  # header handles: each copy below opens its tensor's file on its own
+    for name, local, offset, shape, head_dim in _plan(model.state_dict(), args, folder):
+        local.copy_(_read_block(files, name, offset, shape, head_dim))
     return args
+
+
+def _plan(own: dict, args: ModelArgs, folder: Path) -> list:
+    """(name, local tensor, offset, shape, head_dim) per parameter, every one checked first."""
+    shapes = meta_shapes(args)
+    if args.tie_embeddings:
+        del shapes["output.weight"]
+    if set(own) != set(shapes):
+        raise HFImportError(
+            f"the model's parameters {sorted(set(own) - set(shapes))[:6]} / the checkpoint's "
+            f"{sorted(set(shapes) - set(own))[:6]} have no counterpart; build the model from read_hf_config(folder)"
+        )
+    plan = []
+    for name, target in own.items():
+        if tuple(target.shape) != shapes[name]:
+            raise HFImportError(
+                f"{name}: the model's full shape is {list(target.shape)}, {folder} holds {list(shapes[name])}; "
+                "build the model from read_hf_config(folder)"
+            )
+        local = target.to_local() if isinstance(target, DTensor) else target
+        if local.device.type == "meta":
+            raise HFImportError(f"{name} is on the meta device: allocate the model first (model.to_empty(device=...))")
+        offset, shape = local_box(target, name, HFImportError)
+        head_dim = _heads(name, args)
+        if head_dim is not None and (offset[0] % head_dim or shape[0] % head_dim):
+            raise HFImportError(f"{name}: rows {offset[0]}..{offset[0] + shape[0]} do not cover whole heads")
+        plan.append((name, local, offset, shape, head_dim))
+    return plan

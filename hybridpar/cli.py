@@ -61,7 +61,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     parallel = init_parallel(mp=args.load_mp)
     try:
         written = convert(Path(args.src), Path(args.dst), args.to, parallel, mp_out=args.mp,
-                          bos_id=args.bos_id, eos_id=args.eos_id, max_seq_len=args.max_seq_len)
+                          bos_id=args.bos_id, eos_id=args.eos_id, max_seq_len=args.max_seq_len,
+                          tokenizer=args.tokenizer)
         if parallel.rank == 0:
             print(f"wrote {written} ({args.to})")
     finally:
@@ -213,12 +214,14 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--mp", type=int, default=None, help="model-parallel size of the Meta files written")
     convert.add_argument("--load-mp", type=int, default=1,
                          help="model-parallel size to load at (under torchrun: spreads the work; default 1)")
+    convert.add_argument("--tokenizer", default=None,
+                         help="--to hf: the model's tokenizer (a tokenizer.model, tokenizer.json or their folder): "
+                              "its files are copied into the folder and its bos/eos ids go into config.json")
     convert.add_argument("--bos-id", type=int, default=None,
-                         help="--to hf: config.json's bos_token_id (default: 128000 for Llama 3's 128256-token "
-                              "vocabulary, else Llama 2's 1)")
+                         help="--to hf: config.json's bos_token_id (default: the tokenizer's, a Hugging Face source's, "
+                              "else 128000 for Llama 3's 128256-token vocabulary and Llama 2's 1 otherwise)")
     convert.add_argument("--eos-id", type=int, default=None,
-                         help="--to hf: config.json's eos_token_id (default: 128001 for Llama 3's 128256-token "
-                              "vocabulary, else Llama 2's 2)")
+                         help="--to hf: config.json's eos_token_id (default: as --bos-id: 128001 or Llama 2's 2)")
     convert.add_argument("--max-seq-len", type=int, default=None,
                          help="--to hf/dcp: the context length recorded (max_position_embeddings); default: the "
                               "source's max_seq_len (2048 for a Meta folder, whose params.json has none)")

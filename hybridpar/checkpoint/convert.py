@@ -1,6 +1,7 @@
 """Between formats: hybridpar (DCP) checkpoints, Meta consolidated folders, Hugging Face folders.
 
-    hybridpar convert SRC DST --to {dcp,meta,hf} [--mp N] [--load-mp N] [--bos-id N --eos-id N] [--max-seq-len N]
+    hybridpar convert SRC DST --to {dcp,meta,hf} [--mp N] [--load-mp N] [--tokenizer PATH | --bos-id N --eos-id N]
+                      [--max-seq-len N]
 
 The source format is detected from the folder's files. The model is built at model-parallel size
 `--load-mp` (default 1; more under torchrun spreads the work) and the weights resharded on the way
@@ -98,12 +99,39 @@ def load_model(path: Path, parallel: ParallelDims, *, dtype: Optional[torch.dtyp
     return model, args
 
 
+def _tokenizer_files(tokenizer: Path, vocab_size: int) -> tuple[int, int, dict[str, Path]]:
+    """(bos, eos, {name in the HF folder: file}) of a tokenizer Tokenizer reads, checked against the
+    model's vocabulary."""
+    from ..data import check_vocab
+    from ..data.tokenizer import Tokenizer
+
+    tok = Tokenizer(tokenizer)
+    check_vocab(tok.vocab_size, vocab_size)
+    if tok.kind != "huggingface":
+        return tok.bos_id, tok.eos_id, {"tokenizer.model": tok.path}
+    beside = ("tokenizer_config.json", "special_tokens_map.json")
+    files = {"tokenizer.json": tok.path, **{n: tok.path.parent / n for n in beside if (tok.path.parent / n).is_file()}}
+    return tok.bos_id, tok.eos_id, files
+
+
+def _source_token_ids(src: Path) -> tuple[Optional[int], Optional[int]]:
+    """A Hugging Face source's own bos/eos ids (None for the formats that do not record them)."""
+    kind, path = detect_format(src)
+    if kind != "hf":
+        return None, None
+    config = json.loads((path / "config.json").read_text())
+    ids = [config.get(k) for k in ("bos_token_id", "eos_token_id")]
+    return tuple(i if isinstance(i, int) and not isinstance(i, bool) else None for i in ids)
+
+
 def convert(src: Path, dst: Path, to: str, parallel: ParallelDims, mp_out: Optional[int] = None, *,
-            bos_id: Optional[int] = None, eos_id: Optional[int] = None, max_seq_len: Optional[int] = None) -> Path:
+            bos_id: Optional[int] = None, eos_id: Optional[int] = None, max_seq_len: Optional[int] = None,
+            tokenizer: Optional[Path] = None) -> Path:
     """Write the weights of `src` to `dst` in format `to`; returns what was written.
 
-    bos_id / eos_id (hf only): config.json's token ids, default hf.default_token_ids. max_seq_len
-    (hf, dcp): the context length recorded, default the source's.
+    bos_id / eos_id (hf only): config.json's token ids; default the tokenizer's when `tokenizer` is
+    given (whose files are then copied into the folder), else a Hugging Face source's own, else
+    hf.default_token_ids. max_seq_len (hf, dcp): the context length recorded, default the source's.
     """
     if to not in FORMATS:
         raise ValueError(f"--to must be one of {FORMATS}, got {to!r}")
@@ -112,6 +140,8 @@ def convert(src: Path, dst: Path, to: str, parallel: ParallelDims, mp_out: Optio
         raise ValueError("--mp applies to --to meta only: dcp and hf checkpoints load at any model-parallel size")
     if (bos_id is not None or eos_id is not None) and to != "hf":
         raise ValueError("--bos-id / --eos-id apply to --to hf only: the other formats do not record token ids")
+    if tokenizer is not None and (to != "hf" or bos_id is not None or eos_id is not None):
+        raise ValueError("--tokenizer applies to --to hf only, without --bos-id / --eos-id (it gives them)")
     if max_seq_len is not None and to == "meta":
         raise ValueError("--max-seq-len applies to --to hf and dcp only: Meta's params.json does not record it")
     if max_seq_len is not None and max_seq_len < 1:
@@ -129,7 +159,12 @@ def convert(src: Path, dst: Path, to: str, parallel: ParallelDims, mp_out: Optio
     if to == "hf":
         from .hf import export_hf
 
-        export_hf(model, dst, parallel, bos_token_id=bos_id, eos_token_id=eos_id)
+        files: dict[str, Path] = {}
+        if tokenizer is not None:
+            bos_id, eos_id, files = _tokenizer_files(Path(tokenizer), args.vocab_size)
+        elif bos_id is None and eos_id is None:
+            bos_id, eos_id = _source_token_ids(src)
+        export_hf(model, dst, parallel, bos_token_id=bos_id, eos_token_id=eos_id, extra_files=files)
         return dst
     # A weights-only hybridpar checkpoint (step 0): start training from it with checkpoint.init_from.
     return Checkpointer(dst, parallel).save(0, model, None, {}, params_dict(args))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
@@ -171,10 +172,11 @@ def write_hf_folder(
     overwrite: bool = False,
     bos_token_id: Optional[int] = None,
     eos_token_id: Optional[int] = None,
+    extra_files: Optional[Mapping[str, Path]] = None,
 ) -> Path:
     """Write full tensors under Meta's names as an HF folder (one process). Atomic: everything goes
     into `<out_dir>.partial`, renamed to out_dir once complete. An existing out_dir is refused
-    (FileExistsError) unless overwrite=True."""
+    (FileExistsError) unless overwrite=True. extra_files: {name: file} copied in too (the tokenizer's)."""
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
@@ -184,6 +186,8 @@ def write_hf_folder(
     with staged_folder(out_dir) as staged:  # overwrite: the old folder goes only once the new one is in place
         save_file(tensors, str(staged / WEIGHTS_FILE), metadata={"format": "pt"})
         (staged / CONFIG_JSON).write_text(json.dumps(config, indent=2) + "\n")
+        for name, source in (extra_files or {}).items():
+            shutil.copyfile(source, staged / name)
     return out_dir
 
 
@@ -196,6 +200,7 @@ def export_hf(
     overwrite: bool = False,
     bos_token_id: Optional[int] = None,
     eos_token_id: Optional[int] = None,
+    extra_files: Optional[Mapping[str, Path]] = None,
 ) -> Path:
     """Write `model` (a models.llama.Transformer at any mp, plain or FSDP2-wrapped) as an HF Llama
     folder. Collective: every rank calls it; rank 0 writes (so it holds the whole model in `dtype`).
@@ -223,6 +228,6 @@ def export_hf(
             del full
 
     on_rank0(lambda: write_hf_folder(state, args, out_dir, dtype=dtype, overwrite=overwrite,
-                                     bos_token_id=bos_token_id, eos_token_id=eos_token_id),
+                                     bos_token_id=bos_token_id, eos_token_id=eos_token_id, extra_files=extra_files),
              f"export to {out_dir}", error_type=HFExportError)
     return out_dir

@@ -99,6 +99,8 @@ def test_convert_and_generate_commands(trained, corpus, tmp_path):
     ("dcp", {"bos_id": 1}, "--bos-id / --eos-id apply to --to hf only"),
     ("meta", {"max_seq_len": 4096}, "--max-seq-len applies to --to hf and dcp only"),
     ("hf", {"max_seq_len": 0}, "--max-seq-len must be a positive number"),
+    ("dcp", {"tokenizer": "tok"}, "--tokenizer applies to --to hf only"),
+    ("hf", {"tokenizer": "tok", "bos_id": 1}, "without --bos-id / --eos-id"),
 ])
 def test_option_mistakes_are_refused_before_loading(tmp_path, to, options, message):
     from hybridpar.checkpoint.convert import convert

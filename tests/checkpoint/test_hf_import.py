@@ -317,3 +317,37 @@ def test_tokenizer_ids_beyond_the_vocabulary_are_refused(folders, tmp_path):
     assert out.returncode != 0
     assert "vocab" in out.stderr and "256" in out.stderr, out.stderr[-2000:]
     assert "Traceback" not in out.stderr, out.stderr[-2000:]
+
+
+# --- token ids and tokenizer files on the way out -----------------------------------------------
+
+
+def _case_convert_hf(src: str, dst: str, tokenizer):
+    from hybridpar.checkpoint.convert import convert
+
+    return str(convert(Path(src), Path(dst), "hf", parallel_dims(mp=2), tokenizer=tokenizer))
+
+
+def test_export_takes_token_ids_from_the_tokenizer_or_the_source(workers, tmp_path):
+    from hybridpar.data.tokenizer import Tokenizer
+    from tests.data.bpe_files import MIXED_TEXT, train_hf_bpe, write_tokenizer_config
+
+    hf, n_words = train_hf_bpe([MIXED_TEXT] * 4, 300)
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    hf.save(str(tok_dir / "tokenizer.json"))
+    write_tokenizer_config(tok_dir, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")
+    vocab = (hf.get_vocab_size() + 63) // 64 * 64
+    src = make_hf_folder(tmp_path / "src", vocab_size=vocab, bos_token_id=7, eos_token_id=9)
+
+    same = Path(workers(4).run(_case_convert_hf, str(src), str(tmp_path / "same"), None)[0])
+    config = json.loads((same / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"]) == (7, 9)  # the source's own
+
+    out = Path(workers(4).run(_case_convert_hf, str(src), str(tmp_path / "tok_out"), str(tok_dir))[0])
+    config = json.loads((out / "config.json").read_text())
+    tok = Tokenizer(tok_dir)
+    assert (config["bos_token_id"], config["eos_token_id"]) == (tok.bos_id, tok.eos_id) == (n_words, n_words + 9)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json",
+                                                     "tokenizer_config.json"]
+    assert (out / "tokenizer.json").read_bytes() == (tok_dir / "tokenizer.json").read_bytes()

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from models.llama import ModelArgs
 
 from ..parallel.state import local_box
+from ..progress import Progress
 from .hf import CONFIG_JSON, WEIGHTS_FILE, hf_name, rope_permutation
 from .meta import meta_shapes
 
@@ -297,8 +298,11 @@ def load_hf_checkpoint(folder: Union[str, Path], model: nn.Module, parallel: Any
         _check_tensors(files, args)
     finally:
         files.close()  # header handles: each copy below opens its tensor's file on its own
-    for name, local, offset, shape, head_dim in _plan(model.state_dict(), args, folder):
-        local.copy_(_read_block(files, name, offset, shape, head_dim))
+    plan = _plan(model.state_dict(), args, folder)
+    with Progress(f"loading {folder.name}", total=sum(p[1].nbytes for p in plan), unit="B") as progress:
+        for name, local, offset, shape, head_dim in plan:
+            local.copy_(_read_block(files, name, offset, shape, head_dim))
+            progress.update(local.nbytes)
     return args
 
 

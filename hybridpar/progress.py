@@ -1,0 +1,70 @@
+"""Progress lines for long work (loading a model, converting, preparing data), so that nobody
+waits long without a word: one line at most every `every` seconds, and one at the end if any
+was printed, from one process (rank 0 by default) to stderr.
+
+    with Progress("loading model.safetensors", total=n_bytes, unit="B") as progress:
+        for ...:
+            progress.update(len(chunk))
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Optional, TextIO
+
+from .ranks import rank_and_world
+
+
+def _amount(n: float, unit: str) -> str:
+    if unit != "B":
+        return f"{n:,.0f}{' ' + unit if unit else ''}"
+    for scale, name in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if n >= scale:
+            return f"{n / scale:.1f} {name}"
+    return f"{n:.0f} B"
+
+
+class Progress:
+    """Counts work done towards an optional total and reports it now and then (see the module)."""
+
+    def __init__(self, what: str, total: Optional[float] = None, unit: str = "", *, every: float = 5.0,
+                 enabled: Optional[bool] = None, stream: Optional[TextIO] = None) -> None:
+        self.what, self.total, self.unit, self.every = what, total, unit, every
+        self.enabled = rank_and_world()[0] == 0 if enabled is None else enabled
+        self.stream = stream
+        self.done = 0.0
+        self.start = self.last = time.monotonic()
+        self.printed = False
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is None:
+            self.finish()
+
+    def update(self, amount: float = 1) -> None:
+        self.done += amount
+        now = time.monotonic()
+        if self.enabled and now - self.last >= self.every:
+            self.last = now
+            self._print(self.line(now))
+
+    def line(self, now: Optional[float] = None) -> str:
+        elapsed = (now or time.monotonic()) - self.start
+        text = f"{self.what}: {_amount(self.done, self.unit)}"
+        if self.total:
+            text += f" of {_amount(self.total, self.unit)} ({100 * self.done / self.total:.0f}%)"
+            if 0 < self.done < self.total:
+                text += f", about {elapsed * (self.total - self.done) / self.done:.0f} s left"
+        return text + f" [{elapsed:.0f} s]"
+
+    def finish(self) -> None:
+        """The closing line, if any line was printed (short work stays silent)."""
+        if self.enabled and self.printed:
+            self._print(f"{self.what}: done, {_amount(self.done, self.unit)} in {time.monotonic() - self.start:.0f} s")
+
+    def _print(self, text: str) -> None:
+        self.printed = True
+        print(text, file=self.stream or sys.stderr, flush=True)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
-from typing import Optional, Sequence
-
+import dataclasses
+import json
 import os
 import sys
 from pathlib import Path
+from typing import Optional, Sequence
 
 from . import __version__, dtypes
 from .mesh import MeshCoords, MeshSizeError, group_ranks, resolve_sizes
@@ -110,6 +111,21 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             dist.destroy_process_group()
 
 
+def _model_from_json(path: Path, overrides: dict):
+    """Meta's params.json, or a Hugging Face config.json (told by its model_type)."""
+    from models.llama import ModelArgs
+
+    try:
+        fields = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"cannot read model parameters from {path}: {err}") from err
+    if isinstance(fields, dict) and "model_type" in fields:
+        from .checkpoint.hf_read import args_from_hf_config
+
+        return args_from_hf_config(fields, path, **overrides)
+    return ModelArgs.from_params_json(path, **overrides)
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     """Per-GPU memory and step time of every (mp, dp_shard, dp_replicate, AC) layout; 1 when none fits."""
     from models.llama import ModelArgs
@@ -117,8 +133,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from .plan import Hardware, Workload, format_plan, make_plan, parse_global_batch
 
     overrides = {"vocab_size": args.vocab_size} if args.vocab_size else {}
-    if args.model.endswith(".json") or os.sep in args.model:
-        model = ModelArgs.from_params_json(args.model, **overrides)
+    if Path(args.model).is_dir():  # a checkpoint, Meta or Hugging Face folder: its shape
+        from .checkpoint.convert import detect_format, read_args
+
+        model = dataclasses.replace(read_args(*detect_format(Path(args.model))), **overrides)
+    elif args.model.endswith(".json") or os.sep in args.model:
+        model = _model_from_json(Path(args.model), overrides)
     else:
         model = ModelArgs.from_preset(args.model, **overrides)
     if model.vocab_size <= 0:
@@ -267,7 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Example: hybridpar plan --model llama3_70b --gpus 128 --gpu-mem-gb 80 --global-batch 4Mtok. "
                "Measure your bandwidths with `hybridpar doctor`. Exit code 1 when no layout fits.",
     )
-    plan.add_argument("--model", required=True, help="a preset name (llama3_70b, ...) or Meta's params.json")
+    plan.add_argument("--model", required=True, help="a preset name (llama3_70b, ...), Meta's params.json, a Hugging Face config.json, or a checkpoint "
+                           "folder of any format")
     plan.add_argument("--vocab-size", type=int, default=0, help="for a params.json with vocab_size -1 (Llama 2)")
     plan.add_argument("--gpus", type=int, required=True, help="number of GPUs (the world size)")
     plan.add_argument("--gpu-mem-gb", type=float, required=True, help="memory per GPU in GiB (80 for 80 GB cards)")

@@ -351,3 +351,11 @@ def test_export_takes_token_ids_from_the_tokenizer_or_the_source(workers, tmp_pa
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json",
                                                      "tokenizer_config.json"]
     assert (out / "tokenizer.json").read_bytes() == (tok_dir / "tokenizer.json").read_bytes()
+
+
+def test_plan_reads_the_shape_of_an_hf_folder_or_its_config(folders, capsys):
+    from hybridpar.cli import main
+
+    for model in (folders(), folders() / "config.json"):
+        assert main(["plan", "--model", str(model), "--gpus", "8", "--gpu-mem-gb", "80"]) == 0
+        assert "2 layers, dim 128, 4 heads / 2 kv heads, vocab 256" in capsys.readouterr().out

@@ -16,11 +16,8 @@ feeds positions p .. p + seq - 1, attending to the keys and values cached before
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
-from pathlib import Path
-from typing import NamedTuple, Optional, Union
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -36,180 +33,11 @@ from hybridpar.parallel import (
     copy_to_region,
     gather_from_region,
 )
-from hybridpar.parallel.layers import ReplicatedHeadLinear, divide, local_tensor, mp_parameter
+from hybridpar.parallel.layers import ReplicatedHeadLinear, local_tensor, mp_parameter
 
-PRESETS_DIR = Path(__file__).parent / "presets"
-
-
-@dataclasses.dataclass
-class ModelArgs:
-    """The fields of Meta's params.json (and Meta's ModelArgs), plus hybridpar's `embedding_split`."""
-
-    dim: int = 4096
-    n_layers: int = 32
-    n_heads: int = 32
-    n_kv_heads: Optional[int] = None
-    vocab_size: int = -1  # -1 in Llama 2's params.json: the tokenizer decides
-    multiple_of: int = 256
-    ffn_dim_multiplier: Optional[float] = None
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0  # Llama 2's value; Llama 3's params.json says 500000
-    use_scaled_rope: bool = False
-    max_batch_size: int = 32
-    max_seq_len: int = 2048
-    # "dim": ParallelEmbedding as in Llama 2; "vocab": VocabParallelEmbedding as in Llama 3;
-    # "auto": "vocab" for the Llama 3 family (rope_theta >= 500000), else "dim".
-    embedding_split: str = "auto"
-    # Not in Meta's params.json (hybridpar's, for what Hugging Face configs state):
-    # the feed-forward size as given (None: Meta's rule from multiple_of and ffn_dim_multiplier);
-    ffn_hidden_size: Optional[int] = None
-    # Llama 3's rescaling of the RoPE frequencies, used when use_scaled_rope (Meta's code fixes
-    # Llama 3.1's values below; Llama 3.2 1B/3B were trained with factor 32);
-    rope_scaling_factor: float = 8.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_context: int = 8192
-    # the output head reads the token embedding's weight (Llama 3.2 1B and 3B).
-    tie_embeddings: bool = False
-
-    @classmethod
-    def from_dict(cls, params: dict, **overrides) -> "ModelArgs":
-        params = {**params, **overrides}
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(params) - known)
-        if unknown:
-            raise ValueError(f"unknown model fields {unknown}; valid fields are {sorted(known)}")
-        return cls(**params)
-
-    @classmethod
-    def from_params_json(cls, path: Union[str, Path], **overrides) -> "ModelArgs":
-        """Read Meta's params.json; `overrides` (e.g. vocab_size=32000 for Llama 2) win."""
-        path = Path(path)
-        try:
-            params = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise ValueError(f"cannot read model parameters from {path}: {err}") from err
-        try:
-            return cls.from_dict(params, **overrides)
-        except ValueError as err:
-            raise ValueError(f"{path}: {err}") from err
-
-    @classmethod
-    def from_preset(cls, name: str, **overrides) -> "ModelArgs":
-        path = PRESETS_DIR / f"{name}.json"
-        if not path.exists():
-            raise ValueError(f"unknown model preset {name!r}; presets: {', '.join(preset_names())}")
-        return cls.from_params_json(path, **overrides)
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @property
-    def ffn_hidden_dim(self) -> int:
-        """ffn_hidden_size when given, else Meta's rule (meta_ffn_rule)."""
-        if self.ffn_hidden_size is not None:
-            return self.ffn_hidden_size
-        return meta_ffn_rule(self.dim, self.multiple_of, self.ffn_dim_multiplier)
-
-    @property
-    def rope_scaling(self) -> Optional[RopeScaling]:
-        """The RoPE rescaling in use (None: plain RoPE)."""
-        if not self.use_scaled_rope:
-            return None
-        return RopeScaling(self.rope_scaling_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
-                           self.rope_original_context)
-
-    @property
-    def resolved_embedding_split(self) -> str:
-        if self.embedding_split == "auto":
-            return "vocab" if self.rope_theta >= 500000 else "dim"
-        return self.embedding_split
-
-    def num_params(self) -> int:
-        d, kv = self.dim, self.kv_heads * self.head_dim
-        attention = d * d * 2 + d * kv * 2  # wq, wo; wk, wv
-        block = attention + 3 * d * self.ffn_hidden_dim + 2 * d  # + two norms
-        heads = 1 if self.tie_embeddings else 2  # the embedding, and the output head unless it is the same
-        return self.n_layers * block + heads * self.vocab_size * d + d  # + the final norm
-
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token as MFU counts them (PaLM's formula): 6 per parameter of the
-        matrix multiplies, forward and backward (the output head counts, the embedding lookup is
-        free), plus 12 * n_layers * dim * seq_len for the attention scores; no recomputation."""
-        # The output head is a matmul even when it shares the embedding's weight.
-        matmul_params = self.num_params() - (0 if self.tie_embeddings else self.vocab_size * self.dim)
-        return 6.0 * matmul_params + 12.0 * self.n_layers * self.dim * seq_len
-
-    def check(self, mp: int = 1) -> None:
-        """Raise ValueError naming the numbers when this shape cannot run at model-parallel size mp."""
-        if self.embedding_split not in ("auto", "dim", "vocab"):
-            raise ValueError(f"embedding_split must be 'auto', 'dim' or 'vocab', got {self.embedding_split!r}")
-        if self.vocab_size <= 0:
-            raise ValueError(
-                f"vocab_size is {self.vocab_size}: Llama 2's params.json leaves it to the tokenizer; "
-                "pass vocab_size=<tokenizer vocabulary size>"
-            )
-        if self.dim % self.n_heads:
-            raise ValueError(f"dim = {self.dim} is not divisible by n_heads = {self.n_heads}")
-        if self.n_heads % self.kv_heads:
-            raise ValueError(f"n_heads = {self.n_heads} is not a multiple of n_kv_heads = {self.kv_heads}")
-        divide(self.n_heads, mp, "n_heads")
-        if self.kv_heads % mp and mp % self.kv_heads:
-            raise ValueError(
-                f"n_kv_heads = {self.kv_heads} and mp = {mp}: one must divide the other "
-                f"(kv heads are split when mp divides them and replicated when mp is a multiple)"
-            )
-        divide(self.ffn_hidden_dim, mp, "the feed-forward hidden size (from dim, multiple_of, ffn_dim_multiplier)")
-        if self.resolved_embedding_split == "vocab":
-            divide(self.vocab_size, mp, "vocab_size (split by VocabParallelEmbedding)")
-        else:
-            divide(self.dim, mp, "dim (split by ParallelEmbedding)")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim = dim / n_heads = {self.head_dim} must be even for RoPE")
-        if self.ffn_hidden_size is not None and self.ffn_hidden_size < 1:
-            raise ValueError(f"ffn_hidden_size = {self.ffn_hidden_size} must be positive (or null: Meta's rule)")
-        if self.tie_embeddings and self.resolved_embedding_split != "vocab":
-            raise ValueError(
-                "tie_embeddings needs the embedding split on the vocabulary like the output head "
-                "(embedding_split = 'vocab', the Llama 3 layout)"
-            )
-        if self.use_scaled_rope:
-            s = self.rope_scaling
-            if not (s.factor > 0 and 0 < s.low_freq_factor < s.high_freq_factor and s.original_context > 0):
-                raise ValueError(
-                    f"RoPE scaling needs rope_scaling_factor > 0, 0 < rope_low_freq_factor < rope_high_freq_factor "
-                    f"and rope_original_context > 0; got {s}"
-                )
-
-
-def meta_ffn_rule(dim: int, multiple_of: int, ffn_dim_multiplier: Optional[float]) -> int:
-    """Meta's feed-forward size: 2/3 of 4 * dim, times ffn_dim_multiplier, rounded up to multiple_of."""
-    hidden = int(2 * (4 * dim) / 3)
-    if ffn_dim_multiplier is not None:
-        hidden = int(ffn_dim_multiplier * hidden)
-    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
-
-
-def preset_names() -> list[str]:
-    return sorted(p.stem for p in PRESETS_DIR.glob("*.json"))
-
+from .args import PRESETS_DIR, ModelArgs, RopeScaling, meta_ffn_rule, preset_names  # noqa: F401 - re-exported
 
 # --- rotary position embedding, Meta's convention --------------------------------------------
-
-
-class RopeScaling(NamedTuple):
-    """Llama 3's rescaling of the RoPE frequencies (Hugging Face's rope_type "llama3"); the defaults
-    are Llama 3.1's, which Meta's code fixes."""
-
-    factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_context: int = 8192
 
 
 def _scale_llama3(freqs: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:

@@ -11,8 +11,7 @@ rotate-half (y[i], y[i + d/2]). With y = x[perm], perm = [0, 2, 4, ..., 1, 3, 5,
 HF's rotation of y is Meta's rotation of x, permuted the same way: so the rows of wq and wk are
 reordered by perm within each head, and q.k (so attention), wv and wo are unchanged.
 
-API: export_hf (collective), write_hf_folder (one process), hf_state_dict, hf_config, ...
-Import (the reverse mapping, sliced per rank): hf_read.
+API: export_hf (collective), write_hf_folder (one process), hf_state_dict, hf_config; import: hf_read.
 """
 
 from __future__ import annotations

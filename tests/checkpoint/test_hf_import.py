@@ -23,10 +23,11 @@ def folders(tmp_path_factory):
     """(shape, tied, dtype) -> an HF folder, made once per module."""
     root, made = tmp_path_factory.mktemp("hf_in"), {}
 
-    def get(shape="gqa_llama3", tied=False, dtype="float32"):
-        key = (shape, tied, dtype)
+    def get(shape="gqa_llama3", tied=False, dtype="float32", single=False):
+        key = (shape, tied, dtype, single)
         if key not in made:
-            made[key] = make_hf_folder(root / "-".join(map(str, key)), shape, tied=tied, dtype=getattr(torch, dtype))
+            made[key] = make_hf_folder(root / "-".join(map(str, key)), shape, tied=tied, dtype=getattr(torch, dtype),
+                                       shard_kb=10**6 if single else 64)
         return made[key]
 
     return get
@@ -41,21 +42,26 @@ def _case_logits(folder: str, mp: int):
     return logits, args.tie_embeddings, type(model.output).__name__
 
 
-@pytest.mark.parametrize("shape,tied,dtype,mp", [
-    ("gqa_llama3", False, "float32", 1), ("gqa_llama3", False, "float32", 2), ("gqa_llama3", False, "float32", 4),
-    ("gqa_llama3", True, "float32", 1), ("gqa_llama3", True, "float32", 2), ("gqa_llama3", True, "float32", 4),
-    ("gqa_llama3", False, "bfloat16", 2), ("gqa_llama3", True, "bfloat16", 4), ("plain", False, "float32", 2),
+@pytest.mark.parametrize("shape,tied,dtype,mp,single", [
+    ("gqa_llama3", False, "float32", 1, False), ("gqa_llama3", False, "float32", 2, False),
+    ("gqa_llama3", False, "float32", 4, False), ("gqa_llama3", True, "float32", 1, False),
+    ("gqa_llama3", True, "float32", 2, False), ("gqa_llama3", True, "float32", 4, False),
+    ("gqa_llama3", False, "bfloat16", 2, False), ("gqa_llama3", True, "bfloat16", 4, False),
+    ("plain", False, "float32", 2, False), ("plain", False, "float16", 4, True),
 ])
-def test_logits_equal_transformers(workers, check_close, folders, shape, tied, dtype, mp):
-    folder = folders(shape, tied, dtype)
-    assert len(list(folder.glob("model-*.safetensors"))) > 3 and (folder / "model.safetensors.index.json").exists()
+def test_logits_equal_transformers(workers, check_close, folders, shape, tied, dtype, mp, single):
+    folder = folders(shape, tied, dtype, single)
+    if single:  # one model.safetensors, no index
+        assert [p.name for p in folder.glob("*.safetensors")] == ["model.safetensors"]
+    else:
+        assert len(list(folder.glob("model-*.safetensors"))) > 3 and (folder / "model.safetensors.index.json").exists()
     results = workers(4).run(_case_logits, str(folder), mp)
     logits, is_tied, head = results[0]
     assert (is_tied, head) == (tied, "TiedOutput" if tied else "ColumnParallelLinear")
     vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
     expected = transformers_logits(folder, TOKENS % vocab)
     errors = {f"rank{r} logits": rel_err(value[0], expected) for r, value in enumerate(results)}
-    check_close(f"{shape} tied={tied} {dtype} mp{mp} vs transformers", errors, BOUND)
+    check_close(f"{shape} tied={tied} {dtype} mp{mp}{' one file' if single else ''} vs transformers", errors, BOUND)
 
 
 def test_llama3_rope_rescaling_matches_transformers(folders):

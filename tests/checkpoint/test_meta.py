@@ -222,8 +222,11 @@ def _case_meta_oracle(preset: str, overrides: dict, llama_version: int, folder: 
         ("debug_gqa", {}, 3),
         # ...so also 4 kv heads, two per rank: which query heads share which kv head matters here.
         ("debug_gqa", {"n_kv_heads": 4}, 3),
+        # Llama 3.2 shaped (RoPE factor aside: Meta's code fixes 8): Meta's code loads the tied
+        # model's output.weight copy, and builds the feed-forward size from params.json's fields.
+        ("debug", {"tie_embeddings": True, "ffn_hidden_size": 100}, 3),
     ],
-    ids=["llama2", "llama3", "llama3.1-gqa2", "llama3.1-gqa4"],
+    ids=["llama2", "llama3", "llama3.1-gqa2", "llama3.1-gqa4", "llama3.2-tied-ffn100"],
 )
 def test_meta_reference_code_agrees(workers, check_close, tmp_path, preset, overrides, llama_version):
     results = workers(4).run(_case_meta_oracle, preset, overrides, llama_version, str(tmp_path / "ckpt"))

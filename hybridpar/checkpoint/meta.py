@@ -164,7 +164,7 @@ def meta_ffn_fields(args: ModelArgs) -> tuple[int, Optional[float]]:
     choice is checked with meta_ffn_rule. Raises MetaCheckpointError when none reproduces it.
     """
     size, dim = args.ffn_hidden_dim, args.dim
-    if meta_ffn_rule(dim, args.multiple_of, args.ffn_dim_multiplier) == size:
+    if args.multiple_of >= 1 and meta_ffn_rule(dim, args.multiple_of, args.ffn_dim_multiplier) == size:
         return args.multiple_of, args.ffn_dim_multiplier
     powers = [2 ** k for k in range(_MAX_MULTIPLE_OF.bit_length() - 1, -1, -1)]
     for multiple_of in [args.multiple_of, *powers]:

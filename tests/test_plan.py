@@ -187,6 +187,7 @@ CASES = [  # (model overrides, mp, dp_shard, micro_batch, seq_len, FSDP param_dt
     ({}, 2, 2, 2, 128, "float32"),
     ({"n_kv_heads": 2}, 4, 1, 2, 64, "float32"),  # mp 4 > 2 kv heads: wk, wv replicated on every mp rank
     ({}, 2, 2, 2, 128, "bfloat16"),  # the default mixed precision: bf16 compute, fp32 master and reduce
+    ({"tie_embeddings": True}, 2, 2, 2, 128, "float32"),  # no output head parameters; the logits stay
 ]
 
 
@@ -217,6 +218,7 @@ def test_memory_estimate_matches_measured(workers, check_close, overrides, mp, d
     ({}, 2, 2, 1, "full"),  # tensor parallel + FSDP, with the recomputation's all-reduces
     ({"n_kv_heads": 2}, 4, 1, 1, "none"),  # replicated kv heads: their weight gradients are all-reduced
     ({}, 1, 2, 2, "none"),  # hybrid sharding: reduce-scatter, then all-reduce across replicas
+    ({"tie_embeddings": True}, 2, 2, 1, "none"),  # the shared weight in the root unit, the head's all-reduce
 ])
 def test_communication_bytes_match_the_collectives_issued(workers, overrides, mp, dp_shard, dp_replicate, ac):
     from hybridpar.plan import Layout, collective_bytes
@@ -245,6 +247,23 @@ def test_flops_match_the_trainers_mfu_count():
     for preset in ("tiny", "llama2_7b", "llama3_70b"):
         args = ModelArgs.from_preset(preset)
         assert flops_per_token(args, 4096) == trainer_flops(args, 4096)
+
+
+def test_tied_model_plans_its_parameters_once():
+    from hybridpar.plan import MASTER_BYTES, Hardware, Layout, Workload, estimate, param_counts
+    from models.llama import ModelArgs
+
+    args = ModelArgs.from_preset("llama3.2_1b")  # the output head reads the embedding's weight
+    assert args.num_params() == 1_235_814_400
+    counts = param_counts(args, 1, 1)
+    assert counts.output == 0 and counts.total == counts.sharded == args.num_params()
+    est = estimate(args, Layout(1, 1, 1, "none"), Workload(seq_len=2048, micro_batch=1, global_batch=1),
+                   Hardware(gpus=1, gpu_mem_gib=80))
+    assert est.memory.params == args.num_params() * MASTER_BYTES
+    # The logits are still computed: the activations are the untied model's.
+    untied = ModelArgs.from_preset("llama3.2_1b", tie_embeddings=False)
+    assert est.memory.activations == estimate(untied, est.layout, Workload(seq_len=2048, micro_batch=1, global_batch=1),
+                                              Hardware(gpus=1, gpu_mem_gib=80)).memory.activations
 
 
 # --- choices at scale -----------------------------------------------------------------------------

@@ -37,6 +37,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from models.llama import ModelArgs
+
 from .. import fastpaths
 from ..fastpaths.dcp_reader import FastFileSystemReader
 from ..fastpaths.dcp_writer import UncheckedWriter
@@ -243,6 +245,25 @@ def _is_parameter_storage(state: dict, model: torch.nn.Module) -> bool:
 # ModelArgs fields that do not change what the stored tensors mean: batch and sequence limits
 # (RoPE is computed on the fly) and how the embedding is split over mp (DCP stores whole tensors).
 _NOT_IN_THE_WEIGHTS = {"max_batch_size", "max_seq_len", "embedding_split"}
+# A params.json saved before a field existed holds the model that field's default describes.
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelArgs)}
+
+
+def _refuse_other_model(path: Path, saved: dict, params: dict) -> None:
+    """Raise naming every field of the model's params that the checkpoint's params.json differs in."""
+    differ = {k: (saved.get(k, _DEFAULTS.get(k)), v) for k, v in params.items()
+              if k not in _NOT_IN_THE_WEIGHTS and saved.get(k, _DEFAULTS.get(k)) != v}
+    if "tie_embeddings" in differ:
+        tied = bool(differ["tie_embeddings"][0])
+        stored = "no output.weight: its head reads tok_embeddings" if tied else "an output.weight of its own"
+        raise CheckpointError(
+            f"{path} was saved with tie_embeddings = {tied} ({stored}), this model has tie_embeddings = {not tied}: "
+            f"build the model with tie_embeddings = {tied} (\"tie_embeddings\": {str(tied).lower()} in its "
+            "params.json or preset) to load it"
+        )
+    if differ:
+        listed = ", ".join(f"{k}: checkpoint {a!r}, this model {b!r}" for k, (a, b) in differ.items())
+        raise CheckpointError(f"{path} was saved for a different model ({listed}); use the same model settings")
 
 
 def check_checkpoint(path: Path, params: dict, model: torch.nn.Module,
@@ -251,11 +272,7 @@ def check_checkpoint(path: Path, params: dict, model: torch.nn.Module,
     Returns DCP's metadata of what the checkpoint stores, by key."""
     if not (path / "train_state.json").exists() or not (path / ".metadata").exists():
         raise CheckpointError(f"{path} is not a complete hybridpar checkpoint (no train_state.json or .metadata)")
-    saved = json.loads((path / "params.json").read_text())
-    differ = {k: (saved.get(k), v) for k, v in params.items() if k not in _NOT_IN_THE_WEIGHTS and saved.get(k) != v}
-    if differ:
-        listed = ", ".join(f"{k}: checkpoint {a!r}, this model {b!r}" for k, (a, b) in differ.items())
-        raise CheckpointError(f"{path} was saved for a different model ({listed}); use the same model settings")
+    _refuse_other_model(path, json.loads((path / "params.json").read_text()), params)
     metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     if needs_optimizer and not any(key.startswith("optimizer.") for key in metadata):
         raise CheckpointError(

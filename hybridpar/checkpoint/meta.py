@@ -4,11 +4,12 @@ A folder of params.json (Meta's ModelArgs fields) and consolidated.00.pth ... co
 each a flat {name: tensor} dict of every parameter under Meta's name (= models.llama's), split evenly
 across the files along split_dim(): dim 0 for wq/wk/wv, w1/w3 and output (column-parallel), dim 1
 for wo and w2 (row-parallel), tok_embeddings on dim 1 in the Llama 2 layout and dim 0 in the Llama 3
-layout; norms whole in every file. Llama 2 files also hold `rope.freqs` (the RoPE inverse
-frequencies, which Meta's code never uses): written in that layout, checked on import.
-params.json holds only fields Meta's code accepts: not max_seq_len or max_batch_size (Meta passes
-them as keywords too: a duplicate would fail) nor embedding_split (read back from the shard shapes);
-vocab_size is -1 in the Llama 2 layout, as in Meta's releases, and the real size in the Llama 3 one.
+layout; norms whole in every file. Llama 2 files also hold `rope.freqs` (unused by Meta's code).
+params.json holds only Meta's keys (meta_params_json; vocab_size -1 in the Llama 2 layout, as in
+Meta's releases); the feed-forward size is stated through multiple_of and ffn_dim_multiplier. What
+Meta's keys cannot state goes to hybridpar.json (hybridpar_json): RoPE factors other than the ones
+Meta's code fixes, and tied embeddings, whose output.weight is still written, a copy of
+tok_embeddings as in Meta's Llama 3.2 release. Meta's code ignores the extra file.
 
 Reading lives in meta_read, writing in meta_write; import the API from here:
 read_meta_params, load_meta_checkpoint, save_meta_checkpoint, MetaCheckpointError.
@@ -17,6 +18,7 @@ read_meta_params, load_meta_checkpoint, save_meta_checkpoint, MetaCheckpointErro
 from __future__ import annotations
 
 import importlib
+import math
 import re
 import zipfile
 from pathlib import Path
@@ -24,9 +26,10 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from models.llama import ModelArgs
+from models.llama import ModelArgs, meta_ffn_rule
 
 PARAMS_JSON = "params.json"
+SIDECAR_JSON = "hybridpar.json"
 SHARD_FILE = re.compile(r"^consolidated\.(\d+)\.pth$")
 ROPE_FREQS = "rope.freqs"
 
@@ -36,7 +39,11 @@ _INT_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multip
 _FLOAT_FIELDS = ("ffn_dim_multiplier", "norm_eps", "rope_theta")
 # Fields that change the numbers but not the shapes: a model built with other values would load
 # without a shape error and compute something else, so load_meta_checkpoint compares them.
-_BEHAVIOUR_FIELDS = ("norm_eps", "rope_theta", "use_scaled_rope")
+_BEHAVIOUR_FIELDS = ("norm_eps", "rope_theta", "rope_scaling")
+# hybridpar's fields that Meta's params.json cannot state (hybridpar.json), with their JSON types.
+_ROPE_FACTORS = ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_context")
+SIDECAR_FIELDS = {"rope_scaling_factor": float, "rope_low_freq_factor": float, "rope_high_freq_factor": float,
+                  "rope_original_context": int, "tie_embeddings": bool}
 
 _COLUMN = ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight",
            "feed_forward.w1.weight", "feed_forward.w3.weight")
@@ -127,15 +134,18 @@ def _load_file(path: Path, verify_checksums: bool = False) -> dict[str, torch.Te
 
 
 def meta_params_json(args: ModelArgs) -> dict[str, Any]:
-    """params.json as Meta's code accepts it (see the module docstring for what is left out and why)."""
+    """params.json as Meta's `ModelArgs(**params)` accepts it: Meta's keys only, the feed-forward size
+    through multiple_of and ffn_dim_multiplier (meta_ffn_fields). Not max_seq_len or max_batch_size
+    (Meta's Llama.build passes them as keywords too: a duplicate would fail) nor embedding_split
+    (read back from the shard shapes); hybridpar's own fields go to hybridpar.json (hybridpar_json)."""
     llama2 = args.resolved_embedding_split == "dim"
     params: dict[str, Any] = {"dim": args.dim, "n_layers": args.n_layers, "n_heads": args.n_heads}
     if args.n_kv_heads is not None:
         params["n_kv_heads"] = args.n_kv_heads
     params["vocab_size"] = -1 if llama2 else args.vocab_size
-    params["multiple_of"] = args.multiple_of
-    if args.ffn_dim_multiplier is not None:
-        params["ffn_dim_multiplier"] = args.ffn_dim_multiplier
+    params["multiple_of"], multiplier = meta_ffn_fields(args)
+    if multiplier is not None:
+        params["ffn_dim_multiplier"] = multiplier
     params["norm_eps"] = args.norm_eps
     # Llama 2's ModelArgs has no rope_theta (Code Llama's has): write it only when it is not the default.
     if not llama2 or args.rope_theta != ModelArgs.rope_theta:
@@ -145,12 +155,72 @@ def meta_params_json(args: ModelArgs) -> dict[str, Any]:
     return params
 
 
+def meta_ffn_fields(args: ModelArgs) -> tuple[int, Optional[float]]:
+    """(multiple_of, ffn_dim_multiplier) that give args.ffn_hidden_dim under Meta's rule.
+
+    In this order: the args' own values; no multiplier with the args' multiple_of or a power of two
+    up to 1024 (the largest that works); a multiplier of the fewest decimals (the one nearest the
+    exact ratio among those) with the largest power of two up to 1024 dividing the size. Every
+    choice is checked with meta_ffn_rule. Raises MetaCheckpointError when none reproduces it.
+    """
+    size, dim = args.ffn_hidden_dim, args.dim
+    if args.multiple_of >= 1 and meta_ffn_rule(dim, args.multiple_of, args.ffn_dim_multiplier) == size:
+        return args.multiple_of, args.ffn_dim_multiplier
+    powers = [2 ** k for k in range(_MAX_MULTIPLE_OF.bit_length() - 1, -1, -1)]
+    for multiple_of in [args.multiple_of, *powers]:
+        if multiple_of >= 1 and meta_ffn_rule(dim, multiple_of, None) == size:
+            return multiple_of, None
+    multiple_of = next(p for p in powers if size % p == 0)
+    multiplier = _short_multiplier(dim, size, multiple_of)
+    if multiplier is None:
+        raise MetaCheckpointError(
+            f"ffn_hidden_size = {size} (dim = {dim}) cannot be stated in Meta's params.json: no multiple_of and "
+            f"ffn_dim_multiplier of up to {_MAX_DECIMALS} decimals give it under Meta's rule; export to hf or "
+            "dcp instead (hybridpar convert --to hf or --to dcp)"
+        )
+    return multiple_of, multiplier
+
+
+_MAX_MULTIPLE_OF = 1024
+_MAX_DECIMALS = 6
+
+
+def _short_multiplier(dim: int, size: int, multiple_of: int, max_decimals: int = _MAX_DECIMALS) -> Optional[float]:
+    """The ffn_dim_multiplier of the fewest decimals that gives `size` with `multiple_of` (None: none)."""
+    base = meta_ffn_rule(dim, 1, None)  # int(2 * 4 * dim / 3)
+    if size < 1 or size % multiple_of or base < 1:
+        return None
+    # Rounding up to multiple_of gives size when int(multiplier * base) lies in (size - multiple_of, size].
+    low, high = (size - multiple_of + 1) / base, (size + 1) / base
+    for decimals in range(max_decimals + 1):
+        scale = 10 ** decimals
+        # One step either side of the bounds: float rounding is settled by meta_ffn_rule itself.
+        found = [round(n / scale, decimals) for n in range(math.floor(low * scale) - 1, math.ceil(high * scale) + 2)]
+        found = [m for m in found if m > 0 and meta_ffn_rule(dim, multiple_of, m) == size]
+        if found:
+            return float(min(found, key=lambda m: (abs(m - size / base), m)))
+    return None
+
+
+def hybridpar_json(args: ModelArgs) -> dict[str, Any]:
+    """hybridpar.json: the fields of `args` that Meta's params.json cannot state, {} when there are none.
+
+    The RoPE factors when scaled RoPE is on and they are not Meta's fixed ones (Llama 3.1's: the
+    ModelArgs defaults), and tie_embeddings when true."""
+    fields: dict[str, Any] = {}
+    if args.use_scaled_rope:
+        fields.update({f: getattr(args, f) for f in _ROPE_FACTORS if getattr(args, f) != getattr(ModelArgs, f)})
+    if args.tie_embeddings:
+        fields["tie_embeddings"] = True
+    return fields
+
+
 # The API lives in meta_read and meta_write, which build on the format above: imported on first
 # use (PEP 562), so that importing either of them first works too.
 _API = {"read_meta_params": "meta_read", "load_meta_checkpoint": "meta_read", "save_meta_checkpoint": "meta_write"}
 
-__all__ = ["MetaCheckpointError", "meta_params_json", "meta_shapes", "rope_inverse_frequencies", "shard_name",
-           "split_dim", *_API]
+__all__ = ["MetaCheckpointError", "hybridpar_json", "meta_ffn_fields", "meta_params_json", "meta_shapes",
+           "rope_inverse_frequencies", "shard_name", "split_dim", *_API]
 
 
 def __getattr__(name: str) -> Any:

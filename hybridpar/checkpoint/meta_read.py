@@ -8,7 +8,6 @@ only its own slice of each parameter from the memory-mapped files.
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
@@ -20,48 +19,9 @@ from torch.distributed.tensor import DTensor
 from models.llama import ModelArgs
 
 from ..parallel.state import local_box
-from .meta import (_BEHAVIOUR_FIELDS, _FLOAT_FIELDS, _INT_FIELDS, PARAMS_JSON, REQUIRED_FIELDS, ROPE_FREQS, SHARD_FILE,
-                   MetaCheckpointError, _fmt, _load_file, meta_shapes, rope_inverse_frequencies, shard_name, split_dim)
-
-
-def _read_params(folder: Path) -> dict[str, Any]:
-    path = folder / PARAMS_JSON
-    if not path.is_file():
-        raise MetaCheckpointError(
-            f"{path} does not exist: a Meta checkpoint folder needs params.json next to its "
-            "consolidated.NN.pth files; point at the folder that holds both"
-        )
-    try:
-        params = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise MetaCheckpointError(f"{path} is not readable JSON ({err}); restore it from the original checkpoint") from err
-    if not isinstance(params, dict):
-        raise MetaCheckpointError(f"{path} holds a {type(params).__name__}, not a JSON object of model fields")
-    known = [f.name for f in dataclasses.fields(ModelArgs)]
-    unknown = sorted(set(params) - set(known))
-    if unknown:
-        raise MetaCheckpointError(
-            f"{path}: unknown field(s) {unknown}; the fields Meta's format and hybridpar know are {known}. "
-            "Remove the unknown ones (or fix their spelling)"
-        )
-    missing = [f for f in REQUIRED_FIELDS if f not in params]
-    if missing:
-        raise MetaCheckpointError(
-            f"{path}: required field(s) {missing} missing; Meta's params.json always has {list(REQUIRED_FIELDS)}. "
-            "Add them with the values the checkpoint was trained with"
-        )
-    for name, value in params.items():
-        if value is None and name in ("n_kv_heads", "ffn_dim_multiplier"):
-            continue
-        wrong = (
-            (name in _INT_FIELDS and (isinstance(value, bool) or not isinstance(value, int)))
-            or (name in _FLOAT_FIELDS and (isinstance(value, bool) or not isinstance(value, (int, float))))
-            or (name == "use_scaled_rope" and not isinstance(value, bool))
-            or (name == "embedding_split" and value not in ("auto", "dim", "vocab"))
-        )
-        if wrong:
-            raise MetaCheckpointError(f"{path}: field {name!r} has the value {value!r} of the wrong type or range")
-    return params
+from .meta import (_BEHAVIOUR_FIELDS, PARAMS_JSON, ROPE_FREQS, SHARD_FILE, SIDECAR_JSON, MetaCheckpointError, _fmt,
+                   _load_file, meta_shapes, rope_inverse_frequencies, shard_name, split_dim)
+from .meta_json import read_params, read_sidecar
 
 
 def _shard_paths(folder: Path) -> list[Path]:
@@ -96,6 +56,7 @@ class _Source:
     paths: list[Path]
     shards: list[dict[str, torch.Tensor]]
     args: ModelArgs
+    tied_by: str = "the caller's overrides"  # where tie_embeddings comes from (_resolve_tie)
 
     @property
     def n(self) -> int:
@@ -224,11 +185,12 @@ def _natural(key: str) -> list:
 def _open(folder: Union[str, Path], overrides: Mapping[str, Any], verify_checksums: bool = False) -> _Source:
     folder = Path(folder)
     paths = _shard_paths(folder)
-    params = _read_params(folder)
+    params = read_params(folder)
+    sidecar = read_sidecar(folder, params)
     shards = [_load_file(p, verify_checksums) for p in paths]
     _check_shard_count(paths, shards, params)
     embedding_split, vocab = _resolve_layout(paths, shards, params)
-    fields = {**params, "vocab_size": vocab, "embedding_split": embedding_split, **overrides}
+    fields = {**params, **sidecar, "vocab_size": vocab, "embedding_split": embedding_split, **overrides}
     try:
         args = ModelArgs.from_dict(fields)
         args.check(1)
@@ -236,7 +198,45 @@ def _open(folder: Union[str, Path], overrides: Mapping[str, Any], verify_checksu
         raise MetaCheckpointError(f"{folder / PARAMS_JSON}: {err}") from err
     source = _Source(folder, params, paths, shards, args)
     _check_shards(source)
+    if "tie_embeddings" not in overrides:  # else the caller has decided
+        _resolve_tie(source, sidecar)
     return source
+
+
+_TIE_SAMPLE_ROWS = 64
+
+
+def _sample_rows_equal(source: _Source) -> bool:
+    """output.weight equals tok_embeddings.weight, exactly, on up to 64 evenly spaced rows (both split
+    on the vocabulary, the same way in every file): a few rows read from the memory-mapped files."""
+    embedding, output = source.pieces("tok_embeddings.weight"), source.pieces("output.weight")
+    rows = embedding[0].shape[0]
+    vocab = rows * source.n
+    count = min(_TIE_SAMPLE_ROWS, vocab)
+    sample = sorted({(i * (vocab - 1)) // max(count - 1, 1) for i in range(count)})
+    return all(torch.equal(embedding[r // rows][r % rows], output[r // rows][r % rows]) for r in sample)
+
+
+def _resolve_tie(source: _Source, sidecar: Mapping[str, Any]) -> None:
+    """tie_embeddings from hybridpar.json (or params.json) when stated, checked against a sample of
+    rows; else, in the Llama 3 layout, true when the sample of output.weight equals tok_embeddings."""
+    declared = next((p for p, f in ((SIDECAR_JSON, sidecar), (PARAMS_JSON, source.params)) if "tie_embeddings" in f),
+                    None)
+    if declared is not None:
+        source.tied_by = declared
+        if source.args.tie_embeddings and not _sample_rows_equal(source):
+            raise MetaCheckpointError(
+                f"{source.folder / declared} says tie_embeddings = true, but output.weight differs from "
+                "tok_embeddings.weight in the consolidated files: set it to false (or remove it) if the model "
+                "has its own output head, else the files are from another model"
+            )
+    elif source.args.resolved_embedding_split != "vocab":
+        source.tied_by = "the Llama 2 layout (tok_embeddings split on dim, unlike output)"
+    elif _sample_rows_equal(source):
+        source.args = dataclasses.replace(source.args, tie_embeddings=True)
+        source.tied_by = "the consolidated files (output.weight equals tok_embeddings.weight)"
+    else:
+        source.tied_by = "the consolidated files (output.weight differs from tok_embeddings.weight)"
 
 
 def read_meta_params(folder: Union[str, Path], *, verify_checksums: bool = False, **overrides: Any) -> ModelArgs:
@@ -244,11 +244,18 @@ def read_meta_params(folder: Union[str, Path], *, verify_checksums: bool = False
 
     A vocab_size of -1 (Llama 2) is replaced by the size the tok_embeddings shards hold, and
     `embedding_split` is set to the layout the files use ("dim": Llama 2, "vocab": Llama 3; with one
-    file, "dim" when vocab_size is -1 or rope.freqs is present, else "vocab"). `overrides` replace
-    fields (e.g. max_seq_len=4096, which Meta's params.json does not hold). The files are memory-mapped,
-    not read, so bytes damaged inside a tensor go unnoticed unless verify_checksums=True (reads every
-    byte to check the zip CRC-32s). Raises MetaCheckpointError naming the file, key and shapes when
-    anything does not fit.
+    file, "dim" when vocab_size is -1 or rope.freqs is present, else "vocab"). hybridpar.json, when
+    present, adds the fields Meta's params.json cannot state (RoPE factors, tie_embeddings). Unless
+    it states tie_embeddings (a folder from Meta has no such file), tie_embeddings is true when
+    output.weight equals tok_embeddings.weight exactly on up to 64 evenly spaced rows (Meta's Llama
+    3.2 1B/3B files hold both, equal; a few rows of the memory-mapped files are read); two matrices
+    that agree there but not elsewhere need {"tie_embeddings": false} in hybridpar.json. A Llama 3.2
+    folder from Meta reads with the RoPE factor 8 Meta's code fixes; the models were trained with 32:
+    add {"rope_scaling_factor": 32.0} in hybridpar.json. `overrides` replace fields (e.g.
+    max_seq_len=4096, which Meta's params.json does not hold). The files are memory-mapped, not
+    read, so bytes damaged inside a tensor go unnoticed unless verify_checksums=True (reads every
+    byte to check the zip CRC-32s).
+    Raises MetaCheckpointError naming the file, key and shapes when anything does not fit.
     """
     return _open(folder, overrides, verify_checksums).args
 
@@ -256,47 +263,61 @@ def read_meta_params(folder: Union[str, Path], *, verify_checksums: bool = False
 # --- import -----------------------------------------------------------------------------------
 
 
-@torch.no_grad()
-def _fill(local: torch.Tensor, offset: Sequence[int], pieces: list[torch.Tensor], dim: Optional[int]) -> None:
-    """Copy block [offset, offset + local.shape) of the full tensor, stored as `pieces` split along
-    `dim` (None: each piece is whole), into `local`, touching only the parts of the pieces it needs."""
-    box = [slice(o, o + n) for o, n in zip(offset, local.shape)]
+def _overlaps(offset: Sequence[int], shape: Sequence[int], pieces: list[torch.Tensor], dim: Optional[int]):
+    """(k, index in pieces[k], index in the block) for each piece overlapping block [offset, offset +
+    shape) of the full tensor stored as `pieces` split along `dim` (None: each piece is whole)."""
+    box = [slice(o, o + n) for o, n in zip(offset, shape)]
     if dim is None:
-        local.copy_(pieces[0][tuple(box)])
+        yield 0, tuple(box), (slice(None),) * len(shape)
         return
     size = pieces[0].shape[dim]
-    lo, hi = offset[dim], offset[dim] + local.shape[dim]
+    lo, hi = offset[dim], offset[dim] + shape[dim]
     for k in range(lo // size, -(-hi // size)):
         a, b = max(lo, k * size), min(hi, (k + 1) * size)
-        src, dst = list(box), [slice(None)] * local.dim()
+        src, dst = list(box), [slice(None)] * len(shape)
         src[dim], dst[dim] = slice(a - k * size, b - k * size), slice(a - lo, b - lo)
-        local[tuple(dst)].copy_(pieces[k][tuple(src)])
+        yield k, tuple(src), tuple(dst)
 
 
-def load_meta_checkpoint(
-    folder: Union[str, Path], model: nn.Module, parallel: Any = None, *, verify_checksums: bool = False
-) -> ModelArgs:
-    """Fill `model` (a models.llama.Transformer built from `read_meta_params(folder)`, at any mp,
-    before FSDP wrapping) from a Meta checkpoint written at any MP.
+@torch.no_grad()
+def _fill(local: torch.Tensor, offset: Sequence[int], pieces: list[torch.Tensor], dim: Optional[int]) -> None:
+    """Copy block [offset, offset + local.shape) of the full tensor into `local`, touching only the
+    parts of the pieces it needs."""
+    for k, src, dst in _overlaps(offset, local.shape, pieces, dim):
+        local[dst].copy_(pieces[k][src])
 
-    Every rank memory-maps all source files and copies only its own slice of each parameter from
-    the pieces of the files that overlap it: no rank reads or holds a full tensor unless its
-    parameter is whole (norms, kv heads replicated when mp > n_kv_heads). No communication; every
-    rank reads the folder itself. `parallel` is accepted for symmetry with the export (the layout
-    comes from the parameters' DTensor placements). verify_checksums: as in read_meta_params.
-    Returns the checkpoint's ModelArgs.
-    """
-    source = _open(folder, {}, verify_checksums)
-    args = source.args
-    model_args = getattr(model, "args", None)
-    if isinstance(model_args, ModelArgs):
-        differ = [f for f in _BEHAVIOUR_FIELDS if getattr(model_args, f) != getattr(args, f)]
-        if differ:
-            detail = ", ".join(f"{f} = {getattr(args, f)!r} (model: {getattr(model_args, f)!r})" for f in differ)
-            raise MetaCheckpointError(
-                f"{source.folder / PARAMS_JSON} has {detail}: build the model from read_meta_params(folder)"
-            )
+
+def _same_block(offset: Sequence[int], shape: Sequence[int], a: list[torch.Tensor], b: list[torch.Tensor],
+                dim: Optional[int]) -> bool:
+    """Two tensors stored alike (pieces split along `dim`) are equal, exactly, on one block."""
+    return all(torch.equal(a[k][src], b[k][src]) for k, src, _ in _overlaps(offset, shape, a, dim))
+
+
+def _check_model(source: _Source, model: nn.Module) -> None:
+    """The model ties its embeddings as the checkpoint does, and computes with its norm_eps and RoPE."""
+    args, model_args = source.args, getattr(model, "args", None)
+    if not isinstance(model_args, ModelArgs):
+        return
+    if model_args.tie_embeddings != args.tie_embeddings:
+        raise MetaCheckpointError(
+            f"the checkpoint in {source.folder} has tie_embeddings = {args.tie_embeddings} (from {source.tied_by}), "
+            f"the model tie_embeddings = {model_args.tie_embeddings}: build the model with tie_embeddings = "
+            f"{args.tie_embeddings}, from read_meta_params(folder)"
+        )
+    differ = [f for f in _BEHAVIOUR_FIELDS if getattr(model_args, f) != getattr(args, f)]
+    if differ:
+        detail = ", ".join(f"{f} = {getattr(args, f)!r} (model: {getattr(model_args, f)!r})" for f in differ)
+        raise MetaCheckpointError(
+            f"{source.folder / PARAMS_JSON} has {detail}: build the model from read_meta_params(folder)"
+        )
+
+
+def _plan(source: _Source, model: nn.Module) -> list[tuple]:
+    """(local tensor, offset, pieces, split dim) for every parameter of the model, all checked."""
+    args, split = source.args, source.args.resolved_embedding_split
     shapes = meta_shapes(args)
+    if args.tie_embeddings:  # in the files, not in the model: checked against tok_embeddings below
+        del shapes["output.weight"]
     own = model.state_dict()
     missing, unexpected = sorted(set(shapes) - set(own), key=_natural), sorted(set(own) - set(shapes), key=_natural)
     if missing or unexpected:
@@ -305,8 +326,6 @@ def load_meta_checkpoint(
             f"checkpoint keys the model lacks {missing[:8]}, model keys the checkpoint lacks {unexpected[:8]}; "
             "build the model from read_meta_params(folder)"
         )
-    split = args.resolved_embedding_split
-    # Check every parameter before copying any, so an error leaves the model untouched.
     plan = []
     for name, target in own.items():
         if tuple(target.shape) != shapes[name]:
@@ -326,7 +345,40 @@ def load_meta_checkpoint(
                 "load before apply_fsdp"
             )
         plan.append((local, offset, source.pieces(name), split_dim(name, split)))
-    for local, offset, pieces, dim in plan:
-        _fill(local, offset, pieces, dim)
-    return args
+        if name == "tok_embeddings.weight" and args.tie_embeddings:
+            _check_tied_block(source, offset, shape)
+    return plan
 
+
+def _check_tied_block(source: _Source, offset: Sequence[int], shape: Sequence[int]) -> None:
+    """A tied model reads output.weight from tok_embeddings: the files' copy must equal it on this rank's rows."""
+    if not _same_block(offset, shape, source.pieces("output.weight"), source.pieces("tok_embeddings.weight"), 0):
+        raise MetaCheckpointError(
+            f"output.weight in {source.folder} differs from tok_embeddings.weight in rows {offset[0]} to "
+            f"{offset[0] + shape[0] - 1}: the checkpoint is untied and the model tied (tie_embeddings = true, from "
+            f"{source.tied_by}). Put {{\"tie_embeddings\": false}} in {source.folder / SIDECAR_JSON} and build the "
+            "model from read_meta_params(folder)"
+        )
+
+
+def load_meta_checkpoint(
+    folder: Union[str, Path], model: nn.Module, parallel: Any = None, *, verify_checksums: bool = False
+) -> ModelArgs:
+    """Fill `model` (a models.llama.Transformer built from `read_meta_params(folder)`, at any mp,
+    before FSDP wrapping) from a Meta checkpoint written at any MP.
+
+    Every rank memory-maps all source files and copies only its own slice of each parameter from
+    the pieces of the files that overlap it: no rank reads or holds a full tensor unless its
+    parameter is whole (norms, kv heads replicated when mp > n_kv_heads). No communication; every
+    rank reads the folder itself. `parallel` is accepted for symmetry with the export (the layout
+    comes from the parameters' DTensor placements). verify_checksums: as in read_meta_params.
+    A tied model (tie_embeddings, as read_meta_params tells) takes tok_embeddings only, after
+    checking that the files' output.weight equals it on this rank's rows; the model's
+    tie_embeddings must be the checkpoint's. Returns the checkpoint's ModelArgs.
+    """
+    source = _open(folder, {}, verify_checksums)
+    _check_model(source, model)
+    # Check every parameter before copying any, so an error leaves the model untouched.
+    for local, offset, pieces, dim in _plan(source, model):
+        _fill(local, offset, pieces, dim)
+    return source.args

@@ -20,8 +20,8 @@ from models.llama import ModelArgs
 
 from ..files import atomic_output, begin_staging, commit_staged, refuse_occupied, staging_path, write_text_atomic
 from ..ranks import on_rank0, raise_if_any_failed, rank_and_world
-from .meta import (PARAMS_JSON, ROPE_FREQS, MetaCheckpointError, _fmt, meta_params_json, meta_shapes,
-                   rope_inverse_frequencies, shard_name, split_dim)
+from .meta import (PARAMS_JSON, ROPE_FREQS, SIDECAR_JSON, MetaCheckpointError, _fmt, hybridpar_json, meta_ffn_fields,
+                   meta_params_json, meta_shapes, rope_inverse_frequencies, shard_name, split_dim)
 
 
 def _check_mp_out(args: ModelArgs, mp_out: int) -> None:
@@ -49,29 +49,36 @@ def _slices(model: nn.Module, args: ModelArgs, mine: list[int], mp_out: int,
             dtype: Optional[torch.dtype]) -> dict[int, dict[str, torch.Tensor]]:
     """This rank's files `mine`: {file: {name: slice}}. Collective: every rank gathers every
     parameter (full_tensor(), in the same order) and keeps only its slices, so no rank holds the
-    whole model unless it writes every file. A mismatch is raised only after the last gather."""
+    whole model unless it writes every file. A mismatch is raised only after the last gather.
+    A tied model's output.weight is written as a copy of tok_embeddings (as Meta's Llama 3.2 files)."""
     shapes, split = meta_shapes(args), args.resolved_embedding_split
     outputs: dict[int, dict[str, torch.Tensor]] = {j: {} for j in mine}
     problem: Optional[str] = None
-    stored_dtype = dtype
+    stored_dtype, seen = dtype, set()
     with torch.no_grad():
         for name, tensor in model.state_dict().items():
-            if name not in shapes:
-                problem = problem or f"{name} is not a parameter of Meta's Llama format"
+            if name not in shapes or (name == "output.weight" and args.tie_embeddings):
+                problem = problem or (f"{name} is not a parameter of Meta's Llama format "
+                                      f"(tie_embeddings = {args.tie_embeddings})")
                 continue
             full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
             if tuple(full.shape) != shapes[name]:
                 problem = problem or f"{name} has shape {_fmt(full.shape)}, its ModelArgs imply {_fmt(shapes[name])}"
                 continue
             stored_dtype = stored_dtype or full.dtype
-            d = split_dim(name, split)
+            copies = [name, "output.weight"] if name == "tok_embeddings.weight" and args.tie_embeddings else [name]
+            seen.update(copies)
             for j in mine:
-                piece = full if d is None else full.chunk(mp_out, dim=d)[j]
-                # clone(): torch.save stores a view's whole storage, and the full tensor must be freed.
-                outputs[j][name] = piece.to(dtype or piece.dtype).clone(memory_format=torch.contiguous_format)
+                for key in copies:  # the same rows: both split on dim 0 (a tied model's embedding is vocab-split)
+                    d = split_dim(key, split)
+                    piece = full if d is None else full.chunk(mp_out, dim=d)[j]
+                    # clone(): torch.save stores a view's whole storage, and the full tensor must be freed.
+                    outputs[j][key] = piece.to(dtype or piece.dtype).clone(memory_format=torch.contiguous_format)
             del full
+    lacking = [n for n in shapes if n not in seen]
+    problem = problem or (f"the model has no {lacking[0]} (tie_embeddings = {args.tie_embeddings})" if lacking else None)
     if problem:
-        raise MetaCheckpointError(problem)
+        raise MetaCheckpointError(f"{problem}: save a models.llama.Transformer built from its own ModelArgs")
     if split == "dim":
         freqs = rope_inverse_frequencies(args).to(stored_dtype or torch.float32)
         for j in mine:
@@ -90,7 +97,11 @@ def _write_files(staged: Path, model: nn.Module, args: ModelArgs, mp_out: int, d
 
 
 def _commit(staged: Path, folder: Path, args: ModelArgs) -> None:
-    """Rank 0, once every file is written: params.json last (a folder with it is complete), then the rename."""
+    """Rank 0, once every file is written: hybridpar.json when needed, params.json last (a folder
+    with it is complete), then the rename."""
+    extra = hybridpar_json(args)
+    if extra:
+        write_text_atomic(staged / SIDECAR_JSON, json.dumps(extra, indent=2) + "\n")
     write_text_atomic(staged / PARAMS_JSON, json.dumps(meta_params_json(args), indent=2) + "\n")
     commit_staged(staged, folder)  # overwrite=True: the old folder goes only once the new one is in place
 
@@ -118,6 +129,7 @@ def save_meta_checkpoint(
     if not isinstance(args, ModelArgs):
         raise MetaCheckpointError("save_meta_checkpoint needs a models.llama.Transformer (a model with .args)")
     _check_mp_out(args, mp_out)
+    meta_ffn_fields(args)  # params.json must be able to state the feed-forward size: refuse before any write
     staged = on_rank0(lambda: _begin(folder, overwrite), f"prepare {staging_path(folder)}",
                       error_type=MetaCheckpointError)
     try:

@@ -22,7 +22,9 @@ def local_param_shapes(args: ModelArgs, mp: int) -> dict[str, list[tuple[int, ..
     kv = args.kv_heads * hd // mp if args.kv_heads % mp == 0 else args.kv_heads * hd
     embedding = (v // mp, d) if args.resolved_embedding_split == "vocab" else (v, d // mp)
     block = [(q, d), (kv, d), (kv, d), (d, q), (f // mp, d), (f // mp, d), (d, f // mp), (d,), (d,)]
-    return {"embedding": [embedding], "block": block, "output": [(v // mp, d)], "root": [(d,)]}
+    # Tied: the head reads the embedding's weight (models.llama.TiedOutput) and has none of its own.
+    output = [] if args.tie_embeddings else [(v // mp, d)]
+    return {"embedding": [embedding], "block": block, "output": output, "root": [(d,)]}
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -12,7 +12,7 @@ from ..parallel.fsdp import AC_MODES
 from .comm import (StepTime, all_gather_seconds, all_reduce_seconds, collective_bytes,
                    flops_per_token, group_busbw)
 from .inputs import MASTER_BYTES, Hardware, Layout, Workload
-from .memory import Memory, activation_bytes, param_counts
+from .memory import Memory, ParamCounts, activation_bytes, param_counts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +43,16 @@ def _block_params(args: ModelArgs) -> int:
     return 2 * d * d + 2 * d * kv + 3 * d * args.ffn_hidden_dim + 2 * d
 
 
+def _grad_buffers(args: ModelArgs, counts: ParamCounts, a: int, r: int) -> float:
+    """The unsharded gradients (compute dtype, and the reduce-dtype copy) alive at once in backward."""
+    if not args.tie_embeddings:
+        return max(counts.block, counts.output) * (a + r)  # one unit's; the head's is the first
+    # Tied, the root unit holds the shared weight (apply_fsdp): its gradient, begun by the head's
+    # backward, is reduced only after the embedding's, so it lives beside every block's.
+    shared = counts.embedding + counts.root
+    return max(shared * a + counts.block * (a + r), shared * (a + r))
+
+
 def estimate(args: ModelArgs, layout: Layout, workload: Workload, hw: Hardware) -> Estimate:
     """Memory per rank and time per step of one layout. ValueError if the batch does not divide."""
     if layout.ac not in AC_MODES:
@@ -59,7 +69,7 @@ def estimate(args: ModelArgs, layout: Layout, workload: Workload, hw: Hardware) 
 
     kept_blocks = L if not layout.reshard_after_forward else min(2, L)  # current + prefetched
     gathered = (counts.embedding + counts.output + counts.root + kept_blocks * counts.block) * a
-    grad_buffers = max(counts.block, counts.output) * (a + r)
+    grad_buffers = _grad_buffers(args, counts, a, r)
     sync_every = workload.grad_sync == "every"
     accumulated = counts.total * r if grad_accum > 1 and not sync_every else 0.0
     # Backward of a block: its recomputation (AC) plus gradient temporaries of a few [T, D] and

@@ -137,13 +137,18 @@ class Attention(nn.Module):
         return self.wo(out)
 
 
+def feed_forward_size(hidden: int, multiple_of: int, multiplier: Optional[float]) -> int:
+    """Meta's FeedForward size from hidden = 4 * dim: two thirds, times the multiplier, rounded up."""
+    hidden = int(2 * hidden / 3)
+    if multiplier is not None:
+        hidden = int(multiplier * hidden)
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
 class FeedForward(nn.Module):
     def __init__(self, dim: int, hidden: int, multiple_of: int, multiplier: Optional[float]) -> None:
         super().__init__()
-        hidden = int(2 * hidden / 3)
-        if multiplier is not None:
-            hidden = int(multiplier * hidden)
-        hidden = multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+        hidden = feed_forward_size(hidden, multiple_of, multiplier)
         self.w1 = ColumnParallelLinear(dim, hidden, bias=False, gather_output=False, init_method=_keep)
         self.w2 = RowParallelLinear(hidden, dim, bias=False, input_is_parallel=True, init_method=_keep)
         self.w3 = ColumnParallelLinear(dim, hidden, bias=False, gather_output=False, init_method=_keep)

@@ -239,3 +239,49 @@ def test_a_save_rank_0_cannot_finish_fails_on_every_rank(workers, corpus, tmp_pa
     assert errors[0].startswith("OSError: [Errno 28] No space left on device"), errors
     assert errors[1].startswith("CheckpointError: rank 0 could not complete ") and "No space left" in errors[1], errors
     assert not list((tmp_path / "ckpt").glob("step-*[0-9]")), "no complete checkpoint may appear"
+
+
+def _case_tie_mismatch(folder: str) -> list:
+    """Save debug tied and untied (weights only), load each into the other; and an untied checkpoint
+    whose params.json predates the hybridpar-only fields into the same model."""
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from hybridpar.checkpoint.dcp import Checkpointer, CheckpointError, params_dict
+    from models.llama import ModelArgs, Transformer
+    from tests.distributed import parallel_dims
+
+    parallel = parallel_dims(mp=2)
+    outcomes = []
+    for saved_tied in (True, False):
+        args, other = (ModelArgs.from_preset("debug", tie_embeddings=tied) for tied in (saved_tied, not saved_tied))
+        checkpointer = Checkpointer(Path(folder) / f"tied_{saved_tied}", parallel)
+        path = checkpointer.save(0, Transformer(args, parallel), None, {}, params_dict(args))
+        try:
+            checkpointer.load(path, Transformer(other, parallel), None, params_dict(other))
+            outcomes.append("no error")
+        except CheckpointError as err:
+            outcomes.append(str(err))
+    dist.barrier()  # every rank has read params.json before rank 0 rewrites it
+    if dist.get_rank() == 0:
+        params = json.loads((path / "params.json").read_text())
+        for field in ("ffn_hidden_size", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                      "rope_original_context", "tie_embeddings"):
+            del params[field]
+        (path / "params.json").write_text(json.dumps(params))
+    dist.barrier()
+    untied = ModelArgs.from_preset("debug")
+    checkpointer.load(path, Transformer(untied, parallel), None, params_dict(untied))
+    return outcomes
+
+
+def test_tie_embeddings_mismatch_is_refused_with_what_to_change(workers, tmp_path):
+    results = workers(4).run(_case_tie_mismatch, str(tmp_path))
+    assert all(r == results[0] for r in results), results
+    into_untied, into_tied = results[0]
+    assert ("step-00000000 was saved with tie_embeddings = True (no output.weight: its head reads tok_embeddings), "
+            "this model has tie_embeddings = False: build the model with tie_embeddings = True "
+            '("tie_embeddings": true in its params.json or preset) to load it') in into_untied, into_untied
+    assert ("was saved with tie_embeddings = False (an output.weight of its own), this model has tie_embeddings = "
+            'True: build the model with tie_embeddings = False ("tie_embeddings": false in') in into_tied, into_tied

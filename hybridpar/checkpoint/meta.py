@@ -4,15 +4,14 @@ A folder of params.json (Meta's ModelArgs fields) and consolidated.00.pth ... co
 each a flat {name: tensor} dict of every parameter under Meta's name (= models.llama's), split evenly
 across the files along split_dim(): dim 0 for wq/wk/wv, w1/w3 and output (column-parallel), dim 1
 for wo and w2 (row-parallel), tok_embeddings on dim 1 in the Llama 2 layout and dim 0 in the Llama 3
-layout; norms whole in every file. Llama 2 files also hold `rope.freqs` (unused by Meta's code).
-params.json holds only Meta's keys (meta_params_json; vocab_size -1 in the Llama 2 layout, as in
-Meta's releases); the feed-forward size is stated through multiple_of and ffn_dim_multiplier. What
-Meta's keys cannot state goes to hybridpar.json (hybridpar_json): RoPE factors other than the ones
-Meta's code fixes, and tied embeddings, whose output.weight is still written, a copy of
-tok_embeddings as in Meta's Llama 3.2 release. Meta's code ignores the extra file.
+layout; norms whole in every file; Llama 2 files also hold `rope.freqs` (unused). params.json has
+only Meta's keys (meta_params_json; vocab_size -1 in the Llama 2 layout, as Meta's releases), the
+feed-forward size stated through multiple_of and ffn_dim_multiplier. What those keys cannot state
+goes to hybridpar.json (hybridpar_json): RoPE factors other than Meta's fixed ones, and tied
+embeddings (output.weight still written, a copy of tok_embeddings as in Meta's Llama 3.2).
 
-Reading lives in meta_read, writing in meta_write; import the API from here:
-read_meta_params, load_meta_checkpoint, save_meta_checkpoint, MetaCheckpointError.
+API (reading in meta_read, writing in meta_write): read_meta_params, load_meta_checkpoint,
+save_meta_checkpoint, MetaCheckpointError.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from models.llama import ModelArgs
 
 from ..parallel.state import local_box
+from ..ranks import raise_if_any_failed
 from .meta import (_BEHAVIOUR_FIELDS, PARAMS_JSON, ROPE_FREQS, SHARD_FILE, SIDECAR_JSON, MetaCheckpointError, _fmt,
                    _load_file, meta_shapes, rope_inverse_frequencies, shard_name, split_dim)
 from .meta_json import read_params, read_sidecar
@@ -369,8 +370,8 @@ def load_meta_checkpoint(
 
     Every rank memory-maps all source files and copies only its own slice of each parameter from
     the pieces of the files that overlap it: no rank reads or holds a full tensor unless its
-    parameter is whole (norms, kv heads replicated when mp > n_kv_heads). No communication; every
-    rank reads the folder itself. `parallel` is accepted for symmetry with the export (the layout
+    parameter is whole (norms, kv heads replicated when mp > n_kv_heads). Every rank reads the
+    folder itself; the only communication is one flag after the checks (collective: every rank calls). `parallel` is accepted for symmetry with the export (the layout
     comes from the parameters' DTensor placements). verify_checksums: as in read_meta_params.
     A tied model (tie_embeddings, as read_meta_params tells) takes tok_embeddings only, after
     checking that the files' output.weight equals it on this rank's rows; the model's
@@ -378,7 +379,14 @@ def load_meta_checkpoint(
     """
     source = _open(folder, {}, verify_checksums)
     _check_model(source, model)
-    # Check every parameter before copying any, so an error leaves the model untouched.
-    for local, offset, pieces, dim in _plan(source, model):
+    # Check every parameter before copying any, so an error leaves the model untouched. The tied
+    # check reads this rank's rows only: one flag tells every rank, so none goes on alone.
+    plan, error = [], None
+    try:
+        plan = _plan(source, model)
+    except MetaCheckpointError as err:
+        error = err
+    raise_if_any_failed(error, f"load {source.folder}", error_type=MetaCheckpointError)
+    for local, offset, pieces, dim in plan:
         _fill(local, offset, pieces, dim)
     return source.args

@@ -56,6 +56,9 @@ class Verdict:
     waits: list[Wait]
     traces: dict[int, RankTrace]
     dead: list[int]
+    # What is known of ranks without a trace (dead): host, pid, coords and the last step and phase
+    # their heartbeat gave; filled in by the live monitor.
+    gone: dict[int, dict] = dataclasses.field(default_factory=dict)
 
     @property
     def culprits(self) -> list[int]:
@@ -65,6 +68,7 @@ class Verdict:
         return {
             "culprits": self.culprits,
             "dead": self.dead,
+            "gone": {str(r): info for r, info in self.gone.items()},
             "findings": [dataclasses.asdict(f) for f in self.findings],
             "waits": [dataclasses.asdict(w) for w in self.waits],
             "ranks": {
@@ -249,6 +253,10 @@ def format_report(verdict: Verdict, headline: str, world_size: int = -1) -> str:
             t = verdict.traces.get(r)
             if t is not None:
                 lines.append(f"       rank {r}: {t.coords} on {t.host} (pid {t.pid}), step {t.step} {t.phase}")
+            elif r in verdict.gone:
+                g = verdict.gone[r]
+                lines.append(f"       rank {r}: {g.get('coords', '?')} on {g.get('host', '?')} (pid {g.get('pid', '?')}), "
+                             f"last seen in step {g.get('step', '?')}, {g.get('phase', '?')}")
     for f in [f for f in verdict.findings if f.kind == "failed"][:4]:
         lines.append(("THEN   " if causes else "CAUSE  ") + f.text)
     if not verdict.findings:
@@ -267,7 +275,9 @@ def format_report(verdict: Verdict, headline: str, world_size: int = -1) -> str:
     for r in shown:
         t = verdict.traces.get(r)
         if t is None:
-            lines.append(f"  rank {r:>4}  gone")
+            g = verdict.gone.get(r)
+            last = f"{g.get('host', '?'):<12} step {g.get('step', '?'):<5} {g.get('phase', '?'):<10} " if g else ""
+            lines.append(f"  rank {r:>4}  {last}gone")
             continue
         waiting = ", ".join(f"{g.dim} {c.op} #{c.seq}" for g, c in t.pending()) or "not in a collective"
         lines.append(f"  rank {r:>4}  {t.host:<12} step {t.step:<5} {t.phase:<10} {waiting:<28} {t.where}")

@@ -29,6 +29,7 @@ from ..compat.torch import default_store, sequence_number
 from ..files import write_bytes_atomic
 from ..mesh import ParallelDims
 from . import flight
+from .liveness import process_alive
 from .timeouts import mesh_groups
 
 HANG_EXIT_CODE = 124  # as timeout(1): the job was stopped because it stopped making progress
@@ -72,6 +73,8 @@ class Heartbeat:
         self._wake_r: Optional[socket.socket] = None
         self._wake_w: Optional[socket.socket] = None
         self._previous_handler = None
+        self._neighbours: Optional[dict[int, int]] = None  # rank -> pid, of the ranks on this host
+        self._seen_gone: set[int] = set()
 
     def _connect(self) -> None:
         """This rank's own store connection, and what its trace says about it."""
@@ -111,6 +114,26 @@ class Heartbeat:
         beat = {"beat": self._beat, "step": self.step, "phase": self.phase, "seqs": self._seqs(),
                 "state": self._state, "timeout": self.timeout, "note": self.note}
         self._set(f"beat/{self.rank}", json.dumps(beat))
+
+    # --- who runs where, and who is gone (liveness.py) ------------------------------------------
+
+    def _register(self) -> None:
+        self._set(f"who/{self.rank}", json.dumps({"host": self._info["host"], "pid": self._info["pid"]}))
+
+    def _look_at_neighbours(self) -> None:
+        """Say, through the store, which ranks on this host have died since the last look."""
+        if self._neighbours is None:
+            names = [f"who/{r}" for r in range(self.world_size)]
+            if not all(self._store.check([self._key(n)]) for n in names):
+                return  # some rank has not registered yet
+            whos = [json.loads(v) for v in self._get_many(names)]
+            self._neighbours = {r: w["pid"] for r, w in enumerate(whos)
+                                if r != self.rank and w["host"] == self._info["host"]}
+        for r, pid in self._neighbours.items():
+            if r not in self._seen_gone and not process_alive(pid):
+                self._seen_gone.add(r)
+                self._set(f"gone/{r}", json.dumps({"by": self.rank, "host": self._info["host"], "pid": pid}))
+                self._store.add(self._key("gone_count"), 1)
 
     def _dead_after(self) -> float:
         """A heartbeat silent this long means the process is gone. The beat thread runs while the

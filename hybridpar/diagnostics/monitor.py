@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..files import write_text_atomic
-from ..mesh import ParallelDims
+from ..mesh import MeshCoords, ParallelDims
 from . import flight
 from .heartbeat import HANG_EXIT_CODE, Heartbeat
 
@@ -38,9 +38,12 @@ class Monitor(Heartbeat):
         self._all_beating = False
         self._teardown = False  # some rank got SIGTERM: the launcher is stopping the job
         self._dead: list[int] = []
+        self._gone: set[int] = set()  # ranks a neighbour saw die (liveness.py)
 
     def _rank0_gone(self) -> bool:
-        """Rank 1's question before it takes over: has rank 0's heartbeat stopped?"""
+        """Rank 1's question before it takes over: has rank 0 died, or its heartbeat stopped?"""
+        if 0 in self._seen_dead():
+            return True
         if not self._has("beat/0"):  # rank 0 is still setting up: a get would block until it beats
             return False
         beat = json.loads(self._get_many(["beat/0"])[0])
@@ -79,6 +82,13 @@ class Monitor(Heartbeat):
             if self._progress.get(r, (None,))[0] != progress:
                 self._progress[r] = (progress, now)
 
+    def _seen_dead(self) -> set[int]:
+        """Ranks a neighbour saw die: one round trip while there are none."""
+        count = self._store.add(self._key("gone_count"), 0)
+        if count > len(self._gone):
+            self._gone |= {r for r in range(self.world_size) if r not in self._gone and self._has(f"gone/{r}")}
+        return self._gone
+
     def _states(self, state: str, ranks: list[int]) -> list[int]:
         return [r for r in ranks if self._last.get(r, {}).get("state") == state]
 
@@ -95,15 +105,18 @@ class Monitor(Heartbeat):
         timeout = max(self._last.get(r, {}).get("timeout", self.timeout) for r in active)
         idle = now - max(self._progress[r][1] for r in active)
         # A failed rank stops beating once it has published its error and trace: not a death.
-        stopped = [r for r in active if r not in failed and self._beats[r][0] is not None
+        died = sorted(r for r in self._seen_dead() if r in active and r not in failed)
+        stopped = [r for r in active if r not in failed and r not in died and self._beats[r][0] is not None
                    and now - self._beats[r][1] > self._dead_after()]
         if self.rank == 1 and 0 not in stopped + failed:  # rank 1 monitors only when rank 0 is gone
             stopped.append(0)
         # A rank that never beat may still be setting up (building the model, loading a checkpoint)
         # without any collective: it gets the whole timeout.
         unstarted = [r for r in active if self._beats[r][0] is None and now - self._beats[r][1] > timeout]
-        self._dead = sorted(stopped + unstarted)
+        self._dead = sorted(set(died + stopped + unstarted))
         reasons = []
+        if died:
+            reasons.append(f"rank(s) {died} died (the process is gone: it exited, was killed or crashed)")
         if stopped:
             reasons.append(f"rank(s) {sorted(stopped)} stopped sending heartbeats (process gone)")
         if unstarted:
@@ -128,7 +141,7 @@ class Monitor(Heartbeat):
         self._set("dump", reason)
         self._answer_dump_request()
         dead = list(self._dead)
-        if self._teardown or self._state == "terminating":
+        if not dead and (self._teardown or self._state == "terminating"):
             # Ranks killed before the launcher's SIGTERM stop beating first: wait until that shows.
             self._clock.sleep(min(self._dead_after(), 3 * self.interval + 1.0))
             self._check()
@@ -151,6 +164,7 @@ class Monitor(Heartbeat):
         headline = f"hybridpar watchdog at step {step}: {reason}"
         try:
             verdict = flight.analyse(traces, gone, last_issued)
+            verdict.gone = self._gone_info(gone)
             text = flight.format_report(verdict, headline, self.world_size)
             report = {"reason": reason, "step": step, **verdict.to_json()}
         except Exception:  # a bug in the analysis must not cost the report, nor the other ranks' exit
@@ -167,6 +181,26 @@ class Monitor(Heartbeat):
         except OSError as err:
             print(f"hybridpar watchdog: could not write {report_path}: {err}", file=sys.stderr, flush=True)
         return text
+
+    def _gone_info(self, gone: list[int]) -> dict[int, dict]:
+        """Where the ranks without a trace ran and what their last heartbeat said."""
+        p, info = self.parallel, {}
+        for r in gone:
+            entry = {}
+            try:
+                c = MeshCoords.of(r, p.dp_replicate, p.dp_shard, p.mp)
+                entry["coords"] = f"mp {c.mp_rank}, dp {c.dp_rank} (replicate {c.replicate_idx}, shard {c.shard_idx})"
+            except (AttributeError, ValueError):  # a stand-in parallel without the sizes
+                pass
+            last = self._last.get(r, {})
+            entry.update({k: last[k] for k in ("step", "phase") if k in last})
+            try:
+                if self._has(f"who/{r}"):
+                    entry.update(json.loads(self._get_many([f"who/{r}"])[0]))
+            except Exception:  # the store is going away with the job: the coordinates still help
+                pass
+            info[r] = entry
+        return info
 
     def _collect(self, dead: list[int]) -> dict[int, flight.RankTrace]:
         """Traces of every live rank; those that do not answer within a few seconds are left out."""

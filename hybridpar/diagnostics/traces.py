@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 RECENT = 16  # collectives kept per group in a trace: enough to compare orders around a hang
+_ROOTED = ("scatter", "gather")
 
 
 @dataclasses.dataclass
@@ -25,6 +26,9 @@ class Collective:
     order: int  # the rank's record id: the order in which this rank issued its collectives
 
     def signature(self) -> tuple:
+        # Rooted calls differ by design: only the root passes the list it scatters or gathers into.
+        if self.op in _ROOTED:
+            return (self.op,)
         return self.op, repr(self.sizes)
 
     def describe(self) -> str:

@@ -21,6 +21,7 @@ from typing import Callable, Optional
 
 from ..mesh import ParallelDims
 from .heartbeat import HANG_EXIT_CODE, default_interval
+from .liveness import is_peer_loss
 from .monitor import Monitor
 from .timeouts import BACKSTOP_GRACE
 
@@ -39,6 +40,7 @@ class Watchdog(Monitor):
 
     def start(self) -> "Watchdog":
         self._connect()
+        self._register()
         self._publish()
         self._watch_signals()
         self._thread = threading.Thread(target=self._run, name="hybridpar-watchdog", daemon=True)
@@ -51,9 +53,20 @@ class Watchdog(Monitor):
 
     def close(self, error: Optional[BaseException] = None) -> None:
         """Stop the thread. The last heartbeat says 'done' (a normal end, not a death), or 'failed'
-        with the error, which the other ranks' monitor puts in its report if they then hang."""
+        with the error, which the other ranks' monitor puts in its report if they then hang.
+
+        An error from a collective whose peer vanished is another rank's failure, not this one's:
+        the rank says so ('lost_peer') and waits, its thread still beating (and, on rank 0,
+        monitoring), until the verdict names the dead rank and ends the process."""
         if self._thread is None:
             return
+        if error is not None and self.world_size > 1 and is_peer_loss(error) and self._thread.is_alive():
+            self._state = "lost_peer"
+            self._record_failure(error)
+            self._wake()
+            self._thread.join(timeout=self._dead_after() + max(5.0, 4 * self.interval) + 10.0)
+            if self._thread is None:
+                return
         self._state = "failed" if error is not None else "done"
         if error is not None:
             self._record_failure(error)
@@ -94,6 +107,7 @@ class Watchdog(Monitor):
     def _round(self, terminating: bool) -> bool:
         """One beat: publish, obey an abort, answer a dump request, then monitor (rank 0, or rank 1
         once rank 0 is gone) or, being torn down, wait for the verdict. True when the thread is done."""
+        self._look_at_neighbours()
         self._publish()
         if self._has("abort"):
             self._answer_dump_request()

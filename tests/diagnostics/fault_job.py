@@ -4,11 +4,14 @@
 
 FAULT: sleep_mp (RANK sleeps before an all-reduce on its mp group), skip_dp (RANK skips the loss
 all-reduce on its dp group), exit (RANK calls os._exit in the middle of the forward pass), shape
-(RANK all-reduces a tensor of another shape on its dp group). The fault fires once, in step STEP.
+(RANK all-reduces a tensor of another shape on its dp group), exit_optimizer (os._exit(1) in the
+optimizer step), kill_forward (SIGKILL in the middle of the forward), kill_save (SIGKILL while
+writing a checkpoint: the job saves every step). The fault fires once, in step STEP.
 """
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -27,6 +30,8 @@ def plant(trainer: Trainer, fault: str, rank: int, step: int) -> None:
     fired = []
 
     def due(group) -> bool:
+        if fault in DEATHS:
+            return False
         wanted = p.mp_group if fault in ("sleep_mp", "exit") else p.dp_group
         return not fired and p.rank == rank and trainer.step + 1 == step and group is wanted
 
@@ -45,6 +50,56 @@ def plant(trainer: Trainer, fault: str, rank: int, step: int) -> None:
         return real_all_reduce(tensor, op=op, group=group, async_op=async_op)
 
     dist.all_reduce = all_reduce
+    if fault in DEATHS:
+        DEATHS[fault](trainer, rank, step, fired)
+
+
+def _announce(fault: str, rank: int) -> None:
+    print(f"FAULT {fault} on rank {rank} at {time.time():.3f}", file=sys.stderr, flush=True)
+
+
+def _exit_in_optimizer(trainer: Trainer, rank: int, step: int, fired: list) -> None:
+    real_step = trainer.optimizer.step
+
+    def optimizer_step(*args, **kwargs):
+        if trainer.parallel.rank == rank and trainer.step + 1 == step:
+            _announce("exit_optimizer", rank)
+            os._exit(1)
+        return real_step(*args, **kwargs)
+
+    trainer.optimizer.step = optimizer_step
+
+
+def _kill_in_forward(trainer: Trainer, rank: int, step: int, fired: list) -> None:
+    def hook(module, args):
+        if trainer.parallel.rank == rank and trainer.step + 1 == step:
+            _announce("kill_forward", rank)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    trainer.model.layers[1].register_forward_pre_hook(hook)
+
+
+def _kill_in_save(trainer: Trainer, rank: int, step: int, fired: list) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    real_save = dcp.save
+
+    def save(state, *args, storage_writer=None, **kwargs):
+        if trainer.parallel.rank == rank and trainer.step == step:
+            real_write = storage_writer.write_data
+
+            def write_data(plan, planner):  # after the plan is agreed, while the files are written
+                _announce("kill_save", rank)
+                os.kill(os.getpid(), signal.SIGKILL)
+                return real_write(plan, planner)
+
+            storage_writer.write_data = write_data
+        return real_save(state, *args, storage_writer=storage_writer, **kwargs)
+
+    dcp.save = save
+
+
+DEATHS = {"exit_optimizer": _exit_in_optimizer, "kill_forward": _kill_in_forward, "kill_save": _kill_in_save}
 
 
 def main() -> None:

@@ -88,6 +88,51 @@ def test_a_dead_rank_is_named_with_the_collective_its_peers_wait_in():
     assert "rank    1  gone" in format_report(verdict, "headline")
 
 
+def test_rooted_calls_are_not_mismatches():
+    """scatter and gather: only the root passes a list, so their sizes differ by design."""
+    def rank(r, sizes):
+        t = _trace(r, {"w": ("world", [0, 1, 2], [(4, "scatter", 4)], 3)})
+        t.groups["w"].recent[0].sizes = sizes
+        return t
+
+    assert [f.kind for f in analyse({0: rank(0, [[4, 9]]), 1: rank(1, []), 2: rank(2, [])}).findings] == []
+    other = {0: rank(0, [[4]]), 1: rank(1, [[4]]), 2: rank(2, [[4]])}
+    other[2].groups["w"].recent[0].op = "all_reduce"  # a different op at the same number still is one
+    assert [f.kind for f in analyse(other).findings] == ["mismatch"]
+
+
+@pytest.mark.parametrize("message,lost", [
+    ("[../gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:33191: Connection reset by peer", True),
+    ("Connection closed by peer [127.0.0.1]:57010. This is typically caused by a remote worker crashing", True),
+    ("NCCL communicator was aborted on rank 3", True),
+    ("the data guard found identical batches", False),
+    ("CUDA out of memory", False),
+])
+def test_a_peers_loss_is_told_from_a_ranks_own_error(message, lost):
+    from hybridpar.diagnostics.liveness import is_peer_loss
+
+    assert is_peer_loss(RuntimeError(message)) is lost
+    assert is_peer_loss(dist.DistNetworkError("anything")) is True
+
+
+def test_process_alive_tells_running_exited_and_zombie_processes():
+    from hybridpar.diagnostics.liveness import process_alive
+
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    reaped = subprocess.Popen([sys.executable, "-c", "pass"])
+    reaped.wait()
+    os.waitid(os.P_PID, zombie.pid, os.WEXITED | os.WNOWAIT)  # wait for its exit, leaving it unreaped
+    try:
+        assert process_alive(running.pid) and process_alive(os.getpid())
+        assert not process_alive(reaped.pid)
+        assert zombie.returncode is None and not process_alive(zombie.pid)  # exited, not yet reaped
+    finally:
+        running.kill()
+        running.wait()
+        zombie.wait()
+
+
 def test_reading_a_dump_leaves_the_callers_groups_alone():
     info = {"rank": 0, "groups": {"0": {"dim": "world", "ranks": [0, 1]}}}
     entry = {"process_group": ("1", "mesh_mp"), "pg_id": 1, "collective_seq_id": 1, "record_id": 0,
@@ -154,6 +199,31 @@ def test_rank_1_does_not_wait_for_rank_0s_first_beat(tmp_path):
     assert wd._rank0_gone() is False
 
 
+def test_a_neighbours_death_is_named_at_once_with_its_place(tmp_path, clock):
+    """Rank 1's process is gone: rank 0, on the same host, sees it on its next look; the verdict
+    names it with its coordinates and last step, without waiting for its heartbeat to go stale."""
+    wd = _watchdog(tmp_path, world=3)
+    wd.parallel.dp_replicate, wd.parallel.dp_shard, wd.parallel.mp = 1, 3, 1
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        for r, pid in ((0, os.getpid()), (1, gone.pid), (2, alive.pid)):
+            wd._set(f"who/{r}", json.dumps({"host": "h", "pid": pid}))
+        for r in (1, 2):
+            wd._set(f"beat/{r}", json.dumps({"beat": 1, "step": 5, "phase": "optimizer", "seqs": {},
+                                             "state": "running", "timeout": 60.0, "note": ""}))
+        wd._publish()
+        wd._look_at_neighbours()
+        assert wd._check() == "rank(s) [1] died (the process is gone: it exited, was killed or crashed)"
+        assert wd._dead == [1]
+        assert wd._gone_info([1])[1] == {"coords": "mp 0, dp 1 (replicate 0, shard 1)", "step": 5,
+                                         "phase": "optimizer", "host": "h", "pid": gone.pid}
+    finally:
+        alive.kill()
+        alive.wait()
+
+
 def test_a_rank_that_raised_and_exited_is_reported_as_failed_not_gone(tmp_path, clock):
     wd = _watchdog(tmp_path)
     note = "raised RuntimeError: boom"
@@ -210,6 +280,15 @@ FAULTS = {
 }
 FAULT_STEP = 3
 
+# A rank's process ends abruptly: case -> (fault, world, rank). The job must say which, within the bound.
+DEATHS = {
+    "exit_optimizer": ("exit_optimizer", 4, 1),
+    "kill_forward": ("kill_forward", 4, 2),
+    "kill_save": ("kill_save", 4, 3),
+    "kill_forward_world8": ("kill_forward", 8, 5),
+    "kill_save_world8": ("kill_save", 8, 6),
+}
+
 
 def _flags(corpus, run_dir: Path, world: int) -> dict:
     return {
@@ -224,11 +303,12 @@ def _flags(corpus, run_dir: Path, world: int) -> dict:
     }
 
 
-def _run_fault(corpus, tmp_path: Path, fault: str, rank: int, world: int = 4) -> tuple[subprocess.CompletedProcess, float]:
+def _run_fault(corpus, tmp_path: Path, fault: str, rank: int, world: int = 4,
+               **flags) -> tuple[subprocess.CompletedProcess, float]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
            str(ROOT / "tests" / "diagnostics" / "fault_job.py"), fault, str(rank), str(FAULT_STEP),
-           json.dumps(_flags(corpus, tmp_path / "run", world))]
+           json.dumps({**_flags(corpus, tmp_path / "run", world), **flags})]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env, cwd=ROOT)
     fired = re.search(r"FAULT \S+ on rank \d+ at ([\d.]+)", result.stderr)
     assert fired, f"the fault never fired:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
@@ -262,6 +342,41 @@ def test_planted_fault_is_reported_naming_rank_group_and_collective(corpus, tmp_
     again = json.loads(offline.read_text())["findings"][0]
     assert (again["kind"], again["ranks"], again["dim"], again["op"], again["seq"]) == \
         (first["kind"], first["ranks"], first["dim"], first["op"], first["seq"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(DEATHS))
+def test_a_rank_that_dies_is_named_live(corpus, tmp_path, case):
+    """os._exit in the optimizer step, SIGKILL in a forward or while a checkpoint is written: the
+    survivors' collectives raise at once and torchrun starts its teardown within a second, yet the
+    job writes hang_report.json naming the dead rank, prints the verdict last, and keeps the last
+    complete checkpoint."""
+    fault, world, rank = DEATHS[case]
+    save = {"checkpoint.every": 1} if fault == "kill_save" else {}
+    result, fired_at = _run_fault(corpus, tmp_path, fault, rank, world, **save)
+    report_path = tmp_path / "run" / "hang_report.json"
+    assert result.returncode != 0
+    assert report_path.exists(), f"no report:\n{result.stderr[-4000:]}"
+    delay = report_path.stat().st_mtime - fired_at
+    report = json.loads(report_path.read_text())
+    text = result.stderr[result.stderr.index("hybridpar watchdog"):]
+    print(f"\n{case}: report {delay:.1f} s after the death (bound {REPORT_WITHIN:g} s)\n"
+          + "\n".join(text.splitlines()[:4]))
+    assert delay <= REPORT_WITHIN
+    assert report["dead"] == [rank] and report["findings"][0]["kind"] == "dead"
+    assert report["findings"][0]["ranks"] == [rank], report["findings"][0]
+    assert report["gone"][str(rank)]["pid"] > 0 and "coords" in report["gone"][str(rank)]
+    assert text.splitlines()[0].endswith(f"rank(s) [{rank}] died (the process is gone: it exited, was killed or crashed)")
+    assert f"rank {rank} is gone" in text.splitlines()[1]
+    # Nothing of hybridpar's after the verdict: only the launcher's own summary follows.
+    after = text[text.index("the ranks exit with code"):]
+    assert not re.search(r"^\[rank\d+\]:", after, re.M), after[:3000]  # no rank's traceback follows it
+    if fault == "kill_save":
+        from hybridpar.checkpoint.dcp import latest_checkpoint
+
+        checkpoints = tmp_path / "run" / "checkpoints"
+        assert latest_checkpoint(checkpoints).name == f"step-{FAULT_STEP - 1:08d}"
+        assert (latest_checkpoint(checkpoints) / ".metadata").exists()
 
 
 def test_hang_report_without_dumps_says_what_it_needs(tmp_path, capsys):

@@ -61,7 +61,8 @@ class Heartbeat:
         # restarts, and a process may train several times. Every rank counts alike, so keys agree.
         Heartbeat._instances += 1
         attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-        self._prefix = f"hybridpar/watchdog/{attempt}/{Heartbeat._instances}/"
+        self._attempt = f"hybridpar/watchdog/{attempt}/"
+        self._prefix = f"{self._attempt}{Heartbeat._instances}/"
         self._store = None
         self._info: dict = {}
         self._thread: Optional[threading.Thread] = None  # the thread that beats (the watchdog's)
@@ -117,16 +118,23 @@ class Heartbeat:
 
     # --- who runs where, and who is gone (liveness.py) ------------------------------------------
 
+    def _who_key(self, rank: int) -> str:
+        # Per attempt, not per watchdog: a rank that died under the set-up watchdog is still found
+        # by the training one.
+        return f"{self._attempt}who/{rank}"
+
     def _register(self) -> None:
-        self._set(f"who/{self.rank}", json.dumps({"host": self._info["host"], "pid": self._info["pid"]}))
+        self._store.set(self._who_key(self.rank), json.dumps({"host": self._info["host"], "pid": self._info["pid"]}))
+
+    def _whos(self, ranks: list[int]) -> list[dict]:
+        return [json.loads(v) for v in self._store.multi_get([self._who_key(r) for r in ranks])]
 
     def _look_at_neighbours(self) -> None:
         """Say, through the store, which ranks on this host have died since the last look."""
         if self._neighbours is None:
-            names = [f"who/{r}" for r in range(self.world_size)]
-            if not all(self._store.check([self._key(n)]) for n in names):
+            if not all(self._store.check([self._who_key(r)]) for r in range(self.world_size)):
                 return  # some rank has not registered yet
-            whos = [json.loads(v) for v in self._get_many(names)]
+            whos = self._whos(list(range(self.world_size)))
             self._neighbours = {r: w["pid"] for r, w in enumerate(whos)
                                 if r != self.rank and w["host"] == self._info["host"]}
         for r, pid in self._neighbours.items():

@@ -195,8 +195,8 @@ class Monitor(Heartbeat):
             last = self._last.get(r, {})
             entry.update({k: last[k] for k in ("step", "phase") if k in last})
             try:
-                if self._has(f"who/{r}"):
-                    entry.update(json.loads(self._get_many([f"who/{r}"])[0]))
+                if self._store.check([self._who_key(r)]):
+                    entry.update(self._whos([r])[0])
             except Exception:  # the store is going away with the job: the coordinates still help
                 pass
             info[r] = entry

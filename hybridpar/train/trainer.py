@@ -129,12 +129,32 @@ class Trainer:
         self.is_main = p.rank == 0
         self.device = p.device
         self.global_batch = c.data.micro_batch_size * c.train.grad_accum * p.dp_size
+        # From here on a rank that dies or hangs is reported, set-up included (its own watchdog,
+        # closed at the end of set-up: a Trainer built and never run leaves no thread behind).
+        setup = self._start_watchdog(c.parallel.init_timeout, "set-up")
+        try:
+            self._set_up(c, p, setup)
+        except BaseException as err:
+            if setup is not None:
+                setup.close(err)
+            raise
+        if setup is not None:
+            setup.close()
 
+    def _set_up(self, c: Config, p: ParallelDims, setup: Optional[Watchdog]) -> None:
+        def phase(name: str) -> None:
+            if setup is not None:
+                setup.phase = f"set-up: {name}"
+
+        phase("model args")
         self.args = self._model_args()  # checked before any data work
+        phase("data")
         self.tokenizer, self.dataset, self.loader = build_training_data(c, p, on_tokenizer=self._fit_vocab)
         # Before the model is built and compiled: the compiler's start-up takes a share of the cores,
         # and a peak measured then comes out low.
+        phase("peak flops")
         self.peak_flops = c.train.peak_flops or self._measure_peak()
+        phase("model")
         self.model = self._build_model()
         self.params = list(self.model.parameters())
         self.optimizer = build_optimizer(self.model, c.optim)
@@ -148,6 +168,7 @@ class Trainer:
             Path(c.checkpoint.folder) if c.checkpoint.folder else self.run_dir / "checkpoints", p,
             keep=c.checkpoint.keep, async_save=c.checkpoint.async_save,
         )
+        phase("checkpoint")
         self.resumed_from = self._restore()
         self.start_step = self.step  # 0, or the step a resumed run continues from
         self.deadlines = Deadlines(c.parallel.init_timeout, c.diagnostics.train_timeout, p, self.start_step)
@@ -324,12 +345,18 @@ class Trainer:
             "memory_gb": last["memory_gb"],
         }
 
-    def run(self) -> list[dict]:
+    def _start_watchdog(self, timeout: float, phase: str) -> Optional[Watchdog]:
         d = self.config.diagnostics
-        if d.watchdog:
-            self.watchdog = Watchdog(self.parallel, timeout=self.deadlines.no_progress_limit(),
-                                     run_dir=self.run_dir, trace_dir=self.trace_dir,
-                                     interval=d.watchdog_interval).start()
+        if not d.watchdog:
+            return None
+        watchdog = Watchdog(self.parallel, timeout=timeout, run_dir=Path(self.config.output.run_dir),
+                            trace_dir=self.trace_dir, interval=d.watchdog_interval)
+        watchdog.phase = phase
+        return watchdog.start()
+
+    def run(self) -> list[dict]:
+        self.watchdog = self._start_watchdog(self.deadlines.no_progress_limit(), "start")
+        if self.watchdog is not None:
             self.watchdog.step = self.step
             self.deadlines.watchdog = self.watchdog
         error = None

@@ -6,7 +6,8 @@ FAULT: sleep_mp (RANK sleeps before an all-reduce on its mp group), skip_dp (RAN
 all-reduce on its dp group), exit (RANK calls os._exit in the middle of the forward pass), shape
 (RANK all-reduces a tensor of another shape on its dp group), exit_optimizer (os._exit(1) in the
 optimizer step), kill_forward (SIGKILL in the middle of the forward), kill_save (SIGKILL while
-writing a checkpoint: the job saves every step). The fault fires once, in step STEP.
+writing a checkpoint: the job saves every step), kill_setup (SIGKILL while the data is set up).
+The fault fires once, in step STEP (kill_setup: before step 1).
 """
 
 import json
@@ -102,8 +103,25 @@ def _kill_in_save(trainer: Trainer, rank: int, step: int, fired: list) -> None:
 DEATHS = {"exit_optimizer": _exit_in_optimizer, "kill_forward": _kill_in_forward, "kill_save": _kill_in_save}
 
 
+def _kill_in_setup(rank: int) -> None:
+    """SIGKILL while the data is set up, after the mesh exists (before any training step)."""
+    from hybridpar.train import trainer as trainer_module
+
+    real_build = trainer_module.build_training_data
+
+    def build_training_data(config, parallel, **kwargs):
+        if parallel.rank == rank:
+            _announce("kill_setup", rank)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_build(config, parallel, **kwargs)
+
+    trainer_module.build_training_data = build_training_data
+
+
 def main() -> None:
     fault, rank, step, flags = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
+    if fault == "kill_setup":
+        _kill_in_setup(rank)
     trainer = Trainer(load_config(None, [f"--{k}={v}" for k, v in flags.items()]))
     plant(trainer, fault, rank, step)
     trainer.run()

@@ -209,7 +209,7 @@ def test_a_neighbours_death_is_named_at_once_with_its_place(tmp_path, clock):
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         for r, pid in ((0, os.getpid()), (1, gone.pid), (2, alive.pid)):
-            wd._set(f"who/{r}", json.dumps({"host": "h", "pid": pid}))
+            wd._store.set(wd._who_key(r), json.dumps({"host": "h", "pid": pid}))
         for r in (1, 2):
             wd._set(f"beat/{r}", json.dumps({"beat": 1, "step": 5, "phase": "optimizer", "seqs": {},
                                              "state": "running", "timeout": 60.0, "note": ""}))
@@ -285,6 +285,7 @@ DEATHS = {
     "exit_optimizer": ("exit_optimizer", 4, 1),
     "kill_forward": ("kill_forward", 4, 2),
     "kill_save": ("kill_save", 4, 3),
+    "kill_setup": ("kill_setup", 4, 2),  # while the data is set up, before any step
     "kill_forward_world8": ("kill_forward", 8, 5),
     "kill_save_world8": ("kill_save", 8, 6),
 }

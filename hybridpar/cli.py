@@ -44,6 +44,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from .train import Trainer
 
     config = load_config(find_config(args.config) if args.config else None, args.overrides)
+    args.log_dir = Path(config.output.run_dir) / "logs"  # where main() puts a failing rank's traceback
     try:
         Trainer(config).run()
     finally:
@@ -331,10 +332,43 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as err:
-        # Bad input (config, mesh sizes, model shape, data): one clear line instead of a traceback.
+    except Exception as err:  # noqa: BLE001 - reported below, then the exit code says it failed
         if os.environ.get("HYBRIDPAR_TRACEBACK"):
             raise
-        rank = os.environ.get("RANK")
-        print(f"hybridpar: error{f' (rank {rank})' if rank else ''}: {err}", file=sys.stderr)
+        return _report_error(err, getattr(args, "log_dir", None))
+
+
+def _report_error(error: Exception, log_dir: Optional[Path]) -> int:
+    """One screen per failure. An error every rank raises alike (bad config, mesh sizes, a refusal,
+    the data guard, a non-finite loss) is printed once, by rank 0, as its message; bad input raised
+    by some ranks only, with the rank; anything else with its traceback. Every rank's traceback
+    goes to `<run_dir>/logs/rank-R.log`, which the message names."""
+    from .ranks import raised_by_every_rank
+
+    rank = os.environ.get("RANK")
+    log = _log_traceback(error, log_dir, rank or "0")
+    where = f" (tracebacks: {log.parent / 'rank-*.log'})" if log else " (HYBRIDPAR_TRACEBACK=1 shows the traceback)"
+    if raised_by_every_rank(error):
+        if rank in (None, "0"):
+            print(f"hybridpar: error: {error}{where}", file=sys.stderr, flush=True)
         return 2
+    if isinstance(error, (ValueError, FileNotFoundError)):  # bad input: one clear line
+        print(f"hybridpar: error{f' (rank {rank})' if rank else ''}: {error}{where}", file=sys.stderr, flush=True)
+        return 2
+    raise error
+
+
+def _log_traceback(error: Exception, log_dir: Optional[Path], rank: str) -> Optional[Path]:
+    import traceback
+
+    from .files import write_text_atomic
+
+    if log_dir is None:
+        return None
+    path = log_dir / f"rank-{rank}.log"
+    text = f"hybridpar {' '.join(sys.argv[1:])}\n" + "".join(traceback.format_exception(error))
+    try:
+        write_text_atomic(path, text)
+    except OSError:
+        return None
+    return path

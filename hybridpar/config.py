@@ -17,7 +17,7 @@ from .parallel.fsdp import FSDPConfig
 
 
 class ConfigError(ValueError):
-    pass
+    every_rank = True  # raised alike on every rank: hybridpar.ranks.raised_by_every_rank
 
 
 @dataclasses.dataclass

@@ -34,6 +34,7 @@ DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 class MeshSizeError(ValueError):
     """Parallel sizes that cannot tile the world."""
+    every_rank = True  # raised alike on every rank: hybridpar.ranks.raised_by_every_rank
 
 
 def resolve_sizes(world_size: int, mp: int = 1, dp_shard: int = -1, dp_replicate: int = 1) -> tuple[int, int, int]:

@@ -56,8 +56,23 @@ def _shared(error: BaseException, error_type: type[Exception]) -> tuple[bool, st
     return False, f"{type(error).__name__}: {error}"
 
 
+def raised_by_every_rank(error: BaseException) -> bool:
+    """Is this an error every rank raises alike (a refusal, a bad config, a check all ranks make)?
+    Such errors are worth one line on rank 0, not one traceback per rank. Marked by a class
+    attribute `every_rank = True` or by mark_every_rank."""
+    return bool(getattr(error, "every_rank", False))
+
+
+def mark_every_rank(error: BaseException) -> BaseException:
+    try:
+        error.every_rank = True
+    except AttributeError:  # an exception type without a __dict__: left unmarked
+        pass
+    return error
+
+
 def _raise_for_other(rank: int, what: str, refusal: bool, text: str, error_type: type[Exception]) -> NoReturn:
-    raise error_type(text if refusal else f"rank {rank} could not {what}: {text}")
+    raise mark_every_rank(error_type(text if refusal else f"rank {rank} could not {what}: {text}"))
 
 
 def on_rank0(work: Callable[[], T], what: str, *, error_type: type[Exception] = RuntimeError) -> T:
@@ -77,7 +92,7 @@ def on_rank0(work: Callable[[], T], what: str, *, error_type: type[Exception] = 
             outcome = ("error", *_shared(err, error_type))
     outcome = broadcast_from_rank0(outcome)
     if error is not None:
-        raise error
+        raise mark_every_rank(error)
     if outcome[0] == "error":
         _raise_for_other(0, what, outcome[1], outcome[2], error_type)
     return outcome[1]
@@ -107,6 +122,6 @@ def raise_if_any_failed(error: Optional[BaseException], what: str, *,
         return
     shared = gather_objects(None if error is None else _shared(error, error_type))
     if error is not None:
-        raise error
+        raise mark_every_rank(error)
     rank, (refusal, text) = next((r, s) for r, s in enumerate(shared) if s is not None)
     _raise_for_other(rank, what, refusal, text, error_type)

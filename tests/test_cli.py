@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -55,3 +56,31 @@ def test_quickstart_script_trains_and_writes_its_outputs(tmp_path):
     assert rows[-1]["step"] == 30 and rows[-1]["loss"] < rows[0]["loss"] - 1.0
     assert (run_dir / "loss.png").stat().st_size > 1000
     assert any((run_dir / "tensorboard").iterdir())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mistake,flags,message", [
+    ("same_data", {}, "hybridpar: error: data guard, step 1"),
+    ("none", {"--parallel.mp": "3"}, "hybridpar: error: "),
+])
+def test_an_error_every_rank_raises_is_one_screen(corpus, tmp_path, mistake, flags, message):
+    """Under torchrun at world 4: the message once, from rank 0, without a traceback; every rank's
+    traceback in the run folder's logs, which the message names; a non-zero exit."""
+    run_dir = tmp_path / "run"
+    args = {"--config": "local", "--train.steps": "2", "--output.run_dir": str(run_dir), "--model.preset": "debug",
+            "--model.vocab_size": "512", "--data.tokenizer_vocab_size": "512", "--data.seq_len": "32",
+            "--data.source": corpus["source"], "--data.cache_dir": corpus["cache_dir"], "--train.peak_flops": "1e12",
+            **flags}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+           str(ROOT / "tests" / "diagnostics" / "cli_job.py"), mistake, "--",
+           *[x for kv in args.items() for x in kv]]
+    result = _run(cmd, 600)
+    assert result.returncode != 0
+    ours = [line for line in result.stderr.splitlines() if line.startswith("hybridpar: error")]
+    print("\n" + "\n".join(ours))
+    assert len(ours) == 1 and ours[0].startswith(message), result.stderr[-3000:]
+    assert not re.search(r"^\[rank\d+\]:", result.stderr, re.M), result.stderr[-3000:]  # no rank's traceback
+    assert result.stderr.count("Traceback") <= 1  # torchrun's own, around its summary
+    logs = sorted(p.name for p in (run_dir / "logs").iterdir())
+    assert logs == [f"rank-{r}.log" for r in range(4)] and str(run_dir / "logs") in ours[0]
+    assert "Traceback" in (run_dir / "logs" / "rank-2.log").read_text()

@@ -20,7 +20,7 @@ from ..compat.torch import all_gather_single
 
 
 class DataGuardError(RuntimeError):
-    pass
+    every_rank = True  # raised alike on every rank: hybridpar.ranks.raised_by_every_rank
 
 
 def batch_fingerprint(*tensors: torch.Tensor) -> int:

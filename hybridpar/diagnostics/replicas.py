@@ -21,7 +21,7 @@ _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class ReplicaMismatchError(RuntimeError):
-    pass
+    every_rank = True  # raised alike on every rank: hybridpar.ranks.raised_by_every_rank
 
 
 def _checksums(model: torch.nn.Module) -> tuple[list[str], list[bool], torch.Tensor]:

@@ -46,7 +46,7 @@ from .metrics import MetricsWriter, flops_per_token, measure_matmul_peak, memory
 
 
 class NonFiniteLossError(FloatingPointError):
-    pass
+    every_rank = True  # raised alike on every rank: hybridpar.ranks.raised_by_every_rank
 
 
 def build_optimizer(model: torch.nn.Module, config, fused: bool = True) -> torch.optim.Optimizer:

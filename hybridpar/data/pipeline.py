@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from hybridpar.data.loader import PackedDataset, ResumableDataLoader, build_dataloader, check_dataset_size
-from hybridpar.data.prepare import prepare_cached, source_documents, source_id
+from hybridpar.data.prepare import prepare_cached, source_documents
+from hybridpar.data.sources import source_id
 from hybridpar.data.tokenizer import Tokenizer, load_or_train_tokenizer
 
 

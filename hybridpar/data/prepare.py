@@ -1,9 +1,7 @@
 """Text -> one flat file of token ids, EOS after every document, plus a JSON sidecar that describes it.
 
-Sources: "default" (the embedded stdlib corpus), a .txt file (the whole file is one document), a
-.jsonl file (one JSON object per line, the document in `text_field`), a directory of such files
-(sorted, recursive) or a list of any of these. The output is a raw array (uint16 when every id fits,
-else uint32) that numpy memory-maps, so training reads it without loading it.
+Sources are read as sources.py resolves them. The output is a raw array (uint16 when every id
+fits, else uint32) that numpy memory-maps, so training reads it without loading it.
 
 Memory stays bounded whatever the input size: files are read line by line, long documents are cut
 into pieces at line ends, and pieces are tokenised in batches appended to the output as they come.
@@ -16,19 +14,18 @@ import json
 import logging
 import re
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, Sequence, Union
+from typing import Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 
-from hybridpar.data.corpus import default_corpus_documents, default_corpus_id
+from hybridpar.data.corpus import default_corpus_documents
+from hybridpar.data.sources import Source, SourceFile, describe_sources, resolve_sources
 from hybridpar.files import PathLike, atomic_output, file_lock, sha256_text, write_text_atomic
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SOURCE = "default"
 FORMAT_VERSION = 2  # 2: long documents cut where no split pattern joins across the cut
 SIDECAR_SUFFIX = ".json"
-DATA_FILE_KINDS = {".txt": "txt", ".jsonl": "jsonl"}
 # A document longer than this is tokenised in pieces, each cut right after a newline.
 PIECE_CHARS = 1 << 16
 # Pieces end after a newline whose next line holds a non-space character: split patterns such as
@@ -42,78 +39,14 @@ BATCH_CHARS = 1 << 17
 # so it is tokenised as in the middle of the text (no dummy-prefix space at its start).
 _CONTINUATION_PREFIX = "\n"
 
-Source = Union[PathLike, Sequence[PathLike]]
 
-
-# --- sources --------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class SourceFile:
-    kind: str  # "default", "txt" or "jsonl"
-    path: Optional[Path] = None
-
-
-def resolve_sources(source: Source) -> list[SourceFile]:
-    """Every input in reading order; errors name the path and what is accepted."""
-    if isinstance(source, (list, tuple)):
-        if not source:
-            raise ValueError("the data source list is empty; give 'default', files or directories")
-        return [f for item in source for f in resolve_sources(item)]
-    if isinstance(source, str) and source == DEFAULT_SOURCE:
-        return [SourceFile("default")]
-    path = Path(source)
-    if not path.exists():
-        raise FileNotFoundError(f"data path {path} does not exist")
-    if path.is_dir():
-        files = sorted(
-            (p for p in path.rglob("*") if p.is_file() and p.suffix in DATA_FILE_KINDS and not _hidden(p, path)),
-            key=lambda p: p.relative_to(path).as_posix(),
-        )
-        if not files:
-            raise ValueError(f"data directory {path} has no .txt or .jsonl files")
-        return [SourceFile(DATA_FILE_KINDS[p.suffix], p.resolve()) for p in files]
-    kind = DATA_FILE_KINDS.get(path.suffix)
-    if kind is None:
-        raise ValueError(
-            f"{path}: unknown data file type {path.suffix!r}; use .txt (the whole file is one document), "
-            f".jsonl (one JSON object per line with the text in a field), a directory of them, or 'default'"
-        )
-    return [SourceFile(kind, path.resolve())]
-
-
-def _hidden(path: Path, root: Path) -> bool:
-    return any(part.startswith(".") for part in path.relative_to(root).parts)
-
-
-def describe_sources(files: Sequence[SourceFile], text_field: str = "text") -> dict:
-    """What the output was made from; sizes and mtimes make an edited file count as a new source."""
-    described = []
-    for f in files:
-        if f.kind == "default":
-            described.append({"kind": "default", "corpus_id": default_corpus_id()})
-        else:
-            st = f.path.stat()
-            described.append({"kind": f.kind, "path": str(f.path), "size": st.st_size, "mtime_ns": st.st_mtime_ns})
-    uses_field = any(f.kind == "jsonl" for f in files)
-    return {"files": described, "text_field": text_field if uses_field else None}
-
-
-def source_id(source: Source, text_field: str = "text") -> str:
-    """A short stable name for a source (tokenizer cache key): the corpus id, or a hash of the files."""
-    files = resolve_sources(source)
-    if all(f.kind == "default" for f in files):
-        return default_corpus_id()
-    return "data-" + sha256_text(json.dumps(describe_sources(files, text_field), sort_keys=True))[:16]
+# --- documents as pieces ---------------------------------------------------------------------
 
 
 def source_documents(source: Source, text_field: str = "text") -> Iterator[str]:
     """Every document of a source as one string, in reading order (to train a tokenizer on)."""
     for pieces in _documents(resolve_sources(source), text_field):
         yield "".join(pieces)
-
-
-# --- documents as pieces ---------------------------------------------------------------------
 
 
 def _documents(files: Sequence[SourceFile], text_field: str) -> Iterator[Iterator[str]]:

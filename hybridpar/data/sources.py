@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import platform
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
-from hybridpar.data.corpus import default_corpus_id
+from hybridpar.data.corpus import default_corpus_bytes, default_corpus_id
 from hybridpar.files import PathLike, sha256_text
 
 DEFAULT_SOURCE = "default"
@@ -79,3 +80,16 @@ def source_id(source: Source, text_field: str = "text") -> str:
     if all(f.kind == "default" for f in files):
         return default_corpus_id()
     return "data-" + sha256_text(json.dumps(describe_sources(files, text_field), sort_keys=True))[:16]
+
+
+def source_bytes(files: Sequence[SourceFile]) -> int:
+    """How many bytes reading `files` goes through (for the embedded corpus, its standard-library
+    sources): the total that progress counts up to."""
+    return sum(default_corpus_bytes() if f.kind == "default" else f.path.stat().st_size for f in files)
+
+
+def source_name(files: Sequence[SourceFile]) -> str:
+    """A short name for messages: the embedded corpus, or the first few paths."""
+    names = [f"the embedded corpus (Python {platform.python_version()}'s standard-library docstrings)"
+             if f.kind == "default" else str(f.path) for f in files]
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")

@@ -7,7 +7,9 @@ import re
 import threading
 import time
 
-from hybridpar.data import prepare, prepare_cached, prepare_tokens
+from hybridpar.data import build_data, load_or_train_tokenizer, prepare, prepare_cached, prepare_tokens
+from tests.data.conftest import SAMPLE_VOCAB
+from tests.runs import make_config
 
 PROGRESS = re.compile(r"tokenising: [\d.]+ (B|KiB) of [\d.]+ KiB \(\d+%\)(, about \d+ s left)? \[\d+ s\]")
 
@@ -84,3 +86,27 @@ def test_the_preparing_process_reports_whatever_its_rank_and_waiting_ones_stay_q
     assert "another process is preparing it" in caplog.text and len(found) == 1
     assert capsys.readouterr().err == ""
 
+
+def test_training_a_tokenizer_says_so_once(tmp_path, corpus_sample, capsys):
+    kwargs = dict(vocab_size=SAMPLE_VOCAB, documents_factory=lambda: iter(corpus_sample), corpus_id="sample",
+                  cache_dir=tmp_path, corpus_name="the sample")
+    tok = load_or_train_tokenizer(None, **kwargs)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == (f"training a {SAMPLE_VOCAB}-token sentencepiece tokenizer on the sample, "
+                        f"once: later runs reuse {tok.path}")
+    assert re.fullmatch(rf"tokenizer: [\d,]+ lines of text read; sentencepiece is building the {SAMPLE_VOCAB}-token "
+                        r"vocabulary", lines[1]) and len(lines) == 2
+    load_or_train_tokenizer(None, **kwargs)
+    assert capsys.readouterr().err == ""
+
+
+def test_the_trainer_data_speaks_from_the_process_that_prepares(corpus, tmp_path, capsys, monkeypatch):
+    config = make_config({**corpus, "cache_dir": str(tmp_path / "cache")}, tmp_path / "run")
+    pretend_rank(monkeypatch, 2)
+    build_data(config.data)
+    err = capsys.readouterr().err
+    assert "training a 512-token sentencepiece tokenizer on " + corpus["source"] in err
+    assert "sentencepiece is building" in err and ", once: later runs reuse it\n" in err
+    pretend_rank(monkeypatch, 0)
+    build_data(config.data)  # everything cached: nothing to say
+    assert capsys.readouterr().err == ""

@@ -4,6 +4,8 @@
 #   bash launch/local.sh --train.steps 50
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The processes say nothing until each has imported torch: seconds, more on a busy machine.
+echo "launch/local.sh: starting 4 training processes (launch/configs/local.toml); they load torch first" >&2
 if ! python3 -c "import hybridpar, torch, sentencepiece, matplotlib, tensorboard" 2>/dev/null; then
     echo "launch/local.sh: installing hybridpar (torch 2.13.0 first, so no CUDA build is pulled in)"
     python3 -m pip install -q torch==2.13.0

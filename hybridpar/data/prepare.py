@@ -68,8 +68,8 @@ def _documents(files: Sequence[SourceFile], text_field: str, on_bytes: OnBytes =
 
 
 def _read_so_far(f, reported: int, on_bytes: OnBytes) -> int:
-    """Tell on_bytes how far the text file `f` has read past `reported`; the new position. (Its
-    binary buffer's position moves a chunk at a time: the check costs next to nothing per line.)"""
+    """Tell on_bytes how far the text file `f` has read past `reported` (its binary buffer's
+    position, which moves a chunk at a time); the new position."""
     if on_bytes is None:
         return reported
     position = f.buffer.tell()
@@ -98,11 +98,13 @@ def _txt_pieces(path: Path, on_bytes: OnBytes = None) -> Iterator[str]:
 
 
 def _jsonl_texts(path: Path, text_field: str, on_bytes: OnBytes = None) -> Iterator[str]:
-    reported = 0
+    reported = unreported = 0  # progress every PIECE_CHARS characters, as _txt_pieces (tell() costs)
     try:
         with open(path, encoding="utf-8") as f:
             for lineno, line in enumerate(f, 1):
-                reported = _read_so_far(f, reported, on_bytes)
+                unreported += len(line)
+                if unreported >= PIECE_CHARS:
+                    reported, unreported = _read_so_far(f, reported, on_bytes), 0
                 if not line.strip():
                     continue
                 try:
@@ -119,6 +121,7 @@ def _jsonl_texts(path: Path, text_field: str, on_bytes: OnBytes = None) -> Itera
                 if not isinstance(text, str):
                     raise ValueError(f"{path}:{lineno}: field {text_field!r} is a {type(text).__name__}, not a string")
                 yield text
+            _read_so_far(f, reported, on_bytes)
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 text ({e}); convert it to UTF-8") from e
 

@@ -1,6 +1,7 @@
 """Progress lines for long work (loading a model, converting, preparing data), so that nobody
 waits long without a word: one line at most every `every` seconds, and one at the end if any
-was printed, from one process (rank 0 by default) to stderr.
+was printed, from one process (rank 0 by default) to stderr. `note` says what starts or what
+comes next (always, from that process); `summary`, when set, ends the closing line.
 
     with Progress("loading model.safetensors", total=n_bytes, unit="B") as progress:
         for ...:
@@ -25,6 +26,14 @@ def _amount(n: float, unit: str) -> str:
     return f"{n:.0f} B"
 
 
+def note(text: str, *, enabled: Optional[bool] = None, stream: Optional[TextIO] = None) -> None:
+    """One line from the reporting process (rank 0 when `enabled` is None), to stderr."""
+    if enabled is None:
+        enabled = rank_and_world()[0] == 0
+    if enabled:
+        print(text, file=stream or sys.stderr, flush=True)
+
+
 class Progress:
     """Counts work done towards an optional total and reports it now and then (see the module)."""
 
@@ -36,6 +45,7 @@ class Progress:
         self.done = 0.0
         self.start = self.last = time.monotonic()
         self.printed = False
+        self.summary = ""  # e.g. "1,234 tokens in 5 documents": what the work made, for the closing line
 
     def __enter__(self) -> "Progress":
         return self
@@ -43,6 +53,11 @@ class Progress:
     def __exit__(self, *exc) -> None:
         if exc[0] is None:
             self.finish()
+
+    def note(self, text: str) -> None:
+        """One line from the reporting process whatever the timing (what starts, what comes next);
+        it does not count as having spoken, so short work still ends without a closing line."""
+        note(text, enabled=self.enabled, stream=self.stream)
 
     def update(self, amount: float = 1) -> None:
         self.done += amount
@@ -63,7 +78,9 @@ class Progress:
     def finish(self) -> None:
         """The closing line, if any line was printed (short work stays silent)."""
         if self.enabled and self.printed:
-            self._print(f"{self.what}: done, {_amount(self.done, self.unit)} in {time.monotonic() - self.start:.0f} s")
+            seconds = time.monotonic() - self.start
+            summary = f": {self.summary}" if self.summary else ""
+            self._print(f"{self.what}: done, {_amount(self.done, self.unit)} in {seconds:.0f} s{summary}")
 
     def _print(self, text: str) -> None:
         self.printed = True

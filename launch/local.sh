@@ -4,7 +4,11 @@
 #   bash launch/local.sh --train.steps 50
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if ! python3 -c "import hybridpar, torch, sentencepiece, matplotlib, tensorboard" 2>/dev/null; then
+# The processes say nothing until each has imported torch: seconds, more on a busy machine.
+echo "launch/local.sh: starting 4 training processes (launch/configs/local.toml); they load torch first" >&2
+# Whether they are installed, not imported: importing them all takes seconds (tens on a busy machine).
+if ! python3 -c "import importlib.util as u, sys
+sys.exit(any(u.find_spec(m) is None for m in ('hybridpar', 'torch', 'sentencepiece', 'matplotlib', 'tensorboard')))"; then
     echo "launch/local.sh: installing hybridpar (torch 2.13.0 first, so no CUDA build is pulled in)"
     python3 -m pip install -q torch==2.13.0
     python3 -m pip install -q -e .

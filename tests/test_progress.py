@@ -3,7 +3,7 @@
 import io
 import types
 
-from hybridpar.progress import Progress
+from hybridpar.progress import Progress, note
 
 
 def test_short_work_is_silent_and_long_work_reports_and_closes(monkeypatch):
@@ -30,3 +30,22 @@ def test_other_processes_stay_silent():
     progress.update(5)
     progress.finish()
     assert out.getvalue() == "" and progress.done == 5
+
+
+def test_notes_always_print_but_do_not_count_as_progress_and_the_summary_ends_the_closing_line():
+    out = io.StringIO()
+    with Progress("work", enabled=True, stream=out) as quick:
+        quick.note("work starts (once)")
+        quick.update(1)
+    assert out.getvalue() == "work starts (once)\n"  # short work: no closing line after a note
+
+    out = io.StringIO()
+    with Progress("work", unit="files", every=0.0, enabled=True, stream=out) as progress:
+        progress.update(2)
+        progress.summary = "2 outputs"
+    assert out.getvalue().splitlines()[-1] == "work: done, 2 files in 0 s: 2 outputs"
+
+    silent = io.StringIO()
+    Progress("work", enabled=False, stream=silent).note("not here")
+    note("nor here", enabled=False, stream=silent)
+    assert silent.getvalue() == ""

@@ -17,7 +17,7 @@ import platform
 import sysconfig
 import warnings
 from pathlib import Path
-from typing import Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 # Docstrings shorter than this ("Return self.") add little text and many document boundaries.
 MIN_DOCUMENT_CHARS = 40
@@ -67,8 +67,10 @@ def _collect_docstrings(node: ast.AST, found: list[str]) -> None:
         _collect_docstrings(child, found)
 
 
-def docstring_documents(paths: Iterable[Path], max_documents: Optional[int] = None) -> Iterator[str]:
-    """One document per docstring of `paths`, skipping tiny ones and exact duplicates (copied modules)."""
+def docstring_documents(paths: Iterable[Path], max_documents: Optional[int] = None,
+                        on_bytes: Optional[Callable[[int], None]] = None) -> Iterator[str]:
+    """One document per docstring of `paths`, skipping tiny ones and exact duplicates (copied modules).
+    `on_bytes(n)` is told the size of each file once its docstrings are handed out (progress)."""
     if max_documents is not None and max_documents <= 0:
         return
     seen: set[bytes] = set()
@@ -85,11 +87,27 @@ def docstring_documents(paths: Iterable[Path], max_documents: Optional[int] = No
             count += 1
             if max_documents is not None and count >= max_documents:
                 return
+        if on_bytes is not None:
+            on_bytes(_size(path))
 
 
-def default_corpus_documents(max_documents: Optional[int] = None) -> Iterator[str]:
-    """The standard library's docstrings, one document each, in a fixed order; files are parsed lazily."""
-    return docstring_documents(stdlib_source_files(), max_documents)
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def default_corpus_documents(max_documents: Optional[int] = None,
+                             on_bytes: Optional[Callable[[int], None]] = None) -> Iterator[str]:
+    """The standard library's docstrings, one document each, in a fixed order; files are parsed lazily.
+    `on_bytes`: as docstring_documents."""
+    return docstring_documents(stdlib_source_files(), max_documents, on_bytes)
+
+
+def default_corpus_bytes() -> int:
+    """The size of the source files the corpus is read from: what on_bytes adds up to."""
+    return sum(_size(path) for path in stdlib_source_files())
 
 
 def default_corpus_id() -> str:

@@ -4,11 +4,13 @@ the same way by the trainer and by `hybridpar doctor` (which checks the very bat
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 from hybridpar.data.loader import PackedDataset, ResumableDataLoader, build_dataloader, check_dataset_size
-from hybridpar.data.prepare import prepare_cached, source_documents, source_id
+from hybridpar.data.prepare import prepare_cached, source_documents
+from hybridpar.data.sources import resolve_sources, source_bytes, source_id, source_name
 from hybridpar.data.tokenizer import Tokenizer, load_or_train_tokenizer
+from hybridpar.progress import Progress
 
 
 def default_cache_dir() -> Path:
@@ -17,15 +19,24 @@ def default_cache_dir() -> Path:
 
 def build_data(d) -> tuple[Tokenizer, PackedDataset]:
     """From the config's [data] section: the tokenizer (given, or trained on the source and cached),
-    the token file (cached) and its seq_len + 1 windows."""
+    the token file (cached) and its seq_len + 1 windows. The process that trains or tokenises
+    says so and reports its progress on stderr; the others wait for its files quietly."""
     cache = Path(d.cache_dir) if d.cache_dir else default_cache_dir()
     tokenizer = load_or_train_tokenizer(
-        d.tokenizer or None, vocab_size=d.tokenizer_vocab_size,
-        documents_factory=lambda: source_documents(d.source, d.text_field),
-        corpus_id=source_id(d.source, d.text_field), cache_dir=cache,
+        d.tokenizer or None, vocab_size=d.tokenizer_vocab_size, documents_factory=lambda: _tokenizer_text(d),
+        corpus_id=source_id(d.source, d.text_field), corpus_name=source_name(resolve_sources(d.source)),
+        cache_dir=cache,
     )
     token_file = prepare_cached(d.source, tokenizer, cache, text_field=d.text_field)
     return tokenizer, PackedDataset(token_file, d.seq_len)
+
+
+def _tokenizer_text(d) -> Iterator[str]:
+    """The documents of `d.source`, reporting the bytes read: load_or_train_tokenizer asks for them
+    only in the process that trains, so this one reports whatever its rank."""
+    with Progress("tokenizer: reading the text", total=source_bytes(resolve_sources(d.source)), unit="B",
+                  enabled=True) as progress:
+        yield from source_documents(d.source, d.text_field, progress.update)
 
 
 def build_training_data(config, parallel, on_tokenizer: Optional[Callable[[Tokenizer], None]] = None

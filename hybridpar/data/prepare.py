@@ -1,12 +1,11 @@
 """Text -> one flat file of token ids, EOS after every document, plus a JSON sidecar that describes it.
 
-Sources: "default" (the embedded stdlib corpus), a .txt file (the whole file is one document), a
-.jsonl file (one JSON object per line, the document in `text_field`), a directory of such files
-(sorted, recursive) or a list of any of these. The output is a raw array (uint16 when every id fits,
-else uint32) that numpy memory-maps, so training reads it without loading it.
+Sources are read as sources.py resolves them. The output is a raw array (uint16 when every id
+fits, else uint32) that numpy memory-maps, so training reads it without loading it.
 
 Memory stays bounded whatever the input size: files are read line by line, long documents are cut
 into pieces at line ends, and pieces are tokenised in batches appended to the output as they come.
+Progress counts the bytes of input read (for the embedded corpus, of its source files).
 """
 
 from __future__ import annotations
@@ -16,19 +15,19 @@ import json
 import logging
 import re
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, Sequence, Union
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 
-from hybridpar.data.corpus import default_corpus_documents, default_corpus_id
+from hybridpar.data.corpus import default_corpus_documents
+from hybridpar.data.sources import Source, SourceFile, describe_sources, resolve_sources, source_bytes, source_name
 from hybridpar.files import PathLike, atomic_output, file_lock, sha256_text, write_text_atomic
+from hybridpar.progress import Progress
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SOURCE = "default"
 FORMAT_VERSION = 2  # 2: long documents cut where no split pattern joins across the cut
 SIDECAR_SUFFIX = ".json"
-DATA_FILE_KINDS = {".txt": "txt", ".jsonl": "jsonl"}
 # A document longer than this is tokenised in pieces, each cut right after a newline.
 PIECE_CHARS = 1 << 16
 # Pieces end after a newline whose next line holds a non-space character: split patterns such as
@@ -42,114 +41,70 @@ BATCH_CHARS = 1 << 17
 # so it is tokenised as in the middle of the text (no dummy-prefix space at its start).
 _CONTINUATION_PREFIX = "\n"
 
-Source = Union[PathLike, Sequence[PathLike]]
-
-
-# --- sources --------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class SourceFile:
-    kind: str  # "default", "txt" or "jsonl"
-    path: Optional[Path] = None
-
-
-def resolve_sources(source: Source) -> list[SourceFile]:
-    """Every input in reading order; errors name the path and what is accepted."""
-    if isinstance(source, (list, tuple)):
-        if not source:
-            raise ValueError("the data source list is empty; give 'default', files or directories")
-        return [f for item in source for f in resolve_sources(item)]
-    if isinstance(source, str) and source == DEFAULT_SOURCE:
-        return [SourceFile("default")]
-    path = Path(source)
-    if not path.exists():
-        raise FileNotFoundError(f"data path {path} does not exist")
-    if path.is_dir():
-        files = sorted(
-            (p for p in path.rglob("*") if p.is_file() and p.suffix in DATA_FILE_KINDS and not _hidden(p, path)),
-            key=lambda p: p.relative_to(path).as_posix(),
-        )
-        if not files:
-            raise ValueError(f"data directory {path} has no .txt or .jsonl files")
-        return [SourceFile(DATA_FILE_KINDS[p.suffix], p.resolve()) for p in files]
-    kind = DATA_FILE_KINDS.get(path.suffix)
-    if kind is None:
-        raise ValueError(
-            f"{path}: unknown data file type {path.suffix!r}; use .txt (the whole file is one document), "
-            f".jsonl (one JSON object per line with the text in a field), a directory of them, or 'default'"
-        )
-    return [SourceFile(kind, path.resolve())]
-
-
-def _hidden(path: Path, root: Path) -> bool:
-    return any(part.startswith(".") for part in path.relative_to(root).parts)
-
-
-def describe_sources(files: Sequence[SourceFile], text_field: str = "text") -> dict:
-    """What the output was made from; sizes and mtimes make an edited file count as a new source."""
-    described = []
-    for f in files:
-        if f.kind == "default":
-            described.append({"kind": "default", "corpus_id": default_corpus_id()})
-        else:
-            st = f.path.stat()
-            described.append({"kind": f.kind, "path": str(f.path), "size": st.st_size, "mtime_ns": st.st_mtime_ns})
-    uses_field = any(f.kind == "jsonl" for f in files)
-    return {"files": described, "text_field": text_field if uses_field else None}
-
-
-def source_id(source: Source, text_field: str = "text") -> str:
-    """A short stable name for a source (tokenizer cache key): the corpus id, or a hash of the files."""
-    files = resolve_sources(source)
-    if all(f.kind == "default" for f in files):
-        return default_corpus_id()
-    return "data-" + sha256_text(json.dumps(describe_sources(files, text_field), sort_keys=True))[:16]
-
-
-def source_documents(source: Source, text_field: str = "text") -> Iterator[str]:
-    """Every document of a source as one string, in reading order (to train a tokenizer on)."""
-    for pieces in _documents(resolve_sources(source), text_field):
-        yield "".join(pieces)
+OnBytes = Optional[Callable[[int], None]]  # told how many more bytes of input were read
 
 
 # --- documents as pieces ---------------------------------------------------------------------
 
 
-def _documents(files: Sequence[SourceFile], text_field: str) -> Iterator[Iterator[str]]:
+def source_documents(source: Source, text_field: str = "text", on_bytes: OnBytes = None) -> Iterator[str]:
+    """Every document of a source as one string, in reading order (to train a tokenizer on);
+    `on_bytes(n)` hears of the input read as it goes (sources.source_bytes is the total)."""
+    for pieces in _documents(resolve_sources(source), text_field, on_bytes):
+        yield "".join(pieces)
+
+
+def _documents(files: Sequence[SourceFile], text_field: str, on_bytes: OnBytes = None) -> Iterator[Iterator[str]]:
     """Each document as an iterator of pieces that concatenate to it; consume each before the next."""
     for f in files:
         if f.kind == "default":
-            for doc in default_corpus_documents():
+            for doc in default_corpus_documents(on_bytes=on_bytes):
                 yield _cut(doc)
         elif f.kind == "txt":
-            yield _txt_pieces(f.path)
+            yield _txt_pieces(f.path, on_bytes)
         else:
-            for doc in _jsonl_texts(f.path, text_field):
+            for doc in _jsonl_texts(f.path, text_field, on_bytes):
                 yield _cut(doc)
 
 
-def _txt_pieces(path: Path) -> Iterator[str]:
+def _read_so_far(f, reported: int, on_bytes: OnBytes) -> int:
+    """Tell on_bytes how far the text file `f` has read past `reported` (its binary buffer's
+    position, which moves a chunk at a time); the new position."""
+    if on_bytes is None:
+        return reported
+    position = f.buffer.tell()
+    if position > reported:
+        on_bytes(position - reported)
+    return position
+
+
+def _txt_pieces(path: Path, on_bytes: OnBytes = None) -> Iterator[str]:
     lines: list[str] = []
-    size = 0
+    size = reported = 0
     try:
         with open(path, encoding="utf-8") as f:  # universal newlines: '\r\n' arrives as '\n'
             for line in f:
                 if size >= PIECE_CHARS and (line.strip() or size >= _LONGEST_PIECE * PIECE_CHARS):
+                    reported = _read_so_far(f, reported, on_bytes)
                     yield "".join(lines)
                     lines, size = [], 0
                 lines.append(line)
                 size += len(line)
+            _read_so_far(f, reported, on_bytes)
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 text ({e}); convert it to UTF-8") from e
     if lines:
         yield "".join(lines)
 
 
-def _jsonl_texts(path: Path, text_field: str) -> Iterator[str]:
+def _jsonl_texts(path: Path, text_field: str, on_bytes: OnBytes = None) -> Iterator[str]:
+    reported = unreported = 0  # progress every PIECE_CHARS characters, as _txt_pieces (tell() costs)
     try:
         with open(path, encoding="utf-8") as f:
             for lineno, line in enumerate(f, 1):
+                unreported += len(line)
+                if unreported >= PIECE_CHARS:
+                    reported, unreported = _read_so_far(f, reported, on_bytes), 0
                 if not line.strip():
                     continue
                 try:
@@ -166,6 +121,7 @@ def _jsonl_texts(path: Path, text_field: str) -> Iterator[str]:
                 if not isinstance(text, str):
                     raise ValueError(f"{path}:{lineno}: field {text_field!r} is a {type(text).__name__}, not a string")
                 yield text
+            _read_so_far(f, reported, on_bytes)
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 text ({e}); convert it to UTF-8") from e
 
@@ -324,16 +280,29 @@ class TokenFile:
         return f"TokenFile({str(self.path)!r}, n_tokens={self.n_tokens}, dtype={self.dtype})"
 
 
-def prepare_tokens(source: Source, tokenizer, output_path: PathLike, *, text_field: str = "text") -> TokenFile:
+def prepare_tokens(source: Source, tokenizer, output_path: PathLike, *, text_field: str = "text",
+                   report: Optional[bool] = None, progress_every: float = 5.0) -> TokenFile:
     """Tokenise `source` into `output_path` (+ its .json sidecar), streamed and written atomically.
 
-    `tokenizer` needs encode_batch, eos_id, vocab_size and sha256 (a Tokenizer has them).
+    `tokenizer` needs encode_batch, eos_id, vocab_size and sha256 (a Tokenizer has them). A line
+    says what starts, progress follows every `progress_every` seconds, on stderr, from rank 0 when
+    `report` is None, else from this process or not at all.
     """
-    files = resolve_sources(source)
-    return _prepare(files, describe_sources(files, text_field), tokenizer, Path(output_path), text_field)
+    files, output = resolve_sources(source), Path(output_path)
+    with _tokenising(files, output, report, progress_every, cached=False) as progress:
+        return _prepare(files, describe_sources(files, text_field), tokenizer, output, text_field, progress)
 
 
-def _prepare(files: Sequence[SourceFile], description: dict, tokenizer, output: Path, text_field: str) -> TokenFile:
+def _tokenising(files: Sequence[SourceFile], output: Path, report: Optional[bool], every: float,
+                cached: bool) -> Progress:
+    """The progress of tokenising `files` (in bytes read), its first line said."""
+    progress = Progress("tokenising", total=source_bytes(files), unit="B", enabled=report, every=every)
+    progress.note(f"tokenising {source_name(files)} into {output}{', once: later runs reuse it' if cached else ''}")
+    return progress
+
+
+def _prepare(files: Sequence[SourceFile], description: dict, tokenizer, output: Path, text_field: str,
+             progress: Progress) -> TokenFile:
     eos_id, vocab_size = int(tokenizer.eos_id), int(tokenizer.vocab_size)
     if not 0 <= eos_id < vocab_size:
         raise ValueError(f"the tokenizer has no usable eos piece (eos_id {eos_id}); documents need one between them")
@@ -341,7 +310,7 @@ def _prepare(files: Sequence[SourceFile], description: dict, tokenizer, output: 
     n_tokens = n_documents = 0
     meta_path = sidecar_path(output)
     with atomic_output(output, "wb") as out:
-        for ids, ended in _token_batches(_pieces(_documents(files, text_field)), tokenizer):
+        for ids, ended in _token_batches(_pieces(_documents(files, text_field, progress.update)), tokenizer):
             if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
                 bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
                 raise ValueError(f"the tokenizer produced id {bad}, outside its vocab of {vocab_size}")
@@ -349,7 +318,7 @@ def _prepare(files: Sequence[SourceFile], description: dict, tokenizer, output: 
             n_tokens += int(ids.size)
             n_documents += ended
         if n_tokens == 0:
-            raise ValueError(f"no tokens: the data source {_short(description)} holds no text")
+            raise ValueError(f"no tokens: the data source {source_name(files)} holds no text")
         # All tokens are written, the rename comes next. Drop an old sidecar first: a crash between
         # the two renames leaves a token file with no sidecar (clearly unfinished), never new
         # tokens described by an old sidecar. A failure before this point leaves the old output whole.
@@ -368,12 +337,8 @@ def _prepare(files: Sequence[SourceFile], description: dict, tokenizer, output: 
     }
     write_text_atomic(meta_path, json.dumps(meta, indent=1) + "\n")
     log.info("prepared %s: %d tokens in %d documents", output, n_tokens, n_documents)
+    progress.summary = f"{n_tokens:,} tokens in {n_documents:,} documents"
     return TokenFile(output)
-
-
-def _short(description: dict) -> str:
-    names = [f.get("path") or f"default corpus {f.get('corpus_id')}" for f in description["files"]]
-    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 def prepare_cached(
@@ -383,11 +348,15 @@ def prepare_cached(
     *,
     text_field: str = "text",
     lock_timeout: Optional[float] = None,
+    report: bool = True,
+    progress_every: float = 5.0,
 ) -> TokenFile:
     """prepare_tokens into cache_dir, reusing an earlier result made from the same source and tokenizer.
 
     The file name is a hash of the source description (paths, sizes, mtimes; the corpus id for
-    'default') and the tokenizer's sha256. Concurrent callers (ranks) wait for the first one.
+    'default') and the tokenizer's sha256. Concurrent callers (ranks) wait for the first one. The
+    process that prepares reports as prepare_tokens does (unless report=False), whatever its rank;
+    those that find the file or wait for it stay quiet.
     """
     files = resolve_sources(source)
     description = describe_sources(files, text_field)
@@ -400,7 +369,8 @@ def prepare_cached(
         cached = _load_if_complete(output)  # another rank may have finished it while we waited
         if cached is not None:
             return cached
-        return _prepare(files, description, tokenizer, output, text_field)
+        with _tokenising(files, output, report, progress_every, cached=True) as progress:
+            return _prepare(files, description, tokenizer, output, text_field, progress)
 
 
 def _load_if_complete(path: Path) -> Optional[TokenFile]:

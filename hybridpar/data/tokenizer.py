@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import io
 import json
-import logging
 import re
-from functools import cached_property
+from functools import cached_property, partial
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional, Sequence
 
@@ -20,8 +19,7 @@ import sentencepiece as spm
 
 from hybridpar.data.bpe import HuggingFaceBPE, TiktokenBPE, detect_kind, find_tokenizer_file
 from hybridpar.files import PathLike, file_lock, sha256_file, sha256_text, write_bytes_atomic
-
-log = logging.getLogger(__name__)
+from hybridpar.progress import note
 
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, -1
 # Part of the cache key: bump when the training options below change.
@@ -196,15 +194,19 @@ def train_tokenizer(
     output_path: PathLike,
     *,
     max_sentences: int = DEFAULT_MAX_TRAINING_SENTENCES,
+    report: Optional[bool] = None,
 ) -> Tokenizer:
     """Train a BPE tokenizer (Llama 2 settings) on `documents` and write it atomically to output_path.
 
     Deterministic: the same documents and vocab_size give the same file. Reads the documents'
-    non-blank lines up to `max_sentences`, streamed (the documents are never held in memory).
+    non-blank lines up to `max_sentences`, streamed (the documents are never held in memory). Once
+    they are read, a line says that sentencepiece builds the vocabulary (it reports nothing
+    itself): on stderr, from rank 0 when `report` is None, else from this process or not at all.
     """
     if not isinstance(vocab_size, int) or vocab_size < 1:
         raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}")
-    counter = _SentenceCounter(documents, max_sentences)
+    all_read = partial(_say_all_read, vocab_size=vocab_size, max_sentences=max_sentences, report=report)
+    counter = _SentenceCounter(documents, max_sentences, on_end=all_read)
     model = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
@@ -240,13 +242,26 @@ def train_tokenizer(
     return Tokenizer(output_path)
 
 
-class _SentenceCounter:
-    """Non-blank lines of the documents, capped, counting how many were handed out."""
+def _say_all_read(count: int, vocab_size: int, max_sentences: int, report: Optional[bool]) -> None:
+    first = " (the first ones: max_sentences)" if count >= max_sentences else ""
+    note(f"tokenizer: {count:,} lines of text read{first}; sentencepiece is building the {vocab_size:,}-token "
+         "vocabulary", enabled=report)
 
-    def __init__(self, documents: Iterable[str], limit: int) -> None:
-        self.documents, self.limit, self.count = documents, limit, 0
+
+class _SentenceCounter:
+    """Non-blank lines of the documents, capped, counting how many were handed out; `on_end(count)`
+    runs once they all were (when any were)."""
+
+    def __init__(self, documents: Iterable[str], limit: int,
+                 on_end: Optional[Callable[[int], None]] = None) -> None:
+        self.documents, self.limit, self.count, self.on_end = documents, limit, 0, on_end
 
     def __iter__(self) -> Iterator[str]:
+        yield from self._lines()
+        if self.on_end is not None and self.count:
+            self.on_end(self.count)
+
+    def _lines(self) -> Iterator[str]:
         for doc in self.documents:
             for line in doc.split("\n"):
                 if not line.strip():
@@ -265,6 +280,8 @@ def load_or_train_tokenizer(
     corpus_id: str,
     cache_dir: PathLike,
     lock_timeout: Optional[float] = None,
+    corpus_name: Optional[str] = None,
+    report: bool = True,
 ) -> Tokenizer:
     """The tokenizer at `path_or_none` as it is, else one trained on the corpus and cached.
 
@@ -272,6 +289,8 @@ def load_or_train_tokenizer(
     the first caller trains it under a file lock while concurrent callers (other ranks) wait and
     then load it. `documents_factory()` is called only when training. `vocab_size` applies to
     training only: a given tokenizer keeps its own (check it against the model with check_vocab).
+    The process that trains says so on stderr (unless report=False), naming the corpus
+    `corpus_name` (default: its id); the others stay quiet.
     """
     if path_or_none is not None:
         return Tokenizer(path_or_none)
@@ -281,8 +300,9 @@ def load_or_train_tokenizer(
     with file_lock(path.with_name(path.name + ".lock"), timeout=lock_timeout, purpose="training a tokenizer"):
         if path.exists():  # another rank trained it while we waited
             return Tokenizer(path)
-        log.info("training a %d-token tokenizer on corpus %s -> %s", vocab_size, corpus_id, path)
-        return train_tokenizer(documents_factory(), vocab_size, path)
+        note(f"training a {vocab_size:,}-token sentencepiece tokenizer on {corpus_name or 'corpus ' + corpus_id}, "
+             f"once: later runs reuse {path}", enabled=report)
+        return train_tokenizer(documents_factory(), vocab_size, path, report=report)
 
 
 def cached_tokenizer_path(cache_dir: PathLike, *, corpus_id: str, vocab_size: int) -> Path:

@@ -180,7 +180,7 @@ def test_token_file_is_read_only_checked_and_pickles_small(tmp_path, tokenizer):
 
 def test_default_source_is_the_embedded_corpus(tmp_path, tokenizer, monkeypatch):
     docs = list(default_corpus_documents(max_documents=30))
-    monkeypatch.setattr(prepare, "default_corpus_documents", lambda: iter(docs))  # keep the test fast
+    monkeypatch.setattr(prepare, "default_corpus_documents", lambda on_bytes=None: iter(docs))  # keep the test fast
     tf = prepare_tokens("default", tokenizer, tmp_path / "default.bin")
     assert tf.tokens.tolist() == expected_tokens(tokenizer, docs)
     assert tf.meta["source"]["files"] == [{"kind": "default", "corpus_id": default_corpus_id()}]

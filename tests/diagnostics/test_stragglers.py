@@ -95,6 +95,23 @@ def test_timer_restores_on_error():
     assert (dist.all_reduce, dist.Work.wait) == originals
 
 
+def test_hang_report_looks_through_the_timer_and_the_compat_names():
+    """A rank blocked in a collective is at the line that called it, not in a pass-through."""
+    from hybridpar.diagnostics.traces import where
+
+    stack = ["hybridpar/train/trainer.py:300 in train_step", "models/llama.py:400 in forward",
+             "torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py:119 in foreach_all_gather",
+             "hybridpar/diagnostics/stragglers.py:90 in timed", "hybridpar/compat/torch.py:38 in all_gather_single",
+             "hybridpar/diagnostics/stragglers.py:90 in timed",
+             "torch/distributed/distributed_c10d.py:3900 in all_gather_single",
+             "hybridpar/diagnostics/stragglers.py:90 in timed"]  # Work.wait, wrapped too
+    assert where(stack) == "models/llama.py:400 in forward  ->  all_gather_single()"
+    # The monitor's own report is a place of its own.
+    assert where(["hybridpar/diagnostics/stragglers.py:210 in report", "hybridpar/compat/torch.py:38 in "
+                  "all_gather_single", "torch/distributed/distributed_c10d.py:3900 in all_gather_single"]) == \
+        "hybridpar/diagnostics/stragglers.py:210 in report  ->  all_gather_single()"
+
+
 # --- whole runs -----------------------------------------------------------------------------------
 
 

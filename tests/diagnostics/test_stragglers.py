@@ -180,14 +180,22 @@ def test_slow_rank_is_named_within_two_reports(workers, corpus, tmp_path, world)
 
 
 def test_healthy_run_warns_nothing(workers, corpus, tmp_path):
-    """40 steps, a report every 5 (bench/stragglers.py runs 200 healthy steps)."""
+    """40 steps, a report every 5 (bench/stragglers.py runs 200 healthy steps). The reports go into
+    the log rows of their steps, or rows of their own, and to TensorBoard."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     config = make_config(corpus, tmp_path, steps=40, mp=2, dp_shard=2, strategy="hybrid_shard", dp=2,
-                         **{"diagnostics.straggler_every": 5, "train.log_every": 10})
+                         **{"diagnostics.straggler_every": 5, "train.log_every": 10, "output.tensorboard": True})
     result = workers(4).run(_case_stragglers, config)[0]
-    ratios = [round(r["straggler/ratio"], 2) for r in result["reports"]]
+    reports = result["reports"]
+    ratios = [round(r["straggler/ratio"], 2) for r in reports]
     print(f"\nhealthy max/median compute per report: {ratios}")
-    assert len(ratios) == 8
     assert _warnings(result["out"]) == []
+    assert [(r["step"], "loss" in r) for r in reports] == [(step, step % 10 == 0) for step in range(5, 41, 5)]
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("straggler/ratio")] == list(range(5, 41, 5))
+    assert {"straggler/median_wait_s", "straggler/spread_s", "straggler/flagged"} <= set(events.Tags()["scalars"])
 
 
 def test_slow_collective_blames_nobody(workers, corpus, tmp_path):

@@ -42,6 +42,18 @@ def test_two_ranks_compare_with_the_other_not_the_mean():
     assert v.ratio == pytest.approx(2.5)  # the median of both (0.175) would give 1.43: missed
 
 
+def test_config_defaults_and_bad_values():
+    from hybridpar.config import ConfigError, load_config
+
+    d = load_config(None, []).diagnostics
+    assert (d.straggler_every, d.straggler_threshold) == (50, 1.5)
+    assert load_config(None, ["--diagnostics.straggler_every", "0"]).diagnostics.straggler_every == 0
+    with pytest.raises(ConfigError, match=r"diagnostics.straggler_every must be >= 0 \(0: never\), got -1"):
+        load_config(None, ["--diagnostics.straggler_every", "-1"])
+    with pytest.raises(ConfigError, match=r"diagnostics.straggler_threshold must be > 1 .*, got 1.0"):
+        load_config(None, ["--diagnostics.straggler_threshold", "1"])
+
+
 def test_analysis_refuses_fewer_than_two_ranks():
     with pytest.raises(ValueError, match="two or more ranks"):
         analyse([0.1], [0.0], threshold=1.5)

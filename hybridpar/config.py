@@ -98,6 +98,9 @@ class DiagnosticsConfig:
     train_timeout: float = 300.0  # seconds a collective may wait once the first step is done (0: keep init_timeout)
     watchdog: bool = True  # report who is to blame when no rank progresses for train_timeout, then exit 124
     watchdog_interval: float = 0.0  # seconds between heartbeats (0: train_timeout / 20, within 0.2-5 s)
+    # Every N steps, time one step on every rank and name the one that computes slowest (0: never).
+    straggler_every: int = 50
+    straggler_threshold: float = 1.5  # warn when its compute exceeds the others' median by this factor
 
 
 @dataclasses.dataclass
@@ -125,6 +128,12 @@ class Config:
             raise ConfigError(f"train.grad_sync must be 'last' or 'every', got {self.train.grad_sync!r}")
         if self.train.on_nonfinite not in ("stop", "skip"):
             raise ConfigError(f"train.on_nonfinite must be 'stop' or 'skip', got {self.train.on_nonfinite!r}")
+        d = self.diagnostics
+        if d.straggler_every < 0:
+            raise ConfigError(f"diagnostics.straggler_every must be >= 0 (0: never), got {d.straggler_every}")
+        if not d.straggler_threshold > 1:
+            raise ConfigError("diagnostics.straggler_threshold must be > 1 (a ratio to the median compute), "
+                              f"got {d.straggler_threshold}")
         for key in ("train.steps", "train.grad_accum", "train.log_every", "data.seq_len", "data.micro_batch_size",
                     "checkpoint.keep"):
             if get_value(self, key) < 1:

@@ -29,10 +29,17 @@ try:
 except ImportError:
     serialization_config = None
 
-# all_gather_into_tensor was renamed all_gather_single (torch 2.13 warns on the old name).
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-# reduce_scatter_tensor was renamed reduce_scatter_single in the same release.
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+# all_gather_into_tensor was renamed all_gather_single (torch 2.13 warns on the old name), and
+# reduce_scatter_tensor reduce_scatter_single. Looked up at each call, not bound at import, so a
+# wrapper installed on torch.distributed later (diagnostics.stragglers, bench/comm.py) sees them.
+def all_gather_single(*args, **kwargs):
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)
+
+
+def reduce_scatter_single(*args, **kwargs):
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(*args, **kwargs)
+
 
 # The fused per-tensor norm and scale that clip_grad_norm_ uses too: one kernel for a list of tensors.
 foreach_norm = torch._foreach_norm

@@ -1,1 +1,1 @@
-"""Diagnostics for the classic failures of hybrid-parallel jobs: broken data parallelism, hangs."""
+"""Diagnostics for the classic failures of hybrid-parallel jobs: broken data parallelism, hangs, stragglers."""

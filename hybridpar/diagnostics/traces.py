@@ -92,14 +92,29 @@ def where(stack: list[str]) -> str:
     if not own:
         return stack[-1]
     i = own[-1]
-    below = stack[i + 1:]
+    below = [frame for frame in stack[i + 1:] if not _is_pass_through(frame)]
     return stack[i] + (f"  ->  {below[-1].rsplit(' in ', 1)[-1]}()" if below else "")
 
 
+# hybridpar's own pass-throughs to torch.distributed (file, its functions; None: all of them): a rank
+# waiting in a collective is at their caller's line, not in them.
+_PASS_THROUGH = {
+    os.path.join("hybridpar", "compat", "torch.py"): None,
+    os.path.join("hybridpar", "diagnostics", "stragglers.py"): ("timed", "_time"),  # the collective timer
+}
+
+
 def _is_library(frame: str) -> bool:
-    """Frames of torch itself (and the threading machinery): not where a user's code waits."""
+    """Frames of torch itself, the threading machinery and pass-throughs: not where a user's code waits."""
     path = frame.split(":", 1)[0]
-    return path.startswith("torch" + os.sep) or (os.sep + "torch" + os.sep) in path or path.endswith("threading.py")
+    torch_or_threads = path.startswith("torch" + os.sep) or (os.sep + "torch" + os.sep) in path
+    return torch_or_threads or path.endswith("threading.py") or _is_pass_through(frame)
+
+
+def _is_pass_through(frame: str) -> bool:
+    path, function = frame.split(":", 1)[0], frame.rsplit(" in ", 1)[-1]
+    return any(path.endswith(file) and (functions is None or function in functions)
+               for file, functions in _PASS_THROUGH.items())
 
 
 def short_message(error: BaseException, limit: int = 120) -> str:

@@ -35,6 +35,7 @@ from ..config import Config, ConfigError, dump_toml
 from ..data import build_training_data, check_vocab
 from ..diagnostics.data_guard import check_data, step_fingerprint
 from ..diagnostics.replicas import check_replicas
+from ..diagnostics.stragglers import StragglerMonitor
 from ..diagnostics.timeouts import Deadlines, apply_env_defaults
 from ..diagnostics.watchdog import Watchdog
 from ..files import refuse_occupied, write_text_atomic
@@ -387,23 +388,11 @@ class Trainer:
             if self.step >= c.train.steps:
                 print(f"already at step {self.step} of {c.train.steps}: nothing to train "
                       "(raise train.steps to continue)", flush=True)
-        window: list[dict] = []  # the steps since the last log line
         saved_at = self.step if self.resumed_from is not None else None
-        while self.step < c.train.steps:
-            m = self.train_step()
-            self.history.append(m)
-            window.append(m)
-            if m["skipped"] and self.is_main:
-                print(f"step {m['step']}: non-finite loss {m['loss']} or gradient norm: step skipped", flush=True)
-            if m["step"] % c.train.log_every == 0 or m["step"] in (1, c.train.steps):
-                summary = self._summarise(window)
-                self.metrics.write(m["step"], summary)
-                if self.is_main:
-                    print(progress_line(m["step"], c.train.steps, summary), flush=True)
-                window = []
-            if c.checkpoint.every and self.step % c.checkpoint.every == 0:
-                self.save_checkpoint()
-                saved_at = self.step
+        d = c.diagnostics
+        stragglers = StragglerMonitor(self.parallel, d.straggler_every, d.straggler_threshold, self.step)
+        with stragglers:  # collectives timed on measured steps; torch.distributed's own back on exit
+            saved_at = self._train_loop(stragglers, saved_at)
         if c.checkpoint.at_end and saved_at != self.step:
             self.save_checkpoint()
         self.checkpointer.close()
@@ -411,3 +400,30 @@ class Trainer:
         if self.is_main and c.output.plot and self.metrics.jsonl_path.exists():
             plot_loss(self.metrics.jsonl_path, self.run_dir / "loss.png")
         return self.history
+
+    def _train_loop(self, stragglers: StragglerMonitor, saved_at: Optional[int]) -> Optional[int]:
+        """Train to train.steps: log, report stragglers, save checkpoints; the step last saved."""
+        c = self.config
+        window: list[dict] = []  # the steps since the last log line
+        while self.step < c.train.steps:
+            with stragglers.timing(self.step + 1):
+                m = self.train_step()
+            self.history.append(m)
+            window.append(m)
+            if m["skipped"] and self.is_main:
+                print(f"step {m['step']}: non-finite loss {m['loss']} or gradient norm: step skipped", flush=True)
+            if stragglers.due(self.step):
+                self.deadlines.at("straggler report")
+            row = stragglers.report(self.step) or {}
+            if m["step"] % c.train.log_every == 0 or m["step"] in (1, c.train.steps):
+                summary = self._summarise(window)
+                self.metrics.write(m["step"], {**summary, **row})
+                if self.is_main:
+                    print(progress_line(m["step"], c.train.steps, summary), flush=True)
+                window = []
+            elif row:
+                self.metrics.write(m["step"], row)
+            if c.checkpoint.every and self.step % c.checkpoint.every == 0:
+                self.save_checkpoint()
+                saved_at = self.step
+        return saved_at

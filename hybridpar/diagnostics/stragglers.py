@@ -1,0 +1,242 @@
+"""Straggler detection: the rank the others wait for, told apart from a slow link.
+
+On measured steps every rank times its step and the time it spends blocked inside the collectives
+of torch.distributed (wrapped while training runs): wait = time inside them, compute = step time -
+wait. A slow rank shows as compute on itself and as wait on its peers; a slow link shows as wait
+on every member of its group, so it blames nobody. Every `every` steps one all-gather of (compute,
+wait) per rank; rank 0 names the rank with the most compute and compares it with the median of
+the others. A rank over the threshold in two reports in a row is a straggler: one report can be
+a hiccup (a GC pause, the OS scheduler), a straggler worth naming is slow step after step.
+
+Only the end of each window is measured: on a GPU the device is synchronised around every
+collective of a measured step, which undoes the overlap of communication with compute, so the
+last step alone; on the CPU that costs nothing and each rank sends its median of the last three.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import socket
+import statistics
+import threading
+import time
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.compiler import is_compiling
+
+from ..compat.torch import all_gather_single
+from ..mesh import MeshCoords, ParallelDims
+from ..ranks import gather_objects
+
+# The collectives a training step can block in; names missing from this torch are skipped.
+COLLECTIVES = (
+    "all_reduce", "all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor",
+    "all_to_all_single", "all_to_all", "all_gather", "reduce_scatter", "broadcast", "barrier",
+    "all_gather_object", "broadcast_object_list",
+)
+CPU_SAMPLES = 3  # steps measured at the end of each window on the CPU (a GPU: one)
+
+
+class CollectiveTimer:
+    """Within `with`, torch.distributed's collectives and Work.wait are wrapped (whatever is installed
+    on entry: another wrapper's time inside the call counts as wait) and restored on exit. While
+    `measuring`, the seconds spent inside them add up in `wait`. `sync` (a GPU's synchronize) runs
+    before a collective, so work queued earlier counts as compute, and after it, until it is done."""
+
+    def __init__(self, sync: Optional[Callable[[], None]] = None) -> None:
+        self.sync = sync
+        self.measuring = False
+        self.wait = 0.0
+        self._local = threading.local()  # per thread: is a timed call already running on it
+        self._saved: list[tuple[object, str, object, bool]] = []
+
+    def __enter__(self) -> "CollectiveTimer":
+        targets = [(dist, name) for name in COLLECTIVES if hasattr(dist, name)] + [(dist.Work, "wait")]
+        try:
+            for owner, name in targets:
+                original = getattr(owner, name)
+                self._saved.append((owner, name, original, name in vars(owner)))
+                setattr(owner, name, self._wrap(original, after_only=owner is dist.Work))
+        except BaseException:
+            self._restore()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
+        while self._saved:
+            owner, name, original, own = self._saved.pop()
+            if own:
+                setattr(owner, name, original)
+            else:  # inherited: drop the wrapper and the base's shows through again
+                delattr(owner, name)
+
+    def _wrap(self, original: Callable, after_only: bool) -> Callable:
+        timer = self
+
+        @functools.wraps(original)
+        def timed(*args, **kwargs):
+            # Inside torch.compile the wrapper stays transparent: nothing for dynamo to guard on.
+            if is_compiling() or not timer.measuring:
+                return original(*args, **kwargs)
+            return timer._time(original, args, kwargs, after_only)
+
+        return timed
+
+    def _time(self, original: Callable, args: tuple, kwargs: dict, after_only: bool):
+        local = self._local
+        if getattr(local, "inside", False):  # nested (all_reduce calls Work.wait): the outer call counts
+            return original(*args, **kwargs)
+        local.inside = True
+        try:
+            if self.sync is not None and not after_only:
+                self.sync()
+            start = time.perf_counter()
+            result = original(*args, **kwargs)
+            if self.sync is not None and not kwargs.get("async_op", False):
+                self.sync()  # an async collective is waited for in its Work.wait
+            self.wait += time.perf_counter() - start
+            return result
+        finally:
+            local.inside = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """One report: the rank with the most compute against the median of the others (seconds)."""
+
+    rank: int
+    compute: float
+    median_compute: float  # of the other ranks
+    ratio: float
+    median_wait: float  # of all ranks
+    spread: float  # max - min compute
+    wait_share: float  # median wait / (median compute + median wait): a slow link shows here
+    over: bool  # ratio > threshold in this report
+    straggler: bool  # and in the report before
+
+
+def analyse(compute: Sequence[float], wait: Sequence[float], threshold: float,
+            previous: Optional[int] = None) -> Verdict:
+    """The verdict on per-rank compute and wait seconds (at least two ranks); `previous`: the rank
+    over the threshold in the report before, if any. The median is the others': between two ranks
+    the median of all would be the mean of the straggler and its peer."""
+    if len(compute) < 2 or len(compute) != len(wait):
+        raise ValueError(f"need compute and wait of two or more ranks, got {len(compute)} and {len(wait)}")
+    compute = [max(0.0, c) for c in compute]
+    slowest = max(range(len(compute)), key=compute.__getitem__)
+    median = statistics.median(c for r, c in enumerate(compute) if r != slowest)
+    ratio = compute[slowest] / median if median > 0 else (1.0 if compute[slowest] == 0 else float("inf"))
+    median_wait = statistics.median(wait)
+    step = statistics.median(compute) + median_wait
+    over = ratio > threshold
+    return Verdict(rank=slowest, compute=compute[slowest], median_compute=median, ratio=ratio,
+                   median_wait=median_wait, spread=compute[slowest] - min(compute),
+                   wait_share=median_wait / step if step > 0 else 0.0, over=over,
+                   straggler=over and previous == slowest)
+
+
+def _seconds(x: float) -> str:
+    return f"{x:.2f} s" if x >= 0.1 else f"{x * 1e3:.1f} ms"
+
+
+def _where(c: MeshCoords) -> str:
+    return f"mp {c.mp_rank}, dp {c.dp_rank} (replicate {c.replicate_idx}, shard {c.shard_idx})"
+
+
+def describe(verdict: Verdict, step: int, coords: MeshCoords, host: str) -> str:
+    """The warning line for a straggler."""
+    return (f"straggler at step {step}: rank {verdict.rank} ({_where(coords)}, host {host}) computes "
+            f"{_seconds(verdict.compute)} per step against a median of {_seconds(verdict.median_compute)} "
+            f"({verdict.ratio:.2f}x); the others wait for it")
+
+
+def metrics_row(verdict: Verdict, coords: MeshCoords, host: str) -> dict:
+    """The report as metrics.jsonl fields (the numbers also go to TensorBoard, under straggler/)."""
+    v = verdict
+    return {"straggler/slowest_rank": v.rank, "straggler/compute_s": v.compute,
+            "straggler/median_compute_s": v.median_compute, "straggler/ratio": v.ratio,
+            "straggler/median_wait_s": v.median_wait, "straggler/spread_s": v.spread,
+            "straggler/wait_share": v.wait_share, "straggler/over": v.over, "straggler/flagged": v.straggler,
+            "straggler/host": host, "straggler/coords": _where(coords)}
+
+
+class StragglerMonitor:
+    """The trainer's side: `with monitor:` around the training loop (the collectives wrapped),
+    `with monitor.timing(step):` around each step, then `monitor.report(step)` on every rank."""
+
+    def __init__(self, parallel: ParallelDims, every: int, threshold: float, start_step: int = 0) -> None:
+        """start_step: the step this run starts from; its first step (lazy set-up, compilation) is not timed."""
+        self.parallel, self.threshold, self.start_step = parallel, threshold, start_step
+        self.every = every if parallel.world_size > 1 else 0  # alone, there is nobody to compare with
+        device = parallel.device
+        gpu = device.type == "cuda"
+        self.timer = CollectiveTimer(functools.partial(torch.cuda.synchronize, device) if gpu else None)
+        self.samples = 1 if gpu else CPU_SAMPLES
+        self.hosts = gather_objects(socket.gethostname()) if self.every else []  # once per run
+        self.measured: list[tuple[float, float]] = []  # (compute, wait) of this window's measured steps
+        self.over: Optional[int] = None  # rank 0: the rank over the threshold in the last report
+
+    def due(self, step: int) -> bool:
+        """Is a report due after `step`?"""
+        return self.every > 0 and step % self.every == 0
+
+    def measures(self, step: int) -> bool:
+        """Is `step` one of the last `samples` of its window (and not this run's first)?"""
+        if not self.every or step <= self.start_step + 1:
+            return False
+        position = step % self.every
+        return position == 0 or position > self.every - self.samples
+
+    def __enter__(self) -> "StragglerMonitor":
+        if self.every:
+            self.timer.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.timer.__exit__(*exc)
+
+    @contextmanager
+    def timing(self, step: int) -> Iterator[None]:
+        """Around training step `step`, which must end with the device synchronised (train_step does)."""
+        if not self.measures(step):
+            yield
+            return
+        timer = self.timer
+        if timer.sync is not None:
+            timer.sync()
+        timer.wait, timer.measuring = 0.0, True
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            timer.measuring = False
+        self.measured.append((time.perf_counter() - start - timer.wait, timer.wait))
+
+    def report(self, step: int) -> Optional[dict]:
+        """Every rank, after step `step`: when due, one all-gather of each rank's median (compute, wait)
+        over the world. Rank 0 prints a warning if a rank straggles and returns the metrics row."""
+        if not self.due(step) or not self.measured:
+            return None
+        p = self.parallel
+        mine = torch.tensor([statistics.median(column) for column in zip(*self.measured)],
+                            dtype=torch.float64, device=p.device)
+        table = torch.empty(2 * p.world_size, dtype=torch.float64, device=p.device)
+        all_gather_single(table, mine)
+        self.measured = []
+        if p.rank != 0:
+            return None
+        compute, wait = table.view(-1, 2).t().tolist()
+        verdict = analyse(compute, wait, self.threshold, previous=self.over)
+        self.over = verdict.rank if verdict.over else None
+        coords = MeshCoords.of(verdict.rank, p.dp_replicate, p.dp_shard, p.mp)
+        host = self.hosts[verdict.rank]
+        if verdict.straggler:
+            print(describe(verdict, step, coords, host), flush=True)
+        return metrics_row(verdict, coords, host)

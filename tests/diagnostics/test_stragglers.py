@@ -1,0 +1,222 @@
+"""Straggler detection: a slow rank is named with its place in the mesh and its host, a healthy run
+and a slow collective blame nobody; the analysis and the collective timer on their own."""
+
+import pytest
+
+from hybridpar.diagnostics.stragglers import CollectiveTimer, analyse, describe
+from hybridpar.mesh import MeshCoords
+from tests.runs import make_config
+
+SLEEP_S = 0.2
+
+# --- the analysis: per-rank figures in, a verdict out --------------------------------------------
+
+
+def test_one_slow_rank_is_named_against_the_others_median():
+    compute, wait = [0.20, 0.21, 0.19, 0.41], [0.22, 0.21, 0.23, 0.01]
+    v = analyse(compute, wait, threshold=1.5, previous=3)
+    assert (v.rank, v.over, v.straggler) == (3, True, True)
+    assert v.compute == 0.41 and v.median_compute == 0.20 and v.ratio == pytest.approx(2.05)
+    assert v.spread == pytest.approx(0.22) and v.median_wait == pytest.approx(0.215)
+
+
+def test_a_rank_is_named_when_over_the_threshold_in_two_reports_in_a_row():
+    compute, wait = [0.20, 0.21, 0.19, 0.41], [0.22, 0.21, 0.23, 0.01]
+    for previous in (None, 0, 2):  # first time over, or another rank was over last time: a hiccup so far
+        v = analyse(compute, wait, threshold=1.5, previous=previous)
+        assert (v.rank, v.over, v.straggler) == (3, True, False)
+    assert not analyse(compute, wait, threshold=2.1, previous=3).over
+
+
+def test_even_ranks_and_a_slow_link_blame_nobody():
+    healthy = analyse([0.20, 0.21, 0.19, 0.20], [0.05] * 4, threshold=1.5)
+    assert not healthy.straggler and healthy.ratio == pytest.approx(0.21 / 0.20)
+    # Every member waits long in its collectives: a link, not a rank. It shows as the wait share.
+    link = analyse([0.20, 0.21, 0.19, 0.20], [0.80, 0.79, 0.81, 0.80], threshold=1.5)
+    assert not link.straggler and link.wait_share == pytest.approx(0.80 / 1.00)
+
+
+def test_two_ranks_compare_with_the_other_not_the_mean():
+    v = analyse([0.1, 0.25], [0.15, 0.0], threshold=1.5, previous=1)
+    assert (v.rank, v.median_compute, v.straggler) == (1, 0.1, True)
+    assert v.ratio == pytest.approx(2.5)  # the median of both (0.175) would give 1.43: missed
+
+
+def test_config_defaults_and_bad_values():
+    from hybridpar.config import ConfigError, load_config
+
+    d = load_config(None, []).diagnostics
+    assert (d.straggler_every, d.straggler_threshold) == (50, 1.5)
+    assert load_config(None, ["--diagnostics.straggler_every", "0"]).diagnostics.straggler_every == 0
+    with pytest.raises(ConfigError, match=r"diagnostics.straggler_every must be >= 0 \(0: never\), got -1"):
+        load_config(None, ["--diagnostics.straggler_every", "-1"])
+    with pytest.raises(ConfigError, match=r"diagnostics.straggler_threshold must be > 1 .*, got 1.0"):
+        load_config(None, ["--diagnostics.straggler_threshold", "1"])
+
+
+def test_analysis_refuses_fewer_than_two_ranks():
+    with pytest.raises(ValueError, match="two or more ranks"):
+        analyse([0.1], [0.0], threshold=1.5)
+
+
+def test_warning_names_rank_coordinates_and_host():
+    v = analyse([0.20, 0.20, 0.20, 0.41], [0.2, 0.2, 0.2, 0.0], threshold=1.5, previous=3)
+    line = describe(v, 200, MeshCoords.of(3, 1, 2, 2), "node7")
+    assert line == ("straggler at step 200: rank 3 (mp 1, dp 1 (replicate 0, shard 1), host node7) computes "
+                    "0.41 s per step against a median of 0.20 s (2.05x); the others wait for it")
+
+
+# --- the collective timer, on stand-ins for torch.distributed's functions -------------------------
+
+
+def test_timer_counts_time_inside_wrapped_collectives_once_and_restores(monkeypatch):
+    import time
+
+    import torch.distributed as dist
+
+    def barrier(*args, **kwargs):
+        time.sleep(0.05)
+
+    def all_reduce(tensor, *args, **kwargs):  # a collective that calls another: counted once
+        dist.barrier()
+
+    monkeypatch.setattr(dist, "barrier", barrier)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    syncs = []
+    with CollectiveTimer(sync=lambda: syncs.append(1)) as timer:
+        assert dist.all_reduce is not all_reduce and dist.barrier is not barrier
+        dist.all_reduce(None)  # not measuring: not timed, no sync
+        assert timer.wait == 0 and not syncs
+        timer.measuring = True
+        dist.all_reduce(None)
+        dist.barrier(async_op=True)
+        timer.measuring = False
+    assert 0.1 <= timer.wait < 0.3
+    assert len(syncs) == 3  # before and after the blocking call, before the async one only
+    assert dist.all_reduce is all_reduce and dist.barrier is barrier
+
+
+def test_timer_restores_on_error():
+    import torch.distributed as dist
+
+    originals = (dist.all_reduce, dist.Work.wait)
+    with pytest.raises(RuntimeError, match="boom"):
+        with CollectiveTimer():
+            assert dist.all_reduce is not originals[0]
+            raise RuntimeError("boom")
+    assert (dist.all_reduce, dist.Work.wait) == originals
+
+
+def test_hang_report_looks_through_the_timer_and_the_compat_names():
+    """A rank blocked in a collective is at the line that called it, not in a pass-through."""
+    from hybridpar.diagnostics.traces import where
+
+    stack = ["hybridpar/train/trainer.py:300 in train_step", "models/llama.py:400 in forward",
+             "torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py:119 in foreach_all_gather",
+             "hybridpar/diagnostics/stragglers.py:90 in timed", "hybridpar/compat/torch.py:38 in all_gather_single",
+             "hybridpar/diagnostics/stragglers.py:90 in timed",
+             "torch/distributed/distributed_c10d.py:3900 in all_gather_single",
+             "hybridpar/diagnostics/stragglers.py:90 in timed"]  # Work.wait, wrapped too
+    assert where(stack) == "models/llama.py:400 in forward  ->  all_gather_single()"
+    # The monitor's own report is a place of its own.
+    assert where(["hybridpar/diagnostics/stragglers.py:210 in report", "hybridpar/compat/torch.py:38 in "
+                  "all_gather_single", "torch/distributed/distributed_c10d.py:3900 in all_gather_single"]) == \
+        "hybridpar/diagnostics/stragglers.py:210 in report  ->  all_gather_single()"
+
+
+# --- whole runs -----------------------------------------------------------------------------------
+
+
+def _case_stragglers(config, slow_rank=None, slow_collective_rank=None):
+    """Train; `slow_rank` sleeps in its model's forward (outside any collective), `slow_collective_rank`
+    inside its own dist.all_reduce, installed before the trainer runs. Rank 0: output and metrics."""
+    import contextlib
+    import io
+    import time
+
+    import torch.distributed as dist
+
+    from hybridpar.train import Trainer
+    from hybridpar.train.metrics import read_metrics
+
+    trainer = Trainer(config)
+    rank, real_all_reduce = dist.get_rank(), dist.all_reduce
+    if rank == slow_rank:
+        trainer.model.register_forward_pre_hook(lambda module, args: time.sleep(SLEEP_S))
+    if rank == slow_collective_rank:
+        def all_reduce(*args, **kwargs):
+            time.sleep(SLEEP_S)
+            return real_all_reduce(*args, **kwargs)
+        dist.all_reduce = all_reduce
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            trainer.run()
+    finally:
+        dist.all_reduce = real_all_reduce
+    if rank != 0:
+        return None
+    rows = [r for r in read_metrics(trainer.metrics.jsonl_path) if "straggler/slowest_rank" in r]
+    return {"out": out.getvalue(), "reports": rows}
+
+
+def _warnings(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith("straggler at step")]
+
+
+SLOW_LAYOUTS = {  # world: (layout, the slow rank, where it sits)
+    4: (dict(mp=2, dp_shard=2, strategy="hybrid_shard", dp=2), 3, "mp 1, dp 1 (replicate 0, shard 1)"),
+    8: (dict(mp=2, dp_shard=2, dp_replicate=2, strategy="hybrid_shard", dp=4), 5,
+        "mp 1, dp 2 (replicate 1, shard 0)"),
+}
+
+
+@pytest.mark.parametrize("world", list(SLOW_LAYOUTS))
+def test_slow_rank_is_named_within_two_reports(workers, corpus, tmp_path, world):
+    """Over the threshold at the first report, named at the second."""
+    import socket
+
+    layout, slow, where = SLOW_LAYOUTS[world]
+    config = make_config(corpus, tmp_path, steps=4, **layout, **{"diagnostics.straggler_every": 2})
+    result = workers(world).run(_case_stragglers, config, slow_rank=slow)[0]
+    warnings, reports = _warnings(result["out"]), result["reports"]
+    print("\n" + "\n".join(warnings))
+    assert [r["step"] for r in reports] == [2, 4]
+    assert [(r["straggler/slowest_rank"], r["straggler/over"]) for r in reports] == [(slow, True)] * 2, reports
+    named = reports[1]
+    assert named["straggler/flagged"] and not reports[0]["straggler/flagged"]
+    assert named["straggler/coords"] == where and named["straggler/host"] == socket.gethostname()
+    assert named["straggler/compute_s"] > SLEEP_S
+    assert len(warnings) == 1
+    assert warnings[0].startswith(f"straggler at step 4: rank {slow} ({where}, host {socket.gethostname()}) computes")
+
+
+def test_healthy_run_warns_nothing(workers, corpus, tmp_path):
+    """40 steps, a report every 5 (bench/stragglers.py runs 200 healthy steps). The reports go into
+    the log rows of their steps, or rows of their own, and to TensorBoard."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    config = make_config(corpus, tmp_path, steps=40, mp=2, dp_shard=2, strategy="hybrid_shard", dp=2,
+                         **{"diagnostics.straggler_every": 5, "train.log_every": 10, "output.tensorboard": True})
+    result = workers(4).run(_case_stragglers, config)[0]
+    reports = result["reports"]
+    ratios = [round(r["straggler/ratio"], 2) for r in reports]
+    print(f"\nhealthy max/median compute per report: {ratios}")
+    assert _warnings(result["out"]) == []
+    assert [(r["step"], "loss" in r) for r in reports] == [(step, step % 10 == 0) for step in range(5, 41, 5)]
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("straggler/ratio")] == list(range(5, 41, 5))
+    assert {"straggler/median_wait_s", "straggler/spread_s", "straggler/flagged"} <= set(events.Tags()["scalars"])
+
+
+def test_slow_collective_blames_nobody(workers, corpus, tmp_path):
+    """Rank 1's all_reduce sleeps inside the call: the time is wait on every rank, not rank 1's compute."""
+    config = make_config(corpus, tmp_path, steps=6, mp=1, dp_shard=4, dp=4, **{"diagnostics.straggler_every": 2})
+    result = workers(4).run(_case_stragglers, config, slow_collective_rank=1)[0]
+    reports = result["reports"]
+    print(f"\nslow all_reduce: ratios {[round(r['straggler/ratio'], 2) for r in reports]}, "
+          f"median wait {[round(r['straggler/median_wait_s'], 3) for r in reports]} s")
+    assert len(reports) == 3 and _warnings(result["out"]) == []
+    # Three all_reduces per step (the target count, the loss, the gradient norm), each 0.2 s late.
+    assert all(r["straggler/median_wait_s"] > 2.5 * SLEEP_S for r in reports)

@@ -88,6 +88,10 @@ class MeshCoords:
         replicate_idx, shard_idx = divmod(dp_rank, dp_shard)
         return MeshCoords(rank, replicate_idx, shard_idx, mp_rank, dp_rank)
 
+    def describe(self) -> str:
+        """'mp 1, dp 2 (replicate 1, shard 0)': how reports place a rank."""
+        return f"mp {self.mp_rank}, dp {self.dp_rank} (replicate {self.replicate_idx}, shard {self.shard_idx})"
+
 
 def group_ranks(dp_replicate: int, dp_shard: int, mp: int) -> dict[str, list[list[int]]]:
     """Every group of every kind as lists of global ranks, in the mesh's order."""

@@ -87,7 +87,7 @@ class Heartbeat:
         c = self.parallel.coords
         self._info = {
             "host": socket.gethostname(), "pid": os.getpid(),
-            "coords": f"mp {c.mp_rank}, dp {c.dp_rank} (replicate {c.replicate_idx}, shard {c.shard_idx})",
+            "coords": c.describe(),
             "groups": {g.group_name: {"dim": dim, "ranks": dist.get_process_group_ranks(g)} for dim, g in self._groups},
         }
 

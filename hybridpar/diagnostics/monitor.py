@@ -189,7 +189,7 @@ class Monitor(Heartbeat):
             entry = {}
             try:
                 c = MeshCoords.of(r, p.dp_replicate, p.dp_shard, p.mp)
-                entry["coords"] = f"mp {c.mp_rank}, dp {c.dp_rank} (replicate {c.replicate_idx}, shard {c.shard_idx})"
+                entry["coords"] = c.describe()
             except (AttributeError, ValueError):  # a stand-in parallel without the sizes
                 pass
             last = self._last.get(r, {})

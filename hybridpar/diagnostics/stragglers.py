@@ -146,13 +146,9 @@ def _seconds(x: float) -> str:
     return f"{x:.2f} s" if x >= 0.1 else f"{x * 1e3:.1f} ms"
 
 
-def _where(c: MeshCoords) -> str:
-    return f"mp {c.mp_rank}, dp {c.dp_rank} (replicate {c.replicate_idx}, shard {c.shard_idx})"
-
-
 def describe(verdict: Verdict, step: int, coords: MeshCoords, host: str) -> str:
     """The warning line for a straggler."""
-    return (f"straggler at step {step}: rank {verdict.rank} ({_where(coords)}, host {host}) computes "
+    return (f"straggler at step {step}: rank {verdict.rank} ({coords.describe()}, host {host}) computes "
             f"{_seconds(verdict.compute)} per step against a median of {_seconds(verdict.median_compute)} "
             f"({verdict.ratio:.2f}x); the others wait for it")
 
@@ -164,7 +160,7 @@ def metrics_row(verdict: Verdict, coords: MeshCoords, host: str) -> dict:
             "straggler/median_compute_s": v.median_compute, "straggler/ratio": v.ratio,
             "straggler/median_wait_s": v.median_wait, "straggler/spread_s": v.spread,
             "straggler/wait_share": v.wait_share, "straggler/over": v.over, "straggler/flagged": v.straggler,
-            "straggler/host": host, "straggler/coords": _where(coords)}
+            "straggler/host": host, "straggler/coords": coords.describe()}
 
 
 class StragglerMonitor:

@@ -286,6 +286,7 @@ DEATHS = {
     "kill_forward": ("kill_forward", 4, 2),
     "kill_save": ("kill_save", 4, 3),
     "kill_setup": ("kill_setup", 4, 2),  # while the data is set up, before any step
+    "exit_optimizer_world8": ("exit_optimizer", 8, 4),
     "kill_forward_world8": ("kill_forward", 8, 5),
     "kill_save_world8": ("kill_save", 8, 6),
 }

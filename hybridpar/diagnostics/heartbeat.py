@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from ..compat.torch import default_store, sequence_number
 from ..files import write_bytes_atomic
-from ..mesh import ParallelDims
+from ..mesh import MeshCoords, ParallelDims
 from . import flight
 from .liveness import process_alive
 from .timeouts import mesh_groups
@@ -87,7 +87,7 @@ class Heartbeat:
         c = self.parallel.coords
         self._info = {
             "host": socket.gethostname(), "pid": os.getpid(),
-            "coords": c.describe(),
+            "coords": MeshCoords.describe(c),  # also for a stand-in with the same fields
             "groups": {g.group_name: {"dim": dim, "ranks": dist.get_process_group_ranks(g)} for dim, g in self._groups},
         }
 

@@ -106,8 +106,11 @@ class Monitor(Heartbeat):
         idle = now - max(self._progress[r][1] for r in active)
         # A failed rank stops beating once it has published its error and trace: not a death.
         died = sorted(r for r in self._seen_dead() if r in active and r not in failed)
-        stopped = [r for r in active if r not in failed and r not in died and self._beats[r][0] is not None
-                   and now - self._beats[r][1] > self._dead_after()]
+        # A silent heartbeat is only a guess (C code holding the GIL through a long set-up step looks
+        # the same): for ranks on this host the process itself is looked at instead.
+        local = set(self._neighbours or ())
+        stopped = [r for r in active if r not in failed and r not in died and r not in local
+                   and self._beats[r][0] is not None and now - self._beats[r][1] > self._dead_after()]
         if self.rank == 1 and 0 not in stopped + failed:  # rank 1 monitors only when rank 0 is gone
             stopped.append(0)
         # A rank that never beat may still be setting up (building the model, loading a checkpoint)

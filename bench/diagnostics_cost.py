@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from hybridpar.config import load_config  # noqa: E402
+from bench.stragglers import bench_trainer  # noqa: E402
 from hybridpar.diagnostics.data_guard import check_data, step_fingerprint  # noqa: E402
 from hybridpar.diagnostics.watchdog import Watchdog  # noqa: E402
 from hybridpar.train import Trainer  # noqa: E402
@@ -88,16 +88,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "diagnostics_cost.json"))
     args = parser.parse_args()
-    config = load_config(None, [
-        "--model.preset=debug", "--model.vocab_size=512", "--parallel.mp=2", "--parallel.dp_shard=2",
-        "--fsdp.sharding_strategy=hybrid_shard", "--fsdp.param_dtype=float32", "--data.source=default",
-        "--data.tokenizer_vocab_size=512", "--data.seq_len=64", "--data.micro_batch_size=4",
-        "--train.log_every=1000000", "--train.peak_flops=1e12", "--checkpoint.at_end=false",
-        "--diagnostics.straggler_every=0",
-        f"--output.run_dir={tempfile.mkdtemp(prefix='hybridpar-bench-')}",
-        "--output.tensorboard=false", "--output.plot=false",
-    ])
-    trainer = Trainer(config)
+    trainer = bench_trainer("--diagnostics.straggler_every=0")
     block(trainer, args.steps, False)  # warm-up
     blocks = []
     for r in range(args.rounds):

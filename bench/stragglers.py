@@ -122,6 +122,19 @@ def summarise(blocks: list[dict]) -> dict:
     return out
 
 
+def bench_trainer(*flags: str) -> Trainer:
+    """The diagnostics benches' Trainer: the debug model at mp 2 x dp_shard 2 on the embedded
+    corpus, in a fresh temporary run folder; `flags` override."""
+    return Trainer(load_config(None, [
+        "--model.preset=debug", "--model.vocab_size=512", "--parallel.mp=2", "--parallel.dp_shard=2",
+        "--fsdp.sharding_strategy=hybrid_shard", "--fsdp.param_dtype=float32", "--data.source=default",
+        "--data.tokenizer_vocab_size=512", "--data.seq_len=64", "--data.micro_batch_size=4",
+        "--train.log_every=1000000", "--train.peak_flops=1e12", "--checkpoint.at_end=false",
+        f"--output.run_dir={tempfile.mkdtemp(prefix='hybridpar-bench-')}",
+        "--output.tensorboard=false", "--output.plot=false", *flags,
+    ]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=40)
@@ -131,15 +144,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "stragglers.json"))
     args = parser.parse_args()
 
-    config = load_config(None, [
-        "--model.preset=debug", "--model.vocab_size=512", "--parallel.mp=2", "--parallel.dp_shard=2",
-        "--fsdp.sharding_strategy=hybrid_shard", "--fsdp.param_dtype=float32", "--data.source=default",
-        "--data.tokenizer_vocab_size=512", "--data.seq_len=64", "--data.micro_batch_size=4",
-        "--train.log_every=1000000", "--train.peak_flops=1e12", "--checkpoint.at_end=false",
-        f"--output.run_dir={tempfile.mkdtemp(prefix='hybridpar-bench-')}",
-        "--output.tensorboard=false", "--output.plot=false",
-    ])
-    trainer = Trainer(config)
+    trainer = bench_trainer()
     load_before = os.getloadavg()
     block(trainer, 10, 0)  # warm-up
     blocks = []

@@ -4,13 +4,24 @@ feed-forward rule. models.llama builds the network from them (and re-exports eve
 from __future__ import annotations
 
 import dataclasses
-import json
+import typing
 from pathlib import Path
-from typing import NamedTuple, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 from hybridpar.parallel.layers import divide
+from hybridpar.ranks import mark_every_rank
+
+from .fields import check_field, read_json_object
 
 PRESETS_DIR = Path(__file__).parent / "presets"
+# The fields that give the model's shape: a params.json states them, no default stands in.
+REQUIRED_FIELDS = ("dim", "n_layers", "n_heads", "vocab_size")
+
+
+class ModelArgsError(ValueError):
+    """Model fields (a model file's, or the values given) that describe no model."""
+
+    every_rank = True  # every rank reads the same fields: hybridpar.ranks.raised_by_every_rank
 
 
 @dataclasses.dataclass
@@ -47,24 +58,23 @@ class ModelArgs:
     @classmethod
     def from_dict(cls, params: dict, **overrides) -> "ModelArgs":
         params = {**params, **overrides}
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(params) - known)
-        if unknown:
-            raise ValueError(f"unknown model fields {unknown}; valid fields are {sorted(known)}")
+        refuse_unknown(params, "ModelArgs")
         return cls(**params)
 
     @classmethod
     def from_params_json(cls, path: Union[str, Path], **overrides) -> "ModelArgs":
-        """Read Meta's params.json; `overrides` (e.g. vocab_size=32000 for Llama 2) win."""
+        """Read Meta's params.json (or a preset, or a hybridpar checkpoint's): the shape's fields
+        required, every field of its JSON type and in its range (check_fields, check_values), before
+        any model is built; `overrides` (e.g. vocab_size=32000 for Llama 2) win."""
         path = Path(path)
+        params = read_json_object(path, ModelArgsError, "correct it (or point at another params.json)")
+        check_fields(params, path)
+        args = cls.from_dict(params, **overrides)
         try:
-            params = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise ValueError(f"cannot read model parameters from {path}: {err}") from err
-        try:
-            return cls.from_dict(params, **overrides)
-        except ValueError as err:
-            raise ValueError(f"{path}: {err}") from err
+            args.check_values()
+        except ModelArgsError as err:
+            raise ModelArgsError(f"{path}: {err}") from err
+        return args
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "ModelArgs":
@@ -117,19 +127,55 @@ class ModelArgs:
         matmul_params = self.num_params() - (0 if self.tie_embeddings else self.vocab_size * self.dim)
         return 6.0 * matmul_params + 12.0 * self.n_layers * self.dim * seq_len
 
-    def check(self, mp: int = 1) -> None:
-        """Raise ValueError naming the numbers when this shape cannot run at model-parallel size mp."""
+    def check_values(self) -> None:
+        """Raise ModelArgsError naming the field when a value is out of its range, whatever the mp
+        and the tokenizer (vocab_size -1 passes: Llama 2's params.json leaves it to the tokenizer)."""
+        positive = ["dim", "n_layers", "n_heads", "multiple_of", "max_batch_size", "max_seq_len"]
+        positive += [f for f in ("n_kv_heads", "ffn_hidden_size") if getattr(self, f) is not None]
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ModelArgsError(f"{name} = {getattr(self, name)} must be positive")
+        for name in ("norm_eps", "rope_theta", "ffn_dim_multiplier"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value < float("inf"):  # NaN fails too
+                raise ModelArgsError(f"{name} = {value} must be a positive number")
+        if self.vocab_size < 1 and self.vocab_size != -1:
+            raise ModelArgsError(f"vocab_size = {self.vocab_size} must be positive (or -1: the tokenizer decides)")
         if self.embedding_split not in ("auto", "dim", "vocab"):
-            raise ValueError(f"embedding_split must be 'auto', 'dim' or 'vocab', got {self.embedding_split!r}")
+            raise ModelArgsError(f"embedding_split must be 'auto', 'dim' or 'vocab', got {self.embedding_split!r}")
+        if self.dim % self.n_heads:
+            raise ModelArgsError(f"dim = {self.dim} is not divisible by n_heads = {self.n_heads}")
+        if self.n_heads % self.kv_heads:
+            raise ModelArgsError(f"n_heads = {self.n_heads} is not a multiple of n_kv_heads = {self.kv_heads}")
+        if self.head_dim % 2:
+            raise ModelArgsError(f"head_dim = dim / n_heads = {self.head_dim} must be even for RoPE")
+        if self.use_scaled_rope:
+            s = self.rope_scaling
+            if not (s.factor > 0 and 0 < s.low_freq_factor < s.high_freq_factor and s.original_context > 0):
+                raise ModelArgsError(
+                    f"RoPE scaling needs rope_scaling_factor > 0, 0 < rope_low_freq_factor < rope_high_freq_factor "
+                    f"and rope_original_context > 0; got {s}"
+                )
+
+    def check(self, mp: int = 1) -> None:
+        """Raise ModelArgsError naming the numbers when this shape cannot run at model-parallel size mp."""
+        self.check_values()
         if self.vocab_size <= 0:
-            raise ValueError(
+            raise ModelArgsError(
                 f"vocab_size is {self.vocab_size}: Llama 2's params.json leaves it to the tokenizer; "
                 "pass vocab_size=<tokenizer vocabulary size>"
             )
-        if self.dim % self.n_heads:
-            raise ValueError(f"dim = {self.dim} is not divisible by n_heads = {self.n_heads}")
-        if self.n_heads % self.kv_heads:
-            raise ValueError(f"n_heads = {self.n_heads} is not a multiple of n_kv_heads = {self.kv_heads}")
+        if self.tie_embeddings and self.resolved_embedding_split != "vocab":
+            raise ModelArgsError(
+                "tie_embeddings needs the embedding split on the vocabulary like the output head "
+                "(embedding_split = 'vocab', the Llama 3 layout)"
+            )
+        try:
+            self._check_split(mp)
+        except ValueError as err:  # divide's: the same on every rank, as the rest of the checks
+            raise ModelArgsError(str(err)) from err
+
+    def _check_split(self, mp: int) -> None:
         divide(self.n_heads, mp, "n_heads")
         if self.kv_heads % mp and mp % self.kv_heads:
             raise ValueError(
@@ -141,22 +187,40 @@ class ModelArgs:
             divide(self.vocab_size, mp, "vocab_size (split by VocabParallelEmbedding)")
         else:
             divide(self.dim, mp, "dim (split by ParallelEmbedding)")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim = dim / n_heads = {self.head_dim} must be even for RoPE")
-        if self.ffn_hidden_size is not None and self.ffn_hidden_size < 1:
-            raise ValueError(f"ffn_hidden_size = {self.ffn_hidden_size} must be positive (or null: Meta's rule)")
-        if self.tie_embeddings and self.resolved_embedding_split != "vocab":
-            raise ValueError(
-                "tie_embeddings needs the embedding split on the vocabulary like the output head "
-                "(embedding_split = 'vocab', the Llama 3 layout)"
-            )
-        if self.use_scaled_rope:
-            s = self.rope_scaling
-            if not (s.factor > 0 and 0 < s.low_freq_factor < s.high_freq_factor and s.original_context > 0):
-                raise ValueError(
-                    f"RoPE scaling needs rope_scaling_factor > 0, 0 < rope_low_freq_factor < rope_high_freq_factor "
-                    f"and rope_original_context > 0; got {s}"
-                )
+
+
+def field_types() -> dict[str, tuple[type, bool]]:
+    """{field: (its JSON type, may it be null)} from ModelArgs' annotations: Optional ones (Meta's
+    n_kv_heads and ffn_dim_multiplier, hybridpar's ffn_hidden_size) may be null."""
+    types = {}
+    for name, hint in typing.get_type_hints(ModelArgs).items():
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        types[name] = (args[0], True) if args else (hint, False)
+    return types
+
+
+def refuse_unknown(fields: dict, where: Any = None, error: type[Exception] = ModelArgsError) -> None:
+    known = sorted(f.name for f in dataclasses.fields(ModelArgs))
+    unknown = sorted(set(fields) - set(known))
+    if unknown:
+        prefix = f"{where}: " if where is not None else ""
+        raise mark_every_rank(error(f"{prefix}unknown model fields {unknown}; valid fields are {known}. "
+                    "Remove the unknown ones (or fix their spelling)"))
+
+
+def check_fields(params: dict, where: Any, error: type[Exception] = ModelArgsError) -> None:
+    """A params.json's fields (`where` names the file): no unknown one, the shape's (REQUIRED_FIELDS)
+    present, each of its JSON type; raise `error` naming the field otherwise."""
+    refuse_unknown(params, where, error)
+    missing = [f for f in REQUIRED_FIELDS if f not in params]
+    if missing:
+        raise mark_every_rank(error(
+            f"{where}: required field(s) {missing} missing; a params.json states the model's shape "
+            f"{list(REQUIRED_FIELDS)}: add them with the values the model has (or is to have)"))
+    types = field_types()
+    for name, value in params.items():
+        kind, nullable = types[name]
+        check_field(where, name, value, kind, nullable=nullable, error=error)
 
 
 def meta_ffn_rule(dim: int, multiple_of: int, ffn_dim_multiplier: Optional[float]) -> int:

@@ -10,7 +10,6 @@ order into Meta's interleaved pairs (the inverse of hf.rope_permutation, within 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -18,10 +17,12 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from models.fields import check_field, read_json_object
 from models.llama import ModelArgs
 
 from ..parallel.state import local_box
 from ..progress import Progress
+from ..ranks import mark_every_rank
 from .hf import CONFIG_JSON, WEIGHTS_FILE, hf_name, rope_permutation
 from .meta import meta_shapes
 
@@ -44,29 +45,18 @@ def is_hf_folder(path: Union[str, Path]) -> bool:
 
 
 def _read_json(path: Path) -> dict:
-    try:
-        value = json.loads(path.read_text())
-    except FileNotFoundError as err:
-        raise HFImportError(f"{path} does not exist: a Hugging Face folder needs config.json next to its weights") from err
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise HFImportError(f"{path} is not readable JSON ({err}); download it again") from err
-    if not isinstance(value, dict):
-        raise HFImportError(f"{path} holds a {type(value).__name__}, not a JSON object")
-    return value
+    if not path.exists():
+        raise HFImportError(f"{path} does not exist: a Hugging Face folder needs config.json next to its weights")
+    return read_json_object(path, HFImportError, "download it again")
 
 
 def _field(config: dict, name: str, kind: type, where: Path, default: Any = ...) -> Any:
-    if name not in config or config[name] is None:
+    """config[name], of JSON type `kind`; `default` when absent or null (no default: required)."""
+    if config.get(name) is None:
         if default is ...:
-            raise HFImportError(f"{where}: field {name!r} is missing; a LlamaConfig always has it")
+            raise mark_every_rank(HFImportError(f'{where}: "{name}" is missing; a LlamaConfig always has it'))
         return default
-    value = config[name]
-    ok = isinstance(value, kind) and not isinstance(value, bool) if kind is not bool else isinstance(value, bool)
-    if kind is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not ok:
-        raise HFImportError(f"{where}: field {name!r} = {value!r} should be of type {kind.__name__}")
-    return value
+    return check_field(where, name, config[name], kind, error=HFImportError)
 
 
 def _refuse_unsupported(config: dict, where: Path) -> None:
@@ -76,7 +66,7 @@ def _refuse_unsupported(config: dict, where: Path) -> None:
             f"{where}: model_type = {model_type!r}; hybridpar imports Llama models only (model_type 'llama')"
         )
     for name in ("attention_bias", "mlp_bias"):
-        if config.get(name):
+        if _field(config, name, bool, where, default=False):
             raise HFImportError(f"{where}: {name} = true; hybridpar's Llama has no biases, so it cannot hold this model")
     act = config.get("hidden_act", "silu")
     if act != "silu":
@@ -87,9 +77,7 @@ def _rope_fields(config: dict, where: Path) -> dict:
     """rope_theta and the llama3 rescaling from either spelling: transformers 4's rope_theta +
     rope_scaling, or transformers 5's rope_parameters (which holds rope_theta too)."""
     key = "rope_parameters" if config.get("rope_parameters") is not None else "rope_scaling"
-    rope = config.get(key) or {}
-    if not isinstance(rope, dict):
-        raise HFImportError(f"{where}: {key} = {rope!r} should be an object")
+    rope = _field(config, key, dict, where, default={})
     theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
     fields: dict[str, Any] = {"rope_theta": float(_field({"rope_theta": theta}, "rope_theta", float, where))}
     kind = rope.get("rope_type", rope.get("type", "default"))
@@ -100,13 +88,13 @@ def _rope_fields(config: dict, where: Path) -> dict:
             f"{where}: {key}.rope_type = {kind!r}; hybridpar implements plain RoPE and Llama 3's rescaling "
             "('llama3') only"
         )
-    sub = where.name + f" {key}"
+    sub = f"{where} {key}"
     fields.update(
         use_scaled_rope=True,
-        rope_scaling_factor=float(_field(rope, "factor", float, Path(sub))),
-        rope_low_freq_factor=float(_field(rope, "low_freq_factor", float, Path(sub))),
-        rope_high_freq_factor=float(_field(rope, "high_freq_factor", float, Path(sub))),
-        rope_original_context=_field(rope, "original_max_position_embeddings", int, Path(sub)),
+        rope_scaling_factor=float(_field(rope, "factor", float, sub)),
+        rope_low_freq_factor=float(_field(rope, "low_freq_factor", float, sub)),
+        rope_high_freq_factor=float(_field(rope, "high_freq_factor", float, sub)),
+        rope_original_context=_field(rope, "original_max_position_embeddings", int, sub),
     )
     return fields
 
@@ -116,7 +104,7 @@ def args_from_hf_config(config: dict, where: Path = Path(CONFIG_JSON), **overrid
     _refuse_unsupported(config, where)
     dim = _field(config, "hidden_size", int, where)
     n_heads = _field(config, "num_attention_heads", int, where)
-    head_dim = config.get("head_dim")
+    head_dim = _field(config, "head_dim", int, where, default=None)
     if head_dim is not None and n_heads and head_dim * n_heads != dim:
         raise HFImportError(
             f"{where}: head_dim = {head_dim} but hidden_size / num_attention_heads = {dim} / {n_heads}; "
@@ -141,8 +129,8 @@ def args_from_hf_config(config: dict, where: Path = Path(CONFIG_JSON), **overrid
     try:
         args = ModelArgs.from_dict(fields)
         args.check(1)
-    except ValueError as err:
-        raise HFImportError(f"{where}: {err}") from err
+    except ValueError as err:  # the same on every rank: each reads the same config.json
+        raise mark_every_rank(HFImportError(f"{where}: {err}")) from err
     return args
 
 

@@ -32,17 +32,12 @@ SIDECAR_JSON = "hybridpar.json"
 SHARD_FILE = re.compile(r"^consolidated\.(\d+)\.pth$")
 ROPE_FREQS = "rope.freqs"
 
-# Fields every params.json Meta published has; the others have Meta's defaults.
-REQUIRED_FIELDS = ("dim", "n_layers", "n_heads", "vocab_size", "multiple_of", "norm_eps")
-_INT_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "max_batch_size", "max_seq_len")
-_FLOAT_FIELDS = ("ffn_dim_multiplier", "norm_eps", "rope_theta")
 # Fields that change the numbers but not the shapes: a model built with other values would load
 # without a shape error and compute something else, so load_meta_checkpoint compares them.
 _BEHAVIOUR_FIELDS = ("norm_eps", "rope_theta", "rope_scaling")
-# hybridpar's fields that Meta's params.json cannot state (hybridpar.json), with their JSON types.
+# hybridpar's fields that Meta's params.json cannot state (hybridpar.json).
 _ROPE_FACTORS = ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_context")
-SIDECAR_FIELDS = {"rope_scaling_factor": float, "rope_low_freq_factor": float, "rope_high_freq_factor": float,
-                  "rope_original_context": int, "tie_embeddings": bool}
+SIDECAR_FIELDS = (*_ROPE_FACTORS, "tie_embeddings")
 
 _COLUMN = ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight",
            "feed_forward.w1.weight", "feed_forward.w3.weight")

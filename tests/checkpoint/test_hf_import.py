@@ -213,8 +213,8 @@ def _edit_config(folder: Path, **changes) -> None:
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "rope_parameters.rope_type = 'yarn'"),
     ({"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling.rope_type = 'dynamic'"),
     ({"hidden_act": "gelu"}, "hidden_act = 'gelu'"),
-    ({"hidden_size": None}, "field 'hidden_size' is missing"),
-    ({"intermediate_size": "big"}, "field 'intermediate_size' = 'big' should be of type int"),
+    ({"hidden_size": None}, '"hidden_size" is missing'),
+    ({"intermediate_size": "big"}, '"intermediate_size" must be an integer, got the string "big"'),
 ])
 def test_configs_hybridpar_cannot_hold_are_refused_naming_the_field(folders, tmp_path, changes, message):
     import shutil

@@ -152,7 +152,7 @@ def test_params_json_unknown_field(broken):
     folder = broken()
     _edit_params(folder, rope_scaling=8.0)
     message = _read_error(folder)
-    assert "unknown field(s) ['rope_scaling']" in message and "Remove the unknown" in message, message
+    assert "unknown model fields ['rope_scaling']" in message and "Remove the unknown" in message, message
 
 
 def test_params_json_not_json(broken):

@@ -220,9 +220,9 @@ def test_sidecar_saying_tied_over_untied_files(copy_of):
 
 @pytest.mark.parametrize("content,expected", [
     ({"tie_embeddings": True, "rope_factor": 32.0}, "unknown field(s) ['rope_factor']"),
-    ({"tie_embeddings": "yes"}, "field 'tie_embeddings' is 'yes'; it must be true or false"),
-    ({"rope_scaling_factor": "32"}, "field 'rope_scaling_factor' is '32'; it must be a number"),
-    ({"rope_original_context": 8192.5}, "field 'rope_original_context' is 8192.5; it must be an integer"),
+    ({"tie_embeddings": "yes"}, '"tie_embeddings" must be true or false, got the string "yes"'),
+    ({"rope_scaling_factor": "32"}, '"rope_scaling_factor" must be a number, got the string "32"'),
+    ({"rope_original_context": 8192.5}, '"rope_original_context" must be an integer, got the number 8192.5'),
     ({"use_scaled_rope": True}, "unknown field(s) ['use_scaled_rope']"),  # params.json's
     ([32.0], "holds a list, not a JSON object"),
 ])
@@ -245,7 +245,7 @@ def test_params_json_hybridpar_field_types_are_checked(copy_of):
     folder = copy_of("untied")
     params = json.loads((folder / "params.json").read_text())
     (folder / "params.json").write_text(json.dumps({**params, "ffn_hidden_size": "100"}))
-    assert "field 'ffn_hidden_size' is '100'; it must be an integer" in _read_error(folder)
+    assert '"ffn_hidden_size" must be an integer or null, got the string "100"' in _read_error(folder)
 
 
 # --- loading refuses what would compute something else --------------------------------------------------

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from models.llama import ModelArgs, Transformer, preset_names
 from tests.distributed import parallel_dims, rel_err
+from tests.models.meta_files import PUBLISHED_PARAMS
 
 BOUND = 1e-5
 
@@ -177,7 +178,7 @@ def test_every_preset_loads():
 def test_params_json_round_trip_and_llama2_vocab(tmp_path):
     path = tmp_path / "params.json"
     # Llama 2 7B's params.json as Meta ships it: vocab_size -1, no rope_theta.
-    path.write_text(json.dumps({"dim": 4096, "multiple_of": 256, "n_heads": 32, "n_layers": 32, "norm_eps": 1e-05, "vocab_size": -1}))
+    path.write_text(json.dumps(PUBLISHED_PARAMS["llama2_7b"]))
     args = ModelArgs.from_params_json(path)
     assert args.rope_theta == 10000.0 and args.resolved_embedding_split == "dim"
     with pytest.raises(ValueError, match="vocab_size is -1.*tokenizer"):

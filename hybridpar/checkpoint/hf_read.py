@@ -54,7 +54,7 @@ def _field(config: dict, name: str, kind: type, where: Path, default: Any = ...)
     """config[name], of JSON type `kind`; `default` when absent or null (no default: required)."""
     if config.get(name) is None:
         if default is ...:
-            raise mark_every_rank(HFImportError(f'{where}: "{name}" is missing; a LlamaConfig always has it'))
+            raise HFImportError(f'{where}: "{name}" is missing; a LlamaConfig always has it')
         return default
     return check_field(where, name, config[name], kind, error=HFImportError)
 
@@ -99,8 +99,14 @@ def _rope_fields(config: dict, where: Path) -> dict:
     return fields
 
 
-def args_from_hf_config(config: dict, where: Path = Path(CONFIG_JSON), **overrides: Any) -> ModelArgs:
-    """ModelArgs of a LlamaForCausalLM config (a dict as in config.json); `overrides` win."""
+# ModelArgs' names of config.json's fields, for the errors ModelArgs' checks raise.
+_HF_NAMES = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
+             "n_kv_heads": "num_key_value_heads", "ffn_hidden_size": "intermediate_size", "norm_eps": "rms_norm_eps",
+             "max_seq_len": "max_position_embeddings"}
+
+
+def _hf_fields(config: dict, where: Path) -> dict[str, Any]:
+    """ModelArgs' fields from config.json's, each of its type; what hybridpar cannot hold refused."""
     _refuse_unsupported(config, where)
     dim = _field(config, "hidden_size", int, where)
     n_heads = _field(config, "num_attention_heads", int, where)
@@ -111,7 +117,7 @@ def args_from_hf_config(config: dict, where: Path = Path(CONFIG_JSON), **overrid
             "hybridpar's Llama needs head_dim = hidden_size / num_attention_heads"
         )
     tied = _field(config, "tie_word_embeddings", bool, where, default=False)
-    fields = dict(
+    return dict(
         dim=dim,
         n_layers=_field(config, "num_hidden_layers", int, where),
         n_heads=n_heads,
@@ -125,12 +131,20 @@ def args_from_hf_config(config: dict, where: Path = Path(CONFIG_JSON), **overrid
         embedding_split="vocab" if tied else "auto",
         **_rope_fields(config, where),
     )
-    fields.update(overrides)
+
+
+def args_from_hf_config(config: dict, where: Path = Path(CONFIG_JSON), **overrides: Any) -> ModelArgs:
+    """ModelArgs of a LlamaForCausalLM config (a dict as in config.json); `overrides` win. Raises
+    HFImportError naming the field, marked as every rank's (each reads the same config.json)."""
     try:
-        args = ModelArgs.from_dict(fields)
+        args = ModelArgs.from_dict({**_hf_fields(config, where), **overrides})
         args.check(1)
-    except ValueError as err:  # the same on every rank: each reads the same config.json
-        raise mark_every_rank(HFImportError(f"{where}: {err}")) from err
+    except HFImportError as err:
+        raise mark_every_rank(err)
+    except ValueError as err:  # ModelArgs' checks, which use ModelArgs' names
+        name = str(err).split(" ", 1)[0]
+        hint = f" ({_HF_NAMES[name]} in {CONFIG_JSON})" if name in _HF_NAMES else ""
+        raise mark_every_rank(HFImportError(f"{where}: {err}{hint}")) from err
     return args
 
 

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from models.llama import ModelArgs
 
 from ..parallel.state import local_box
-from ..ranks import raise_if_any_failed
+from ..ranks import mark_every_rank, raise_if_any_failed
 from .meta import (_BEHAVIOUR_FIELDS, PARAMS_JSON, ROPE_FREQS, SHARD_FILE, SIDECAR_JSON, MetaCheckpointError, _fmt,
                    _load_file, meta_shapes, rope_inverse_frequencies, shard_name, split_dim)
 from .meta_json import read_params, read_sidecar
@@ -195,8 +195,8 @@ def _open(folder: Union[str, Path], overrides: Mapping[str, Any], verify_checksu
     try:
         args = ModelArgs.from_dict(fields)
         args.check(1)
-    except ValueError as err:
-        raise MetaCheckpointError(f"{folder / PARAMS_JSON}: {err}") from err
+    except ValueError as err:  # the same on every rank: each reads the same files
+        raise mark_every_rank(MetaCheckpointError(f"{folder / PARAMS_JSON}: {err}")) from err
     source = _Source(folder, params, paths, shards, args)
     _check_shards(source)
     if "tie_embeddings" not in overrides:  # else the caller has decided

@@ -123,3 +123,106 @@ def test_not_an_object_and_not_json(tmp_path):
     assert "holds a list, not a JSON object" in message, message
     (tmp_path / "params.json").write_text('{"dim": 64,')
     assert "is not readable JSON" in _error("from_params_json", tmp_path)
+
+
+# --- Hugging Face's config.json ---------------------------------------------------------------------
+
+GONE = object()  # a field removed from config.json
+
+
+def _hf_error(tmp_path: Path, **changes) -> str:
+    from hybridpar.checkpoint.hf_read import HFImportError, read_hf_config
+
+    with pytest.raises(HFImportError) as info:
+        read_hf_config(_write_hf(tmp_path, **changes))
+    assert raised_by_every_rank(info.value), "every rank reads the same file: the CLI prints the error once"
+    assert str(tmp_path / "config.json") in str(info.value), str(info.value)
+    return str(info.value)
+
+
+def _write_hf(folder: Path, **changes) -> Path:
+    from hybridpar.checkpoint.hf import hf_config
+
+    config = {**hf_config(ModelArgs.from_preset("debug_gqa")), **changes}  # as hybridpar's export writes it
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not GONE}))
+    return folder
+
+
+@pytest.mark.parametrize("field", ["hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"])
+def test_config_json_without_a_shape_field_is_refused(tmp_path, field):
+    message = _hf_error(tmp_path, **{field: GONE})
+    assert f'"{field}" is missing' in message, message
+
+
+@pytest.mark.parametrize("change,expected", [
+    ({"hidden_size": "64"}, '"hidden_size" must be an integer, got the string "64"'),
+    ({"num_hidden_layers": True}, '"num_hidden_layers" must be an integer, got true'),
+    ({"num_key_value_heads": 2.0}, '"num_key_value_heads" must be an integer, got the number 2.0'),
+    ({"head_dim": "8"}, '"head_dim" must be an integer, got the string "8"'),
+    ({"rms_norm_eps": "1e-5"}, '"rms_norm_eps" must be a number, got the string "1e-5"'),
+    ({"tie_word_embeddings": "false"}, '"tie_word_embeddings" must be true or false, got the string "false"'),
+    ({"attention_bias": "false"}, '"attention_bias" must be true or false, got the string "false"'),
+    ({"rope_scaling": [8.0]}, '"rope_scaling" must be an object, got a list [8.0]'),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": "8", "low_freq_factor": 1, "high_freq_factor": 4,
+                       "original_max_position_embeddings": 8192}}, 'rope_scaling: "factor" must be a number'),
+    ({"num_hidden_layers": 0}, "n_layers = 0 must be positive (num_hidden_layers in config.json)"),
+])
+def test_config_json_field_of_the_wrong_type_or_range_is_named(tmp_path, change, expected):
+    message = _hf_error(tmp_path, **change)
+    assert expected in message, message
+
+
+def test_config_json_null_where_transformers_allows_it(tmp_path):
+    from hybridpar.checkpoint.hf_read import read_hf_config
+
+    nulls = dict(num_key_value_heads=None, head_dim=None, rope_scaling=None, tie_word_embeddings=None,
+                 attention_bias=None, rope_theta=500000)  # and an integer where a number is expected
+    args = read_hf_config(_write_hf(tmp_path, **nulls))
+    assert (args.kv_heads, args.rope_scaling, args.tie_embeddings, args.rope_theta) == (8, None, False, 500000.0)
+
+
+# --- every way in reads through these checks, before any model is built -----------------------------
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    from models.llama import Transformer
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a Transformer was built from a model file that should have been refused")
+
+    monkeypatch.setattr(Transformer, "__init__", refuse)
+
+
+def test_checkpoints_of_every_format_are_refused_before_a_model_is_built(tmp_path, no_model):
+    """load_model: what `hybridpar convert` and `hybridpar generate --checkpoint` read (and
+    checkpoint.init_from, through the same read_args)."""
+    from hybridpar.checkpoint.convert import load_model
+
+    meta = _write(tmp_path / "meta", {**SMALL, "dim": "256"})
+    (meta / "consolidated.00.pth").write_bytes(b"")  # never opened: params.json is read first
+    hf = _write_hf(_write(tmp_path / "hf", {}), hidden_size="64")
+    (hf / "params.json").unlink()
+    (hf / "model.safetensors").write_bytes(b"")
+    dcp = _write(tmp_path / "dcp", {**vars(ModelArgs.from_preset("debug")), "n_layers": None})
+    (dcp / ".metadata").write_bytes(b"")
+    for folder, expected in [(meta, '"dim" must be an integer, got the string "256"'),
+                             (hf, '"hidden_size" must be an integer, got the string "64"'),
+                             (dcp, '"n_layers" must be an integer, got null')]:
+        with pytest.raises(ValueError) as info:
+            load_model(folder, parallel=None)
+        assert expected in str(info.value) and raised_by_every_rank(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("name,content,expected", [
+    ("params.json", {**SMALL, "dim": "256"}, '"dim" must be an integer, got the string "256"'),
+    ("config.json", {"model_type": "llama", "hidden_size": 64}, '"num_attention_heads" is missing'),
+])
+def test_plan_refuses_a_bad_model_file_in_one_line(tmp_path, capsys, no_model, name, content, expected):
+    from hybridpar.cli import main
+
+    path = tmp_path / name
+    path.write_text(json.dumps(content))
+    assert main(["plan", "--model", str(path), "--gpus", "8", "--gpu-mem-gb", "80"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"hybridpar: error: {path}: {expected}"), err

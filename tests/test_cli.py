@@ -84,3 +84,34 @@ def test_an_error_every_rank_raises_is_one_screen(corpus, tmp_path, mistake, fla
     logs = sorted(p.name for p in (run_dir / "logs").iterdir())
     assert logs == [f"rank-{r}.log" for r in range(4)] and str(run_dir / "logs") in ours[0]
     assert "Traceback" in (run_dir / "logs" / "rank-2.log").read_text()
+
+
+def _bad_params_json(folder: Path) -> Path:
+    path = folder / "params.json"
+    path.write_text(json.dumps({"dim": "256", "n_layers": 4, "n_heads": 8, "vocab_size": 4096}))
+    return path
+
+
+BAD_DIM = 'params.json: "dim" must be an integer, got the string "256"'
+
+
+def test_train_with_a_bad_params_json_is_one_clear_line(tmp_path):
+    result = _run([sys.executable, "-m", "hybridpar", "train", "--model.params_json", str(_bad_params_json(tmp_path)),
+                   "--output.run_dir", str(tmp_path / "run")], 120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    ours = [line for line in result.stderr.splitlines() if line.startswith("hybridpar: error")]
+    assert len(ours) == 1 and ours[0].startswith(f"hybridpar: error: {tmp_path}/{BAD_DIM}"), result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_train_with_a_bad_params_json_at_world_2_prints_it_once(tmp_path):
+    """Every rank reads the file and refuses it; rank 0 alone prints the message."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "diagnostics" / "cli_job.py"), "none", "--",
+           "--model.params_json", str(_bad_params_json(tmp_path)), "--output.run_dir", str(tmp_path / "run")]
+    result = _run(cmd, 300)
+    assert result.returncode != 0
+    ours = [line for line in result.stderr.splitlines() if line.startswith("hybridpar: error")]
+    assert len(ours) == 1 and ours[0].startswith(f"hybridpar: error: {tmp_path}/{BAD_DIM}"), result.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "run" / "logs").iterdir()) == ["rank-0.log", "rank-1.log"]

@@ -114,13 +114,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def _model_from_json(path: Path, overrides: dict):
     """Meta's params.json, or a Hugging Face config.json (told by its model_type)."""
-    from models.llama import ModelArgs
+    from models.args import ModelArgs, ModelArgsError
+    from models.fields import read_json_object
 
-    try:
-        fields = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"cannot read model parameters from {path}: {err}") from err
-    if isinstance(fields, dict) and "model_type" in fields:
+    fields = read_json_object(path, ModelArgsError, "correct it (or point at another file)")
+    if "model_type" in fields:
         from .checkpoint.hf_read import args_from_hf_config
 
         return args_from_hf_config(fields, path, **overrides)

@@ -201,8 +201,8 @@ def test_checkpoints_of_every_format_are_refused_before_a_model_is_built(tmp_pat
 
     meta = _write(tmp_path / "meta", {**SMALL, "dim": "256"})
     (meta / "consolidated.00.pth").write_bytes(b"")  # never opened: params.json is read first
-    hf = _write_hf(_write(tmp_path / "hf", {}), hidden_size="64")
-    (hf / "params.json").unlink()
+    (tmp_path / "hf").mkdir()
+    hf = _write_hf(tmp_path / "hf", hidden_size="64")
     (hf / "model.safetensors").write_bytes(b"")
     dcp = _write(tmp_path / "dcp", {**vars(ModelArgs.from_preset("debug")), "n_layers": None})
     (dcp / ".metadata").write_bytes(b"")

@@ -35,7 +35,9 @@ from hybridpar.parallel import (
 )
 from hybridpar.parallel.layers import ReplicatedHeadLinear, local_tensor, mp_parameter
 
-from .args import PRESETS_DIR, ModelArgs, ModelArgsError, RopeScaling, meta_ffn_rule, preset_names  # noqa: F401 - re-exported
+from .args import (  # noqa: F401 - re-exported
+    PRESETS_DIR, ModelArgs, ModelArgsError, RopeScaling, meta_ffn_rule, preset_names,
+)
 
 # --- rotary position embedding, Meta's convention --------------------------------------------
 

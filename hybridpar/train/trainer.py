@@ -18,9 +18,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
+import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -43,6 +45,7 @@ from ..mesh import ParallelDims, init_parallel
 from ..parallel import vocab_parallel_cross_entropy
 from ..parallel.fsdp import apply_fsdp
 from ..parallel.loss import IGNORE_INDEX
+from . import stop as stopping
 from .metrics import MetricsWriter, flops_per_token, measure_matmul_peak, memory_bytes, plot_loss, progress_line
 
 
@@ -78,9 +81,10 @@ def lr_lambda(warmup: int, total: int, min_ratio: float):
     return factor
 
 
-def grad_norm_and_clip(params: list[torch.nn.Parameter], max_norm: float,
-                       device: Optional[torch.device] = None) -> float:
-    """Global L2 norm of every gradient across mp and dp; clip to max_norm when it is > 0.
+def grad_norm_and_clip(params: list[torch.nn.Parameter], max_norm: float, device: Optional[torch.device] = None,
+                       *, also_sum: Sequence[float] = ()) -> tuple[float, list[float]]:
+    """Global L2 norm of every gradient across mp and dp; clip to max_norm when it is > 0. Returns
+    (norm, `also_sum` summed over the ranks in the same all-reduce: the stop vote rides on it).
 
     Each rank sums the squares of its local shards, dividing by the number of ranks holding the
     same values (the mesh dims where the gradient is replicated), and one all-reduce of that scalar
@@ -100,17 +104,20 @@ def grad_norm_and_clip(params: list[torch.nn.Parameter], max_norm: float,
         else:  # a plain tensor: the same on every rank
             copies.append(dist.get_world_size())
         locals_.append(grad)
-    if not locals_:
-        return 0.0
-    norms = torch.stack(foreach_norm(locals_, 2.0)).float()
-    weights = torch.tensor(copies, dtype=torch.float32, device=norms.device)
-    total_sq = (norms.square() / weights).sum().to(device or norms.device)
-    dist.all_reduce(total_sq)
-    total = total_sq.sqrt()
-    if max_norm > 0:
+    if locals_:
+        norms = torch.stack(foreach_norm(locals_, 2.0)).float()
+        weights = torch.tensor(copies, dtype=torch.float32, device=norms.device)
+        total_sq = (norms.square() / weights).sum().to(device or norms.device)
+    else:
+        total_sq = torch.zeros((), device=device)
+    summed = torch.cat([total_sq.reshape(1), torch.tensor(also_sum, dtype=torch.float32, device=total_sq.device)])
+    dist.all_reduce(summed)
+    total = summed[0].sqrt()
+    if max_norm > 0 and locals_:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         foreach_mul_(locals_, coef.to(locals_[0].device, locals_[0].dtype))
-    return total.item()
+    norm, *sums = torch.cat([total.reshape(1), summed[1:]]).tolist()  # one copy to the host
+    return norm, sums
 
 
 class Trainer:
@@ -122,25 +129,34 @@ class Trainer:
         # created, so a group passed in (or made earlier by the caller) gets them only in part.
         apply_env_defaults(self.trace_dir)
         self.watchdog: Optional[Watchdog] = None  # runs during run()
-        self.parallel = parallel or init_parallel(
-            mp=c.parallel.mp, dp_shard=c.parallel.dp_shard, dp_replicate=c.parallel.dp_replicate,
-            timeout=c.parallel.init_timeout, backend=c.parallel.backend or None,
-        )
-        p = self.parallel
-        self.is_main = p.rank == 0
-        self.device = p.device
-        self.global_batch = c.data.micro_batch_size * c.train.grad_accum * p.dp_size
-        # From here on a rank that dies or hangs is reported, set-up included (its own watchdog,
-        # closed at the end of set-up: a Trainer built and never run leaves no thread behind).
-        setup = self._start_watchdog(c.parallel.init_timeout, "set-up")
+        self._setup_watchdog: Optional[Watchdog] = None
+        # A stop signal from here on ends the run at a step boundary with a checkpoint (stop.py).
+        self.stop = stopping.StopRequest(c.checkpoint.exit_save_timeout, on_signal=self._on_stop_signal,
+                                         on_expire=self._on_stop_expired).install()
+        self.stop_signal = ""  # the stop signal every rank agreed on (at the end of a step), if any
         try:
-            self._set_up(c, p, setup)
-        except BaseException as err:
+            self.parallel = parallel or init_parallel(
+                mp=c.parallel.mp, dp_shard=c.parallel.dp_shard, dp_replicate=c.parallel.dp_replicate,
+                timeout=c.parallel.init_timeout, backend=c.parallel.backend or None,
+            )
+            p = self.parallel
+            self.is_main = p.rank == 0
+            self.device = p.device
+            self.global_batch = c.data.micro_batch_size * c.train.grad_accum * p.dp_size
+            # From here on a rank that dies or hangs is reported, set-up included (its own watchdog,
+            # closed at the end of set-up: a Trainer built and never run leaves no thread behind).
+            setup = self._setup_watchdog = self._start_watchdog(c.parallel.init_timeout, "set-up")
+            try:
+                self._set_up(c, p, setup)
+            except BaseException as err:
+                if setup is not None:
+                    setup.close(err)
+                raise
             if setup is not None:
-                setup.close(err)
-            raise
-        if setup is not None:
-            setup.close()
+                setup.close()
+        finally:
+            self._setup_watchdog = None
+            self.stop.uninstall()  # until run(): a Trainer built and never run leaves the signals alone
 
     def _set_up(self, c: Config, p: ParallelDims, setup: Optional[Watchdog]) -> None:
         def phase(name: str) -> None:
@@ -306,7 +322,9 @@ class Trainer:
         mean_loss = loss_sum.item() / global_targets
 
         self.deadlines.at("optimizer")
-        grad_norm = grad_norm_and_clip(self.params, c.optim.grad_clip, self.device)
+        grad_norm, votes = grad_norm_and_clip(self.params, c.optim.grad_clip, self.device,
+                                              also_sum=self.stop.vote())
+        self.stop_signal = stopping.agreed(votes)
         lr = self.scheduler.get_last_lr()[0]
         skipped = not (math.isfinite(mean_loss) and math.isfinite(grad_norm))
         if skipped and c.train.on_nonfinite == "stop":
@@ -356,10 +374,13 @@ class Trainer:
         return watchdog.start()
 
     def run(self) -> list[dict]:
+        self.stop.install()
         self.watchdog = self._start_watchdog(self.deadlines.no_progress_limit(), "start")
         if self.watchdog is not None:
             self.watchdog.step = self.step
             self.deadlines.watchdog = self.watchdog
+            if self.stop.requested:  # during set-up
+                self.watchdog.stop_requested(self.stop.signal_name)
         error = None
         try:
             return self._run()
@@ -367,15 +388,39 @@ class Trainer:
             error = err
             raise
         finally:
+            self.stop.finish()
+            self.stop.uninstall()
             if self.watchdog is not None:
                 self.watchdog.close(error)
                 self.watchdog = self.deadlines.watchdog = None
+
+    # --- a stop on request (stop.py) ------------------------------------------------------------
+
+    def _on_stop_signal(self, signal_name: str) -> None:
+        """The first stop signal (from the listener thread): the watchdogs say so at once."""
+        for watchdog in (self._setup_watchdog, self.watchdog):
+            if watchdog is not None:
+                watchdog.stop_requested(signal_name)
+
+    def _on_stop_expired(self, stop: stopping.StopRequest) -> None:
+        """The stop did not finish in time (a hung collective, a slow save): leave without a new
+        checkpoint; saves are staged, so the previous one is intact."""
+        watchdog = self.watchdog or self._setup_watchdog
+        if watchdog is not None:
+            watchdog.stopped()  # an exit on purpose, not a death
+        if getattr(self, "is_main", os.environ.get("RANK", "0") == "0"):
+            folder = getattr(getattr(self, "checkpointer", None), "folder", None)
+            previous = latest_checkpoint(folder) if folder is not None else None
+            phase = watchdog.phase if watchdog is not None else ""
+            print(stopping.expired_line(stop, getattr(self, "step", 0), phase, previous), file=sys.stderr, flush=True)
+        os._exit(128 + stop.signum)
 
     def _run(self) -> list[dict]:
         c = self.config
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             write_text_atomic(self.run_dir / "config.toml", dump_toml(c))
+            (self.run_dir / stopping.MARKER).unlink(missing_ok=True)  # it told of an earlier run's end
             print(
                 f"hybridpar: {self.args.num_params() / 1e6:.1f}M parameters, {self.parallel.world_size} ranks = "
                 f"dp_replicate {self.parallel.dp_replicate} x dp_shard {self.parallel.dp_shard} x mp {self.parallel.mp}, "
@@ -399,6 +444,10 @@ class Trainer:
         self.metrics.close()
         if self.is_main and c.output.plot and self.metrics.jsonl_path.exists():
             plot_loss(self.metrics.jsonl_path, self.run_dir / "loss.png")
+        if self.stop_signal and self.is_main:
+            path = latest_checkpoint(self.checkpointer.folder)
+            stopping.write_marker(self.run_dir, self.stop_signal, self.step, path)
+            print(stopping.stopped_line(self.stop_signal, self.step, path, c.checkpoint.resume), flush=True)
         return self.history
 
     def _train_loop(self, stragglers: StragglerMonitor, saved_at: Optional[int]) -> Optional[int]:
@@ -423,7 +472,9 @@ class Trainer:
                 window = []
             elif row:
                 self.metrics.write(m["step"], row)
-            if c.checkpoint.every and self.step % c.checkpoint.every == 0:
+            if self.stop_signal or (c.checkpoint.every and self.step % c.checkpoint.every == 0):
                 self.save_checkpoint()
                 saved_at = self.step
+            if self.stop_signal:
+                break
         return saved_at

@@ -19,7 +19,6 @@ import select
 import signal
 import socket
 import threading
-import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -41,7 +40,6 @@ class StopRequest:
         self.timeout = timeout
         self.on_signal, self.on_expire = on_signal, on_expire
         self.signum: Optional[int] = None
-        self.received_at: Optional[float] = None  # time.monotonic() of the first signal
         self.count = 0
         self._lock = threading.Lock()
         self._finished = threading.Event()
@@ -108,7 +106,7 @@ class StopRequest:
             self.count += counted  # signals the handler has seen (the listener may see one first)
             first = self.signum is None
             if first:
-                self.signum, self.received_at = signum, time.monotonic()
+                self.signum = signum
         if first:
             self.on_signal(signal.Signals(signum).name)
             threading.Thread(target=self._deadline, name="hybridpar-stop-deadline", daemon=True).start()
@@ -147,12 +145,11 @@ def stopped_line(signal_name: str, step: int, checkpoint: Path, resume_is_defaul
             f"To continue, {how}.")
 
 
-def expired_line(stop: StopRequest, step: int, phase: str, previous: Optional[Path]) -> str:
+def expired_line(stop: StopRequest, where: str, previous: Optional[Path]) -> str:
     kept = (f"{previous} is intact and a resumed run continues from it" if previous is not None
             else "there is no earlier checkpoint")
-    where = f" (rank 0: step {step}, {phase})" if phase else f" (rank 0: step {step})"
     return (f"hybridpar: stopping on {stop.signal_name} did not finish within checkpoint.exit_save_timeout = "
-            f"{stop.timeout:g} s{where}: exiting without a new checkpoint; {kept}")
+            f"{stop.timeout:g} s (rank 0 was {where}): exiting without a new checkpoint; {kept}")
 
 
 def write_marker(run_dir: Path, signal_name: str, step: int, checkpoint: Path) -> None:

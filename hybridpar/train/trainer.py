@@ -411,8 +411,8 @@ class Trainer:
         if getattr(self, "is_main", os.environ.get("RANK", "0") == "0"):
             folder = getattr(getattr(self, "checkpointer", None), "folder", None)
             previous = latest_checkpoint(folder) if folder is not None else None
-            phase = watchdog.phase if watchdog is not None else ""
-            print(stopping.expired_line(stop, getattr(self, "step", 0), phase, previous), file=sys.stderr, flush=True)
+            where = f"in step {watchdog.step}, {watchdog.phase}" if watchdog is not None else "in set-up"
+            print(stopping.expired_line(stop, where, previous), file=sys.stderr, flush=True)
         os._exit(128 + stop.signum)
 
     def _run(self) -> list[dict]:

@@ -145,3 +145,25 @@ def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step_with_a_checkp
     errors = {name: rel_err(resumed["params"][name], value) for name, value in s["straight"]["params"].items()}
     check_close("stopped at 3, resumed to 10", errors, 0.0)
     assert not (run_dir / "stopped.json").exists()  # it told of the stopped run's end
+
+
+def test_a_stop_that_cannot_finish_ends_in_time_with_the_previous_checkpoint_intact(corpus, tmp_path):
+    """Every rank gets SIGTERM in step 3, and rank 2 hangs there: no rank can finish the step. Within
+    checkpoint.exit_save_timeout every rank leaves on its own, rank 0 says so once, the previous
+    checkpoint stays, and the watchdog (a longer train timeout) reports nothing."""
+    from hybridpar.checkpoint.dcp import latest_checkpoint
+    from tests.diagnostics.test_watchdog import FAULT_STEP, _run_fault
+
+    timeout = 3.0
+    result, fired_at = _run_fault(corpus, tmp_path, "stop_hang", 2, **{
+        "checkpoint.every": 1, "checkpoint.exit_save_timeout": timeout, "diagnostics.train_timeout": 60})
+    ended = time.time()
+    lines = [line for line in result.stderr.splitlines() if "hybridpar: stopping on SIGTERM did not finish" in line]
+    print(f"\nended {ended - fired_at:.1f} s after the signal: {lines}")
+    assert result.returncode != 0 and len(lines) == 1, result.stderr[-4000:]
+    assert lines[0].endswith(f"{tmp_path / 'run' / 'checkpoints' / f'step-{FAULT_STEP - 1:08d}'} is intact and a "
+                             "resumed run continues from it")
+    assert "hybridpar watchdog" not in result.stderr
+    assert ended - fired_at < timeout + 20  # torchrun's own teardown included
+    latest = latest_checkpoint(tmp_path / "run" / "checkpoints")
+    assert latest.name == f"step-{FAULT_STEP - 1:08d}" and (latest / ".metadata").exists()

@@ -320,11 +320,13 @@ class Trainer:
             error = err
             raise
         finally:
-            self.stop.finish()
-            self.stop.uninstall()
+            # The watchdog first: a rank whose peer died waits in close() for the verdict, and the
+            # launcher's SIGTERM must not end it meanwhile (the stop's handlers are still in place).
             if self.watchdog is not None:
                 self.watchdog.close(error)
                 self.watchdog = self.deadlines.watchdog = None
+            self.stop.finish()
+            self.stop.uninstall()
 
     # --- a stop on request (stop.py) ------------------------------------------------------------
 

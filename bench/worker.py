@@ -75,7 +75,7 @@ class HybridparEngine:
     def __init__(self, args, parallel, case: dict) -> None:
         from hybridpar.config import OptimConfig
         from hybridpar.parallel.fsdp import FSDPConfig, apply_fsdp
-        from hybridpar.train.trainer import build_optimizer
+        from hybridpar.train.optim import build_optimizer
         from models.llama import Transformer
 
         self.parallel = parallel
@@ -93,7 +93,7 @@ class HybridparEngine:
 
     def step(self, inputs, targets, probe=None) -> float:
         from hybridpar.parallel import vocab_parallel_cross_entropy
-        from hybridpar.train.trainer import grad_norm_and_clip
+        from hybridpar.train.optim import grad_norm_and_clip
 
         p = self.parallel
         counts = torch.tensor([float((targets != -100).sum())])

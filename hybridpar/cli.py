@@ -45,10 +45,18 @@ def _cmd_train(args: argparse.Namespace) -> int:
     config = load_config(find_config(args.config) if args.config else None, args.overrides)
     args.log_dir = Path(config.output.run_dir) / "logs"  # where main() puts a failing rank's traceback
     try:
-        Trainer(config).run()
+        trainer = Trainer(config)
+        trainer.run()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    if trainer.stop_signal:
+        # Stopped on request and saved: the launcher is counting down to SIGKILL, and the
+        # interpreter's teardown (collecting a torch process's objects) can take many seconds on a
+        # loaded node. Everything is written and closed: leave now.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

@@ -88,6 +88,10 @@ class CheckpointConfig:
     async_save: bool = False  # write in the background while training continues
     resume: bool = False  # continue from the newest complete checkpoint in `folder`, if any
     init_from: str = ""  # start from these weights: a hybridpar checkpoint, a Meta or a Hugging Face folder
+    # On SIGTERM, SIGINT or SIGUSR1 every rank finishes its step and saves; a stop still unfinished
+    # this many seconds after the signal exits without it (the previous checkpoint stays intact).
+    # Keep it inside the launcher's grace: torchrun's --shutdown-timeout and Slurm's KillWait, 30 s.
+    exit_save_timeout: float = 25.0
 
 
 @dataclasses.dataclass
@@ -134,6 +138,9 @@ class Config:
         if not d.straggler_threshold > 1:
             raise ConfigError("diagnostics.straggler_threshold must be > 1 (a ratio to the median compute), "
                               f"got {d.straggler_threshold}")
+        if not self.checkpoint.exit_save_timeout > 0:
+            raise ConfigError("checkpoint.exit_save_timeout must be > 0 seconds, "
+                              f"got {self.checkpoint.exit_save_timeout}")
         for key in ("train.steps", "train.grad_accum", "train.log_every", "data.seq_len", "data.micro_batch_size",
                     "checkpoint.keep"):
             if get_value(self, key) < 1:

@@ -5,6 +5,8 @@
 #SBATCH --gpus-per-node=8
 #SBATCH --exclusive
 #SBATCH --output=slurm-%x-%j.out
+#SBATCH --signal=USR1@120
+#SBATCH --requeue
 #
 # Llama 2 70B (launch/configs/llama2_70b.toml) on 16 nodes x 8 GPUs = 128 ranks: model parallel 8
 # inside each node, 16-way data parallel across nodes with hybrid sharding. A preset of

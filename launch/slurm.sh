@@ -3,6 +3,8 @@
 #SBATCH --ntasks-per-node=1
 #SBATCH --exclusive
 #SBATCH --output=slurm-%x-%j.out
+#SBATCH --signal=USR1@120
+#SBATCH --requeue
 #
 # Train on a Slurm allocation: srun starts one torchrun agent per node, each agent starts
 # PROCS_PER_NODE ranks, and the agents meet (c10d rendezvous) on the first host of the job.
@@ -31,6 +33,9 @@
 #                  from the newest complete checkpoint (3)
 #   PREFLIGHT      1: before training, every rank joins the mesh and reports its place (1)
 #   PYTHON         the interpreter with hybridpar installed (python3)
+#   REQUEUE        1: a run stopped by a signal (the --signal=USR1@120 above, ahead of the time
+#                  limit; a preemption; scancel --signal=USR1) saves its step, and this script then
+#                  requeues the job, which resumes from that checkpoint; 0: it just ends (1)
 # Any other argument (e.g. --train.steps 50), and everything after `--`, overrides the config.
 set -euo pipefail
 
@@ -45,6 +50,7 @@ CONFIG=${CONFIG:-local}
 DRY_RUN=${DRY_RUN:-0}
 MAX_RESTARTS=${MAX_RESTARTS:-3}
 PREFLIGHT=${PREFLIGHT:-1}
+REQUEUE=${REQUEUE:-1}
 PYTHON=${PYTHON:-python3}
 
 set_option() {
@@ -153,6 +159,11 @@ export TORCH_FR_DUMP_TEMP_FILE=${TORCH_FR_DUMP_TEMP_FILE:-$JOB_DIR/flight_record
 # restarts: restarted ranks then read the previous attempt's addresses and fail to connect
 # (pytorch/pytorch#135712). A fresh store per attempt, hosted by the new rank 0, avoids that.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
+# torchrun passes these on to every rank, which then finishes its step, saves and exits (SIGUSR1 is
+# Slurm's warning ahead of the time limit; without it in the list torchrun would die of it). The
+# variable is torchrun's --signals-to-handle (torch >= 2.9; older torchruns ignore it and handle
+# SIGTERM only, which is what scancel and the time limit itself send).
+export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}
 # Cluster-specific network choices (NCCL_SOCKET_IFNAME, NCCL_IB_HCA, ...) are left to the environment.
 export MP DP_SHARD DP_REPLICATE
 export LAYOUT_FILE=$JOB_DIR/layout.txt
@@ -201,7 +212,7 @@ preflight_cmd=("$PYTHON" -m torch.distributed.run "${rdzv[@]}" --rdzv-id="$JOB_I
 quoted() { printf '%q ' "$@" | sed 's/ $//'; }
 # The variables set above for every rank, as NAME=value words (shell-quoted).
 env_names=(OMP_NUM_THREADS NCCL_DEBUG TORCH_NCCL_ASYNC_ERROR_HANDLING TORCH_FR_BUFFER_SIZE TORCH_NCCL_DUMP_ON_TIMEOUT
-  TORCH_FR_DUMP_TEMP_FILE TORCH_DISABLE_SHARE_RDZV_TCP_STORE)
+  TORCH_FR_DUMP_TEMP_FILE TORCH_DISABLE_SHARE_RDZV_TCP_STORE PET_SIGNALS_TO_HANDLE)
 env_assignments() { for name in "${env_names[@]}"; do printf '%s=%q ' "$name" "${!name}"; done | sed 's/ $//'; }
 
 # The mesh table, then the config with every override: bad sizes or keys fail here, in one process
@@ -260,8 +271,18 @@ if [[ $PREFLIGHT == 1 ]]; then
   "${srun_cmd[@]}" "${preflight_cmd[@]}" || die "preflight failed: the ranks could not form the mesh (see above)"
 fi
 echo "training: $(date -u +%FT%TZ)"
+stopped=$JOB_DIR/stopped.json  # written by rank 0 when the run stopped on a signal and saved
+rm -f "$stopped"
 status=0
 "${srun_cmd[@]}" "${torchrun_cmd[@]}" || status=$?
+if [[ -f $stopped ]]; then
+  echo "stopped on a signal and saved: $(tr -d '\n' <"$stopped")"
+  if [[ $REQUEUE == 1 && -n ${SLURM_JOB_ID:-} ]]; then
+    # Back in the queue under the same job id: the next start resumes from that checkpoint.
+    scontrol requeue "$SLURM_JOB_ID" && echo "requeued job $SLURM_JOB_ID: it resumes from the checkpoint when it starts again"
+  fi
+  exit 0
+fi
 if ((status == 0)); then
   echo "done: checkpoints in $CKPT_DIR, logs and metrics in $JOB_DIR"
 else

@@ -4,9 +4,9 @@ A rank publishes a heartbeat through the job's store (the c10d store every launc
 provides; no shared file system needed): a beat counter, the step and phase the trainer is in, and
 the number of collectives issued on each mesh group (cheap counters, read without touching the
 flight recorder). When the monitor asks for it, the rank sends its flight-recorder trace and Python
-stack, and keeps a copy in its own trace folder for `hybridpar hang-report`. SIGTERM (the launcher
-stopping the job after another rank failed) wakes the beating thread at once; the rank then gives
-the monitor a few seconds to collect its trace and exits with 128 + SIGTERM.
+stack, and keeps a copy in its own trace folder for `hybridpar hang-report`. A stop signal
+(hybridpar.train.stop) is published at once as the state "stopping": a stop on purpose, which the
+monitor tells apart from a hang and from a death.
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ import dataclasses
 import json
 import os
 import pickle
-import select
-import signal
 import socket
 import threading
 import time
@@ -71,9 +69,8 @@ class Heartbeat:
         self._beat = 0
         self._state = "running"
         self._dumped = False
-        self._wake_r: Optional[socket.socket] = None
-        self._wake_w: Optional[socket.socket] = None
-        self._previous_handler = None
+        self._woken = threading.Event()
+        self._published = threading.Event()
         self._neighbours: Optional[dict[int, int]] = None  # rank -> pid, of the ranks on this host
         self._seen_gone: set[int] = set()
 
@@ -115,6 +112,7 @@ class Heartbeat:
         beat = {"beat": self._beat, "step": self.step, "phase": self.phase, "seqs": self._seqs(),
                 "state": self._state, "timeout": self.timeout, "note": self.note}
         self._set(f"beat/{self.rank}", json.dumps(beat))
+        self._published.set()
 
     # --- who runs where, and who is gone (liveness.py) ------------------------------------------
 
@@ -149,59 +147,32 @@ class Heartbeat:
         holds the GIL this long would be mistaken for a dead process."""
         return min(self.timeout, max(5.0, 10 * self.interval))
 
-    # --- SIGTERM and sleeping -------------------------------------------------------------------
-
-    def _watch_signals(self) -> None:
-        """SIGTERM (the launcher stopping the job after a failure) wakes the beating thread at once,
-        even while the main thread sits in a collective and cannot run Python signal handlers."""
-        if threading.current_thread() is not threading.main_thread():
-            return
-        r, w = socket.socketpair()
-        r.setblocking(False)
-        w.setblocking(False)
-        try:
-            signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False)
-        except ValueError:
-            r.close()
-            w.close()
-            return
-        self._wake_r, self._wake_w = r, w
-
-        def on_sigterm(signum, frame):  # runs in the main thread when it next runs Python
-            if self._thread is None or not self._thread.is_alive():
-                raise SystemExit(128 + signum)
-
-        self._previous_handler = signal.signal(signal.SIGTERM, on_sigterm)
-
-    def _unwatch_signals(self) -> None:
-        if self._previous_handler is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._previous_handler)
-            signal.set_wakeup_fd(-1)
-        if self._wake_r is not None:
-            self._wake_r.close()
-            self._wake_w.close()
+    # --- waking, and a stop on request -----------------------------------------------------------
 
     def _wake(self) -> None:
-        """Wake the thread from its sleep (closing a socket does not wake a select() in another
-        thread; a byte does)."""
-        if self._wake_w is not None:
-            try:
-                self._wake_w.send(b"\0")
-            except BlockingIOError:  # the buffer is full: the thread is woken already
-                pass
+        """Wake the thread from its sleep."""
+        self._woken.set()
 
-    def _sleep(self) -> bool:
-        """Wait one interval; True if SIGTERM arrived (_wake() sends a zero byte: not SIGTERM)."""
-        if self._wake_r is None:
-            self._stop.wait(self.interval)
-            return False
-        try:
-            ready, _, _ = select.select([self._wake_r], [], [], self.interval)
-            if ready:
-                return signal.SIGTERM in self._wake_r.recv(64)
-        except (OSError, ValueError):
-            self._stop.wait(self.interval)
-        return False
+    def _sleep(self) -> None:
+        """Wait one interval, or until woken."""
+        self._woken.wait(self.interval)
+        self._woken.clear()
+
+    def stop_requested(self, signal_name: str) -> None:
+        """A stop signal arrived (hybridpar.train.stop): the rank now finishes its step and saves. Said at
+        once, so the monitor never takes what follows for a hang or a teardown."""
+        self._state = "stopping"
+        self.note = f"stopping on {signal_name}"
+        self._wake()
+
+    def stopped(self, wait: float = 2.0) -> None:
+        """The rank is about to exit on purpose (its stop ran out of time): not a death. Waits until
+        the beat saying so is out, at most `wait` seconds."""
+        self._state = "stopped"
+        self._published.clear()
+        self._wake()
+        if self._thread is not None and self._thread.is_alive():
+            self._published.wait(wait)
 
     # --- answering the monitor ------------------------------------------------------------------
 
@@ -236,12 +207,3 @@ class Heartbeat:
             write_bytes_atomic(self.trace_dir / f"flight_recorder_rank_{self.rank}", pickle.dumps(dump))
         except OSError:
             pass
-
-    def _wait_for_verdict(self) -> None:
-        """Being torn down: give the monitor a few seconds to collect this rank's trace, then go."""
-        deadline = self._clock.monotonic() + max(5.0, 4 * self.interval)
-        while self._clock.monotonic() < deadline and not self._has("verdict"):
-            self._answer_dump_request()
-            self._clock.sleep(min(0.2, self.interval))
-        self._answer_dump_request()
-        self._exit(128 + signal.SIGTERM)

@@ -4,8 +4,10 @@ It acts when
   - no rank has made progress (step, phase or collective count) for the timeout: a hang;
   - a rank's heartbeat stopped: the process is gone (killed, crashed, os._exit), or a rank never
     started beating within the timeout (stuck before training);
-  - a rank raised and the others are stuck without it;
-  - the launcher is tearing the job down (SIGTERM after another rank failed).
+  - a rank raised and the others are stuck without it.
+A rank stopping on request (a stop signal: hybridpar.train.stop) is none of these: it is active and
+progressing while it finishes its step and saves, and a rank that leaves on purpose says "stopped"
+(or "done") first. The launcher's teardown after a failure is told by the failure itself.
 Then it asks every live rank for its trace, runs `flight.analyse`, prints one report, writes
 `hang_report.json` in the run folder and tells every rank to exit with HANG_EXIT_CODE.
 """
@@ -13,7 +15,6 @@ Then it asks every live rank for its trace, runs `flight.analyse`, prints one re
 from __future__ import annotations
 
 import json
-import signal
 import sys
 import traceback
 from pathlib import Path
@@ -23,6 +24,9 @@ from ..files import write_text_atomic
 from ..mesh import MeshCoords, ParallelDims
 from . import flight
 from .heartbeat import HANG_EXIT_CODE, Heartbeat
+
+
+LEFT = ("done", "stopped")  # the states of a rank that ended on purpose: not watched any more
 
 
 class Monitor(Heartbeat):
@@ -36,7 +40,6 @@ class Monitor(Heartbeat):
         self._progress: dict[int, tuple[object, float]] = {}
         self._last: dict[int, dict] = {}  # rank -> its last heartbeat
         self._all_beating = False
-        self._teardown = False  # some rank got SIGTERM: the launcher is stopping the job
         self._dead: list[int] = []
         self._gone: set[int] = set()  # ranks a neighbour saw die (liveness.py)
 
@@ -52,7 +55,7 @@ class Monitor(Heartbeat):
         if last is None or last[0] != beat["beat"]:
             self._beats[0] = (beat["beat"], now)
             return False
-        return beat["state"] != "done" and now - last[1] > self._dead_after()
+        return beat["state"] not in LEFT and now - last[1] > self._dead_after()
 
     # --- reading the heartbeats -----------------------------------------------------------------
 
@@ -98,10 +101,10 @@ class Monitor(Heartbeat):
         """The reason to report now, or None."""
         now = self._clock.monotonic()
         self._observe(now)
-        active = [r for r in range(self.world_size) if self._last.get(r, {}).get("state") != "done"]
+        active = [r for r in range(self.world_size) if self._last.get(r, {}).get("state") not in LEFT]
         if not active:
             return None
-        failed, terminating = self._states("failed", active), self._states("terminating", active)
+        failed = self._states("failed", active)
         timeout = max(self._last.get(r, {}).get("timeout", self.timeout) for r in active)
         idle = now - max(self._progress[r][1] for r in active)
         # A failed rank stops beating once it has published its error and trace: not a death.
@@ -130,9 +133,6 @@ class Monitor(Heartbeat):
         if failed and idle > self._dead_after():  # failed alone, and the others are stuck without it
             notes = "; ".join(f"rank {r} {self._last[r]['note']}" for r in failed[:3])
             return f"rank(s) {failed} failed: {notes}"
-        if terminating:
-            self._teardown = True
-            return f"the launcher is stopping the job (SIGTERM to ranks {terminating})"
         if idle > timeout:
             return f"no progress on any rank for {idle:.1f} s (timeout {timeout:g} s)"
         return None
@@ -144,11 +144,6 @@ class Monitor(Heartbeat):
         self._set("dump", reason)
         self._answer_dump_request()
         dead = list(self._dead)
-        if not dead and (self._teardown or self._state == "terminating"):
-            # Ranks killed before the launcher's SIGTERM stop beating first: wait until that shows.
-            self._clock.sleep(min(self._dead_after(), 3 * self.interval + 1.0))
-            self._check()
-            dead = list(self._dead)
         traces = self._collect(dead)
         gone = sorted(set(dead) | (set(range(self.world_size)) - set(traces)))
         for r, t in traces.items():
@@ -176,8 +171,7 @@ class Monitor(Heartbeat):
             report = {"reason": reason, "step": step, "analysis_error": error}
         report_path = self.run_dir / "hang_report.json"
         text += (f"\nreport: {report_path}; per-rank traces: {self.trace_dir} on each node "
-                 f"(`hybridpar hang-report DIR` after collecting them)\nthe ranks exit with code {HANG_EXIT_CODE} "
-                 f"(those the launcher is stopping: {128 + signal.SIGTERM})")
+                 f"(`hybridpar hang-report DIR` after collecting them)\nthe ranks exit with code {HANG_EXIT_CODE}")
         print("\n" + text + "\n", file=sys.stderr, flush=True)
         try:
             write_text_atomic(report_path, json.dumps(report, indent=1))

@@ -2,9 +2,9 @@
 
 Every rank runs a small thread that publishes its heartbeat through the job's store (heartbeat.py)
 and answers the monitor; rank 0's thread is also the monitor (monitor.py; rank 1's takes over if
-rank 0's heartbeat stops), which reports a hang, a dead rank, a failed rank or the launcher's
-teardown, writes `hang_report.json` in the run folder and makes every rank exit with
-HANG_EXIT_CODE (ranks the launcher is already stopping exit with 128 + SIGTERM instead).
+rank 0's heartbeat stops), which reports a hang, a dead rank or a failed rank (a rank stopping on
+request is none of these: hybridpar.train.stop), writes `hang_report.json` in the run folder and
+makes every rank exit with HANG_EXIT_CODE.
 
 The collectives themselves keep a (longer) c10d timeout as a backstop in case the watchdog cannot
 report, e.g. when the store itself is gone (timeouts.BACKSTOP_GRACE).
@@ -42,7 +42,6 @@ class Watchdog(Monitor):
         self._connect()
         self._register()
         self._publish()
-        self._watch_signals()
         self._thread = threading.Thread(target=self._run, name="hybridpar-watchdog", daemon=True)
         self._thread.start()
         return self
@@ -77,7 +76,6 @@ class Watchdog(Monitor):
             self._publish()
         except Exception:  # the store may already be gone at the very end of a job
             pass
-        self._unwatch_signals()
         self._thread = None
 
     # --- the thread -----------------------------------------------------------------------------
@@ -85,13 +83,11 @@ class Watchdog(Monitor):
     def _run(self) -> None:
         failures_since: Optional[float] = None
         while not self._stop.is_set():
-            terminating = self._sleep()
+            self._sleep()
             if self._stop.is_set():
                 return
-            if terminating:
-                self._state = "terminating"
             try:
-                if self._round(terminating):
+                if self._round():
                     return
                 failures_since = None
             except Exception as err:  # the store is unreachable: its host (rank 0's) is probably gone
@@ -104,9 +100,9 @@ class Watchdog(Monitor):
                     self._exit(HANG_EXIT_CODE)
                     return
 
-    def _round(self, terminating: bool) -> bool:
+    def _round(self) -> bool:
         """One beat: publish, obey an abort, answer a dump request, then monitor (rank 0, or rank 1
-        once rank 0 is gone) or, being torn down, wait for the verdict. True when the thread is done."""
+        once rank 0 is gone). True when the thread is done."""
         self._look_at_neighbours()
         self._publish()
         if self._has("abort"):
@@ -121,7 +117,4 @@ class Watchdog(Monitor):
             if reason:
                 self._report(reason)
                 return True
-        elif terminating and not self._has("dump"):
-            self._wait_for_verdict()
-            return True
         return False

@@ -18,19 +18,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
+import sys
 import time
 from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from models.llama import ModelArgs, Transformer
 
 from ..checkpoint.convert import detect_format, load_into, read_args
 from ..checkpoint.dcp import Checkpointer, complete_checkpoints, latest_checkpoint, params_dict
-from ..compat.torch import foreach_mul_, foreach_norm
 from ..config import Config, ConfigError, dump_toml
 from ..data import build_training_data, check_vocab
 from ..diagnostics.data_guard import check_data, step_fingerprint
@@ -43,74 +43,13 @@ from ..mesh import ParallelDims, init_parallel
 from ..parallel import vocab_parallel_cross_entropy
 from ..parallel.fsdp import apply_fsdp
 from ..parallel.loss import IGNORE_INDEX
+from . import stop as stopping
 from .metrics import MetricsWriter, flops_per_token, measure_matmul_peak, memory_bytes, plot_loss, progress_line
+from .optim import build_optimizer, grad_norm_and_clip, lr_lambda
 
 
 class NonFiniteLossError(FloatingPointError):
     every_rank = True  # raised alike on every rank: hybridpar.ranks.raised_by_every_rank
-
-
-def build_optimizer(model: torch.nn.Module, config, fused: bool = True) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices and embeddings only (norm weights are scales, not features).
-    fused=False takes torch's multi-tensor (foreach) AdamW instead."""
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    # Fused: one kernel over all local shards. On the CPU too: foreach walks DTensor parameters one
-    # at a time (bench/README.md compares the two).
-    fused = fused and next(model.parameters()).device.type in ("cuda", "cpu")
-    return torch.optim.AdamW(
-        groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps,
-        **({"fused": True} if fused else {"foreach": True}),
-    )
-
-
-def lr_lambda(warmup: int, total: int, min_ratio: float):
-    """Linear warmup to 1, then cosine decay that would reach min_ratio at step `total` (the last
-    step, total - 1, is a hair above it)."""
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor
-
-
-def grad_norm_and_clip(params: list[torch.nn.Parameter], max_norm: float,
-                       device: Optional[torch.device] = None) -> float:
-    """Global L2 norm of every gradient across mp and dp; clip to max_norm when it is > 0.
-
-    Each rank sums the squares of its local shards, dividing by the number of ranks holding the
-    same values (the mesh dims where the gradient is replicated), and one all-reduce of that scalar
-    over the world gives the squared norm of the whole model: one collective, instead of DTensor's
-    sequential all-reduces per mesh dim. `device` is where that all-reduce runs (default: the
-    gradients' own): with CPU offload the gradients live on the CPU while the group may be nccl only.
-    """
-    locals_, copies = [], []
-    for p in params:
-        if p.grad is None:
-            continue
-        grad = p.grad
-        if isinstance(grad, DTensor):
-            mesh = grad.device_mesh
-            copies.append(math.prod(mesh.size(i) for i, pl in enumerate(grad.placements) if pl.is_replicate()))
-            grad = grad.to_local()
-        else:  # a plain tensor: the same on every rank
-            copies.append(dist.get_world_size())
-        locals_.append(grad)
-    if not locals_:
-        return 0.0
-    norms = torch.stack(foreach_norm(locals_, 2.0)).float()
-    weights = torch.tensor(copies, dtype=torch.float32, device=norms.device)
-    total_sq = (norms.square() / weights).sum().to(device or norms.device)
-    dist.all_reduce(total_sq)
-    total = total_sq.sqrt()
-    if max_norm > 0:
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        foreach_mul_(locals_, coef.to(locals_[0].device, locals_[0].dtype))
-    return total.item()
 
 
 class Trainer:
@@ -122,25 +61,34 @@ class Trainer:
         # created, so a group passed in (or made earlier by the caller) gets them only in part.
         apply_env_defaults(self.trace_dir)
         self.watchdog: Optional[Watchdog] = None  # runs during run()
-        self.parallel = parallel or init_parallel(
-            mp=c.parallel.mp, dp_shard=c.parallel.dp_shard, dp_replicate=c.parallel.dp_replicate,
-            timeout=c.parallel.init_timeout, backend=c.parallel.backend or None,
-        )
-        p = self.parallel
-        self.is_main = p.rank == 0
-        self.device = p.device
-        self.global_batch = c.data.micro_batch_size * c.train.grad_accum * p.dp_size
-        # From here on a rank that dies or hangs is reported, set-up included (its own watchdog,
-        # closed at the end of set-up: a Trainer built and never run leaves no thread behind).
-        setup = self._start_watchdog(c.parallel.init_timeout, "set-up")
+        self._setup_watchdog: Optional[Watchdog] = None
+        # A stop signal from here on ends the run at a step boundary with a checkpoint (stop.py).
+        self.stop = stopping.StopRequest(c.checkpoint.exit_save_timeout, on_signal=self._on_stop_signal,
+                                         on_expire=self._on_stop_expired).install()
+        self.stop_signal = ""  # the stop signal every rank agreed on (at the end of a step), if any
         try:
-            self._set_up(c, p, setup)
-        except BaseException as err:
+            self.parallel = parallel or init_parallel(
+                mp=c.parallel.mp, dp_shard=c.parallel.dp_shard, dp_replicate=c.parallel.dp_replicate,
+                timeout=c.parallel.init_timeout, backend=c.parallel.backend or None,
+            )
+            p = self.parallel
+            self.is_main = p.rank == 0
+            self.device = p.device
+            self.global_batch = c.data.micro_batch_size * c.train.grad_accum * p.dp_size
+            # From here on a rank that dies or hangs is reported, set-up included (its own watchdog,
+            # closed at the end of set-up: a Trainer built and never run leaves no thread behind).
+            setup = self._setup_watchdog = self._start_watchdog(c.parallel.init_timeout, "set-up")
+            try:
+                self._set_up(c, p, setup)
+            except BaseException as err:
+                if setup is not None:
+                    setup.close(err)
+                raise
             if setup is not None:
-                setup.close(err)
-            raise
-        if setup is not None:
-            setup.close()
+                setup.close()
+        finally:
+            self._setup_watchdog = None
+            self.stop.uninstall()  # until run(): a Trainer built and never run leaves the signals alone
 
     def _set_up(self, c: Config, p: ParallelDims, setup: Optional[Watchdog]) -> None:
         def phase(name: str) -> None:
@@ -306,7 +254,9 @@ class Trainer:
         mean_loss = loss_sum.item() / global_targets
 
         self.deadlines.at("optimizer")
-        grad_norm = grad_norm_and_clip(self.params, c.optim.grad_clip, self.device)
+        grad_norm, votes = grad_norm_and_clip(self.params, c.optim.grad_clip, self.device,
+                                              also_sum=self.stop.vote())
+        self.stop_signal = stopping.agreed(votes)
         lr = self.scheduler.get_last_lr()[0]
         skipped = not (math.isfinite(mean_loss) and math.isfinite(grad_norm))
         if skipped and c.train.on_nonfinite == "stop":
@@ -356,10 +306,13 @@ class Trainer:
         return watchdog.start()
 
     def run(self) -> list[dict]:
+        self.stop.install()
         self.watchdog = self._start_watchdog(self.deadlines.no_progress_limit(), "start")
         if self.watchdog is not None:
             self.watchdog.step = self.step
             self.deadlines.watchdog = self.watchdog
+            if self.stop.requested:  # during set-up
+                self.watchdog.stop_requested(self.stop.signal_name)
         error = None
         try:
             return self._run()
@@ -367,15 +320,41 @@ class Trainer:
             error = err
             raise
         finally:
+            # The watchdog first: a rank whose peer died waits in close() for the verdict, and the
+            # launcher's SIGTERM must not end it meanwhile (the stop's handlers are still in place).
             if self.watchdog is not None:
                 self.watchdog.close(error)
                 self.watchdog = self.deadlines.watchdog = None
+            self.stop.finish()
+            self.stop.uninstall()
+
+    # --- a stop on request (stop.py) ------------------------------------------------------------
+
+    def _on_stop_signal(self, signal_name: str) -> None:
+        """The first stop signal (from the listener thread): the watchdogs say so at once."""
+        for watchdog in (self._setup_watchdog, self.watchdog):
+            if watchdog is not None:
+                watchdog.stop_requested(signal_name)
+
+    def _on_stop_expired(self, stop: stopping.StopRequest) -> None:
+        """The stop did not finish in time (a hung collective, a slow save): leave without a new
+        checkpoint; saves are staged, so the previous one is intact."""
+        watchdog = self.watchdog or self._setup_watchdog
+        if watchdog is not None:
+            watchdog.stopped()  # an exit on purpose, not a death
+        if getattr(self, "is_main", os.environ.get("RANK", "0") == "0"):
+            folder = getattr(getattr(self, "checkpointer", None), "folder", None)
+            previous = latest_checkpoint(folder) if folder is not None else None
+            where = f"in step {watchdog.step}, {watchdog.phase}" if watchdog is not None else "in set-up"
+            print(stopping.expired_line(stop, where, previous), file=sys.stderr, flush=True)
+        os._exit(128 + stop.signum)
 
     def _run(self) -> list[dict]:
         c = self.config
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             write_text_atomic(self.run_dir / "config.toml", dump_toml(c))
+            (self.run_dir / stopping.MARKER).unlink(missing_ok=True)  # it told of an earlier run's end
             print(
                 f"hybridpar: {self.args.num_params() / 1e6:.1f}M parameters, {self.parallel.world_size} ranks = "
                 f"dp_replicate {self.parallel.dp_replicate} x dp_shard {self.parallel.dp_shard} x mp {self.parallel.mp}, "
@@ -399,6 +378,10 @@ class Trainer:
         self.metrics.close()
         if self.is_main and c.output.plot and self.metrics.jsonl_path.exists():
             plot_loss(self.metrics.jsonl_path, self.run_dir / "loss.png")
+        if self.stop_signal and self.is_main:
+            path = latest_checkpoint(self.checkpointer.folder)
+            stopping.write_marker(self.run_dir, self.stop_signal, self.step, path)
+            print(stopping.stopped_line(self.stop_signal, self.step, path, c.checkpoint.resume), flush=True)
         return self.history
 
     def _train_loop(self, stragglers: StragglerMonitor, saved_at: Optional[int]) -> Optional[int]:
@@ -423,7 +406,9 @@ class Trainer:
                 window = []
             elif row:
                 self.metrics.write(m["step"], row)
-            if c.checkpoint.every and self.step % c.checkpoint.every == 0:
+            if self.stop_signal or (c.checkpoint.every and self.step % c.checkpoint.every == 0):
                 self.save_checkpoint()
                 saved_at = self.step
+            if self.stop_signal:
+                break
         return saved_at

@@ -6,7 +6,8 @@ FAULT: sleep_mp (RANK sleeps before an all-reduce on its mp group), skip_dp (RAN
 all-reduce on its dp group), exit (RANK calls os._exit in the middle of the forward pass), shape
 (RANK all-reduces a tensor of another shape on its dp group), exit_optimizer (os._exit(1) in the
 optimizer step), kill_forward (SIGKILL in the middle of the forward), kill_save (SIGKILL while
-writing a checkpoint: the job saves every step), kill_setup (SIGKILL while the data is set up).
+writing a checkpoint: the job saves every step), kill_setup (SIGKILL while the data is set up),
+stop_hang (every rank gets SIGTERM in the forward, and RANK hangs there: the stop cannot finish).
 The fault fires once, in step STEP (kill_setup: before step 1).
 """
 
@@ -100,7 +101,21 @@ def _kill_in_save(trainer: Trainer, rank: int, step: int, fired: list) -> None:
     dcp.save = save
 
 
-DEATHS = {"exit_optimizer": _exit_in_optimizer, "kill_forward": _kill_in_forward, "kill_save": _kill_in_save}
+def _stop_and_hang(trainer: Trainer, rank: int, step: int, fired: list) -> None:
+    def hook(module, args):
+        if trainer.step + 1 == step and not fired:
+            fired.append("stop_hang")
+            if trainer.parallel.rank == rank:
+                _announce("stop_hang", rank)
+            os.kill(os.getpid(), signal.SIGTERM)
+            if trainer.parallel.rank == rank:
+                time.sleep(3600)
+
+    trainer.model.register_forward_pre_hook(hook)
+
+
+DEATHS = {"exit_optimizer": _exit_in_optimizer, "kill_forward": _kill_in_forward, "kill_save": _kill_in_save,
+          "stop_hang": _stop_and_hang}
 
 
 def _kill_in_setup(rank: int) -> None:

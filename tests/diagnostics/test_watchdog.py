@@ -243,6 +243,31 @@ def test_a_rank_that_raised_and_exited_is_reported_as_failed_not_gone(tmp_path, 
     assert [(f["kind"], f["ranks"]) for f in report["findings"]] == [("failed", [1])]
 
 
+def test_a_stop_on_request_is_neither_a_teardown_nor_a_death(tmp_path, clock):
+    """Rank 1 got SIGTERM and is saving ('stopping'), then ran out of time and left ('stopped'):
+    nothing to report; had its process vanished without saying so, that would be a death."""
+    wd = _watchdog(tmp_path)
+
+    def beat(n, state):
+        wd._set("beat/1", json.dumps({"beat": n, "step": 3, "phase": "checkpoint", "seqs": {}, "state": state,
+                                      "timeout": 60.0, "note": "stopping on SIGTERM"}))
+        wd._publish()
+
+    beat(1, "stopping")
+    assert wd._check() is None
+    clock.now += 5
+    beat(2, "stopped")
+    assert wd._check() is None
+    clock.now += 30  # its heartbeat has been silent for 30 s: it left on purpose
+    wd._publish()
+    assert wd._check() is None and wd._dead == []
+    beat(3, "stopping")  # the same silence without the goodbye is a death
+    assert wd._check() is None
+    clock.now += 30
+    wd._publish()
+    assert wd._check() == "rank(s) [1] stopped sending heartbeats (process gone)"
+
+
 def test_a_failing_analysis_still_writes_a_report_and_stops_the_job(tmp_path, clock, monkeypatch):
     def broken(*args, **kwargs):
         raise ValueError("a bug in the analysis")

@@ -1,9 +1,12 @@
 """Two torchrun agents on loopback (two "nodes", no Slurm) running the command launch/slurm.sh builds;
 then the same job with one rank killed by SIGKILL mid-run: torchrun restarts every rank, they resume
-from the newest complete checkpoint, and the run ends bit-exactly where the uninterrupted one did."""
+from the newest complete checkpoint, and the run ends bit-exactly where the uninterrupted one did;
+and the same job stopped with SIGTERM to one agent: it saves the step it is in and a second job
+continues from there to the same end."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -28,19 +31,19 @@ KILLED_RANK = 3
 TIMEOUT = 600
 
 
-def _launch(corpus, run_dir: Path, max_restarts: int):
+def _launch(corpus, run_dir: Path, max_restarts: int, every: int = EVERY, attempt: str = ""):
     """Start the dry run's torchrun command twice, as the agents of two nodes; returns (procs, logs, job_dir)."""
     env = script_env(NODES=NODES, PROCS_PER_NODE=PROCS_PER_NODE, MP=MP, RUN_DIR=run_dir, RDZV_HOST="127.0.0.1",
                      RDZV_PORT=free_port(), MAX_RESTARTS=max_restarts)
-    dry = run_script(SLURM_SH, "--dry-run", "--", *tiny_overrides(corpus, STEPS, EVERY), env=env)
+    dry = run_script(SLURM_SH, "--dry-run", "--", *tiny_overrides(corpus, STEPS, every), env=env)
     assert dry.returncode == 0, dry.stdout + dry.stderr
     argv = printed_command(dry.stdout, "torchrun")
     env.update(printed_env(dry.stdout))  # what slurm.sh exports before srun
     job_dir = Path(argv[argv.index("--output.run_dir") + 1])
-    run_dir.mkdir(parents=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
     procs, logs = [], []
     for node in range(NODES):
-        log = run_dir / f"agent{node}.log"
+        log = run_dir / f"agent{node}{attempt}.log"
         with open(log, "w") as f:
             procs.append(subprocess.Popen(argv, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
                                           start_new_session=True))
@@ -117,15 +120,55 @@ def test_killed_rank_restarts_and_ends_bit_exact(uninterrupted, corpus, tmp_path
     assert steps_at_kill < STEPS, "the run had finished before the kill"
     assert any((job_dir / "torchrun").glob("*/attempt_1")), "torchrun did not restart the ranks"
 
-    # Every step's loss (the restarted attempt's where both logged it) and the final state: identical.
-    straight, killed = metrics_by_step(uninterrupted["job_dir"]), metrics_by_step(job_dir)
-    assert sorted(killed) == list(range(1, STEPS + 1))
-    assert [killed[s]["loss"] for s in killed] == [straight[s]["loss"] for s in killed]
+    _assert_ends_like(uninterrupted, run_dir, job_dir, tmp_path)
+
+
+def _assert_ends_like(uninterrupted, run_dir: Path, job_dir: Path, tmp_path: Path) -> None:
+    """Every step's loss (the later attempt's where both logged it) and the final state: identical."""
+    straight, resumed = metrics_by_step(uninterrupted["job_dir"]), metrics_by_step(job_dir)
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    assert [resumed[s]["loss"] for s in resumed] == [straight[s]["loss"] for s in resumed]
     final = f"step-{STEPS:08d}"
     a = flat_tensors(load_checkpoint(uninterrupted["run_dir"] / "checkpoints" / final, tmp_path / "a.pt"))
     b = flat_tensors(load_checkpoint(run_dir / "checkpoints" / final, tmp_path / "b.pt"))
     assert a.keys() == b.keys() and any(k.startswith("model.") for k in a) and any(k.startswith("optimizer.") for k in a)
     different = [k for k in a if not torch.equal(a[k], b[k])]
     assert not different, f"{len(different)} of {len(a)} tensors differ, e.g. {different[:5]}"
-    print(f"resumed at step {start}; final loss {killed[STEPS]['loss']!r} == {straight[STEPS]['loss']!r}; "
+    print(f"final loss {resumed[STEPS]['loss']!r} == {straight[STEPS]['loss']!r}; "
           f"{len(a)} model and optimizer tensors bit-identical")
+
+
+def test_sigterm_to_one_agent_saves_the_step_in_progress_and_the_next_job_continues(uninterrupted, corpus, tmp_path):
+    """No periodic checkpoint is due (every 100 steps): the stop's own checkpoint is all there is.
+    Node 0's agent gets SIGTERM (scancel, a preemption) and forwards it to its ranks; node 1's ranks
+    hear of it through the vote and stop after the same step; the signalled agent exits in seconds
+    (within torchrun's 30 s grace), the other with 0, and no watchdog verdict is printed."""
+    run_dir = tmp_path / "stopped"
+    procs, logs, job_dir = _launch(corpus, run_dir, max_restarts=1, every=100)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not (job_dir / "metrics.jsonl").exists() or len((job_dir / "metrics.jsonl").read_text().splitlines()) < 3:
+            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, "no step 3"
+            time.sleep(0.05)
+        os.kill(procs[0].pid, signal.SIGTERM)
+        sent = time.monotonic()
+        codes = [procs[0].wait(timeout=60)]
+        took = time.monotonic() - sent  # node 1's agent then retries its rendezvous's shutdown for a while
+        codes.append(procs[1].wait(timeout=120))
+    finally:
+        for proc in procs:
+            stop_session(proc)
+    out = "\n".join(log.read_text() for log in logs)
+    stopped = re.findall(r"hybridpar: stopped on SIGTERM after step (\d+); checkpoint (\S+)\.", out)
+    print(f"\nSIGTERM to agent 0: it exited after {took:.1f} s; exit codes {codes}; {stopped}")
+    assert len(stopped) == 1, out[-6000:]
+    step = int(stopped[0][0])
+    assert 3 <= step < STEPS and codes[1] == 0, out[-6000:]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"step-{step:08d}"]
+    assert "hybridpar watchdog" not in out and took < 30, out[-6000:]
+    assert json.loads((job_dir / "stopped.json").read_text())["step"] == step
+
+    procs, logs, job_dir = _launch(corpus, run_dir, max_restarts=0, every=100, attempt="-again")
+    out = _wait(procs, logs)
+    assert f"resumed from {run_dir / 'checkpoints' / f'step-{step:08d}'} at step {step}" in out
+    _assert_ends_like(uninterrupted, run_dir, job_dir, tmp_path)

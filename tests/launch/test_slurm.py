@@ -170,3 +170,42 @@ def test_sbatch_two_nodes_trains_checkpoints_and_reports_the_documented_layout(s
     assert sorted(metrics_by_step(job_dir2)) == [STEPS + 1, STEPS + 2]
     assert (run_dir / "checkpoints" / f"step-{STEPS + 2:08d}").is_dir() and job_dir2 != job_dir
     assert "preflight" not in log2
+
+
+def test_usr1_to_the_job_saves_the_step_requeues_and_the_requeued_job_finishes(slurm_cluster, corpus, tmp_path):
+    """`scancel --signal=USR1` (what `#SBATCH --signal=USR1@120` sends ahead of the time limit): the
+    torchrun agents pass it to their ranks, which save the step they are in; slurm.sh requeues the
+    job, and the same job id starts again, resumes from that checkpoint and trains to the end."""
+    steps, run_dir = 16, tmp_path / "run"
+    env = slurm_cluster.env(MP=MP, PROCS_PER_NODE=PROCS_PER_NODE, RUN_DIR=run_dir, MAX_RESTARTS=0, PREFLIGHT=0,
+                            RDZV_HOST="127.0.0.1", RDZV_PORT=free_port())
+    cmd = ["sbatch", f"--nodes={NODES}", f"--output={tmp_path / 'slurm.out'}", str(SLURM_SH),
+           "--", *tiny_overrides(corpus, steps, every=100)]
+    submitted = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    job_id = re.search(r"Submitted batch job (\d+)", submitted.stdout).group(1)
+    job_dir = run_dir / f"job-{job_id}"
+    deadline = time.monotonic() + 2 * JOB_TIMEOUT  # two starts of the job
+    try:
+        while not (job_dir / "metrics.jsonl").exists() or len((job_dir / "metrics.jsonl").read_text().splitlines()) < 3:
+            assert time.monotonic() < deadline, f"no step 3:\n{slurm_cluster.logs()}"
+            time.sleep(0.2)
+        signalled = slurm_cluster.run("scancel", "--signal=USR1", job_id)
+        assert signalled.returncode == 0, signalled.stderr
+        state = ""
+        while state != "COMPLETED":
+            shown = slurm_cluster.run("scontrol", "show", "job", job_id).stdout
+            state = re.search(r"JobState=(\S+)", shown).group(1)
+            assert state not in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL") and time.monotonic() < deadline, \
+                f"{state}:\n{(job_dir / 'job.log').read_text()[-6000:]}"
+            time.sleep(1)
+    finally:
+        slurm_cluster.cancel_all()
+    log = (job_dir / "job.log").read_text()
+    stopped = re.search(r"hybridpar: stopped on SIGUSR1 after step (\d+); checkpoint (\S+)\.", log)
+    assert stopped, log[-6000:]
+    step = int(stopped.group(1))
+    print(f"\nstopped after step {step}, requeued, resumed: {re.findall(r'resumed from .*', log)}")
+    assert f"requeued job {job_id}" in log and "Restarts=1" in shown
+    assert f"resumed from {run_dir}/checkpoints/step-{step:08d} at step {step}" in log, log[-6000:]
+    assert sorted(metrics_by_step(job_dir)) == list(range(1, steps + 1))
+    assert (run_dir / "checkpoints" / f"step-{steps:08d}").is_dir() and "hybridpar watchdog" not in log

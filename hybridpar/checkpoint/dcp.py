@@ -133,10 +133,14 @@ class Checkpointer:
             for stale in [*self.folder.glob("step-*" + STAGING_SUFFIX), *self.folder.glob("*" + DELETING),
                           *self.folder.glob(".step-*.old")]:
                 shutil.rmtree(stale, ignore_errors=True)
-            self._refuse_no_room(final, needed)  # after the clean-up, which frees space
-            (begin_staging(final) / "rng").mkdir()
+            refusal = self._no_room_for(final, needed)  # after the clean-up, which frees space
+            if refusal is None:
+                (begin_staging(final) / "rng").mkdir()
+            return refusal
 
-        on_rank0(prepare, f"prepare {partial}", error_type=CheckpointError)
+        refusal = on_rank0(prepare, f"prepare {partial}", error_type=CheckpointError)
+        if refusal is not None:  # every rank raises it alike
+            raise CheckpointDiskFullError(refusal)
         meta = {"train_state": {**train_state, "step": step, "world_size": self.parallel.world_size},
                 "params": params, "needed": needed}
 
@@ -179,11 +183,10 @@ class Checkpointer:
 
     # --- a full disk ---------------------------------------------------------------------------
 
-    def _refuse_no_room(self, final: Path, needed: int) -> None:
-        """Rank 0, before anything of the save is written: raise when the folder has less room than it takes."""
+    def _no_room_for(self, final: Path, needed: int) -> Optional[str]:
+        """Rank 0, before anything of the save is written: why it is refused, if the folder has less room than it takes."""
         free = free_bytes(self.folder)
-        if free < needed:
-            raise CheckpointDiskFullError(self._no_room(final, "not saved: nothing was written", needed, free))
+        return self._no_room(final, "not saved: nothing was written", needed, free) if free < needed else None
 
     def _no_room(self, final: Path, what: str, needed: int, free: int) -> str:
         """The one wording of a checkpoint without room: what happened, needed/free, the previous
@@ -203,7 +206,7 @@ class Checkpointer:
         raises the same CheckpointDiskFullError; any other failure is re-raised as it was."""
         try:
             writes()
-        except Exception as err:
+        except (Exception, CheckpointException) as err:  # DCP's is a BaseException
             join_dcp_writers()  # DCP leaves its other writer threads running when one fails
             reasons = [r for r in gather_objects(no_space_reason(err)) if r is not None]
             if not reasons:

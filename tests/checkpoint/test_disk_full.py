@@ -92,18 +92,17 @@ def test_refusal_names_needed_free_and_what_keep_deletes(tmp_path, monkeypatch):
     _folder_of_checkpoints(tmp_path, [1, 2, 3])
     checkpointer = Checkpointer(tmp_path, types.SimpleNamespace(rank=0, world_size=1), keep=2)
     _free(monkeypatch, 3 * MiB)
-    with pytest.raises(CheckpointDiskFullError) as refusal:
-        checkpointer._refuse_no_room(tmp_path / "step-00000004", 5 * MiB + 1)
-    assert str(refusal.value) == (
+    refusal = checkpointer._no_room_for(tmp_path / "step-00000004", 5 * MiB + 1)
+    assert refusal == (
         f"checkpoint step-00000004 not saved: nothing was written; step-00000003 is intact: {tmp_path} has no room "
         "(needs 5.0 MiB, 3.0 MiB free): checkpoint.keep = 2 deletes step-00000001, step-00000002 after this save, "
         "so those may be removed by hand; or free space there, lower checkpoint.keep, or point checkpoint.folder "
         "elsewhere")
-    assert isinstance(refusal.value, DiskFullError) and refusal.value.every_rank
-    checkpointer._refuse_no_room(tmp_path / "step-00000004", 3 * MiB)  # exactly the room there is: saved
+    assert checkpointer._no_room_for(tmp_path / "step-00000004", 3 * MiB) is None  # exactly the room there is
     checkpointer.keep = 5
-    with pytest.raises(CheckpointDiskFullError, match=r"\(needs 3.0 MiB, 3.0 MiB free\): free space there, lower"):
-        checkpointer._refuse_no_room(tmp_path / "step-00000004", 3 * MiB + 1)
+    assert "(needs 3.0 MiB, 3.0 MiB free): free space there, lower" in checkpointer._no_room_for(
+        tmp_path / "step-00000004", 3 * MiB + 1)
+    assert issubclass(CheckpointDiskFullError, DiskFullError) and CheckpointDiskFullError.every_rank
 
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT], ids=["ENOSPC", "EDQUOT"])
@@ -130,6 +129,23 @@ def test_an_atomic_write_that_runs_out_of_space_says_so_and_leaves_nothing(tmp_p
                                             rf"{tmp_path} has no room \(0 B free\)"):
         write_text_atomic(tmp_path / "config.toml", "x")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_metrics_on_a_full_disk_end_with_one_error_naming_the_run_folder(tmp_path, monkeypatch):
+    import builtins
+
+    from hybridpar.train import metrics
+
+    # /dev/full: every write fails with ENOSPC, as on a full file system.
+    monkeypatch.setattr(metrics, "open", lambda path, mode="r", **kw: builtins.open("/dev/full", mode, **kw),
+                        raising=False)
+    _free(monkeypatch, 0)
+    writer = metrics.MetricsWriter(tmp_path, enabled=True, tensorboard=False)
+    with pytest.raises(DiskFullError, match=rf"^the run's metrics \(metrics.jsonl, tensorboard/\) could not be "
+                                            rf"written \(No space left on device\): {tmp_path} has no room "
+                                            r"\(0 B free\): free space there or point output.run_dir elsewhere$"):
+        writer.write(1, {"loss": 1.0})
+    writer.close()  # already closed: nothing is flushed again
 
 
 # --- a save that runs out of space while writing ---------------------------------------------------

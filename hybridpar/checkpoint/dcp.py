@@ -194,8 +194,8 @@ class Checkpointer:
         done = [p for p in complete_checkpoints(self.folder) if p != final]
         intact = f"; {done[-1].name} is intact" if done else ""
         doomed = [p.name for p in past_keep(self.folder, self.keep, final)]
-        deletes = (f"checkpoint.keep = {self.keep} deletes {', '.join(doomed)} after this save, so those may be "
-                   "removed by hand; or " if doomed else "")
+        deletes = (f"checkpoint.keep = {self.keep} deletes {', '.join(doomed)} after this save (removing them by "
+                   "hand now frees their space); or " if doomed else "")
         advice = f"{deletes}free space there, lower checkpoint.keep, or point checkpoint.folder elsewhere"
         return disk_full_message(self.folder, f"checkpoint {final.name} {what}{intact}", needed=needed, free=free,
                                  advice=advice)

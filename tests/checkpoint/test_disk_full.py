@@ -95,9 +95,9 @@ def test_refusal_names_needed_free_and_what_keep_deletes(tmp_path, monkeypatch):
     refusal = checkpointer._no_room_for(tmp_path / "step-00000004", 5 * MiB + 1)
     assert refusal == (
         f"checkpoint step-00000004 not saved: nothing was written; step-00000003 is intact: {tmp_path} has no room "
-        "(needs 5.0 MiB, 3.0 MiB free): checkpoint.keep = 2 deletes step-00000001, step-00000002 after this save, "
-        "so those may be removed by hand; or free space there, lower checkpoint.keep, or point checkpoint.folder "
-        "elsewhere")
+        "(needs 5.0 MiB, 3.0 MiB free): checkpoint.keep = 2 deletes step-00000001, step-00000002 after this save "
+        "(removing them by hand now frees their space); or free space there, lower checkpoint.keep, or point "
+        "checkpoint.folder elsewhere")
     assert checkpointer._no_room_for(tmp_path / "step-00000004", 3 * MiB) is None  # exactly the room there is
     checkpointer.keep = 5
     assert "(needs 3.0 MiB, 3.0 MiB free): free space there, lower" in checkpointer._no_room_for(
@@ -282,3 +282,17 @@ def test_cli_a_save_that_runs_out_of_space_is_removed(workers, corpus, tmp_path,
     _one_message(output, "hybridpar: error: checkpoint step-00000002 not saved: writing it ran out of space (No space "
                          "left on device), the partial folder was removed; step-00000001 is intact: ")
     _assert_step1_intact(workers, corpus, tmp_path, folder)
+
+
+def test_cli_a_full_run_folder_is_one_message(corpus, tmp_path, small_mount):
+    # A run folder with room for config.toml alone (tmpfs counts whole pages): rank 0's first metrics
+    # row fails. The other ranks are ended by the launcher (the watchdog's report names the cause).
+    run_dir = small_mount(4096)
+    output = _train_on_small_disk(corpus, run_dir, tmp_path / "ckpt", "none")
+    ours = [line for line in output.splitlines() if line.startswith("hybridpar: error")]
+    print("\n" + "\n".join(ours))
+    assert len(ours) == 1, output[-3000:]
+    assert ours[0].startswith("hybridpar: error (rank 0): the run's metrics (metrics.jsonl, tensorboard/) could not "
+                              f"be written (No space left on device): {run_dir} has no room ("), output[-3000:]
+    assert "point output.run_dir elsewhere" in ours[0]
+    assert output.count("Traceback") <= 1, output[-3000:]  # torchrun's own, around its summary

@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import resource
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -17,7 +18,7 @@ import torch
 
 from models.llama import ModelArgs
 
-from ..files import DiskFullError, full_disk_said, write_text_atomic
+from ..files import DiskFullError, full_disk_said, out_of_space, write_text_atomic
 
 flops_per_token = ModelArgs.flops_per_token  # flops_per_token(args, seq_len), as the trainer and bench call it
 # What to change when the run folder's file system is full (files.full_disk_said says the rest).
@@ -80,6 +81,8 @@ class MetricsWriter:
         if self.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
+            _quiet_tensorboard_full_disk()
+
             # purge_step: TensorBoard hides the earlier attempt's events from that step on.
             self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), purge_step=self.start_step + 1)
 
@@ -110,6 +113,23 @@ class MetricsWriter:
             finally:
                 if tb is not None:
                     tb.close()
+
+
+def _quiet_tensorboard_full_disk() -> None:
+    """TensorBoard's writer thread re-raises a failed write, which Python prints as a traceback; the
+    same error reaches the main thread at its next write, which says it once (DiskFullError). So a
+    full disk in that thread is not printed (any other error still is)."""
+    previous = threading.excepthook
+    if getattr(previous, "hybridpar_quiet_full_disk", False):
+        return
+
+    def hook(args) -> None:
+        if type(args.thread).__name__ == "_AsyncWriterThread" and out_of_space(args.exc_value) is not None:
+            return
+        previous(args)
+
+    hook.hybridpar_quiet_full_disk = True
+    threading.excepthook = hook
 
 
 def read_metrics(jsonl_path: Path) -> list[dict]:

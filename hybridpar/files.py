@@ -1,4 +1,5 @@
-"""File helpers: atomic files, staged folders, the occupied-destination check, locks, hashes.
+"""File helpers: atomic files, staged folders, the occupied-destination check, a full disk said
+plainly, locks, hashes.
 
 Every rank of a job may prepare the same tokenizer or token file in the same cache folder at the
 same moment, and a job can be killed at any point, so outputs are written to a temporary file in
@@ -28,6 +29,8 @@ PathLike = Union[str, "os.PathLike[str]"]
 _LOCK_POLL_SECONDS = 0.1
 # Errors by which a file system says it has no flock (some NFS and Lustre mounts).
 _NO_FLOCK_ERRNOS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
+# Errors by which a file system says it is full (ENOSPC) or the user's quota is used up (EDQUOT).
+NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
 @contextlib.contextmanager
@@ -37,19 +40,20 @@ def atomic_output(path: PathLike, mode: str = "wb") -> Iterator[IO]:
         raise ValueError(f"atomic_output writes whole files: mode must be 'wb' or 'w', got {mode!r}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    # Same folder as the target: os.replace is only atomic within one file system.
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o666 & ~umask())  # mkstemp makes 0600; a normal file respects the umask
-        with os.fdopen(fd, mode, **({"encoding": "utf-8"} if mode == "w" else {})) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    with full_disk_said(path.parent, f"{path.name} could not be written"):
+        # Same folder as the target: os.replace is only atomic within one file system.
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            os.fchmod(fd, 0o666 & ~umask())  # mkstemp makes 0600; a normal file respects the umask
+            with os.fdopen(fd, mode, **({"encoding": "utf-8"} if mode == "w" else {})) as f:
+                yield f
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
 
 
 def umask() -> int:
@@ -183,6 +187,65 @@ def _occupant(path: Path, overwrite: bool, empty_ok: bool, listing) -> Optional[
     if not empty_ok:
         return "already exists"
     return "already exists and is not an empty folder" if any(path.iterdir()) else None
+
+
+# --- a full disk, said once: where, how much, what to change -----------------------------------
+
+
+class DiskFullError(ValueError, OSError):
+    """A file system without room for what must be written. Its message names the folder, the
+    space needed and free, and what to change: one line, not a traceback (a ValueError, as bad
+    input is). Still an OSError with the original errno, for code that handles those."""
+
+
+def human_bytes(n: float) -> str:
+    for scale, name in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if n >= scale:
+            return f"{n / scale:.1f} {name}"
+    return f"{n:.0f} B"
+
+
+def free_bytes(folder: PathLike) -> int:
+    """Bytes a write into `folder` (or, before it exists, its nearest existing parent) can still use."""
+    path = Path(folder).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def out_of_space(error: Optional[BaseException]) -> Optional[OSError]:
+    """The ENOSPC or EDQUOT OSError that `error` is or was raised from (its causes and contexts), or None."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, OSError) and error.errno in NO_SPACE_ERRNOS:
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def disk_full_message(folder: PathLike, what: str, *, needed: Optional[int] = None, free: Optional[int] = None,
+                      advice: str = "free space there or write elsewhere") -> str:
+    """'<what>: <folder> has no room (needs N, M free): <advice>', the one wording of a full disk."""
+    free = free_bytes(folder) if free is None else free
+    figures = (f"needs {human_bytes(needed)}, {human_bytes(free)} free" if needed is not None
+               else f"{human_bytes(free)} free")
+    return f"{what}: {folder} has no room ({figures}): {advice}"
+
+
+@contextlib.contextmanager
+def full_disk_said(folder: PathLike, what: str, advice: str = "free space there or write elsewhere",
+                   error_type: type[DiskFullError] = DiskFullError) -> Iterator[None]:
+    """Turn an ENOSPC/EDQUOT raised in the block into one `error_type` naming the folder and its
+    free space (the OSError stays its __cause__, for the rank's log)."""
+    try:
+        yield
+    except OSError as err:
+        if isinstance(err, DiskFullError) or out_of_space(err) is None:
+            raise
+        said = error_type(disk_full_message(folder, f"{what} ({err.strerror})", advice=advice))
+        said.errno = err.errno
+        raise said from err
 
 
 def write_bytes_atomic(path: PathLike, data: bytes) -> None:

@@ -14,16 +14,14 @@ import sys
 import time
 from typing import Optional, TextIO
 
+from .files import human_bytes
 from .ranks import rank_and_world
 
 
 def _amount(n: float, unit: str) -> str:
     if unit != "B":
         return f"{n:,.0f}{' ' + unit if unit else ''}"
-    for scale, name in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
-        if n >= scale:
-            return f"{n / scale:.1f} {name}"
-    return f"{n:.0f} B"
+    return human_bytes(n)
 
 
 def note(text: str, *, enabled: Optional[bool] = None, stream: Optional[TextIO] = None) -> None:

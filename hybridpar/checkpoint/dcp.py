@@ -11,6 +11,10 @@ Every rank writes into `step-00000100.partial/`; once all have, rank 0 writes tr
 renames the folder. A crash mid-save leaves the `.partial` folder, which resuming ignores and the
 next save removes. Checkpoints beyond `keep` are renamed `*.deleting` (never listed again) and
 removed by a background thread. A file system shared by the ranks is assumed, as DCP's storage does.
+
+A full disk is said once, on every rank alike (CheckpointDiskFullError): before a save whose size
+(space.checkpoint_bytes) exceeds the free space, nothing is written; a save that runs out of space
+anyway has its `.partial` folder removed. Either way the previous checkpoint is intact.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import shutil
 import threading
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -43,11 +47,12 @@ from .. import fastpaths
 from ..fastpaths.dcp_reader import FastFileSystemReader
 from ..fastpaths.dcp_writer import UncheckedWriter
 from ..fastpaths.optimizer_state import allocate_optimizer_state
-from ..files import (STAGING_SUFFIX, atomic_output, begin_staging, commit_staged, fsync_dir, staging_path,
-                     write_text_atomic)
+from ..files import (STAGING_SUFFIX, DiskFullError, atomic_output, begin_staging, commit_staged, disk_full_message,
+                     free_bytes, fsync_dir, staging_path, write_text_atomic)
 from ..mesh import ParallelDims
-from ..ranks import on_rank0, raise_if_any_failed
+from ..ranks import gather_objects, on_rank0, raise_if_any_failed
 from .reader import CheckpointReadError, SafeLoadPlanner
+from .space import checkpoint_bytes, join_dcp_writers, no_space_reason, remove_folder
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 DELETING = ".deleting"
@@ -55,6 +60,13 @@ DELETING = ".deleting"
 
 class CheckpointError(ValueError):
     pass
+
+
+class CheckpointDiskFullError(CheckpointError, DiskFullError):
+    """The checkpoint folder's file system has no room for a checkpoint: refused before the save,
+    or a save that ran out of space (its partial folder removed). The previous checkpoint is intact."""
+
+    every_rank = True  # raised alike on every rank: hybridpar.ranks.raised_by_every_rank
 
 
 def step_dir_name(step: int) -> str:
@@ -72,6 +84,15 @@ def complete_checkpoints(folder: Path) -> list[Path]:
 def latest_checkpoint(folder: Path) -> Optional[Path]:
     found = complete_checkpoints(folder)
     return found[-1] if found else None
+
+
+def past_keep(folder: Path, keep: int, final: Path) -> list[Path]:
+    """The complete checkpoints that saving `final` deletes when `keep` are kept: the oldest by step
+    number, never `final` itself (even if the folder holds later steps)."""
+    found = complete_checkpoints(folder)
+    if final not in found:  # before the save: where it will be listed
+        found = sorted([*found, final], key=lambda p: int(STEP_DIR.match(p.name).group(1)))
+    return [p for p in found[:-keep] if p != final]
 
 
 class Checkpointer:
@@ -98,6 +119,12 @@ class Checkpointer:
         self.wait()
         final = self.folder / step_dir_name(step)
         partial = staging_path(final)
+        if optimizer is None:  # weights only (a converted checkpoint)
+            state = {"model": get_model_state_dict(model)}
+        else:
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            state = {"model": model_sd, "optimizer": optim_sd}
+        needed = checkpoint_bytes(state, self.parallel.world_size)
 
         def prepare() -> None:
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -106,23 +133,33 @@ class Checkpointer:
             for stale in [*self.folder.glob("step-*" + STAGING_SUFFIX), *self.folder.glob("*" + DELETING),
                           *self.folder.glob(".step-*.old")]:
                 shutil.rmtree(stale, ignore_errors=True)
-            (begin_staging(final) / "rng").mkdir()
+            refusal = self._no_room_for(final, needed)  # after the clean-up, which frees space
+            if refusal is None:
+                (begin_staging(final) / "rng").mkdir()
+            return refusal
 
-        on_rank0(prepare, f"prepare {partial}", error_type=CheckpointError)
-        if optimizer is None:  # weights only (a converted checkpoint)
-            state = {"model": get_model_state_dict(model)}
-        else:
-            model_sd, optim_sd = get_state_dict(model, optimizer)
-            state = {"model": model_sd, "optimizer": optim_sd}
-        with atomic_output(partial / "rng" / f"rank{self.parallel.rank}.pt") as f:  # fsynced, as DCP's files are
-            torch.save(torch.get_rng_state(), f)
-        meta = {"train_state": {**train_state, "step": step, "world_size": self.parallel.world_size}, "params": params}
-        if self.async_save:
-            future = dcp.async_save(state, storage_writer=self._writer(partial), process_group=self._async_group)
-            self._pending = (future, partial, meta)
-        else:
-            dcp.save(state, storage_writer=self._writer(partial))
-            self._finish(partial, meta)
+        refusal = on_rank0(prepare, f"prepare {partial}", error_type=CheckpointError)
+        if refusal is not None:  # every rank raises it alike
+            raise CheckpointDiskFullError(refusal)
+        meta = {"train_state": {**train_state, "step": step, "world_size": self.parallel.world_size},
+                "params": params, "needed": needed}
+
+        def write() -> None:
+            error = None
+            try:
+                with atomic_output(partial / "rng" / f"rank{self.parallel.rank}.pt") as f:  # fsynced, as DCP's are
+                    torch.save(torch.get_rng_state(), f)
+            except Exception as err:  # noqa: BLE001 - shared below, so every rank fails alike
+                error = err
+            raise_if_any_failed(error, f"write {partial}", error_type=CheckpointError)
+            if self.async_save:
+                future = dcp.async_save(state, storage_writer=self._writer(partial), process_group=self._async_group)
+                self._pending = (future, partial, meta)
+            else:
+                dcp.save(state, storage_writer=self._writer(partial))
+                self._finish(partial, meta)
+
+        self._said_if_full(partial, needed, write)
         return final
 
     @staticmethod
@@ -136,9 +173,52 @@ class Checkpointer:
         if self._pending is not None:
             future, partial, meta = self._pending
             self._pending = None
-            future.result()
-            self._finish(partial, meta)
+
+            def complete() -> None:
+                future.result()
+                self._finish(partial, meta)
+
+            self._said_if_full(partial, meta["needed"], complete)
         self._join_deleter()
+
+    # --- a full disk ---------------------------------------------------------------------------
+
+    def _no_room_for(self, final: Path, needed: int) -> Optional[str]:
+        """Rank 0, before anything of the save is written: why it is refused, if the folder has less room than it takes."""
+        free = free_bytes(self.folder)
+        return self._no_room(final, "not saved: nothing was written", needed, free) if free < needed else None
+
+    def _no_room(self, final: Path, what: str, needed: int, free: int) -> str:
+        """The one wording of a checkpoint without room: what happened, needed/free, the previous
+        checkpoint, the checkpoints `keep` deletes after this save, and what to change."""
+        done = [p for p in complete_checkpoints(self.folder) if p != final]
+        intact = f"; {done[-1].name} is intact" if done else ""
+        doomed = [p.name for p in past_keep(self.folder, self.keep, final)]
+        deletes = (f"checkpoint.keep = {self.keep} deletes {', '.join(doomed)} after this save (removing them by "
+                   "hand now frees their space); or " if doomed else "")
+        advice = f"{deletes}free space there, lower checkpoint.keep, or point checkpoint.folder elsewhere"
+        return disk_full_message(self.folder, f"checkpoint {final.name} {what}{intact}", needed=needed, free=free,
+                                 advice=advice)
+
+    def _said_if_full(self, partial: Path, needed: int, writes: Callable[[], None]) -> None:
+        """Run a save's writes (collective: every failure in them reaches every rank). When a rank ran out
+        of space, rank 0 removes the partial folder once every rank has stopped writing, and every rank
+        raises the same CheckpointDiskFullError; any other failure is re-raised as it was."""
+        try:
+            writes()
+        except (Exception, CheckpointException) as err:  # DCP's is a BaseException
+            join_dcp_writers()  # DCP leaves its other writer threads running when one fails
+            reasons = [r for r in gather_objects(no_space_reason(err)) if r is not None]
+            if not reasons:
+                raise
+            final = partial.with_name(partial.name[: -len(STAGING_SUFFIX)])
+
+            def discard() -> str:
+                remove_folder(partial)
+                what = f"not saved: writing it ran out of space ({reasons[0]}), the partial folder was removed"
+                return self._no_room(final, what, needed, free_bytes(self.folder))
+
+            raise CheckpointDiskFullError(on_rank0(discard, f"remove {partial}", error_type=CheckpointError)) from err
 
     def _finish(self, partial: Path, meta: dict) -> None:
         dist.barrier()  # every rank's shards are on disk
@@ -150,8 +230,7 @@ class Checkpointer:
             final = partial.with_name(partial.name[: -len(STAGING_SUFFIX)])
             commit_staged(partial, final)
             doomed = []
-            # By step number; never the checkpoint just written, even if the folder holds later steps.
-            for path in [p for p in complete_checkpoints(self.folder)[: -self.keep] if p != final]:
+            for path in past_keep(self.folder, self.keep, final):
                 # Out of the listing at once; freeing the blocks can wait.
                 doomed.append(path.rename(path.with_name(path.name + DELETING)))
             if doomed:

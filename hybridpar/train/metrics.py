@@ -5,9 +5,11 @@ MFU counts the FLOPs of the model's math, not of the hardware's work (ModelArgs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -16,9 +18,11 @@ import torch
 
 from models.llama import ModelArgs
 
-from ..files import write_text_atomic
+from ..files import DiskFullError, full_disk_said, out_of_space, write_text_atomic
 
 flops_per_token = ModelArgs.flops_per_token  # flops_per_token(args, seq_len), as the trainer and bench call it
+# What to change when the run folder's file system is full (files.full_disk_said says the rest).
+RUN_DIR_ADVICE = "free space there or point output.run_dir elsewhere"
 
 
 def measure_matmul_peak(seconds: float = 1.0, size: int = 1024, dtype: torch.dtype = torch.float32,
@@ -61,6 +65,12 @@ class MetricsWriter:
         self._file = None
         self._tb = None
 
+    def _full_disk_said(self):
+        """An ENOSPC in metrics.jsonl or TensorBoard's files (its writer thread's error surfaces at the
+        next write or close): one error naming the run folder, not a traceback."""
+        return full_disk_said(self.run_dir, "the run's metrics (metrics.jsonl, tensorboard/) could not be written",
+                              RUN_DIR_ADVICE)
+
     def _open(self) -> None:
         # Opened at the first write, so a run that fails during set-up leaves no files behind.
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -71,27 +81,55 @@ class MetricsWriter:
         if self.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
+            _quiet_tensorboard_full_disk()
+
             # purge_step: TensorBoard hides the earlier attempt's events from that step on.
             self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), purge_step=self.start_step + 1)
 
     def write(self, step: int, values: dict) -> None:
         if not self.enabled:
             return
-        if self._file is None:
-            self._open()
-        self._file.write(json.dumps({"step": step, **values}) + "\n")
-        if self._tb is not None:
-            for key, value in values.items():
-                if isinstance(value, (int, float)):
-                    self._tb.add_scalar(key, value, step)
+        try:
+            with self._full_disk_said():
+                if self._file is None:
+                    self._open()
+                self._file.write(json.dumps({"step": step, **values}) + "\n")
+                if self._tb is not None:
+                    for key, value in values.items():
+                        if isinstance(value, (int, float)):
+                            self._tb.add_scalar(key, value, step)
+        except DiskFullError:
+            # Dropped now: flushing a full file's buffer again at exit would add a second report.
+            with contextlib.suppress(Exception):
+                self.close()
+            raise
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        file, tb, self._file, self._tb = self._file, self._tb, None, None  # closed once, even if closing fails
+        with self._full_disk_said():
+            try:
+                if file is not None:
+                    file.close()
+            finally:
+                if tb is not None:
+                    tb.close()
+
+
+def _quiet_tensorboard_full_disk() -> None:
+    """TensorBoard's writer thread re-raises a failed write, which Python prints as a traceback; the
+    same error reaches the main thread at its next write, which says it once (DiskFullError). So a
+    full disk in that thread is not printed (any other error still is)."""
+    previous = threading.excepthook
+    if getattr(previous, "hybridpar_quiet_full_disk", False):
+        return
+
+    def hook(args) -> None:
+        if type(args.thread).__name__ == "_AsyncWriterThread" and out_of_space(args.exc_value) is not None:
+            return
+        previous(args)
+
+    hook.hybridpar_quiet_full_disk = True
+    threading.excepthook = hook
 
 
 def read_metrics(jsonl_path: Path) -> list[dict]:
@@ -114,9 +152,15 @@ def plot_loss(jsonl_path: Path, png_path: Path, title: Optional[str] = None) -> 
     ax.set_title(title or "training loss")
     ax.grid(alpha=0.3)
     tmp = Path(png_path).with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    os.replace(tmp, png_path)
+    try:
+        with full_disk_said(tmp.parent, f"the loss plot ({Path(png_path).name}) could not be written", RUN_DIR_ADVICE):
+            fig.savefig(tmp, dpi=100, bbox_inches="tight")
+        os.replace(tmp, png_path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        plt.close(fig)
     return Path(png_path)
 
 

@@ -3,7 +3,9 @@
     python -m torch.distributed.run --nproc_per_node 4 tests/diagnostics/cli_job.py MISTAKE -- TRAIN_ARGS...
 
 MISTAKE: same_data (every rank's loader is built as data-parallel rank 0's: the duplicate-data
-bug the data guard exists for), none (the arguments alone carry the mistake, e.g. mesh sizes).
+bug the data guard exists for), low_estimate (a checkpoint's size is taken for 1 byte, so a save
+on a full disk passes the check before it and fails while writing), none (the arguments alone
+carry the mistake, e.g. mesh sizes, a small checkpoint folder).
 """
 
 import os
@@ -20,6 +22,10 @@ def plant(mistake: str) -> None:
 
         real = pipeline.build_dataloader
         pipeline.build_dataloader = lambda dataset, **kw: real(dataset, **{**kw, "dp_rank": 0})
+    elif mistake == "low_estimate":
+        from hybridpar.checkpoint import dcp
+
+        dcp.checkpoint_bytes = lambda state, world_size: 1
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from models.llama import ModelArgs, Transformer
 
 from ..checkpoint.convert import detect_format, load_into, read_args
-from ..checkpoint.dcp import Checkpointer, complete_checkpoints, latest_checkpoint, params_dict
+from ..checkpoint.dcp import Checkpointer, complete_checkpoints, params_dict
 from ..compat.torch import foreach_mul_, foreach_norm
 from ..config import Config, ConfigError, dump_toml
 from ..data import build_training_data, check_vocab
@@ -198,9 +198,9 @@ class Trainer:
             refuse_occupied(self.checkpointer.folder, "checkpoint.resume is false; set checkpoint.resume = true to "
                             "continue that run, or give this run its own output.run_dir or checkpoint.folder",
                             error_type=ConfigError, listing=("checkpoints", complete_checkpoints))
-        latest = latest_checkpoint(self.checkpointer.folder)
-        if latest is not None:
-            state = self.checkpointer.load(latest, self.model, self.optimizer, params)
+        found = self.checkpointer.load_newest_intact(self.model, self.optimizer, params)  # sets damaged ones aside
+        if found is not None:
+            latest, state = found
             self.step = state["step"]
             self.scheduler.load_state_dict(state["scheduler"])
             self.loader.load_state_dict(state["data"])

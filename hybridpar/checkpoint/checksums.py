@@ -2,9 +2,11 @@
 
 Every file DCP's writer opens (the `.distcp` shards and `.metadata`) goes through a stream that
 feeds each write to CRC-32C (hardware accelerated by the `crc32c` package, about 9 GB/s on one core)
-before passing it on, so no byte is read back. The small files hybridpar writes itself
+before passing it on, so no byte is read back. Where DCP asks a stream its position (at the start
+and end of every item it stores) the running checksum is kept as a mark, so that a mismatch can be
+located to the tensors stored in the damaged bytes. The small files hybridpar writes itself
 (params.json, train_state.json, rng/rank*.pt) are summed from the bytes written. Rank 0 writes the
-manifest `checksums.json` ({"algorithm": "crc32c", "files": {name: {"size", "crc32c"}}}) before the
+manifest `checksums.json` ({"algorithm": "crc32c", "files": {name: {"size", "crc32c", "marks"}}}) before the
 checkpoint folder is renamed complete; checkpoint.verify checks files against it.
 
 HYBRIDPAR_CHECKSUMS=0 turns checksums off (no manifest, loads unverified): for measuring their cost.
@@ -34,8 +36,31 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1") != "0"
 
 
-def entry(size: int, value: int) -> dict:
-    return {"size": size, ALGORITHM: f"{value:08x}"}
+def entry(size: int, value: int, marks: Optional[list] = None) -> dict:
+    """A manifest entry; `marks`: [(position, checksum of the bytes before it)] inside the file."""
+    out: dict = {"size": size, ALGORITHM: f"{value:08x}"}
+    if marks:
+        out["marks"] = [[pos, f"{v:08x}"] for pos, v in marks]
+    return out
+
+
+def same(a: dict, b: dict) -> bool:
+    """Do two entries record the same bytes (marks aside)?"""
+    return a["size"] == b["size"] and a[ALGORITHM] == b[ALGORITHM]
+
+
+def first_difference(path: Path, want: dict) -> Optional[tuple[int, int]]:
+    """The byte range between the manifest's two marks where file `path` first differs from what was
+    written; None when the entry has no marks to tell."""
+    marks = [(0, 0)] + [(int(pos), int(v, 16)) for pos, v in want.get("marks", [])] + [(want["size"], int(want[ALGORITHM], 16))]
+    value, done = 0, 0
+    with open(path, "rb") as f:
+        for (start, _), (stop, expected) in zip(marks, marks[1:]):
+            data = f.read(stop - done)
+            value, done = crc32c.crc32c(data, value), done + len(data)
+            if value != expected:
+                return start, stop
+    return None
 
 
 def file_checksum(path: Path, progress: Optional[Callable[[int], Any]] = None) -> dict:
@@ -64,6 +89,13 @@ class _SummingStream:
 
     def __init__(self, raw, done: Callable[[dict], None]) -> None:
         self.raw, self.done, self.value, self.size, self.closed = raw, done, 0, 0, False
+        self.marks: list[tuple[int, int]] = []
+
+    def tell(self) -> int:
+        pos = self.raw.tell()
+        if pos == self.size and 0 < pos and (not self.marks or self.marks[-1][0] != pos):
+            self.marks.append((pos, self.value))  # an item's edge: see the module
+        return pos
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
@@ -75,7 +107,7 @@ class _SummingStream:
         if not self.closed:
             self.closed = True
             self.raw.close()
-            self.done(entry(self.size, self.value))
+            self.done(entry(self.size, self.value, [m for m in self.marks if m[0] < self.size]))
 
     def __getattr__(self, name: str):  # tell, flush, fileno, writable ...: the file's own
         if name in ("seek", "truncate"):  # would make the running sum wrong

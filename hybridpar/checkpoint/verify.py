@@ -21,7 +21,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from ..progress import Progress, note
 from ..ranks import gather_objects, mark_every_rank, raise_if_any_failed
-from .checksums import MANIFEST, file_checksum, read_manifest
+from .checksums import MANIFEST, enabled as checksums_enabled, file_checksum, first_difference, read_manifest, same
 from .reader import CheckpointDamagedError, CheckpointError
 
 _OWNER = re.compile(r"^(?:__(\d+)_\d+\.distcp|rng/rank(\d+)\.pt)$")
@@ -34,36 +34,45 @@ def owner(name: str, world: int) -> Optional[int]:
     return int(m.group(1) or m.group(2)) % world if m else None
 
 
+Span = Optional[tuple[int, int]]
+
+
 def check_file(folder: Path, name: str, want: dict, progress: Optional[Callable[[int], object]] = None
-               ) -> Optional[str]:
-    """Why file `name` is not what the manifest entry `want` records; None when it is."""
+               ) -> Optional[tuple[str, Span]]:
+    """Why file `name` is not what the manifest entry `want` records, and the bytes where it differs
+    when known; None when it is."""
     path = folder / name
     if not path.is_file():
-        return "missing"
+        return "missing", None
     size = path.stat().st_size
     if size != want["size"]:
-        return f"size differs ({size} bytes, the manifest records {want['size']})"
-    if file_checksum(path, progress) != want:
-        return "checksum mismatch"
+        return f"size differs ({size} bytes, the manifest records {want['size']})", None
+    if not same(file_checksum(path, progress), want):
+        span = first_difference(path, want)  # reads the file again: only once damage is found
+        return "checksum mismatch" + (f" in bytes {span[0]}..{span[1]}" if span else ""), span
     return None
 
 
-def _tensors_in(folder: Path, name: str) -> str:
-    """What file `name` stores, by DCP's metadata (storage_data maps each item to its file)."""
+def _tensors_in(folder: Path, name: str, span: Span) -> str:
+    """What file `name` stores (in bytes `span`, when known), by DCP's metadata (storage_data maps
+    each item to its file and bytes)."""
     try:
         storage = FileSystemReader(str(folder)).read_metadata().storage_data
     except Exception:  # noqa: BLE001 - a damaged .metadata: the file is still named
         return ""
-    fqns = sorted({index.fqn for index, info in storage.items() if info.relative_path == name})
+    lo, hi = span or (0, float("inf"))
+    fqns = sorted({index.fqn for index, info in storage.items()
+                   if info.relative_path == name and info.offset < hi and lo < info.offset + info.length})
     if not fqns:
         return ""
     more = f" and {len(fqns) - _LISTED} more" if len(fqns) > _LISTED else ""
-    return f" (it stores {', '.join(fqns[:_LISTED])}{more})"
+    return f" (the bytes of {', '.join(fqns[:_LISTED])}{more})"
 
 
-def damaged(folder: Path, name: str, reason: str) -> CheckpointDamagedError:
+def damaged(folder: Path, name: str, found: tuple[str, Span]) -> CheckpointDamagedError:
+    reason, span = found
     return CheckpointDamagedError(
-        f"checkpoint {folder} is damaged: {name} {reason}{_tensors_in(folder, name)}; its bytes are not "
+        f"checkpoint {folder} is damaged: {name} {reason}{_tensors_in(folder, name, span)}; its bytes are not "
         "the ones saved: load another checkpoint (a resumed run sets this one aside and loads the previous one)")
 
 
@@ -76,15 +85,15 @@ class LoadCheck:
         self.error: Optional[CheckpointDamagedError] = None
         self._thread: Optional[threading.Thread] = None
         try:
-            self.manifest = read_manifest(self.folder)
+            self.manifest = read_manifest(self.folder) if checksums_enabled() else {}
         except ValueError as err:
             raise CheckpointDamagedError(f"checkpoint {self.folder} is damaged: {err}; load another checkpoint") from err
         if self.manifest is None:
             note(f"{self.folder} has no {MANIFEST} (saved before checkpoints recorded checksums): loading it unverified")
             self.manifest = {}
         for name in sorted(n for n in self.manifest if owner(n, world) is None):
-            if (reason := check_file(self.folder, name, self.manifest[name])) is not None:
-                raise damaged(self.folder, name, reason)
+            if (found := check_file(self.folder, name, self.manifest[name])) is not None:
+                raise damaged(self.folder, name, found)
 
     def start(self) -> None:
         mine = sorted(n for n in self.manifest if owner(n, self.world) == self.rank)
@@ -94,8 +103,8 @@ class LoadCheck:
 
     def _check(self, names: list[str]) -> None:
         for name in names:
-            if (reason := check_file(self.folder, name, self.manifest[name])) is not None:
-                self.error = damaged(self.folder, name, reason)
+            if (found := check_file(self.folder, name, self.manifest[name])) is not None:
+                self.error = damaged(self.folder, name, found)
                 return
 
     def join(self) -> Optional[CheckpointDamagedError]:
@@ -148,8 +157,8 @@ def _against_manifest(folder: Path, manifest: dict[str, dict], out: TextIO) -> d
     total = sum(int(want["size"]) for want in manifest.values())
     with Progress(f"verifying {folder}", total=total, unit="B", enabled=True) as progress:
         for name, want in sorted(manifest.items()):
-            reason = check_file(folder, name, want, progress.update)
-            verdicts[name] = None if reason is None else reason if reason == "missing" else f"damaged: {reason}"
+            found = check_file(folder, name, want, progress.update)
+            verdicts[name] = None if found is None else "missing" if found[0] == "missing" else f"damaged: {found[0]}"
             print(f"{name}: {verdicts[name] or 'ok'}", file=out, flush=True)
     on_disk = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()} - {MANIFEST}
     for name in sorted(on_disk - manifest.keys()):
@@ -158,10 +167,10 @@ def _against_manifest(folder: Path, manifest: dict[str, dict], out: TextIO) -> d
     return verdicts
 
 
-def verify_folder(folder: Path, out: TextIO = sys.stdout) -> int:
-    """Check checkpoint `folder` in this process: a verdict line per file and a summary; 0 when all
-    are ok, 1 otherwise."""
-    folder = Path(folder)
+def verify_folder(folder: Path, out: Optional[TextIO] = None) -> int:
+    """Check checkpoint `folder` in this process: a verdict line per file (to `out`, default stdout)
+    and a summary; 0 when all are ok, 1 otherwise."""
+    folder, out = Path(folder), out or sys.stdout
     if not folder.is_dir():
         print(f"{folder}: not a folder (give a checkpoint folder such as checkpoints/step-00000100)", file=out)
         return 1

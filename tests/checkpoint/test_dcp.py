@@ -1,5 +1,6 @@
 """Sharded checkpoints: bit-exact resume in new processes, resharding to other layouts, crash safety."""
 
+import io
 import json
 import re
 import shutil
@@ -116,6 +117,11 @@ def test_async_save_resumes_like_sync(mp2_dp2_runs, workers, corpus, tmp_path):
     workers(4).run(_case_run, config, HALF)
     resumed = workers(4).run(_case_run, _config(corpus, tmp_path / "ckpt", tmp_path / "run2", (2, 2, 1)))[0]
     assert resumed["start"] == HALF and resumed["losses"] == s["straight"]["losses"][HALF:]
+    # The background writes summed their files too: every checkpoint's manifest matches its bytes.
+    from hybridpar.checkpoint.verify import verify_folder
+
+    for step in sorted((tmp_path / "ckpt").glob("step-*")):
+        assert verify_folder(step, io.StringIO()) == 0, step
 
 
 def _case_die_during_save(config, die_at_step):

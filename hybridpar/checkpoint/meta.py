@@ -107,7 +107,8 @@ def _load_file(path: Path, verify_checksums: bool = False) -> dict[str, torch.Te
     """Open one consolidated file without reading its tensors into memory (mmap), weights only."""
     short = cut_short(path)  # from the zip's own records, before torch.load maps bytes that are not there
     if short is not None:
-        raise MetaCheckpointError(f"{path} is truncated: {short}; copy or download it again")
+        raise MetaCheckpointError(f"{path} cannot be read (cut short: {short}): the file is truncated or corrupt; "
+                                  "copy or download it again")
     try:
         if zipfile.is_zipfile(path):
             if verify_checksums:

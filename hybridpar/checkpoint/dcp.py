@@ -262,8 +262,9 @@ class Checkpointer:
             try:
                 return path, self.load(path, model, optimizer, params)
             except CheckpointDamagedError as err:
-                on_rank0(lambda: _set_aside(path, str(err)), f"set {path} aside", error_type=CheckpointError)
-                refused.append(f"{path.name}: {err}")
+                reason = str(err)
+                on_rank0(lambda: _set_aside(path, reason), f"set {path} aside", error_type=CheckpointError)
+                refused.append(f"{path.name}: {reason}")
         if refused:
             raise CheckpointError(f"no intact checkpoint in {self.folder}; each was set aside as *{DAMAGED}, newest "
                                   "first:\n  " + "\n  ".join(refused))

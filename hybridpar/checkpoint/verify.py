@@ -46,7 +46,9 @@ def check_file(folder: Path, name: str, want: dict, progress: Optional[Callable[
         return "missing", None
     size = path.stat().st_size
     if size != want["size"]:
-        return f"size differs ({size} bytes, the manifest records {want['size']})", None
+        # Shorter: a partial copy, a full disk. Longer: bytes appended after the save.
+        kind = "truncated" if size < want["size"] else "longer than saved"
+        return f"{kind} (size differs: {size} bytes, the manifest records {want['size']})", None
     if not same(file_checksum(path, progress), want):
         span = first_difference(path, want)  # reads the file again: only once damage is found
         return "checksum mismatch" + (f" in bytes {span[0]}..{span[1]}" if span else ""), span
@@ -71,9 +73,10 @@ def _tensors_in(folder: Path, name: str, span: Span) -> str:
 
 def damaged(folder: Path, name: str, found: tuple[str, Span]) -> CheckpointDamagedError:
     reason, span = found
+    what = f"{name} is {reason}" if reason.startswith(("missing", "truncated")) else f"{name}: {reason}"
     return CheckpointDamagedError(
-        f"checkpoint {folder} is damaged: {name} {reason}{_tensors_in(folder, name, span)}; its bytes are not "
-        "the ones saved: load another checkpoint (a resumed run sets this one aside and loads the previous one)")
+        f"checkpoint {folder} is damaged: {what}{_tensors_in(folder, name, span)}; its bytes are not the ones "
+        "saved: load another one (a resumed run sets this checkpoint aside and loads the previous one)")
 
 
 class LoadCheck:
@@ -147,7 +150,7 @@ def _structure(folder: Path) -> dict[str, Optional[str]]:
         path = folder / name
         size = path.stat().st_size if path.is_file() else None
         verdicts[name] = ("missing" if size is None else
-                          f"damaged: size differs ({size} bytes, .metadata places data up to byte {end})"
+                          f"damaged: truncated (size differs: {size} bytes, .metadata places data up to byte {end})"
                           if size < end else None)
     return verdicts
 

@@ -70,10 +70,10 @@ def test_a_flipped_bit_is_refused_naming_file_and_tensor(runs, workers, corpus, 
     for result in results:  # every rank fails, with the cause
         assert "error" in result, result
         assert f"no intact checkpoint in {folder}" in result["error"]
-        assert f"{name} checksum mismatch in bytes" in result["error"] and tensor in result["error"], result
+        assert f"{name}: checksum mismatch in bytes" in result["error"] and tensor in result["error"], result
     # Set aside, not deleted: the reason beside its files.
     assert sorted(p.name for p in folder.iterdir()) == ["step-00000005.damaged"]
-    assert f"{name} checksum mismatch" in (folder / "step-00000005.damaged" / "damaged.txt").read_text()
+    assert f"{name}: checksum mismatch" in (folder / "step-00000005.damaged" / "damaged.txt").read_text()
 
 
 def test_resume_sets_the_damaged_newest_aside_and_ends_equal(runs, workers, corpus, tmp_path, check_close):
@@ -90,7 +90,7 @@ def test_resume_sets_the_damaged_newest_aside_and_ends_equal(runs, workers, corp
     errors = {name: rel_err(resumed["params"][name], value) for name, value in runs["straight"]["params"].items()}
     check_close("resume past a damaged checkpoint", errors, 0.0)
     note = (folder / "step-00000010.damaged" / "damaged.txt").read_text()
-    assert "__2_0.distcp checksum mismatch" in note and tensor in note, note
+    assert "__2_0.distcp: checksum mismatch" in note and tensor in note, note
     assert (folder / "step-00000010" / "checksums.json").exists()  # the run's own save at its end
 
 
@@ -134,7 +134,7 @@ def test_verify_cli_verdicts(runs, tmp_path):
     print(out)
     assert code == 1, out
     assert "__0_0.distcp: damaged: checksum mismatch in bytes" in out
-    assert "__1_0.distcp: damaged: size differs" in out
+    assert "__1_0.distcp: damaged: truncated (size differs: " in out
     assert "rng/rank3.pt: missing" in out
     assert "stray.bin: not in manifest" in out
     assert "NOT OK: __0_0.distcp, __1_0.distcp, rng/rank3.pt, stray.bin" in out
@@ -150,7 +150,7 @@ def test_verify_cli_without_a_manifest_checks_the_structure(runs, tmp_path):
     cut.write_bytes(cut.read_bytes()[:-100])
     code, out = _verify(ckpt)
     print(out)
-    assert code == 1 and "__2_0.distcp: damaged: size differs" in out, out
+    assert code == 1 and "__2_0.distcp: damaged: truncated (size differs: " in out, out
 
 
 @pytest.mark.parametrize("fast", [True, False], ids=["fast-writer", "stock-writer"])

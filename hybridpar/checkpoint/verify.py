@@ -85,7 +85,7 @@ class LoadCheck:
 
     def __init__(self, folder: Path, rank: int, world: int) -> None:
         self.folder, self.rank, self.world = Path(folder), rank, world
-        self.error: Optional[CheckpointDamagedError] = None
+        self.error: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None
         try:
             self.manifest = read_manifest(self.folder) if checksums_enabled() else {}
@@ -105,12 +105,16 @@ class LoadCheck:
             self._thread.start()
 
     def _check(self, names: list[str]) -> None:
-        for name in names:
-            if (found := check_file(self.folder, name, self.manifest[name])) is not None:
-                self.error = damaged(self.folder, name, found)
-                return
+        try:
+            for name in names:
+                if (found := check_file(self.folder, name, self.manifest[name])) is not None:
+                    self.error = damaged(self.folder, name, found)
+                    return
+        except Exception as err:  # noqa: BLE001 - e.g. a file that cannot be opened: the load fails with it
+            self.error = err
 
-    def join(self) -> Optional[CheckpointDamagedError]:
+    def join(self) -> Optional[BaseException]:
+        """The damage found (CheckpointDamagedError) or why checking failed; None when all is intact."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None

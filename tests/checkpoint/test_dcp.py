@@ -39,6 +39,18 @@ def _config(corpus, folder, run_dir, layout, **overrides):
                                        "checkpoint.at_end": True, "optim.warmup_steps": 3, **overrides})
 
 
+def write_params(checkpoint, params: dict) -> None:
+    """Rewrite a checkpoint's params.json as another writer (an older hybridpar, a converter) saved it,
+    its manifest entry included: these tests are about what the fields say, not about damaged bytes."""
+    from hybridpar.checkpoint import checksums
+
+    text = json.dumps(params)
+    (checkpoint / "params.json").write_text(text)
+    manifest = json.loads((checkpoint / checksums.MANIFEST).read_text())
+    manifest["files"]["params.json"] = checksums.entry_of(text.encode())
+    (checkpoint / checksums.MANIFEST).write_text(json.dumps(manifest))
+
+
 _RUNS: dict = {}  # layout -> its runs, made once per test session
 
 
@@ -209,7 +221,7 @@ def test_settings_that_do_not_shape_the_weights_do_not_block_a_load(mp2_dp2_runs
     shutil.copytree(source, copy)
     params = json.loads((copy / "params.json").read_text())
     params.update(max_seq_len=params["max_seq_len"] * 2, embedding_split="vocab")
-    (copy / "params.json").write_text(json.dumps(params))
+    write_params(copy, params)
     config = _config(corpus, tmp_path / "ckpt", tmp_path / "run", (2, 2, 1), **{"checkpoint.init_from": str(copy)})
     assert workers(4).run(_case_load_error, config)[0] == "no error"
 
@@ -275,7 +287,7 @@ def _case_tie_mismatch(folder: str) -> list:
         for field in ("ffn_hidden_size", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                       "rope_original_context", "tie_embeddings"):
             del params[field]
-        (path / "params.json").write_text(json.dumps(params))
+        write_params(path, params)
     dist.barrier()
     untied = ModelArgs.from_preset("debug")
     checkpointer.load(path, Transformer(untied, parallel), None, params_dict(untied))

@@ -59,6 +59,18 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def sharded_state(gb: float, world: int, n_tensors: int = 16) -> torch.nn.Module:
+    """`gb` GB of float32 parameters, 16 tensors split by rows over the ranks."""
+    mesh = init_device_mesh("cpu", (world,))
+    rows = int(gb * 1e9 / 4 / n_tensors / 1024) // world * world
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    for i in range(n_tensors):  # each rank creates only its shard: no rank ever holds the whole state
+        local = torch.randn(rows // world, 1024)
+        model.register_parameter(f"w{i}", torch.nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)])))
+    return model
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gb", type=float, default=1.0, help="total state size")
@@ -69,14 +81,7 @@ def main() -> None:
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
-    n_tensors = 16
-    rows = int(args.gb * 1e9 / 4 / n_tensors / 1024) // world * world
-    torch.manual_seed(0)
-    model = torch.nn.Module()
-    for i in range(n_tensors):  # each rank creates only its shard: no rank ever holds the whole state
-        local = torch.randn(rows // world, 1024)
-        model.register_parameter(f"w{i}", torch.nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)])))
+    model = sharded_state(args.gb, world)
     nbytes = sum(p.numel() * 4 for p in model.parameters())
 
     root = Path(args.folder or tempfile.gettempdir()) / "hybridpar-ckpt-bench"

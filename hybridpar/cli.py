@@ -80,6 +80,13 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_verify(args: argparse.Namespace) -> int:
+    """Check a checkpoint folder's files against its checksums, offline, in this process."""
+    from .checkpoint.verify import verify_folder
+
+    return verify_folder(Path(args.path))
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     """Load a checkpoint, continue each prompt, rank 0 prints (under torchrun with mp ranks, or alone).
 
@@ -252,6 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="--to hf/dcp: the context length recorded (max_position_embeddings); default: the "
                               "source's max_seq_len (2048 for a Meta folder, whose params.json has none)")
     convert.set_defaults(func=_cmd_convert)
+    verify = sub.add_parser("verify", help="check a checkpoint folder's files against the checksums saved with it")
+    verify.add_argument("path", help="one checkpoint folder, e.g. checkpoints/step-00000100")
+    verify.set_defaults(func=_cmd_verify)
     gen = sub.add_parser("generate", help="continue prompts with a trained model (greedy or top-p, KV cache)")
     gen.add_argument("--checkpoint", required=True, help="a hybridpar checkpoint (or a folder of them), a Meta folder or a Hugging Face folder")
     gen.add_argument("--tokenizer", required=True,

@@ -6,11 +6,15 @@ A checkpoint is a folder `step-00000100/` holding:
     params.json               the model's shape (ModelArgs), checked before anything is loaded
     train_state.json          step, lr schedule, data position (a global sample offset)
     rng/rank{N}.pt            each rank's RNG state (restored when the world size matches)
+    checksums.json            size and CRC-32C of every other file, summed as it was written
+                              (checkpoint.checksums); loads check them (checkpoint.verify)
 
 Every rank writes into `step-00000100.partial/`; once all have, rank 0 writes train_state.json and
 renames the folder. A crash mid-save leaves the `.partial` folder, which resuming ignores and the
 next save removes. Checkpoints beyond `keep` are renamed `*.deleting` (never listed again) and
 removed by a background thread. A file system shared by the ranks is assumed, as DCP's storage does.
+Resuming loads the newest intact checkpoint: one whose bytes are damaged is renamed `*.damaged` (kept,
+never listed or deleted) and the one before it is loaded.
 
 A full disk is said once, on every rank alike (CheckpointDiskFullError): before a save whose size
 (space.checkpoint_bytes) exceeds the free space, nothing is written; a save that runs out of space
@@ -50,16 +54,16 @@ from ..fastpaths.optimizer_state import allocate_optimizer_state
 from ..files import (STAGING_SUFFIX, DiskFullError, atomic_output, begin_staging, commit_staged, disk_full_message,
                      free_bytes, fsync_dir, staging_path, write_text_atomic)
 from ..mesh import ParallelDims
+from ..progress import note
 from ..ranks import gather_objects, on_rank0, raise_if_any_failed
-from .reader import CheckpointReadError, SafeLoadPlanner
+from . import checksums
+from .reader import CheckpointDamagedError, CheckpointError, CheckpointReadError, SafeLoadPlanner
 from .space import checkpoint_bytes, join_dcp_writers, no_space_reason, remove_folder
+from .verify import LoadCheck, share_load_failure
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 DELETING = ".deleting"
-
-
-class CheckpointError(ValueError):
-    pass
+DAMAGED = ".damaged"  # a damaged checkpoint set aside; no listing or clean-up matches it
 
 
 class CheckpointDiskFullError(CheckpointError, DiskFullError):
@@ -152,12 +156,13 @@ class Checkpointer:
             except Exception as err:  # noqa: BLE001 - shared below, so every rank fails alike
                 error = err
             raise_if_any_failed(error, f"write {partial}", error_type=CheckpointError)
+            writer = self._writer(partial)
             if self.async_save:
-                future = dcp.async_save(state, storage_writer=self._writer(partial), process_group=self._async_group)
-                self._pending = (future, partial, meta)
+                future = dcp.async_save(state, storage_writer=writer, process_group=self._async_group)
+                self._pending = (future, partial, meta, writer)
             else:
-                dcp.save(state, storage_writer=self._writer(partial))
-                self._finish(partial, meta)
+                dcp.save(state, storage_writer=writer)
+                self._finish(partial, meta, writer)
 
         self._said_if_full(partial, needed, write)
         return final
@@ -166,17 +171,17 @@ class Checkpointer:
     def _writer(folder: Path) -> dcp.FileSystemWriter:
         # Two writer threads per rank: one file is serialised while another is flushed.
         writer = UncheckedWriter if fastpaths.enabled() else dcp.FileSystemWriter
-        return writer(str(folder), thread_count=2)
+        return checksums.summing(writer(str(folder), thread_count=2))
 
     def wait(self) -> None:
         """Complete a pending asynchronous save and the deletion of old checkpoints."""
         if self._pending is not None:
-            future, partial, meta = self._pending
+            future, partial, meta, writer = self._pending
             self._pending = None
 
             def complete() -> None:
                 future.result()
-                self._finish(partial, meta)
+                self._finish(partial, meta, writer)
 
             self._said_if_full(partial, meta["needed"], complete)
         self._join_deleter()
@@ -220,12 +225,16 @@ class Checkpointer:
 
             raise CheckpointDiskFullError(on_rank0(discard, f"remove {partial}", error_type=CheckpointError)) from err
 
-    def _finish(self, partial: Path, meta: dict) -> None:
-        dist.barrier()  # every rank's shards are on disk
+    def _finish(self, partial: Path, meta: dict, writer: dcp.FileSystemWriter) -> None:
+        # The gather waits for every rank: all shards are on disk, and their checksums reach rank 0.
+        summed = {name: entry for files in gather_objects(self._summed(partial, writer)) for name, entry in files.items()}
 
         def commit() -> None:
-            write_text_atomic(partial / "params.json", json.dumps(meta["params"], indent=2))
-            write_text_atomic(partial / "train_state.json", json.dumps(meta["train_state"], indent=2))
+            for name in ("params", "train_state"):
+                text = json.dumps(meta[name], indent=2)
+                write_text_atomic(partial / f"{name}.json", text)
+                summed[f"{name}.json"] = checksums.entry_of(text.encode())
+            checksums.write_manifest(partial, summed)
             # The same step saved again (a re-run) replaces the old copy, which is parked aside first.
             final = partial.with_name(partial.name[: -len(STAGING_SUFFIX)])
             commit_staged(partial, final)
@@ -239,6 +248,15 @@ class Checkpointer:
 
         # Nobody looks for the checkpoint before it exists.
         on_rank0(commit, f"complete {partial}", error_type=CheckpointError)
+
+    def _summed(self, partial: Path, writer: dcp.FileSystemWriter) -> dict[str, dict]:
+        """This rank's files and their checksums: DCP's, summed as written, and its RNG file (a few KiB,
+        summed from the page cache)."""
+        files = checksums.written(writer)
+        rng = f"rng/rank{self.parallel.rank}.pt"
+        if checksums.enabled():
+            files[rng] = checksums.file_checksum(partial / rng)
+        return files
 
     def _delete_in_background(self, paths: list[Path]) -> None:
         # Freeing a large checkpoint's blocks is a noticeable share of a save (bench/README.md).
@@ -266,6 +284,7 @@ class Checkpointer:
              params: dict) -> dict:
         """Load model (and optimizer) state from checkpoint `path` into this layout; returns train_state."""
         path = Path(path)
+        check = LoadCheck(path, self.parallel.rank, self.parallel.world_size)  # the shared small files, now
         metadata = check_checkpoint(path, params, model, needs_optimizer=optimizer is not None)
         if optimizer is None:  # weights only, e.g. to start a new run from them
             state = {"model": get_model_state_dict(model)}
@@ -274,7 +293,7 @@ class Checkpointer:
                 allocate_optimizer_state(model, optimizer, metadata)
             model_sd, optim_sd = get_state_dict(model, optimizer)
             state = {"model": model_sd, "optimizer": optim_sd}
-        self._read(path, state)
+        self._read(path, state, check)
         # DCP reads into the tensors it is given; when those are the parameters themselves (FSDP2's
         # sharded state dict), copying them over again would only cost time.
         if not _is_parameter_storage(state["model"], model):
@@ -287,11 +306,13 @@ class Checkpointer:
             torch.set_rng_state(torch.load(rng, weights_only=True))
         return train_state
 
-    def _read(self, path: Path, state: dict) -> None:
+    def _read(self, path: Path, state: dict, check: LoadCheck) -> None:
         """dcp.load without its planning collectives: DCP's default load plan involves no coordination
-        (each rank reads what its own state dict asks for), so ranks plan alone. One all-reduce
-        afterwards makes every rank fail together when any rank could not read, naming the damaged file."""
+        (each rank reads what its own state dict asks for), so ranks plan alone. The files this rank
+        checks are summed meanwhile. One all-reduce afterwards makes every rank fail together when any
+        rank could not read or found damage, naming the damaged file."""
         error: Optional[BaseException] = None
+        check.start()
         try:
             with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -302,10 +323,43 @@ class Checkpointer:
             error = next(iter(err.failures.values()))[0] if err.failures else RuntimeError(str(err))
         except Exception as err:  # noqa: BLE001 - shared with the other ranks below, then re-raised
             error = err
-        if isinstance(error, CheckpointReadError):  # a damaged file: a refusal, the same on every rank
-            refusal = CheckpointError(str(error))
+        damage = check.join()
+        if damage is not None:  # the cause: whatever the read made of those bytes is a symptom
+            error = damage
+        elif isinstance(error, CheckpointReadError):  # a damaged file: a refusal, the same on every rank
+            refusal = CheckpointDamagedError(str(error))
             refusal.__cause__, error = error, refusal
-        raise_if_any_failed(error, f"load {path}", error_type=CheckpointError)
+        share_load_failure(error, f"load {path}")
+
+    def load_newest_intact(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
+                           params: dict) -> Optional[tuple[Path, dict]]:
+        """Load the newest complete checkpoint whose bytes are intact: (its path, train_state), or None
+        when there is none. A damaged one is renamed `*.damaged` (kept, never deleted) and the previous
+        one is loaded in full, overwriting all that the failed load wrote."""
+        refused = []
+        for path in reversed(complete_checkpoints(self.folder)):
+            try:
+                return path, self.load(path, model, optimizer, params)
+            except CheckpointDamagedError as err:
+                reason = str(err)
+                on_rank0(lambda: _set_aside(path, reason), f"set {path} aside", error_type=CheckpointError)
+                refused.append(f"{path.name}: {reason}")
+        if refused:
+            raise CheckpointError(f"no intact checkpoint in {self.folder}; each was set aside as *{DAMAGED}, newest "
+                                  "first:\n  " + "\n  ".join(refused))
+        return None
+
+
+def _set_aside(path: Path, reason: str) -> Path:
+    """Rename damaged checkpoint `path` out of every listing, with the reason beside its files; say so once."""
+    target, n = path.with_name(path.name + DAMAGED), 1
+    while target.exists():  # the same step damaged before
+        target, n = path.with_name(f"{path.name}{DAMAGED}-{n}"), n + 1
+    path.rename(target)
+    fsync_dir(path.parent)
+    write_text_atomic(target / "damaged.txt", reason + "\n")
+    note(f"warning: checkpoint {path} is damaged, moved aside to {target.name} (kept, not deleted): {reason}")
+    return target
 
 
 def _is_parameter_storage(state: dict, model: torch.nn.Module) -> bool:

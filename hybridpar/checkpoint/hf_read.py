@@ -189,6 +189,29 @@ def expected_hf_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     return {hf_name(name): shape for name, shape in shapes.items()}
 
 
+def _refuse_cut_short(path: Path) -> None:
+    """Name the file and the first tensor a file cut short lost, from what its header records (8 bytes
+    of header size, a JSON header, then each tensor at its data_offsets): safetensors' own error
+    says only that the file is not fully covered."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        header_size = int.from_bytes(head, "little") if len(head) == 8 else None
+        if header_size is None or 8 + header_size > size:
+            raise HFImportError(f"{path} is cut short ({size} bytes): its header is incomplete; download it again")
+        try:
+            header = json.loads(f.read(header_size))
+            ends = {name: 8 + header_size + int(info["data_offsets"][1])
+                    for name, info in header.items() if name != "__metadata__"}
+        except (ValueError, KeyError, TypeError, IndexError):
+            return  # not a header safetensors accepts either: its own error names the problem
+    lost = sorted((end, name) for name, end in ends.items() if end > size)
+    if lost:
+        end, name = lost[0]
+        raise HFImportError(f"{path} is cut short: it has {size} bytes, but its header places {name} up to byte {end} "
+                            f"({len(lost)} tensor(s) lost); the file is truncated: download it again")
+
+
 class _Files:
     """The folder's safetensors files. Headers are read through handles kept open during the checks;
     tensors are read each through its own short-lived handle, so the pages of one tensor at a time
@@ -197,6 +220,7 @@ class _Files:
     def __init__(self, folder: Path, weight_map: dict[str, Path]) -> None:
         self.folder, self.weight_map, self.handles = folder, weight_map, {}
         for path in sorted(set(weight_map.values())):
+            _refuse_cut_short(path)
             self.handles[path] = self._open(path)
 
     @staticmethod

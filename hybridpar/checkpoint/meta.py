@@ -27,6 +27,8 @@ import torch
 
 from models.llama import ModelArgs, meta_ffn_rule
 
+from .pth_check import cut_short, unsafe_global
+
 PARAMS_JSON = "params.json"
 SIDECAR_JSON = "hybridpar.json"
 SHARD_FILE = re.compile(r"^consolidated\.(\d+)\.pth$")
@@ -98,6 +100,10 @@ def _fmt(shape: Sequence[int]) -> str:
 # Opening a consolidated file is part of the format: weights only, memory-mapped.
 def _load_file(path: Path, verify_checksums: bool = False) -> dict[str, torch.Tensor]:
     """Open one consolidated file without reading its tensors into memory (mmap), weights only."""
+    short = cut_short(path)  # from the zip's own records, before torch.load maps bytes that are not there
+    if short is not None:
+        raise MetaCheckpointError(f"{path} cannot be read (cut short: {short}): the file is truncated or corrupt; "
+                                  "copy or download it again")
     try:
         if zipfile.is_zipfile(path):
             if verify_checksums:
@@ -116,6 +122,11 @@ def _load_file(path: Path, verify_checksums: bool = False) -> dict[str, torch.Te
     except MetaCheckpointError:
         raise
     except Exception as err:  # noqa: BLE001 - any failure to parse means a damaged file
+        if (named := unsafe_global(err)) is not None:
+            raise MetaCheckpointError(
+                f"{path}: unsafe pickle refused: loading it would import and run {named}, which a file of "
+                "weights never needs; use only files from a source you trust (Meta's consolidated files hold "
+                "tensors alone)") from err
         # The first sentence only: torch's own advice (e.g. "retry with weights_only=False") does not apply.
         first_line = (str(err).strip().splitlines() or [""])[0].split(". ")[0][:200]
         raise MetaCheckpointError(

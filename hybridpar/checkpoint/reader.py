@@ -1,4 +1,4 @@
-"""Loading a DCP checkpoint safely: SafeLoadPlanner, and the error a damaged checkpoint raises.
+"""Loading a DCP checkpoint safely: SafeLoadPlanner, and the errors a refused checkpoint raises.
 
 SafeLoadPlanner is DCP's default load planner except that a non-tensor value (an optimizer's
 hyperparameters, say) is unpickled only when torch.load's weights_only unpickler accepts it: the
@@ -14,7 +14,17 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 
 class CheckpointReadError(ValueError):
-    pass
+    """A reader's refusal of bytes it cannot use (a file cut short, a damaged archive, a value that
+    is not plain data)."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be saved or loaded here, with what to change."""
+
+
+class CheckpointDamagedError(CheckpointError):
+    """A checkpoint whose bytes are not the ones written (a checksum mismatch, a file cut short or
+    missing): resuming sets it aside and loads an older one."""
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

@@ -57,6 +57,11 @@ def zip_reader(file):
     return torch._C.PyTorchFileReader(file)
 
 
+def pickled_storage_dtype(name: str) -> torch.dtype:
+    """The dtype a torch.save pickle means by a storage class name ("FloatStorage", "BFloat16Storage")."""
+    return torch.storage._get_dtype_from_pickle_storage_type(name)
+
+
 def stored_data_offset(tensor: torch.Tensor) -> Optional[int]:
     """Where the bytes of a tensor that torch.load put on the "meta" device start in its archive;
     None when this torch does not record it."""

@@ -146,9 +146,9 @@ class Trainer:
             refuse_occupied(self.checkpointer.folder, "checkpoint.resume is false; set checkpoint.resume = true to "
                             "continue that run, or give this run its own output.run_dir or checkpoint.folder",
                             error_type=ConfigError, listing=("checkpoints", complete_checkpoints))
-        latest = latest_checkpoint(self.checkpointer.folder)
-        if latest is not None:
-            state = self.checkpointer.load(latest, self.model, self.optimizer, params)
+        found = self.checkpointer.load_newest_intact(self.model, self.optimizer, params)  # sets damaged ones aside
+        if found is not None:
+            latest, state = found
             self.step = state["step"]
             self.scheduler.load_state_dict(state["scheduler"])
             self.loader.load_state_dict(state["data"])

@@ -1,5 +1,6 @@
 """Sharded checkpoints: bit-exact resume in new processes, resharding to other layouts, crash safety."""
 
+import io
 import json
 import re
 import shutil
@@ -36,6 +37,18 @@ def _config(corpus, folder, run_dir, layout, **overrides):
     return make_config(corpus, run_dir, mp=mp, dp_shard=dp_shard, dp_replicate=dp_replicate, strategy=strategy, dp=dp,
                        steps=STEPS, **{"checkpoint.folder": str(folder), "checkpoint.resume": True,
                                        "checkpoint.at_end": True, "optim.warmup_steps": 3, **overrides})
+
+
+def write_params(checkpoint, params: dict) -> None:
+    """Rewrite a checkpoint's params.json as another writer (an older hybridpar, a converter) saved it,
+    its manifest entry included: these tests are about what the fields say, not about damaged bytes."""
+    from hybridpar.checkpoint import checksums
+
+    text = json.dumps(params)
+    (checkpoint / "params.json").write_text(text)
+    manifest = json.loads((checkpoint / checksums.MANIFEST).read_text())
+    manifest["files"]["params.json"] = checksums.entry_of(text.encode())
+    (checkpoint / checksums.MANIFEST).write_text(json.dumps(manifest))
 
 
 _RUNS: dict = {}  # layout -> its runs, made once per test session
@@ -116,6 +129,11 @@ def test_async_save_resumes_like_sync(mp2_dp2_runs, workers, corpus, tmp_path):
     workers(4).run(_case_run, config, HALF)
     resumed = workers(4).run(_case_run, _config(corpus, tmp_path / "ckpt", tmp_path / "run2", (2, 2, 1)))[0]
     assert resumed["start"] == HALF and resumed["losses"] == s["straight"]["losses"][HALF:]
+    # The background writes summed their files too: every checkpoint's manifest matches its bytes.
+    from hybridpar.checkpoint.verify import verify_folder
+
+    for step in sorted((tmp_path / "ckpt").glob("step-*")):
+        assert verify_folder(step, io.StringIO()) == 0, step
 
 
 def _case_die_during_save(config, die_at_step):
@@ -203,7 +221,7 @@ def test_settings_that_do_not_shape_the_weights_do_not_block_a_load(mp2_dp2_runs
     shutil.copytree(source, copy)
     params = json.loads((copy / "params.json").read_text())
     params.update(max_seq_len=params["max_seq_len"] * 2, embedding_split="vocab")
-    (copy / "params.json").write_text(json.dumps(params))
+    write_params(copy, params)
     config = _config(corpus, tmp_path / "ckpt", tmp_path / "run", (2, 2, 1), **{"checkpoint.init_from": str(copy)})
     assert workers(4).run(_case_load_error, config)[0] == "no error"
 
@@ -271,7 +289,7 @@ def _case_tie_mismatch(folder: str) -> list:
         for field in ("ffn_hidden_size", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                       "rope_original_context", "tie_embeddings"):
             del params[field]
-        (path / "params.json").write_text(json.dumps(params))
+        write_params(path, params)
     dist.barrier()
     untied = ModelArgs.from_preset("debug")
     checkpointer.load(path, Transformer(untied, parallel), None, params_dict(untied))

@@ -266,6 +266,24 @@ def test_a_shard_the_index_lists_but_the_folder_lacks(workers, folders, tmp_path
     assert "finish the download" in message
 
 
+def test_a_file_cut_short_names_the_tensor_it_lost(folders, tmp_path):
+    import shutil
+
+    from hybridpar.checkpoint.hf_read import HFImportError, _refuse_cut_short
+
+    folder = Path(shutil.copytree(folders(), tmp_path / "hf"))
+    path = sorted(folder.glob("model-*.safetensors"))[1]
+    header_end = 8 + int.from_bytes(path.read_bytes()[:8], "little")
+    header = json.loads(path.read_bytes()[8:header_end])
+    last = max((n for n in header if n != "__metadata__"), key=lambda n: header[n]["data_offsets"][1])
+    path.write_bytes(path.read_bytes()[:-5])
+    with pytest.raises(HFImportError) as info:
+        _refuse_cut_short(path)
+    message = str(info.value)
+    assert f"{path} is cut short: it has {path.stat().st_size} bytes, but its header places {last} up to byte" in message
+    assert "download it again" in message
+
+
 def test_a_tensor_of_the_wrong_shape(workers, folders, tmp_path):
     import shutil
 

@@ -112,6 +112,32 @@ def test_truncated_file_is_named(broken):
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     message = _read_error(folder)
     assert f"{path} cannot be read (" in message and "truncated or corrupt" in message, message
+    # Named from the zip's own records: the first tensor whose bytes the file lacks.
+    assert f"cut short: it has {path.stat().st_size} bytes, but the bytes of " in message, message
+
+
+def test_lost_zip_directory_is_named(broken):
+    folder = broken()
+    path = folder / "consolidated.02.pth"
+    path.write_bytes(path.read_bytes()[:-10])  # every tensor there, the directory written last is not
+    message = _read_error(folder)
+    assert "every tensor's bytes are there, but the zip directory torch.save writes last is cut off" in message, message
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return print, ("this pickle ran code",)
+
+
+def test_unsafe_pickle_is_refused_as_such(broken):
+    folder = broken()
+    path = folder / "consolidated.00.pth"
+    state = torch.load(path, weights_only=True)
+    state["extra"] = _RunsCode()
+    torch.save(state, path)
+    message = _read_error(folder)
+    assert f"{path}: unsafe pickle refused: loading it would import and run " in message and "print" in message, message
+    assert "truncated" not in message, message
 
 
 def test_garbage_file_is_named(broken):

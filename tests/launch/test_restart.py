@@ -1,7 +1,7 @@
 """Two torchrun agents on loopback (two "nodes", no Slurm) running the command launch/slurm.sh builds;
 then the same job with one rank killed by SIGKILL mid-run: torchrun restarts every rank, they resume
 from the newest complete checkpoint, and the run ends bit-exactly where the uninterrupted one did;
-and the same job stopped with SIGTERM to one agent: it saves the step it is in and a second job
+and the same job stopped with SIGTERM to its agents: it saves the step it is in and a second job
 continues from there to the same end."""
 
 from __future__ import annotations
@@ -138,11 +138,12 @@ def _assert_ends_like(uninterrupted, run_dir: Path, job_dir: Path, tmp_path: Pat
           f"{len(a)} model and optimizer tensors bit-identical")
 
 
-def test_sigterm_to_one_agent_saves_the_step_in_progress_and_the_next_job_continues(uninterrupted, corpus, tmp_path):
+def test_sigterm_to_the_agents_saves_the_step_in_progress_and_the_next_job_continues(uninterrupted, corpus, tmp_path):
     """No periodic checkpoint is due (every 100 steps): the stop's own checkpoint is all there is.
-    Node 0's agent gets SIGTERM (scancel, a preemption) and forwards it to its ranks; node 1's ranks
-    hear of it through the vote and stop after the same step; the signalled agent exits in seconds
-    (within torchrun's 30 s grace), the other with 0, and no watchdog verdict is printed."""
+    Both agents get SIGTERM, as scancel or a preemption sends it to every task, and pass it to
+    their ranks, which stop after the same step and save; the agents exit within torchrun's 30 s
+    grace, and no watchdog verdict is printed. (One rank alone signalled: tests/train/test_stop.py.
+    One agent alone is not a launcher's case: the other then waits in torchrun's exit barrier.)"""
     run_dir = tmp_path / "stopped"
     procs, logs, job_dir = _launch(corpus, run_dir, max_restarts=1, every=100)
     try:
@@ -150,20 +151,20 @@ def test_sigterm_to_one_agent_saves_the_step_in_progress_and_the_next_job_contin
         while not (job_dir / "metrics.jsonl").exists() or len((job_dir / "metrics.jsonl").read_text().splitlines()) < 3:
             assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, "no step 3"
             time.sleep(0.05)
-        os.kill(procs[0].pid, signal.SIGTERM)
+        for proc in procs:
+            os.kill(proc.pid, signal.SIGTERM)
         sent = time.monotonic()
-        codes = [procs[0].wait(timeout=60)]
-        took = time.monotonic() - sent  # node 1's agent then retries its rendezvous's shutdown for a while
-        codes.append(procs[1].wait(timeout=120))
+        codes = [proc.wait(timeout=60) for proc in procs]
+        took = time.monotonic() - sent
     finally:
         for proc in procs:
             stop_session(proc)
     out = "\n".join(log.read_text() for log in logs)
     stopped = re.findall(r"hybridpar: stopped on SIGTERM after step (\d+); checkpoint (\S+)\.", out)
-    print(f"\nSIGTERM to agent 0: it exited after {took:.1f} s; exit codes {codes}; {stopped}")
+    print(f"\nSIGTERM to both agents: they exited after {took:.1f} s; exit codes {codes}; {stopped}")
     assert len(stopped) == 1, out[-6000:]
     step = int(stopped[0][0])
-    assert 3 <= step < STEPS and codes[1] == 0, out[-6000:]
+    assert 3 <= step < STEPS, out[-6000:]
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"step-{step:08d}"]
     assert "hybridpar watchdog" not in out and took < 30, out[-6000:]
     assert json.loads((job_dir / "stopped.json").read_text())["step"] == step

@@ -10,6 +10,7 @@ order into Meta's interleaved pairs (the inverse of hf.rope_permutation, within 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Optional, Union
 

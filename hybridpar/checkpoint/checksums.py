@@ -29,7 +29,7 @@ from ..files import write_text_atomic
 ALGORITHM = "crc32c"
 MANIFEST = "checksums.json"
 ENV = "HYBRIDPAR_CHECKSUMS"
-_CHUNK = 8 << 20  # bytes read at a time when summing a file: large enough to keep the disk streaming
+CHUNK = 8 << 20  # bytes read at a time when summing a file: large enough to keep the disk streaming
 
 
 def enabled() -> bool:
@@ -66,7 +66,7 @@ def first_difference(path: Path, want: dict) -> Optional[tuple[int, int]]:
 def file_checksum(path: Path, progress: Optional[Callable[[int], Any]] = None) -> dict:
     """The manifest entry of the file at `path` as it is now (size and checksum of its bytes)."""
     value, size = 0, 0
-    buf = bytearray(_CHUNK)
+    buf = bytearray(CHUNK)
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
         if hasattr(os, "posix_fadvise"):

@@ -1,12 +1,14 @@
 """Checking a checkpoint's files against its manifest (checkpoint.checksums): while a load reads
 them, and offline (`hybridpar verify`).
 
-On load each file is summed in full by one rank, the rank that wrote it at the same layout (the
-one that reads it, from the page cache), in a thread beside the read; at another layout (resharding)
-the files are dealt round-robin by the rank in their names, so every file is checked once whichever
-ranks read its parts. The small files every rank reads (.metadata, params.json, train_state.json)
-are checked by every rank before anything is read. A checkpoint saved without a manifest loads
-unverified, with a note.
+On load every file is checked by one rank, its owner: the rank in its name modulo the world size,
+which at the same layout is the rank that wrote it and reads it. The manifest records the running
+checksum at every stored item's edge, so each item is checked on its own: the fast reader sums the
+items it reads whole from the bytes it already holds, and the owner reads again only the items no
+read covered (bytes values; parts other ranks read after resharding). Without the fast reader, files
+are summed whole in a thread beside the read. The small files every rank reads (.metadata,
+params.json, train_state.json) are checked by every rank before anything is read. A checkpoint saved
+without a manifest loads unverified, with a note.
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ import threading
 from pathlib import Path
 from typing import Callable, Optional, TextIO
 
+import crc32c
 from torch.distributed.checkpoint import FileSystemReader
 
 from ..progress import Progress, note
 from ..ranks import gather_objects, mark_every_rank, raise_if_any_failed
-from .checksums import MANIFEST, enabled as checksums_enabled, file_checksum, first_difference, read_manifest, same
+from .checksums import (ALGORITHM, CHUNK, MANIFEST, enabled as checksums_enabled, file_checksum, first_difference,
+                        read_manifest, same)
 from .reader import CheckpointDamagedError, CheckpointError
 
 _OWNER = re.compile(r"^(?:__(\d+)_\d+\.distcp|rng/rank(\d+)\.pt)$")
@@ -87,6 +91,7 @@ class LoadCheck:
         self.folder, self.rank, self.world = Path(folder), rank, world
         self.error: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None
+        self._sums: Optional[dict] = None
         try:
             self.manifest = read_manifest(self.folder) if checksums_enabled() else {}
         except ValueError as err:
@@ -98,8 +103,20 @@ class LoadCheck:
             if (found := check_file(self.folder, name, self.manifest[name])) is not None:
                 raise damaged(self.folder, name, found)
 
-    def start(self) -> None:
-        mine = sorted(n for n in self.manifest if owner(n, self.world) == self.rank)
+    def _owned(self) -> list[str]:
+        return sorted(n for n in self.manifest if owner(n, self.world) == self.rank)
+
+    def seeds(self) -> dict[tuple[str, int], int]:
+        """{(file, offset): running checksum before it} at every item edge of the files this rank
+        checks: what a summing reader continues from (fastpaths.dcp_reader)."""
+        return {(name, pos): value for name in self._owned() if name.endswith(".distcp")
+                for pos, value, _, _ in _intervals(self.manifest[name])}
+
+    def start(self, sums: Optional[dict[tuple[str, int], tuple[int, int]]] = None) -> None:
+        """Begin checking beside the read. `sums`: the dict a summing reader fills during it (join()
+        then checks item by item); without it, this rank's files are summed whole in a thread."""
+        self._sums = sums
+        mine = [n for n in self._owned() if sums is None or not n.endswith(".distcp")]
         if mine:
             self._thread = threading.Thread(target=self._check, args=(mine,), name="ckpt-verify", daemon=True)
             self._thread.start()
@@ -118,7 +135,50 @@ class LoadCheck:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self._sums is not None and self.error is None:
+            try:
+                for name in self._owned():
+                    if name.endswith(".distcp") and (found := self._check_items(name)) is not None:
+                        self.error = damaged(self.folder, name, found)
+                        break
+            except Exception as err:  # noqa: BLE001 - as in _check
+                self.error = err
+        self._sums = None
         return self.error
+
+    def _check_items(self, name: str) -> Optional[tuple[str, Span]]:
+        """File `name` item by item: the reader's sums where it read an item whole, the file's bytes
+        (read once more, in order) for the rest."""
+        want = self.manifest[name]
+        path = self.folder / name
+        if not path.is_file() or path.stat().st_size != want["size"]:
+            return check_file(self.folder, name, want)  # says missing or which size
+        with open(path, "rb", buffering=0) as f:
+            for start, seed, stop, expected in _intervals(want):
+                length, value = self._sums.get((name, start), (None, None))
+                if length != stop - start:
+                    value = _sum_range(f, start, stop, seed)
+                if value != expected:
+                    return f"checksum mismatch in bytes {start}..{stop}", (start, stop)
+        return None
+
+
+def _intervals(want: dict) -> list[tuple[int, int, int, int]]:
+    """A manifest entry's stretches between consecutive marks (one stored item each in a .distcp
+    file): (start, checksum before it, stop, checksum up to stop)."""
+    edges = [(0, 0)] + [(int(pos), int(v, 16)) for pos, v in want.get("marks", [])] + [(int(want["size"]), int(want[ALGORITHM], 16))]
+    return [(a, va, b, vb) for (a, va), (b, vb) in zip(edges, edges[1:]) if b > a]
+
+
+def _sum_range(f, start: int, stop: int, value: int) -> int:
+    """CRC-32C of bytes start..stop of open file `f`, continuing from `value`."""
+    f.seek(start)
+    while start < stop:
+        data = f.read(min(CHUNK, stop - start))
+        if not data:
+            break
+        value, start = crc32c.crc32c(data, value), start + len(data)
+    return value
 
 
 def share_load_failure(error: Optional[BaseException], what: str) -> None:

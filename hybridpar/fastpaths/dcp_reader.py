@@ -12,6 +12,8 @@ known (offset, length) in a `.distcp` file. This reader
     the GIL), so every thread reads forward through its part of a file.
 Items it does not handle (non-tensor values, stream transforms such as compression) go to the stock
 reader unchanged, so any checkpoint the stock reader loads, this one loads too.
+Given `seeds` (checkpoint.verify's), it sums each item it read whole with CRC-32C from the bytes it
+already holds, continuing from the item's seed, into `sums`: the load's check then needs no second read.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ import itertools
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
+
+import crc32c
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -35,6 +40,7 @@ from ..compat.torch import stored_data_offset, zip_reader
 @dataclasses.dataclass(eq=False)  # items are told apart by identity (they hold tensors)
 class _Item:
     req: ReadItem
+    name: str  # the file, relative to the checkpoint folder
     path: str
     offset: int  # of the item's archive in the file
     length: int
@@ -44,11 +50,16 @@ class _Item:
 class FastFileSystemReader(FileSystemReader):
     """Drop-in for dcp.FileSystemReader (same files, same results) that reads in place, in threads."""
 
-    def __init__(self, path, thread_count: int = 2) -> None:
+    def __init__(self, path, thread_count: int = 2, seeds: Optional[dict[tuple[str, int], int]] = None,
+                 sums: Optional[dict[tuple[str, int], tuple[int, int]]] = None) -> None:
+        """`seeds`: {(file, item offset): running CRC-32C of the file's bytes before the item}; each such
+        item read whole is summed from its seed into `sums` as {(file, offset): (length, CRC-32C)}."""
         if thread_count < 1:
             raise ValueError(f"thread_count must be >= 1, got {thread_count}")
         super().__init__(path)
         self.thread_count = thread_count
+        self.seeds = seeds or {}
+        self.sums = sums if sums is not None else {}
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
         fast, rest = [], []
@@ -56,17 +67,18 @@ class FastFileSystemReader(FileSystemReader):
             info = self.storage_data[req.storage_index]
             if req.type == LoadItemType.TENSOR and not info.transform_descriptors:
                 path = str(self.fs.concat_path(self.path, info.relative_path))
-                fast.append(_Item(req, path, info.offset, info.length, planner.resolve_tensor(req).detach()))
+                fast.append(_Item(req, info.relative_path, path, info.offset, info.length,
+                                  planner.resolve_tensor(req).detach()))
             else:
                 rest.append(req)
         if fast:
             _check_sizes(fast)
             bins = _balance(fast, self.thread_count)
             if len(bins) == 1:
-                deferred = _read_items(bins[0])
+                deferred = _read_items(bins[0], self.seeds, self.sums)
             else:
                 with ThreadPoolExecutor(len(bins), thread_name_prefix="ckpt-read") as pool:
-                    futures = [pool.submit(_read_items, b) for b in bins]
+                    futures = [pool.submit(_read_items, b, self.seeds, self.sums) for b in bins]
                     deferred = [item for done in futures for item in done.result()]  # re-raises errors
             for item in fast:  # the planner is not thread-safe: commit on this thread
                 if item not in deferred:
@@ -119,7 +131,7 @@ _HEAD = _TAIL = 4096
 _MERGE_GAP = 64 << 10  # ranges closer than this are read as one
 
 
-def _read_items(items: list[_Item]) -> list[_Item]:
+def _read_items(items: list[_Item], seeds: dict, sums: dict) -> list[_Item]:
     """Read each item in place (items in file order); return those left to the stock reader."""
     deferred = []
     for path, group in itertools.groupby(items, key=lambda i: i.path):
@@ -128,7 +140,7 @@ def _read_items(items: list[_Item]) -> list[_Item]:
         try:
             ends = _read_archive_ends(fd, group)
             for item in group:
-                if not _read_item(fd, item, ends):
+                if not _read_item(fd, item, ends, seeds.get((item.name, item.offset)), sums):
                     deferred.append(item)
         finally:
             os.close(fd)
@@ -185,14 +197,27 @@ class _ArchiveView(io.RawIOBase):
         out = memoryview(b).cast("B")
         n = max(0, min(len(out), self.length - self.pos))
         start = self.offset + self.pos
-        for block_start, block in self.blocks:
-            if block_start <= start and start + n <= block_start + len(block):
-                out[:n] = block[start - block_start:start - block_start + n]
-                break
+        held = _held(self.blocks, start, start + n)
+        if held is not None:
+            out[:n] = held
         else:
             n = os.preadv(self.fd, [out[:n]], start) if n else 0
         self.pos += n
         return n
+
+
+def _held(blocks: list[tuple[int, bytes]], start: int, stop: int) -> Optional[memoryview]:
+    """Bytes start..stop of the file if one block read already holds them all."""
+    for block_start, block in blocks:
+        if block_start <= start and stop <= block_start + len(block):
+            return memoryview(block)[start - block_start:stop - block_start]
+    return None
+
+
+def _span(fd: int, start: int, stop: int, blocks: list[tuple[int, bytes]]):
+    """Bytes start..stop of the file, from the blocks read where they hold them."""
+    held = _held(blocks, start, stop)
+    return held if held is not None else os.pread(fd, stop - start, start)
 
 
 def _damaged(item: _Item, why: str) -> CheckpointReadError:
@@ -202,8 +227,9 @@ def _damaged(item: _Item, why: str) -> CheckpointReadError:
     )
 
 
-def _read_item(fd: int, item: _Item, blocks: list[tuple[int, bytes]]) -> bool:
-    """Read one stored tensor (slice) into its destination; False if it needs the stock reader."""
+def _read_item(fd: int, item: _Item, blocks: list[tuple[int, bytes]], seed: Optional[int], sums: dict) -> bool:
+    """Read one stored tensor (slice) into its destination; False if it needs the stock reader. With a
+    `seed`, an item whose stored data was read whole is summed into `sums` (see the class)."""
 
     def view() -> _ArchiveView:
         return _ArchiveView(fd, item.offset, item.length, blocks)
@@ -237,15 +263,22 @@ def _read_item(fd: int, item: _Item, blocks: list[tuple[int, bytes]]) -> bool:
     itemsize = stored.element_size()
     if (wanted.is_contiguous() and target.is_contiguous() and target.dtype == stored.dtype
             and target.device.type == "cpu"):
-        _pread_exact(fd, _bytes_of(target), base + wanted.storage_offset() * itemsize, item)
-        return True
-    # General case: read the span the slice touches, lay the stored strides over it, copy (casting
-    # dtype and moving device as copy_ does in the stock reader).
-    first = wanted.storage_offset()
-    last = first + sum((n - 1) * s for n, s in zip(wanted.shape, wanted.stride()))
-    buf = torch.empty((last - first + 1) * itemsize, dtype=torch.uint8)
-    _pread_exact(fd, buf.numpy(), base + first * itemsize, item)
-    target.copy_(buf.view(stored.dtype).as_strided(wanted.shape, wanted.stride(), 0))
+        data, first = _bytes_of(target), wanted.storage_offset()
+        _pread_exact(fd, data, base + first * itemsize, item)
+    else:
+        # General case: read the span the slice touches, lay the stored strides over it, copy
+        # (casting dtype and moving device as copy_ does in the stock reader).
+        first = wanted.storage_offset()
+        last = first + sum((n - 1) * s for n, s in zip(wanted.shape, wanted.stride()))
+        buf = torch.empty((last - first + 1) * itemsize, dtype=torch.uint8)
+        data = buf.numpy()
+        _pread_exact(fd, data, base + first * itemsize, item)
+        target.copy_(buf.view(stored.dtype).as_strided(wanted.shape, wanted.stride(), 0))
+    if seed is not None and first == 0 and len(data) == nbytes:  # the stored data whole: sum the item
+        value = crc32c.crc32c(_span(fd, item.offset, base, blocks), seed)
+        value = crc32c.crc32c(memoryview(data).cast("B"), value)  # releases the GIL, like the reads
+        value = crc32c.crc32c(_span(fd, base + nbytes, item.offset + item.length, blocks), value)
+        sums[(item.name, item.offset)] = (item.length, value)
     return True
 
 

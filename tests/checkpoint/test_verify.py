@@ -20,15 +20,16 @@ def runs(workers, corpus, tmp_path_factory):
     return _straight_and_half((2, 2, 1), workers, corpus, tmp_path_factory)
 
 
-def flip_bit(checkpoint: Path, name: str) -> str:
-    """Flip one bit in the middle of the largest tensor stored in file `name`; returns that tensor's name."""
+def flip_bit(checkpoint: Path, name: str, where: float = 0.5) -> str:
+    """Flip one bit of the largest tensor stored in file `name`, at fraction `where` of its stored
+    bytes (0.5: in its data; its last byte: the archive's directory); returns that tensor's name."""
     from torch.distributed.checkpoint import FileSystemReader
 
     storage = FileSystemReader(str(checkpoint)).read_metadata().storage_data
     index, info = max(((i, s) for i, s in storage.items() if s.relative_path == name), key=lambda x: x[1].length)
     path = checkpoint / name
     data = bytearray(path.read_bytes())
-    data[info.offset + info.length // 2] ^= 0x10
+    data[info.offset + min(int(info.length * where), info.length - 1)] ^= 0x10
     path.write_bytes(data)
     return index.fqn
 
@@ -52,18 +53,22 @@ def _case_resume(config, fast: bool):
             os.environ[fastpaths.ENV] = before
 
 
-# (layout, fast paths, the damaged file): the file that rank 1 wrote, checked by rank 1 at the same
-# layout; resharded to mp1 x dp2, rank 3's file is checked by rank 1 and read in parts by both ranks.
-CASES = {"mp2-dp2": ((2, 2, 1), True, "__1_0.distcp"), "mp2-dp2-stock-reader": ((2, 2, 1), False, "__1_0.distcp"),
-         "resharded-mp1-dp2": ((1, 2, 1), True, "__3_0.distcp")}
+# (layout, fast paths, the damaged file, where in the tensor's stored bytes): the file that rank 1
+# wrote, checked by rank 1 at the same layout (from the bytes its read holds); resharded to mp1 x dp2,
+# rank 3's file is checked by rank 1 and read in parts by both ranks. The archive's last byte is
+# outside the tensor's data (what the fast reader reads on its own for the sum).
+CASES = {"mp2-dp2": ((2, 2, 1), True, "__1_0.distcp", 0.5),
+         "mp2-dp2-archive-end": ((2, 2, 1), True, "__1_0.distcp", 1.0),
+         "mp2-dp2-stock-reader": ((2, 2, 1), False, "__1_0.distcp", 0.5),
+         "resharded-mp1-dp2": ((1, 2, 1), True, "__3_0.distcp", 0.5)}
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_flipped_bit_is_refused_naming_file_and_tensor(runs, workers, corpus, tmp_path, case):
-    layout, fast, name = CASES[case]
+    layout, fast, name, where = CASES[case]
     folder = tmp_path / "ckpt"
     shutil.copytree(runs["folder"] / "step-00000005", folder / "step-00000005")
-    tensor = flip_bit(folder / "step-00000005", name)
+    tensor = flip_bit(folder / "step-00000005", name, where)
     world = layout[0] * layout[1] * layout[2]
     results = workers(world).run(_case_resume, _config(corpus, folder, tmp_path / "run", layout), fast)
     print(f"\n{results[0]['error']}")
@@ -174,3 +179,44 @@ def test_both_writers_sum_what_they_write(tmp_path, fast):
     for name in (n for n in summed if n.endswith(".distcp")):
         edges = {s.offset for s in storage.values() if s.relative_path == name} - {0}
         assert edges == {pos for pos, _ in summed[name]["marks"]}, name
+
+
+def _case_reread(folder: str):
+    """Save sharded weights with an optimizer's state, load them at the same layout; the bytes the
+    check read again (beside the load's own reads) and the bytes of this rank's .distcp files."""
+    import torch.distributed as dist
+
+    from bench.checkpoint import _ParallelStub, sharded_state
+    from hybridpar.checkpoint import verify
+    from hybridpar.checkpoint.dcp import Checkpointer
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = sharded_state(0.02, world)
+    optimizer = torch.optim.AdamW(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()  # state to save: exp_avg, exp_avg_sq, step
+    checkpointer = Checkpointer(Path(folder), _ParallelStub(rank, world), keep=2)
+    checkpointer.save(1, model, optimizer, {}, {})
+    checkpointer.wait()
+    reread, summed_whole = [], []
+    sum_range, file_checksum = verify._sum_range, verify.file_checksum
+    verify._sum_range = lambda f, a, b, v: (reread.append(b - a), sum_range(f, a, b, v))[1]
+    verify.file_checksum = lambda path, *a: (summed_whole.append(path.name), file_checksum(path, *a))[1]
+    try:
+        checkpointer.load(Path(folder) / "step-00000001", model, optimizer, {})
+    finally:
+        verify._sum_range, verify.file_checksum = sum_range, file_checksum
+    mine = sum(p.stat().st_size for p in (Path(folder) / "step-00000001").glob(f"__{rank}_*.distcp"))
+    return {"reread": sum(reread), "distcp": mine, "summed_whole": summed_whole}
+
+
+def test_a_load_at_the_same_layout_reads_the_tensors_once(workers, tmp_path):
+    # The fast reader sums each item it reads whole; the check reads again only what no read covered
+    # (the optimizer's hyperparameters and the like: bytes values), never a whole .distcp file.
+    for rank, result in enumerate(workers(2).run(_case_reread, str(tmp_path))):
+        print(f"rank {rank}: read again {result['reread']} of its {result['distcp']} .distcp bytes; "
+              f"summed whole: {result['summed_whole']}")
+        assert result["distcp"] > 4_000_000
+        assert result["reread"] < 0.01 * result["distcp"]
+        assert not [n for n in result["summed_whole"] if n.endswith(".distcp")]

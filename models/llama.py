@@ -8,6 +8,10 @@ numbers) are Meta's, so `consolidated.NN.pth` checkpoints map onto this model on
     feed_forward.w1/w3  ColumnParallelLinear      feed_forward.w2  RowParallelLinear
     output  ColumnParallelLinear (logits stay split along the vocabulary)
 
+`sequence_parallel=True` keeps the hidden states between the tensor-parallel regions split along the
+sequence over the mp group (norms and residual adds on 1/mp of the positions); the parameters are the
+same, so any checkpoint loads either way. Generation runs without it.
+
 Differences from Meta's code, invisible in the numbers: F.scaled_dot_product_attention (causal),
 RoPE frequencies computed per call, kv heads replicated across ranks when mp > n_kv_heads.
 Generation: `cache = model.new_cache(batch, max_len)`, then `model(tokens, start_pos=p, cache=cache)`
@@ -20,6 +24,7 @@ import math
 from typing import Optional, Union
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Replicate
@@ -31,6 +36,7 @@ from hybridpar.parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
     copy_to_region,
+    enter_region,
     gather_from_region,
 )
 from hybridpar.parallel.layers import ReplicatedHeadLinear, local_tensor, mp_parameter
@@ -102,17 +108,23 @@ def _chunk_mask(seq: int, start_pos: int, device: torch.device) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    """Meta's RMSNorm: normalise in fp32, cast back, then scale. The weight is replicated over mp."""
+    """Meta's RMSNorm: normalise in fp32, cast back, then scale. The weight is replicated over mp.
+    With sequence parallelism each rank sees part of the positions, so the weight's gradient is
+    summed over the mp group (the weight enters through copy_to_region)."""
 
-    def __init__(self, dim: int, eps: float, parallel: ParallelDims, dtype=None, device=None) -> None:
+    def __init__(self, dim: int, eps: float, parallel: ParallelDims, dtype=None, device=None,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
         self.eps = eps
+        self.group = parallel.mp_group
+        self.sequence_parallel = sequence_parallel
         self.weight = mp_parameter((dim,), Replicate(), parallel, nn.init.ones_, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * local_tensor(self.weight)
+        weight = local_tensor(self.weight)
+        return normed.type_as(x) * (copy_to_region(weight, self.group) if self.sequence_parallel else weight)
 
 
 def _normal(std: float):
@@ -124,6 +136,7 @@ class Attention(nn.Module):
         super().__init__()
         mp, hd = parallel.mp, args.head_dim
         self.group = parallel.mp_group
+        self.sequence_parallel = factory.get("sequence_parallel", False)
         self.head_dim = hd
         self.n_local_heads = args.n_heads // mp
         column = dict(bias=False, gather_output=False, init_method=_normal(init_std), parallel=parallel, **factory)
@@ -149,10 +162,10 @@ class Attention(nn.Module):
         kv_cache: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
         start_pos: int = 0,
     ) -> torch.Tensor:
+        # One entry into the model-parallel region for the three projections: one reduction of the
+        # input's gradient in backward instead of three.
+        x = enter_region(x, self.group, self.sequence_parallel)
         batch, seq, _ = x.shape
-        # One entry into the model-parallel region for the three projections: one all-reduce of
-        # the input's gradient in backward instead of three.
-        x = copy_to_region(x, self.group)
         q = self.wq(x, copy_input=False).view(batch, seq, self.n_local_heads, self.head_dim)
         k = self.wk(x, copy_input=False).view(batch, seq, self.n_local_kv_heads, self.head_dim)
         v = self.wv(x, copy_input=False).view(batch, seq, self.n_local_kv_heads, self.head_dim)
@@ -182,6 +195,7 @@ class FeedForward(nn.Module):
         super().__init__()
         hidden = args.ffn_hidden_dim
         self.group = parallel.mp_group
+        self.sequence_parallel = factory.get("sequence_parallel", False)
         column = dict(bias=False, gather_output=False, init_method=_normal(init_std), parallel=parallel, **factory)
         self.w1 = ColumnParallelLinear(args.dim, hidden, **column)
         self.w3 = ColumnParallelLinear(args.dim, hidden, **column)
@@ -191,7 +205,7 @@ class FeedForward(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_region(x, self.group)  # w1 and w3 share one all-reduce of the input's gradient
+        x = enter_region(x, self.group, self.sequence_parallel)  # w1 and w3 share one reduction of its gradient
         return self.w2(F.silu(self.w1(x, copy_input=False)) * self.w3(x, copy_input=False))
 
 
@@ -222,15 +236,16 @@ class TiedOutput(nn.Module):
     which VocabParallelEmbedding splits on the vocabulary just as the untied head's. It holds no
     parameter: the weight is registered (and saved, and sharded) once, under tok_embeddings."""
 
-    def __init__(self, embedding: nn.Module, parallel: ParallelDims) -> None:
+    def __init__(self, embedding: nn.Module, parallel: ParallelDims, sequence_parallel: bool = False) -> None:
         super().__init__()
         self._embedding = (embedding,)  # a tuple, so that nn.Module does not register it a second time
         self.group = parallel.mp_group
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Looked up per call: FSDP swaps the registered parameter between its sharded and full forms.
         weight = local_tensor(self._embedding[0].weight)
-        return F.linear(copy_to_region(x, self.group), weight)
+        return F.linear(enter_region(x, self.group, self.sequence_parallel), weight)
 
 
 class Transformer(nn.Module):
@@ -249,18 +264,20 @@ class Transformer(nn.Module):
         *,
         dtype: Optional[torch.dtype] = None,
         device: Optional[torch.device] = None,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         args.check(parallel.mp)
         self.args = args
         self.group = parallel.mp_group
-        factory = dict(dtype=dtype, device=device)
+        self.sequence_parallel = sequence_parallel
+        factory = dict(dtype=dtype, device=device, sequence_parallel=sequence_parallel)
         embedding = VocabParallelEmbedding if args.resolved_embedding_split == "vocab" else ParallelEmbedding
         self.tok_embeddings = embedding(args.vocab_size, args.dim, init_method=_normal(0.02), parallel=parallel, **factory)
         self.layers = nn.ModuleList(TransformerBlock(i, args, parallel, **factory) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps, parallel, **factory)
         if args.tie_embeddings:
-            self.output = TiedOutput(self.tok_embeddings, parallel)
+            self.output = TiedOutput(self.tok_embeddings, parallel, sequence_parallel)
         else:
             self.output = ColumnParallelLinear(
                 args.dim, args.vocab_size, bias=False, gather_output=False,
@@ -296,11 +313,17 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence length {end} exceeds max_seq_len = {self.args.max_seq_len}")
         if cache is None and start_pos != 0:
             raise ValueError(f"start_pos = {start_pos} needs a cache holding the earlier positions (model.new_cache)")
+        if cache is not None and self.sequence_parallel:
+            raise ValueError("generation runs without sequence parallelism: set_sequence_parallel(model, False) first")
         if cache is not None and (end > cache.max_len or batch > cache.batch):
             raise ValueError(
                 f"positions up to {end} for {batch} sequences do not fit a cache of max_len {cache.max_len} "
                 f"and batch {cache.batch}; create it with model.new_cache(batch, max_len) large enough"
             )
+        mp = dist.get_world_size(self.group)
+        if self.sequence_parallel and seq % mp:
+            raise ValueError(f"sequence length {seq} is not divisible by mp = {mp}: sequence parallelism gives each "
+                             f"rank seq / mp positions; use a multiple of {mp} or set parallel.sequence_parallel = false")
         positions = torch.arange(start_pos, end, device=tokens.device)
         freqs_cis = rope_frequencies(self.args.head_dim, positions, self.args.rope_theta, self.args.rope_scaling)
         h = self.tok_embeddings(tokens)

@@ -9,6 +9,10 @@ Parameters are DTensors on the mp mesh dimension, so FSDP2, torch.distributed.ch
 gradient clipping see the true global tensor. Forward passes work on the local shards with the
 region functions of `mappings`, which is cheaper than DTensor dispatch for every op.
 
+`sequence_parallel=True` (Megatron's option): the activations outside the layers are split along the
+sequence over the mp group; column-parallel inputs are all-gathered along it and row-parallel (and
+vocab-embedding) outputs reduce-scattered along it instead of all-reduced (mappings).
+
 Initialisation follows fairscale: `init_method` fills the full (master) weight, created alike on
 every rank from the global RNG, and each rank keeps its slice. The same seed therefore gives the
 same full tensors at any mp. Under `torch.device("meta")` nothing is allocated or initialised.
@@ -24,7 +28,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from ..mesh import ParallelDims
-from .mappings import copy_to_region, gather_from_region, reduce_from_region, scatter_to_region
+from .mappings import (copy_to_region, enter_region, gather_from_region, leave_region, scatter_to_region,
+                       scatter_to_sequence_region)
 
 InitMethod = Callable[[torch.Tensor], object]
 
@@ -71,6 +76,15 @@ def mp_parameter(
     return nn.Parameter(DTensor.from_local(local, parallel.mp_mesh, [placement], run_check=False))
 
 
+def set_sequence_parallel(model: nn.Module, on: bool) -> nn.Module:
+    """Turn sequence parallelism on or off in every layer of `model` (the parameters stay as they are:
+    generation, for one, runs without it)."""
+    for module in model.modules():
+        if hasattr(module, "sequence_parallel"):
+            module.sequence_parallel = on
+    return model
+
+
 def local_tensor(param: Optional[nn.Parameter]) -> Optional[torch.Tensor]:
     return param.to_local() if isinstance(param, DTensor) else param
 
@@ -100,26 +114,29 @@ class ColumnParallelLinear(nn.Module):
         parallel: ParallelDims,
         dtype: Optional[torch.dtype] = None,
         device: Optional[torch.device] = None,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         _check_fairscale_options(stride, keep_master_weight_for_test)
         self.in_features, self.out_features = in_features, out_features
         self.gather_output = gather_output
+        self.sequence_parallel = sequence_parallel
         self.group = parallel.mp_group
         self.output_size_per_partition = divide(out_features, parallel.mp, "out_features")
         self.weight = mp_parameter((out_features, in_features), Shard(0), parallel, init_method, dtype, device)
         self.bias = mp_parameter((out_features,), Shard(0), parallel, None, dtype, device) if bias else None
 
     def forward(self, x: torch.Tensor, *, copy_input: bool = True) -> torch.Tensor:
-        """copy_input=False: the caller already passed x through copy_to_region, once for several
-        layers reading the same input (wq, wk, wv), so its gradient is all-reduced once, not per layer."""
+        """copy_input=False: the caller already passed x through enter_region, once for several layers
+        reading the same input (wq, wk, wv), so its gradient is reduced once, not per layer."""
         if copy_input:
-            x = copy_to_region(x, self.group)
+            x = enter_region(x, self.group, self.sequence_parallel)
         y = F.linear(x, local_tensor(self.weight), local_tensor(self.bias))
         return gather_from_region(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, gather_output={self.gather_output}"
+        return (f"in={self.in_features}, out={self.out_features}, gather_output={self.gather_output}"
+                + (", sequence_parallel" if self.sequence_parallel else ""))
 
 
 class RowParallelLinear(nn.Module):
@@ -138,11 +155,16 @@ class RowParallelLinear(nn.Module):
         parallel: ParallelDims,
         dtype: Optional[torch.dtype] = None,
         device: Optional[torch.device] = None,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         _check_fairscale_options(stride, keep_master_weight_for_test)
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence_parallel=True needs input_is_parallel=True (the input "
+                             "split on its last dim, as a column-parallel layer leaves it)")
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel = input_is_parallel
+        self.sequence_parallel = sequence_parallel
         self.group = parallel.mp_group
         self.input_size_per_partition = divide(in_features, parallel.mp, "in_features")
         self.weight = mp_parameter((out_features, in_features), Shard(1), parallel, init_method, dtype, device)
@@ -151,12 +173,13 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_region(x, self.group)
-        y = reduce_from_region(F.linear(x, local_tensor(self.weight)), self.group)
+        y = leave_region(F.linear(x, local_tensor(self.weight)), self.group, self.sequence_parallel)
         # The bias is added once, after the sum, not on every rank's partial product.
         return y + local_tensor(self.bias) if self.bias is not None else y
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, input_is_parallel={self.input_is_parallel}"
+        return (f"in={self.in_features}, out={self.out_features}, input_is_parallel={self.input_is_parallel}"
+                + (", sequence_parallel" if self.sequence_parallel else ""))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -176,8 +199,10 @@ class VocabParallelEmbedding(nn.Module):
         parallel: ParallelDims,
         dtype: Optional[torch.dtype] = None,
         device: Optional[torch.device] = None,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
+        self.sequence_parallel = sequence_parallel
         if max_norm is not None and parallel.mp > 1:
             # Every id outside a rank's range looks up its local row 0, which max_norm would rescale.
             raise ValueError("VocabParallelEmbedding: max_norm is not supported with mp > 1")
@@ -203,7 +228,7 @@ class VocabParallelEmbedding(nn.Module):
             self.norm_type, self.scale_grad_by_freq, self.sparse,
         )
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_region(out, self.group)
+        return leave_region(out, self.group, self.sequence_parallel)
 
 
 class ParallelEmbedding(nn.Module):
@@ -224,9 +249,11 @@ class ParallelEmbedding(nn.Module):
         parallel: ParallelDims,
         dtype: Optional[torch.dtype] = None,
         device: Optional[torch.device] = None,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         _check_fairscale_options(keep_master_weight_for_test=keep_master_weight_for_test)
+        self.sequence_parallel = sequence_parallel
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx, self.max_norm, self.norm_type = padding_idx, max_norm, norm_type
         self.scale_grad_by_freq, self.sparse = scale_grad_by_freq, sparse
@@ -239,7 +266,8 @@ class ParallelEmbedding(nn.Module):
             ids, local_tensor(self.weight), self.padding_idx, self.max_norm,
             self.norm_type, self.scale_grad_by_freq, self.sparse,
         )
-        return gather_from_region(out, self.group)
+        out = gather_from_region(out, self.group)
+        return scatter_to_sequence_region(out, self.group) if self.sequence_parallel else out
 
 
 class ReplicatedHeadLinear(nn.Module):
@@ -261,8 +289,10 @@ class ReplicatedHeadLinear(nn.Module):
         parallel: ParallelDims,
         dtype: Optional[torch.dtype] = None,
         device: Optional[torch.device] = None,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
+        self.sequence_parallel = sequence_parallel
         if parallel.mp % n_heads:
             raise ValueError(
                 f"mp = {parallel.mp} is not a multiple of the {n_heads} heads to replicate; "
@@ -276,7 +306,7 @@ class ReplicatedHeadLinear(nn.Module):
     def forward(self, x: torch.Tensor, *, copy_input: bool = True) -> torch.Tensor:
         """copy_input as in ColumnParallelLinear."""
         if copy_input:
-            x = copy_to_region(x, self.group)
+            x = enter_region(x, self.group, self.sequence_parallel)
         weight = copy_to_region(local_tensor(self.weight), self.group)
         rows = slice(self.head * self.head_dim, (self.head + 1) * self.head_dim)
         return F.linear(x, weight[rows])

@@ -10,7 +10,16 @@ group is an argument instead of a module-level global:
     gather_from_region  forward all-gather along the  backward keep my slice
                         last dim
 
-With a group of one rank every function is the identity and issues no collective.
+Sequence parallelism (Megatron's, torchtitan's) splits the activations between regions along the
+sequence (dim 1 of [batch, seq, dim]) over the same group; its pair replaces copy and reduce:
+
+    gather_from_sequence_region     forward all-gather along seq  backward reduce-scatter
+    reduce_scatter_to_sequence_region  forward reduce-scatter     backward all-gather
+                                    along seq
+    scatter_to_sequence_region      forward keep my part of seq   backward all-gather
+
+enter_region / leave_region pick the pair for a layer's setting. With a group of one rank every
+function is the identity and issues no collective.
 """
 
 from __future__ import annotations
@@ -19,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from ..compat.torch import all_gather_single
+from ..compat.torch import all_gather_single, reduce_scatter_single
 
 
 def _all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -43,6 +52,37 @@ def _gather_last_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     all_gather_single(out, x, group=group)
     out = out.view((size,) + tuple(x.shape))
     return out.movedim(0, -2).reshape(*x.shape[:-1], size * x.shape[-1])
+
+
+def _seq_part(seq: int, group: ProcessGroup) -> int:
+    size = dist.get_world_size(group)
+    if seq % size:
+        raise ValueError(f"sequence length {seq} is not divisible by the model-parallel size mp = {size}: sequence "
+                         f"parallelism gives each rank seq / mp positions; use a sequence length that is a multiple "
+                         f"of {size} or set parallel.sequence_parallel = false")
+    return seq // size
+
+
+def _split_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    part = _seq_part(x.shape[1], group)
+    return x.narrow(1, dist.get_rank(group) * part, part).contiguous()
+
+
+def _gather_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    # Along dim 0 of [seq, batch, ...] the ranks' parts are one contiguous buffer each.
+    size = dist.get_world_size(group)
+    x = x.transpose(0, 1).contiguous()
+    out = x.new_empty((size * x.shape[0],) + tuple(x.shape[1:]))
+    all_gather_single(out, x, group=group)
+    return out.transpose(0, 1)
+
+
+def _reduce_scatter_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    part = _seq_part(x.shape[1], group)
+    x = x.transpose(0, 1).contiguous()
+    out = x.new_empty((part,) + tuple(x.shape[1:]))
+    reduce_scatter_single(out, x, group=group)
+    return out.transpose(0, 1)
 
 
 class _Copy(torch.autograd.Function):
@@ -88,6 +128,39 @@ class _Gather(torch.autograd.Function):
         return _split_last_dim(grad, ctx.group), None
 
 
+class _GatherSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_seq(grad, ctx.group), None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_seq(grad, ctx.group), None
+
+
+class _ScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_seq(grad, ctx.group), None
+
+
 def _trivial(group: ProcessGroup) -> bool:
     return dist.get_world_size(group) == 1
 
@@ -110,3 +183,30 @@ def scatter_to_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 def gather_from_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Concatenate every rank's last-dimension slice; the gradient is split again."""
     return x if _trivial(group) else _Gather.apply(x, group)
+
+
+def gather_from_sequence_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """[batch, seq/mp, ...] parts -> the whole [batch, seq, ...]; the gradient is reduce-scattered."""
+    return x if _trivial(group) else _GatherSeq.apply(x, group)
+
+
+def reduce_scatter_to_sequence_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Partial sums [batch, seq, ...] -> this rank's part of their sum [batch, seq/mp, ...]; the
+    gradient is all-gathered."""
+    return x if _trivial(group) else _ReduceScatterSeq.apply(x, group)
+
+
+def scatter_to_sequence_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """A tensor alike on every rank [batch, seq, ...] -> this rank's part [batch, seq/mp, ...]; the
+    gradient is all-gathered."""
+    return x if _trivial(group) else _ScatterSeq.apply(x, group)
+
+
+def enter_region(x: torch.Tensor, group: ProcessGroup, sequence_parallel: bool) -> torch.Tensor:
+    """Into a model-parallel region: copy, or all-gather the sequence parts."""
+    return gather_from_sequence_region(x, group) if sequence_parallel else copy_to_region(x, group)
+
+
+def leave_region(x: torch.Tensor, group: ProcessGroup, sequence_parallel: bool) -> torch.Tensor:
+    """Out of it, summing the ranks' partial results: all-reduce, or reduce-scatter along the sequence."""
+    return reduce_scatter_to_sequence_region(x, group) if sequence_parallel else reduce_from_region(x, group)

@@ -31,7 +31,7 @@ def _forward_backward(model, inputs, targets, parallel):
     return local_logits.detach(), loss.detach(), grads
 
 
-def _case_transformer_matches_mp1(preset: str, mp: int, **fields) -> dict:
+def _case_transformer_matches_mp1(preset: str, mp: int, sequence_parallel: bool = False, **fields) -> dict:
     from hybridpar.parallel.state import full_state_dict, load_full_state_dict
 
     args = ModelArgs.from_preset(preset, **fields)
@@ -39,7 +39,7 @@ def _case_transformer_matches_mp1(preset: str, mp: int, **fields) -> dict:
     torch.manual_seed(0)
     reference = Transformer(args, p1)
     torch.manual_seed(1)  # other weights, then overwritten: the load must do all the work
-    model = Transformer(args, pn)
+    model = Transformer(args, pn, sequence_parallel=sequence_parallel)
     load_full_state_dict(model, full_state_dict(reference))
 
     inputs, targets = _batch(args)
@@ -62,20 +62,23 @@ def _case_transformer_matches_mp1(preset: str, mp: int, **fields) -> dict:
     return errors
 
 
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sequence_parallel"])
 @pytest.mark.parametrize("mp", [2, 4])
 @pytest.mark.parametrize("preset", ["debug", "debug_gqa", "debug_llama2"])
-def test_transformer_matches_mp1(workers, check_close, preset, mp):
-    results = workers(4).run(_case_transformer_matches_mp1, preset, mp)
-    check_close(f"{preset} mp{mp}", results, BOUND)
+def test_transformer_matches_mp1(workers, check_close, preset, mp, sp):
+    # debug_gqa at mp 4: 2 kv heads, each replicated on two ranks; debug_llama2: the embedding split on dim.
+    results = workers(4).run(_case_transformer_matches_mp1, preset, mp, sp)
+    check_close(f"{preset} mp{mp}{' sequence-parallel' if sp else ''}", results, BOUND)
 
 
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sequence_parallel"])
 @pytest.mark.parametrize("mp", [2, 4])
-def test_tied_embeddings_match_mp1(workers, check_close, mp):
+def test_tied_embeddings_match_mp1(workers, check_close, mp, sp):
     """The output head reads the embedding's weight; its gradient sums both uses, at any mp."""
     fields = dict(tie_embeddings=True, use_scaled_rope=True, rope_scaling_factor=32.0)
-    results = workers(4).run(_case_transformer_matches_mp1, "debug_gqa", mp, **fields)
+    results = workers(4).run(_case_transformer_matches_mp1, "debug_gqa", mp, sp, **fields)
     assert not any("output" in name for name in results[0])  # one weight, saved once
-    check_close(f"tied mp{mp}", results, BOUND)
+    check_close(f"tied mp{mp}{' sequence-parallel' if sp else ''}", results, BOUND)
 
 
 def _case_tied_fsdp_step(mp: int, strategy: str) -> dict:

@@ -169,7 +169,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         peak_flops=args.peak_tflops * 1e12, mfu=args.mfu, reserve_gib=args.reserve_gb,
     )
     plan = make_plan(model, workload, hardware, allow_cross_node_mp=args.allow_cross_node_mp,
-                     zero2=args.zero2, ac_every=args.ac_every)
+                     zero2=args.zero2, ac_every=args.ac_every, sequence_parallel=not args.no_sequence_parallel)
     print(format_plan(plan, top=args.top, model_name=Path(args.model).name))
     return 0 if plan.fitting else 1
 
@@ -332,6 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="GiB per GPU kept free for the CUDA context, NCCL and fragmentation (default 4)")
     plan.add_argument("--allow-cross-node-mp", action="store_true", help="also consider mp > GPUs per node")
     plan.add_argument("--zero2", action="store_true", help="also consider not resharding after forward (ZeRO-2)")
+    plan.add_argument("--no-sequence-parallel", action="store_true",
+                      help="plan without sequence parallelism (parallel.sequence_parallel = false)")
     plan.add_argument("--ac-every", type=int, default=2, help="selective AC: checkpoint every k-th block (default 2)")
     plan.add_argument("--top", type=int, default=10, help="layouts to list (default 10)")
     plan.set_defaults(func=_cmd_plan)

@@ -35,6 +35,9 @@ class ParallelConfig:
     dp_replicate: int = 1
     backend: str = ""  # "": nccl with GPUs, gloo without
     init_timeout: float = 600.0  # seconds
+    # With mp > 1: hidden states between the tensor-parallel regions split along the sequence over the
+    # mp group (norm and residual activations / mp; all-gather + reduce-scatter instead of all-reduce).
+    sequence_parallel: bool = True
 
 
 @dataclasses.dataclass

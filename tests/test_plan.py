@@ -36,7 +36,8 @@ def _local_bytes(t) -> int:
     return t.numel() * t.element_size()
 
 
-def _sharded_model(overrides: dict, mp: int, dp_shard: int, dp_replicate: int, ac: str, param_dtype: str):
+def _sharded_model(overrides: dict, mp: int, dp_shard: int, dp_replicate: int, ac: str, param_dtype: str,
+                   sp: bool = False):
     from hybridpar.parallel.fsdp import FSDPConfig, apply_fsdp
     from models.llama import ModelArgs, Transformer
 
@@ -45,7 +46,7 @@ def _sharded_model(overrides: dict, mp: int, dp_shard: int, dp_replicate: int, a
     torch.manual_seed(0)
     strategy = "hybrid_shard" if dp_replicate > 1 else "full_shard"
     # FSDP's own all-gather and reduce-scatter: the planner models the collectives nccl runs.
-    model = apply_fsdp(Transformer(args, parallel), parallel, FSDPConfig(
+    model = apply_fsdp(Transformer(args, parallel, sequence_parallel=sp), parallel, FSDPConfig(
         sharding_strategy=strategy, param_dtype=param_dtype, activation_checkpointing=ac, gloo_all_to_all=False))
     return args, parallel, model
 
@@ -57,13 +58,13 @@ def _batch(args, parallel, micro_batch: int, seq_len: int):
 
 
 def _case_measure(overrides: dict, mp: int, dp_shard: int, ac: str, micro_batch: int, seq_len: int,
-                  param_dtype: str) -> dict:
+                  param_dtype: str, sp: bool) -> dict:
     from torch.autograd.graph import saved_tensors_hooks
     from torch.distributed.tensor import DTensor
 
     from hybridpar.parallel import vocab_parallel_cross_entropy
 
-    args, parallel, model = _sharded_model(overrides, mp, dp_shard, 1, ac, param_dtype)
+    args, parallel, model = _sharded_model(overrides, mp, dp_shard, 1, ac, param_dtype, sp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     inputs, targets = _batch(args, parallel, micro_batch, seq_len)
 
@@ -129,13 +130,13 @@ def _unsharded_grads(model) -> list:
 
 
 def _case_count_collectives(overrides: dict, mp: int, dp_shard: int, dp_replicate: int, ac: str,
-                            micro_batch: int, seq_len: int) -> dict:
+                            micro_batch: int, seq_len: int, sp: bool) -> dict:
     """Bytes given to each collective in one forward + backward (gradient sync on), by mesh group."""
     import torch.distributed as dist
 
     from hybridpar.parallel import vocab_parallel_cross_entropy
 
-    args, parallel, model = _sharded_model(overrides, mp, dp_shard, dp_replicate, ac, "float32")
+    args, parallel, model = _sharded_model(overrides, mp, dp_shard, dp_replicate, ac, "float32", sp)
     inputs, targets = _batch(args, parallel, micro_batch, seq_len)
 
     def step():
@@ -183,29 +184,33 @@ def _workload(layout, micro_batch: int, seq_len: int, param_dtype: str):
                     param_dtype=param_dtype, reduce_dtype="float32")
 
 
-CASES = [  # (model overrides, mp, dp_shard, micro_batch, seq_len, FSDP param_dtype)
-    ({}, 2, 2, 2, 128, "float32"),
-    ({"n_kv_heads": 2}, 4, 1, 2, 64, "float32"),  # mp 4 > 2 kv heads: wk, wv replicated on every mp rank
-    ({}, 2, 2, 2, 128, "bfloat16"),  # the default mixed precision: bf16 compute, fp32 master and reduce
-    ({"tie_embeddings": True}, 2, 2, 2, 128, "float32"),  # no output head parameters; the logits stay
+CASES = [  # (model overrides, mp, dp_shard, micro_batch, seq_len, FSDP param_dtype, sequence parallel)
+    ({}, 2, 2, 2, 128, "float32", False),
+    ({"n_kv_heads": 2}, 4, 1, 2, 64, "float32", False),  # mp 4 > 2 kv heads: wk, wv replicated on every mp rank
+    ({}, 2, 2, 2, 128, "bfloat16", False),  # the default mixed precision: bf16 compute, fp32 master and reduce
+    ({"tie_embeddings": True}, 2, 2, 2, 128, "float32", False),  # no output head parameters; the logits stay
+    # Sequence parallelism: norms on T/mp tokens, the linears save the all-gathered input.
+    ({}, 2, 2, 2, 128, "bfloat16", True),
+    ({"n_kv_heads": 2, "embedding_split": "dim"}, 4, 1, 2, 64, "float32", True),
 ]
 
 
-@pytest.mark.parametrize("overrides,mp,dp_shard,micro_batch,seq_len,param_dtype", CASES)
+@pytest.mark.parametrize("overrides,mp,dp_shard,micro_batch,seq_len,param_dtype,sp", CASES)
 @pytest.mark.parametrize("ac", ["none", "full"])
 def test_memory_estimate_matches_measured(workers, check_close, overrides, mp, dp_shard, micro_batch, seq_len,
-                                         param_dtype, ac):
+                                         param_dtype, sp, ac):
     from hybridpar.plan import Hardware, Layout, estimate
     from models.llama import ModelArgs
 
-    measured_per_rank = workers(4).run(_case_measure, overrides, mp, dp_shard, ac, micro_batch, seq_len, param_dtype)
-    layout = Layout(mp, dp_shard, 4 // (mp * dp_shard), ac)
+    measured_per_rank = workers(4).run(_case_measure, overrides, mp, dp_shard, ac, micro_batch, seq_len, param_dtype,
+                                       sp)
+    layout = Layout(mp, dp_shard, 4 // (mp * dp_shard), ac, sequence_parallel=sp)
     est = estimate(ModelArgs.from_preset("tiny", **overrides), layout,
                    _workload(layout, micro_batch, seq_len, param_dtype), Hardware(gpus=4, gpu_mem_gib=80))
     assert est.grad_accum == 2
     modelled = {"params": est.memory.params, "grads": est.memory.grads, "optimizer": est.memory.optimizer,
                 "activations": est.memory.activations, "accumulated_grads": est.memory.accumulated_grads}
-    print(f"\nmp{mp} x dp_shard {dp_shard}, AC {ac}, {param_dtype}, {overrides or 'tiny'}:")
+    print(f"\n{layout.describe()}, {param_dtype}, {overrides or 'tiny'}:")
     errors = {}
     for key, value in modelled.items():
         worst = max(m[key] for m in measured_per_rank)
@@ -214,24 +219,30 @@ def test_memory_estimate_matches_measured(workers, check_close, overrides, mp, d
     check_close("memory estimate vs measured", errors, TOLERANCE)
 
 
-@pytest.mark.parametrize("overrides,mp,dp_shard,dp_replicate,ac", [
-    ({}, 2, 2, 1, "full"),  # tensor parallel + FSDP, with the recomputation's all-reduces
-    ({"n_kv_heads": 2}, 4, 1, 1, "none"),  # replicated kv heads: their weight gradients are all-reduced
-    ({}, 1, 2, 2, "none"),  # hybrid sharding: reduce-scatter, then all-reduce across replicas
-    ({"tie_embeddings": True}, 2, 2, 1, "none"),  # the shared weight in the root unit, the head's all-reduce
+@pytest.mark.parametrize("overrides,mp,dp_shard,dp_replicate,ac,sp", [
+    ({}, 2, 2, 1, "full", False),  # tensor parallel + FSDP, with the recomputation's all-reduces
+    ({"n_kv_heads": 2}, 4, 1, 1, "none", False),  # replicated kv heads: their weight gradients are all-reduced
+    ({}, 1, 2, 2, "none", False),  # hybrid sharding: reduce-scatter, then all-reduce across replicas
+    ({"tie_embeddings": True}, 2, 2, 1, "none", False),  # the shared weight in the root unit, the head's all-reduce
+    # Sequence parallelism: all-gathers and reduce-scatters along the sequence, the recomputation's,
+    # the norm weights' gradient all-reduces; with the embedding split on dim (Llama 2).
+    ({}, 2, 2, 1, "full", True),
+    ({"n_kv_heads": 2, "embedding_split": "dim"}, 4, 1, 1, "none", True),
 ])
-def test_communication_bytes_match_the_collectives_issued(workers, overrides, mp, dp_shard, dp_replicate, ac):
+def test_communication_bytes_match_the_collectives_issued(workers, overrides, mp, dp_shard, dp_replicate, ac, sp):
     from hybridpar.plan import Layout, collective_bytes
     from models.llama import ModelArgs
 
     micro_batch, seq_len = 2, 64
-    counted = workers(4).run(_case_count_collectives, overrides, mp, dp_shard, dp_replicate, ac, micro_batch, seq_len)
+    counted = workers(4).run(_case_count_collectives, overrides, mp, dp_shard, dp_replicate, ac, micro_batch, seq_len,
+                             sp)
     assert all(c == counted[0] for c in counted), counted
-    layout = Layout(mp, dp_shard, dp_replicate, ac)
+    layout = Layout(mp, dp_shard, dp_replicate, ac, sequence_parallel=sp)
     comm = collective_bytes(ModelArgs.from_preset("tiny", **overrides), layout,
                             _workload(layout, micro_batch, seq_len, "float32"))
     # One micro-batch with gradient sync: every per-micro-batch and per-step term once.
-    modelled = {"all_reduce mp": comm.tp_all_reduce, "all_gather_single dp_shard": comm.fsdp_all_gather,
+    modelled = {"all_reduce mp": comm.tp_all_reduce, "all_gather_single mp": comm.tp_all_gather,
+                "reduce_scatter_single mp": comm.tp_reduce_scatter, "all_gather_single dp_shard": comm.fsdp_all_gather,
                 "reduce_scatter_single dp_shard": comm.fsdp_reduce_scatter,
                 "all_reduce dp_replicate": comm.replica_all_reduce}
     modelled = {k: v for k, v in modelled.items() if v}
@@ -315,7 +326,7 @@ def test_step_time_arithmetic_by_hand():
 
     args = ModelArgs.from_preset("llama3_70b")
     hw = Hardware(gpus=128, gpu_mem_gib=80, intra_node_busbw=100e9, inter_node_busbw=10e9, peak_flops=1e15, mfu=0.5)
-    e = estimate(args, Layout(8, 16, 1, "none"), Workload(seq_len=4096), hw)
+    e = estimate(args, Layout(8, 16, 1, "none", sequence_parallel=False), Workload(seq_len=4096), hw)
     tokens, act = 4096, 4096 * 8192 * 2
     compute = (6 * (args.num_params() - 128256 * 8192) + 12 * 80 * 8192 * 4096) * tokens / 8 / (1e15 * 0.5)
     assert e.time.compute == pytest.approx(compute)
@@ -362,7 +373,9 @@ def test_cli_prints_the_70b_plan_with_mp8_dp16(capsys):
     lines = out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["#", "layout"])
     first = lines[header + 1].split()
-    assert first[:5] == ["1", "mp8_dp16", "8", "16", "1"] and first[5] == "full", out
+    # Sequence parallelism (the default) splits the norms' and residuals' activations by 8: checkpointing
+    # every second block fits, where without it only full checkpointing does.
+    assert first[:5] == ["1", "mp8_dp16", "8", "16", "1"] and first[5:7] == ["every", "2"], out
     assert any(line.startswith("best: mp 8 x dp_shard 16") for line in lines)
     assert "--parallel.mp 8" in out and "--train.grad_accum 32" in out
     # The README shows this plan as its worked example: its table and breakdown must be today's.
@@ -370,6 +383,16 @@ def test_cli_prints_the_70b_plan_with_mp8_dp16(capsys):
     shown = lines[header:header + 3] + [line for line in lines if line.startswith(("best:", "  memory", "  step"))]
     stale = [line for line in shown if "    " + line not in readme]
     assert not stale, f"README.md's worked example differs from the output: {stale}"
+
+
+def test_cli_without_sequence_parallelism_needs_full_checkpointing(capsys):
+    code, out, err = _run(capsys, "--model", "llama3_70b", "--gpus", "128", "--gpu-mem-gb", "80",
+                          "--global-batch", "4Mtok", "--no-sequence-parallel")
+    assert code == 0, err
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["#", "layout"])
+    assert lines[header + 1].split()[5] == "full", out
+    assert "--parallel.sequence_parallel false" in out
 
 
 def test_cli_says_clearly_when_nothing_fits_and_takes_a_params_json(capsys, tmp_path):

@@ -69,12 +69,14 @@ def _split_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 
 
 def _gather_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    # Along dim 0 of [seq, batch, ...] the ranks' parts are one contiguous buffer each.
+    # Along dim 0 of [seq, batch, ...] the ranks' parts are one contiguous buffer each. The result is
+    # made contiguous (a copy only when batch > 1): the linears reading it then share one saved
+    # input, where a strided view would be copied by each of them.
     size = dist.get_world_size(group)
     x = x.transpose(0, 1).contiguous()
     out = x.new_empty((size * x.shape[0],) + tuple(x.shape[1:]))
     all_gather_single(out, x, group=group)
-    return out.transpose(0, 1)
+    return out.transpose(0, 1).contiguous()
 
 
 def _reduce_scatter_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -82,7 +84,7 @@ def _reduce_scatter_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     x = x.transpose(0, 1).contiguous()
     out = x.new_empty((part,) + tuple(x.shape[1:]))
     reduce_scatter_single(out, x, group=group)
-    return out.transpose(0, 1)
+    return out.transpose(0, 1).contiguous()
 
 
 class _Copy(torch.autograd.Function):

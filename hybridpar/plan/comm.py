@@ -52,7 +52,8 @@ class CommBytes:
     output for all-gather, the unreduced input for reduce-scatter."""
 
     tp_all_reduce: float  # over the mp group, per micro-batch
-    tp_all_gather: float  # over the mp group, per micro-batch (ParallelEmbedding's output)
+    tp_all_gather: float  # over the mp group, per micro-batch (ParallelEmbedding's output; sequence parallelism)
+    tp_reduce_scatter: float  # over the mp group, per micro-batch (sequence parallelism)
     fsdp_all_gather: float  # over dp_shard, per micro-batch (forward, and backward when resharding)
     fsdp_reduce_scatter: float  # over dp_shard, per step
     replica_all_reduce: float  # over dp_replicate, per step (hybrid sharding)
@@ -64,20 +65,31 @@ def collective_bytes(args: ModelArgs, layout: Layout, workload: Workload) -> Com
     a, r = dtype_bytes(workload.param_dtype), dtype_bytes(workload.reduce_dtype)
     t = workload.micro_batch * workload.seq_len
     counts = param_counts(args, mp, ds)
-    tp_ar = tp_ag = 0.0
+    tp_ar = tp_ag = tp_rs = 0.0
     if mp > 1:
         act = t * args.dim * a
-        # Forward: wo and w2 sum their partial outputs (2 per block). Backward: the attention's and
-        # the feed-forward's inputs enter the region once each (wq/wk/wv and w1/w3 share it), so 2
-        # gradient all-reduces per block, and 1 for the output head. A recomputed block repeats only
-        # wo's: recomputation stops once w2's input is back, before w2's all-reduce. The loss
-        # reduces 3 fp32 numbers per token.
         n_ac = layout.checkpointed_blocks(L)
-        tp_ar = act * (2 * L + 2 * L + 1 + n_ac) + 3 * t * 4
-        if args.resolved_embedding_split == "vocab":
-            tp_ar += act  # VocabParallelEmbedding sums the shards' lookups
+        vocab_split = args.resolved_embedding_split == "vocab"
+        if layout.sequence_parallel:
+            # Each region's entry (attention, feed-forward, head) all-gathers the sequence in forward
+            # and reduce-scatters its gradient; each exit (wo, w2, VocabParallelEmbedding) the
+            # reverse. A recomputed block repeats its forward up to w2's input: the two entries and
+            # wo's exit. ParallelEmbedding gathers the embedding dim, then its gradient's sequence.
+            # The norm weights' gradients are summed over mp (2 per block and the final one).
+            tp_ag = act * (2 * L + 2 * L + 1 + 2 * n_ac + (1 if vocab_split else 2))
+            tp_rs = act * (2 * L + 2 * L + 1 + n_ac + (1 if vocab_split else 0))
+            tp_ar = (2 * L + 1) * args.dim * a + 3 * t * 4
         else:
-            tp_ag += act  # ParallelEmbedding gathers the embedding dim
+            # Forward: wo and w2 sum their partial outputs (2 per block). Backward: the attention's
+            # and the feed-forward's inputs enter the region once each (wq/wk/wv and w1/w3 share
+            # it), so 2 gradient all-reduces per block, and 1 for the output head. A recomputed
+            # block repeats only wo's: recomputation stops once w2's input is back, before w2's
+            # all-reduce. The loss reduces 3 fp32 numbers per token.
+            tp_ar = act * (2 * L + 2 * L + 1 + n_ac) + 3 * t * 4
+            if vocab_split:
+                tp_ar += act  # VocabParallelEmbedding sums the shards' lookups
+            else:
+                tp_ag += act  # ParallelEmbedding gathers the embedding dim
         if args.kv_heads % mp:  # replicated wk/wv: their weight gradients are summed over mp
             tp_ar += L * 2 * args.kv_heads * args.head_dim * args.dim * a
     shapes = local_param_shapes(args, mp)
@@ -89,4 +101,4 @@ def collective_bytes(args: ModelArgs, layout: Layout, workload: Workload) -> Com
     ag = (every_unit + again) * a if ds > 1 else 0.0
     rs = every_unit * r if ds > 1 else 0.0
     ar = counts.sharded * r if dr > 1 else 0.0
-    return CommBytes(tp_ar, tp_ag, ag, rs, ar)
+    return CommBytes(tp_ar, tp_ag, tp_rs, ag, rs, ar)

@@ -18,6 +18,7 @@ class Layout:
     ac: str = "none"  # none | selective (every ac_every-th block) | full
     ac_every: int = 2
     reshard_after_forward: bool = True  # False: ZeRO-2 (shard_grad_op / hybrid_shard_zero2)
+    sequence_parallel: bool = True  # parallel.sequence_parallel (acts only when mp > 1)
 
     @property
     def dp(self) -> int:
@@ -50,8 +51,9 @@ class Layout:
 
     def describe(self) -> str:
         ac = {"none": "no AC", "full": "full AC", "selective": f"AC every {self.ac_every}"}[self.ac]
+        sp = ", sequence parallel" if self.sequence_parallel and self.mp > 1 else ""
         return (f"mp {self.mp} x dp_shard {self.dp_shard} x dp_replicate {self.dp_replicate} "
-                f"({self.strategy}, {ac})")
+                f"({self.strategy}, {ac}{sp})")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -89,15 +89,17 @@ class Activations:
 
 
 def activation_bytes(args: ModelArgs, mp: int, micro_batch: int, seq_len: int, compute_bytes: int,
-                     n_checkpointed: int = 0) -> Activations:
+                     n_checkpointed: int = 0, sequence_parallel: bool = False) -> Activations:
     """Saved tensors of models.llama.Transformer + vocab_parallel_cross_entropy, derived from the code."""
     a, t = compute_bytes, micro_batch * seq_len
     d, hd = args.dim, args.head_dim
     heads, kv = args.n_heads // mp, kv_heads_per_rank(args, mp)
     ffn, vocab = args.ffn_hidden_dim // mp, args.vocab_size // mp
     # RMSNorm: x.float() (x itself in fp32) for pow and mul, rsqrt [T, 1], normed.type_as(x) for
-    # the weight's gradient, and the output, which the following linears save.
-    norm = 4 * t * d + 4 * t + 2 * a * t * d
+    # the weight's gradient, and the output, which the following linears save. With sequence
+    # parallelism the norm sees T/mp tokens and the linears save its all-gathered output.
+    ts = t // mp if sequence_parallel and mp > 1 else t
+    norm = 4 * ts * d + 4 * ts + a * ts * d + a * t * d
     # wq/wk/wv outputs are not saved (RoPE's complex mul saves only the rotations); SDPA saves the
     # rotated q, k, the v projection, its output (also wo's input) and the fp32 logsumexp.
     attention = a * t * hd * (2 * heads + 2 * kv) + 4 * t * heads
@@ -120,7 +122,7 @@ def activation_bytes(args: ModelArgs, mp: int, micro_batch: int, seq_len: int, c
         loss = 4 * t * vocab + 8 * t
         transient = max(a + (4 if cast else 0), 4 + cast) * t * vocab
     return Activations(
-        per_block=per_block, block_input=a * t * d, embedding=embedding, rope=rope, head=norm + loss,
+        per_block=per_block, block_input=a * ts * d, embedding=embedding, rope=rope, head=norm + loss,
         n_layers=args.n_layers, n_checkpointed=n_checkpointed, loss_transient=transient,
     )
 

@@ -101,6 +101,7 @@ def format_plan(plan: Plan, top: int = 10, model_name: str = "") -> str:
                    f"--parallel.dp_replicate {best.dp_replicate} --fsdp.sharding_strategy {best.strategy} "
                    f"--fsdp.activation_checkpointing {best.ac}"
                    + (f" --fsdp.ac_every {best.ac_every}" if best.ac == "selective" else "")
+                   + (" --parallel.sequence_parallel false" if best.mp > 1 and not best.sequence_parallel else "")
                    + f" --data.micro_batch_size {w.micro_batch} --train.grad_accum {fitting[0].grad_accum}"
                    + (f" --train.grad_sync {w.grad_sync}" if w.grad_sync != "last" else ""))
     else:

@@ -65,7 +65,7 @@ def estimate(args: ModelArgs, layout: Layout, workload: Workload, hw: Hardware) 
 
     counts = param_counts(args, mp, ds)
     n_ac = layout.checkpointed_blocks(L)
-    acts = activation_bytes(args, mp, b, s, a, n_ac)
+    acts = activation_bytes(args, mp, b, s, a, n_ac, layout.sequence_parallel)
 
     kept_blocks = L if not layout.reshard_after_forward else min(2, L)  # current + prefetched
     gathered = (counts.embedding + counts.output + counts.root + kept_blocks * counts.block) * a
@@ -90,7 +90,8 @@ def estimate(args: ModelArgs, layout: Layout, workload: Workload, hw: Hardware) 
 
     comm = collective_bytes(args, layout, workload)
     mp_bw, ds_bw, dr_bw = group_busbw(1, mp, hw), group_busbw(mp, ds, hw), group_busbw(mp * ds, dr, hw)
-    tp_mb = all_reduce_seconds(comm.tp_all_reduce, mp, mp_bw) + all_gather_seconds(comm.tp_all_gather, mp, mp_bw)
+    tp_mb = (all_reduce_seconds(comm.tp_all_reduce, mp, mp_bw) + all_gather_seconds(comm.tp_all_gather, mp, mp_bw)
+             + all_gather_seconds(comm.tp_reduce_scatter, mp, mp_bw))
     ag = all_gather_seconds(comm.fsdp_all_gather, ds, ds_bw)
     rs = all_gather_seconds(comm.fsdp_reduce_scatter, ds, ds_bw)
     ar = all_reduce_seconds(comm.replica_all_reduce, dr, dr_bw)
@@ -114,8 +115,8 @@ def divisors(n: int) -> list[int]:
 
 
 def candidate_layouts(args: ModelArgs, hw: Hardware, *, allow_cross_node_mp: bool = False,
-                      ac_modes: Iterable[str] = AC_MODES, zero2: bool = False,
-                      ac_every: int = 2) -> tuple[list[Layout], dict[int, str]]:
+                      ac_modes: Iterable[str] = AC_MODES, zero2: bool = False, ac_every: int = 2,
+                      sequence_parallel: bool = True, seq_len: int = 0) -> tuple[list[Layout], dict[int, str]]:
     """Every layout of hw.gpus ranks the model can run; and the rejected mp sizes with the reason."""
     layouts: list[Layout] = []
     rejected: dict[int, str] = {}
@@ -129,13 +130,17 @@ def candidate_layouts(args: ModelArgs, hw: Hardware, *, allow_cross_node_mp: boo
             rejected[mp] = (f"mp = {mp} spans nodes of {hw.gpus_per_node} GPUs: tensor-parallel all-reduces would "
                             "leave the node (--allow-cross-node-mp to consider it)")
             continue
+        if sequence_parallel and seq_len % mp:
+            rejected[mp] = (f"seq_len = {seq_len} is not divisible by mp = {mp}, as sequence parallelism needs "
+                            "(--no-sequence-parallel to consider it without)")
+            continue
         dp = hw.gpus // mp
         for ds in divisors(dp):
             for ac in ac_modes:
                 for reshard in (True, False) if zero2 else (True,):
                     if not reshard and ds == 1:
                         continue  # nothing is sharded: ZeRO-2 is the same layout
-                    layouts.append(Layout(mp, ds, dp // ds, ac, ac_every, reshard))
+                    layouts.append(Layout(mp, ds, dp // ds, ac, ac_every, reshard, sequence_parallel))
     return layouts, rejected
 
 
@@ -169,7 +174,7 @@ def make_plan(args: ModelArgs, workload: Workload, hw: Hardware, **candidate_opt
         raise ValueError(f"mfu must be in (0, 1], got {hw.mfu}")
     if hw.usable_bytes <= 0:
         raise ValueError(f"gpu memory {hw.gpu_mem_gib} GiB leaves nothing after the {hw.reserve_gib} GiB reserve")
-    layouts, rejected = candidate_layouts(args, hw, **candidate_options)
+    layouts, rejected = candidate_layouts(args, hw, seq_len=workload.seq_len, **candidate_options)
     estimates, skipped = [], []
     for layout in layouts:
         try:

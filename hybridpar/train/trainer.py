@@ -183,6 +183,12 @@ class Trainer:
                 f"data.seq_len = {c.data.seq_len} is larger than the model's max_seq_len = {args.max_seq_len}: "
                 "lower data.seq_len"
             )
+        mp = self.parallel.mp
+        if c.parallel.sequence_parallel and c.data.seq_len % mp:
+            raise ConfigError(
+                f"data.seq_len = {c.data.seq_len} is not divisible by parallel.mp = {mp}: sequence parallelism "
+                f"gives each model-parallel rank seq_len / mp positions; choose a seq_len that is a multiple of {mp}, "
+                "or set parallel.sequence_parallel = false")
         if args.vocab_size > 0:
             args.check(self.parallel.mp)
         return args
@@ -199,7 +205,7 @@ class Trainer:
         """The same full weights on every rank, whatever the layout, then sharded by FSDP."""
         c, p = self.config, self.parallel
         torch.manual_seed(c.train.seed)
-        model = Transformer(self.args, p, device=self.device)
+        model = Transformer(self.args, p, device=self.device, sequence_parallel=c.parallel.sequence_parallel)
         if self.init_from_folder is not None:  # sliced into the unsharded model, before FSDP
             kind, folder = self.init_from_folder
             load_into(kind, folder, model, p)

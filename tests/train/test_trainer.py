@@ -38,6 +38,9 @@ LAYOUTS = {
     # name: (world, make_config keyword arguments)
     "mp1-full_shard-dp4": (4, dict(mp=1, dp_shard=4, strategy="full_shard", dp=4)),
     "mp2-dp_shard2": (4, dict(mp=2, dp_shard=2, strategy="hybrid_shard", dp=2)),
+    # mp > 1 layouts run sequence parallelism (the default); this one the all-reduce path without it.
+    "mp2-dp_shard2-no_sequence_parallel": (4, dict(mp=2, dp_shard=2, strategy="hybrid_shard", dp=2, **{
+        "parallel.sequence_parallel": False})),
     "mp2-hybrid_shard-2x2": (8, dict(mp=2, dp_shard=2, dp_replicate=2, strategy="hybrid_shard", dp=4)),
     # FSDP2's own all-gather and reduce-scatter, the collectives nccl runs (gloo's default is all-to-all).
     "mp2-hybrid_shard-2x2-fsdp_collectives": (8, dict(mp=2, dp_shard=2, dp_replicate=2, strategy="hybrid_shard",
@@ -116,6 +119,14 @@ def test_bad_input_gives_a_clear_error(workers, corpus, tmp_path, case):
     print(f"\n{case}: {message}")
     assert re.search(expected, message), message
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_seq_len_mp_does_not_divide_is_refused_with_sequence_parallelism(workers, corpus, tmp_path):
+    config = make_config(corpus, tmp_path / "run", mp=2, dp=1, **{"data.seq_len": 33})
+    for message in workers(2).run(_case_trainer_error, config):
+        print(f"\n{message}")
+        assert "data.seq_len = 33 is not divisible by parallel.mp = 2: sequence parallelism" in message, message
+        assert "parallel.sequence_parallel = false" in message
 
 
 def test_unknown_config_key_lists_valid_keys(tmp_path):

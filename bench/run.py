@@ -5,6 +5,7 @@
     python3 bench/run.py --engines hybridpar,variant --fsdp gloo_all_to_all=0    # A/B of an option
     python3 bench/run.py --baseline /tmp/hybridpar-before --engines hybridpar,baseline   # A/B of two versions
     python3 bench/run.py --compile hybridpar             # hybridpar with train.compile = true
+    python3 bench/run.py --engines hybridpar,variant --sequence-parallel 0   # without sequence parallelism
 
 Each run starts `world` fresh processes (OMP_NUM_THREADS=1, gloo, a free port), so peak memory and
 process-global state (fairscale's groups) never leak between runs. 4-8 ranks on 2 shared cores vary
@@ -253,6 +254,8 @@ def main(argv=None) -> int:
                         help="variant's AdamW: as Trainer builds it (fused), or torch's foreach")
     parser.add_argument("--compile", default="", help="comma list of hybridpar engines (hybridpar, variant, "
                         "baseline) that torch.compile their blocks, as train.compile = true does")
+    parser.add_argument("--sequence-parallel", type=int, default=1, choices=(0, 1),
+                        help="variant's parallel.sequence_parallel (hybridpar runs the trainer's default, on)")
     parser.add_argument("--precision", default="float32", choices=("float32", "bfloat16"),
                         help="compute dtype of both engines (FSDP param_dtype; gradients reduce in fp32)")
     opts = parser.parse_args(argv)
@@ -282,8 +285,11 @@ def main(argv=None) -> int:
         compiled = engine in opts.compile.split(",")
         if engine == "variant":
             return {"name": "variant", "engine": "hybridpar", "fsdp": fsdp_extra, "optimizer": opts.optimizer,
-                    "compile": compiled}
-        return {"name": engine, "engine": "hybridpar", "fsdp": {}, "optimizer": "trainer", "compile": compiled}
+                    "compile": compiled, "sequence_parallel": bool(opts.sequence_parallel)}
+        out = {"name": engine, "engine": "hybridpar", "fsdp": {}, "optimizer": "trainer", "compile": compiled}
+        if engine == "hybridpar":  # a baseline checkout may predate the option
+            out["sequence_parallel"] = True
+        return out
 
     def make_case(names, shape_name, mp, shard, rep, micro, seq, steps, warmup):
         case = {

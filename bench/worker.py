@@ -80,7 +80,8 @@ class HybridparEngine:
 
         self.parallel = parallel
         torch.manual_seed(case["seed"])
-        model = Transformer(args, parallel, device=parallel.device)
+        sp = {"sequence_parallel": case["sequence_parallel"]} if "sequence_parallel" in case else {}
+        model = Transformer(args, parallel, device=parallel.device, **sp)
         fsdp = FSDPConfig(sharding_strategy=case["strategy"], param_dtype=case.get("precision", "float32"),
                           reduce_dtype="float32", **case.get("fsdp", {}))
         # Only when asked: a baseline checkout from before train.compile has no such argument.

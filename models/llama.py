@@ -8,8 +8,9 @@ numbers) are Meta's, so `consolidated.NN.pth` checkpoints map onto this model on
     feed_forward.w1/w3  ColumnParallelLinear      feed_forward.w2  RowParallelLinear
     output  ColumnParallelLinear (logits stay split along the vocabulary)
 
-`sequence_parallel=True` keeps the hidden states between the tensor-parallel regions split along the
-sequence over the mp group (norms and residual adds on 1/mp of the positions); the parameters are the
+`sequence_parallel=True` (mp > 1) keeps the hidden states between the tensor-parallel regions split
+over the mp group: [batch * seq / mp, dim], each rank a contiguous part of the tokens (for one
+sequence, of its positions); norms and residual adds run on 1/mp of them. The parameters are the
 same, so any checkpoint loads either way. Generation runs without it.
 
 Differences from Meta's code, invisible in the numbers: F.scaled_dot_product_attention (causal),
@@ -165,6 +166,8 @@ class Attention(nn.Module):
         # One entry into the model-parallel region for the three projections: one reduction of the
         # input's gradient in backward instead of three.
         x = enter_region(x, self.group, self.sequence_parallel)
+        if x.dim() == 2:  # sequence parallel: all the tokens, [batch * seq, dim]
+            x = x.view(-1, freqs_cis.shape[0], x.shape[-1])
         batch, seq, _ = x.shape
         q = self.wq(x, copy_input=False).view(batch, seq, self.n_local_heads, self.head_dim)
         k = self.wk(x, copy_input=False).view(batch, seq, self.n_local_kv_heads, self.head_dim)
@@ -270,7 +273,7 @@ class Transformer(nn.Module):
         args.check(parallel.mp)
         self.args = args
         self.group = parallel.mp_group
-        self.sequence_parallel = sequence_parallel
+        self.sequence_parallel = sequence_parallel = sequence_parallel and parallel.mp > 1
         factory = dict(dtype=dtype, device=device, sequence_parallel=sequence_parallel)
         embedding = VocabParallelEmbedding if args.resolved_embedding_split == "vocab" else ParallelEmbedding
         self.tok_embeddings = embedding(args.vocab_size, args.dim, init_method=_normal(0.02), parallel=parallel, **factory)
@@ -323,11 +326,12 @@ class Transformer(nn.Module):
         mp = dist.get_world_size(self.group)
         if self.sequence_parallel and seq % mp:
             raise ValueError(f"sequence length {seq} is not divisible by mp = {mp}: sequence parallelism gives each "
-                             f"rank seq / mp positions; use a multiple of {mp} or set parallel.sequence_parallel = false")
+                             f"rank 1/mp of the positions; use a multiple of {mp} or set parallel.sequence_parallel = "
+                             "false")
         positions = torch.arange(start_pos, end, device=tokens.device)
         freqs_cis = rope_frequencies(self.args.head_dim, positions, self.args.rope_theta, self.args.rope_scaling)
         h = self.tok_embeddings(tokens)
         for i, layer in enumerate(self.layers):
             h = layer(h, freqs_cis) if cache is None else layer(h, freqs_cis, cache.layer(i), start_pos)
-        logits = self.output(self.norm(h))
+        logits = self.output(self.norm(h)).view(batch, seq, -1)  # sequence parallel: from [tokens, V/mp]
         return gather_from_region(logits, self.group) if gather_logits else logits

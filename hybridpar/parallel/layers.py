@@ -9,9 +9,10 @@ Parameters are DTensors on the mp mesh dimension, so FSDP2, torch.distributed.ch
 gradient clipping see the true global tensor. Forward passes work on the local shards with the
 region functions of `mappings`, which is cheaper than DTensor dispatch for every op.
 
-`sequence_parallel=True` (Megatron's option): the activations outside the layers are split along the
-sequence over the mp group; column-parallel inputs are all-gathered along it and row-parallel (and
-vocab-embedding) outputs reduce-scattered along it instead of all-reduced (mappings).
+`sequence_parallel=True` (Megatron's option): the activations outside the layers are [tokens / mp,
+dim] parts of the tokens (batch x seq flattened) over the mp group; column-parallel inputs are
+all-gathered ([tokens, dim]) and row-parallel (and embedding) outputs reduce-scattered instead of
+all-reduced (mappings).
 
 Initialisation follows fairscale: `init_method` fills the full (master) weight, created alike on
 every rank from the global RNG, and each rank keeps its slice. The same seed therefore gives the
@@ -267,7 +268,7 @@ class ParallelEmbedding(nn.Module):
             self.norm_type, self.scale_grad_by_freq, self.sparse,
         )
         out = gather_from_region(out, self.group)
-        return scatter_to_sequence_region(out, self.group) if self.sequence_parallel else out
+        return scatter_to_sequence_region(out.flatten(0, -2), self.group) if self.sequence_parallel else out
 
 
 class ReplicatedHeadLinear(nn.Module):

@@ -10,14 +10,15 @@ group is an argument instead of a module-level global:
     gather_from_region  forward all-gather along the  backward keep my slice
                         last dim
 
-Sequence parallelism (Megatron's, torchtitan's) splits the activations between regions along the
-sequence (dim 1 of [batch, seq, dim]) over the same group; its pair replaces copy and reduce:
+Sequence parallelism (Megatron's, torchtitan's) splits the activations between regions into mp
+contiguous parts along dim 0, the tokens ([batch * seq, ...] as the model lays them out: for one
+sequence, its positions), over the same group; its pair replaces copy and reduce:
 
-    gather_from_sequence_region     forward all-gather along seq  backward reduce-scatter
-    reduce_scatter_to_sequence_region  forward reduce-scatter     backward all-gather
-                                    along seq
-    scatter_to_sequence_region      forward keep my part of seq   backward all-gather
+    gather_from_sequence_region        forward all-gather dim 0    backward reduce-scatter dim 0
+    reduce_scatter_to_sequence_region  forward reduce-scatter      backward all-gather dim 0
+    scatter_to_sequence_region         forward keep my part        backward all-gather dim 0
 
+Along dim 0 every part is one contiguous block: the collectives copy nothing.
 enter_region / leave_region pick the pair for a layer's setting. With a group of one rank every
 function is the identity and issues no collective.
 """
@@ -54,37 +55,33 @@ def _gather_last_dim(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return out.movedim(0, -2).reshape(*x.shape[:-1], size * x.shape[-1])
 
 
-def _seq_part(seq: int, group: ProcessGroup) -> int:
+def _token_part(n: int, group: ProcessGroup) -> int:
     size = dist.get_world_size(group)
-    if seq % size:
-        raise ValueError(f"sequence length {seq} is not divisible by the model-parallel size mp = {size}: sequence "
-                         f"parallelism gives each rank seq / mp positions; use a sequence length that is a multiple "
-                         f"of {size} or set parallel.sequence_parallel = false")
-    return seq // size
+    if n % size:
+        raise ValueError(f"{n} tokens (batch x sequence length) are not divisible by the model-parallel size mp = "
+                         f"{size}: sequence parallelism gives each rank 1/mp of them; use a sequence length that is a "
+                         f"multiple of {size} or set parallel.sequence_parallel = false")
+    return n // size
 
 
-def _split_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    part = _seq_part(x.shape[1], group)
-    return x.narrow(1, dist.get_rank(group) * part, part).contiguous()
+def _split_tokens(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    part = _token_part(x.shape[0], group)
+    # A copy, not a view: a view would keep the whole input's storage alive.
+    return x[dist.get_rank(group) * part:(dist.get_rank(group) + 1) * part].clone(memory_format=torch.contiguous_format)
 
 
-def _gather_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    # Along dim 0 of [seq, batch, ...] the ranks' parts are one contiguous buffer each. The result is
-    # made contiguous (a copy only when batch > 1): the linears reading it then share one saved
-    # input, where a strided view would be copied by each of them.
-    size = dist.get_world_size(group)
-    x = x.transpose(0, 1).contiguous()
-    out = x.new_empty((size * x.shape[0],) + tuple(x.shape[1:]))
+def _gather_tokens(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    x = x.contiguous()
+    out = x.new_empty((dist.get_world_size(group) * x.shape[0],) + tuple(x.shape[1:]))
     all_gather_single(out, x, group=group)
-    return out.transpose(0, 1).contiguous()
+    return out
 
 
-def _reduce_scatter_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    part = _seq_part(x.shape[1], group)
-    x = x.transpose(0, 1).contiguous()
-    out = x.new_empty((part,) + tuple(x.shape[1:]))
+def _reduce_scatter_tokens(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    x = x.contiguous()
+    out = x.new_empty((_token_part(x.shape[0], group),) + tuple(x.shape[1:]))
     reduce_scatter_single(out, x, group=group)
-    return out.transpose(0, 1).contiguous()
+    return out
 
 
 class _Copy(torch.autograd.Function):
@@ -134,33 +131,33 @@ class _GatherSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _gather_seq(x, group)
+        return _gather_tokens(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter_seq(grad, ctx.group), None
+        return _reduce_scatter_tokens(grad, ctx.group), None
 
 
 class _ReduceScatterSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _reduce_scatter_seq(x, group)
+        return _reduce_scatter_tokens(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_seq(grad, ctx.group), None
+        return _gather_tokens(grad, ctx.group), None
 
 
 class _ScatterSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _split_seq(x, group)
+        return _split_tokens(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_seq(grad, ctx.group), None
+        return _gather_tokens(grad, ctx.group), None
 
 
 def _trivial(group: ProcessGroup) -> bool:
@@ -188,27 +185,31 @@ def gather_from_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 
 
 def gather_from_sequence_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """[batch, seq/mp, ...] parts -> the whole [batch, seq, ...]; the gradient is reduce-scattered."""
+    """Every rank's part of the tokens [n, ...] -> all of them [mp * n, ...]; the gradient is
+    reduce-scattered."""
     return x if _trivial(group) else _GatherSeq.apply(x, group)
 
 
 def reduce_scatter_to_sequence_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """Partial sums [batch, seq, ...] -> this rank's part of their sum [batch, seq/mp, ...]; the
-    gradient is all-gathered."""
+    """Partial sums [N, ...] -> this rank's part of their sum [N / mp, ...]; the gradient is
+    all-gathered."""
     return x if _trivial(group) else _ReduceScatterSeq.apply(x, group)
 
 
 def scatter_to_sequence_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """A tensor alike on every rank [batch, seq, ...] -> this rank's part [batch, seq/mp, ...]; the
-    gradient is all-gathered."""
+    """A tensor alike on every rank [N, ...] -> this rank's part [N / mp, ...]; the gradient is
+    all-gathered."""
     return x if _trivial(group) else _ScatterSeq.apply(x, group)
 
 
 def enter_region(x: torch.Tensor, group: ProcessGroup, sequence_parallel: bool) -> torch.Tensor:
-    """Into a model-parallel region: copy, or all-gather the sequence parts."""
+    """Into a model-parallel region: copy, or all-gather the token parts ([n, dim] -> [mp * n, dim])."""
     return gather_from_sequence_region(x, group) if sequence_parallel else copy_to_region(x, group)
 
 
 def leave_region(x: torch.Tensor, group: ProcessGroup, sequence_parallel: bool) -> torch.Tensor:
-    """Out of it, summing the ranks' partial results: all-reduce, or reduce-scatter along the sequence."""
-    return reduce_scatter_to_sequence_region(x, group) if sequence_parallel else reduce_from_region(x, group)
+    """Out of it, summing the ranks' partial results: all-reduce, or reduce-scatter the tokens (the
+    leading dims flattened: [..., dim] -> [tokens / mp, dim])."""
+    if sequence_parallel:
+        return reduce_scatter_to_sequence_region(x.reshape(-1, x.shape[-1]), group)
+    return reduce_from_region(x, group)

@@ -1,5 +1,5 @@
 """Region functions (copy / reduce / scatter / gather, and sequence parallelism's gather / reduce-scatter /
-scatter along the sequence, dim 1) against single-process math.
+scatter of the tokens, dim 0) against single-process math.
 
 Every rank draws its own input and its own upstream gradient from a seed that depends on its global
 rank, so each rank can rebuild what every member of its model-parallel group holds and compute the
@@ -13,7 +13,7 @@ import torch
 from tests.distributed import parallel_dims, rel_err
 
 SHAPES = [(5, 12), (2, 3, 4, 8)]  # 2-D and 4-D; the last dim divides mp = 1, 2 and 4
-SEQ_SHAPES = [(2, 12, 3), (1, 8, 2, 4)]  # [batch, seq, ...]: seq divides mp = 1, 2 and 4
+SEQ_SHAPES = [(12, 3), (8, 2, 4)]  # [tokens, ...]: the tokens divide mp = 1, 2 and 4
 
 
 def _draw(seed: int, shape: tuple, strided: bool) -> torch.Tensor:
@@ -37,12 +37,12 @@ def _expected(name: str, xs: list, grads: list, me: int, mp: int):
         return sum(xs), grads[me]
     if name == "scatter":  # my chunk of the last dim; gradient is every member's chunk concatenated
         return xs[me].chunk(mp, dim=-1)[me], torch.cat(grads, dim=-1)
-    if name == "gather_seq":  # every member's part of the sequence; gradient: my part of the sum
-        return torch.cat(xs, dim=1), sum(grads).chunk(mp, dim=1)[me]
-    if name == "reduce_scatter_seq":  # my part of the sequence of the sum; gradient: all parts
-        return sum(xs).chunk(mp, dim=1)[me], torch.cat(grads, dim=1)
-    if name == "scatter_seq":  # my part of the sequence; gradient: every member's part
-        return xs[me].chunk(mp, dim=1)[me], torch.cat(grads, dim=1)
+    if name == "gather_seq":  # every member's part of the tokens; gradient: my part of the sum
+        return torch.cat(xs, dim=0), sum(grads).chunk(mp, dim=0)[me]
+    if name == "reduce_scatter_seq":  # my part of the tokens of the sum; gradient: all parts
+        return sum(xs).chunk(mp, dim=0)[me], torch.cat(grads, dim=0)
+    if name == "scatter_seq":  # my part of the tokens; gradient: every member's part
+        return xs[me].chunk(mp, dim=0)[me], torch.cat(grads, dim=0)
     # gather: concatenation along the last dim; gradient is my chunk of the upstream gradient
     return torch.cat(xs, dim=-1), grads[me].chunk(mp, dim=-1)[me]
 
@@ -65,7 +65,7 @@ def _case_regions(mp: int, dp_shard: int = -1, dp_replicate: int = 1) -> dict:
     errors: dict = {}
     for shape_no, (full, seq_full) in enumerate(zip(SHAPES, SEQ_SHAPES)):
         part = (*full[:-1], full[-1] // mp)
-        seq_part = (seq_full[0], seq_full[1] // mp, *seq_full[2:])
+        seq_part = (seq_full[0] // mp, *seq_full[1:])
         in_out = {"copy": (full, full), "reduce": (full, full), "scatter": (full, part), "gather": (part, full),
                   "gather_seq": (seq_part, seq_full), "reduce_scatter_seq": (seq_full, seq_part),
                   "scatter_seq": (seq_full, seq_part)}
@@ -126,10 +126,10 @@ def _case_sequence_indivisible(mp: int) -> list[str]:
     messages = []
     for fn in (P.reduce_scatter_to_sequence_region, P.scatter_to_sequence_region):
         with pytest.raises(ValueError) as info:
-            fn(torch.zeros(2, mp + 1, 4), parallel.mp_group)
+            fn(torch.zeros(mp + 1, 4), parallel.mp_group)
         messages.append(str(info.value))
-    ones = P.gather_from_sequence_region(torch.ones(2, 1, 3), parallel.mp_group)  # the group still works
-    assert torch.equal(ones, torch.ones(2, mp, 3))
+    ones = P.gather_from_sequence_region(torch.ones(1, 3), parallel.mp_group)  # the group still works
+    assert torch.equal(ones, torch.ones(mp, 3))
     return messages
 
 
@@ -137,5 +137,6 @@ def _case_sequence_indivisible(mp: int) -> list[str]:
 def test_sequence_regions_reject_a_sequence_mp_does_not_divide(workers, mp):
     for messages in workers(4).run(_case_sequence_indivisible, mp):
         for message in messages:
-            assert f"sequence length {mp + 1} is not divisible by the model-parallel size mp = {mp}" in message, message
+            assert f"{mp + 1} tokens (batch x sequence length) are not divisible by the model-parallel size mp = {mp}" \
+                in message, message
             assert "parallel.sequence_parallel = false" in message

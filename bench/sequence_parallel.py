@@ -8,7 +8,9 @@ For mp 2 and mp 4 (the other ranks data-parallel), with parallel.sequence_parall
                 hook; parameters excluded), sized when backward would start: the activation peak.
                 Largest rank; the planner's activation estimate beside it.
   mp traffic    payload and ring wire bytes of every collective over the mp group in one forward +
-                backward (bench/comm.py's counter), by kind, against plan.collective_bytes.
+                backward (bench/comm.py's counter), by kind, against plan.collective_bytes: the
+                collectives nccl runs (HYBRIDPAR_FAST_PATHS=0 while counting; on gloo the fast
+                path sends the same bytes as all-to-alls).
 The model runs without FSDP here (FSDP does not touch activations or the mp group). Tokens/s with
 and without it: `bench/run.py --engines hybridpar,variant --sequence-parallel 0` (paired steps).
 Prints a table and writes bench/results/sequence_parallel.json (--out).
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -54,6 +57,7 @@ def saved_activation_bytes(model, loss_fn) -> int:
 
 
 def measure(args, parallel, sp: bool, micro_batch: int, seq_len: int) -> dict:
+    from hybridpar import fastpaths
     from hybridpar.parallel import vocab_parallel_cross_entropy
     from models.llama import Transformer
 
@@ -69,8 +73,12 @@ def measure(args, parallel, sp: bool, micro_batch: int, seq_len: int) -> dict:
     model.zero_grad(set_to_none=True)
     activations = saved_activation_bytes(model, loss_fn)
     model.zero_grad(set_to_none=True)
-    with CollectiveCounter() as counter:
-        loss_fn().backward()
+    os.environ[fastpaths.ENV] = "0"  # count the collectives nccl runs, not gloo's all-to-all fast path
+    try:
+        with CollectiveCounter() as counter:
+            loss_fn().backward()
+    finally:
+        os.environ.pop(fastpaths.ENV)
     mp_records = [r for r in counter.records if r.group_size == parallel.mp]
     by_kind: dict[str, int] = {}
     for r in mp_records:

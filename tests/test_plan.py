@@ -163,11 +163,18 @@ def _case_count_collectives(overrides: dict, mp: int, dp_shard: int, dp_replicat
             return originals[name](*a, **kw)
         return call
 
+    import os
+
+    from hybridpar import fastpaths
+
+    # The collectives nccl runs: on gloo the fast path would send sequence parallelism's as all-to-alls.
+    os.environ[fastpaths.ENV] = "0"
     try:
         for name in sized_by:
             setattr(dist, name, counting(name))
         step()
     finally:
+        os.environ.pop(fastpaths.ENV)
         for name, fn in originals.items():
             setattr(dist, name, fn)
     return dict(counted)

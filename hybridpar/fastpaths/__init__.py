@@ -4,7 +4,9 @@ Each one: what it saves; the torch internals it touches; what runs when it is of
 
 gloo_collectives  FSDP's all-gather and reduce-scatter as gloo all-to-alls on pooled buffers: less CPU
     per collective, no page faults on fresh buffers. FSDP2's AllGather/ReduceScatter hooks, storage
-    use counts. Off: FSDP2's own collectives (fsdp.gloo_all_to_all = false does the same).
+    use counts. Off: FSDP2's own collectives (fsdp.gloo_all_to_all = false does the same). Sequence
+    parallelism's all-gather and reduce-scatter on the CPU too (gloo's reduce-scatter is an
+    all-reduce inside). Off: torch.distributed's.
 dcp_reader  stored bytes read straight into the destination tensors, in threads: no buffer and copy
     per tensor. torch.save's zip reader, the data offset torch.load records on "meta", the storage
     table of DCP's FileSystemReader. Off: DCP's FileSystemReader.

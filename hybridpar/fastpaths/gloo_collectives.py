@@ -1,4 +1,5 @@
-"""FSDP's all-gather and reduce-scatter on gloo as all_to_all_single, with pooled buffers (a fast path).
+"""All-gather and reduce-scatter on gloo as all_to_all_single (a fast path): FSDP's, with pooled
+buffers, and sequence parallelism's (parallel.mappings).
 
 gloo's own all_gather and reduce_scatter cost more CPU time than an all-to-all moving the same bytes
 (bench/README.md has the figures). Every rank sends its shard, or each peer's part of the gradient,
@@ -79,6 +80,42 @@ def _swap_with_peer(send: torch.Tensor, recv: torch.Tensor, group) -> None:
     dist.all_to_all_single(recv, send, splits, splits, group=group)
 
 
+def all_gather_by_all_to_all(output: torch.Tensor, input: torch.Tensor, group,
+                             staged: Optional[torch.Tensor] = None) -> None:
+    """All-gather of `input` into the contiguous `output` (n equal slots, in rank order) as one
+    all_to_all_single. Between two ranks the peer's part lands in its slot directly; with more, each
+    rank sends its part to every peer from `staged` (n copies; made when not given)."""
+    n, rank = group.size(), group.rank()
+    slots = output.view(n, -1)
+    if slots[rank].data_ptr() != input.data_ptr():  # not already in place (FSDP passes its slot)
+        slots[rank].copy_(input.reshape(-1))
+    if n == 2:
+        _swap_with_peer(input.reshape(-1), slots[1 - rank], group)
+        return
+    if staged is None:
+        staged = torch.empty(output.numel(), dtype=output.dtype, device=output.device)
+    staged = staged.view(n, -1)
+    staged.copy_(input.reshape(1, -1).expand(n, -1))
+    dist.all_to_all_single(output.view(-1), staged.reshape(-1), group=group)
+
+
+def reduce_scatter_by_all_to_all(output: torch.Tensor, input: torch.Tensor, group,
+                                 received: Optional[torch.Tensor] = None) -> None:
+    """Sum-reduce-scatter of the contiguous `input` (n equal slots) into `output` as one
+    all_to_all_single and a local sum in rank order (deterministic). Between two ranks each sends
+    only the peer's half. `received`: working space of the parts received (made when not given)."""
+    n, rank, out = group.size(), group.rank(), output.view(-1)
+    slots = input.view(n, -1)
+    if received is None:
+        received = torch.empty(slots.shape[1] if n == 2 else input.numel(), dtype=input.dtype, device=input.device)
+    if n == 2:  # a sum of two is the same in either order: both ranks get identical results
+        _swap_with_peer(slots[1 - rank], received, group)
+        torch.add(slots[rank], received, out=out)
+    else:
+        dist.all_to_all_single(received, input.reshape(-1), group=group)
+        torch.sum(received.view(n, -1), dim=0, out=out)
+
+
 if AllGather is not None:
 
     class AllToAllGather(_PooledCollective, AllGather):
@@ -89,14 +126,10 @@ if AllGather is not None:
         """
 
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            # input_tensor is a view of this rank's slot of output_tensor: nothing to copy into it.
             n = group.size()
-            if n == 2:  # the shard goes out as it is and the peer's lands in its slot: no copies
-                _swap_with_peer(input_tensor.reshape(-1), output_tensor.view(2, -1)[1 - group.rank()], group)
-                return None
-            # input_tensor is a view of this rank's slot of output_tensor: read it before the call.
-            staged = self.scratch.get(output_tensor.numel(), output_tensor).view(n, -1)
-            staged.copy_(input_tensor.reshape(1, -1).expand(n, -1))
-            dist.all_to_all_single(output_tensor, staged.reshape(-1), group=group)
+            staged = self.scratch.get(output_tensor.numel(), output_tensor) if n > 2 else None
+            all_gather_by_all_to_all(output_tensor, input_tensor, group, staged)
             return None  # done: FSDP waits only on a returned Work
 
     class AllToAllReduceScatter(_PooledCollective, ReduceScatter):
@@ -109,17 +142,9 @@ if AllGather is not None:
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
             if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
                 return reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
-            n, out = group.size(), output_tensor.view(-1)
-            if n == 2:  # a sum of two is the same in either order: both ranks get identical results
-                rank = group.rank()
-                halves = input_tensor.view(2, -1)
-                received = self.scratch.get(halves.shape[1], input_tensor)
-                _swap_with_peer(halves[1 - rank], received, group)
-                torch.add(halves[rank], received, out=out)
-            else:
-                received = self.scratch.get(input_tensor.numel(), input_tensor)
-                dist.all_to_all_single(received, input_tensor, group=group)
-                torch.sum(received.view(n, -1), dim=0, out=out)
+            n = group.size()
+            received = self.scratch.get(input_tensor.numel() // (2 if n == 2 else 1), input_tensor)
+            reduce_scatter_by_all_to_all(output_tensor, input_tensor, group, received)
             if op == dist.ReduceOp.AVG:
                 output_tensor.div_(n)
             return None

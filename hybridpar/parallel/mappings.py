@@ -29,7 +29,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from .. import fastpaths
 from ..compat.torch import all_gather_single, reduce_scatter_single
+from ..fastpaths.gloo_collectives import all_gather_by_all_to_all, reduce_scatter_by_all_to_all
 
 
 def _all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -70,17 +72,29 @@ def _split_tokens(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return x[dist.get_rank(group) * part:(dist.get_rank(group) + 1) * part].clone(memory_format=torch.contiguous_format)
 
 
+def _by_all_to_all(x: torch.Tensor) -> bool:
+    """gloo's reduce-scatter costs as much as its all-reduce; as an all-to-all it costs half (the CPU
+    fast path, fastpaths.gloo_collectives). Not inside torch.compile, which traces the plain ones."""
+    return x.device.type == "cpu" and fastpaths.enabled() and not torch.compiler.is_compiling()
+
+
 def _gather_tokens(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty((dist.get_world_size(group) * x.shape[0],) + tuple(x.shape[1:]))
-    all_gather_single(out, x, group=group)
+    if _by_all_to_all(x):
+        all_gather_by_all_to_all(out, x, group)
+    else:
+        all_gather_single(out, x, group=group)
     return out
 
 
 def _reduce_scatter_tokens(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     x = x.contiguous()
     out = x.new_empty((_token_part(x.shape[0], group),) + tuple(x.shape[1:]))
-    reduce_scatter_single(out, x, group=group)
+    if _by_all_to_all(x):
+        reduce_scatter_by_all_to_all(out, x, group)
+    else:
+        reduce_scatter_single(out, x, group=group)
     return out
 
 

@@ -145,7 +145,7 @@ def report(rows: list[dict], shape: str, micro_batch: int, seq_len: int, out: Pa
         row["activation_ratio"] = row["activations"] / base[row["mp"]]["activations"]
         print(f"mp{row['mp']} x dp{row['dp']:<3} {'on' if row['sequence_parallel'] else 'off':<8} "
               f"{row['activations'] / mib:>16.2f} {row['planned']['activations'] / mib:>9.2f} "
-              f"{row['activation_ratio']:>6.3f}   {kinds + ("  (=)" if equal else "  (DIFFERS)"):<58} "
+              f"{row['activation_ratio']:>6.3f}   {kinds + ('  (=)' if equal else '  (DIFFERS)'):<58} "
               f"{row['wire'] / mib:>11.1f} {row['calls']:>6}")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"shape": shape, "micro_batch": micro_batch, "seq_len": seq_len, "rows": rows},

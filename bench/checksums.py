@@ -3,10 +3,11 @@
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 4 bench/checksums.py [--gb 0.5 --rounds 6]
 
 Each round saves and loads the same sharded state (bench/checkpoint.py's: float32 tensors split by
-rows) once with checksums (A: summed while writing, checked beside the read) and once without
+rows) once with checksums (A: summed while writing, checked as the reader reads) and once without
 (B: HYBRIDPAR_CHECKSUMS=0, for this measurement only), alternating A B and B A so machine noise
-hits each alike. Loads read a checkpoint just written (warm page cache: the CPU cost of checking
-shows, not the disk's). A crc32c line measures the checksum alone on one core. Prints a table with
+hits each alike. Each checkpoint is loaded twice: cold (page cache dropped first, as root; the
+speed bench/README.md gives for loads) and warm (just read: the CPU cost of checking shows, not
+the disk's). A crc32c line measures the checksum alone on one core. Prints a table with
 the ratios B/A (1.00x: free) and writes bench/results/checksums.json (--out).
 """
 
@@ -28,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.checkpoint import _ParallelStub, sharded_state, timed  # noqa: E402
+from bench.checkpoint import _ParallelStub, drop_page_cache, sharded_state, timed  # noqa: E402
 from hybridpar.checkpoint import checksums  # noqa: E402
 from hybridpar.checkpoint.dcp import Checkpointer  # noqa: E402
 
@@ -60,7 +61,8 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
     dist.barrier()
     checkpointer = Checkpointer(root, _ParallelStub(rank, world), keep=2)
-    times: dict[str, list[float]] = {k: [] for k in ("save with", "save without", "load with", "load without")}
+    kinds = ("save", "cold load", "load")
+    times: dict[str, list[float]] = {f"{k} {m}": [] for k in kinds for m in ("with", "without")}
     step = [0]
 
     def measure(mode: str) -> None:
@@ -69,6 +71,10 @@ def main() -> None:
         times[f"save {mode}"].append(timed(lambda: (checkpointer.save(step[0], model, None, {}, {}),
                                                     checkpointer.wait())))
         path = root / f"step-{step[0]:08d}"
+        cold = [drop_page_cache() if rank == 0 else None]  # one rank drops the cache for all (root only)
+        dist.broadcast_object_list(cold)
+        if cold[0]:
+            times[f"cold load {mode}"].append(timed(lambda: checkpointer.load(path, model, None, {})))
         times[f"load {mode}"].append(timed(lambda: checkpointer.load(path, model, None, {})))
 
     load_before = os.getloadavg()[0]
@@ -87,7 +93,10 @@ def report(times: dict[str, list[float]], nbytes: int, world: int, rounds: int,
            load_average: tuple[float, float], out: Path) -> None:
     """Best and median seconds, and the ratio without/with per round (median) and best-of."""
     ratios, medians = {}, {}
-    for what in ("save", "load"):
+    times = {k: v for k, v in times.items() if v}  # no cold loads where the page cache cannot be dropped
+    for what in ("save", "cold load", "load"):
+        if f"{what} with" not in times:
+            continue
         a, b = times[f"{what} with"], times[f"{what} without"]
         ratios[what] = min(b) / min(a)
         medians[what] = statistics.median(bb / aa for aa, bb in zip(a, b))
@@ -95,12 +104,12 @@ def report(times: dict[str, list[float]], nbytes: int, world: int, rounds: int,
     print(f"\n{nbytes / 1e9:.2f} GB of state over {world} ranks, {rounds} rounds (A B / B A); load average "
           f"{load_average[0]:.1f} before, {load_average[1]:.1f} after on {os.cpu_count()} cores; crc32c "
           f"{crc:.1f} GB/s on one core")
-    print(f"{'what':<14}{'best s':>8}{'median s':>10}{'GB/s':>7}")
+    print(f"{'what':<20}{'best s':>8}{'median s':>10}{'GB/s':>7}")
     for k, v in times.items():
-        print(f"{k:<14}{min(v):>8.2f}{statistics.median(v):>10.2f}{nbytes / min(v) / 1e9:>7.2f}")
-    print(f"{'without / with':<16}{'best-of':>8}{'per-round median':>18}")
+        print(f"{k:<20}{min(v):>8.2f}{statistics.median(v):>10.2f}{nbytes / min(v) / 1e9:>7.2f}")
+    print(f"{'without / with':<20}{'best-of':>8}{'per-round median':>18}")
     for k in ratios:
-        print(f"{k:<16}{ratios[k]:>7.2f}x{medians[k]:>17.2f}x")
+        print(f"{k:<20}{ratios[k]:>7.2f}x{medians[k]:>17.2f}x")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"bytes": nbytes, "world": world, "rounds": rounds, "crc32c_gb_per_s": crc,
                                "load_average_before_after": load_average, "cpu_count": os.cpu_count(),

@@ -85,7 +85,7 @@ def damaged(folder: Path, name: str, found: tuple[str, Span]) -> CheckpointDamag
 
 class LoadCheck:
     """The checks of one load on one rank (see the module): construct before reading anything (checks
-    the shared files, raising CheckpointDamagedError), start() beside the read, join() after it."""
+    the shared files, raising CheckpointDamagedError), start() as the read starts, join() after it."""
 
     def __init__(self, folder: Path, rank: int, world: int) -> None:
         self.folder, self.rank, self.world = Path(folder), rank, world

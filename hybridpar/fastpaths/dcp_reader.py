@@ -261,22 +261,21 @@ def _read_item(fd: int, item: _Item, blocks: list[tuple[int, bytes]], seed: Opti
         return True
     base = item.offset + data_start
     itemsize = stored.element_size()
+    first = wanted.storage_offset()
+    last = first + sum((n - 1) * s for n, s in zip(wanted.shape, wanted.stride()))
+    # The stored data whole: the item is summed as it is read (see the class).
+    summing = seed is not None and first == 0 and (last + 1) * itemsize == nbytes
+    value = crc32c.crc32c(_span(fd, item.offset, base, blocks), seed) if summing else None
     if (wanted.is_contiguous() and target.is_contiguous() and target.dtype == stored.dtype
             and target.device.type == "cpu"):
-        data, first = _bytes_of(target), wanted.storage_offset()
-        _pread_exact(fd, data, base + first * itemsize, item)
+        value = _pread_exact(fd, _bytes_of(target), base + first * itemsize, item, value)
     else:
         # General case: read the span the slice touches, lay the stored strides over it, copy
         # (casting dtype and moving device as copy_ does in the stock reader).
-        first = wanted.storage_offset()
-        last = first + sum((n - 1) * s for n, s in zip(wanted.shape, wanted.stride()))
         buf = torch.empty((last - first + 1) * itemsize, dtype=torch.uint8)
-        data = buf.numpy()
-        _pread_exact(fd, data, base + first * itemsize, item)
+        value = _pread_exact(fd, buf.numpy(), base + first * itemsize, item, value)
         target.copy_(buf.view(stored.dtype).as_strided(wanted.shape, wanted.stride(), 0))
-    if seed is not None and first == 0 and len(data) == nbytes:  # the stored data whole: sum the item
-        value = crc32c.crc32c(_span(fd, item.offset, base, blocks), seed)
-        value = crc32c.crc32c(memoryview(data).cast("B"), value)  # releases the GIL, like the reads
+    if summing:
         value = crc32c.crc32c(_span(fd, base + nbytes, item.offset + item.length, blocks), value)
         sums[(item.name, item.offset)] = (item.length, value)
     return True
@@ -287,11 +286,19 @@ def _bytes_of(t: torch.Tensor):
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
-def _pread_exact(fd: int, out, pos: int, item: _Item) -> None:
+_SUM_CHUNK = 1 << 20  # read and summed at a time: the sum reads the bytes while they are in the CPU's cache
+
+
+def _pread_exact(fd: int, out, pos: int, item: _Item, value: Optional[int] = None) -> Optional[int]:
+    """Fill `out` from the file at `pos`; with `value`, the CRC-32C of the bytes read, continued from it."""
     view = memoryview(out).cast("B")
     done = 0
     while done < len(view):
-        got = os.preadv(fd, [view[done:]], pos + done)
+        stop = len(view) if value is None else min(len(view), done + _SUM_CHUNK)
+        got = os.preadv(fd, [view[done:stop]], pos + done)
         if got == 0:
             raise _damaged(item, f"the file ends at byte {pos + done}")
+        if value is not None:
+            value = crc32c.crc32c(view[done:done + got], value)  # releases the GIL, like the reads
         done += got
+    return value

@@ -245,10 +245,11 @@ class TiedOutput(nn.Module):
         self.group = parallel.mp_group
         self.sequence_parallel = sequence_parallel
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, copy_input: bool = True) -> torch.Tensor:
+        """copy_input as in ColumnParallelLinear."""
         # Looked up per call: FSDP swaps the registered parameter between its sharded and full forms.
         weight = local_tensor(self._embedding[0].weight)
-        return F.linear(enter_region(x, self.group, self.sequence_parallel), weight)
+        return F.linear(enter_region(x, self.group, self.sequence_parallel) if copy_input else x, weight)
 
 
 class Transformer(nn.Module):
@@ -333,5 +334,10 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens)
         for i, layer in enumerate(self.layers):
             h = layer(h, freqs_cis) if cache is None else layer(h, freqs_cis, cache.layer(i), start_pos)
-        logits = self.output(self.norm(h)).view(batch, seq, -1)  # sequence parallel: from [tokens, V/mp]
+        h = self.norm(h)
+        if self.sequence_parallel:  # all the tokens, laid out [batch, seq, dim] again for the head
+            h = enter_region(h, self.group, True).view(batch, seq, -1)
+            logits = self.output(h, copy_input=False)
+        else:
+            logits = self.output(h)
         return gather_from_region(logits, self.group) if gather_logits else logits

@@ -161,6 +161,8 @@ class Heartbeat:
     def stop_requested(self, signal_name: str) -> None:
         """A stop signal arrived (hybridpar.train.stop): the rank now finishes its step and saves. Said at
         once, so the monitor never takes what follows for a hang or a teardown."""
+        if self._state in ("lost_peer", "failed"):  # a stop cannot complete without the lost rank
+            return
         self._state = "stopping"
         self.note = f"stopping on {signal_name}"
         self._wake()

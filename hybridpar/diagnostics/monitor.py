@@ -130,7 +130,10 @@ class Monitor(Heartbeat):
                            "(not reached training: stuck in set-up, or never started)")
         if reasons:
             return "; ".join(reasons)
-        if failed and idle > self._dead_after():  # failed alone, and the others are stuck without it
+        # A rank failed, and the others are stuck without it, or already know it: a collective of
+        # theirs lost it, or the launcher's teardown (a stop signal) reached them.
+        knowing = [r for r in active if self._last.get(r, {}).get("state") in ("lost_peer", "stopping")]
+        if failed and (knowing or idle > self._dead_after()):
             notes = "; ".join(f"rank {r} {self._last[r]['note']}" for r in failed[:3])
             return f"rank(s) {failed} failed: {notes}"
         if idle > timeout:

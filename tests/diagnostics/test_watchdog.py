@@ -243,6 +243,32 @@ def test_a_rank_that_raised_and_exited_is_reported_as_failed_not_gone(tmp_path, 
     assert [(f["kind"], f["ranks"]) for f in report["findings"]] == [("failed", [1])]
 
 
+@pytest.mark.parametrize("others", ["lost_peer", "stopping"])
+def test_a_failure_the_others_already_know_is_reported_at_once(tmp_path, clock, others):
+    """Rank 1 raised; rank 2's collective lost it, or the launcher's teardown signal reached rank 2
+    (a stop that cannot complete without rank 1): the verdict comes now, not after rank 1's
+    heartbeat has gone stale or the stop's deadline has run out."""
+    wd = _watchdog(tmp_path, world=3)
+    note = "raised ValueError: planted"
+    wd._set("beat/1", json.dumps({"beat": 7, "step": 3, "phase": "forward", "seqs": {}, "state": "failed",
+                                  "timeout": 60.0, "note": note}))
+    wd._set("beat/2", json.dumps({"beat": 7, "step": 3, "phase": "forward", "seqs": {}, "state": "running",
+                                  "timeout": 60.0, "note": ""}))
+    wd._publish()
+    assert wd._check() is None  # rank 2 may yet raise the same error itself
+    wd._set("beat/2", json.dumps({"beat": 8, "step": 3, "phase": "forward", "seqs": {}, "state": others,
+                                  "timeout": 60.0, "note": ""}))
+    wd._publish()
+    assert wd._check() == f"rank(s) [1] failed: rank 1 {note}"
+
+
+def test_a_stop_signal_does_not_hide_a_lost_peer(tmp_path):
+    wd = _watchdog(tmp_path)
+    wd._state = "lost_peer"
+    wd.stop_requested("SIGTERM")
+    assert wd._state == "lost_peer"
+
+
 def test_a_stop_on_request_is_neither_a_teardown_nor_a_death(tmp_path, clock):
     """Rank 1 got SIGTERM and is saving ('stopping'), then ran out of time and left ('stopped'):
     nothing to report; had its process vanished without saying so, that would be a death."""

@@ -19,6 +19,8 @@ import dataclasses
 from collections import Counter
 from typing import Iterable, Optional
 
+from .liveness import says_peer_loss
+
 from .traces import (RECENT, Collective, GroupTrace, RankTrace, dump_flight_recorder, error_stack, load_dumps,
                      python_stack, short_message, trace_from_dump, where)
 
@@ -257,8 +259,11 @@ def format_report(verdict: Verdict, headline: str, world_size: int = -1) -> str:
                 g = verdict.gone[r]
                 lines.append(f"       rank {r}: {g.get('coords', '?')} on {g.get('host', '?')} (pid {g.get('pid', '?')}), "
                              f"last seen in step {g.get('step', '?')}, {g.get('phase', '?')}")
-    for f in [f for f in verdict.findings if f.kind == "failed"][:4]:
-        lines.append(("THEN   " if causes else "CAUSE  ") + f.text)
+    # A rank's own error comes before the errors of the ranks whose collectives lost it.
+    failed = [f for f in verdict.findings if f.kind == "failed"]
+    own = [f for f in failed if not says_peer_loss(f.text)]
+    for f in (own + [f for f in failed if f not in own])[:4]:
+        lines.append(("CAUSE  " if not causes and (f in own or not own) else "THEN   ") + f.text)
     if not verdict.findings:
         lines.append("CAUSE  not found: every rank waits in matching collectives (a network or driver problem? "
                      "run `hybridpar doctor` on these nodes)")

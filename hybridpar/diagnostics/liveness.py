@@ -42,5 +42,9 @@ def is_peer_loss(error: BaseException) -> bool:
     """Did this error come from a collective whose peer went away (rather than from this rank)?"""
     if isinstance(error, (dist.DistBackendError, dist.DistNetworkError)):
         return True
-    text = str(error).lower()
-    return any(marker in text for marker in _PEER_LOSS)
+    return says_peer_loss(str(error))
+
+
+def says_peer_loss(text: str) -> bool:
+    """Does an error's text say that a collective's peer went away?"""
+    return any(marker in text.lower() for marker in _PEER_LOSS)

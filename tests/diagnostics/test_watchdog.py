@@ -88,6 +88,20 @@ def test_a_dead_rank_is_named_with_the_collective_its_peers_wait_in():
     assert "rank    1  gone" in format_report(verdict, "headline")
 
 
+def test_a_ranks_own_error_is_the_cause_and_its_peers_losses_follow():
+    from hybridpar.diagnostics.flight import Finding, Verdict
+
+    lost = Finding("failed", [1], "mp", [0, 1], "all_to_all", 28,
+                   "rank 1 raised RuntimeError: Connection closed by peer [127.0.0.1]:38323 in all_to_all #28")
+    own = Finding("failed", [0], "", [], "", 0, "rank 0 raised ValueError: planted (job.py:31 in write)")
+    report = format_report(Verdict([lost, own], [], {}, []), "headline").splitlines()
+    print("\n" + "\n".join(report))
+    assert report[1].startswith("CAUSE  rank 0 raised ValueError: planted")
+    assert report[2].startswith("THEN   rank 1 raised RuntimeError: Connection closed by peer")
+    alone = format_report(Verdict([lost], [], {}, []), "headline").splitlines()  # all that is known
+    assert alone[1].startswith("CAUSE  rank 1 raised RuntimeError: Connection closed")
+
+
 def test_rooted_calls_are_not_mismatches():
     """scatter and gather: only the root passes a list, so their sizes differ by design."""
     def rank(r, sizes):

@@ -224,6 +224,7 @@ def _cmd_hang_report(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .config import describe  # every config key, for `train --help`
     parser = argparse.ArgumentParser(prog="hybridpar", description=__doc__)
     parser.add_argument("--version", action="version", version=f"hybridpar {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -236,7 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     mesh.set_defaults(func=_cmd_mesh)
     train = sub.add_parser(
         "train", help="train a model (under torchrun or srun; a world of one without)",
-        epilog="Any config key can be overridden: --train.steps 20 --parallel.mp 2 --fsdp.param_dtype float32",
+        epilog="Any config key can be overridden: --train.steps 20 --parallel.mp 2 --fsdp.param_dtype float32.\n"
+               "The keys, their types and defaults:\n\n" + describe(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train.add_argument("--config", default="", help="a TOML file, or a preset name in launch/configs (e.g. local)")
     train.set_defaults(func=_cmd_train)

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import tomllib
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
+from .options import description, option
 from .parallel.fsdp import FSDPConfig
 
 
@@ -22,99 +24,98 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass
 class ModelConfig:
-    preset: str = "tiny"  # a name in models/presets, or "" to use params_json
-    params_json: str = ""  # Meta's params.json (wins over preset when set)
-    vocab_size: int = 0  # 0: the preset's (or, for Llama 2's -1, the tokenizer's)
-    n_layers: int = 0  # 0: the preset's; a smaller value for quick experiments
+    preset: str = option("tiny", "a model preset of models/presets, or \"\" to use params_json")
+    params_json: str = option("", "Meta's params.json (wins over preset when set)")
+    vocab_size: int = option(0, "0: the preset's (for Llama 2's -1, the tokenizer's)")
+    n_layers: int = option(0, "0: the preset's; fewer for quick experiments")
 
 
 @dataclasses.dataclass
 class ParallelConfig:
-    mp: int = 1
-    dp_shard: int = -1  # -1: the remaining ranks
-    dp_replicate: int = 1
-    backend: str = ""  # "": nccl with GPUs, gloo without
-    init_timeout: float = 600.0  # seconds
-    # With mp > 1: hidden states between the tensor-parallel regions split along the sequence over the
-    # mp group (norm and residual activations / mp; all-gather + reduce-scatter instead of all-reduce).
-    sequence_parallel: bool = True
+    mp: int = option(1, "model (tensor) parallel size, inside a node")
+    dp_shard: int = option(-1, "FSDP sharding ranks (-1: the remaining ranks)")
+    dp_replicate: int = option(1, "replicas across nodes (hybrid sharding)")
+    backend: str = option("", "\"\": nccl with GPUs, gloo without")
+    init_timeout: float = option(600.0, "seconds a collective may wait before the first step is done")
+    # Norm and residual activations / mp; all-gather + reduce-scatter instead of all-reduce.
+    sequence_parallel: bool = option(True, "with mp > 1, split the activations between tensor-parallel regions "
+                                           "along the sequence over the mp group")
 
 
 @dataclasses.dataclass
 class DataConfig:
-    source: str = "default"  # "default" (embedded corpus), a .txt/.jsonl file, or a directory of them
-    text_field: str = "text"  # jsonl field holding the text
-    tokenizer: str = ""  # a tokenizer.model, tokenizer.json or their folder; "" trains one on the source (cached)
-    tokenizer_vocab_size: int = 4096  # when training a tokenizer
-    seq_len: int = 128
-    micro_batch_size: int = 2  # sequences per rank per micro-batch
-    num_workers: int = 0  # DataLoader worker processes
-    seed: int = 0  # shuffling seed, shared by every rank
-    cache_dir: str = ""  # tokenizers and token files; "": ~/.cache/hybridpar
+    source: str = option("default", "\"default\" (the embedded corpus), a .txt/.jsonl file, or a folder of them")
+    text_field: str = option("text", "the jsonl field holding the text")
+    tokenizer: str = option("", "a tokenizer.model, tokenizer.json or their folder; \"\": train one on the source")
+    tokenizer_vocab_size: int = option(4096, "vocabulary of a tokenizer trained on the source")
+    seq_len: int = option(128, "tokens per sequence")
+    micro_batch_size: int = option(2, "sequences per data-parallel rank per micro-batch")
+    num_workers: int = option(0, "DataLoader worker processes")
+    seed: int = option(0, "shuffling seed, shared by every rank")
+    cache_dir: str = option("", "tokenizers and token files (\"\": ~/.cache/hybridpar)")
 
 
 @dataclasses.dataclass
 class OptimConfig:
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    warmup_steps: int = 10
-    weight_decay: float = 0.1  # on matrices and embeddings, not norms
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping (the norm is still logged)
+    lr: float = option(3e-3, "peak learning rate (AdamW)")
+    min_lr_ratio: float = option(0.1, "cosine decay ends at lr x min_lr_ratio")
+    warmup_steps: int = option(10, "linear warm-up steps")
+    weight_decay: float = option(0.1, "on matrices and embeddings, not norms")
+    beta1: float = option(0.9, "AdamW beta1")
+    beta2: float = option(0.95, "AdamW beta2")
+    eps: float = option(1e-8, "AdamW epsilon")
+    grad_clip: float = option(1.0, "max global gradient norm; 0 disables clipping (the norm is still logged)")
 
 
 @dataclasses.dataclass
 class TrainConfig:
-    steps: int = 100  # optimizer steps
-    grad_accum: int = 1  # micro-batches per optimizer step
-    # With accumulation: "last" keeps unsharded gradients until the last micro-batch (one reduce-
-    # scatter per step), "every" reduce-scatters each micro-batch (sharded accumulation: memory of
-    # 1/dp_shard of the gradients instead of all of them, for grad_accum times the traffic).
-    grad_sync: str = "last"
-    seed: int = 0  # model initialisation
-    on_nonfinite: str = "stop"  # a NaN/inf loss: "stop" with an error naming the step, or "skip" the step
-    log_every: int = 10
-    peak_flops: float = 0.0  # per-device peak FLOP/s for MFU; 0 measures a matmul peak at start-up
-    # torch.compile each transformer block (inductor: fused element-wise kernels). Costs start-up
-    # time (tens of seconds on a CPU, which also needs a C++ compiler); bench/README.md has the gain.
-    compile: bool = False
+    steps: int = option(100, "optimizer steps")
+    grad_accum: int = option(1, "micro-batches per optimizer step")
+    # "last": one reduce-scatter per step; "every": sharded accumulation, 1/dp_shard of the gradient
+    # memory for grad_accum times the traffic.
+    grad_sync: str = option("last", "with accumulation: \"last\" keeps unsharded gradients until the last "
+                                    "micro-batch, \"every\" reduce-scatters each one")
+    seed: int = option(0, "model initialisation seed")
+    on_nonfinite: str = option("stop", "a NaN/inf loss: \"stop\" naming the step, or \"skip\" the step")
+    log_every: int = option(10, "steps between progress lines and metrics rows")
+    peak_flops: float = option(0.0, "per-device peak FLOP/s for MFU (0: measure a matmul peak at start-up)")
+    # Start-up costs tens of seconds on a CPU, which also needs a C++ compiler; bench/README.md has the gain.
+    compile: bool = option(False, "torch.compile each transformer block (fused element-wise kernels)")
 
 
 @dataclasses.dataclass
 class CheckpointConfig:
-    folder: str = ""  # "": <output.run_dir>/checkpoints
-    every: int = 0  # save every N steps (0: only at the end)
-    at_end: bool = True  # save after the last step
-    keep: int = 3  # complete checkpoints kept (older ones are deleted)
-    async_save: bool = False  # write in the background while training continues
-    resume: bool = False  # continue from the newest complete checkpoint in `folder`, if any
-    init_from: str = ""  # start from these weights: a hybridpar checkpoint, a Meta or a Hugging Face folder
-    # On SIGTERM, SIGINT or SIGUSR1 every rank finishes its step and saves; a stop still unfinished
-    # this many seconds after the signal exits without it (the previous checkpoint stays intact).
-    # Keep it inside the launcher's grace: torchrun's --shutdown-timeout and Slurm's KillWait, 30 s.
-    exit_save_timeout: float = 25.0
+    folder: str = option("", "where checkpoints go (\"\": <output.run_dir>/checkpoints)")
+    every: int = option(0, "save every N steps (0: only at the end)")
+    at_end: bool = option(True, "save after the last step")
+    keep: int = option(3, "complete checkpoints kept (older ones are deleted)")
+    async_save: bool = option(False, "write in the background while training continues")
+    resume: bool = option(False, "continue from the newest complete checkpoint in folder, if any")
+    init_from: str = option("", "start from these weights: a hybridpar checkpoint, a Meta or a Hugging Face folder")
+    # A stop still unfinished this long after the signal exits without saving (the previous checkpoint
+    # stays intact). Keep it inside the launcher's grace: torchrun's --shutdown-timeout, Slurm's KillWait.
+    exit_save_timeout: float = option(25.0, "seconds a stop on SIGTERM/SIGINT/SIGUSR1 may take to finish its "
+                                            "step and save")
 
 
 @dataclasses.dataclass
 class DiagnosticsConfig:
-    data_guard: bool = True  # check at step 1 that mp groups share batches and dp ranks differ
-    data_guard_every: int = 0  # and every N steps after (0: step 1 only)
-    replica_check_every: int = 0  # every N steps, check that replicated parameters agree (0: never)
-    train_timeout: float = 300.0  # seconds a collective may wait once the first step is done (0: keep init_timeout)
-    watchdog: bool = True  # report who is to blame when no rank progresses for train_timeout, then exit 124
-    watchdog_interval: float = 0.0  # seconds between heartbeats (0: train_timeout / 20, within 0.2-5 s)
-    # Every N steps, time one step on every rank and name the one that computes slowest (0: never).
-    straggler_every: int = 50
-    straggler_threshold: float = 1.5  # warn when its compute exceeds the others' median by this factor
+    data_guard: bool = option(True, "check at step 1 that mp groups share batches and dp ranks differ")
+    data_guard_every: int = option(0, "and every N steps after (0: step 1 only)")
+    replica_check_every: int = option(0, "every N steps, check that replicated parameters agree (0: never)")
+    train_timeout: float = option(300.0, "seconds no rank may progress once step 1 is done (0: init_timeout)")
+    watchdog: bool = option(True, "name who is to blame when no rank progresses for train_timeout, then exit 124")
+    watchdog_interval: float = option(0.0, "seconds between heartbeats (0: train_timeout / 20, within 0.2-5 s)")
+    straggler_every: int = option(50, "every N steps, compare the ranks' compute time and name the slowest "
+                                      "(0: never)")
+    straggler_threshold: float = option(1.5, "warn when its compute exceeds the others' median by this factor")
 
 
 @dataclasses.dataclass
 class OutputConfig:
-    run_dir: str = "runs/default"  # metrics.jsonl, TensorBoard events, loss.png
-    tensorboard: bool = True
-    plot: bool = True
+    run_dir: str = option("runs/default", "metrics.jsonl, TensorBoard events, loss.png, logs")
+    tensorboard: bool = option(True, "write TensorBoard events")
+    plot: bool = option(True, "plot loss.png at the end")
 
 
 @dataclasses.dataclass
@@ -287,3 +288,17 @@ def find_config(name_or_path: str, search: Optional[Path] = None) -> Path:
         return candidate
     presets = sorted(p.stem for p in folder.glob("*.toml")) if folder.exists() else []
     raise ConfigError(f"config {name_or_path!r} is neither a file nor a preset in {folder} ({', '.join(presets)})")
+
+
+def describe(config: Optional[Config] = None) -> str:
+    """Every key of every section: `--section.key TYPE (default X)  what it does`, from the fields."""
+    config = config or Config()
+    lines = []
+    for section, field in _sections(config).items():
+        lines.append(f"[{section}]")
+        for name, sub in _sections(getattr(config, section)).items():
+            kind = sub.type if isinstance(sub.type, str) else sub.type.__name__
+            default = getattr(getattr(config, section), name)
+            lines.append(f"  --{section}.{name} {kind} (default {json.dumps(default)})  {description(sub)}")
+    return "\n".join(lines)
+

@@ -38,6 +38,31 @@ def test_train_world_of_one_without_launcher(tmp_path):
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2  # steps 1 and 3
 
 
+def test_train_help_names_every_key_of_every_section_with_its_default_and_meaning():
+    import dataclasses
+
+    from hybridpar.config import Config
+
+    result = _run([sys.executable, "-m", "hybridpar", "train", "--help"], 120)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    readme = (ROOT / "README.md").read_text()
+    config = Config()
+    for section in dataclasses.fields(config):
+        assert f"[{section.name}]" in lines, section.name
+        row = next(line for line in readme.splitlines() if line.startswith(f"| `[{section.name}]` |"))
+        for field in dataclasses.fields(getattr(config, section.name)):
+            key = f"--{section.name}.{field.name}"
+            line = next((x for x in lines if x.strip().startswith(key + " ")), None)
+            assert line is not None, f"{key} missing from train --help"
+            default = json.dumps(getattr(getattr(config, section.name), field.name))
+            assert f"(default {default})  " in line and line.split(")  ", 1)[1].strip(), line
+            if section.name != "checkpoint":  # README's [checkpoint] row points to its own table
+                assert f"`{field.name}`" in row, f"README's [{section.name}] row does not name {field.name}"
+            else:
+                assert f"| `{field.name}` |" in readme, f"README's checkpoint table does not name {field.name}"
+
+
 def test_bad_override_is_one_clear_line():
     result = _run([sys.executable, "-m", "hybridpar", "train", "--train.stepz", "3"], 120)
     assert result.returncode == 2

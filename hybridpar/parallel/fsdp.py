@@ -30,6 +30,7 @@ from ..dtypes import TORCH_DTYPES as DTYPES
 from ..fastpaths.gloo_collectives import _BufferPool  # noqa: F401
 from ..fastpaths.gloo_collectives import use_gloo_collectives as _use_gloo_collectives
 from ..mesh import ParallelDims
+from ..options import option
 
 STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "hybrid_shard_zero2", "no_shard")
 AC_MODES = ("none", "selective", "full")  # least recomputation first: `hybridpar plan` lists layouts in this order
@@ -37,18 +38,17 @@ AC_MODES = ("none", "selective", "full")  # least recomputation first: `hybridpa
 
 @dataclasses.dataclass
 class FSDPConfig:
-    sharding_strategy: str = "hybrid_shard"
-    param_dtype: str = "bfloat16"  # compute dtype of gathered parameters
-    reduce_dtype: str = "float32"  # gradient reduction dtype
-    activation_checkpointing: str = "none"  # one of AC_MODES
-    ac_every: int = 2  # selective: checkpoint every k-th block
-    cpu_offload: bool = False
-    forward_prefetch: int = 1  # blocks whose all-gather is issued ahead in forward (0: FSDP2's implicit)
-    backward_prefetch: int = 1  # same in backward
-    # gloo only: FSDP's all-gather and reduce-scatter as all-to-alls, which cost gloo less CPU for the
-    # same bytes (a fast path: HYBRIDPAR_FAST_PATHS=0 turns it off too). False keeps FSDP2's own
-    # collectives, the ones nccl runs.
-    gloo_all_to_all: bool = True
+    sharding_strategy: str = option("hybrid_shard", f"one of {', '.join(STRATEGIES)}")
+    param_dtype: str = option("bfloat16", "compute dtype of the gathered parameters")
+    reduce_dtype: str = option("float32", "gradient reduction dtype")
+    activation_checkpointing: str = option("none", f"one of {', '.join(AC_MODES)}")
+    ac_every: int = option(2, "selective: checkpoint every k-th block")
+    cpu_offload: bool = option(False, "keep parameters, gradients and optimizer state on the CPU (GPUs)")
+    forward_prefetch: int = option(1, "blocks whose all-gather is issued ahead in forward (0: FSDP2's implicit)")
+    backward_prefetch: int = option(1, "the same in backward")
+    # They cost gloo less CPU for the same bytes (a fast path: HYBRIDPAR_FAST_PATHS=0 turns it off too).
+    gloo_all_to_all: bool = option(True, "on gloo, FSDP's all-gather and reduce-scatter as all-to-alls; false "
+                                         "keeps FSDP2's own, the ones nccl runs")
 
     def validate(self) -> None:
         if self.sharding_strategy not in STRATEGIES:

@@ -1,0 +1,16 @@
+"""Config fields that document themselves: `option(default, "what it does")` is a dataclass field whose
+one-line description `hybridpar train --help` prints with its key, type and default (config.describe)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+def option(default: Any, help: str) -> Any:
+    """A dataclass field with `default` and a one-line description."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+def description(field: dataclasses.Field) -> str:
+    return field.metadata.get("help", "")

@@ -241,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
                "The keys, their types and defaults:\n\n" + describe(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    train.add_argument("--config", default="", help="a TOML file, or a preset name in launch/configs (e.g. local)")
+    train.add_argument("--config", default="", help="a TOML file, or a named config of hybridpar/configs (local, llama2_70b)")
     train.set_defaults(func=_cmd_train)
     convert = sub.add_parser("convert", help="convert a checkpoint: hybridpar (dcp), Meta consolidated, Hugging Face")
     convert.add_argument("src", help="a hybridpar checkpoint (or a folder of them: the newest), a Meta folder or a Hugging Face folder")

@@ -278,11 +278,12 @@ def _toml_value(value: Any) -> str:
 
 
 def find_config(name_or_path: str, search: Optional[Path] = None) -> Path:
-    """A config path as given, or a preset name in launch/configs ("local" -> launch/configs/local.toml)."""
+    """A config path as given, or a named config shipped in the package ("local" -> hybridpar/configs/local.toml:
+    it works from an installed wheel too)."""
     path = Path(name_or_path)
     if path.exists():
         return path
-    folder = search or Path(__file__).resolve().parent.parent / "launch" / "configs"
+    folder = search or Path(__file__).resolve().parent / "configs"
     candidate = folder / f"{name_or_path}.toml"
     if candidate.exists():
         return candidate

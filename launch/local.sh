@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The processes say nothing until each has imported torch: seconds, more on a busy machine.
-echo "launch/local.sh: starting 4 training processes (launch/configs/local.toml); they load torch first" >&2
+echo "launch/local.sh: starting 4 training processes (hybridpar/configs/local.toml); they load torch first" >&2
 # Whether they are installed, not imported: importing them all takes seconds (tens on a busy machine).
 if ! python3 -c "import importlib.util as u, sys
 sys.exit(any(u.find_spec(m) is None for m in ('hybridpar', 'torch', 'sentencepiece', 'matplotlib', 'tensorboard')))"; then
@@ -16,4 +16,4 @@ fi
 # 4 processes share this machine's cores: one thread each avoids oversubscription.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 exec python3 -m torch.distributed.run --standalone --nproc_per_node 4 \
-    -m hybridpar train --config launch/configs/local.toml "$@"
+    -m hybridpar train --config local "$@"

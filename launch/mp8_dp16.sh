@@ -8,7 +8,7 @@
 #SBATCH --signal=USR1@120
 #SBATCH --requeue
 #
-# Llama 2 70B (launch/configs/llama2_70b.toml) on 16 nodes x 8 GPUs = 128 ranks: model parallel 8
+# Llama 2 70B (hybridpar/configs/llama2_70b.toml) on 16 nodes x 8 GPUs = 128 ranks: model parallel 8
 # inside each node, 16-way data parallel across nodes with hybrid sharding. A preset of
 # launch/slurm.sh, which does the work and documents every setting (options and environment).
 # Submit from the repository root; add your cluster's --partition/--account/--time to sbatch
@@ -34,7 +34,7 @@ export PROCS_PER_NODE=${PROCS_PER_NODE:-8}
 # `hybridpar plan --model llama2_70b --gpus 128 --gpu-mem-gb 80 --seq-len 4096` prices each choice.
 export DP_SHARD=${DP_SHARD:-8}
 export DP_REPLICATE=${DP_REPLICATE:--1}  # the rest: 16 / DP_SHARD
-export CONFIG=${CONFIG:-launch/configs/llama2_70b.toml}
+export CONFIG=${CONFIG:-llama2_70b}
 export RUN_DIR=${RUN_DIR:-runs/mp8_dp16}
 
 # sbatch runs a copy of this file from its spool folder: find slurm.sh beside the original.

@@ -23,7 +23,7 @@
 #   --nodes / NODES                    the allocation's node count (needed only for --dry-run outside one)
 #   --procs-per-node / PROCS_PER_NODE  ranks per node (default: the GPUs the job has on the node, so
 #                                      request them with --gpus-per-node; set it on CPU nodes)
-#   --config / CONFIG                  a TOML file or a preset name in launch/configs (local)
+#   --config / CONFIG                  a TOML file or a named config of hybridpar/configs (local)
 #   --dry-run / DRY_RUN=1              print the srun and torchrun commands and the mesh; start nothing
 #   RUN_DIR        the run folder (runs/<job name>): checkpoints/ shared by every job of the run,
 #                  job-<id>/ for each job's logs, metrics, layout and flight-recorder traces

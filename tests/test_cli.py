@@ -63,6 +63,42 @@ def test_train_help_names_every_key_of_every_section_with_its_default_and_meanin
                 assert f"| `{field.name}` |" in readme, f"README's checkpoint table does not name {field.name}"
 
 
+@pytest.mark.slow
+def test_a_wheel_installed_outside_the_checkout_trains_with_a_named_config(corpus, tmp_path):
+    """`hybridpar train --config local` from a wheel in a fresh environment, run away from the
+    checkout: the named configs and model presets are package data."""
+    import shutil
+
+    source = tmp_path / "src"
+    for folder in ("hybridpar", "models"):
+        shutil.copytree(ROOT / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("setup.cfg", "pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    built = _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                  "-w", str(tmp_path / "wheel"), str(source)], 300)
+    assert built.returncode == 0, built.stderr[-3000:]
+    env_dir = tmp_path / "env"  # torch and the other dependencies come from this interpreter's packages
+    made = _run([sys.executable, "-m", "venv", "--system-site-packages", str(env_dir)], 120)
+    assert made.returncode == 0, made.stderr
+    python = str(env_dir / "bin" / "python")
+    wheel = next((tmp_path / "wheel").glob("hybridpar-*.whl"))
+    installed = _run([python, "-m", "pip", "install", "-q", "--no-deps", str(wheel)], 300)
+    assert installed.returncode == 0, installed.stderr[-3000:]
+    away = tmp_path / "elsewhere"
+    away.mkdir()
+    where = subprocess.run([python, "-c", "import hybridpar; print(hybridpar.__file__)"], cwd=away,
+                           capture_output=True, text=True, timeout=120)
+    assert where.stdout.startswith(str(env_dir)), where.stdout + where.stderr  # not the checkout's
+    result = subprocess.run(
+        [python, "-m", "hybridpar", "train", "--config", "local", "--parallel.mp", "1", "--parallel.dp_shard", "1", "--train.steps", "2",
+         "--model.preset", "debug", "--model.vocab_size", "512", "--data.tokenizer_vocab_size", "512",
+         "--data.seq_len", "32", "--data.source", corpus["source"], "--data.cache_dir", corpus["cache_dir"],
+         "--train.peak_flops", "1e12", "--output.run_dir", str(away / "run"), "--checkpoint.at_end", "false"],
+        cwd=away, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "step     2/2" in result.stdout
+
+
 def test_bad_override_is_one_clear_line():
     result = _run([sys.executable, "-m", "hybridpar", "train", "--train.stepz", "3"], 120)
     assert result.returncode == 2

@@ -26,7 +26,7 @@ def test_mp8_dp16_dry_run_prints_the_exact_commands_and_mesh(tmp_path):
     assert printed_command(out, "torchrun") == [
         "python3", "-m", "torch.distributed.run", "--nnodes=16", "--nproc-per-node=8", "--rdzv-backend=c10d",
         "--rdzv-endpoint=gpu001:29400", "--rdzv-id=dryrun", "--max-restarts=3", f"--log-dir={job}/torchrun",
-        "--tee=3", "-m", "hybridpar", "train", "--config", "launch/configs/llama2_70b.toml",
+        "--tee=3", "-m", "hybridpar", "train", "--config", "llama2_70b",
         "--parallel.mp", "8", "--parallel.dp_shard", "8", "--parallel.dp_replicate", "2",
         "--output.run_dir", job, "--checkpoint.folder", f"{run_dir}/checkpoints", "--checkpoint.resume", "true"]
     assert printed_command(out, "mesh") == [
@@ -54,7 +54,7 @@ def test_shard_group_size_is_configurable(tmp_path):
 
 def test_generic_script_takes_sizes_from_environment_and_options(tmp_path):
     env = script_env(NODES=4, PROCS_PER_NODE=2, MP=2, DP_REPLICATE=2, RUN_DIR=tmp_path / "run", MAX_RESTARTS=1)
-    result = run_script(SLURM_SH, "--dry-run", "--config", "launch/configs/local.toml", "--", "--train.steps", "7",
+    result = run_script(SLURM_SH, "--dry-run", "--config", "hybridpar/configs/local.toml", "--", "--train.steps", "7",
                         env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "world 8 = dp_replicate 2 x dp_shard 2 x mp 2" in result.stdout

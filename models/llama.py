@@ -334,10 +334,7 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens)
         for i, layer in enumerate(self.layers):
             h = layer(h, freqs_cis) if cache is None else layer(h, freqs_cis, cache.layer(i), start_pos)
-        h = self.norm(h)
-        if self.sequence_parallel:  # all the tokens, laid out [batch, seq, dim] again for the head
-            h = enter_region(h, self.group, True).view(batch, seq, -1)
-            logits = self.output(h, copy_input=False)
-        else:
-            logits = self.output(h)
+        # Into the head's region; sequence parallel: all the tokens, laid out [batch, seq, dim] again.
+        h = enter_region(self.norm(h), self.group, self.sequence_parallel).view(batch, seq, -1)
+        logits = self.output(h, copy_input=False)
         return gather_from_region(logits, self.group) if gather_logits else logits

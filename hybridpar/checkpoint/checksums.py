@@ -49,16 +49,31 @@ def same(a: dict, b: dict) -> bool:
     return a["size"] == b["size"] and a[ALGORITHM] == b[ALGORITHM]
 
 
+def intervals(want: dict) -> list[tuple[int, int, int, int]]:
+    """A manifest entry's stretches between consecutive marks (one stored item each in a .distcp
+    file): (start, checksum before it, stop, checksum up to stop)."""
+    edges = ([(0, 0)] + [(int(pos), int(v, 16)) for pos, v in want.get("marks", [])]
+             + [(int(want["size"]), int(want[ALGORITHM], 16))])
+    return [(a, va, b, vb) for (a, va), (b, vb) in zip(edges, edges[1:]) if b > a]
+
+
+def sum_range(f, start: int, stop: int, value: int) -> int:
+    """CRC-32C of bytes start..stop of the open file `f`, continuing from `value`."""
+    f.seek(start)
+    while start < stop:
+        data = f.read(min(CHUNK, stop - start))
+        if not data:
+            break
+        value, start = crc32c.crc32c(data, value), start + len(data)
+    return value
+
+
 def first_difference(path: Path, want: dict) -> Optional[tuple[int, int]]:
     """The byte range between the manifest's two marks where file `path` first differs from what was
     written; None when the entry has no marks to tell."""
-    marks = [(0, 0)] + [(int(pos), int(v, 16)) for pos, v in want.get("marks", [])] + [(want["size"], int(want[ALGORITHM], 16))]
-    value, done = 0, 0
     with open(path, "rb") as f:
-        for (start, _), (stop, expected) in zip(marks, marks[1:]):
-            data = f.read(stop - done)
-            value, done = crc32c.crc32c(data, value), done + len(data)
-            if value != expected:
+        for start, seed, stop, expected in intervals(want):
+            if sum_range(f, start, stop, seed) != expected:
                 return start, stop
     return None
 

@@ -19,17 +19,21 @@ import threading
 from pathlib import Path
 from typing import Callable, Optional, TextIO
 
-import crc32c
 from torch.distributed.checkpoint import FileSystemReader
 
 from ..progress import Progress, note
 from ..ranks import gather_objects, mark_every_rank, raise_if_any_failed
-from .checksums import (ALGORITHM, CHUNK, MANIFEST, enabled as checksums_enabled, file_checksum, first_difference,
-                        read_manifest, same)
+from .checksums import (MANIFEST, enabled as checksums_enabled, file_checksum, first_difference, intervals,
+                        read_manifest, same, sum_range)
 from .reader import CheckpointDamagedError, CheckpointError
 
 _OWNER = re.compile(r"^(?:__(\d+)_\d+\.distcp|rng/rank(\d+)\.pt)$")
 _LISTED = 6  # tensors named in a damage message; the rest are counted
+
+
+def by_items(name: str) -> bool:
+    """Files checked stored item by stored item on load (the manifest marks their items' edges)."""
+    return name.endswith(".distcp")
 
 
 def owner(name: str, world: int) -> Optional[int]:
@@ -109,14 +113,14 @@ class LoadCheck:
     def seeds(self) -> dict[tuple[str, int], int]:
         """{(file, offset): running checksum before it} at every item edge of the files this rank
         checks: what a summing reader continues from (fastpaths.dcp_reader)."""
-        return {(name, pos): value for name in self._owned() if name.endswith(".distcp")
-                for pos, value, _, _ in _intervals(self.manifest[name])}
+        return {(name, pos): value for name in self._owned() if by_items(name)
+                for pos, value, _, _ in intervals(self.manifest[name])}
 
     def start(self, sums: Optional[dict[tuple[str, int], tuple[int, int]]] = None) -> None:
         """Begin checking beside the read. `sums`: the dict a summing reader fills during it (join()
         then checks item by item); without it, this rank's files are summed whole in a thread."""
         self._sums = sums
-        mine = [n for n in self._owned() if sums is None or not n.endswith(".distcp")]
+        mine = [n for n in self._owned() if sums is None or not by_items(n)]
         if mine:
             self._thread = threading.Thread(target=self._check, args=(mine,), name="ckpt-verify", daemon=True)
             self._thread.start()
@@ -138,7 +142,7 @@ class LoadCheck:
         if self._sums is not None and self.error is None:
             try:
                 for name in self._owned():
-                    if name.endswith(".distcp") and (found := self._check_items(name)) is not None:
+                    if by_items(name) and (found := self._check_items(name)) is not None:
                         self.error = damaged(self.folder, name, found)
                         break
             except Exception as err:  # noqa: BLE001 - as in _check
@@ -154,31 +158,13 @@ class LoadCheck:
         if not path.is_file() or path.stat().st_size != want["size"]:
             return check_file(self.folder, name, want)  # says missing or which size
         with open(path, "rb", buffering=0) as f:
-            for start, seed, stop, expected in _intervals(want):
+            for start, seed, stop, expected in intervals(want):
                 length, value = self._sums.get((name, start), (None, None))
                 if length != stop - start:
-                    value = _sum_range(f, start, stop, seed)
+                    value = sum_range(f, start, stop, seed)
                 if value != expected:
                     return f"checksum mismatch in bytes {start}..{stop}", (start, stop)
         return None
-
-
-def _intervals(want: dict) -> list[tuple[int, int, int, int]]:
-    """A manifest entry's stretches between consecutive marks (one stored item each in a .distcp
-    file): (start, checksum before it, stop, checksum up to stop)."""
-    edges = [(0, 0)] + [(int(pos), int(v, 16)) for pos, v in want.get("marks", [])] + [(int(want["size"]), int(want[ALGORITHM], 16))]
-    return [(a, va, b, vb) for (a, va), (b, vb) in zip(edges, edges[1:]) if b > a]
-
-
-def _sum_range(f, start: int, stop: int, value: int) -> int:
-    """CRC-32C of bytes start..stop of open file `f`, continuing from `value`."""
-    f.seek(start)
-    while start < stop:
-        data = f.read(min(CHUNK, stop - start))
-        if not data:
-            break
-        value, start = crc32c.crc32c(data, value), start + len(data)
-    return value
 
 
 def share_load_failure(error: Optional[BaseException], what: str) -> None:

@@ -81,10 +81,10 @@ def _swap_with_peer(send: torch.Tensor, recv: torch.Tensor, group) -> None:
 
 
 def all_gather_by_all_to_all(output: torch.Tensor, input: torch.Tensor, group,
-                             staged: Optional[torch.Tensor] = None) -> None:
+                             scratch: Optional[_Scratch] = None) -> None:
     """All-gather of `input` into the contiguous `output` (n equal slots, in rank order) as one
     all_to_all_single. Between two ranks the peer's part lands in its slot directly; with more, each
-    rank sends its part to every peer from `staged` (n copies; made when not given)."""
+    rank sends its part to every peer from n staged copies (in `scratch`, or a new buffer)."""
     n, rank = group.size(), group.rank()
     slots = output.view(n, -1)
     if slots[rank].data_ptr() != input.data_ptr():  # not already in place (FSDP passes its slot)
@@ -92,28 +92,30 @@ def all_gather_by_all_to_all(output: torch.Tensor, input: torch.Tensor, group,
     if n == 2:
         _swap_with_peer(input.reshape(-1), slots[1 - rank], group)
         return
-    if staged is None:
-        staged = torch.empty(output.numel(), dtype=output.dtype, device=output.device)
-    staged = staged.view(n, -1)
+    staged = _working(scratch, output.numel(), output).view(n, -1)
     staged.copy_(input.reshape(1, -1).expand(n, -1))
     dist.all_to_all_single(output.view(-1), staged.reshape(-1), group=group)
 
 
 def reduce_scatter_by_all_to_all(output: torch.Tensor, input: torch.Tensor, group,
-                                 received: Optional[torch.Tensor] = None) -> None:
+                                 scratch: Optional[_Scratch] = None) -> None:
     """Sum-reduce-scatter of the contiguous `input` (n equal slots) into `output` as one
     all_to_all_single and a local sum in rank order (deterministic). Between two ranks each sends
-    only the peer's half. `received`: working space of the parts received (made when not given)."""
+    only the peer's half. The parts received go to `scratch`, or a new buffer."""
     n, rank, out = group.size(), group.rank(), output.view(-1)
     slots = input.view(n, -1)
-    if received is None:
-        received = torch.empty(slots.shape[1] if n == 2 else input.numel(), dtype=input.dtype, device=input.device)
     if n == 2:  # a sum of two is the same in either order: both ranks get identical results
+        received = _working(scratch, slots.shape[1], input)
         _swap_with_peer(slots[1 - rank], received, group)
         torch.add(slots[rank], received, out=out)
     else:
+        received = _working(scratch, input.numel(), input)
         dist.all_to_all_single(received, input.reshape(-1), group=group)
         torch.sum(received.view(n, -1), dim=0, out=out)
+
+
+def _working(scratch: Optional[_Scratch], numel: int, like: torch.Tensor) -> torch.Tensor:
+    return scratch.get(numel, like) if scratch is not None else like.new_empty(numel)
 
 
 if AllGather is not None:
@@ -127,9 +129,7 @@ if AllGather is not None:
 
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
             # input_tensor is a view of this rank's slot of output_tensor: nothing to copy into it.
-            n = group.size()
-            staged = self.scratch.get(output_tensor.numel(), output_tensor) if n > 2 else None
-            all_gather_by_all_to_all(output_tensor, input_tensor, group, staged)
+            all_gather_by_all_to_all(output_tensor, input_tensor, group, self.scratch)
             return None  # done: FSDP waits only on a returned Work
 
     class AllToAllReduceScatter(_PooledCollective, ReduceScatter):
@@ -142,11 +142,9 @@ if AllGather is not None:
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
             if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
                 return reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
-            n = group.size()
-            received = self.scratch.get(input_tensor.numel() // (2 if n == 2 else 1), input_tensor)
-            reduce_scatter_by_all_to_all(output_tensor, input_tensor, group, received)
+            reduce_scatter_by_all_to_all(output_tensor, input_tensor, group, self.scratch)
             if op == dist.ReduceOp.AVG:
-                output_tensor.div_(n)
+                output_tensor.div_(group.size())
             return None
 
 

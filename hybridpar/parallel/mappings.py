@@ -25,6 +25,8 @@ function is the identity and issues no collective.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
@@ -98,80 +100,34 @@ def _reduce_scatter_tokens(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor
     return out
 
 
-class _Copy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
+def _region(name: str, forward: Callable, backward: Callable) -> type[torch.autograd.Function]:
+    """An autograd Function computing forward(x, group), whose gradient is backward(grad, group)."""
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+    class Region(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, group):
+            ctx.group = group
+            return forward(x, group)
 
+        @staticmethod
+        def backward(ctx, grad):
+            return backward(grad, ctx.group), None
 
-class _Reduce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+    Region.__name__ = Region.__qualname__ = name
+    return Region
 
 
-class _Scatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_last_dim(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_last_dim(grad, ctx.group), None
+def _same(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    return x.view_as(x)
 
 
-class _Gather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_last_dim(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _split_last_dim(grad, ctx.group), None
-
-
-class _GatherSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_tokens(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_tokens(grad, ctx.group), None
-
-
-class _ReduceScatterSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter_tokens(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_tokens(grad, ctx.group), None
-
-
-class _ScatterSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_tokens(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_tokens(grad, ctx.group), None
+_Copy = _region("_Copy", _same, _all_reduce)
+_Reduce = _region("_Reduce", _all_reduce, _same)
+_Scatter = _region("_Scatter", _split_last_dim, _gather_last_dim)
+_Gather = _region("_Gather", _gather_last_dim, _split_last_dim)
+_GatherSeq = _region("_GatherSeq", _gather_tokens, _reduce_scatter_tokens)
+_ReduceScatterSeq = _region("_ReduceScatterSeq", _reduce_scatter_tokens, _gather_tokens)
+_ScatterSeq = _region("_ScatterSeq", _split_tokens, _gather_tokens)
 
 
 def _trivial(group: ProcessGroup) -> bool:

@@ -200,13 +200,13 @@ def _case_reread(folder: str):
     checkpointer.save(1, model, optimizer, {}, {})
     checkpointer.wait()
     reread, summed_whole = [], []
-    sum_range, file_checksum = verify._sum_range, verify.file_checksum
-    verify._sum_range = lambda f, a, b, v: (reread.append(b - a), sum_range(f, a, b, v))[1]
+    sum_range, file_checksum = verify.sum_range, verify.file_checksum
+    verify.sum_range = lambda f, a, b, v: (reread.append(b - a), sum_range(f, a, b, v))[1]
     verify.file_checksum = lambda path, *a: (summed_whole.append(path.name), file_checksum(path, *a))[1]
     try:
         checkpointer.load(Path(folder) / "step-00000001", model, optimizer, {})
     finally:
-        verify._sum_range, verify.file_checksum = sum_range, file_checksum
+        verify.sum_range, verify.file_checksum = sum_range, file_checksum
     mine = sum(p.stat().st_size for p in (Path(folder) / "step-00000001").glob(f"__{rank}_*.distcp"))
     return {"reread": sum(reread), "distcp": mine, "summed_whole": summed_whole}
 

@@ -46,6 +46,9 @@ class ParallelConfig:
 class DataConfig:
     source: str = option("default", "\"default\" (the embedded corpus), a .txt/.jsonl file, or a folder of them")
     text_field: str = option("text", "the jsonl field holding the text")
+    val_source: str = option("", "held-out validation text, a source like data.source (\"\": none)")
+    val_fraction: float = option(0.0, "or this share of the source's documents, whole, held out for validation "
+                                      "(0: none)")
     tokenizer: str = option("", "a tokenizer.model, tokenizer.json or their folder; \"\": train one on the source")
     tokenizer_vocab_size: int = option(4096, "vocabulary of a tokenizer trained on the source")
     seq_len: int = option(128, "tokens per sequence")
@@ -78,6 +81,11 @@ class TrainConfig:
     seed: int = option(0, "model initialisation seed")
     on_nonfinite: str = option("stop", "a NaN/inf loss: \"stop\" naming the step, or \"skip\" the step")
     log_every: int = option(10, "steps between progress lines and metrics rows")
+    eval_every: int = option(0, "with a validation split, steps between validation losses (0: at the end only)")
+    eval_steps: int = option(0, "validation batches of the global batch size per evaluation, always the first "
+                                "ones of the split (0: the whole split)")
+    profile_steps: str = option("", "steps to trace with torch.profiler, e.g. \"20-22\" or \"5\" "
+                                    "(into <output.run_dir>/profile; \"\": none)")
     peak_flops: float = option(0.0, "per-device peak FLOP/s for MFU (0: measure a matmul peak at start-up)")
     # Start-up costs tens of seconds on a CPU, which also needs a C++ compiler; bench/README.md has the gain.
     compile: bool = option(False, "torch.compile each transformer block (fused element-wise kernels)")
@@ -145,6 +153,16 @@ class Config:
         if not self.checkpoint.exit_save_timeout > 0:
             raise ConfigError("checkpoint.exit_save_timeout must be > 0 seconds, "
                               f"got {self.checkpoint.exit_save_timeout}")
+        if not 0 <= self.data.val_fraction < 1:
+            raise ConfigError(f"data.val_fraction must be at least 0 and below 1 (a share of the documents), "
+                              f"got {self.data.val_fraction}")
+        if self.data.val_fraction > 0 and self.data.val_source:
+            raise ConfigError("data.val_source and data.val_fraction are both set: validate on a held-out source "
+                              "or on a share of data.source, not both")
+        for key in ("train.eval_every", "train.eval_steps"):
+            if get_value(self, key) < 0:
+                raise ConfigError(f"{key} must be >= 0, got {get_value(self, key)}")
+        profile_range(self.train.profile_steps)  # raises on a malformed range
         for key in ("train.steps", "train.grad_accum", "train.log_every", "data.seq_len", "data.micro_batch_size",
                     "checkpoint.keep"):
             if get_value(self, key) < 1:
@@ -152,6 +170,21 @@ class Config:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def profile_range(text: str) -> Optional[range]:
+    """train.profile_steps as the steps it names: "20-22" -> 20, 21, 22; "5" -> 5; "" -> None."""
+    text = text.strip()
+    if not text:
+        return None
+    first, dash, last = text.partition("-")
+    try:
+        start, stop = int(first), int(last if dash else first)
+    except ValueError:
+        start = stop = 0
+    if not 1 <= start <= stop:
+        raise ConfigError(f"train.profile_steps must be a step or a range of steps like \"20-22\", got {text!r}")
+    return range(start, stop + 1)
 
 
 def _sections(obj: Any) -> dict[str, dataclasses.Field]:

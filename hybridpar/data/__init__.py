@@ -20,7 +20,7 @@ from hybridpar.data.loader import (
     check_vocab,
 )
 from hybridpar.data.pipeline import build_data, build_training_data, default_cache_dir
-from hybridpar.data.prepare import TokenFile, prepare_cached, prepare_tokens, source_documents
+from hybridpar.data.prepare import TokenFile, prepare_cached, prepare_split_cached, prepare_tokens, source_documents
 from hybridpar.data.sources import source_id
 from hybridpar.data.tokenizer import Tokenizer, load_or_train_tokenizer, train_tokenizer
 
@@ -32,6 +32,7 @@ __all__ = [
     "default_corpus_id",
     "prepare_tokens",
     "prepare_cached",
+    "prepare_split_cached",
     "source_documents",
     "source_id",
     "TokenFile",

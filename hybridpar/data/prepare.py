@@ -10,7 +10,9 @@ Progress counts the bytes of input read (for the embedded corpus, of its source 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import re
@@ -144,19 +146,35 @@ class _Piece:
     text: str
     continues: bool  # not the document's first piece
     ends: bool  # the document's last piece: EOS follows
+    part: int = 0  # the output it goes to: TRAIN or VALIDATION when the documents are split
 
 
-def _pieces(documents: Iterable[Iterator[str]]) -> Iterator[_Piece]:
+TRAIN, VALIDATION = 0, 1
+PART_NAMES = ("train", "validation")
+
+
+def validation_share(first_piece: str) -> float:
+    """Where a document falls in [0, 1): a hash of its first piece. A document goes to validation
+    when this is below data.val_fraction. From the text, not the position, so that copies of a
+    document land in the same split and the split does not change when documents are reordered."""
+    digest = hashlib.blake2b(first_piece.encode("utf-8", "surrogatepass"), digest_size=8,
+                             person=b"hp-val-split").digest()
+    return int.from_bytes(digest, "big") / 2**64
+
+
+def _pieces(documents: Iterable[Iterator[str]], val_fraction: float = 0.0) -> Iterator[_Piece]:
     for doc in documents:
         previous: Optional[str] = None
-        first = True
+        first, part = True, TRAIN
         for text in doc:
+            if previous is None and val_fraction > 0:  # decided by the first piece, before any is sent
+                part = VALIDATION if validation_share(text) < val_fraction else TRAIN
             if previous is not None:
-                yield _Piece(previous, not first, False)
+                yield _Piece(previous, not first, False, part)
                 first = False
             previous = text
         if previous is not None:  # empty documents add nothing, not even an EOS
-            yield _Piece(previous, not first, True)
+            yield _Piece(previous, not first, True, part)
 
 
 # --- tokenising ------------------------------------------------------------------------------
@@ -166,8 +184,8 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
 
 
-def _token_batches(pieces: Iterable[_Piece], tokenizer) -> Iterator[tuple[np.ndarray, int]]:
-    """(ids as int32, documents ended) per batch of about BATCH_CHARS characters."""
+def _token_batches(pieces: Iterable[_Piece], tokenizer) -> Iterator[dict[int, tuple[np.ndarray, int]]]:
+    """{part: (ids as int32, documents ended)} per batch of about BATCH_CHARS characters."""
     prefix = _encode_arrays(tokenizer, [_CONTINUATION_PREFIX])[0]
     batch: list[_Piece] = []
     chars = 0
@@ -189,20 +207,22 @@ def _encode_arrays(tokenizer, texts: list[str]) -> list[np.ndarray]:
     return [np.asarray(ids, dtype=np.int32) for ids in tokenizer.encode_batch(texts)]
 
 
-def _encode(batch: list[_Piece], tokenizer, prefix: np.ndarray) -> tuple[np.ndarray, int]:
+def _encode(batch: list[_Piece], tokenizer, prefix: np.ndarray) -> dict[int, tuple[np.ndarray, int]]:
     texts = [_CONTINUATION_PREFIX + p.text if p.continues else p.text for p in batch]
     eos = np.array([tokenizer.eos_id], dtype=np.int32)
-    parts: list[np.ndarray] = []
+    arrays: dict[int, list[np.ndarray]] = {}
     for piece, ids in zip(batch, _encode_arrays(tokenizer, texts)):
         if piece.continues:
             if np.array_equal(ids[: len(prefix)], prefix):
                 ids = ids[len(prefix):]
             else:  # a tokenizer that merges across the separator: fall back to the piece alone
                 ids = _encode_arrays(tokenizer, [piece.text])[0]
-        parts.append(ids)
+        out = arrays.setdefault(piece.part, [])
+        out.append(ids)
         if piece.ends:
-            parts.append(eos)
-    return np.concatenate(parts), sum(p.ends for p in batch)
+            out.append(eos)
+    return {part: (np.concatenate(ids), sum(p.ends for p in batch if p.part == part))
+            for part, ids in arrays.items()}
 
 
 # --- the token file --------------------------------------------------------------------------
@@ -290,7 +310,7 @@ def prepare_tokens(source: Source, tokenizer, output_path: PathLike, *, text_fie
     """
     files, output = resolve_sources(source), Path(output_path)
     with _tokenising(files, output, report, progress_every, cached=False) as progress:
-        return _prepare(files, describe_sources(files, text_field), tokenizer, output, text_field, progress)
+        return _prepare(files, describe_sources(files, text_field), tokenizer, [output], text_field, progress)[0]
 
 
 def _tokenising(files: Sequence[SourceFile], output: Path, report: Optional[bool], every: float,
@@ -301,44 +321,68 @@ def _tokenising(files: Sequence[SourceFile], output: Path, report: Optional[bool
     return progress
 
 
-def _prepare(files: Sequence[SourceFile], description: dict, tokenizer, output: Path, text_field: str,
-             progress: Progress) -> TokenFile:
+def _prepare(files: Sequence[SourceFile], description: dict, tokenizer, outputs: Sequence[Path], text_field: str,
+             progress: Progress, val_fraction: float = 0.0) -> list[TokenFile]:
+    """One token file, or with val_fraction > 0 two: outputs[TRAIN] and outputs[VALIDATION], each
+    document whole in one of them (validation_share)."""
     eos_id, vocab_size = int(tokenizer.eos_id), int(tokenizer.vocab_size)
     if not 0 <= eos_id < vocab_size:
         raise ValueError(f"the tokenizer has no usable eos piece (eos_id {eos_id}); documents need one between them")
     dtype = token_dtype(vocab_size)
-    n_tokens = n_documents = 0
-    meta_path = sidecar_path(output)
-    with atomic_output(output, "wb") as out:
-        for ids, ended in _token_batches(_pieces(_documents(files, text_field, progress.update)), tokenizer):
-            if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
-                bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
-                raise ValueError(f"the tokenizer produced id {bad}, outside its vocab of {vocab_size}")
-            out.write(ids.astype(dtype))
-            n_tokens += int(ids.size)
-            n_documents += ended
-        if n_tokens == 0:
-            raise ValueError(f"no tokens: the data source {source_name(files)} holds no text")
-        # All tokens are written, the rename comes next. Drop an old sidecar first: a crash between
-        # the two renames leaves a token file with no sidecar (clearly unfinished), never new
-        # tokens described by an old sidecar. A failure before this point leaves the old output whole.
-        meta_path.unlink(missing_ok=True)
-    meta = {
-        "format": "hybridpar-tokens",
-        "version": FORMAT_VERSION,
-        "dtype": dtype.name,
-        "n_tokens": n_tokens,
-        "n_documents": n_documents,
-        "vocab_size": vocab_size,
-        "eos_id": eos_id,
-        "tokenizer_sha256": tokenizer.sha256,
-        "tokenizer_path": str(getattr(tokenizer, "path", "")),
-        "source": description,
-    }
-    write_text_atomic(meta_path, json.dumps(meta, indent=1) + "\n")
-    log.info("prepared %s: %d tokens in %d documents", output, n_tokens, n_documents)
-    progress.summary = f"{n_tokens:,} tokens in {n_documents:,} documents"
-    return TokenFile(output)
+    n_tokens, n_documents = [0] * len(outputs), [0] * len(outputs)
+    with contextlib.ExitStack() as stack:  # every output renamed into place on success, none on error
+        outs = [stack.enter_context(atomic_output(output, "wb")) for output in outputs]
+        pieces = _pieces(_documents(files, text_field, progress.update), val_fraction)
+        for batch in _token_batches(pieces, tokenizer):
+            for part, (ids, ended) in batch.items():
+                if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+                    bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+                    raise ValueError(f"the tokenizer produced id {bad}, outside its vocab of {vocab_size}")
+                outs[part].write(ids.astype(dtype))
+                n_tokens[part] += int(ids.size)
+                n_documents[part] += ended
+        _check_parts(files, n_tokens, n_documents, val_fraction)
+        # All tokens are written, the renames come next. Drop old sidecars first: a crash between
+        # the renames leaves a token file with no sidecar (clearly unfinished), never new tokens
+        # described by an old sidecar. A failure before this point leaves the old outputs whole.
+        for output in outputs:
+            sidecar_path(output).unlink(missing_ok=True)
+    made = []
+    for part, output in enumerate(outputs):
+        meta = {
+            "format": "hybridpar-tokens",
+            "version": FORMAT_VERSION,
+            "dtype": dtype.name,
+            "n_tokens": n_tokens[part],
+            "n_documents": n_documents[part],
+            "vocab_size": vocab_size,
+            "eos_id": eos_id,
+            "tokenizer_sha256": tokenizer.sha256,
+            "tokenizer_path": str(getattr(tokenizer, "path", "")),
+            "source": description,
+        }
+        if val_fraction > 0:
+            meta["split"] = {"part": PART_NAMES[part], "val_fraction": val_fraction}
+        write_text_atomic(sidecar_path(output), json.dumps(meta, indent=1) + "\n")
+        log.info("prepared %s: %d tokens in %d documents", output, n_tokens[part], n_documents[part])
+        made.append(TokenFile(output))
+    progress.summary = " + ".join(f"{n:,} tokens in {d:,} documents" + (f" ({PART_NAMES[i]})" if val_fraction else "")
+                                  for i, (n, d) in enumerate(zip(n_tokens, n_documents)))
+    return made
+
+
+def _check_parts(files: Sequence[SourceFile], n_tokens: list[int], n_documents: list[int], val_fraction: float) -> None:
+    if sum(n_tokens) == 0:
+        raise ValueError(f"no tokens: the data source {source_name(files)} holds no text")
+    if val_fraction <= 0:
+        return
+    total = sum(n_documents)
+    if n_tokens[VALIDATION] == 0:
+        raise ValueError(f"data.val_fraction = {val_fraction} put none of the {total} documents of "
+                         f"{source_name(files)} in validation: raise it, or name a held-out data.val_source")
+    if n_tokens[TRAIN] == 0:
+        raise ValueError(f"data.val_fraction = {val_fraction} put all {total} documents of {source_name(files)} "
+                         "in validation, none in training: lower it")
 
 
 def prepare_cached(
@@ -358,25 +402,48 @@ def prepare_cached(
     process that prepares reports as prepare_tokens does (unless report=False), whatever its rank;
     those that find the file or wait for it stay quiet.
     """
+    return _cached(source, tokenizer, cache_dir, text_field, 0.0, lock_timeout, report, progress_every)[0]
+
+
+def prepare_split_cached(source: Source, tokenizer, cache_dir: PathLike, val_fraction: float, *,
+                         text_field: str = "text", lock_timeout: Optional[float] = None, report: bool = True,
+                         progress_every: float = 5.0) -> tuple[TokenFile, TokenFile]:
+    """prepare_cached, with the documents split: (training file, validation file). A document goes
+    whole to one of them, validation when its validation_share is below `val_fraction`, so no
+    validation text is trained on; copies of a document go to the same side."""
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"data.val_fraction must be between 0 and 1 (a share of the documents), got {val_fraction}")
+    train, validation = _cached(source, tokenizer, cache_dir, text_field, val_fraction, lock_timeout, report,
+                                progress_every)
+    return train, validation
+
+
+def _cached(source: Source, tokenizer, cache_dir: PathLike, text_field: str, val_fraction: float,
+            lock_timeout: Optional[float], report: bool, progress_every: float) -> list[TokenFile]:
     files = resolve_sources(source)
     description = describe_sources(files, text_field)
-    key = json.dumps({"source": description, "tokenizer": tokenizer.sha256, "version": FORMAT_VERSION}, sort_keys=True)
-    output = Path(cache_dir) / f"tokens-{sha256_text(key)[:16]}.bin"
-    cached = _load_if_complete(output)
+    key = {"source": description, "tokenizer": tokenizer.sha256, "version": FORMAT_VERSION}
+    if val_fraction > 0:
+        key["val_fraction"] = val_fraction
+    name = f"tokens-{sha256_text(json.dumps(key, sort_keys=True))[:16]}"
+    outputs = ([Path(cache_dir) / f"{name}.{part}.bin" for part in PART_NAMES] if val_fraction > 0
+               else [Path(cache_dir) / f"{name}.bin"])
+    cached = _load_if_complete(outputs)
     if cached is not None:
         return cached
-    with file_lock(output.with_name(output.name + ".lock"), timeout=lock_timeout, purpose="preparing tokens"):
-        cached = _load_if_complete(output)  # another rank may have finished it while we waited
+    with file_lock(outputs[0].with_name(outputs[0].name + ".lock"), timeout=lock_timeout, purpose="preparing tokens"):
+        cached = _load_if_complete(outputs)  # another rank may have finished it while we waited
         if cached is not None:
             return cached
-        with _tokenising(files, output, report, progress_every, cached=True) as progress:
-            return _prepare(files, description, tokenizer, output, text_field, progress)
+        with _tokenising(files, outputs[0].with_name(name + (".*.bin" if val_fraction > 0 else ".bin")), report,
+                         progress_every, cached=True) as progress:
+            return _prepare(files, description, tokenizer, outputs, text_field, progress, val_fraction)
 
 
-def _load_if_complete(path: Path) -> Optional[TokenFile]:
-    if not path.exists() or not sidecar_path(path).exists():
+def _load_if_complete(paths: Sequence[Path]) -> Optional[list[TokenFile]]:
+    if not all(path.exists() and sidecar_path(path).exists() for path in paths):
         return None
     try:
-        return TokenFile(path)
+        return [TokenFile(path) for path in paths]
     except ValueError:
         return None  # left unfinished by a killed job: prepare it again

@@ -137,24 +137,94 @@ def read_metrics(jsonl_path: Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def plot_loss(jsonl_path: Path, png_path: Path, title: Optional[str] = None) -> Path:
-    """Loss against step from metrics.jsonl, saved as a PNG (written atomically)."""
+def smoothed(values: list[float], span: int) -> list[float]:
+    """An exponential moving average over about `span` points, debiased at the start (TensorBoard's)."""
+    alpha = 2.0 / (span + 1)
+    out, mean, weight = [], 0.0, 0.0
+    for v in values:
+        mean = (1 - alpha) * mean + alpha * v
+        weight = (1 - alpha) * weight + alpha
+        out.append(mean / weight)
+    return out
+
+
+def plot_dashboard(jsonl_path: Path, png_path: Path, title: Optional[str] = None, grad_clip: float = 0.0) -> Path:
+    """The run at a glance from metrics.jsonl, as a PNG (written atomically): training loss raw and
+    smoothed with the validation loss, the learning rate, tokens/s and MFU, the gradient norm with
+    skipped steps; resumes as dashed lines on every panel."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on training nodes
     import matplotlib.pyplot as plt
 
-    rows = [r for r in read_metrics(jsonl_path) if "loss" in r]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], marker=".")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_title(title or "training loss")
-    ax.grid(alpha=0.3)
+    rows = read_metrics(jsonl_path)
+    train = [r for r in rows if "loss" in r]
+    val = [r for r in rows if "val_loss" in r]
+    skipped = sorted({r["step"] for r in rows if r.get("skipped") is True})
+    resumes = [r["step"] for r in rows if "resumed_from" in r]
+    steps = [r["step"] for r in train]
+
+    plt.rcParams.update({"font.size": 10})
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
+    (loss_ax, lr_ax), (speed_ax, norm_ax) = axes
+
+    if train:
+        loss_ax.plot(steps, [r["loss"] for r in train], color="tab:blue", alpha=0.3, lw=1, label="training (raw)")
+        loss_ax.plot(steps, smoothed([r["loss"] for r in train], max(2, len(train) // 10)), color="tab:blue", lw=2,
+                     label="training (smoothed)")
+    if val:
+        loss_ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], color="tab:orange", marker="o", lw=2,
+                     label="validation")
+    loss_ax.set_title("loss")
+    loss_ax.legend(loc="upper right", fontsize=9)
+
+    lr_ax.plot(steps, [r.get("lr", float("nan")) for r in train], color="tab:green", lw=2)
+    lr_ax.set_title("learning rate")
+    lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+
+    speed = [r.get("tokens_per_s", float("nan")) for r in train]
+    speed_ax.plot(steps, speed, color="tab:purple", lw=2)
+    speed_ax.set_title("throughput: tokens/s (left), MFU (right)")
+    speed_ax.set_ylabel("tokens/s")
+    # MFU is tokens/s times a constant (the model's FLOPs per token over the peak): one line, two scales.
+    ratios = sorted(100 * r["mfu"] / r["tokens_per_s"] for r in train if r.get("tokens_per_s") and "mfu" in r)
+    if ratios:
+        mfu_ax = speed_ax.twinx()
+        low, high = speed_ax.get_ylim()
+        ratio = ratios[len(ratios) // 2]
+        mfu_ax.set_ylim(low * ratio, high * ratio)
+        mfu_ax.set_ylabel("MFU %")
+
+    norm_ax.plot(steps, [r.get("grad_norm", float("nan")) for r in train], color="tab:brown", lw=2,
+                 label="gradient norm")
+    if grad_clip > 0:
+        norm_ax.axhline(grad_clip, color="gray", lw=1, ls=":", label=f"clipped above {grad_clip:g}")
+    if skipped:
+        norm_ax.plot(skipped, [0] * len(skipped), "x", color="red", ms=10, mew=2,
+                     label=f"skipped steps ({len(skipped)})")
+    norm_ax.set_title("gradient norm")
+    norm_ax.legend(loc="upper right", fontsize=9)
+
+    for ax in axes.flat:
+        ax.grid(alpha=0.3)
+        for i, step in enumerate(resumes):
+            ax.axvline(step, color="black", lw=1, ls="--", alpha=0.6, label="resumed" if i == 0 else None)
+    if resumes:
+        loss_ax.legend(loc="upper right", fontsize=9)
+    for ax in axes[1]:
+        ax.set_xlabel("step")
+    last = train[-1] if train else {}
+    headline = [title or Path(jsonl_path).parent.name]
+    if last:
+        headline.append(f"step {last['step']}: loss {last['loss']:.3f}")
+    if val:
+        headline.append(f"validation {val[-1]['val_loss']:.3f}")
+    fig.suptitle("  |  ".join(headline), fontsize=12)
+    fig.tight_layout()
     tmp = Path(png_path).with_suffix(".tmp.png")
     try:
-        with full_disk_said(tmp.parent, f"the loss plot ({Path(png_path).name}) could not be written", RUN_DIR_ADVICE):
-            fig.savefig(tmp, dpi=100, bbox_inches="tight")
+        with full_disk_said(tmp.parent, f"the dashboard ({Path(png_path).name}) could not be written", RUN_DIR_ADVICE):
+            fig.savefig(tmp, dpi=100)
         os.replace(tmp, png_path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -165,7 +235,13 @@ def plot_loss(jsonl_path: Path, png_path: Path, title: Optional[str] = None) -> 
 
 
 def progress_line(step: int, steps: int, m: dict) -> str:
-    return (
+    line = (
         f"step {step:>5}/{steps}  loss {m['loss']:.4f}  lr {m['lr']:.2e}  grad_norm {m['grad_norm']:.3f}  "
         f"{m['tokens_per_s']:,.0f} tok/s  mfu {100 * m['mfu']:.1f}%  mem {m['memory_gb']:.2f} GB"
     )
+    return line + validation_text(m)
+
+
+def validation_text(m: dict) -> str:
+    """"  val 3.2100 (ppl 24.8)" when `m` has a validation loss, else ""."""
+    return f"  val {m['val_loss']:.4f} (ppl {m['val_ppl']:.1f})" if "val_loss" in m else ""

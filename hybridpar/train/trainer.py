@@ -31,7 +31,7 @@ from models.llama import ModelArgs, Transformer
 
 from ..checkpoint.convert import detect_format, load_into, read_args
 from ..checkpoint.dcp import Checkpointer, complete_checkpoints, latest_checkpoint, params_dict
-from ..config import Config, ConfigError, dump_toml
+from ..config import Config, ConfigError, dump_toml, profile_range
 from ..data import build_training_data, check_vocab
 from ..diagnostics.data_guard import check_data, step_fingerprint
 from ..diagnostics.replicas import check_replicas
@@ -44,8 +44,12 @@ from ..parallel import vocab_parallel_cross_entropy
 from ..parallel.fsdp import apply_fsdp
 from ..parallel.loss import IGNORE_INDEX
 from . import stop as stopping
-from .metrics import MetricsWriter, flops_per_token, measure_matmul_peak, memory_bytes, plot_loss, progress_line
+from .evaluate import Validator
+from .metrics import (MetricsWriter, flops_per_token, measure_matmul_peak, memory_bytes, plot_dashboard, progress_line,
+                      validation_text)
 from .optim import build_optimizer, grad_norm_and_clip, lr_lambda
+from .profile import StepProfiler
+from .summary import summarise, write_summary
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -56,6 +60,7 @@ class Trainer:
     def __init__(self, config: Config, parallel: Optional[ParallelDims] = None) -> None:
         self.config = c = config
         c.validate()
+        self.started = time.perf_counter()  # the summary's wall time counts set-up too
         self.trace_dir = Path(c.output.run_dir) / "flight_recorder"
         # Before init_parallel makes the process group: NCCL reads some of these when a group is
         # created, so a group passed in (or made earlier by the caller) gets them only in part.
@@ -98,7 +103,8 @@ class Trainer:
         phase("model args")
         self.args = self._model_args()  # checked before any data work
         phase("data")
-        self.tokenizer, self.dataset, self.loader = build_training_data(c, p, on_tokenizer=self._fit_vocab)
+        self.tokenizer, self.dataset, self.loader, self.val_dataset = build_training_data(
+            c, p, on_tokenizer=self._fit_vocab)
         # Before the model is built and compiled: the compiler's start-up takes a share of the cores,
         # and a peak measured then comes out low.
         phase("peak flops")
@@ -124,6 +130,12 @@ class Trainer:
         self.metrics = MetricsWriter(self.run_dir, enabled=self.is_main, tensorboard=c.output.tensorboard,
                                      start_step=self.step)
         self.flops_per_token = flops_per_token(self.args, c.data.seq_len)
+        self.validator = None if self.val_dataset is None else Validator(
+            self.val_dataset, p, micro_batch_size=c.data.micro_batch_size, eval_steps=c.train.eval_steps,
+            global_batch=self.global_batch, at=lambda phase: self.deadlines.at(phase))
+        self.validation: Optional[dict] = None  # the last validation result
+        self.eval_seconds = 0.0
+        self.profiler = StepProfiler(profile_range(c.train.profile_steps), self.run_dir, p)
 
     # --- set-up ---------------------------------------------------------------------------------
 
@@ -326,6 +338,7 @@ class Trainer:
             error = err
             raise
         finally:
+            self.profiler.close()  # a run that fails or stops inside the profiled steps keeps its trace
             # The watchdog first: a rank whose peer died waits in close() for the verdict, and the
             # launcher's SIGTERM must not end it meanwhile (the stop's handlers are still in place).
             if self.watchdog is not None:
@@ -368,6 +381,8 @@ class Trainer:
                 f"{len(self.dataset)} sequences in the data",
                 flush=True,
             )
+        if self.resumed_from is not None:
+            self.metrics.write(self.step, {"resumed_from": str(self.resumed_from)})  # marked on the dashboard
         if self.resumed_from is not None and self.is_main:
             print(f"resumed from {self.resumed_from} at step {self.step}", flush=True)
             if self.step >= c.train.steps:
@@ -382,36 +397,78 @@ class Trainer:
             self.save_checkpoint()
         self.checkpointer.close()
         self.metrics.close()
+        self.profiler.close()
+        if self.is_main and self.profiler.rows:
+            print(self.profiler.describe(), flush=True)
         if self.is_main and c.output.plot and self.metrics.jsonl_path.exists():
-            plot_loss(self.metrics.jsonl_path, self.run_dir / "loss.png")
+            plot_dashboard(self.metrics.jsonl_path, self.run_dir / "loss.png", grad_clip=c.optim.grad_clip)
         if self.stop_signal and self.is_main:
             path = latest_checkpoint(self.checkpointer.folder)
             stopping.write_marker(self.run_dir, self.stop_signal, self.step, path)
             print(stopping.stopped_line(self.stop_signal, self.step, path, c.checkpoint.resume), flush=True)
+        self._summary()
         return self.history
+
+    def _summary(self) -> None:
+        """The end-of-run block (rank 0) and summary.json; the peak memory is the largest rank's."""
+        peak = torch.tensor([max((m["memory_gb"] for m in self.history), default=memory_bytes(self.device) / 1e9)],
+                            dtype=torch.float64, device=self.device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        if not self.is_main:
+            return
+        h = self.history
+        seconds = sum(m["step_time"] for m in h)
+        good = [m for m in h if not m["skipped"]]
+        text, done = summarise(
+            run_dir=self.run_dir, steps=(self.start_step + 1, self.step), skipped=sum(m["skipped"] for m in h),
+            tokens=sum(m["tokens"] for m in h), wall_seconds=time.perf_counter() - self.started,
+            train_seconds=seconds, eval_seconds=self.eval_seconds,
+            mfu=sum(m["mfu"] * m["step_time"] for m in h) / seconds if seconds else 0.0,
+            peak_memory_gb=peak.item(), train_loss=good[-1]["loss"] if good else None,
+            validation=self.validation, checkpoint=latest_checkpoint(self.checkpointer.folder),
+            tokenizer=getattr(self.tokenizer, "path", None), config_path=self.run_dir / "config.toml",
+            train_steps=self.config.train.steps)
+        write_summary(self.run_dir, done)
+        print(text, flush=True)
+
+    def validate(self) -> dict:
+        """The validation loss now (every rank takes part): {"val_loss", "val_ppl", "val_tokens"}."""
+        start = time.perf_counter()
+        self.validation = self.validator(self.model)
+        self.eval_seconds += time.perf_counter() - start
+        self.deadlines.at("validated")
+        return self.validation
 
     def _train_loop(self, stragglers: StragglerMonitor, saved_at: Optional[int]) -> Optional[int]:
         """Train to train.steps: log, report stragglers, save checkpoints; the step last saved."""
         c = self.config
         window: list[dict] = []  # the steps since the last log line
         while self.step < c.train.steps:
-            with stragglers.timing(self.step + 1):
+            with stragglers.timing(self.step + 1), self.profiler.step(self.step + 1):
                 m = self.train_step()
             self.history.append(m)
             window.append(m)
-            if m["skipped"] and self.is_main:
-                print(f"step {m['step']}: non-finite loss {m['loss']} or gradient norm: step skipped", flush=True)
+            if m["skipped"]:
+                self.metrics.write(m["step"], {"skipped": True})  # marked on the dashboard
+                if self.is_main:
+                    print(f"step {m['step']}: non-finite loss {m['loss']} or gradient norm: step skipped", flush=True)
             if stragglers.due(self.step):
                 self.deadlines.at("straggler report")
             row = stragglers.report(self.step) or {}
+            every = c.train.eval_every
+            if self.validator is not None and not self.stop_signal and (
+                    (every and self.step % every == 0) or self.step == c.train.steps):
+                row.update(self.validate())
             if m["step"] % c.train.log_every == 0 or m["step"] in (1, c.train.steps):
                 summary = self._summarise(window)
                 self.metrics.write(m["step"], {**summary, **row})
                 if self.is_main:
-                    print(progress_line(m["step"], c.train.steps, summary), flush=True)
+                    print(progress_line(m["step"], c.train.steps, {**summary, **row}), flush=True)
                 window = []
             elif row:
                 self.metrics.write(m["step"], row)
+                if self.is_main and "val_loss" in row:
+                    print(f"step {m['step']:>5}/{c.train.steps}{validation_text(row)}", flush=True)
             if self.stop_signal or (c.checkpoint.every and self.step % c.checkpoint.every == 0):
                 self.save_checkpoint()
                 saved_at = self.step

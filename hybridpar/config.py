@@ -123,7 +123,11 @@ class DiagnosticsConfig:
 class OutputConfig:
     run_dir: str = option("runs/default", "metrics.jsonl, TensorBoard events, loss.png, logs")
     tensorboard: bool = option(True, "write TensorBoard events")
-    plot: bool = option(True, "plot loss.png at the end")
+    plot: bool = option(True, "plot the dashboard loss.png at the end")
+    wandb: bool = option(False, "also log the metrics to Weights & Biases (needs the wandb package)")
+    wandb_project: str = option("hybridpar", "the W&B project")
+    wandb_mode: str = option("offline", "\"offline\" (files in <run_dir>/wandb, `wandb sync` later; no network) "
+                                        "or \"online\"")
 
 
 @dataclasses.dataclass
@@ -163,6 +167,8 @@ class Config:
             if get_value(self, key) < 0:
                 raise ConfigError(f"{key} must be >= 0, got {get_value(self, key)}")
         profile_range(self.train.profile_steps)  # raises on a malformed range
+        if self.output.wandb_mode not in ("offline", "online"):
+            raise ConfigError(f"output.wandb_mode must be 'offline' or 'online', got {self.output.wandb_mode!r}")
         for key in ("train.steps", "train.grad_accum", "train.log_every", "data.seq_len", "data.micro_batch_size",
                     "checkpoint.keep"):
             if get_value(self, key) < 1:

@@ -6,13 +6,15 @@ MFU counts the FLOPs of the model's math, not of the hardware's work (ModelArgs.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import resource
 import threading
 import time
+import uuid
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -50,10 +52,27 @@ def memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-class MetricsWriter:
-    """metrics.jsonl + TensorBoard events in the run folder; a no-op on every rank but the first."""
+class WandbSettings(NamedTuple):
+    project: str
+    mode: str  # "offline" or "online"
+    config: dict  # the run's configuration, shown with the run
 
-    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool = True, start_step: int = 0) -> None:
+
+def require_wandb() -> None:
+    """output.wandb = true without the package: one clear error before any work (on every rank alike)."""
+    if importlib.util.find_spec("wandb") is None:
+        from ..config import ConfigError
+
+        raise ConfigError("output.wandb = true needs the wandb package: pip install wandb, "
+                          "or set output.wandb = false")
+
+
+class MetricsWriter:
+    """metrics.jsonl + TensorBoard events (+ Weights & Biases) in the run folder; a no-op on every
+    rank but the first."""
+
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool = True, start_step: int = 0,
+                 wandb: Optional[WandbSettings] = None) -> None:
         """start_step: the step training starts from (a resumed checkpoint's). Rows logged after it
         by an earlier attempt (one killed between that checkpoint and its end) are dropped, so
         the files hold each step once."""
@@ -62,8 +81,10 @@ class MetricsWriter:
         self.run_dir = Path(run_dir)
         self.jsonl_path = self.run_dir / "metrics.jsonl"
         self.tensorboard = tensorboard
+        self.wandb = wandb
         self._file = None
         self._tb = None
+        self._wandb_run = None
 
     def _full_disk_said(self):
         """An ENOSPC in metrics.jsonl or TensorBoard's files (its writer thread's error surfaces at the
@@ -85,6 +106,19 @@ class MetricsWriter:
 
             # purge_step: TensorBoard hides the earlier attempt's events from that step on.
             self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), purge_step=self.start_step + 1)
+        if self.wandb is not None:
+            self._wandb_run = self._start_wandb(self.wandb)
+
+    def _start_wandb(self, settings: WandbSettings):
+        """Imported only now (it is optional and slow to import). A resumed run continues the same
+        W&B run: its id is kept in the run folder."""
+        import wandb
+
+        id_file = self.run_dir / "wandb_id"
+        run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8]
+        write_text_atomic(id_file, run_id + "\n")
+        return wandb.init(project=settings.project, mode=settings.mode, dir=str(self.run_dir), id=run_id,
+                          resume="allow", name=self.run_dir.name, config=settings.config)
 
     def write(self, step: int, values: dict) -> None:
         if not self.enabled:
@@ -94,10 +128,12 @@ class MetricsWriter:
                 if self._file is None:
                     self._open()
                 self._file.write(json.dumps({"step": step, **values}) + "\n")
+                numbers = {k: v for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
                 if self._tb is not None:
-                    for key, value in values.items():
-                        if isinstance(value, (int, float)):
-                            self._tb.add_scalar(key, value, step)
+                    for key, value in numbers.items():
+                        self._tb.add_scalar(key, value, step)
+                if self._wandb_run is not None and numbers:
+                    self._wandb_run.log(numbers, step=step)
         except DiskFullError:
             # Dropped now: flushing a full file's buffer again at exit would add a second report.
             with contextlib.suppress(Exception):
@@ -106,13 +142,18 @@ class MetricsWriter:
 
     def close(self) -> None:
         file, tb, self._file, self._tb = self._file, self._tb, None, None  # closed once, even if closing fails
+        run, self._wandb_run = self._wandb_run, None
         with self._full_disk_said():
             try:
                 if file is not None:
                     file.close()
             finally:
-                if tb is not None:
-                    tb.close()
+                try:
+                    if tb is not None:
+                        tb.close()
+                finally:
+                    if run is not None:
+                        run.finish()
 
 
 def _quiet_tensorboard_full_disk() -> None:

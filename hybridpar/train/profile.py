@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import time
 from pathlib import Path
 from typing import Optional
@@ -46,8 +45,6 @@ class StepProfiler:
         if self.parallel.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
             torch.cuda.memory._record_memory_history(max_entries=100_000)
-        # Kineto prints its start and stop on every rank unless told to keep quiet.
-        os.environ.setdefault("KINETO_LOG_LEVEL", "5")
         self._profiler = torch.profiler.profile(activities=activities, record_shapes=True)
         self._profiler.__enter__()
         self._counter = CollectiveCounter(label=mesh_dims(self.parallel), profile=True, waits=True).__enter__()

@@ -45,8 +45,8 @@ from ..parallel.fsdp import apply_fsdp
 from ..parallel.loss import IGNORE_INDEX
 from . import stop as stopping
 from .evaluate import Validator
-from .metrics import (MetricsWriter, flops_per_token, measure_matmul_peak, memory_bytes, plot_dashboard, progress_line,
-                      validation_text)
+from .metrics import (MetricsWriter, WandbSettings, flops_per_token, measure_matmul_peak, memory_bytes, plot_dashboard,
+                      progress_line, require_wandb, validation_text)
 from .optim import build_optimizer, grad_norm_and_clip, lr_lambda
 from .profile import StepProfiler
 from .summary import summarise, write_summary
@@ -102,6 +102,8 @@ class Trainer:
 
         phase("model args")
         self.args = self._model_args()  # checked before any data work
+        if c.output.wandb:
+            require_wandb()
         phase("data")
         self.tokenizer, self.dataset, self.loader, self.val_dataset = build_training_data(
             c, p, on_tokenizer=self._fit_vocab)
@@ -127,8 +129,9 @@ class Trainer:
         self.resumed_from = self._restore()
         self.start_step = self.step  # 0, or the step a resumed run continues from
         self.deadlines = Deadlines(c.parallel.init_timeout, c.diagnostics.train_timeout, p, self.start_step)
+        wandb = WandbSettings(c.output.wandb_project, c.output.wandb_mode, c.to_dict()) if c.output.wandb else None
         self.metrics = MetricsWriter(self.run_dir, enabled=self.is_main, tensorboard=c.output.tensorboard,
-                                     start_step=self.step)
+                                     start_step=self.step, wandb=wandb)
         self.flops_per_token = flops_per_token(self.args, c.data.seq_len)
         self.validator = None if self.val_dataset is None else Validator(
             self.val_dataset, p, micro_batch_size=c.data.micro_batch_size, eval_steps=c.train.eval_steps,

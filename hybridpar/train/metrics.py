@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import math
 import os
 import resource
 import threading
@@ -178,14 +179,13 @@ def read_metrics(jsonl_path: Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def smoothed(values: list[float], span: int) -> list[float]:
-    """An exponential moving average over about `span` points, debiased at the start (TensorBoard's)."""
-    alpha = 2.0 / (span + 1)
-    out, mean, weight = [], 0.0, 0.0
-    for v in values:
-        mean = (1 - alpha) * mean + alpha * v
-        weight = (1 - alpha) * weight + alpha
-        out.append(mean / weight)
+def smoothed(values: list[float], half_width: int) -> list[float]:
+    """A centred moving average over 2 x half_width + 1 points (fewer at the ends): no lag, so a
+    falling curve is not drawn above its own points."""
+    out = []
+    for i in range(len(values)):
+        window = values[max(0, i - half_width): i + half_width + 1]
+        out.append(sum(window) / len(window))
     return out
 
 
@@ -203,15 +203,21 @@ def plot_dashboard(jsonl_path: Path, png_path: Path, title: Optional[str] = None
     val = [r for r in rows if "val_loss" in r]
     skipped = sorted({r["step"] for r in rows if r.get("skipped") is True})
     resumes = [r["step"] for r in rows if "resumed_from" in r]
-    steps = [r["step"] for r in train]
 
     plt.rcParams.update({"font.size": 10})
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
     (loss_ax, lr_ax), (speed_ax, norm_ax) = axes
 
-    if train:
-        loss_ax.plot(steps, [r["loss"] for r in train], color="tab:blue", alpha=0.3, lw=1, label="training (raw)")
-        loss_ax.plot(steps, smoothed([r["loss"] for r in train], max(2, len(train) // 10)), color="tab:blue", lw=2,
+    def series(key: str, scale: float = 1.0) -> tuple[list[int], list[float]]:
+        """(steps, values) of the rows that have a finite `key`: a skipped step's NaN breaks no line."""
+        points = [(r["step"], scale * r[key]) for r in train if isinstance(r.get(key), (int, float))
+                  and math.isfinite(r[key])]
+        return [p[0] for p in points], [p[1] for p in points]
+
+    loss_steps, losses = series("loss")
+    if losses:
+        loss_ax.plot(loss_steps, losses, color="tab:blue", alpha=0.35, lw=1, label="training (raw)")
+        loss_ax.plot(loss_steps, smoothed(losses, max(1, len(losses) // 20)), color="tab:blue", lw=2,
                      label="training (smoothed)")
     if val:
         loss_ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], color="tab:orange", marker="o", lw=2,
@@ -219,12 +225,12 @@ def plot_dashboard(jsonl_path: Path, png_path: Path, title: Optional[str] = None
     loss_ax.set_title("loss")
     loss_ax.legend(loc="upper right", fontsize=9)
 
-    lr_ax.plot(steps, [r.get("lr", float("nan")) for r in train], color="tab:green", lw=2)
+    lr_ax.plot(*series("lr"), color="tab:green", lw=2)
     lr_ax.set_title("learning rate")
     lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
 
-    speed = [r.get("tokens_per_s", float("nan")) for r in train]
-    speed_ax.plot(steps, speed, color="tab:purple", lw=2)
+    speed_steps, speed = series("tokens_per_s")
+    speed_ax.plot(speed_steps, speed, color="tab:purple", lw=2)
     speed_ax.set_title("throughput: tokens/s (left), MFU (right)")
     speed_ax.set_ylabel("tokens/s")
     # MFU is tokens/s times a constant (the model's FLOPs per token over the peak): one line, two scales.
@@ -236,8 +242,7 @@ def plot_dashboard(jsonl_path: Path, png_path: Path, title: Optional[str] = None
         mfu_ax.set_ylim(low * ratio, high * ratio)
         mfu_ax.set_ylabel("MFU %")
 
-    norm_ax.plot(steps, [r.get("grad_norm", float("nan")) for r in train], color="tab:brown", lw=2,
-                 label="gradient norm")
+    norm_ax.plot(*series("grad_norm"), color="tab:brown", lw=2, label="gradient norm")
     if grad_clip > 0:
         norm_ax.axhline(grad_clip, color="gray", lw=1, ls=":", label=f"clipped above {grad_clip:g}")
     if skipped:

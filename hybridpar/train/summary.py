@@ -58,7 +58,8 @@ def summarise(*, run_dir: Path, steps: tuple[int, int], skipped: int, tokens: fl
         ("tokens seen", f"{tokens:,.0f} this run"),
         ("throughput", f"{done['tokens_per_s']:,.0f} tokens/s, MFU {100 * mfu:.1f}% (means over the steps)"),
         ("peak memory", f"{peak_memory_gb:.2f} GB (the largest rank)"),
-        ("final loss", (f"training {train_loss:.4f}" if train_loss is not None else "training -")
+        ("final loss", (f"training {train_loss:.4f} (the last log_every steps)" if train_loss is not None
+                        else "training -")
                        + (f", validation {validation['val_loss']:.4f} (perplexity {validation['val_ppl']:.1f})"
                           if validation else ", validation - (set data.val_fraction or data.val_source)")),
     ]

@@ -421,13 +421,12 @@ class Trainer:
             return
         h = self.history
         seconds = sum(m["step_time"] for m in h)
-        good = [m for m in h if not m["skipped"]]
         text, done = summarise(
             run_dir=self.run_dir, steps=(self.start_step + 1, self.step), skipped=sum(m["skipped"] for m in h),
             tokens=sum(m["tokens"] for m in h), wall_seconds=time.perf_counter() - self.started,
             train_seconds=seconds, eval_seconds=self.eval_seconds,
             mfu=sum(m["mfu"] * m["step_time"] for m in h) / seconds if seconds else 0.0,
-            peak_memory_gb=peak.item(), train_loss=good[-1]["loss"] if good else None,
+            peak_memory_gb=peak.item(), train_loss=self._summarise(h[-self.config.train.log_every:])["loss"] if h else None,
             validation=self.validation, checkpoint=latest_checkpoint(self.checkpointer.folder),
             tokenizer=getattr(self.tokenizer, "path", None), config_path=self.run_dir / "config.toml",
             train_steps=self.config.train.steps)

@@ -43,6 +43,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from .train import Trainer
 
     config = load_config(find_config(args.config) if args.config else None, args.overrides)
+    if args.dry_run:
+        return _dry_run(args, config)
     args.log_dir = Path(config.output.run_dir) / "logs"  # where main() puts a failing rank's traceback
     try:
         trainer = Trainer(config)
@@ -58,6 +60,28 @@ def _cmd_train(args: argparse.Namespace) -> int:
         sys.stderr.flush()
         os._exit(0)
     return 0
+
+
+def _dry_run(args: argparse.Namespace, config) -> int:
+    """hybridpar train --dry-run: one process plays one rank of the whole world (hybridpar.dryrun)."""
+    from .config import ConfigError
+    from .dryrun import dry_run
+    from .files import write_text_atomic
+
+    world = args.world or int(os.environ.get("WORLD_SIZE", 0))
+    p = config.parallel
+    if not world and p.dp_shard > 0 and p.dp_replicate > 0:
+        world = p.mp * p.dp_shard * p.dp_replicate
+    if not world:
+        raise ConfigError("the dry run needs the world size: give --world N (the job's number of ranks), "
+                          "or set parallel.dp_shard and parallel.dp_replicate")
+    run = dry_run(config, world, args.dry_run_rank, gpu_mem_gib=args.gpu_mem_gb, gpus_per_node=args.gpus_per_node)
+    print(run.text(), flush=True)
+    if args.dry_run_json:
+        import json
+
+        write_text_atomic(args.dry_run_json, json.dumps(run.to_dict(), indent=1) + "\n")
+    return 0 if run.ok else 1
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
@@ -242,6 +266,18 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train.add_argument("--config", default="", help="a TOML file, or a named config of hybridpar/configs (local, llama2_70b)")
+    train.add_argument("--dry-run", action="store_true",
+                       help="rehearse the job in this one process, as one rank of the whole world on a fake process "
+                            "group: the real model building, sharding and one step on fake tensors; reports the "
+                            "placements, per-rank bytes, the step's collectives, memory, the checkpoint's files and "
+                            "the checks (exit 1 when one fails). No GPU, data or launcher needed")
+    train.add_argument("--world", type=int, default=0, help="--dry-run: the job's number of ranks (default: "
+                                                            "WORLD_SIZE, or mp x dp_shard x dp_replicate)")
+    train.add_argument("--dry-run-rank", type=int, default=0, help="--dry-run: the rank to play (default 0)")
+    train.add_argument("--dry-run-json", default="", help="--dry-run: also write the report as JSON here")
+    train.add_argument("--gpu-mem-gb", type=float, default=80.0,
+                       help="--dry-run: GiB per GPU, for the memory check (default 80)")
+    train.add_argument("--gpus-per-node", type=int, default=8, help="--dry-run: GPUs per node (default 8)")
     train.set_defaults(func=_cmd_train)
     convert = sub.add_parser("convert", help="convert a checkpoint: hybridpar (dcp), Meta consolidated, Hugging Face")
     convert.add_argument("src", help="a hybridpar checkpoint (or a folder of them: the newest), a Meta folder or a Hugging Face folder")

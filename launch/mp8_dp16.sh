@@ -16,7 +16,8 @@
 #
 #   sbatch launch/mp8_dp16.sh [-- --train.steps 2000]
 #   DP_SHARD=16 sbatch launch/mp8_dp16.sh          # full sharding over all 16 nodes
-#   bash launch/mp8_dp16.sh --dry-run              # the srun/torchrun commands and the 128-rank mesh
+#   bash launch/mp8_dp16.sh --dry-run              # the srun/torchrun commands, the 128-rank mesh, and a
+#                                                  # rehearsal of rank 0 on a fake process group (about a minute)
 set -euo pipefail
 
 export MP=${MP:-8}

@@ -24,7 +24,12 @@
 #   --procs-per-node / PROCS_PER_NODE  ranks per node (default: the GPUs the job has on the node, so
 #                                      request them with --gpus-per-node; set it on CPU nodes)
 #   --config / CONFIG                  a TOML file or a named config of hybridpar/configs (local)
-#   --dry-run / DRY_RUN=1              print the srun and torchrun commands and the mesh; start nothing
+#   --dry-run / DRY_RUN=1              print the srun and torchrun commands and the mesh, then rehearse
+#                                      the job in this one process (hybridpar train --dry-run: the real
+#                                      model, sharding and one step as rank DRY_RUN_RANK of the world,
+#                                      on a fake process group); start nothing
+#   REHEARSE       0: --dry-run prints the commands and the mesh only (1)
+#   DRY_RUN_RANK   the rank the rehearsal plays (0); DRY_RUN_JSON: also write its report there
 #   RUN_DIR        the run folder (runs/<job name>): checkpoints/ shared by every job of the run,
 #                  job-<id>/ for each job's logs, metrics, layout and flight-recorder traces
 #   RDZV_HOST      rendezvous host (the first host of SLURM_JOB_NODELIST)
@@ -50,6 +55,9 @@ CONFIG=${CONFIG:-local}
 DRY_RUN=${DRY_RUN:-0}
 MAX_RESTARTS=${MAX_RESTARTS:-3}
 PREFLIGHT=${PREFLIGHT:-1}
+REHEARSE=${REHEARSE:-1}
+DRY_RUN_RANK=${DRY_RUN_RANK:-0}
+DRY_RUN_JSON=${DRY_RUN_JSON:-}
 REQUEUE=${REQUEUE:-1}
 PYTHON=${PYTHON:-python3}
 
@@ -246,6 +254,14 @@ if [[ $DRY_RUN == 1 ]]; then
   echo "dry run: nothing is started"
   describe
   check
+  if [[ $REHEARSE == 1 ]]; then
+    # The real model building, sharding and one step, as one rank of the whole world (no GPU needed).
+    rehearsal=("$PYTHON" -m hybridpar train --dry-run --world "$WORLD" --dry-run-rank "$DRY_RUN_RANK"
+      --gpus-per-node "$PROCS_PER_NODE" --config "$CONFIG" "${train_overrides[@]}")
+    [[ -n $DRY_RUN_JSON ]] && rehearsal+=(--dry-run-json "$DRY_RUN_JSON")
+    echo "rehearsal: $(quoted "${rehearsal[@]}")"
+    exec "${rehearsal[@]}"
+  fi
   exit 0
 fi
 

@@ -32,19 +32,19 @@ MARGIN = 1.02  # and 2% for block rounding and anything not counted above
 def checkpoint_bytes(state: Any, world_size: int) -> int:
     """Bytes the checkpoint of `state` (the dict dcp.save gets) takes on disk, all ranks together.
     Collective: one all-gather of a number."""
-    tensor_bytes, tensors = _local_share(state, world_size)
+    tensor_bytes, tensors = local_share(state, world_size)
     shares = gather_objects((tensor_bytes, tensors))
     total_bytes = sum(b for b, _ in shares)
     total_tensors = sum(n for _, n in shares)
     return int(MARGIN * (total_bytes + BYTES_PER_TENSOR * total_tensors) + BYTES_PER_RANK * world_size)
 
 
-def _local_share(state: Any, world_size: int) -> tuple[float, float]:
+def local_share(state: Any, world_size: int) -> tuple[float, float]:
     """(bytes, tensors) of this rank's share: a piece held by k ranks counts 1/k on each of them."""
     if isinstance(state, dict):
         state = list(state.values())
     if isinstance(state, (list, tuple)):
-        parts = [_local_share(v, world_size) for v in state]
+        parts = [local_share(v, world_size) for v in state]
         return sum(b for b, _ in parts), sum(n for _, n in parts)
     if isinstance(state, DTensor):
         copies = 1

@@ -99,3 +99,19 @@ def flatten_mesh(mesh, name: str):
 def flight_recorder_dump() -> bytes:
     """This process's flight recorder, pickled: collectives included, C++ stacks left out (slow to collect)."""
     return torch._C._distributed_c10d._dump_fr_trace(True, False, False)
+
+
+def init_fake_process_group(rank: int, world_size: int) -> None:
+    """A process group in which this one process plays `rank` of `world_size`: collectives return at
+    once and move nothing (the dry run). torch ships it for its own tests only."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+
+
+def fake_tensors():
+    """A mode in which tensors have shapes, dtypes and devices but no memory, and ops only compute
+    the shapes of their results: a 405B model's training step runs in seconds (the dry run)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)

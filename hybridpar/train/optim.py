@@ -44,7 +44,14 @@ def lr_lambda(warmup: int, total: int, min_ratio: float):
 def grad_norm_and_clip(params: list[torch.nn.Parameter], max_norm: float, device: Optional[torch.device] = None,
                        *, also_sum: Sequence[float] = ()) -> tuple[float, list[float]]:
     """Global L2 norm of every gradient across mp and dp; clip to max_norm when it is > 0. Returns
-    (norm, `also_sum` summed over the ranks in the same all-reduce: the stop vote rides on it).
+    (norm, `also_sum` summed over the ranks in the same all-reduce: the stop vote rides on it)."""
+    norm, *sums = clip_gradients(params, max_norm, device, also_sum=also_sum).tolist()  # one copy to the host
+    return norm, sums
+
+
+def clip_gradients(params: list[torch.nn.Parameter], max_norm: float, device: Optional[torch.device] = None,
+                   *, also_sum: Sequence[float] = ()) -> torch.Tensor:
+    """grad_norm_and_clip without reading the result back: [norm, *also_sum summed over the ranks].
 
     Each rank sums the squares of its local shards, dividing by the number of ranks holding the
     same values (the mesh dims where the gradient is replicated), and one all-reduce of that scalar
@@ -76,5 +83,4 @@ def grad_norm_and_clip(params: list[torch.nn.Parameter], max_norm: float, device
     if max_norm > 0 and locals_:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         foreach_mul_(locals_, coef.to(locals_[0].device, locals_[0].dtype))
-    norm, *sums = torch.cat([total.reshape(1), summed[1:]]).tolist()  # one copy to the host
-    return norm, sums
+    return torch.cat([total.reshape(1), summed[1:]])

@@ -40,16 +40,58 @@ from ..diagnostics.timeouts import Deadlines, apply_env_defaults
 from ..diagnostics.watchdog import Watchdog
 from ..files import refuse_occupied, write_text_atomic
 from ..mesh import ParallelDims, init_parallel
-from ..parallel import vocab_parallel_cross_entropy
 from ..parallel.fsdp import apply_fsdp
-from ..parallel.loss import IGNORE_INDEX
 from . import stop as stopping
 from .evaluate import Validator
 from .metrics import (MetricsWriter, WandbSettings, flops_per_token, measure_matmul_peak, memory_bytes, plot_dashboard,
                       progress_line, require_wandb, validation_text)
 from .optim import build_optimizer, grad_norm_and_clip, lr_lambda
 from .profile import StepProfiler
+from .step import count_targets, forward_backward
 from .summary import summarise, write_summary
+
+
+def init_from_folder(config: Config) -> Optional[tuple[str, Path]]:
+    """(kind, folder) when checkpoint.init_from is a Meta or Hugging Face folder: its shape is the
+    model's, and its weights are sliced into the unsharded model before FSDP."""
+    folder = config.checkpoint.init_from
+    if not folder:
+        return None
+    kind, path = detect_format(Path(folder))
+    return (kind, path) if kind in ("meta", "hf") else None
+
+
+def model_args(c: Config, mp: int, tokenizer_vocab: int = 0) -> ModelArgs:
+    """The model's shape for config `c` at model-parallel size mp, checked against data.seq_len and
+    mp. A vocab_size of -1 (Llama 2's params.json) becomes `tokenizer_vocab` when given, else it waits
+    for the tokenizer (the trainer's _fit_vocab)."""
+    found = init_from_folder(c)
+    if found is not None:
+        args = read_args(*found)
+    else:
+        m = c.model
+        overrides = {}
+        if m.vocab_size:
+            overrides["vocab_size"] = m.vocab_size
+        if m.n_layers:
+            overrides["n_layers"] = m.n_layers
+        args = (ModelArgs.from_params_json(m.params_json, **overrides) if m.params_json
+                else ModelArgs.from_preset(m.preset, **overrides))
+    if args.vocab_size <= 0 and tokenizer_vocab > 0:
+        args = dataclasses.replace(args, vocab_size=tokenizer_vocab)
+    if c.data.seq_len > args.max_seq_len:
+        raise ConfigError(
+            f"data.seq_len = {c.data.seq_len} is larger than the model's max_seq_len = {args.max_seq_len}: "
+            "lower data.seq_len"
+        )
+    if c.parallel.sequence_parallel and c.data.seq_len % mp:
+        raise ConfigError(
+            f"data.seq_len = {c.data.seq_len} is not divisible by parallel.mp = {mp}: sequence parallelism "
+            f"gives each model-parallel rank seq_len / mp positions; choose a seq_len that is a multiple of {mp}, "
+            "or set parallel.sequence_parallel = false")
+    if args.vocab_size > 0:
+        args.check(mp)
+    return args
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -144,13 +186,7 @@ class Trainer:
 
     @functools.cached_property
     def init_from_folder(self) -> Optional[tuple[str, Path]]:
-        """(kind, folder) when checkpoint.init_from is a Meta or Hugging Face folder: its shape is the
-        model's, and its weights are sliced into the unsharded model before FSDP."""
-        folder = self.config.checkpoint.init_from
-        if not folder:
-            return None
-        kind, path = detect_format(Path(folder))
-        return (kind, path) if kind in ("meta", "hf") else None
+        return init_from_folder(self.config)
 
     def _restore(self) -> Optional[Path]:
         """Resume from the newest complete checkpoint, or take the weights of checkpoint.init_from."""
@@ -181,32 +217,7 @@ class Trainer:
     def _model_args(self) -> ModelArgs:
         """The model's shape, checked against data.seq_len and the mesh (a vocab_size of -1, Llama 2's,
         waits for the tokenizer: _fit_vocab)."""
-        c = self.config
-        if self.init_from_folder is not None:
-            args = read_args(*self.init_from_folder)
-        else:
-            m = c.model
-            overrides = {}
-            if m.vocab_size:
-                overrides["vocab_size"] = m.vocab_size
-            if m.n_layers:
-                overrides["n_layers"] = m.n_layers
-            args = (ModelArgs.from_params_json(m.params_json, **overrides) if m.params_json
-                    else ModelArgs.from_preset(m.preset, **overrides))
-        if c.data.seq_len > args.max_seq_len:
-            raise ConfigError(
-                f"data.seq_len = {c.data.seq_len} is larger than the model's max_seq_len = {args.max_seq_len}: "
-                "lower data.seq_len"
-            )
-        mp = self.parallel.mp
-        if c.parallel.sequence_parallel and c.data.seq_len % mp:
-            raise ConfigError(
-                f"data.seq_len = {c.data.seq_len} is not divisible by parallel.mp = {mp}: sequence parallelism "
-                f"gives each model-parallel rank seq_len / mp positions; choose a seq_len that is a multiple of {mp}, "
-                "or set parallel.sequence_parallel = false")
-        if args.vocab_size > 0:
-            args.check(self.parallel.mp)
-        return args
+        return model_args(self.config, self.parallel.mp)
 
     def _fit_vocab(self, tokenizer) -> None:
         """Before the loader is built: a vocab_size of -1 (Llama 2's params.json) becomes the
@@ -254,22 +265,11 @@ class Trainer:
         self.deadlines.at("data", step=self.step + 1)  # the step in progress
         batches = [next(self.loader) for _ in range(c.train.grad_accum)]
         guard_seconds = self._guard_data(batches)
-        counts = torch.tensor([float(sum((t != IGNORE_INDEX).sum() for _, t in batches))], device=self.device)
-        dist.all_reduce(counts, group=p.dp_group)
-        global_targets = counts.item()
+        global_targets = count_targets(batches, p, self.device).item()
         # FSDP averages gradients over the dp ranks; undo that so the sum over ranks is the global mean.
         scale = p.dp_size / global_targets
-
-        loss_sum = torch.zeros((), device=self.device)
-        for i, (inputs, targets) in enumerate(batches):
-            self.model.set_requires_gradient_sync(c.train.grad_sync == "every" or i == len(batches) - 1)
-            inputs = inputs.to(self.device, non_blocking=True)
-            targets = targets.to(self.device, non_blocking=True)
-            self.deadlines.at("forward")
-            loss = vocab_parallel_cross_entropy(self.model(inputs), targets, parallel=p, reduction="sum")
-            self.deadlines.at("backward")
-            (loss * scale).backward()
-            loss_sum += loss.detach()
+        loss_sum = forward_backward(self.model, batches, p, scale=scale, grad_sync=c.train.grad_sync,
+                                    device=self.device, at=self.deadlines.at)
         self.deadlines.at("loss")
         dist.all_reduce(loss_sum, group=p.dp_group)
         mean_loss = loss_sum.item() / global_targets

@@ -37,7 +37,7 @@ def test_estimate_counts_tensor_bytes_and_what_dcp_adds():
     expected = int(space.MARGIN * (tensor_bytes + 4 * space.BYTES_PER_TENSOR)) + space.BYTES_PER_RANK
     assert space.checkpoint_bytes(state, 1) == expected
     # A plain tensor is the same on every rank and stored once: each of 4 ranks counts a quarter.
-    assert space._local_share(state, 4) == (tensor_bytes / 4, 1.0)
+    assert space.local_share(state, 4) == (tensor_bytes / 4, 1.0)
 
 
 def _case_estimate(folder: str, layout: tuple) -> tuple:

@@ -1,6 +1,9 @@
-"""The Slurm scripts without Slurm: syntax, and the dry run's exact commands and mesh for 16 x 8 ranks."""
+"""The Slurm scripts without Slurm: syntax, and the dry run's exact commands, mesh and rehearsal for 16 x 8 ranks."""
 
+import json
+import resource
 import subprocess
+import time
 
 import pytest
 
@@ -15,10 +18,19 @@ def test_scripts_parse(script):
     assert result.returncode == 0, result.stderr
 
 
-def test_mp8_dp16_dry_run_prints_the_exact_commands_and_mesh(tmp_path):
+def test_mp8_dp16_dry_run_prints_the_exact_commands_and_mesh_and_rehearses_rank_0(tmp_path):
     run_dir = tmp_path / "run"
-    result = run_script(MP8_DP16_SH, "--dry-run", env=script_env(RDZV_HOST="gpu001", RDZV_PORT=29400, RUN_DIR=run_dir))
+    report = tmp_path / "rehearsal.json"
+    start = time.perf_counter()
+    result = run_script(MP8_DP16_SH, "--dry-run", env=script_env(RDZV_HOST="gpu001", RDZV_PORT=29400, RUN_DIR=run_dir,
+                                                                 REHEARSE=1, DRY_RUN_JSON=report), timeout=600)
+    seconds = time.perf_counter() - start
+    peak_gb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 / 1e9
     assert result.returncode == 0, result.stdout + result.stderr
+    print("\n" + result.stdout[result.stdout.index("dry run of rank"):])
+    print(f"the whole dry run: {seconds:.0f} s; largest process {peak_gb:.2f} GB resident")
+    _check_rehearsal(json.loads(report.read_text()))
+    assert seconds < 120 and peak_gb < 4
     out = result.stdout
     job = f"{run_dir}/job-dryrun"
     assert printed_command(out, "srun") == [
@@ -41,6 +53,19 @@ def test_mp8_dp16_dry_run_prints_the_exact_commands_and_mesh(tmp_path):
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING=3" in out and "TORCH_NCCL_DUMP_ON_TIMEOUT=1" in out
     assert f"TORCH_FR_DUMP_TEMP_FILE={job}/flight_recorder/" in out
     assert not run_dir.exists(), "a dry run must not create the run folder"
+
+
+def _check_rehearsal(report: dict) -> None:
+    """Rank 0 of Llama 2 70B at mp 8 x dp_shard 8 x dp_replicate 2, as hybridpar.dryrun reports it."""
+    assert report["ok"] and report["world"] == 128
+    assert report["layout"].startswith("mp 8 x dp_shard 8 x dp_replicate 2")
+    assert {"mp", "dp_shard", "dp_replicate"} <= {r["dim"] for r in report["collectives"]}
+    share = sum(report["state_bytes"].values()) / sum(report["expected_bytes"].values())
+    assert 1.0 <= share < 1.01, share  # sharded over mp x dp_shard = 64 (the norms are replicated over mp)
+    names = {p["name"] for p in report["parameters"]}
+    assert "layers.*.attention.wq.weight" in names and "tok_embeddings.weight" in names
+    assert all(len(p["layers"]) in (0, 80) for p in report["parameters"])
+    assert report["checkpoint"]["files"] == 128 + 5
 
 
 def test_shard_group_size_is_configurable(tmp_path):

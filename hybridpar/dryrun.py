@@ -1,0 +1,446 @@
+"""`hybridpar train --dry-run`: rehearse a job of any size in one process, before the queue.
+
+One process plays one rank (`--dry-run-rank`) of the configured world on torch's fake process
+group, whose collectives return at once. The real code runs: the mesh, the model built on the meta
+device, tensor parallelism, activation checkpointing and FSDP; then one training step (forward,
+backward, gradient clipping, the optimizer) on fake tensors, which have shapes and no memory. What
+it reports is what that code did, not a formula: every parameter's placement and local shape,
+this rank's bytes of parameters, gradients and optimizer state, and the collectives of the step per
+mesh dimension (counted as they were issued, hybridpar.diagnostics.collectives). The planner adds
+what a step on real tensors would hold besides (activations, gathered parameters), and the
+checkpoint's files follow from the state.
+
+The job it rehearses runs on GPUs unless parallel.backend is "gloo": the CPU fast paths
+(hybridpar.fastpaths) are then off, so the collectives are the ones nccl would run. torch.compile is
+not rehearsed (it compiles kernels, not layouts).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import os
+import re
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Callable, Iterator, Optional, TextIO
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from models.llama import Transformer
+
+from .config import Config, ConfigError
+from .files import human_bytes
+
+PARAM_BYTES = 4  # the trainer keeps fp32 master parameters (plan.MASTER_BYTES)
+
+
+@dataclasses.dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    warning: bool = False  # passed, with something to look at (e.g. data this machine cannot see)
+
+
+@dataclasses.dataclass
+class DryRun:
+    """What the rehearsal found; `text()` is the report."""
+
+    world: int
+    rank: int
+    target: str  # "gpu" or "cpu"
+    layout: str = ""
+    model: str = ""
+    checks: list[Check] = dataclasses.field(default_factory=list)
+    parameters: list[dict] = dataclasses.field(default_factory=list)  # one row per group of alike parameters
+    state_bytes: dict = dataclasses.field(default_factory=dict)  # parameters, gradients, optimizer (this rank)
+    expected_bytes: dict = dataclasses.field(default_factory=dict)  # the same, total / (mp x dp_shard)
+    collectives: list[dict] = dataclasses.field(default_factory=list)  # per (dim, op): calls, payload, wire
+    memory: dict = dataclasses.field(default_factory=dict)  # the planner's estimate for this layout
+    checkpoint: dict = dataclasses.field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok or c.warning for c in self.checks)
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "ok": self.ok}
+
+    def text(self) -> str:
+        return _report(self)
+
+
+def _check(run: DryRun, name: str, fn: Callable[[], str], warn_only: bool = False) -> bool:
+    """Run one check: its detail on success, the error's message on failure (a warning only, when
+    `warn_only`: the run goes on)."""
+    try:
+        run.checks.append(Check(name, True, fn() or "ok"))
+        return True
+    except (ValueError, ConfigError, FileNotFoundError) as err:
+        run.checks.append(Check(name, False, str(err), warning=warn_only))
+        return warn_only
+
+
+def dry_run(config: Config, world: int, rank: int = 0, *, gpu_mem_gib: float = 80.0, gpus_per_node: int = 8,
+            progress: Optional[TextIO] = sys.stderr) -> DryRun:
+    """Rehearse `config` as rank `rank` of `world` ranks. Needs a process with no process group
+    (it makes a fake one and destroys it at the end)."""
+    from .compat.torch import init_fake_process_group
+    from .mesh import resolve_sizes
+
+    started = time.perf_counter()
+    c = config
+    target = "cpu" if c.parallel.backend == "gloo" else "gpu"
+    run = DryRun(world=world, rank=rank, target=target)
+
+    def say(text: str) -> None:
+        if progress is not None:
+            print(f"dry run: {text} [{time.perf_counter() - started:.0f} s]", file=progress, flush=True)
+
+    if not 0 <= rank < world:
+        raise ConfigError(f"--dry-run-rank {rank} is outside the world of {world} ranks (0 to {world - 1})")
+    if dist.is_initialized():
+        raise RuntimeError("the dry run makes its own (fake) process group: run it outside torchrun")
+    p = c.parallel
+    dp_replicate = p.dp_replicate
+    if dp_replicate == -1 and p.dp_shard > 0 and world % (p.mp * p.dp_shard) == 0:  # launch/slurm.sh's "the rest"
+        dp_replicate = world // (p.mp * p.dp_shard)
+    sizes: list[int] = []
+    if not _check(run, "mesh", lambda: _mesh_detail(sizes, resolve_sizes(world, p.mp, p.dp_shard, dp_replicate))):
+        return _finish(run, started)
+    dr, ds, mp = sizes
+    run.layout = f"mp {mp} x dp_shard {ds} x dp_replicate {dr} = {world} ranks, {c.fsdp.sharding_strategy}"
+    _check(run, "model parallelism inside a node",
+           lambda: _inside_node(mp, gpus_per_node) if target == "gpu" else "CPU run: not applicable")
+    _check(run, "batch", lambda: _batch_detail(c, ds * dr))
+    # The job's nodes may see paths this machine does not: a missing one is a warning here.
+    _check(run, "data", lambda: _data_detail(c), warn_only=True)
+
+    init_fake_process_group(rank, world)
+    try:
+        with _fast_paths(target == "cpu"):
+            _rehearse(run, c, world, sizes, target, gpu_mem_gib, gpus_per_node, say)
+    finally:
+        dist.destroy_process_group()
+    return _finish(run, started)
+
+
+def _rehearse(run: DryRun, c: Config, world: int, sizes: list[int], target: str, gpu_mem_gib: float,
+              gpus_per_node: int, say: Callable[[str], None]) -> None:
+    """The part on the fake process group: model, sharding, one step, and what they show."""
+    from .compat.torch import fake_tensors
+    from .diagnostics.collectives import CollectiveCounter, mesh_dims
+    from .mesh import init_parallel
+    from .parallel.fsdp import apply_fsdp, dp_mesh_for
+    from .train.trainer import model_args
+
+    dr, ds, mp = sizes
+    say(f"mesh of {world} ranks on a fake process group")
+    parallel = init_parallel(mp=mp, dp_shard=ds, dp_replicate=dr)
+    args_box: list = []
+    if not _check(run, "model shape", lambda: _model_detail(args_box, model_args(c, mp, tokenizer_vocab=_vocab(c)))):
+        return
+    args = args_box[0]
+    run.model = f"{args.num_params() / 1e9:.2f}B parameters ({args.n_layers} layers, dim {args.dim})"
+    if not _check(run, "sharding strategy",
+                  lambda: _strategy_detail(dp_mesh_for(c.fsdp.sharding_strategy, parallel))):
+        return
+    say(f"building {run.model} on the meta device, tensor parallel {mp}, FSDP over {ds * dr}")
+    model = Transformer(args, parallel, device=torch.device("meta"), sequence_parallel=c.parallel.sequence_parallel)
+    model = apply_fsdp(model, parallel, c.fsdp, compile_blocks=False)
+    run.parameters = _placements(model)
+    say("one training step on fake tensors (forward, backward, optimizer)")
+    with fake_tensors(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
+        model.to_empty(device="cpu")
+        with CollectiveCounter(label=mesh_dims(parallel)) as counter:
+            optimizer, grads = _step(c, model, parallel)
+        run.state_bytes = state_bytes(model, optimizer, grads)
+        run.checkpoint = _checkpoint_files(c, model, optimizer, world)
+    run.collectives = collective_rows(counter)
+    run.expected_bytes = _expected(args, mp, ds)
+    run.memory = _memory(c, args, parallel, gpu_mem_gib, gpus_per_node)
+    if target == "gpu":
+        _check(run, "memory", lambda: _fits(run.memory))
+    say("done")
+
+
+@contextlib.contextmanager
+def _fast_paths(on: bool) -> Iterator[None]:
+    """The CPU fast paths for a CPU job; off for a GPU job, whose collectives are nccl's."""
+    from . import fastpaths
+
+    before = os.environ.get(fastpaths.ENV)
+    os.environ[fastpaths.ENV] = "1" if on and before != "0" else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(fastpaths.ENV, None)
+        else:
+            os.environ[fastpaths.ENV] = before
+
+
+def _finish(run: DryRun, started: float) -> DryRun:
+    run.seconds = time.perf_counter() - started
+    return run
+
+
+def _mesh_detail(out: list, sizes: tuple[int, int, int]) -> str:
+    out.extend(sizes)
+    dr, ds, mp = sizes
+    return f"dp_replicate {dr} x dp_shard {ds} x mp {mp}"
+
+
+def _inside_node(mp: int, gpus_per_node: int) -> str:
+    if gpus_per_node % mp:
+        raise ValueError(f"mp = {mp} does not divide the {gpus_per_node} GPUs of a node: some tensor-parallel "
+                         "groups span two nodes, and their every-layer traffic leaves the node")
+    return f"mp {mp} divides the {gpus_per_node} GPUs of a node"
+
+
+def _batch_detail(c: Config, dp: int) -> str:
+    d, t = c.data, c.train
+    sequences = d.micro_batch_size * t.grad_accum * dp
+    return (f"global batch {sequences} sequences = micro_batch_size {d.micro_batch_size} x grad_accum {t.grad_accum} "
+            f"x dp {dp}, {sequences * d.seq_len:,} tokens per step")
+
+
+def _data_detail(c: Config) -> str:
+    """The sources and tokenizer the config names, found (not read: no tokenizing here)."""
+    from .data.sources import resolve_sources, source_name
+
+    d = c.data
+    found = [source_name(resolve_sources(d.source))]
+    if d.val_source:
+        found.append(f"validation {source_name(resolve_sources(d.val_source))}")
+    if d.tokenizer and not Path(d.tokenizer).exists():
+        raise FileNotFoundError(f"data.tokenizer {d.tokenizer} does not exist on this machine")
+    found.append(f"tokenizer {d.tokenizer}" if d.tokenizer else
+                 f"a {d.tokenizer_vocab_size:,}-token tokenizer trained on the source")
+    return "; ".join(found)
+
+
+def _vocab(c: Config) -> int:
+    """The tokenizer's vocabulary, for a model whose vocab_size comes from it (Llama 2's -1)."""
+    if c.data.tokenizer and Path(c.data.tokenizer).exists():
+        from .data import Tokenizer
+
+        return Tokenizer(c.data.tokenizer).vocab_size
+    return c.data.tokenizer_vocab_size  # the trainer trains one of this size
+
+
+def _model_detail(out: list, args) -> str:
+    out.append(args)
+    return f"{args.num_params() / 1e9:.2f}B parameters, {args.n_heads} heads, {args.kv_heads} kv heads"
+
+
+def _strategy_detail(mesh) -> str:
+    return f"FSDP over the {'x'.join(str(s) for s in mesh.mesh.shape)} mesh {mesh.mesh_dim_names}"
+
+
+def _step(c: Config, model: torch.nn.Module, parallel) -> tuple[torch.optim.Optimizer, list]:
+    """The trainer's step (hybridpar.train.step) on fake tensors; (optimizer, the gradients after
+    backward). The batch has no ignored targets, so its target count is known without reading it."""
+    from .train import stop
+    from .train.optim import build_optimizer, clip_gradients
+    from .train.step import count_targets, forward_backward
+
+    d, t = c.data, c.train
+    optimizer = build_optimizer(model, c.optim)
+    tokens = torch.zeros(d.micro_batch_size, d.seq_len, dtype=torch.long)
+    batches = [(tokens, tokens)] * t.grad_accum
+    count_targets(batches, parallel, parallel.device)
+    global_targets = d.micro_batch_size * d.seq_len * t.grad_accum * parallel.dp_size
+    loss_sum = forward_backward(model, batches, parallel, scale=parallel.dp_size / global_targets,
+                                grad_sync=t.grad_sync, device=parallel.device)
+    dist.all_reduce(loss_sum, group=parallel.dp_group)
+    params = list(model.parameters())
+    clip_gradients(params, c.optim.grad_clip, parallel.device, also_sum=[0.0] * len(stop.STOP_SIGNALS))
+    grads = [p.grad for p in params if p.grad is not None]
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return optimizer, grads
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _nbytes(tensors) -> int:
+    return sum(_local(t).numel() * _local(t).element_size() for t in tensors if t is not None)
+
+
+def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grads: list) -> dict:
+    """This rank's bytes of parameters, gradients (as backward left them) and optimizer state: the
+    local shards' elements; the same count for a real run and a dry one."""
+    optimizer_state = [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    return {"parameters": _nbytes(model.parameters()), "gradients": _nbytes(grads),
+            "optimizer": _nbytes(optimizer_state)}
+
+
+def _expected(args, mp: int, ds: int) -> dict:
+    """The ideal share: the model's fp32 state divided over mp x dp_shard ranks (AdamW: two moments)."""
+    total = args.num_params() * PARAM_BYTES
+    share = total / (mp * ds)
+    return {"parameters": share, "gradients": share, "optimizer": 2 * share}
+
+
+def collective_rows(counter) -> list[dict]:
+    """One row per (mesh dimension, collective): calls, payload and wire bytes, in a stable order."""
+    rows: dict[tuple[str, str], dict] = {}
+    for r in counter.records:
+        row = rows.setdefault((r.dim, r.kind), {"dim": r.dim, "op": r.kind, "group_size": r.group_size,
+                                                "calls": 0, "payload": 0, "wire": 0.0})
+        row["calls"] += 1
+        row["payload"] += r.payload
+        row["wire"] += r.wire
+    order = {"mp": 0, "dp_shard": 1, "dp_replicate": 2, "dp": 3, "world": 4}
+    return [rows[k] for k in sorted(rows, key=lambda k: (order.get(k[0], 9), k[0], k[1]))]
+
+
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+
+
+def _placements(model: torch.nn.Module) -> list[dict]:
+    """Every parameter's global shape, placement per mesh dimension and local shape; the blocks'
+    alike parameters grouped (layers.*.attention.wq.weight, and which layers)."""
+    groups: dict[tuple, dict] = collections.OrderedDict()
+    for name, param in model.named_parameters():
+        layer = _LAYER.match(name)
+        pattern = _LAYER.sub("layers.*.", name)
+        if isinstance(param, DTensor):
+            dims = param.device_mesh.mesh_dim_names or tuple(str(i) for i in range(param.device_mesh.ndim))
+            placement = ", ".join(f"{dim}: {_placement(pl)}" for dim, pl in zip(dims, param.placements))
+            local = tuple(param.to_local().shape)
+        else:
+            placement, local = "not distributed", tuple(param.shape)
+        key = (pattern, tuple(param.shape), placement, local, str(param.dtype))
+        row = groups.setdefault(key, {"name": pattern, "global_shape": list(param.shape), "placement": placement,
+                                      "local_shape": list(local), "dtype": str(param.dtype).replace("torch.", ""),
+                                      "layers": []})
+        if layer:
+            row["layers"].append(int(layer.group(1)))
+    return list(groups.values())
+
+
+def _placement(pl) -> str:
+    if pl.is_replicate():
+        return "replicate"
+    dim = getattr(pl, "dim", None)
+    if dim is None:
+        return str(pl)
+    # FSDP's shard of a tensor-parallel parameter split on the same dim: strided (_StridedShard)
+    return f"shard(dim {dim}{', strided' if 'Strided' in type(pl).__name__ else ''})"
+
+
+def _checkpoint_files(c: Config, model, optimizer, world: int) -> dict:
+    """The files a checkpoint of this run holds (checkpoint.dcp): this rank's .distcp file from its
+    share of the state DCP saves, the folder's total from every rank's (taken as this rank's)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from .checkpoint.space import BYTES_PER_RANK, BYTES_PER_TENSOR, MARGIN, local_share
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    share, tensors = local_share({"model": model_sd, "optimizer": optim_sd}, world)
+    per_rank = share + BYTES_PER_TENSOR * tensors
+    folder = c.checkpoint.folder or str(Path(c.output.run_dir) / "checkpoints")
+    return {"folder": f"{folder}/step-<8 digits>/", "per_rank_file": int(per_rank), "files": world + 5,
+            "total": int(MARGIN * world * per_rank + BYTES_PER_RANK * world),
+            "layout": [".metadata", f"__0_0.distcp ... __{world - 1}_0.distcp (one per rank)", "params.json",
+                       "train_state.json", f"rng/rank0.pt ... rng/rank{world - 1}.pt", "checksums.json"]}
+
+
+def _memory(c: Config, args, parallel, gpu_mem_gib: float, gpus_per_node: int) -> dict:
+    """The planner's per-rank estimate for this layout: the state above, plus what a step holds."""
+    from .plan import GIB, Hardware, Layout, Workload, estimate
+
+    layout = Layout(mp=parallel.mp, dp_shard=parallel.dp_shard, dp_replicate=parallel.dp_replicate,
+                    ac=c.fsdp.activation_checkpointing, ac_every=c.fsdp.ac_every,
+                    reshard_after_forward=c.fsdp.sharding_strategy in ("full_shard", "hybrid_shard"),
+                    sequence_parallel=c.parallel.sequence_parallel)
+    workload = Workload(seq_len=c.data.seq_len, micro_batch=c.data.micro_batch_size,
+                        global_batch=c.data.micro_batch_size * c.train.grad_accum * parallel.dp_size,
+                        param_dtype=c.fsdp.param_dtype, reduce_dtype=c.fsdp.reduce_dtype,
+                        grad_sync=c.train.grad_sync)
+    hw = Hardware(gpus=parallel.world_size, gpu_mem_gib=gpu_mem_gib, gpus_per_node=gpus_per_node)
+    est = estimate(args, layout, workload, hw)
+    m = est.memory
+    return {"activations": m.activations, "gathered_params": m.gathered_params, "grad_buffers": m.grad_buffers,
+            "accumulated_grads": m.accumulated_grads, "transient": m.transient, "total": m.total,
+            "usable": hw.usable_bytes, "gpu_mem_gib": gpu_mem_gib, "reserve_gib": hw.reserve_gib,
+            "total_gib": m.total / GIB}
+
+
+def _fits(memory: dict) -> str:
+    total, usable = memory["total"], memory["usable"]
+    if total > usable:
+        raise ValueError(f"the estimated peak of {human_bytes(total)} per GPU exceeds the {human_bytes(usable)} "
+                         f"usable of {memory['gpu_mem_gib']:g} GiB: turn on activation checkpointing, shard over "
+                         "more ranks (parallel.dp_shard) or lower data.micro_batch_size")
+    return f"estimated peak {human_bytes(total)} of {human_bytes(usable)} usable per GPU"
+
+
+def _report(run: DryRun) -> str:
+    lines = [f"dry run of rank {run.rank} of {run.world} ({'GPU' if run.target == 'gpu' else 'CPU'} job): "
+             f"{run.model or '?'}; {run.layout or '?'}"]
+    if run.parameters:
+        lines.append("")
+        lines.append("parameters (this rank's shards):")
+        width = max(len(_row_name(r)) for r in run.parameters)
+        for r in run.parameters:
+            lines.append(f"  {_row_name(r):<{width}}  {_shape(r['global_shape']):>14} -> {_shape(r['local_shape']):<14}"
+                         f"  {r['dtype']:<8} {r['placement']}")
+    if run.state_bytes:
+        lines.append("")
+        lines.append("state on this rank (fp32; ideal = the model's state / (mp x dp_shard)):")
+        for key in ("parameters", "gradients", "optimizer"):
+            have, ideal = run.state_bytes[key], run.expected_bytes[key]
+            lines.append(f"  {key:<11} {human_bytes(have):>10}   ideal {human_bytes(ideal):>10}   {have / ideal:.3f}x")
+        total = sum(run.state_bytes.values())
+        ideal = sum(run.expected_bytes.values())
+        lines.append(f"  {'total':<11} {human_bytes(total):>10}   ideal {human_bytes(ideal):>10}   {total / ideal:.3f}x")
+    if run.collectives:
+        lines.append("")
+        lines.append("collectives of one training step on this rank (issued by the real code, counted):")
+        lines.append(f"  {'dimension':<13} {'collective':<15} {'ranks':>5} {'calls':>6} {'payload':>11} {'sent':>11}")
+        for r in run.collectives:
+            lines.append(f"  {r['dim']:<13} {r['op']:<15} {r['group_size']:>5} {r['calls']:>6} "
+                         f"{human_bytes(r['payload']):>11} {human_bytes(r['wire']):>11}")
+    if run.memory:
+        m = run.memory
+        lines.append("")
+        lines.append(f"memory per rank (the planner's estimate for a step): activations {human_bytes(m['activations'])}, "
+                     f"gathered parameters {human_bytes(m['gathered_params'])}, gradient buffers "
+                     f"{human_bytes(m['grad_buffers'])}, working space {human_bytes(m['transient'])}; "
+                     f"peak {human_bytes(m['total'])} with the state")
+    if run.checkpoint:
+        k = run.checkpoint
+        lines.append("")
+        lines.append(f"checkpoint: {k['folder']} about {human_bytes(k['total'])} in {k['files']} files, "
+                     f"{human_bytes(k['per_rank_file'])} per rank's file: {', '.join(k['layout'])}")
+    lines.append("")
+    lines.append("checks:")
+    for check in run.checks:
+        status = "ok  " if check.ok else "warn" if check.warning else "FAIL"
+        lines.append(f"  {status} {check.name}: {check.detail}")
+    lines.append(f"dry run {'passed' if run.ok else 'FAILED'} in {run.seconds:.0f} s")
+    return "\n".join(lines)
+
+
+def _row_name(row: dict) -> str:
+    layers = row["layers"]
+    if not layers:
+        return row["name"]
+    return f"{row['name']} ({len(layers)} layers)"
+
+
+def _shape(shape) -> str:
+    return "[" + ", ".join(str(s) for s in shape) + "]"

@@ -1,0 +1,92 @@
+"""`hybridpar train --dry-run`: one process plays one rank of the whole world on a fake process group.
+What it reports is held to real gloo runs of the same config: per-rank state bytes exactly, and the
+collectives of a step as the same counter counts them on the real step. (The 128-rank rehearsal of
+Llama 2 70B runs through launch/mp8_dp16.sh: tests/launch/test_scripts.py.)"""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.runs import make_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _dry_run(flags: dict, world: int, rank: int, out: Path, config: str = "", timeout: float = 600):
+    cmd = [sys.executable, "-m", "hybridpar", "train", "--dry-run", "--world", str(world), "--dry-run-rank", str(rank),
+           "--dry-run-json", str(out), *(["--config", config] if config else []),
+           *[x for k, v in flags.items() for x in (f"--{k}", str(v))]]
+    start = time.perf_counter()
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                            env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())})
+    return result, time.perf_counter() - start
+
+
+def _case_real_step(config):
+    """Rank r of a real gloo run: the trainer's step under the collective counter, and the state
+    bytes the dry run reports (gradients as backward left them, the optimizer's after its step)."""
+    import torch.distributed as dist
+
+    from hybridpar.diagnostics.collectives import CollectiveCounter, mesh_dims
+    from hybridpar.dryrun import collective_rows, state_bytes
+    from hybridpar.train import Trainer
+
+    trainer = Trainer(config)
+    seen = {}
+    step = trainer.optimizer.step
+
+    def step_and_measure(*args, **kwargs):
+        seen["grads"] = [p.grad for p in trainer.model.parameters() if p.grad is not None]
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = step_and_measure
+    with CollectiveCounter(label=mesh_dims(trainer.parallel)) as counter:
+        trainer.train_step()
+    trainer.optimizer.step = step
+    return {"rank": dist.get_rank(), "state": state_bytes(trainer.model, trainer.optimizer, seen["grads"]),
+            "collectives": collective_rows(counter)}
+
+
+LAYOUTS = {
+    "world4-mp2-dp2": (4, dict(mp=2, dp_shard=2, dp=2, strategy="hybrid_shard")),
+    "world8-mp2-2x2-ac": (8, dict(mp=2, dp_shard=2, dp_replicate=2, dp=4, strategy="hybrid_shard",
+                                  **{"fsdp.activation_checkpointing": "full"})),
+    "world8-mp1-dp8-accum2": (8, dict(mp=1, dp_shard=8, dp=4, grad_accum=2, strategy="full_shard")),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_the_dry_run_reports_what_a_real_gloo_run_holds_and_sends(workers, corpus, tmp_path, layout):
+    world, kwargs = LAYOUTS[layout]
+    overrides = {"parallel.backend": "gloo", "diagnostics.data_guard": False, **{
+        k: v for k, v in kwargs.items() if "." in k}}
+    plain = {k: v for k, v in kwargs.items() if "." not in k}
+    config = make_config(corpus, tmp_path / "run", **plain, **overrides)
+    real = workers(world).run(_case_real_step, config)
+    flags = {f"{s}.{k}": v for s, section in config.to_dict().items() for k, v in section.items()
+             if f"{s}.{k}" not in ("output.run_dir",)}
+    for rank in (0, world - 1):
+        result, seconds = _dry_run(flags, world, rank, tmp_path / f"dry{rank}.json")
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        dry = json.loads((tmp_path / f"dry{rank}.json").read_text())
+        mine = real[rank]
+        print(f"\n{layout} rank {rank}: dry run in {seconds:.1f} s; state {dry['state_bytes']} "
+              f"(real {mine['state']}); {sum(r['calls'] for r in dry['collectives'])} collectives "
+              f"(real {sum(r['calls'] for r in mine['collectives'])})")
+        assert dry["state_bytes"] == mine["state"]  # exactly
+        assert dry["collectives"] == mine["collectives"]  # count, payload and wire bytes per (dim, op)
+        assert dry["ok"] and all(c["ok"] for c in dry["checks"])
+
+
+def test_a_layout_that_cannot_run_fails_the_dry_run_with_the_reason(tmp_path):
+    result, _ = _dry_run({"parallel.mp": 3}, 128, 0, tmp_path / "dry.json", config="llama2_70b")
+    print("\n" + result.stdout + result.stderr)
+    assert result.returncode == 1
+    report = json.loads((tmp_path / "dry.json").read_text())
+    failed = [c for c in report["checks"] if not c["ok"]]
+    assert failed and failed[0]["name"] == "mesh" and "world size 128" in failed[0]["detail"]
+    assert "FAIL mesh" in result.stdout

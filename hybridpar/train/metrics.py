@@ -26,6 +26,7 @@ from ..files import DiskFullError, full_disk_said, out_of_space, write_text_atom
 flops_per_token = ModelArgs.flops_per_token  # flops_per_token(args, seq_len), as the trainer and bench call it
 # What to change when the run folder's file system is full (files.full_disk_said says the rest).
 RUN_DIR_ADVICE = "free space there or point output.run_dir elsewhere"
+EVENTS = "events.jsonl"  # beside metrics.jsonl: {"step", "event": "resumed" | "skipped", ...}
 
 
 def measure_matmul_peak(seconds: float = 1.0, size: int = 1024, dtype: torch.dtype = torch.float32,
@@ -69,7 +70,8 @@ def require_wandb() -> None:
 
 
 class MetricsWriter:
-    """metrics.jsonl + TensorBoard events (+ Weights & Biases) in the run folder; a no-op on every
+    """metrics.jsonl + TensorBoard events (+ Weights & Biases) in the run folder, and events.jsonl
+    for what happened at a step besides its numbers (a resume, a skipped step); a no-op on every
     rank but the first."""
 
     def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool = True, start_step: int = 0,
@@ -81,9 +83,11 @@ class MetricsWriter:
         self.start_step = start_step
         self.run_dir = Path(run_dir)
         self.jsonl_path = self.run_dir / "metrics.jsonl"
+        self.events_path = self.run_dir / EVENTS
         self.tensorboard = tensorboard
         self.wandb = wandb
         self._file = None
+        self._events = None
         self._tb = None
         self._wandb_run = None
 
@@ -96,10 +100,12 @@ class MetricsWriter:
     def _open(self) -> None:
         # Opened at the first write, so a run that fails during set-up leaves no files behind.
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if self.jsonl_path.exists():
-            kept = [row for row in read_metrics(self.jsonl_path) if row.get("step", 0) <= self.start_step]
-            write_text_atomic(self.jsonl_path, "".join(json.dumps(row) + "\n" for row in kept))
+        for path in (self.jsonl_path, self.events_path):
+            if path.exists():
+                kept = [row for row in read_metrics(path) if row.get("step", 0) <= self.start_step]
+                write_text_atomic(path, "".join(json.dumps(row) + "\n" for row in kept))
         self._file = open(self.jsonl_path, "a", buffering=1)
+        self._events = open(self.events_path, "a", buffering=1)
         if self.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -121,6 +127,15 @@ class MetricsWriter:
         return wandb.init(project=settings.project, mode=settings.mode, dir=str(self.run_dir), id=run_id,
                           resume="allow", name=self.run_dir.name, config=settings.config)
 
+    def event(self, step: int, event: str, **fields) -> None:
+        """Something that happened at `step` (events.jsonl; the dashboard marks it)."""
+        if not self.enabled:
+            return
+        with self._full_disk_said():
+            if self._file is None:
+                self._open()
+            self._events.write(json.dumps({"step": step, "event": event, **fields}) + "\n")
+
     def write(self, step: int, values: dict) -> None:
         if not self.enabled:
             return
@@ -129,7 +144,7 @@ class MetricsWriter:
                 if self._file is None:
                     self._open()
                 self._file.write(json.dumps({"step": step, **values}) + "\n")
-                numbers = {k: v for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+                numbers = {k: v for k, v in values.items() if isinstance(v, (int, float))}  # bools too (flags)
                 if self._tb is not None:
                     for key, value in numbers.items():
                         self._tb.add_scalar(key, value, step)
@@ -144,10 +159,13 @@ class MetricsWriter:
     def close(self) -> None:
         file, tb, self._file, self._tb = self._file, self._tb, None, None  # closed once, even if closing fails
         run, self._wandb_run = self._wandb_run, None
+        events, self._events = self._events, None
         with self._full_disk_said():
             try:
                 if file is not None:
                     file.close()
+                if events is not None:
+                    events.close()
             finally:
                 try:
                     if tb is not None:
@@ -201,8 +219,10 @@ def plot_dashboard(jsonl_path: Path, png_path: Path, title: Optional[str] = None
     rows = read_metrics(jsonl_path)
     train = [r for r in rows if "loss" in r]
     val = [r for r in rows if "val_loss" in r]
-    skipped = sorted({r["step"] for r in rows if r.get("skipped") is True})
-    resumes = [r["step"] for r in rows if "resumed_from" in r]
+    events_path = Path(jsonl_path).with_name(EVENTS)
+    events = read_metrics(events_path) if events_path.exists() else []
+    skipped = sorted({e["step"] for e in events if e.get("event") == "skipped"})
+    resumes = [e["step"] for e in events if e.get("event") == "resumed"]
 
     plt.rcParams.update({"font.size": 10})
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)

@@ -384,8 +384,11 @@ class Trainer:
                 f"{len(self.dataset)} sequences in the data",
                 flush=True,
             )
+        if self.validator is None and (c.train.eval_every or c.train.eval_steps) and self.is_main:
+            print("hybridpar: warning: train.eval_every / train.eval_steps are set, but there is no validation data: "
+                  "set data.val_fraction or data.val_source", file=sys.stderr, flush=True)
         if self.resumed_from is not None:
-            self.metrics.write(self.step, {"resumed_from": str(self.resumed_from)})  # marked on the dashboard
+            self.metrics.event(self.step, "resumed", checkpoint=str(self.resumed_from))  # marked on the dashboard
         if self.resumed_from is not None and self.is_main:
             print(f"resumed from {self.resumed_from} at step {self.step}", flush=True)
             if self.step >= c.train.steps:
@@ -451,7 +454,7 @@ class Trainer:
             self.history.append(m)
             window.append(m)
             if m["skipped"]:
-                self.metrics.write(m["step"], {"skipped": True})  # marked on the dashboard
+                self.metrics.event(m["step"], "skipped", loss=m["loss"], grad_norm=m["grad_norm"])  # on the dashboard
                 if self.is_main:
                     print(f"step {m['step']}: non-finite loss {m['loss']} or gradient norm: step skipped", flush=True)
             if stragglers.due(self.step):

@@ -229,6 +229,8 @@ def _train_on_small_disk(corpus, run_dir: Path, folder: Path, mistake: str, **fl
             "--model.vocab_size": "512", "--data.tokenizer_vocab_size": "512", "--data.seq_len": "32",
             "--data.source": corpus["source"], "--data.cache_dir": corpus["cache_dir"], "--train.peak_flops": "1e12",
             "--checkpoint.folder": str(folder), "--checkpoint.every": "1", "--checkpoint.at_end": "false",
+            # The same training data as tests.runs.make_config, whose runs resume these checkpoints.
+            "--data.val_fraction": "0", "--train.eval_every": "0", "--train.eval_steps": "0",
             **flags}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
            str(ROOT / "tests" / "diagnostics" / "cli_job.py"), mistake, "--", *[x for kv in args.items() for x in kv]]

@@ -34,6 +34,7 @@ def tiny_overrides(corpus: dict, steps: int, every: int) -> list[str]:
         "data.seq_len": 32, "data.micro_batch_size": 4, "train.steps": steps, "train.log_every": 1,
         "train.peak_flops": 1e12, "optim.warmup_steps": 2, "checkpoint.every": every,
         "output.tensorboard": "false", "output.plot": "false",
+        "data.val_fraction": 0, "train.eval_every": 0, "train.eval_steps": 0,  # local.toml validates; not here
     }
     return [f"--{k}={v}" for k, v in flags.items()]
 

@@ -164,7 +164,7 @@ def _rehearse(run: DryRun, c: Config, world: int, sizes: list[int], target: str,
             optimizer, grads = _step(c, model, parallel)
         run.state_bytes = state_bytes(model, optimizer, grads)
         run.checkpoint = _checkpoint_files(c, model, optimizer, world)
-    run.collectives = collective_rows(counter)
+    run.collectives = counter.by_dim_and_op()
     run.expected_bytes = _expected(args, mp, ds)
     run.memory = _memory(c, args, parallel, gpu_mem_gib, gpus_per_node)
     if target == "gpu":
@@ -291,19 +291,6 @@ def _expected(args, mp: int, ds: int) -> dict:
     total = args.num_params() * PARAM_BYTES
     share = total / (mp * ds)
     return {"parameters": share, "gradients": share, "optimizer": 2 * share}
-
-
-def collective_rows(counter) -> list[dict]:
-    """One row per (mesh dimension, collective): calls, payload and wire bytes, in a stable order."""
-    rows: dict[tuple[str, str], dict] = {}
-    for r in counter.records:
-        row = rows.setdefault((r.dim, r.kind), {"dim": r.dim, "op": r.kind, "group_size": r.group_size,
-                                                "calls": 0, "payload": 0, "wire": 0.0})
-        row["calls"] += 1
-        row["payload"] += r.payload
-        row["wire"] += r.wire
-    order = {"mp": 0, "dp_shard": 1, "dp_replicate": 2, "dp": 3, "world": 4}
-    return [rows[k] for k in sorted(rows, key=lambda k: (order.get(k[0], 9), k[0], k[1]))]
 
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")

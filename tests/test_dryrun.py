@@ -32,7 +32,7 @@ def _case_real_step(config):
     import torch.distributed as dist
 
     from hybridpar.diagnostics.collectives import CollectiveCounter, mesh_dims
-    from hybridpar.dryrun import collective_rows, state_bytes
+    from hybridpar.dryrun import state_bytes
     from hybridpar.train import Trainer
 
     trainer = Trainer(config)
@@ -48,7 +48,7 @@ def _case_real_step(config):
         trainer.train_step()
     trainer.optimizer.step = step
     return {"rank": dist.get_rank(), "state": state_bytes(trainer.model, trainer.optimizer, seen["grads"]),
-            "collectives": collective_rows(counter)}
+            "collectives": counter.by_dim_and_op()}
 
 
 LAYOUTS = {

@@ -262,28 +262,33 @@ class CollectiveCounter:
     def cpu_seconds(self) -> float:
         return sum(r.cpu_seconds for r in self.records)
 
-    def by_dim(self) -> dict[str, dict]:
-        """{"<dim>": {"calls", "payload", "wire", "seconds"}}: the traffic of each mesh dimension."""
-        rows: dict[str, dict] = defaultdict(lambda: {"calls": 0, "payload": 0, "wire": 0.0, "seconds": 0.0})
+    def _totals(self, key) -> dict:
+        """The records summed by `key(record)`: calls, payload, wire, seconds (with the waits for
+        async calls, when followed) and CPU seconds, in the keys' order."""
+        rows: dict = defaultdict(lambda: {"calls": 0, "payload": 0, "wire": 0.0, "seconds": 0.0, "cpu_seconds": 0.0})
         for r in self.records:
-            row = rows[r.dim or f"n{r.group_size}"]
+            row = rows[key(r)]
             row["calls"] += 1
             row["payload"] += r.payload
             row["wire"] += r.wire
             row["seconds"] += r.seconds + r.wait_seconds
-        return dict(sorted(rows.items()))
-
-    def summary(self) -> dict[str, dict]:
-        """{"<kind>/n<group size>": {"calls", "payload", "wire"}} in a stable order."""
-        rows: dict[str, dict] = defaultdict(lambda: {"calls": 0, "payload": 0, "wire": 0.0, "seconds": 0.0,
-                                                     "cpu_seconds": 0.0})
-        for r in self.records:
-            row = rows[f"{r.kind}/n{r.group_size}"]
-            row["calls"] += 1
-            row["payload"] += r.payload
-            row["wire"] += r.wire
-            row["seconds"] += r.seconds
             row["cpu_seconds"] += r.cpu_seconds
         return dict(sorted(rows.items()))
+
+    def by_dim(self) -> dict[str, dict]:
+        """{"<dim>": {"calls", "payload", "wire", "seconds", ...}}: the traffic of each mesh dimension."""
+        return self._totals(lambda r: r.dim or f"n{r.group_size}")
+
+    def by_dim_and_op(self) -> list[dict]:
+        """One row per (mesh dimension, collective): dim, op, group_size, calls, payload and wire
+        bytes (no times: the same for a real step and a dry-run one), mesh dimensions in mesh order."""
+        order = {"mp": 0, "dp_shard": 1, "dp_replicate": 2, "dp": 3, "world": 4}
+        totals = self._totals(lambda r: (order.get(r.dim, 9), r.dim, r.kind, r.group_size))
+        return [{"dim": dim, "op": op, "group_size": n, "calls": t["calls"], "payload": t["payload"],
+                 "wire": t["wire"]} for (_, dim, op, n), t in totals.items()]
+
+    def summary(self) -> dict[str, dict]:
+        """{"<kind>/n<group size>": {"calls", "payload", "wire", "seconds", "cpu_seconds"}} in a stable order."""
+        return self._totals(lambda r: f"{r.kind}/n{r.group_size}")
 
 

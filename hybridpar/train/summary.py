@@ -65,14 +65,14 @@ def summarise(*, run_dir: Path, steps: tuple[int, int], skipped: int, tokens: fl
     ]
     if checkpoint is not None:
         resume = launch_command(config_path, run_dir) + ["--checkpoint.resume", "true", "--train.steps", str(2 * train_steps)]
-        rows.append(("checkpoint", str(checkpoint)))
-        rows.append(("resume", shlex.join(resume) + f"   (any train.steps above {last})"))
+        commands = {"resume": shlex.join(resume) + f"   (any train.steps above {last})"}
         if tokenizer is not None:
-            rows.append(("generate", shlex.join(["hybridpar", "generate", "--checkpoint", str(checkpoint),
-                                                 "--tokenizer", str(tokenizer), "--prompt", "def "])))
+            commands["generate"] = shlex.join(["hybridpar", "generate", "--checkpoint", str(checkpoint),
+                                               "--tokenizer", str(tokenizer), "--prompt", "def "])
         export = ["hybridpar", "convert", str(checkpoint), str(Path(run_dir) / "hf"), "--to", "hf"]
-        rows.append(("export to HF", shlex.join(export + (["--tokenizer", str(tokenizer)] if tokenizer else []))))
-        done["commands"] = {k: v for k, v in rows[-3:]} if tokenizer else {k: v for k, v in rows[-2:]}
+        commands["export to HF"] = shlex.join(export + (["--tokenizer", str(tokenizer)] if tokenizer else []))
+        rows += [("checkpoint", str(checkpoint)), *commands.items()]
+        done["commands"] = commands
     else:
         rows.append(("checkpoint", "none saved (checkpoint.at_end = false and no checkpoint.every)"))
     width = max(len(k) for k, _ in rows)

@@ -163,12 +163,38 @@ def _model_from_json(path: Path, overrides: dict):
     return ModelArgs.from_params_json(path, **overrides)
 
 
+def _plan_hardware(args: argparse.Namespace):
+    """--gpu's spec (or this CPU, measured), with any figure given on the command line instead."""
+    from .plan.cpu import measure_cpu
+    from .plan.hardware import spec
+
+    given = {"gpu_mem_gib": args.gpu_mem_gb, "gpus_per_node": args.gpus_per_node,
+             "reserve_gib": args.reserve_gb, "gemm_efficiency": args.gemm_efficiency,
+             "attention_efficiency": args.attention_efficiency,
+             "peak_flops": args.peak_tflops and args.peak_tflops * 1e12,
+             "memory_bw": args.memory_gbs and args.memory_gbs * 1e9,
+             "intra_node_busbw": args.intra_node_gbs and args.intra_node_gbs * 1e9,
+             "inter_node_busbw": args.inter_node_gbs and args.inter_node_gbs * 1e9}
+    overrides = {k: v for k, v in given.items() if v is not None}
+    if args.gpu == "cpu":
+        print(f"measuring this machine: kernel rates, then {max(args.gpus, 2)} gloo ranks (a few seconds)", flush=True)
+        return measure_cpu(args.gpus, **overrides)
+    return spec(args.gpu, args.gpus, **overrides)
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     """Per-GPU memory and step time of every (mp, dp_shard, dp_replicate, AC) layout; 1 when none fits."""
     from models.llama import ModelArgs
 
-    from .plan import Hardware, Workload, format_plan, make_plan, parse_global_batch
+    from .plan import Workload, format_plan, make_plan, parse_global_batch
 
+    if args.published:
+        from .plan.published import compare, format_table
+
+        print(format_table(compare()))
+        return 0
+    if not args.model or not args.gpus:
+        raise ValueError("hybridpar plan needs --model and --gpus (or --published)")
     overrides = {"vocab_size": args.vocab_size} if args.vocab_size else {}
     if Path(args.model).is_dir():  # a checkpoint, Meta or Hugging Face folder: its shape
         from .checkpoint.convert import detect_format, read_args
@@ -186,12 +212,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         seq_len=seq_len, micro_batch=args.micro_batch,
         global_batch=parse_global_batch(args.global_batch, seq_len) if args.global_batch else 0,
         param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype, grad_sync=args.grad_sync,
+        compile=args.compile,
     )
-    hardware = Hardware(
-        gpus=args.gpus, gpu_mem_gib=args.gpu_mem_gb, gpus_per_node=args.gpus_per_node,
-        intra_node_busbw=args.intra_node_gbs * 1e9, inter_node_busbw=args.inter_node_gbs * 1e9,
-        peak_flops=args.peak_tflops * 1e12, mfu=args.mfu, reserve_gib=args.reserve_gb,
-    )
+    hardware = _plan_hardware(args)
     plan = make_plan(model, workload, hardware, allow_cross_node_mp=args.allow_cross_node_mp,
                      zero2=args.zero2, ac_every=args.ac_every, sequence_parallel=not args.no_sequence_parallel)
     print(format_plan(plan, top=args.top, model_name=Path(args.model).name))
@@ -339,15 +362,20 @@ def build_parser() -> argparse.ArgumentParser:
     hang.set_defaults(func=_cmd_hang_report)
     plan = sub.add_parser(
         "plan", help="estimate per-GPU memory and step time of every layout, best first",
-        epilog="Example: hybridpar plan --model llama3_70b --gpus 128 --gpu-mem-gb 80 --global-batch 4Mtok. "
+        epilog="Example: hybridpar plan --model llama3_70b --gpus 128 --gpu h100 --global-batch 4Mtok. "
                "Measure your bandwidths with `hybridpar doctor`. Exit code 1 when no layout fits.",
     )
-    plan.add_argument("--model", required=True, help="a preset name (llama3_70b, ...), Meta's params.json, a Hugging Face config.json, or a checkpoint "
+    plan.add_argument("--published", action="store_true",
+                      help="print the planner against published training runs (torchtitan, Llama 3) and exit")
+    plan.add_argument("--model", help="a preset name (llama3_70b, ...), Meta's params.json, a Hugging Face config.json, or a checkpoint "
                            "folder of any format")
     plan.add_argument("--vocab-size", type=int, default=0, help="for a params.json with vocab_size -1 (Llama 2)")
-    plan.add_argument("--gpus", type=int, required=True, help="number of GPUs (the world size)")
-    plan.add_argument("--gpu-mem-gb", type=float, required=True, help="memory per GPU in GiB (80 for 80 GB cards)")
-    plan.add_argument("--gpus-per-node", type=int, default=8)
+    plan.add_argument("--gpus", type=int, help="number of GPUs (the world size)")
+    plan.add_argument("--gpu", default="a100", choices=("a100", "h100", "h100-500w", "cpu"),
+                      help="the accelerator: its peak, memory, bandwidths and sustained fractions "
+                           "(hybridpar/plan/hardware.py states each); cpu measures this machine (default a100)")
+    plan.add_argument("--gpu-mem-gb", type=float, help="memory per GPU in GiB (default: --gpu's; 80 for 80 GB cards)")
+    plan.add_argument("--gpus-per-node", type=int, help="GPUs per node (default 8; cpu: all on one node)")
     plan.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (default: max_seq_len, at most 8192)")
     plan.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch per dp rank (default 1)")
     plan.add_argument("--global-batch", default="",
@@ -359,15 +387,15 @@ def build_parser() -> argparse.ArgumentParser:
                            "(keeps unsharded gradients) or after every one (sharded, more traffic)")
     plan.add_argument("--reduce-dtype", default="fp32", choices=dtypes.ALIASES,
                       help="gradient reduction dtype (default fp32)")
-    plan.add_argument("--mfu", type=float, default=0.4,
-                      help="fraction of the peak the math reaches, communication excluded (default 0.4)")
-    plan.add_argument("--peak-tflops", type=float, default=312.0,
-                      help="dense bf16 TFLOP/s per GPU (default 312, A100; H100 SXM: 989)")
-    plan.add_argument("--intra-node-gbs", type=float, default=150.0,
-                      help="bus bandwidth inside a node, GB/s as nccl-tests reports it (default 150, NVLink)")
-    plan.add_argument("--inter-node-gbs", type=float, default=25.0,
-                      help="bus bandwidth between nodes per GPU, GB/s (default 25: one 200 Gb/s NIC per GPU)")
-    plan.add_argument("--reserve-gb", type=float, default=4.0,
+    plan.add_argument("--compile", action="store_true", help="plan with train.compile (fused elementwise chains)")
+    plan.add_argument("--peak-tflops", type=float, help="dense bf16 TFLOP/s per GPU, the MFU denominator")
+    plan.add_argument("--gemm-efficiency", type=float, help="fraction of the peak large matmuls sustain")
+    plan.add_argument("--attention-efficiency", type=float, help="fraction of the peak flash attention sustains")
+    plan.add_argument("--memory-gbs", type=float, help="device memory bandwidth, GB/s")
+    plan.add_argument("--intra-node-gbs", type=float,
+                      help="bus bandwidth inside a node, GB/s as nccl-tests reports it (hybridpar doctor measures it)")
+    plan.add_argument("--inter-node-gbs", type=float, help="bus bandwidth between nodes per GPU, GB/s")
+    plan.add_argument("--reserve-gb", type=float,
                       help="GiB per GPU kept free for the CUDA context, NCCL and fragmentation (default 4)")
     plan.add_argument("--allow-cross-node-mp", action="store_true", help="also consider mp > GPUs per node")
     plan.add_argument("--zero2", action="store_true", help="also consider not resharding after forward (ZeRO-2)")

@@ -225,7 +225,7 @@ def _expand_host(expression: str) -> list[str]:
     return [prefix + n + tail for n in numbers for tail in _expand_host(rest)]
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -260,7 +260,7 @@ def launch_env(environ: Mapping[str, str]) -> LaunchEnv:
             master_port=port,
             source="slurm",
         )
-    return LaunchEnv(0, 1, 0, "127.0.0.1", int(environ.get("MASTER_PORT", 0)) or _free_port(), "single")
+    return LaunchEnv(0, 1, 0, "127.0.0.1", int(environ.get("MASTER_PORT", 0)) or free_port(), "single")
 
 
 def default_backend() -> str:

@@ -1,17 +1,20 @@
 """Plan a layout before asking for GPUs: per-rank memory and step time of every (mp, dp_shard,
 dp_replicate, AC) layout, best first (`hybridpar plan`; README.md, "Planning a layout").
 
-Pure arithmetic on the model's shape, derived from what hybridpar's code keeps and sends: the fp32
-state FSDP2 shards, gathered compute-dtype parameters, gradient buffers and the unsharded
-gradients kept between accumulation micro-batches, the activations models/llama.py saves, and the
+Arithmetic on the model's shape, derived from what hybridpar's code keeps, runs and sends: the
+fp32 state FSDP2 shards, gathered compute-dtype parameters, gradient buffers and the unsharded
+gradients kept between accumulation micro-batches, the activations models/llama.py saves; the
+matmul, attention and memory-bound work of a step, each at the hardware's sustained rate; and the
 collectives (tensor-parallel ones on the critical path, FSDP's overlapping compute).
-tests/test_plan.py checks the state, activation, accumulated-gradient and collective bytes
-against the real model on CPU; the rest follows FSDP2's documented behaviour. Not modelled:
-latency terms, the optimizer step, duplicated k/v FLOPs of replicated kv heads, allocator
-fragmentation (keep a reserve), pipeline parallelism (hybridpar has none).
+tests/test_plan.py checks the state, activation, accumulated-gradient and collective bytes and
+calls, the FLOPs and the op counts against the real model on CPU, and the step time against
+published GPU runs (published.py); bench/planner.py checks it against bench/run.py on this CPU.
+Not modelled: allocator fragmentation (keep a reserve), NCCL's latency, the slowdown of kernels
+sharing a GPU with NCCL's, pipeline parallelism and Float8 (hybridpar has neither).
 
-inputs: Layout, Workload, Hardware. memory: parameters, activations, Memory. comm: FLOPs,
-collective bytes and times. search: estimate, candidate_layouts, make_plan. report: the text.
+inputs: Layout, Workload, Hardware. hardware: named GPUs; cpu: this machine, measured. memory:
+parameters, activations, Memory. compute: the kernels' work. comm: collective bytes, calls and
+times. search: estimate, candidate_layouts, make_plan. report: the text. published: the check.
 """
 
 from ..dtypes import dtype_bytes

@@ -11,6 +11,7 @@ from ..parallel.cost import collective_seconds
 from .inputs import Hardware, Layout, Workload
 from .memory import local_param_shapes, param_counts, sharded_numel
 
+LOSS_CALLS = 2  # vocab_parallel_cross_entropy: the logits' max, then the exp-sum and target logit together
 flops_per_token = ModelArgs.flops_per_token  # the trainer's MFU count, as a function of (args, seq_len)
 
 
@@ -18,7 +19,7 @@ flops_per_token = ModelArgs.flops_per_token  # the trainer's MFU count, as a fun
 class StepTime:
     """Seconds per optimizer step on every rank."""
 
-    compute: float  # FLOPs / (peak x mfu), recomputation included
+    compute: float  # kernels (plan.compute), recomputation, FSDP's copies and the optimizer included
     tp_comm: float  # tensor-parallel collectives (on the critical path)
     dp_comm: float  # FSDP all-gathers, reduce-scatters and replica all-reduces
     dp_exposed: float  # the part of dp_comm that compute does not hide
@@ -47,8 +48,8 @@ def all_gather_seconds(nbytes: float, n: int, busbw: float) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class CommBytes:
-    """Bytes one rank hands to collectives: tensor-parallel and FSDP per micro-batch, gradient
-    reduction per step. Sizes as nccl-tests counts them: the tensor for all-reduce, the gathered
+    """Bytes one rank hands to collectives, and the calls: tensor-parallel and FSDP per
+    micro-batch, gradient reduction per step. Sizes as nccl-tests counts them: the tensor for all-reduce, the gathered
     output for all-gather, the unreduced input for reduce-scatter."""
 
     tp_all_reduce: float  # over the mp group, per micro-batch
@@ -57,6 +58,11 @@ class CommBytes:
     fsdp_all_gather: float  # over dp_shard, per micro-batch (forward, and backward when resharding)
     fsdp_reduce_scatter: float  # over dp_shard, per step
     replica_all_reduce: float  # over dp_replicate, per step (hybrid sharding)
+    # How many calls those are: what latency and per-call costs scale with.
+    tp_calls: int = 0  # per micro-batch
+    fsdp_gather_calls: int = 0  # per micro-batch
+    fsdp_reduce_calls: int = 0  # per step (per micro-batch with grad_sync "every")
+    replica_calls: int = 0  # per step
 
 
 def collective_bytes(args: ModelArgs, layout: Layout, workload: Workload) -> CommBytes:
@@ -66,6 +72,7 @@ def collective_bytes(args: ModelArgs, layout: Layout, workload: Workload) -> Com
     t = workload.micro_batch * workload.seq_len
     counts = param_counts(args, mp, ds)
     tp_ar = tp_ag = tp_rs = 0.0
+    n_ar = n_ag = n_rs = 0
     if mp > 1:
         act = t * args.dim * a
         n_ac = layout.checkpointed_blocks(L)
@@ -76,8 +83,10 @@ def collective_bytes(args: ModelArgs, layout: Layout, workload: Workload) -> Com
             # reverse. A recomputed block repeats its forward up to w2's input: the two entries and
             # wo's exit. ParallelEmbedding gathers the embedding dim, then its gradient's sequence.
             # The norm weights' gradients are summed over mp (2 per block and the final one).
-            tp_ag = act * (2 * L + 2 * L + 1 + 2 * n_ac + (1 if vocab_split else 2))
-            tp_rs = act * (2 * L + 2 * L + 1 + n_ac + (1 if vocab_split else 0))
+            n_ag = 2 * L + 2 * L + 1 + 2 * n_ac + (1 if vocab_split else 2)
+            n_rs = 2 * L + 2 * L + 1 + n_ac + (1 if vocab_split else 0)
+            tp_ag, tp_rs = act * n_ag, act * n_rs
+            n_ar = 2 * L + 1 + LOSS_CALLS
             tp_ar = (2 * L + 1) * args.dim * a + 3 * t * 4
         else:
             # Forward: wo and w2 sum their partial outputs (2 per block). Backward: the attention's
@@ -85,20 +94,30 @@ def collective_bytes(args: ModelArgs, layout: Layout, workload: Workload) -> Com
             # it), so 2 gradient all-reduces per block, and 1 for the output head. A recomputed
             # block repeats only wo's: recomputation stops once w2's input is back, before w2's
             # all-reduce. The loss reduces 3 fp32 numbers per token.
-            tp_ar = act * (2 * L + 2 * L + 1 + n_ac) + 3 * t * 4
+            n_ar = 2 * L + 2 * L + 1 + n_ac
+            tp_ar = act * n_ar + 3 * t * 4
+            n_ar += LOSS_CALLS
             if vocab_split:
                 tp_ar += act  # VocabParallelEmbedding sums the shards' lookups
+                n_ar += 1
             else:
                 tp_ag += act  # ParallelEmbedding gathers the embedding dim
+                n_ag += 1
         if args.kv_heads % mp:  # replicated wk/wv: their weight gradients are summed over mp
             tp_ar += L * 2 * args.kv_heads * args.head_dim * args.dim * a
+            n_ar += 2 * L
     shapes = local_param_shapes(args, mp)
     padded = {unit: sum(sharded_numel(x, ds) * ds for x in xs) for unit, xs in shapes.items()}
     every_unit = padded["embedding"] + L * padded["block"] + padded["output"] + padded["root"]
+    # FSDP units: the blocks, the root, and the embedding and the head, unless tied (apply_fsdp then
+    # keeps the shared weight in the root).
+    units = L + 1 + (0 if args.tie_embeddings else 2)
     # The embedding, the head and the root stay gathered from forward to backward; the blocks are
     # gathered again in backward unless resharding is off.
     again = L * padded["block"] if layout.reshard_after_forward else 0
     ag = (every_unit + again) * a if ds > 1 else 0.0
     rs = every_unit * r if ds > 1 else 0.0
     ar = counts.sharded * r if dr > 1 else 0.0
-    return CommBytes(tp_ar, tp_ag, tp_rs, ag, rs, ar)
+    gathers = units + (L if layout.reshard_after_forward else 0) if ds > 1 else 0
+    return CommBytes(tp_ar, tp_ag, tp_rs, ag, rs, ar, tp_calls=n_ar + n_ag + n_rs, fsdp_gather_calls=gathers,
+                     fsdp_reduce_calls=units if ds > 1 else 0, replica_calls=units if dr > 1 else 0)

@@ -64,6 +64,7 @@ class Workload:
     param_dtype: str = "bf16"  # FSDP compute dtype (the gathered parameters and activations)
     reduce_dtype: str = "fp32"  # FSDP gradient reduction dtype
     grad_sync: str = "last"  # train.grad_sync: reduce-scatter after the last micro-batch, or after "every" one
+    compile: bool = False  # train.compile: each block's elementwise chains fused
 
     def grad_accum(self, dp: int) -> int:
         """Micro-batches per step for `dp` data-parallel ranks; ValueError when they do not divide."""
@@ -77,15 +78,35 @@ class Workload:
 
 @dataclasses.dataclass(frozen=True)
 class Hardware:
+    """One kind of accelerator and its links. Rates are sustained ones: a peak times the fraction of
+    it a kind of kernel reaches (hybridpar/plan/hardware.py names real GPUs and measures a CPU)."""
+
     gpus: int
     gpu_mem_gib: float
     gpus_per_node: int = 8
     intra_node_busbw: float = 150e9  # bytes/s, nccl-tests busbw inside a node (NVLink)
     inter_node_busbw: float = 25e9  # bytes/s per GPU between nodes (one 200 Gb/s NIC per GPU)
-    peak_flops: float = 312e12  # dense bf16 per GPU (A100; 989e12 for H100 SXM)
-    mfu: float = 0.4  # fraction of the peak the math reaches while computing (communication excluded)
+    peak_flops: float = 312e12  # dense bf16 per GPU from the datasheet: the MFU denominator
+    gemm_efficiency: float = 0.85  # fraction of the peak large matrix multiplies sustain
+    attention_efficiency: float = 0.55  # fraction flash attention sustains (forward and backward)
+    memory_bw: float = 2.0e12  # device memory bytes/s from the datasheet
+    memory_efficiency: float = 0.8  # fraction elementwise kernels sustain
+    op_overhead: float = 0.0  # host seconds per op the device does not hide (CPU: dispatch)
+    cores: int = 0  # >0: the ranks of a node share this many cores (CPU); communication does not overlap
+    sync_wait: float = 0.0  # seconds a synchronising call adds when ranks share the cores (CPU)
     reserve_gib: float = 4.0  # CUDA context, NCCL buffers, allocator fragmentation
+    name: str = ""
 
     @property
     def usable_bytes(self) -> float:
         return (self.gpu_mem_gib - self.reserve_gib) * GIB
+
+    def describe(self) -> str:
+        sustained = (f"matmul {self.gemm_efficiency:g} and attention {self.attention_efficiency:g} of "
+                     f"{self.peak_flops / 1e12:g} TFLOP/s, memory {self.memory_efficiency:g} of "
+                     f"{self.memory_bw / 1e9:g} GB/s")
+        if self.op_overhead:
+            sustained += f", {self.op_overhead * 1e6:.1f} us per op"
+        if self.cores:
+            sustained += f", {self.cores} cores shared by the ranks of a node"
+        return sustained

@@ -11,6 +11,9 @@ from ..dtypes import dtype_bytes
 from ..parallel.fsdp import AC_MODES
 from .comm import (StepTime, all_gather_seconds, all_reduce_seconds, collective_bytes,
                    flops_per_token, group_busbw)
+from .compute import micro_batch_work, step_work
+
+STEP_SCALARS = 3  # the trainer's all-reduces per step: target tokens, the loss, the gradient norm
 from .inputs import MASTER_BYTES, Hardware, Layout, Workload
 from .memory import Memory, ParamCounts, activation_bytes, param_counts
 
@@ -36,11 +39,6 @@ class Estimate:
 
     def mfu(self, peak_flops: float) -> float:
         return self.model_flops_per_step / (self.time.step * peak_flops * self.layout.world)
-
-
-def _block_params(args: ModelArgs) -> int:
-    d, kv = args.dim, args.kv_heads * args.head_dim
-    return 2 * d * d + 2 * d * kv + 3 * d * args.ffn_hidden_dim + 2 * d
 
 
 def _grad_buffers(args: ModelArgs, counts: ParamCounts, a: int, r: int) -> float:
@@ -83,12 +81,14 @@ def estimate(args: ModelArgs, layout: Layout, workload: Workload, hw: Hardware) 
         transient=max(acts.loss_transient, backward_work),
     )
 
-    # Compute: this rank's 1/mp share of the micro-batch's FLOPs, plus the recomputed forwards.
-    per_token = flops_per_token(args, s)
-    recompute_per_token = n_ac * (2 * _block_params(args) + 4 * args.dim * s)
-    compute_mb = (per_token + recompute_per_token) * t / mp / (hw.peak_flops * hw.mfu)
-
+    # Compute: this rank's kernels for one micro-batch (its 1/mp share, recomputation included),
+    # and per step FSDP's copies and the optimizer.
     comm = collective_bytes(args, layout, workload)
+    reductions = grad_accum if sync_every else 1
+    gathers = (2 if layout.reshard_after_forward else 1) * grad_accum
+    dp_calls = grad_accum * comm.fsdp_gather_calls + reductions * comm.fsdp_reduce_calls + comm.replica_calls
+    compute_mb = micro_batch_work(args, layout, workload, comm.tp_calls).seconds(hw)
+    step_extra = step_work(args, layout, workload, gathers, reductions, dp_calls).seconds(hw)
     mp_bw, ds_bw, dr_bw = group_busbw(1, mp, hw), group_busbw(mp, ds, hw), group_busbw(mp * ds, dr, hw)
     tp_mb = (all_reduce_seconds(comm.tp_all_reduce, mp, mp_bw) + all_gather_seconds(comm.tp_all_gather, mp, mp_bw)
              + all_gather_seconds(comm.tp_reduce_scatter, mp, mp_bw))
@@ -102,11 +102,21 @@ def estimate(args: ModelArgs, layout: Layout, workload: Workload, hw: Hardware) 
     else:
         exposed = (grad_accum - 1) * max(0.0, ag - busy) + max(0.0, ag + rs + ar - busy)
         dp_comm = grad_accum * ag + rs + ar
-    time = StepTime(compute=grad_accum * compute_mb, tp_comm=grad_accum * tp_mb, dp_comm=dp_comm, dp_exposed=exposed)
+    compute, tp = grad_accum * compute_mb + step_extra, grad_accum * tp_mb
+    if hw.cores:
+        # CPU ranks: communication is core time too (gloo copies), so nothing hides it, and ranks
+        # beyond the node's cores queue for them; each synchronising call also waits for peers
+        # that are off a core. The trainer's per-step scalars (tokens, loss, gradient norm) sync too.
+        share = max(1.0, min(hw.gpus_per_node, hw.gpus) / hw.cores)
+        tp_calls, dp_calls = grad_accum * comm.tp_calls, dp_calls + STEP_SCALARS
+        compute = share * compute
+        tp = share * tp + tp_calls * hw.sync_wait
+        dp_comm = exposed = share * dp_comm + dp_calls * hw.sync_wait
+    time = StepTime(compute=compute, tp_comm=tp, dp_comm=dp_comm, dp_exposed=exposed)
     tokens = global_batch * s
     return Estimate(
         layout=layout, grad_accum=grad_accum, global_batch=global_batch, memory=memory, time=time,
-        tokens_per_step=tokens, model_flops_per_step=per_token * tokens, usable_bytes=hw.usable_bytes,
+        tokens_per_step=tokens, model_flops_per_step=flops_per_token(args, s) * tokens, usable_bytes=hw.usable_bytes,
     )
 
 
@@ -170,8 +180,9 @@ def make_plan(args: ModelArgs, workload: Workload, hw: Hardware, **candidate_opt
                         ("micro_batch", workload.micro_batch)):
         if value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")
-    if not 0 < hw.mfu <= 1:
-        raise ValueError(f"mfu must be in (0, 1], got {hw.mfu}")
+    for name in ("gemm_efficiency", "attention_efficiency", "memory_efficiency"):
+        if not 0 < getattr(hw, name) <= 1:
+            raise ValueError(f"{name} must be in (0, 1], got {getattr(hw, name)}")
     if hw.usable_bytes <= 0:
         raise ValueError(f"gpu memory {hw.gpu_mem_gib} GiB leaves nothing after the {hw.reserve_gib} GiB reserve")
     layouts, rejected = candidate_layouts(args, hw, seq_len=workload.seq_len, **candidate_options)

@@ -1,0 +1,45 @@
+"""Named hardware for `hybridpar plan --gpu NAME` (`--gpu cpu` measures this machine: plan/cpu.py).
+
+Each GPU entry states its datasheet figures (dense bf16 peak, memory and its bandwidth, NVLink and
+the network per GPU) and the fraction of each that kernels sustain. The fractions are properties
+of the kernels on that chip, not of any one model: cuBLAS on large bf16 matrices, FlashAttention-2
+(what scaled_dot_product_attention runs on these GPUs), and elementwise kernels streaming memory.
+Bus bandwidths are what nccl-tests reports for rings of 8 GPUs over NVLink and between nodes.
+"""
+
+from __future__ import annotations
+
+from .inputs import Hardware
+
+# name -> (description, Hardware fields). gpus and gpu_mem_gib's use are filled in by `spec`.
+GPUS: dict[str, tuple[str, dict]] = {
+    "a100": ("A100 SXM4 80 GB (400 W): 312 TFLOP/s bf16, HBM2e 2.04 TB/s, NVLink3 300 GB/s per "
+             "direction, one 200 Gb/s NIC per GPU", dict(
+                 gpu_mem_gib=80, peak_flops=312e12, gemm_efficiency=0.85, attention_efficiency=0.55,
+                 memory_bw=2.04e12, memory_efficiency=0.8, intra_node_busbw=230e9, inter_node_busbw=23e9)),
+    "h100": ("H100 SXM5 80 GB (700 W): 989 TFLOP/s bf16, HBM3 3.35 TB/s, NVLink4 450 GB/s per "
+             "direction, one 400 Gb/s NIC per GPU", dict(
+                 gpu_mem_gib=80, peak_flops=989e12, gemm_efficiency=0.7, attention_efficiency=0.35,
+                 memory_bw=3.35e12, memory_efficiency=0.8, intra_node_busbw=370e9, inter_node_busbw=45e9)),
+    # Meta's Grand Teton hosts, where torchtitan measured (docs/performance.md): the same SXM board
+    # with 96 GB of HBM2e at 2.4 TB/s, capped at 500 W. torchtitan quotes MFU against 989 but notes
+    # the capped card's real peak lies between the NVL's 835 and 989; its clock is taken as the
+    # midpoint, 912/989 of the SXM's, and the 700 W card's kernel fractions are scaled by it.
+    "h100-500w": ("H100 SXM5 96 GB HBM2e capped at 500 W (Grand Teton): 989 TFLOP/s bf16 on paper, "
+                  "about 912 at its clock; HBM2e 2.4 TB/s, NVLink4, one 400 Gb/s NIC per GPU", dict(
+                      gpu_mem_gib=94, peak_flops=989e12, gemm_efficiency=0.7 * 912 / 989,
+                      attention_efficiency=0.35 * 912 / 989, memory_bw=2.4e12, memory_efficiency=0.8,
+                      intra_node_busbw=370e9, inter_node_busbw=45e9)),
+}
+
+
+def spec(name: str, gpus: int, **overrides) -> Hardware:
+    """The named GPU's Hardware for `gpus` of them; overrides (gpu_mem_gib, busbw, ...) win."""
+    if name not in GPUS:
+        raise ValueError(f"unknown --gpu {name!r}: choose from {', '.join([*GPUS, 'cpu'])}")
+    description, fields = GPUS[name]
+    return Hardware(gpus=gpus, **{**fields, "name": f"{name} ({description})", **overrides})
+
+
+def describe_all() -> str:
+    return "\n".join(f"  {name:<10} {description}" for name, (description, _) in GPUS.items())

@@ -58,7 +58,7 @@ class Work:
                 + self.ops * hw.op_overhead)
 
 
-def _elementwise_bytes(a: int, compiled: bool) -> dict[str, tuple[float, float]]:
+def elementwise_bytes(a: int, compiled: bool) -> dict[str, tuple[float, float]]:
     """(forward, backward) bytes per element of each memory-bound piece of a block, in compute dtype
     of `a` bytes. Eager, fp32 upcasts are copies unless the dtype is already fp32."""
     up = 0 if a == 4 else 1  # .float() and .type_as() copy only from a narrower dtype
@@ -73,7 +73,7 @@ def _elementwise_bytes(a: int, compiled: bool) -> dict[str, tuple[float, float]]
             "swiglu": (5 * a, 10 * a), "transpose": (2 * a, 2 * a)}
 
 
-def LOSS_BYTES(a: int) -> int:  # noqa: N802 - a constant of the compute dtype
+def loss_bytes(a: int) -> int:
     """Bytes per logit of the loss, forward and backward: upcast, log-softmax (max, exp-sum, write),
     its gradient, the downcast; the casts copy only from a narrower dtype."""
     return 28 + (0 if a == 4 else 2 * a + 8)
@@ -88,7 +88,7 @@ def block_work(args: ModelArgs, mp: int, tokens: int, seq_len: int, a: int, sequ
     # Scores and weighted values, 2 FLOPs per multiply-add each, over the causal half.
     attention = 2.0 * tokens * seq_len * q
     t_norm = tokens // mp if sequence_parallel and mp > 1 else tokens
-    per = _elementwise_bytes(a, compiled)
+    per = elementwise_bytes(a, compiled)
     elements = {"norm": 2 * t_norm * d, "add": 2 * t_norm * d, "rope": tokens * (q + kv),
                 "swiglu": tokens * f, "transpose": tokens * q}
     fwd_bytes = sum(per[k][0] * n for k, n in elements.items())
@@ -109,7 +109,7 @@ def micro_batch_work(args: ModelArgs, layout: Layout, workload: Workload, tp_cal
     recomputed = layout.checkpointed_blocks(args.n_layers)
     blocks = args.n_layers * (forward + backward) + recomputed * forward
     vocab = args.vocab_size // mp
-    head = Work(gemm_flops=6.0 * t * args.dim * vocab, memory_bytes=t * vocab * LOSS_BYTES(a), ops=sum(HEAD_OPS))
+    head = Work(gemm_flops=6.0 * t * args.dim * vocab, memory_bytes=t * vocab * loss_bytes(a), ops=sum(HEAD_OPS))
     return blocks + head + Work(ops=tp_calls * TP_OPS_PER_CALL)
 
 

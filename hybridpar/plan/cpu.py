@@ -42,7 +42,7 @@ def _kernel_rates(seconds: float) -> tuple[float, float, float]:
 
     from models.llama import RMSNorm, apply_rope, rope_frequencies
 
-    from .compute import LOSS_BYTES, _elementwise_bytes
+    from .compute import elementwise_bytes, loss_bytes
 
     n = 512
     a, b = torch.randn(n, n), torch.randn(n, n)
@@ -65,9 +65,9 @@ def _kernel_rates(seconds: float) -> tuple[float, float, float]:
         out = RMSNorm.forward(norm, x).sum() + apply_rope(xq, freqs).sum() + (F.silu(h1) * h3).sum()
         (out + F.cross_entropy(logits, targets)).backward()
 
-    per = _elementwise_bytes(4, compiled=False)
+    per = elementwise_bytes(4, compiled=False)
     counted = (sum(per["norm"]) * t * d + sum(per["rope"]) * t * d + sum(per["swiglu"]) * t * f
-               + LOSS_BYTES(4) * t * vocab)
+               + loss_bytes(4) * t * vocab)
     return matmul, attention, _rate(chains, counted, seconds)
 
 

@@ -12,6 +12,10 @@ from typing import Optional, Sequence
 from . import __version__, dtypes
 from .mesh import MeshCoords, MeshSizeError, group_ranks, resolve_sizes
 
+# hybridpar.plan.hardware.GPUS's names (tests/test_plan.py holds them equal): the parser is built
+# without importing the planner, which imports torch.
+GPU_NAMES = ("a100", "h100", "h100-500w")
+
 
 def _cmd_mesh(args: argparse.Namespace) -> int:
     """Print the rank layout a job of this shape would use, without starting any process."""
@@ -75,7 +79,8 @@ def _dry_run(args: argparse.Namespace, config) -> int:
     if not world:
         raise ConfigError("the dry run needs the world size: give --world N (the job's number of ranks), "
                           "or set parallel.dp_shard and parallel.dp_replicate")
-    run = dry_run(config, world, args.dry_run_rank, gpu_mem_gib=args.gpu_mem_gb, gpus_per_node=args.gpus_per_node)
+    run = dry_run(config, world, args.dry_run_rank, gpu_mem_gib=args.gpu_mem_gb, gpus_per_node=args.gpus_per_node,
+                  gpu=args.gpu)
     print(run.text(), flush=True)
     if args.dry_run_json:
         import json
@@ -301,6 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--gpu-mem-gb", type=float, default=80.0,
                        help="--dry-run: GiB per GPU, for the memory check (default 80)")
     train.add_argument("--gpus-per-node", type=int, default=8, help="--dry-run: GPUs per node (default 8)")
+    train.add_argument("--gpu", default="a100", choices=GPU_NAMES,
+                       help="--dry-run: the GPU of the planner's step-time estimate (default a100)")
     train.set_defaults(func=_cmd_train)
     convert = sub.add_parser("convert", help="convert a checkpoint: hybridpar (dcp), Meta consolidated, Hugging Face")
     convert.add_argument("src", help="a hybridpar checkpoint (or a folder of them: the newest), a Meta folder or a Hugging Face folder")
@@ -371,7 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "folder of any format")
     plan.add_argument("--vocab-size", type=int, default=0, help="for a params.json with vocab_size -1 (Llama 2)")
     plan.add_argument("--gpus", type=int, help="number of GPUs (the world size)")
-    plan.add_argument("--gpu", default="a100", choices=("a100", "h100", "h100-500w", "cpu"),
+    plan.add_argument("--gpu", default="a100", choices=(*GPU_NAMES, "cpu"),
                       help="the accelerator: its peak, memory, bandwidths and sustained fractions "
                            "(hybridpar/plan/hardware.py states each); cpu measures this machine (default a100)")
     plan.add_argument("--gpu-mem-gb", type=float, help="memory per GPU in GiB (default: --gpu's; 80 for 80 GB cards)")

@@ -89,9 +89,10 @@ def _check(run: DryRun, name: str, fn: Callable[[], str], warn_only: bool = Fals
 
 
 def dry_run(config: Config, world: int, rank: int = 0, *, gpu_mem_gib: float = 80.0, gpus_per_node: int = 8,
-            progress: Optional[TextIO] = sys.stderr) -> DryRun:
+            gpu: str = "a100", progress: Optional[TextIO] = sys.stderr) -> DryRun:
     """Rehearse `config` as rank `rank` of `world` ranks. Needs a process with no process group
-    (it makes a fake one and destroys it at the end)."""
+    (it makes a fake one and destroys it at the end). `gpu` names the planner's hardware for the
+    step-time estimate of a GPU job (hybridpar.plan.hardware)."""
     from .compat.torch import init_fake_process_group
     from .mesh import resolve_sizes
 
@@ -126,14 +127,14 @@ def dry_run(config: Config, world: int, rank: int = 0, *, gpu_mem_gib: float = 8
     init_fake_process_group(rank, world)
     try:
         with _fast_paths(target == "cpu"):
-            _rehearse(run, c, world, sizes, target, gpu_mem_gib, gpus_per_node, say)
+            _rehearse(run, c, world, sizes, target, gpu_mem_gib, gpus_per_node, gpu, say)
     finally:
         dist.destroy_process_group()
     return _finish(run, started)
 
 
 def _rehearse(run: DryRun, c: Config, world: int, sizes: list[int], target: str, gpu_mem_gib: float,
-              gpus_per_node: int, say: Callable[[str], None]) -> None:
+              gpus_per_node: int, gpu: str, say: Callable[[str], None]) -> None:
     """The part on the fake process group: model, sharding, one step, and what they show."""
     from .compat.torch import fake_tensors
     from .diagnostics.collectives import CollectiveCounter, mesh_dims
@@ -166,7 +167,7 @@ def _rehearse(run: DryRun, c: Config, world: int, sizes: list[int], target: str,
         run.checkpoint = _checkpoint_files(c, model, optimizer, world)
     run.collectives = counter.by_dim_and_op()
     run.expected_bytes = _expected(args, mp, ds)
-    run.memory = _memory(c, args, parallel, gpu_mem_gib, gpus_per_node)
+    run.memory = _memory(c, args, parallel, gpu_mem_gib, gpus_per_node, gpu if target == "gpu" else "")
     if target == "gpu":
         _check(run, "memory", lambda: _fits(run.memory))
     say("done")
@@ -345,9 +346,11 @@ def _checkpoint_files(c: Config, model, optimizer, world: int) -> dict:
                        "train_state.json", f"rng/rank0.pt ... rng/rank{world - 1}.pt", "checksums.json"]}
 
 
-def _memory(c: Config, args, parallel, gpu_mem_gib: float, gpus_per_node: int) -> dict:
-    """The planner's per-rank estimate for this layout: the state above, plus what a step holds."""
-    from .plan import GIB, Hardware, Layout, Workload, estimate
+def _memory(c: Config, args, parallel, gpu_mem_gib: float, gpus_per_node: int, gpu: str) -> dict:
+    """The planner's per-rank estimate for this layout: the state above, plus what a step holds;
+    for a GPU job, also its step time on `gpu`."""
+    from .plan import GIB, Layout, Workload, estimate
+    from .plan.hardware import spec
 
     layout = Layout(mp=parallel.mp, dp_shard=parallel.dp_shard, dp_replicate=parallel.dp_replicate,
                     ac=c.fsdp.activation_checkpointing, ac_every=c.fsdp.ac_every,
@@ -356,14 +359,18 @@ def _memory(c: Config, args, parallel, gpu_mem_gib: float, gpus_per_node: int) -
     workload = Workload(seq_len=c.data.seq_len, micro_batch=c.data.micro_batch_size,
                         global_batch=c.data.micro_batch_size * c.train.grad_accum * parallel.dp_size,
                         param_dtype=c.fsdp.param_dtype, reduce_dtype=c.fsdp.reduce_dtype,
-                        grad_sync=c.train.grad_sync)
-    hw = Hardware(gpus=parallel.world_size, gpu_mem_gib=gpu_mem_gib, gpus_per_node=gpus_per_node)
+                        grad_sync=c.train.grad_sync, compile=c.train.compile)
+    hw = spec(gpu or "a100", parallel.world_size, gpu_mem_gib=gpu_mem_gib, gpus_per_node=gpus_per_node)
     est = estimate(args, layout, workload, hw)
     m = est.memory
-    return {"activations": m.activations, "gathered_params": m.gathered_params, "grad_buffers": m.grad_buffers,
-            "accumulated_grads": m.accumulated_grads, "transient": m.transient, "total": m.total,
-            "usable": hw.usable_bytes, "gpu_mem_gib": gpu_mem_gib, "reserve_gib": hw.reserve_gib,
-            "total_gib": m.total / GIB}
+    out = {"activations": m.activations, "gathered_params": m.gathered_params, "grad_buffers": m.grad_buffers,
+           "accumulated_grads": m.accumulated_grads, "transient": m.transient, "total": m.total,
+           "usable": hw.usable_bytes, "gpu_mem_gib": gpu_mem_gib, "reserve_gib": hw.reserve_gib,
+           "total_gib": m.total / GIB}
+    if gpu:
+        out.update(gpu=gpu, step_s=est.time.step, tp_s=est.time.tp_comm, fsdp_exposed_s=est.time.dp_exposed,
+                   tokens_per_s_per_gpu=est.tokens_per_s_per_gpu, mfu=est.mfu(hw.peak_flops))
+    return out
 
 
 def _fits(memory: dict) -> str:
@@ -408,6 +415,11 @@ def _report(run: DryRun) -> str:
                      f"gathered parameters {human_bytes(m['gathered_params'])}, gradient buffers "
                      f"{human_bytes(m['grad_buffers'])}, working space {human_bytes(m['transient'])}; "
                      f"peak {human_bytes(m['total'])} with the state")
+        if "step_s" in m:
+            lines.append(f"time per step (the planner, on {m['gpu']}; hybridpar plan --gpu says what it assumes): "
+                         f"{m['step_s']:.2f} s, of which tensor-parallel {m['tp_s']:.2f} s and exposed FSDP "
+                         f"{m['fsdp_exposed_s']:.2f} s; {m['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, "
+                         f"MFU {100 * m['mfu']:.0f}%")
     if run.checkpoint:
         k = run.checkpoint
         lines.append("")

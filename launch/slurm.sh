@@ -29,7 +29,8 @@
 #                                      model, sharding and one step as rank DRY_RUN_RANK of the world,
 #                                      on a fake process group); start nothing
 #   REHEARSE       0: --dry-run prints the commands and the mesh only (1)
-#   DRY_RUN_RANK   the rank the rehearsal plays (0); DRY_RUN_JSON: also write its report there
+#   DRY_RUN_RANK   the rank the rehearsal plays (0); DRY_RUN_JSON: also write its report there;
+#                  DRY_RUN_GPU: the GPU of its step-time estimate (a100, h100, h100-500w; default a100)
 #   RUN_DIR        the run folder (runs/<job name>): checkpoints/ shared by every job of the run,
 #                  job-<id>/ for each job's logs, metrics, layout and flight-recorder traces
 #   RDZV_HOST      rendezvous host (the first host of SLURM_JOB_NODELIST)
@@ -58,6 +59,7 @@ PREFLIGHT=${PREFLIGHT:-1}
 REHEARSE=${REHEARSE:-1}
 DRY_RUN_RANK=${DRY_RUN_RANK:-0}
 DRY_RUN_JSON=${DRY_RUN_JSON:-}
+DRY_RUN_GPU=${DRY_RUN_GPU:-}
 REQUEUE=${REQUEUE:-1}
 PYTHON=${PYTHON:-python3}
 
@@ -259,6 +261,7 @@ if [[ $DRY_RUN == 1 ]]; then
     rehearsal=("$PYTHON" -m hybridpar train --dry-run --world "$WORLD" --dry-run-rank "$DRY_RUN_RANK"
       --gpus-per-node "$PROCS_PER_NODE" --config "$CONFIG" "${train_overrides[@]}")
     [[ -n $DRY_RUN_JSON ]] && rehearsal+=(--dry-run-json "$DRY_RUN_JSON")
+    [[ -n $DRY_RUN_GPU ]] && rehearsal+=(--gpu "$DRY_RUN_GPU")
     echo "rehearsal: $(quoted "${rehearsal[@]}")"
     exec "${rehearsal[@]}"
   fi

@@ -23,7 +23,8 @@ def test_mp8_dp16_dry_run_prints_the_exact_commands_and_mesh_and_rehearses_rank_
     report = tmp_path / "rehearsal.json"
     start = time.perf_counter()
     result = run_script(MP8_DP16_SH, "--dry-run", env=script_env(RDZV_HOST="gpu001", RDZV_PORT=29400, RUN_DIR=run_dir,
-                                                                 REHEARSE=1, DRY_RUN_JSON=report), timeout=600)
+                                                                 REHEARSE=1, DRY_RUN_JSON=report, DRY_RUN_GPU="h100"),
+                        timeout=600)
     seconds = time.perf_counter() - start
     peak_gb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 / 1e9
     assert result.returncode == 0, result.stdout + result.stderr
@@ -66,6 +67,10 @@ def _check_rehearsal(report: dict) -> None:
     assert "layers.*.attention.wq.weight" in names and "tok_embeddings.weight" in names
     assert all(len(p["layers"]) in (0, 80) for p in report["parameters"])
     assert report["checkpoint"]["files"] == 128 + 5
+    # The planner's step time for this layout on the GPU asked for (hybridpar plan's estimate).
+    memory = report["memory"]
+    assert memory["gpu"] == "h100" and 0 <= memory["fsdp_exposed_s"] < memory["step_s"]
+    assert 0.05 < memory["mfu"] < 0.6 and memory["tokens_per_s_per_gpu"] > 0
 
 
 def test_shard_group_size_is_configurable(tmp_path):

@@ -196,21 +196,21 @@ def test_slow_rank_is_named_within_two_reports(workers, corpus, tmp_path, world)
 
 
 def test_healthy_run_warns_nothing(workers, corpus, tmp_path):
-    """200 steps, a report every 10. The reports go into the log rows of their steps, or rows of
+    """100 steps, a report every 5. The reports go into the log rows of their steps, or rows of
     their own, and to TensorBoard."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    config = make_config(corpus, tmp_path, steps=200, mp=2, dp_shard=2, strategy="hybrid_shard", dp=2,
-                         **{"diagnostics.straggler_every": 10, "train.log_every": 50, "output.tensorboard": True})
+    config = make_config(corpus, tmp_path, steps=100, mp=2, dp_shard=2, strategy="hybrid_shard", dp=2,
+                         **{"diagnostics.straggler_every": 5, "train.log_every": 25, "output.tensorboard": True})
     result = workers(4).run(_case_stragglers, config)[0]
     reports = result["reports"]
     ratios = [round(r["straggler/ratio"], 2) for r in reports]
     print(f"\nhealthy max/median compute per report: {ratios}")
     assert _warnings(result["out"]) == []
-    assert [(r["step"], "loss" in r) for r in reports] == [(step, step % 50 == 0) for step in range(10, 201, 10)]
+    assert [(r["step"], "loss" in r) for r in reports] == [(step, step % 25 == 0) for step in range(5, 101, 5)]
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
-    assert [e.step for e in events.Scalars("straggler/ratio")] == list(range(10, 201, 10))
+    assert [e.step for e in events.Scalars("straggler/ratio")] == list(range(5, 101, 5))
     assert {"straggler/median_wait_s", "straggler/spread_s", "straggler/flagged"} <= set(events.Tags()["scalars"])
 
 

@@ -102,11 +102,12 @@ class Hardware:
         return (self.gpu_mem_gib - self.reserve_gib) * GIB
 
     def describe(self) -> str:
-        sustained = (f"matmul {self.gemm_efficiency:g} and attention {self.attention_efficiency:g} of "
-                     f"{self.peak_flops / 1e12:g} TFLOP/s, memory {self.memory_efficiency:g} of "
-                     f"{self.memory_bw / 1e9:g} GB/s")
+        peak = (f"{self.peak_flops / 1e12:g} TFLOP/s" if self.peak_flops >= 1e12
+                else f"{self.peak_flops / 1e9:.0f} GFLOP/s")
+        sustained = (f"matmul {self.gemm_efficiency:.2f} and attention {self.attention_efficiency:.2f} of {peak}, "
+                     f"memory {self.memory_efficiency:.2f} of {self.memory_bw / 1e9:.4g} GB/s")
         if self.op_overhead:
             sustained += f", {self.op_overhead * 1e6:.1f} us per op"
         if self.cores:
-            sustained += f", {self.cores} cores shared by the ranks of a node"
+            sustained += f", {self.cores} cores shared by the ranks of a node, {self.sync_wait * 1e3:.2f} ms per sync"
         return sustained

@@ -80,8 +80,8 @@ def format_plan(plan: Plan, top: int = 10, model_name: str = "") -> str:
         f"{hw.gpus} GPUs ({nodes} node(s) x {hw.gpus_per_node}) of {hw.gpu_mem_gib:g} GiB, "
         f"{hw.reserve_gib:g} GiB reserved; seq_len {w.seq_len}, micro-batch {w.micro_batch}, {batch}",
         f"hardware: {hw.name or 'custom'}",
-        f"assumed: {hw.describe()}; busbw {hw.intra_node_busbw / 1e9:g} GB/s inside a node, "
-        f"{hw.inter_node_busbw / 1e9:g} GB/s per GPU between nodes; fp32 master weights, "
+        f"assumed: {hw.describe()}; busbw {hw.intra_node_busbw / 1e9:.3g} GB/s inside a node, "
+        f"{hw.inter_node_busbw / 1e9:.3g} GB/s per GPU between nodes; fp32 master weights, "
         f"{w.param_dtype} compute, {w.reduce_dtype} gradient reduction" + (", compiled blocks" if w.compile else ""),
         "",
     ]

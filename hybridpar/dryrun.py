@@ -170,6 +170,7 @@ def _rehearse(run: DryRun, c: Config, world: int, sizes: list[int], target: str,
     run.memory = _memory(c, args, parallel, gpu_mem_gib, gpus_per_node, gpu if target == "gpu" else "")
     if target == "gpu":
         _check(run, "memory", lambda: _fits(run.memory))
+        _check(run, "communication hidden", lambda: _hidden(run.memory), warn_only=True)
     say("done")
 
 
@@ -380,6 +381,20 @@ def _fits(memory: dict) -> str:
                          f"usable of {memory['gpu_mem_gib']:g} GiB: turn on activation checkpointing, shard over "
                          "more ranks (parallel.dp_shard) or lower data.micro_batch_size")
     return f"estimated peak {human_bytes(total)} of {human_bytes(usable)} usable per GPU"
+
+
+EXPOSED_WARNING = 0.2  # of the step waiting on FSDP's traffic: worth changing the layout for
+
+
+def _hidden(memory: dict) -> str:
+    """A warning when the planner expects much of the step to wait on FSDP's collectives."""
+    exposed, step = memory["fsdp_exposed_s"], memory["step_s"]
+    if exposed > EXPOSED_WARNING * step:
+        raise ValueError(f"the planner expects {exposed:.2f} s of the {step:.2f} s step on {memory['gpu']} to wait "
+                         f"for FSDP's all-gathers and reduce-scatters ({100 * exposed / step:.0f}%): more compute per "
+                         "gather hides them (a larger data.micro_batch_size), or fewer gathers (shard_grad_op / "
+                         f"hybrid_shard_zero2 if memory allows); `hybridpar plan --gpu {memory['gpu']}` ranks the layouts")
+    return f"FSDP's traffic all but {exposed:.2f} s hidden behind compute on {memory['gpu']}"
 
 
 def _report(run: DryRun) -> str:

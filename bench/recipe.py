@@ -25,7 +25,6 @@ number as hybridpar's, so both runs compute the same training step.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.distributed as dist

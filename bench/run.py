@@ -43,7 +43,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -100,12 +99,6 @@ def strategy_for(shard: int, rep: int) -> str:
     return "hybrid_shard" if rep > 1 else "full_shard"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class RunError(RuntimeError):
     pass
 
@@ -116,6 +109,8 @@ def launch(case: dict, world: int, timeout: float) -> list[dict]:
     procs = []
     try:
         (work / "case.json").write_text(json.dumps(case))
+        from hybridpar.mesh import free_port
+
         port = free_port()
         for rank in range(world):
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
@@ -444,8 +439,8 @@ def main(argv=None) -> int:
               f"{(mem['comm_ratio'] or 0):>8.3f} {fmt_bytes(mem['peak_rss_train_max']):>8} {mem['losses'][-1]:>9.5f}")
     if ratio_rows:
         print()
-        print(f"ratios engine / vs: tok/s is the ratio of medians (per round: each round's ratio); "
-              f"tok/cpu-s the same for tokens per CPU-second")
+        print("ratios engine / vs: tok/s is the ratio of medians (per round: each round's ratio); "
+              "tok/cpu-s the same for tokens per CPU-second")
         print(f"{'shape':<6} {'layout':<22} {'engine / vs':<19} {'tok/s':>6} {'per round':>24} {'tok/cpu-s':>9} {'RSS':>6} "
               f"{'state':>6} {'comm':>6} {'loss rel diff':>13}")
         for r in ratio_rows:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import multiprocessing as mp
 import os
-import socket
 import time
 import traceback
 from typing import Any, Callable
@@ -28,9 +27,10 @@ class WorkerError(AssertionError):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    # hybridpar.mesh's, imported late: a spawned worker sets OMP_NUM_THREADS before torch loads.
+    from hybridpar.mesh import free_port as port
+
+    return port()
 
 
 def _worker_main(rank: int, world_size: int, port: int, conn) -> None:

@@ -7,11 +7,12 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 from pathlib import Path
 
 import torch
+
+from hybridpar.mesh import free_port  # noqa: F401 - the launch tests take it from here
 
 ROOT = Path(__file__).resolve().parents[2]
 SLURM_SH = ROOT / "launch" / "slurm.sh"
@@ -80,12 +81,6 @@ def documented_coords(rank: int, mp: int, dp_shard: int) -> dict:
     dp_rank, mp_rank = divmod(rank, mp)
     replicate, shard = divmod(dp_rank, dp_shard)
     return {"mp_rank": mp_rank, "dp_rank": dp_rank, "replicate": replicate, "shard": shard}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def metrics_by_step(job_dir: Path) -> dict[int, dict]:

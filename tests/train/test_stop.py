@@ -9,8 +9,6 @@ import signal
 import threading
 import time
 
-import pytest
-
 from hybridpar.train.stop import StopRequest
 from tests.checkpoint.test_dcp import _case_run, _config, mp2_dp2_runs  # noqa: F401 - a fixture
 from tests.distributed import rel_err

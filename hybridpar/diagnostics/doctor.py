@@ -34,7 +34,7 @@ from ..parallel.cost import bus_factor
 from ..compat.torch import all_gather_single, reduce_scatter_single
 from ..ranks import gather_objects
 from .data_guard import DataGuardError, check_data, step_fingerprint
-from .env import (ERROR, OK, WARNING, Finding, check_env, check_rank_envs, check_threads, merge_findings, relevant_env,
+from .env import (ERROR, OK, WARNING, Finding, allowed_cpus, check_env, check_rank_envs, check_threads, merge_findings, relevant_env,
                   sort_findings)
 
 DEFAULT_SIZES = "4K:64M"
@@ -49,12 +49,10 @@ def rank_info(parallel: ParallelDims, environ: Mapping[str, str]) -> dict:
         interfaces = sorted(name for _, name in socket.if_nameindex())
     except OSError:
         interfaces = None
-    # The cores this process may run on (a Slurm allocation binds fewer than the host has).
-    cpu_ids = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     return {
         "rank": parallel.rank, "host": socket.gethostname(), "local_rank": launch_env(environ).local_rank,
         "device": str(parallel.device), "pid": os.getpid(), "threads": torch.get_num_threads(),
-        "cpu_ids": cpu_ids, "interfaces": interfaces, "env": relevant_env(environ),
+        "cpu_ids": allowed_cpus(), "interfaces": interfaces, "env": relevant_env(environ),
     }
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import re
 from collections import defaultdict
 from typing import Iterable, Mapping, Optional, Sequence
@@ -316,6 +317,11 @@ def check_rank_envs(envs: Sequence[Mapping[str, str]]) -> list[Finding]:
     return [Finding(OK, "env-consistency",
                     f"{len(names)} NCCL_/TORCH_/GLOO_/MASTER_ variables identical on all {len(envs)} ranks "
                     f"(digest {digest})")]
+
+
+def allowed_cpus() -> list[int]:
+    """The cores this process may run on (a Slurm allocation or taskset binds fewer than the host has)."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
 
 def _host_cores(infos: Sequence[Mapping]) -> int:

@@ -17,6 +17,7 @@ import sys
 import time
 import types
 
+from ..diagnostics.env import allowed_cpus
 from .inputs import Hardware
 
 # Work between two synchronising calls in the measurement: about what a small model's rank does
@@ -82,7 +83,7 @@ def measure_cpu(gpus: int, seconds: float = 0.25, **overrides) -> Hardware:
     finally:
         torch.set_num_threads(threads)
     ranks = measure_ranks(max(gpus, 2))
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = len(allowed_cpus())
     fields = dict(
         gpu_mem_gib=64.0, gpus_per_node=max(gpus, 1), peak_flops=matmul, gemm_efficiency=1.0,
         attention_efficiency=attention / matmul, memory_bw=elementwise, memory_efficiency=1.0,
@@ -144,7 +145,7 @@ def _rank_main(rank: int, world: int, port: int) -> dict:
     out = {"op_seconds": _op_seconds()} if rank == 0 else {}  # the others wait in the rendezvous
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cores = len(allowed_cpus())
         small, a = torch.zeros(1), torch.randn(128, 128)
         per_mm = 1.0 / _rate(lambda: torch.mm(a, a), 1.0, 0.1)
         reps = max(1, int(SYNC_INTERVAL / per_mm))  # the work between two synchronising calls

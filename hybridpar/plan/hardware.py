@@ -40,6 +40,3 @@ def spec(name: str, gpus: int, **overrides) -> Hardware:
     description, fields = GPUS[name]
     return Hardware(gpus=gpus, **{**fields, "name": f"{name} ({description})", **overrides})
 
-
-def describe_all() -> str:
-    return "\n".join(f"  {name:<10} {description}" for name, (description, _) in GPUS.items())

@@ -12,10 +12,10 @@ from ..parallel.fsdp import AC_MODES
 from .comm import (StepTime, all_gather_seconds, all_reduce_seconds, collective_bytes,
                    flops_per_token, group_busbw)
 from .compute import micro_batch_work, step_work
-
-STEP_SCALARS = 3  # the trainer's all-reduces per step: target tokens, the loss, the gradient norm
 from .inputs import MASTER_BYTES, Hardware, Layout, Workload
 from .memory import Memory, ParamCounts, activation_bytes, param_counts
+
+STEP_SCALARS = 3  # the trainer's all-reduces per step: target tokens, the loss, the gradient norm
 
 
 @dataclasses.dataclass(frozen=True)

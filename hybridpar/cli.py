@@ -261,10 +261,12 @@ def _cmd_hang_report(args: argparse.Namespace) -> int:
     from .diagnostics.flight import analyse, format_report, load_dumps
     from .files import write_text_atomic
 
-    traces, world = load_dumps(Path(args.dir))
+    traces, world, skipped = load_dumps(Path(args.dir))
+    for path in skipped:
+        print(f"hybridpar hang-report: skipped {path}: not a flight-recorder dump", file=sys.stderr)
     if not traces:
-        print(f"hybridpar: error: no flight-recorder dumps in {args.dir} (files ending in the rank number, "
-              "as written by the watchdog or by TORCH_FR_DUMP_TEMP_FILE)", file=sys.stderr)
+        print(f"hybridpar: error: no flight-recorder dumps in {args.dir} (the watchdog's flight_recorder_rank_R.json, "
+              "or torch's TORCH_FR_DUMP_TEMP_FILE dumps, whose names end in the rank number)", file=sys.stderr)
         return 2
     world = max(world, args.world, max(traces) + 1)
     missing = sorted(set(range(world)) - set(traces))

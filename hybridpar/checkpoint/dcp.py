@@ -55,9 +55,11 @@ from ..files import (STAGING_SUFFIX, DiskFullError, atomic_output, begin_staging
                      free_bytes, fsync_dir, staging_path, write_text_atomic)
 from ..mesh import ParallelDims
 from ..progress import note
-from ..ranks import gather_objects, on_rank0, raise_if_any_failed
+from ..ranks import broadcast_from_rank0, gather_objects, on_rank0, raise_if_any_failed
 from . import checksums
-from .reader import CheckpointDamagedError, CheckpointError, CheckpointReadError, SafeLoadPlanner
+from ..safe_pickle import SafeFileSystemReader, UnsafePickleError, read_dcp_metadata
+from .reader import (CheckpointDamagedError, CheckpointError, CheckpointReadError, SafeLoadPlanner,
+                     UnsafeCheckpointError)
 from .space import checkpoint_bytes, join_dcp_writers, no_space_reason, remove_folder
 from .verify import LoadCheck, share_load_failure
 
@@ -284,8 +286,13 @@ class Checkpointer:
              params: dict) -> dict:
         """Load model (and optimizer) state from checkpoint `path` into this layout; returns train_state."""
         path = Path(path)
-        check = LoadCheck(path, self.parallel.rank, self.parallel.world_size)  # the shared small files, now
-        metadata = check_checkpoint(path, params, model, needs_optimizer=optimizer is not None)
+        check, error = None, None
+        try:  # the shared small files first (.metadata's bytes before it is unpickled), on every rank
+            check = LoadCheck(path, self.parallel.rank, self.parallel.world_size)
+            metadata = check_checkpoint(path, params, model, needs_optimizer=optimizer is not None)
+        except CheckpointError as err:
+            error = err
+        share_load_failure(error, f"load {path}")  # every rank takes the same way on
         if optimizer is None:  # weights only, e.g. to start a new run from them
             state = {"model": get_model_state_dict(model)}
         else:
@@ -316,7 +323,7 @@ class Checkpointer:
             sums: Optional[dict] = {}
             reader = FastFileSystemReader(path, thread_count=2, seeds=check.seeds(), sums=sums)
         else:
-            sums, reader = None, dcp.FileSystemReader(path)
+            sums, reader = None, SafeFileSystemReader(path)
         check.start(sums)
         try:
             with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
@@ -340,7 +347,8 @@ class Checkpointer:
         when there is none. A damaged one is renamed `*.damaged` (kept, never deleted) and the previous
         one is loaded in full, overwriting all that the failed load wrote."""
         refused = []
-        for path in reversed(complete_checkpoints(self.folder)):
+        # Rank 0's listing: a rank that listed after rank 0 set a damaged one aside would load another.
+        for path in reversed(broadcast_from_rank0(complete_checkpoints(self.folder))):
             try:
                 return path, self.load(path, model, optimizer, params)
             except CheckpointDamagedError as err:
@@ -409,7 +417,11 @@ def check_checkpoint(path: Path, params: dict, model: torch.nn.Module,
     if not (path / "train_state.json").exists() or not (path / ".metadata").exists():
         raise CheckpointError(f"{path} is not a complete hybridpar checkpoint (no train_state.json or .metadata)")
     _refuse_other_model(path, json.loads((path / "params.json").read_text()), params)
-    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    try:  # after LoadCheck compared its bytes with the manifest, when there is one
+        metadata = read_dcp_metadata(path / ".metadata").state_dict_metadata
+    except UnsafePickleError as err:
+        raise UnsafeCheckpointError(f"{err}; delete {path} or move it aside (a resumed run then loads the "
+                                    "checkpoint before it)") from err
     if needs_optimizer and not any(key.startswith("optimizer.") for key in metadata):
         raise CheckpointError(
             f"{path} holds weights only (no optimizer state) and cannot be resumed: start a run from it "

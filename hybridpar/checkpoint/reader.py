@@ -22,6 +22,13 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be saved or loaded here, with what to change."""
 
 
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint whose `.metadata` names a global DCP's metadata never holds (safe_pickle refused
+    it before importing anything). Every rank reads `.metadata`, so every rank raises it alike."""
+
+    every_rank = True  # hybridpar.ranks.raised_by_every_rank
+
+
 class CheckpointDamagedError(CheckpointError):
     """A checkpoint whose bytes are not the ones written (a checksum mismatch, a file cut short or
     missing): resuming sets it aside and loads an older one."""

@@ -19,9 +19,8 @@ import threading
 from pathlib import Path
 from typing import Callable, Optional, TextIO
 
-from torch.distributed.checkpoint import FileSystemReader
-
 from ..progress import Progress, note
+from ..safe_pickle import UnsafePickleError, read_dcp_metadata
 from ..ranks import gather_objects, mark_every_rank, raise_if_any_failed
 from .checksums import (MANIFEST, enabled as checksums_enabled, file_checksum, first_difference, intervals,
                         read_manifest, same, sum_range)
@@ -65,9 +64,11 @@ def check_file(folder: Path, name: str, want: dict, progress: Optional[Callable[
 
 def _tensors_in(folder: Path, name: str, span: Span) -> str:
     """What file `name` stores (in bytes `span`, when known), by DCP's metadata (storage_data maps
-    each item to its file and bytes)."""
+    each item to its file and bytes). Damaged metadata is never unpickled."""
+    if name == ".metadata":
+        return ""
     try:
-        storage = FileSystemReader(str(folder)).read_metadata().storage_data
+        storage = read_dcp_metadata(folder / ".metadata").storage_data
     except Exception:  # noqa: BLE001 - a damaged .metadata: the file is still named
         return ""
     lo, hi = span or (0, float("inf"))
@@ -189,7 +190,9 @@ def _structure(folder: Path) -> dict[str, Optional[str]]:
     """Without checksums: every file DCP's .metadata names, and what is wrong with it (None: it
     exists and holds every byte the metadata places in it)."""
     try:
-        storage = FileSystemReader(str(folder)).read_metadata().storage_data
+        storage = read_dcp_metadata(folder / ".metadata").storage_data
+    except UnsafePickleError as err:
+        return {".metadata": err.reason}
     except Exception as err:  # noqa: BLE001 - any failure means .metadata is unusable
         return {".metadata": f"damaged: unreadable ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"}
     needed: dict[str, int] = {".metadata": 0, "params.json": 0, "train_state.json": 0}
@@ -247,7 +250,8 @@ def verify_folder(folder: Path, out: Optional[TextIO] = None) -> int:
             for name, verdict in _structure(folder).items():
                 if verdict is not None and verdicts.get(name) is None:
                     verdicts[name] = verdict
-                    print(f"{name}: {verdict} (the manifest agrees with the file: it was saved so)", file=out)
+                    why = "" if verdict.startswith("refused") else " (the manifest agrees with the file: it was saved so)"
+                    print(f"{name}: {verdict}{why}", file=out)
     bad = sorted(name for name, verdict in verdicts.items() if verdict is not None)
     summary = "all ok" if not bad else f"NOT OK: {', '.join(bad)}"
     print(f"{folder}: {len(verdicts) - len(bad)} of {len(verdicts)} files ok; {summary}", file=out)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import pickle
 import socket
 import threading
 import time
@@ -24,10 +23,10 @@ from typing import Callable, Optional
 import torch.distributed as dist
 
 from ..compat.torch import default_store, sequence_number
-from ..files import write_bytes_atomic
 from ..mesh import MeshCoords, ParallelDims
 from . import flight
 from .liveness import process_alive
+from .traces import write_dump
 from .timeouts import mesh_groups
 
 HANG_EXIT_CODE = 124  # as timeout(1): the job was stopped because it stopped making progress
@@ -206,6 +205,6 @@ class Heartbeat:
         trace = flight.trace_from_dump(dump, info)
         self._set(f"trace/{self.rank}", json.dumps(dataclasses.asdict(trace)))
         try:  # this node's own copy, for `hybridpar hang-report` later
-            write_bytes_atomic(self.trace_dir / f"flight_recorder_rank_{self.rank}", pickle.dumps(dump))
+            write_dump(self.trace_dir, self.rank, dump)
         except OSError:
             pass

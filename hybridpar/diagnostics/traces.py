@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import pickle
+import json
 import re
 import sys
 import traceback
@@ -166,8 +166,23 @@ def _short(filename: str) -> str:
 def dump_flight_recorder() -> dict:
     """This process's flight recorder: recent collectives of every group (no C++ stacks: slow to collect)."""
     from ..compat.torch import flight_recorder_dump  # torch only when a dump is asked for
+    from ..safe_pickle import loads, no_globals
 
-    return pickle.loads(flight_recorder_dump())
+    return loads(flight_recorder_dump(), no_globals, "this process's flight recorder", "a flight-recorder dump")
+
+
+# hybridpar's own dump files: JSON (a format that cannot carry code), naming themselves as dumps.
+DUMP_FORMAT = "hybridpar flight-recorder dump"
+
+
+def dump_path(folder: Path, rank: int) -> Path:
+    return Path(folder) / f"flight_recorder_rank_{rank}.json"
+
+
+def write_dump(folder: Path, rank: int, dump: dict) -> None:
+    from ..files import write_text_atomic
+
+    write_text_atomic(dump_path(folder, rank), json.dumps({"format": DUMP_FORMAT, **dump}, default=str))
 
 
 def trace_from_dump(dump: dict, info: Optional[dict] = None) -> RankTrace:
@@ -231,22 +246,56 @@ def _completed(entries: list[dict], status: dict, pg_names: dict, name: str) -> 
     return max(done) if done else None
 
 
-def load_dumps(folder: Path) -> tuple[dict[int, RankTrace], int]:
-    """Every flight-recorder dump in a folder (one file per rank, any name ending in the rank number)
-    -> ({rank: trace}, the world size if known, else -1)."""
-    traces, world = {}, -1
-    files = [p for p in sorted(Path(folder).rglob("*")) if p.is_file() and re.search(r"\d+(\.pkl|\.pickle)?$", p.name)]
-    for path in files:
+def _read_dump(path: Path) -> Optional[dict]:
+    """The dump in file `path`, None when it is not one. hybridpar's own are JSON; torch's
+    (TORCH_FR_DUMP_TEMP_FILE, named by the rank) are pickles of plain containers, read without
+    importing any global: a pickle that names one raises UnsafePickleError."""
+    from ..safe_pickle import UnsafePickleError, loads, no_globals
+
+    data = path.read_bytes()
+    if path.suffix == ".json":
         try:
-            dump = pickle.loads(path.read_bytes())
-        except Exception:  # not a dump: other files may share the folder
-            continue
-        if not isinstance(dump, dict) or "entries" not in dump:
+            dump = json.loads(data)
+        except ValueError:
+            return None
+        return dump if isinstance(dump, dict) and dump.get("format") == DUMP_FORMAT else None
+    if not _RANK_NAME.search(path.name) or not data.startswith(b"\x80"):  # a pickle starts with PROTO
+        return None
+    try:
+        dump = loads(data, no_globals, str(path), "a flight-recorder dump")
+    except UnsafePickleError:  # said, never skipped
+        raise
+    except Exception:  # noqa: BLE001 - bytes that are no pickle of plain data: not a dump
+        return None
+    return dump if isinstance(dump, dict) and "version" in dump and isinstance(dump.get("entries"), list) else None
+
+
+_RANK_NAME = re.compile(r"(\d+)(\.pkl|\.pickle|\.json)?$")
+
+
+def load_dumps(folder: Path) -> tuple[dict[int, RankTrace], int, list[Path]]:
+    """Every flight-recorder dump in a folder: hybridpar's (`flight_recorder_rank_R.json`) and
+    torch's own (any name ending in the rank number) -> ({rank: trace}, the world size if known,
+    else -1, the files that are not dumps). A rank's hybridpar dump wins over torch's: it knows the
+    mesh. A pickle naming a global raises UnsafePickleError (nothing of it is run)."""
+    traces, world, skipped, informed = {}, -1, [], set()
+    for path in sorted(p for p in Path(folder).rglob("*") if p.is_file()):
+        dump = _read_dump(path)
+        if dump is None:
+            skipped.append(path)
             continue
         info = dict(dump.get("hybridpar") or {})
         if "rank" not in info:
-            info["rank"] = int(re.search(r"(\d+)(\.pkl|\.pickle)?$", path.name).group(1))
+            named = _RANK_NAME.search(path.name)
+            if named is None:
+                skipped.append(path)
+                continue
+            info["rank"] = int(named.group(1))
         world = max(world, int(info.get("world_size", -1)))
         trace = trace_from_dump(dump, info)
+        if trace.rank in informed and not dump.get("hybridpar"):
+            continue
+        if dump.get("hybridpar"):
+            informed.add(trace.rank)
         traces[trace.rank] = trace
-    return traces, world
+    return traces, world, skipped

@@ -29,12 +29,12 @@ from typing import Optional
 import crc32c
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 from ..checkpoint.reader import CheckpointReadError
 from ..compat.torch import stored_data_offset, zip_reader
+from ..safe_pickle import SafeFileSystemReader
 
 
 @dataclasses.dataclass(eq=False)  # items are told apart by identity (they hold tensors)
@@ -47,8 +47,9 @@ class _Item:
     target: torch.Tensor  # the destination slice (DCP's resolve_tensor)
 
 
-class FastFileSystemReader(FileSystemReader):
-    """Drop-in for dcp.FileSystemReader (same files, same results) that reads in place, in threads."""
+class FastFileSystemReader(SafeFileSystemReader):
+    """Drop-in for dcp.FileSystemReader (same files, same results) that reads in place, in threads
+    (and reads `.metadata` through the restricted unpickler)."""
 
     def __init__(self, path, thread_count: int = 2, seeds: Optional[dict[tuple[str, int], int]] = None,
                  sums: Optional[dict[tuple[str, int], tuple[int, int]]] = None) -> None:

@@ -110,10 +110,21 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    """Check a checkpoint folder's files against its checksums, offline, in this process."""
+    """Check a checkpoint folder's (or a token store's) files against its checksums, offline."""
+    from .data.store import is_store, verify_store
+
+    if is_store(args.path):
+        return verify_store(Path(args.path))
     from .checkpoint.verify import verify_folder
 
     return verify_folder(Path(args.path))
+
+
+def _cmd_prepare(args: argparse.Namespace) -> int:
+    """Tokenise corpus files into a token store (on every core; a share of it with --part)."""
+    from .data.store_build import prepare_command
+
+    return prepare_command(args)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -330,9 +341,26 @@ def build_parser() -> argparse.ArgumentParser:
                          help="--to hf/dcp: the context length recorded (max_position_embeddings); default: the "
                               "source's max_seq_len (2048 for a Meta folder, whose params.json has none)")
     convert.set_defaults(func=_cmd_convert)
-    verify = sub.add_parser("verify", help="check a checkpoint folder's files against the checksums saved with it")
-    verify.add_argument("path", help="one checkpoint folder, e.g. checkpoints/step-00000100")
+    verify = sub.add_parser("verify", help="check a checkpoint folder's (or a token store's) files against the "
+                                           "checksums saved with it")
+    verify.add_argument("path", help="one checkpoint folder, e.g. checkpoints/step-00000100, or a token store")
     verify.set_defaults(func=_cmd_verify)
+    prep = sub.add_parser("prepare", help="tokenise corpus files (parquet, datasets folders, jsonl[.gz|.zst], txt) "
+                                          "into a token store that data.source accepts")
+    prep.add_argument("sources", nargs="*", help="files or folders, read in the order given (folders sorted by path)")
+    prep.add_argument("--tokenizer", help="a tokenizer.model, tokenizer.json or their folder")
+    prep.add_argument("--out", required=True, help="the store folder")
+    prep.add_argument("--workers", type=int, default=0, help="processes (default: every core this process may use)")
+    prep.add_argument("--part", default="0/1", help="I/N: prepare share I of N (a Slurm array, several nodes)")
+    prep.add_argument("--merge", action="store_true", help="write the manifest once every part is done")
+    prep.add_argument("--unit-mb", type=float, default=64.0,
+                      help="input per unit of work, in MB: a parquet row group or arrow batch at least (default 64)")
+    prep.add_argument("--text-field", default="text", help="the jsonl field or table column holding the text")
+    prep.add_argument("--val-fraction", type=float, default=0.0,
+                      help="this share of the documents, whole, goes to the store's validation part")
+    prep.add_argument("--on-bad-record", default="error", choices=("error", "skip"),
+                      help="a record whose text is missing, null or not a string: stop naming it, or skip and count it")
+    prep.set_defaults(func=_cmd_prepare)
     gen = sub.add_parser("generate", help="continue prompts with a trained model (greedy or top-p, KV cache)")
     gen.add_argument("--checkpoint", required=True, help="a hybridpar checkpoint (or a folder of them), a Meta folder or a Hugging Face folder")
     gen.add_argument("--tokenizer", required=True,

@@ -218,11 +218,15 @@ def _batch_detail(c: Config, dp: int) -> str:
 def _data_detail(c: Config) -> str:
     """The sources and tokenizer the config names, found (not read: no tokenizing here)."""
     from .data.sources import resolve_sources, source_name
+    from .data.store import is_store
+
+    def named(source: str) -> str:
+        return f"the token store {source}" if is_store(source) else source_name(resolve_sources(source))
 
     d = c.data
-    found = [source_name(resolve_sources(d.source))]
+    found = [named(d.source)]
     if d.val_source:
-        found.append(f"validation {source_name(resolve_sources(d.val_source))}")
+        found.append(f"validation {named(d.val_source)}")
     if d.tokenizer and not Path(d.tokenizer).exists():
         raise FileNotFoundError(f"data.tokenizer {d.tokenizer} does not exist on this machine")
     found.append(f"tokenizer {d.tokenizer}" if d.tokenizer else

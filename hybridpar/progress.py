@@ -15,7 +15,6 @@ import time
 from typing import Optional, TextIO
 
 from .files import human_bytes
-from .ranks import rank_and_world
 
 
 def _amount(n: float, unit: str) -> str:
@@ -27,7 +26,7 @@ def _amount(n: float, unit: str) -> str:
 def note(text: str, *, enabled: Optional[bool] = None, stream: Optional[TextIO] = None) -> None:
     """One line from the reporting process (rank 0 when `enabled` is None), to stderr."""
     if enabled is None:
-        enabled = rank_and_world()[0] == 0
+        enabled = _rank() == 0
     if enabled:
         print(text, file=stream or sys.stderr, flush=True)
 
@@ -38,12 +37,13 @@ class Progress:
     def __init__(self, what: str, total: Optional[float] = None, unit: str = "", *, every: float = 5.0,
                  enabled: Optional[bool] = None, stream: Optional[TextIO] = None) -> None:
         self.what, self.total, self.unit, self.every = what, total, unit, every
-        self.enabled = rank_and_world()[0] == 0 if enabled is None else enabled
+        self.enabled = _rank() == 0 if enabled is None else enabled
         self.stream = stream
         self.done = 0.0
         self.start = self.last = time.monotonic()
         self.printed = False
         self.summary = ""  # e.g. "1,234 tokens in 5 documents": what the work made, for the closing line
+        self.rates: dict[str, float] = {}  # other counts shown per second, e.g. {"tokens": n}
 
     def __enter__(self) -> "Progress":
         return self
@@ -67,6 +67,10 @@ class Progress:
     def line(self, now: Optional[float] = None) -> str:
         elapsed = (now or time.monotonic()) - self.start
         text = f"{self.what}: {_amount(self.done, self.unit)}"
+        if self.rates and elapsed > 0:
+            shown = ([f"{human_bytes(self.done / elapsed)}/s"] if self.unit == "B" else []) + \
+                [f"{n / elapsed:,.0f} {name}/s" for name, n in self.rates.items()]
+            text += f" ({', '.join(shown)})"
         if self.total:
             text += f" of {_amount(self.total, self.unit)} ({100 * self.done / self.total:.0f}%)"
             if 0 < self.done < self.total:
@@ -83,3 +87,14 @@ class Progress:
     def _print(self, text: str) -> None:
         self.printed = True
         print(text, file=self.stream or sys.stderr, flush=True)
+
+
+def _rank() -> int:
+    """This process's rank; 0 without torch.distributed imported (no process group can exist then,
+    and a preparation worker or --help need not pay for importing torch)."""
+    if "torch.distributed" not in sys.modules:
+        return 0
+    from .ranks import rank_and_world
+
+    return rank_and_world()[0]
+

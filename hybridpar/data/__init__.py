@@ -10,19 +10,27 @@
 Nothing here needs torch.distributed: ranks coordinate through file locks in the cache folder.
 """
 
-from hybridpar.data.corpus import default_corpus_documents, default_corpus_id
-from hybridpar.data.loader import (
-    DistributedSampler,
-    PackedDataset,
-    ResumableDataLoader,
-    build_dataloader,
-    check_dataset_size,
-    check_vocab,
-)
-from hybridpar.data.pipeline import build_data, build_training_data, default_cache_dir
-from hybridpar.data.prepare import TokenFile, prepare_cached, prepare_split_cached, prepare_tokens, source_documents
-from hybridpar.data.sources import source_id
-from hybridpar.data.tokenizer import Tokenizer, load_or_train_tokenizer, train_tokenizer
+import importlib
+
+# Where each public name lives, imported on first use: importing hybridpar.data (or one of its
+# modules, as a preparation worker does) must not import torch.
+_WHERE = {
+    "default_corpus_documents": "corpus", "default_corpus_id": "corpus",
+    "DistributedSampler": "loader", "PackedDataset": "loader", "ResumableDataLoader": "loader",
+    "build_dataloader": "loader", "check_dataset_size": "loader", "check_vocab": "loader",
+    "build_data": "pipeline", "build_training_data": "pipeline", "default_cache_dir": "pipeline",
+    "TokenFile": "prepare", "prepare_cached": "prepare", "prepare_split_cached": "prepare",
+    "prepare_tokens": "prepare", "source_documents": "prepare",
+    "source_id": "sources",
+    "Tokenizer": "tokenizer", "load_or_train_tokenizer": "tokenizer", "train_tokenizer": "tokenizer",
+}
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"hybridpar.data.{_WHERE[name]}"), name)
+    raise AttributeError(f"module 'hybridpar.data' has no attribute {name!r}")
+
 
 __all__ = [
     "Tokenizer",

@@ -27,7 +27,8 @@ class PackedDataset(torch.utils.data.Dataset):
     def __init__(self, token_file: Union[TokenFile, str, Path], seq_len: int) -> None:
         if not isinstance(seq_len, int) or seq_len < 1:
             raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
-        self.token_file = token_file if isinstance(token_file, TokenFile) else TokenFile(token_file)
+        # A TokenFile, a TokenStore (hybridpar.data.store), or a token file's path
+        self.token_file = TokenFile(token_file) if isinstance(token_file, (str, Path)) else token_file
         self.seq_len = seq_len
 
     @property

@@ -9,6 +9,7 @@ from typing import Callable, Iterator, Optional
 from hybridpar.data.loader import PackedDataset, ResumableDataLoader, build_dataloader, check_dataset_size
 from hybridpar.data.prepare import prepare_cached, prepare_split_cached, source_documents
 from hybridpar.data.sources import resolve_sources, source_bytes, source_id, source_name
+from hybridpar.data.store import TokenStore, is_store
 from hybridpar.data.tokenizer import Tokenizer, load_or_train_tokenizer
 from hybridpar.progress import Progress
 
@@ -23,6 +24,8 @@ def build_data(d) -> tuple[Tokenizer, PackedDataset, Optional[PackedDataset]]:
     asks for them (data.val_source, or data.val_fraction of the source's documents). The process
     that trains or tokenises says so and reports its progress on stderr; the others wait for its
     files quietly."""
+    if is_store(d.source):
+        return _from_store(d)
     cache = Path(d.cache_dir) if d.cache_dir else default_cache_dir()
     tokenizer = load_or_train_tokenizer(
         d.tokenizer or None, vocab_size=d.tokenizer_vocab_size, documents_factory=lambda: _tokenizer_text(d),
@@ -45,6 +48,31 @@ def build_data(d) -> tuple[Tokenizer, PackedDataset, Optional[PackedDataset]]:
             raise ValueError(f"the validation data ({where}) has {validation.n_tokens} tokens, fewer than one "
                              f"sequence of data.seq_len + 1 = {d.seq_len + 1}: give it more text")
     return tokenizer, PackedDataset(token_file, d.seq_len), val_dataset
+
+
+def _from_store(d) -> tuple[Tokenizer, PackedDataset, Optional[PackedDataset]]:
+    """data.source is a token store (hybridpar prepare): its tokens, checked against the run's tokenizer."""
+    store = TokenStore(d.source)
+    made_with = store.meta.get("tokenizer_path", "")
+    if not d.tokenizer and not made_with:
+        raise ValueError(f"the token store {d.source} does not record its tokenizer's path: set data.tokenizer")
+    tokenizer = Tokenizer(d.tokenizer or made_with)
+    if tokenizer.sha256 != store.tokenizer_sha256:
+        raise ValueError(f"the token store {d.source} was made with another tokenizer ({made_with or 'unknown'}, sha256 "
+                         f"{store.tokenizer_sha256[:12]}) than this run's {tokenizer.path} (sha256 {tokenizer.sha256[:12]}): "
+                         f"set data.tokenizer to the store's, or prepare the store again with this one")
+    validation = None
+    if d.val_fraction > 0:
+        if store.meta["val_fraction"] != d.val_fraction:
+            made = (f"with val_fraction {store.meta['val_fraction']}" if store.meta["val_fraction"]
+                    else "without a validation split")
+            raise ValueError(f"data.val_fraction = {d.val_fraction}, but the token store {d.source} was prepared {made}: "
+                             f"prepare it with --val-fraction {d.val_fraction}, or name a data.val_source")
+        validation = TokenStore(d.source, "validation")
+    elif d.val_source:
+        validation = TokenStore(d.val_source) if is_store(d.val_source) else prepare_cached(
+            d.val_source, tokenizer, Path(d.cache_dir) if d.cache_dir else default_cache_dir(), text_field=d.text_field)
+    return tokenizer, PackedDataset(store, d.seq_len), None if validation is None else PackedDataset(validation, d.seq_len)
 
 
 def _tokenizer_text(d) -> Iterator[str]:

@@ -11,37 +11,23 @@ Progress counts the bytes of input read (for the embedded corpus, of its source 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import hashlib
 import json
 import logging
-import re
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
-from hybridpar.data.corpus import default_corpus_documents
+from hybridpar.data.formats import plan_units, unit_documents
 from hybridpar.data.sources import Source, SourceFile, describe_sources, resolve_sources, source_bytes, source_name
 from hybridpar.files import PathLike, atomic_output, file_lock, sha256_text, write_text_atomic
+from hybridpar.data.tokenise import PART_NAMES, TRAIN, VALIDATION, pieces, token_batches, token_dtype
 from hybridpar.progress import Progress
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 2  # 2: long documents cut where no split pattern joins across the cut
 SIDECAR_SUFFIX = ".json"
-# A document longer than this is tokenised in pieces, each cut right after a newline.
-PIECE_CHARS = 1 << 16
-# Pieces end after a newline whose next line holds a non-space character: split patterns such as
-# Llama 3's join a newline to the blank lines or indentation after it, never to such a line, so
-# the pieces tokenise as the whole does. Past this many PIECE_CHARS any newline will do (memory).
-_CUT_AFTER = re.compile(r"\n(?=[^\S\r\n]*\S)")
-_LONGEST_PIECE = 16
-# Characters handed to the tokenizer per call: bounds memory.
-BATCH_CHARS = 1 << 17
-# A piece that continues a document is encoded after this separator, whose tokens are then dropped,
-# so it is tokenised as in the middle of the text (no dummy-prefix space at its start).
-_CONTINUATION_PREFIX = "\n"
 
 OnBytes = Optional[Callable[[int], None]]  # told how many more bytes of input were read
 
@@ -52,177 +38,15 @@ OnBytes = Optional[Callable[[int], None]]  # told how many more bytes of input w
 def source_documents(source: Source, text_field: str = "text", on_bytes: OnBytes = None) -> Iterator[str]:
     """Every document of a source as one string, in reading order (to train a tokenizer on);
     `on_bytes(n)` hears of the input read as it goes (sources.source_bytes is the total)."""
-    for pieces in _documents(resolve_sources(source), text_field, on_bytes):
-        yield "".join(pieces)
+    for parts in _documents(resolve_sources(source), text_field, on_bytes):
+        yield "".join(parts)
 
 
-def _documents(files: Sequence[SourceFile], text_field: str, on_bytes: OnBytes = None) -> Iterator[Iterator[str]]:
+def _documents(files: Sequence[SourceFile], text_field: str, on_bytes: OnBytes = None,
+               on_bad_record: str = "error") -> Iterator[Iterator[str]]:
     """Each document as an iterator of pieces that concatenate to it; consume each before the next."""
-    for f in files:
-        if f.kind == "default":
-            for doc in default_corpus_documents(on_bytes=on_bytes):
-                yield _cut(doc)
-        elif f.kind == "txt":
-            yield _txt_pieces(f.path, on_bytes)
-        else:
-            for doc in _jsonl_texts(f.path, text_field, on_bytes):
-                yield _cut(doc)
-
-
-def _read_so_far(f, reported: int, on_bytes: OnBytes) -> int:
-    """Tell on_bytes how far the text file `f` has read past `reported` (its binary buffer's
-    position, which moves a chunk at a time); the new position."""
-    if on_bytes is None:
-        return reported
-    position = f.buffer.tell()
-    if position > reported:
-        on_bytes(position - reported)
-    return position
-
-
-def _txt_pieces(path: Path, on_bytes: OnBytes = None) -> Iterator[str]:
-    lines: list[str] = []
-    size = reported = 0
-    try:
-        with open(path, encoding="utf-8") as f:  # universal newlines: '\r\n' arrives as '\n'
-            for line in f:
-                if size >= PIECE_CHARS and (line.strip() or size >= _LONGEST_PIECE * PIECE_CHARS):
-                    reported = _read_so_far(f, reported, on_bytes)
-                    yield "".join(lines)
-                    lines, size = [], 0
-                lines.append(line)
-                size += len(line)
-            _read_so_far(f, reported, on_bytes)
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text ({e}); convert it to UTF-8") from e
-    if lines:
-        yield "".join(lines)
-
-
-def _jsonl_texts(path: Path, text_field: str, on_bytes: OnBytes = None) -> Iterator[str]:
-    reported = unreported = 0  # progress every PIECE_CHARS characters, as _txt_pieces (tell() costs)
-    try:
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                unreported += len(line)
-                if unreported >= PIECE_CHARS:
-                    reported, unreported = _read_so_far(f, reported, on_bytes), 0
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
-                if not isinstance(record, dict) or text_field not in record:
-                    fields = sorted(record)[:10] if isinstance(record, dict) else type(record).__name__
-                    raise ValueError(
-                        f"{path}:{lineno}: no {text_field!r} field (found {fields}); "
-                        f"every line needs one, or set text_field to the field that holds the text"
-                    )
-                text = record[text_field]
-                if not isinstance(text, str):
-                    raise ValueError(f"{path}:{lineno}: field {text_field!r} is a {type(text).__name__}, not a string")
-                yield text
-            _read_so_far(f, reported, on_bytes)
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path}: not UTF-8 text ({e}); convert it to UTF-8") from e
-
-
-def _cut(text: str) -> Iterator[str]:
-    """Pieces of about PIECE_CHARS, each ending right after a newline (or at the end of the text),
-    where _CUT_AFTER allows if it can."""
-    start = 0
-    while start < len(text):
-        first = start + PIECE_CHARS - 1
-        found = _CUT_AFTER.search(text, first, first + _LONGEST_PIECE * PIECE_CHARS)
-        end = found.start() if found else text.find("\n", first)
-        end = len(text) if end < 0 else end + 1
-        yield text[start:end]
-        start = end
-
-
-@dataclasses.dataclass(frozen=True)
-class _Piece:
-    text: str
-    continues: bool  # not the document's first piece
-    ends: bool  # the document's last piece: EOS follows
-    part: int = 0  # the output it goes to: TRAIN or VALIDATION when the documents are split
-
-
-TRAIN, VALIDATION = 0, 1
-PART_NAMES = ("train", "validation")
-
-
-def validation_share(first_piece: str) -> float:
-    """Where a document falls in [0, 1): a hash of its first piece. A document goes to validation
-    when this is below data.val_fraction. From the text, not the position, so that copies of a
-    document land in the same split and the split does not change when documents are reordered."""
-    digest = hashlib.blake2b(first_piece.encode("utf-8", "surrogatepass"), digest_size=8,
-                             person=b"hp-val-split").digest()
-    return int.from_bytes(digest, "big") / 2**64
-
-
-def _pieces(documents: Iterable[Iterator[str]], val_fraction: float = 0.0) -> Iterator[_Piece]:
-    for doc in documents:
-        previous: Optional[str] = None
-        first, part = True, TRAIN
-        for text in doc:
-            if previous is None and val_fraction > 0:  # decided by the first piece, before any is sent
-                part = VALIDATION if validation_share(text) < val_fraction else TRAIN
-            if previous is not None:
-                yield _Piece(previous, not first, False, part)
-                first = False
-            previous = text
-        if previous is not None:  # empty documents add nothing, not even an EOS
-            yield _Piece(previous, not first, True, part)
-
-
-# --- tokenising ------------------------------------------------------------------------------
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
-
-
-def _token_batches(pieces: Iterable[_Piece], tokenizer) -> Iterator[dict[int, tuple[np.ndarray, int]]]:
-    """{part: (ids as int32, documents ended)} per batch of about BATCH_CHARS characters."""
-    prefix = _encode_arrays(tokenizer, [_CONTINUATION_PREFIX])[0]
-    batch: list[_Piece] = []
-    chars = 0
-    for piece in pieces:
-        batch.append(piece)
-        chars += len(piece.text)
-        if chars >= BATCH_CHARS:
-            yield _encode(batch, tokenizer, prefix)
-            batch, chars = [], 0
-    if batch:
-        yield _encode(batch, tokenizer, prefix)
-
-
-def _encode_arrays(tokenizer, texts: list[str]) -> list[np.ndarray]:
-    # Arrays straight from sentencepiece when the tokenizer offers them: lists hold one Python
-    # object per token, ten times the memory.
-    if hasattr(tokenizer, "encode_batch_numpy"):
-        return [np.asarray(ids, dtype=np.int32) for ids in tokenizer.encode_batch_numpy(texts)]
-    return [np.asarray(ids, dtype=np.int32) for ids in tokenizer.encode_batch(texts)]
-
-
-def _encode(batch: list[_Piece], tokenizer, prefix: np.ndarray) -> dict[int, tuple[np.ndarray, int]]:
-    texts = [_CONTINUATION_PREFIX + p.text if p.continues else p.text for p in batch]
-    eos = np.array([tokenizer.eos_id], dtype=np.int32)
-    arrays: dict[int, list[np.ndarray]] = {}
-    for piece, ids in zip(batch, _encode_arrays(tokenizer, texts)):
-        if piece.continues:
-            if np.array_equal(ids[: len(prefix)], prefix):
-                ids = ids[len(prefix):]
-            else:  # a tokenizer that merges across the separator: fall back to the piece alone
-                ids = _encode_arrays(tokenizer, [piece.text])[0]
-        out = arrays.setdefault(piece.part, [])
-        out.append(ids)
-        if piece.ends:
-            out.append(eos)
-    return {part: (np.concatenate(ids), sum(p.ends for p in batch if p.part == part))
-            for part, ids in arrays.items()}
+    for unit in plan_units(files, text_field):
+        yield from unit_documents(unit, text_field, on_bad_record, on_bytes=on_bytes)
 
 
 # --- the token file --------------------------------------------------------------------------
@@ -332,8 +156,8 @@ def _prepare(files: Sequence[SourceFile], description: dict, tokenizer, outputs:
     n_tokens, n_documents = [0] * len(outputs), [0] * len(outputs)
     with contextlib.ExitStack() as stack:  # every output renamed into place on success, none on error
         outs = [stack.enter_context(atomic_output(output, "wb")) for output in outputs]
-        pieces = _pieces(_documents(files, text_field, progress.update), val_fraction)
-        for batch in _token_batches(pieces, tokenizer):
+        stream = pieces(_documents(files, text_field, progress.update), val_fraction)
+        for batch in token_batches(stream, tokenizer):
             for part, (ids, ended) in batch.items():
                 if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
                     bad = int(ids.min()) if ids.min() < 0 else int(ids.max())

@@ -2,8 +2,11 @@
 (paths, sizes, mtimes; the corpus id for "default") so that caches know when the input changed.
 
 Sources: "default" (the embedded stdlib corpus), a .txt file (the whole file is one document), a
-.jsonl file (one JSON object per line, the document in `text_field`), a directory of such files
-(sorted, recursive, hidden names skipped) or a list of any of these.
+.jsonl file (one JSON object per line, the document in `text_field`), compressed as .jsonl.gz or
+.jsonl.zst, a .parquet or .arrow file (the document in column `text_field`), a Hugging Face
+`datasets` folder (save_to_disk's state.json and arrow files), a directory of any of these (sorted
+by path, recursive, hidden names skipped; the hub layout is a directory of parquet files) or a
+list of any of these.
 """
 
 from __future__ import annotations
@@ -18,14 +21,23 @@ from hybridpar.data.corpus import default_corpus_bytes, default_corpus_id
 from hybridpar.files import PathLike, sha256_text
 
 DEFAULT_SOURCE = "default"
-DATA_FILE_KINDS = {".txt": "txt", ".jsonl": "jsonl"}
+# The name's ending -> the kind of file, longest first.
+DATA_FILE_KINDS = {".jsonl.zst": "jsonl.zst", ".jsonl.zstd": "jsonl.zst", ".jsonl.gz": "jsonl.gz", ".jsonl": "jsonl",
+                   ".txt": "txt", ".parquet": "parquet", ".arrow": "arrow"}
+ACCEPTED = ("'default', .txt (the whole file is one document), .jsonl / .jsonl.gz / .jsonl.zst (one JSON object per "
+            "line), .parquet, .arrow, a Hugging Face datasets folder (save_to_disk), or a directory of them")
+
+
+def kind_of(path: Path) -> Optional[str]:
+    name = path.name.lower()
+    return next((kind for end, kind in DATA_FILE_KINDS.items() if name.endswith(end)), None)
 
 Source = Union[PathLike, Sequence[PathLike]]
 
 
 @dataclasses.dataclass(frozen=True)
 class SourceFile:
-    kind: str  # "default", "txt" or "jsonl"
+    kind: str  # "default" or a DATA_FILE_KINDS value
     path: Optional[Path] = None
 
 
@@ -41,24 +53,39 @@ def resolve_sources(source: Source) -> list[SourceFile]:
     if not path.exists():
         raise FileNotFoundError(f"data path {path} does not exist")
     if path.is_dir():
-        files = sorted(
-            (p for p in path.rglob("*") if p.is_file() and p.suffix in DATA_FILE_KINDS and not _hidden(p, path)),
-            key=lambda p: p.relative_to(path).as_posix(),
-        )
+        files = sorted(_directory_files(path), key=lambda p: p.relative_to(path).as_posix())
         if not files:
-            raise ValueError(f"data directory {path} has no .txt or .jsonl files")
-        return [SourceFile(DATA_FILE_KINDS[p.suffix], p.resolve()) for p in files]
-    kind = DATA_FILE_KINDS.get(path.suffix)
+            raise ValueError(f"data directory {path} has no data files; it may hold {ACCEPTED}")
+        return [SourceFile(kind_of(p), p.resolve()) for p in files]
+    kind = kind_of(path)
     if kind is None:
-        raise ValueError(
-            f"{path}: unknown data file type {path.suffix!r}; use .txt (the whole file is one document), "
-            f".jsonl (one JSON object per line with the text in a field), a directory of them, or 'default'"
-        )
+        raise ValueError(f"{path}: unknown kind of data file; use {ACCEPTED}")
     return [SourceFile(kind, path.resolve())]
 
 
-def _hidden(path: Path, root: Path) -> bool:
-    return any(part.startswith(".") for part in path.relative_to(root).parts)
+def _directory_files(root: Path) -> list[Path]:
+    """The data files under `root`; a `datasets` folder contributes the arrow files its state.json
+    lists (not its caches), and hidden names are skipped."""
+    if (root / "dataset_dict.json").is_file():
+        splits = json.loads((root / "dataset_dict.json").read_text()).get("splits", [])
+        raise ValueError(f"{root} is a Hugging Face DatasetDict with splits {', '.join(splits)}: give one split's "
+                         f"folder, e.g. {root / (splits[0] if splits else 'train')}")
+    if (root / "state.json").is_file() and (root / "dataset_info.json").is_file():
+        listed = [root / entry["filename"] for entry in json.loads((root / "state.json").read_text())["_data_files"]]
+        missing = [p.name for p in listed if not p.is_file()]
+        if missing:
+            raise ValueError(f"{root} is a datasets folder whose state.json lists files that are not there: "
+                             f"{', '.join(missing)}; save it again")
+        return listed
+    found = []
+    for child in sorted(root.iterdir()):
+        if child.name.startswith("."):
+            continue
+        if child.is_dir():
+            found += _directory_files(child)
+        elif child.is_file() and kind_of(child) is not None:
+            found.append(child)
+    return found
 
 
 def describe_sources(files: Sequence[SourceFile], text_field: str = "text") -> dict:
@@ -70,7 +97,7 @@ def describe_sources(files: Sequence[SourceFile], text_field: str = "text") -> d
         else:
             st = f.path.stat()
             described.append({"kind": f.kind, "path": str(f.path), "size": st.st_size, "mtime_ns": st.st_mtime_ns})
-    uses_field = any(f.kind == "jsonl" for f in files)
+    uses_field = any(f.kind not in ("default", "txt") for f in files)
     return {"files": described, "text_field": text_field if uses_field else None}
 
 

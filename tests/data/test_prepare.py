@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from hybridpar.data import TokenFile, default_corpus_documents, default_corpus_id, prepare_cached, prepare_tokens
-from hybridpar.data import prepare
+from hybridpar.data import formats, tokenise
 from tests.data.stubs import NumberTokenizer
 
 
@@ -62,8 +62,8 @@ def test_directories_are_sorted_and_lists_keep_their_order(tmp_path, tokenizer):
 
 def test_long_documents_cut_in_pieces_tokenise_as_whole(tmp_path, tokenizer, corpus_sample, monkeypatch):
     # Tiny pieces and batches: every document is cut at many line ends and spread over batches.
-    monkeypatch.setattr(prepare, "PIECE_CHARS", 50)
-    monkeypatch.setattr(prepare, "BATCH_CHARS", 300)
+    monkeypatch.setattr(formats, "PIECE_CHARS", 50)
+    monkeypatch.setattr(tokenise, "BATCH_CHARS", 300)
     long_doc = "\n".join(corpus_sample[:40]) + "\n\n  indented tail\n"
     txt = tmp_path / "long.txt"
     txt.write_text(long_doc)
@@ -96,10 +96,10 @@ def test_id_outside_the_vocab_is_an_error(tmp_path):
 @pytest.mark.parametrize(
     "lines,message",
     [
-        (['{"text": "ok"}', '{"text": "ok"}', '{"body": "no text here"}'], r"bad.jsonl:3: no 'text' field \(found \['body'\]\)"),
+        (['{"text": "ok"}', '{"text": "ok"}', '{"body": "no text here"}'], r"bad.jsonl:3: no 'text' field \(it has: body\); set data.text_field .* or set data.on_bad_record = \"skip\""),
         (['{"text": "ok"}', "{not json"], r"bad.jsonl:2: not valid JSON"),
-        (['{"text": 5}'], r"bad.jsonl:1: field 'text' is a int, not a string"),
-        (['["text"]'], r"bad.jsonl:1: no 'text' field \(found list\)"),
+        (['{"text": 5}'], r"bad.jsonl:1: 'text' is a int, not a string"),
+        (['["text"]'], r"bad.jsonl:1: a JSON list, not an object with a 'text' field"),
     ],
 )
 def test_jsonl_errors_name_file_and_line(tmp_path, tokenizer, lines, message):
@@ -113,10 +113,10 @@ def test_path_type_and_empty_input_errors(tmp_path, tokenizer):
     with pytest.raises(FileNotFoundError, match=r"data path .*missing.txt does not exist"):
         prepare_tokens(tmp_path / "missing.txt", tokenizer, tmp_path / "out.bin")
     (tmp_path / "table.csv").write_text("a,b\n")
-    with pytest.raises(ValueError, match=r"table.csv: unknown data file type '.csv'; use .txt"):
+    with pytest.raises(ValueError, match=r"table.csv: unknown kind of data file; use 'default', .txt"):
         prepare_tokens(tmp_path / "table.csv", tokenizer, tmp_path / "out.bin")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match=r"data directory .*empty has no .txt or .jsonl files"):
+    with pytest.raises(ValueError, match=r"data directory .*empty has no data files"):
         prepare_tokens(tmp_path / "empty", tokenizer, tmp_path / "out.bin")
     (tmp_path / "empty.txt").write_text("")
     write_jsonl(tmp_path / "blank.jsonl", [{"text": ""}])
@@ -180,7 +180,7 @@ def test_token_file_is_read_only_checked_and_pickles_small(tmp_path, tokenizer):
 
 def test_default_source_is_the_embedded_corpus(tmp_path, tokenizer, monkeypatch):
     docs = list(default_corpus_documents(max_documents=30))
-    monkeypatch.setattr(prepare, "default_corpus_documents", lambda on_bytes=None: iter(docs))  # keep the test fast
+    monkeypatch.setattr(formats, "default_corpus_documents", lambda on_bytes=None: iter(docs))  # keep the test fast
     tf = prepare_tokens("default", tokenizer, tmp_path / "default.bin")
     assert tf.tokens.tolist() == expected_tokens(tokenizer, docs)
     assert tf.meta["source"]["files"] == [{"kind": "default", "corpus_id": default_corpus_id()}]

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from hybridpar.data import Tokenizer, prepare, prepare_cached, prepare_tokens
+from hybridpar.data import Tokenizer, formats, prepare_cached, prepare_tokens, tokenise
 from tests.data.bpe_files import MIXED_TEXT, write_wide_tiktoken_file
 
 
@@ -41,8 +41,8 @@ def test_long_documents_cut_in_pieces_tokenise_as_whole(which, tiktoken_tokenize
                                                         tmp_path, monkeypatch):
     # Tiny pieces: cuts land before blank lines, indented lines and after punctuation at line ends,
     # where the split pattern would join the newline to what follows.
-    monkeypatch.setattr(prepare, "PIECE_CHARS", 40)
-    monkeypatch.setattr(prepare, "BATCH_CHARS", 300)
+    monkeypatch.setattr(formats, "PIECE_CHARS", 40)
+    monkeypatch.setattr(tokenise, "BATCH_CHARS", 300)
     tok = tiktoken_tokenizer if which == "tiktoken" else hf_tokenizer
     long_doc = "\n".join(corpus_sample[:40]) + "\n\n  indented tail\n" + MIXED_TEXT * 3 + "end.\n\n\n \n  \nlast"
     (tmp_path / "long.txt").write_text(long_doc)
@@ -74,9 +74,9 @@ def test_ids_above_65535_make_a_uint32_file(tmp_path):
 
 
 def test_pieces_stay_bounded_without_a_preferred_cut(tmp_path, monkeypatch):
-    monkeypatch.setattr(prepare, "PIECE_CHARS", 40)
+    monkeypatch.setattr(formats, "PIECE_CHARS", 40)
     indented = "".join(f"    line {i}\n" for i in range(400))  # no line starts a chunk of its own
     (tmp_path / "indented.txt").write_text(indented)
-    for pieces in (list(prepare._cut(indented)), list(prepare._txt_pieces(tmp_path / "indented.txt"))):
+    for pieces in (list(formats.cut(indented)), list(formats._txt_pieces(tmp_path / "indented.txt"))):
         assert "".join(pieces) == indented and len(pieces) > 1
-        assert max(map(len, pieces)) <= prepare._LONGEST_PIECE * 40 + len("    line 399\n")
+        assert max(map(len, pieces)) <= formats._LONGEST_PIECE * 40 + len("    line 399\n")

@@ -7,7 +7,7 @@ import re
 import threading
 import time
 
-from hybridpar.data import build_data, load_or_train_tokenizer, prepare, prepare_cached, prepare_tokens
+from hybridpar.data import build_data, formats, load_or_train_tokenizer, prepare_cached, prepare_tokens
 from tests.data.conftest import SAMPLE_VOCAB
 from tests.runs import make_config
 
@@ -24,12 +24,12 @@ def sources(tmp_path, corpus_sample):
 
 
 def pretend_rank(monkeypatch, rank):
-    monkeypatch.setattr("hybridpar.progress.rank_and_world", lambda: (rank, 4))
+    monkeypatch.setattr("hybridpar.progress._rank", lambda: rank)
 
 
 def test_progress_on_the_reporting_process_and_nothing_on_the_others(tmp_path, tokenizer, corpus_sample,
                                                                      capsys, monkeypatch):
-    monkeypatch.setattr(prepare, "PIECE_CHARS", 2000)  # the .txt file is read in several pieces
+    monkeypatch.setattr(formats, "PIECE_CHARS", 2000)  # the .txt file is read in several pieces
     files = sources(tmp_path, corpus_sample)
     tf = prepare_tokens(files, tokenizer, tmp_path / "a.bin", progress_every=0.0)  # no group: rank 0 reports
     lines = capsys.readouterr().err.splitlines()

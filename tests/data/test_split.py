@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from hybridpar.data import prepare_cached, prepare_split_cached
-from hybridpar.data.prepare import PIECE_CHARS
+from hybridpar.data.formats import PIECE_CHARS
 from tests.data.stubs import NumberTokenizer
 
 

@@ -1,0 +1,191 @@
+"""Token stores: every corpus format gives the tokens the .jsonl gives, whatever the workers or parts
+that prepared it, after a kill too; bad input is one clear error; `data.source` takes a store."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hybridpar.data import default_corpus_documents, prepare_tokens
+from hybridpar.data.store import MANIFEST, TokenStore, verify_store
+from hybridpar.data.store_build import prepare_store
+
+ROOT = Path(__file__).resolve().parents[2]
+UNIT = 40_000  # bytes a unit: several units per file
+
+
+@pytest.fixture(scope="module")
+def documents() -> list[str]:
+    return list(default_corpus_documents(max_documents=1200))
+
+
+@pytest.fixture(scope="module")
+def formats(tmp_path_factory, documents) -> dict[str, Path]:
+    """The same documents in every format the store reads (with an id column beside the text)."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    root = tmp_path_factory.mktemp("formats")
+    lines = "".join(json.dumps({"id": i, "text": d}) + "\n" for i, d in enumerate(documents)).encode()
+    (root / "docs.jsonl").write_bytes(lines)
+    (root / "docs.jsonl.gz").write_bytes(gzip.compress(lines))
+    (root / "docs.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines))
+    half = len(documents) // 2
+    (root / "parquet").mkdir()
+    for n, part in enumerate((documents[:half], documents[half:])):  # two files, several row groups each
+        table = pa.table({"id": list(range(len(part))), "text": part})
+        pq.write_table(table, root / "parquet" / f"train-0000{n}-of-00002.parquet", row_group_size=97)
+    datasets.Dataset.from_dict({"text": documents, "id": list(range(len(documents)))}).save_to_disk(
+        str(root / "saved"), max_shard_size="200KB")
+    return {"jsonl": root / "docs.jsonl", "jsonl.gz": root / "docs.jsonl.gz", "jsonl.zst": root / "docs.jsonl.zst",
+            "parquet": root / "parquet", "datasets": root / "saved"}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, formats, tokenizer) -> np.ndarray:
+    """The tokens of the .jsonl as the single-file preparation makes them."""
+    out = tmp_path_factory.mktemp("flat") / "flat.bin"
+    return np.asarray(prepare_tokens(formats["jsonl"], tokenizer, out, report=False).tokens)
+
+
+def _tokens(store: TokenStore) -> np.ndarray:
+    return np.asarray(store.tokens[0:store.n_tokens])
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "jsonl.gz", "jsonl.zst", "parquet", "datasets"])
+def test_every_format_gives_the_same_tokens(formats, reference, tokenizer, tmp_path, kind):
+    store = prepare_store(formats[kind], tokenizer, tmp_path / "store", workers=1, unit_bytes=UNIT, report=False)
+    units = len(json.loads((tmp_path / "store" / "plan.json").read_text())["units"])
+    print(f"\n{kind}: {store.n_tokens:,} tokens from {units} units, {len(store.shards)} shards")
+    assert np.array_equal(_tokens(store), reference)
+    assert store.n_documents == sum(f["documents"] for f in store.meta["files"]) == 1200
+    assert verify_store(tmp_path / "store") == 0
+
+
+def test_workers_and_parts_make_the_same_store(formats, reference, tokenizer, tmp_path):
+    source = [formats["parquet"], formats["jsonl"]]
+    stores = {w: prepare_store(source, tokenizer, tmp_path / f"w{w}", workers=w, unit_bytes=UNIT, report=False)
+              for w in (1, 2, 3)}
+    manifests = {w: json.loads((tmp_path / f"w{w}" / MANIFEST).read_text()) for w in stores}
+    for w in (2, 3):
+        assert manifests[w]["parts"] == manifests[1]["parts"], w  # same shards, sizes and checksums
+        assert np.array_equal(_tokens(stores[w]), _tokens(stores[1]))
+    assert np.array_equal(_tokens(stores[1]), np.concatenate([reference, reference]))
+    # Two parts, as two nodes of a Slurm array would: the first leaves the store incomplete, the
+    # last to finish writes the manifest.
+    assert prepare_store(source, tokenizer, tmp_path / "parts", workers=1, part=(0, 2), unit_bytes=UNIT,
+                         report=False) is None
+    assert not (tmp_path / "parts" / MANIFEST).exists()
+    last = prepare_store(source, tokenizer, tmp_path / "parts", workers=1, part=(1, 2), unit_bytes=UNIT, report=False)
+    assert json.loads((tmp_path / "parts" / MANIFEST).read_text())["parts"] == manifests[1]["parts"]
+    assert np.array_equal(_tokens(last), _tokens(stores[1]))
+
+
+def _hybridpar(*args: str, **kwargs) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "hybridpar", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, **kwargs)
+
+
+def test_the_command_killed_midway_finishes_the_same_store(formats, tokenizer, tmp_path, documents):
+    """SIGKILL while units are being written; the same command again completes the store, equal to
+    one uninterrupted pass; `hybridpar verify` checks it and finds a changed byte."""
+    big = tmp_path / "big.jsonl"
+    with open(big, "w") as f:
+        for _ in range(6):
+            for d in documents:
+                f.write(json.dumps({"text": d}) + "\n")
+    once = prepare_store(big, tokenizer, tmp_path / "once", workers=1, unit_bytes=UNIT, report=False)
+    args = ["prepare", str(big), "--tokenizer", str(tokenizer.path), "--out", str(tmp_path / "store"), "--workers", "2",
+            "--unit-mb", str(UNIT / 2**20)]
+    proc = _hybridpar(*args)
+    units = tmp_path / "store" / "units"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(list(units.glob("*.json"))) < 2 and proc.poll() is None:
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)  # the parent; its workers stop when their pipe closes
+    proc.wait()
+    done_before = len(list(units.glob("*.json")))
+    print(f"\nkilled with {done_before} units done")
+    assert not (tmp_path / "store" / MANIFEST).exists()  # never looks complete
+    again = subprocess.run([sys.executable, "-m", "hybridpar", *args], capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "complete" in again.stdout
+    store = TokenStore(tmp_path / "store")
+    assert json.loads((tmp_path / "store" / MANIFEST).read_text())["parts"] == once.meta["parts"]
+    verified = subprocess.run([sys.executable, "-m", "hybridpar", "verify", str(tmp_path / "store")],
+                              capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert verified.returncode == 0 and "all ok" in verified.stdout, verified.stdout
+    shard = tmp_path / "store" / store.shards[1]["name"]
+    data = bytearray(shard.read_bytes())
+    data[10] ^= 1
+    shard.write_bytes(bytes(data))
+    assert verify_store(tmp_path / "store") == 1
+
+
+# --- bad input ------------------------------------------------------------------------------------
+
+def test_bad_records_are_named_or_skipped_and_counted(tmp_path, tokenizer):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": ["a first document", None, "a third one"]}), tmp_path / "nulls.parquet")
+    with pytest.raises(ValueError, match=r"nulls.parquet: row 2: 'text' is null; fix the record, or set "
+                                         r"data.on_bad_record = \"skip\""):
+        prepare_store(tmp_path / "nulls.parquet", tokenizer, tmp_path / "s1", workers=1, report=False)
+    assert not (tmp_path / "s1" / MANIFEST).exists()
+    store = prepare_store(tmp_path / "nulls.parquet", tokenizer, tmp_path / "s2", workers=1, report=False,
+                          on_bad_record="skip")
+    assert store.meta["files"][0]["skipped"] == 1 and store.n_documents == 2
+    pq.write_table(pa.table({"content": ["x"], "id": [1]}), tmp_path / "other.parquet")
+    with pytest.raises(ValueError, match=r"other.parquet has no column 'text' \(its columns: content, id\); set "
+                                         r"data.text_field"):
+        prepare_store(tmp_path / "other.parquet", tokenizer, tmp_path / "s3", workers=1, report=False)
+    (tmp_path / "rec.jsonl").write_text('{"text": "ok"}\n{"body": "x"}\n')
+    with pytest.raises(ValueError, match=r"rec.jsonl:2: no 'text' field \(it has: body\)"):
+        prepare_store(tmp_path / "rec.jsonl", tokenizer, tmp_path / "s4", workers=1, report=False)
+
+
+@pytest.mark.parametrize("kind", ["jsonl.zst", "jsonl.gz"])
+def test_a_truncated_compressed_file_names_how_far_it_got(formats, tokenizer, tmp_path, kind):
+    data = formats[kind].read_bytes()
+    cut = tmp_path / f"cut.{kind}"
+    cut.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=rf"cut.{kind}: the \w+ stream is (damaged|cut short) .*bytes of text"):
+        prepare_store(cut, tokenizer, tmp_path / "s", workers=1, report=False)
+    assert not (tmp_path / "s" / MANIFEST).exists()
+
+
+def test_a_folder_holding_another_store_is_refused(formats, tokenizer, tmp_path):
+    prepare_store(formats["jsonl"], tokenizer, tmp_path / "s", workers=1, report=False)
+    with pytest.raises(ValueError, match=r"holds a store of other input \(sources differ\)"):
+        prepare_store(formats["jsonl.gz"], tokenizer, tmp_path / "s", workers=1, report=False)
+
+
+def test_data_source_takes_a_store_made_with_the_run_tokenizer(formats, tokenizer, tmp_path, bpe_files):
+    from types import SimpleNamespace
+
+    from hybridpar.data import build_data
+
+    store = prepare_store(formats["jsonl"], tokenizer, tmp_path / "s", workers=1, report=False)
+    d = SimpleNamespace(source=str(tmp_path / "s"), tokenizer="", val_source="", val_fraction=0.0, seq_len=16,
+                        text_field="text", cache_dir=str(tmp_path / "cache"), tokenizer_vocab_size=600)
+    found, dataset, validation = build_data(d)
+    assert found.sha256 == tokenizer.sha256 and validation is None
+    assert np.array_equal(dataset[3].numpy(), _tokens(store)[48:65].astype(np.int64))
+    with pytest.raises(ValueError, match=r"was made with another tokenizer .* set data.tokenizer to the store's"):
+        build_data(SimpleNamespace(**{**vars(d), "tokenizer": str(bpe_files[0])}))
+    with pytest.raises(ValueError, match=r"prepared without a validation split: prepare it with --val-fraction 0.1"):
+        build_data(SimpleNamespace(**{**vars(d), "val_fraction": 0.1}))

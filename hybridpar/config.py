@@ -44,8 +44,16 @@ class ParallelConfig:
 
 @dataclasses.dataclass
 class DataConfig:
-    source: str = option("default", "\"default\" (the embedded corpus), a .txt/.jsonl file, or a folder of them")
-    text_field: str = option("text", "the jsonl field holding the text")
+    source: str = option("default", "\"default\" (the embedded corpus), a token store (hybridpar prepare), a "
+                                    ".txt, .jsonl(.gz/.zst), .parquet or .arrow file, a datasets folder, or a folder of them")
+    sources: list = option(list, "a weighted blend instead of data.source: [[data.sources]] tables (name, source, "
+                                 "weight; optional text_field) or on the command line "
+                                 "\"web=/data/web@0.7,code=/data/code@0.3\"")
+    on_exhausted: str = option("repeat", "a blend's source that runs out: \"repeat\" it (epochs counted per source) or "
+                                         "\"stop\" the run")
+    text_field: str = option("text", "the jsonl field or table column holding the text")
+    on_bad_record: str = option("error", "a record whose text is missing, null or not a string: \"error\" naming "
+                                         "it, or \"skip\" it (counted in the store's manifest)")
     val_source: str = option("", "held-out validation text, a source like data.source (\"\": none)")
     val_fraction: float = option(0.0, "or this share of the source's documents, whole, held out for validation "
                                       "(0: none)")
@@ -148,6 +156,14 @@ class Config:
             raise ConfigError(f"train.grad_sync must be 'last' or 'every', got {self.train.grad_sync!r}")
         if self.train.on_nonfinite not in ("stop", "skip"):
             raise ConfigError(f"train.on_nonfinite must be 'stop' or 'skip', got {self.train.on_nonfinite!r}")
+        if self.data.on_bad_record not in ("error", "skip"):
+            raise ConfigError(f"data.on_bad_record must be 'error' or 'skip', got {self.data.on_bad_record!r}")
+        if self.data.on_exhausted not in ("repeat", "stop"):
+            raise ConfigError(f"data.on_exhausted must be 'repeat' or 'stop', got {self.data.on_exhausted!r}")
+        self.data.sources = blend_sources(self.data.sources)
+        if self.data.sources and self.data.source != DataConfig.source:
+            raise ConfigError("data.source and data.sources are both set: data.source is the one-source shorthand; "
+                              "list every source in data.sources, or drop data.sources")
         d = self.diagnostics
         if d.straggler_every < 0:
             raise ConfigError(f"diagnostics.straggler_every must be >= 0 (0: never), got {d.straggler_every}")
@@ -176,6 +192,56 @@ class Config:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+_BLEND_KEYS = ("name", "source", "weight", "text_field")
+
+
+def blend_sources(value: Any) -> list[dict]:
+    """data.sources as a list of {"name", "source", "weight"[, "text_field"]}, checked: TOML tables,
+    or the command line's "name=path@weight,..." (or a JSON list of tables). Errors name the entry
+    and what to change."""
+    if isinstance(value, str) and value.strip().startswith("["):
+        try:
+            value = json.loads(value)
+        except ValueError as err:
+            raise ConfigError(f"data.sources: {value!r} is not a JSON list of tables ({err})") from None
+    if isinstance(value, str):
+        entries = []
+        for item in (part.strip() for part in value.split(",") if part.strip()):
+            name, eq, rest = item.partition("=")
+            path, at, weight = rest.rpartition("@")
+            if not (eq and at and name.strip() and path.strip()):
+                raise ConfigError(f"data.sources: {item!r} is not name=path@weight (e.g. web=/data/web@0.7)")
+            entries.append({"name": name.strip(), "source": path.strip(), "weight": weight.strip()})
+        value = entries
+    if not isinstance(value, list) or not all(isinstance(e, dict) for e in value):
+        raise ConfigError("data.sources must be [[data.sources]] tables, or \"name=path@weight,...\"")
+    out, names, paths = [], set(), set()
+    for i, entry in enumerate(value):
+        where = f"data.sources entry {i + 1}" + (f" ({entry['name']!r})" if "name" in entry else "")
+        unknown = sorted(set(entry) - set(_BLEND_KEYS))
+        if unknown:
+            raise ConfigError(f"{where}: unknown key {', '.join(map(repr, unknown))}; a source has {', '.join(_BLEND_KEYS)}")
+        missing = [k for k in ("name", "source", "weight") if k not in entry]
+        if missing:
+            raise ConfigError(f"{where}: no {', '.join(missing)}; every source needs a name, a source and a weight")
+        try:
+            weight = float(entry["weight"])
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: weight {entry['weight']!r} is not a number") from None
+        if not weight > 0 or weight != weight or weight == float("inf"):
+            raise ConfigError(f"{where}: weight {entry['weight']!r} must be above 0 (drop the source to leave it out)")
+        name, source = str(entry["name"]), str(entry["source"])
+        if name in names:
+            raise ConfigError(f"{where}: the name {name!r} is used twice; give every source its own")
+        if source in paths:
+            raise ConfigError(f"{where}: the source {source} is listed twice; list it once with the sum of the weights")
+        names.add(name)
+        paths.add(source)
+        out.append({"name": name, "source": source, "weight": weight,
+                    **({"text_field": str(entry["text_field"])} if "text_field" in entry else {})})
+    return out
 
 
 def profile_range(text: str) -> Optional[range]:
@@ -302,9 +368,14 @@ def dump_toml(config: Config) -> str:
     lines: list[str] = []
     for section, values in config.to_dict().items():
         lines.append(f"[{section}]")
+        tables = {k: v for k, v in values.items() if isinstance(v, list)}  # [[section.key]] after the plain keys
         for key, value in values.items():
-            lines.append(f"{key} = {_toml_value(value)}")
+            if key not in tables:
+                lines.append(f"{key} = {_toml_value(value)}")
         lines.append("")
+        for key, entries in tables.items():
+            for entry in entries:
+                lines += [f"[[{section}.{key}]]"] + [f"{k} = {_toml_value(v)}" for k, v in entry.items()] + [""]
     return "\n".join(lines)
 
 

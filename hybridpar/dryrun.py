@@ -224,7 +224,8 @@ def _data_detail(c: Config) -> str:
         return f"the token store {source}" if is_store(source) else source_name(resolve_sources(source))
 
     d = c.data
-    found = [named(d.source)]
+    blend = ", ".join(f"{e['name']} {e['weight']:g} ({named(e['source'])})" for e in d.sources)
+    found = [f"a blend of {blend}" if d.sources else named(d.source)]
     if d.val_source:
         found.append(f"validation {named(d.val_source)}")
     if d.tokenizer and not Path(d.tokenizer).exists():

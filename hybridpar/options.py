@@ -8,7 +8,9 @@ from typing import Any
 
 
 def option(default: Any, help: str) -> Any:
-    """A dataclass field with `default` and a one-line description."""
+    """A dataclass field with `default` (`list`: an empty list each) and a one-line description."""
+    if default is list:
+        return dataclasses.field(default_factory=list, metadata={"help": help})
     return dataclasses.field(default=default, metadata={"help": help})
 
 

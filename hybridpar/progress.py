@@ -67,14 +67,14 @@ class Progress:
     def line(self, now: Optional[float] = None) -> str:
         elapsed = (now or time.monotonic()) - self.start
         text = f"{self.what}: {_amount(self.done, self.unit)}"
+        if self.total:
+            text += f" of {_amount(self.total, self.unit)} ({100 * self.done / self.total:.0f}%)"
         if self.rates and elapsed > 0:
             shown = ([f"{human_bytes(self.done / elapsed)}/s"] if self.unit == "B" else []) + \
                 [f"{n / elapsed:,.0f} {name}/s" for name, n in self.rates.items()]
-            text += f" ({', '.join(shown)})"
-        if self.total:
-            text += f" of {_amount(self.total, self.unit)} ({100 * self.done / self.total:.0f}%)"
-            if 0 < self.done < self.total:
-                text += f", about {elapsed * (self.total - self.done) / self.done:.0f} s left"
+            text += ", " + ", ".join(shown)
+        if self.total and 0 < self.done < self.total:
+            text += f", about {elapsed * (self.total - self.done) / self.done:.0f} s left"
         return text + f" [{elapsed:.0f} s]"
 
     def finish(self) -> None:

@@ -125,3 +125,29 @@ def raise_if_any_failed(error: Optional[BaseException], what: str, *,
         raise mark_every_rank(error)
     rank, (refusal, text) = next((r, s) for r, s in enumerate(shared) if s is not None)
     _raise_for_other(rank, what, refusal, text, error_type)
+
+
+_ARRIVALS: dict[str, int] = {}  # name -> calls so far in this process: every rank counts alike
+
+
+def wait_for_every_rank(name: str, poll: float = 0.2) -> None:
+    """Return once every rank has called this with `name`, however long that takes: through the
+    job's store, not a collective, whose timeout would end a job whose nodes finish some long local
+    work (preparing data in a node's own cache) minutes apart. A rank that dies meanwhile is the
+    watchdog's to report."""
+    import os
+    import time
+
+    from .compat.torch import default_store
+
+    rank, world = rank_and_world()
+    if world == 1:
+        return
+    _ARRIVALS[name] = _ARRIVALS.get(name, 0) + 1
+    # torchrun's store outlives restarts: keys name the attempt and the call
+    attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    key = f"hybridpar/arrived/{attempt}/{name}/{_ARRIVALS[name]}"
+    store = default_store()
+    store.add(key, 1)
+    while store.add(key, 0) < world:
+        time.sleep(poll)

@@ -1,8 +1,8 @@
-"""Data: tokenizer -> packed token file -> windows -> sampler keyed by dp coordinates -> batches.
+"""Data: tokenizer -> token store -> windows -> sampler keyed by dp coordinates -> batches.
 
     tokenizer = load_or_train_tokenizer(None, vocab_size=4096, documents_factory=default_corpus_documents,
                                         corpus_id=default_corpus_id(), cache_dir=cache)
-    tokens = prepare_cached("default", tokenizer, cache)
+    tokens, _ = cached_store("default", tokenizer, cache)   # or prepare_store(files, tokenizer, folder)
     loader = build_dataloader(PackedDataset(tokens, seq_len), dp_rank=parallel.dp_rank,
                               dp_size=parallel.dp_size, micro_batch_size=2, seed=0)
     inputs, targets = next(loader)        # loader.state_dict() / load_state_dict() resume exactly
@@ -19,8 +19,9 @@ _WHERE = {
     "DistributedSampler": "loader", "PackedDataset": "loader", "ResumableDataLoader": "loader",
     "build_dataloader": "loader", "check_dataset_size": "loader", "check_vocab": "loader",
     "build_data": "pipeline", "build_training_data": "pipeline", "default_cache_dir": "pipeline",
-    "TokenFile": "prepare", "prepare_cached": "prepare", "prepare_split_cached": "prepare",
-    "prepare_tokens": "prepare", "source_documents": "prepare",
+    "TokenStore": "store", "is_store": "store", "verify_store": "store",
+    "prepare_store": "store_build", "cached_store": "store_build", "merge_store": "store_build",
+    "source_documents": "formats",
     "source_id": "sources",
     "Tokenizer": "tokenizer", "load_or_train_tokenizer": "tokenizer", "train_tokenizer": "tokenizer",
 }
@@ -32,25 +33,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'hybridpar.data' has no attribute {name!r}")
 
 
-__all__ = [
-    "Tokenizer",
-    "train_tokenizer",
-    "load_or_train_tokenizer",
-    "default_corpus_documents",
-    "default_corpus_id",
-    "prepare_tokens",
-    "prepare_cached",
-    "prepare_split_cached",
-    "source_documents",
-    "source_id",
-    "TokenFile",
-    "PackedDataset",
-    "DistributedSampler",
-    "ResumableDataLoader",
-    "build_dataloader",
-    "build_data",
-    "build_training_data",
-    "default_cache_dir",
-    "check_dataset_size",
-    "check_vocab",
-]
+__all__ = sorted(_WHERE)

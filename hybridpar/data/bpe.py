@@ -107,8 +107,9 @@ class TiktokenBPE:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return self._enc.encode_ordinary_batch(texts)
 
-    def encode_batch_numpy(self, texts: list[str]) -> list[np.ndarray]:
-        return [np.asarray(ids, dtype=np.int32) for ids in self.encode_batch(texts)]
+    def encode_batch_numpy(self, texts: list[str], threads: Optional[int] = None) -> list[np.ndarray]:
+        batch = self._enc.encode_ordinary_batch(texts, **({"num_threads": threads} if threads else {}))
+        return [np.asarray(ids, dtype=np.int32) for ids in batch]
 
     def decode(self, ids: list[int]) -> str:
         return self._enc.decode(_without(ids, self._special_ids))
@@ -178,7 +179,8 @@ class HuggingFaceBPE:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
-    def encode_batch_numpy(self, texts: list[str]) -> list[np.ndarray]:
+    def encode_batch_numpy(self, texts: list[str], threads: Optional[int] = None) -> list[np.ndarray]:
+        # threads: TOKENIZERS_PARALLELISM / RAYON_NUM_THREADS, set by limit_threads
         return [np.asarray(ids, dtype=np.int32) for ids in self.encode_batch(texts)]
 
     def decode(self, ids: list[int]) -> str:

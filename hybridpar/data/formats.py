@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
 from hybridpar.data.corpus import default_corpus_documents
-from hybridpar.data.sources import SourceFile
+from hybridpar.data.sources import Source, SourceFile, resolve_sources
 
 UNIT_BYTES = 64 << 20  # input bytes per unit of work (a parquet row group or arrow batch may be more)
 # A document longer than this is handed on in pieces, each cut right after a newline.
@@ -149,6 +149,16 @@ def _first_line(err: BaseException) -> str:
 
 
 # --- reading -------------------------------------------------------------------------------------
+
+def source_documents(source: Source, text_field: str = "text", on_bytes: OnBytes = None,
+                     on_bad_record: str = "error") -> Iterator[str]:
+    """Every document of a source as one string, in reading order (to train a tokenizer on);
+    `on_bytes(n)` hears of the input read as it goes (sources.source_bytes is the total)."""
+    files = resolve_sources(source)
+    for unit in plan_units(files, text_field):
+        for parts in unit_documents(unit, text_field, on_bad_record, on_bytes=on_bytes):
+            yield "".join(parts)
+
 
 def unit_documents(unit: Unit, text_field: str, on_bad_record: str = "error", tally: Optional[Tally] = None,
                    on_bytes: OnBytes = None) -> Iterator[Iterator[str]]:

@@ -18,17 +18,17 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from hybridpar.data.prepare import TokenFile
+from hybridpar.data.store import TokenStore
 
 
 class PackedDataset(torch.utils.data.Dataset):
     """Window i = tokens[i*seq_len : i*seq_len + seq_len + 1] as int64: inputs and targets overlap by one."""
 
-    def __init__(self, token_file: Union[TokenFile, str, Path], seq_len: int) -> None:
+    def __init__(self, token_file: Union[TokenStore, str, Path], seq_len: int) -> None:
         if not isinstance(seq_len, int) or seq_len < 1:
             raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
-        # A TokenFile, a TokenStore (hybridpar.data.store), or a token file's path
-        self.token_file = TokenFile(token_file) if isinstance(token_file, (str, Path)) else token_file
+        # A TokenStore (hybridpar.data.store) or its folder; any object with tokens and n_tokens
+        self.token_file = TokenStore(token_file) if isinstance(token_file, (str, Path)) else token_file
         self.seq_len = seq_len
 
     @property

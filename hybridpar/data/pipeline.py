@@ -7,9 +7,11 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from hybridpar.data.loader import PackedDataset, ResumableDataLoader, build_dataloader, check_dataset_size
-from hybridpar.data.prepare import prepare_cached, prepare_split_cached, source_documents
+from hybridpar.data.blend import blend_loader
+from hybridpar.data.formats import source_documents
 from hybridpar.data.sources import resolve_sources, source_bytes, source_id, source_name
 from hybridpar.data.store import TokenStore, is_store
+from hybridpar.data.store_build import cached_store
 from hybridpar.data.tokenizer import Tokenizer, load_or_train_tokenizer
 from hybridpar.progress import Progress
 
@@ -18,72 +20,100 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "hybridpar"
 
 
-def build_data(d) -> tuple[Tokenizer, PackedDataset, Optional[PackedDataset]]:
-    """From the config's [data] section: the tokenizer (given, or trained on the source and cached),
-    the token file (cached) and its seq_len + 1 windows, and the validation windows when the config
-    asks for them (data.val_source, or data.val_fraction of the source's documents). The process
-    that trains or tokenises says so and reports its progress on stderr; the others wait for its
-    files quietly."""
-    if is_store(d.source):
-        return _from_store(d)
-    cache = Path(d.cache_dir) if d.cache_dir else default_cache_dir()
-    tokenizer = load_or_train_tokenizer(
-        d.tokenizer or None, vocab_size=d.tokenizer_vocab_size, documents_factory=lambda: _tokenizer_text(d),
-        corpus_id=source_id(d.source, d.text_field), corpus_name=source_name(resolve_sources(d.source)),
-        cache_dir=cache,
-    )
-    validation = None
-    if d.val_fraction > 0:
-        token_file, validation = prepare_split_cached(d.source, tokenizer, cache, d.val_fraction,
-                                                      text_field=d.text_field)
-    else:
-        token_file = prepare_cached(d.source, tokenizer, cache, text_field=d.text_field)
-        if d.val_source:
-            validation = prepare_cached(d.val_source, tokenizer, cache, text_field=d.text_field)
-    val_dataset = None
-    if validation is not None:
-        val_dataset = PackedDataset(validation, d.seq_len)
-        if len(val_dataset) == 0:
-            where = f"data.val_source {d.val_source}" if d.val_source else f"data.val_fraction = {d.val_fraction}"
-            raise ValueError(f"the validation data ({where}) has {validation.n_tokens} tokens, fewer than one "
-                             f"sequence of data.seq_len + 1 = {d.seq_len + 1}: give it more text")
-    return tokenizer, PackedDataset(token_file, d.seq_len), val_dataset
+def build_data(d, on_progress: Optional[Callable[[str], None]] = None
+               ) -> tuple[Tokenizer, PackedDataset, Optional[PackedDataset]]:
+    """From the config's [data] section (one source): the tokenizer (given, the store's, or trained
+    on the source and cached), the token store (data.source itself, or prepared into the cache by
+    every process that asks, each taking units of it) and its seq_len + 1 windows, and the
+    validation windows when the config asks for them (data.val_source, or data.val_fraction of the
+    source's documents). Rank 0 reports the preparation's progress; `on_progress(text)` hears of
+    it in every process."""
+    tokenizer = _tokenizer_for(d, [d.source])
+    train, validation = _stores_for(d, d.source, d.text_field, tokenizer, on_progress)
+    if d.val_source:
+        validation = _stores_for(d, d.val_source, d.text_field, tokenizer, on_progress, split=False)[0]
+    return tokenizer, PackedDataset(train, d.seq_len), _validation_windows(d, validation)
 
 
-def _from_store(d) -> tuple[Tokenizer, PackedDataset, Optional[PackedDataset]]:
-    """data.source is a token store (hybridpar prepare): its tokens, checked against the run's tokenizer."""
-    store = TokenStore(d.source)
-    made_with = store.meta.get("tokenizer_path", "")
-    if not d.tokenizer and not made_with:
-        raise ValueError(f"the token store {d.source} does not record its tokenizer's path: set data.tokenizer")
-    tokenizer = Tokenizer(d.tokenizer or made_with)
+def build_blend(d, on_progress: Optional[Callable[[str], None]] = None
+                ) -> tuple[Tokenizer, list[tuple[str, float, PackedDataset]], dict[str, PackedDataset]]:
+    """data.sources: one tokenizer for all, and per source (name, weight, windows) and its validation
+    windows (with data.val_fraction, each source's own held-out documents)."""
+    tokenizer = _tokenizer_for(d, [e["source"] for e in d.sources])
+    sources, validation = [], {}
+    for entry in d.sources:
+        train, held_out = _stores_for(d, entry["source"], entry.get("text_field", d.text_field), tokenizer, on_progress)
+        sources.append((entry["name"], entry["weight"], PackedDataset(train, d.seq_len)))
+        if held_out is not None:
+            validation[entry["name"]] = _validation_windows(d, held_out, entry["name"])
+    return tokenizer, sources, validation
+
+
+def _tokenizer_for(d, sources: list[str]) -> Tokenizer:
+    """data.tokenizer; else a store's among `sources`; else one trained on the raw sources together."""
+    if d.tokenizer:
+        return Tokenizer(d.tokenizer)
+    stores = [s for s in sources if is_store(s)]
+    if stores:
+        made_with = TokenStore(stores[0]).meta.get("tokenizer_path", "")
+        if not made_with:
+            raise ValueError(f"the token store {stores[0]} does not record its tokenizer's path: set data.tokenizer")
+        return Tokenizer(made_with)
+    raw = sources[0] if len(sources) == 1 else sources
+    return load_or_train_tokenizer(
+        None, vocab_size=d.tokenizer_vocab_size, documents_factory=lambda: _tokenizer_text(d, raw),
+        corpus_id=source_id(raw, d.text_field), corpus_name=source_name(resolve_sources(raw)),
+        cache_dir=_cache(d))
+
+
+def _cache(d) -> Path:
+    return Path(d.cache_dir) if d.cache_dir else default_cache_dir()
+
+
+def _stores_for(d, source: str, text_field: str, tokenizer: Tokenizer, on_progress, split: bool = True
+                ) -> tuple[TokenStore, Optional[TokenStore]]:
+    """(training store, validation store or None) of one source: a store as given, checked against
+    the tokenizer, or one prepared into the cache (with data.val_fraction's split when `split`)."""
+    fraction = d.val_fraction if split else 0.0
+    if not is_store(source):
+        return cached_store(source, tokenizer, _cache(d), text_field=text_field, val_fraction=fraction,
+                            on_bad_record=d.on_bad_record, on_progress=on_progress)
+    store = TokenStore(source)
     if tokenizer.sha256 != store.tokenizer_sha256:
-        raise ValueError(f"the token store {d.source} was made with another tokenizer ({made_with or 'unknown'}, sha256 "
+        made_with = store.meta.get("tokenizer_path", "") or "unknown"
+        raise ValueError(f"the token store {source} was made with another tokenizer ({made_with}, sha256 "
                          f"{store.tokenizer_sha256[:12]}) than this run's {tokenizer.path} (sha256 {tokenizer.sha256[:12]}): "
                          f"set data.tokenizer to the store's, or prepare the store again with this one")
-    validation = None
-    if d.val_fraction > 0:
-        if store.meta["val_fraction"] != d.val_fraction:
-            made = (f"with val_fraction {store.meta['val_fraction']}" if store.meta["val_fraction"]
-                    else "without a validation split")
-            raise ValueError(f"data.val_fraction = {d.val_fraction}, but the token store {d.source} was prepared {made}: "
-                             f"prepare it with --val-fraction {d.val_fraction}, or name a data.val_source")
-        validation = TokenStore(d.source, "validation")
-    elif d.val_source:
-        validation = TokenStore(d.val_source) if is_store(d.val_source) else prepare_cached(
-            d.val_source, tokenizer, Path(d.cache_dir) if d.cache_dir else default_cache_dir(), text_field=d.text_field)
-    return tokenizer, PackedDataset(store, d.seq_len), None if validation is None else PackedDataset(validation, d.seq_len)
+    if fraction > 0 and store.meta["val_fraction"] != fraction:
+        made = (f"with val_fraction {store.meta['val_fraction']}" if store.meta["val_fraction"]
+                else "without a validation split")
+        raise ValueError(f"data.val_fraction = {fraction}, but the token store {source} was prepared {made}: "
+                         f"prepare it with --val-fraction {fraction}, or name a data.val_source")
+    return store, TokenStore(source, "validation") if fraction > 0 else None
 
 
-def _tokenizer_text(d) -> Iterator[str]:
+def _validation_windows(d, validation: Optional[TokenStore], name: str = "") -> Optional[PackedDataset]:
+    if validation is None:
+        return None
+    windows = PackedDataset(validation, d.seq_len)
+    if len(windows) == 0:
+        where = (f"data.val_source {d.val_source}" if d.val_source else f"data.val_fraction = {d.val_fraction}") + \
+            (f" of source {name!r}" if name else "")
+        raise ValueError(f"the validation data ({where}) has {validation.n_tokens} tokens, fewer than one "
+                         f"sequence of data.seq_len + 1 = {d.seq_len + 1}: give it more text")
+    return windows
+
+
+def _tokenizer_text(d, source) -> Iterator[str]:
     """The documents of `d.source`, reporting the bytes read: load_or_train_tokenizer asks for them
     only in the process that trains, so this one reports whatever its rank."""
-    with Progress("tokenizer: reading the text", total=source_bytes(resolve_sources(d.source)), unit="B",
+    with Progress("tokenizer: reading the text", total=source_bytes(resolve_sources(source)), unit="B",
                   enabled=True) as progress:
-        yield from source_documents(d.source, d.text_field, progress.update)
+        yield from source_documents(source, d.text_field, progress.update, d.on_bad_record)
 
 
-def build_training_data(config, parallel, on_tokenizer: Optional[Callable[[Tokenizer], None]] = None
+def build_training_data(config, parallel, on_tokenizer: Optional[Callable[[Tokenizer], None]] = None,
+                        on_progress: Optional[Callable[[str], None]] = None
                         ) -> tuple[Tokenizer, PackedDataset, ResumableDataLoader, Optional[PackedDataset]]:
     """The training data of a config (its [data] and [train] sections) for this rank of `parallel`:
     build_data, a dataset large enough for one global batch, the loader keyed by the
@@ -91,7 +121,9 @@ def build_training_data(config, parallel, on_tokenizer: Optional[Callable[[Token
     `on_tokenizer(tokenizer)` runs before the size check and the loader (the trainer fits the
     model's vocabulary to the tokenizer there)."""
     d, grad_accum = config.data, config.train.grad_accum
-    tokenizer, dataset, val_dataset = build_data(d)
+    if d.sources:
+        return _blend_training_data(config, parallel, on_tokenizer, on_progress)
+    tokenizer, dataset, val_dataset = build_data(d, on_progress)
     if on_tokenizer is not None:
         on_tokenizer(tokenizer)
     check_dataset_size(dataset, d.micro_batch_size * grad_accum * parallel.dp_size,
@@ -99,3 +131,16 @@ def build_training_data(config, parallel, on_tokenizer: Optional[Callable[[Token
     loader = build_dataloader(dataset, dp_rank=parallel.dp_rank, dp_size=parallel.dp_size,
                               micro_batch_size=d.micro_batch_size, seed=d.seed, num_workers=d.num_workers)
     return tokenizer, dataset, loader, val_dataset
+
+
+def _blend_training_data(config, parallel, on_tokenizer, on_progress):
+    """build_training_data for data.sources: the loader is a BlendedLoader (it also stands for the
+    dataset: its length is every source's sequences), validation {name: windows} or None."""
+    d = config.data
+    tokenizer, sources, validation = build_blend(d, on_progress)
+    if on_tokenizer is not None:
+        on_tokenizer(tokenizer)
+    loader = blend_loader(sources, dp_rank=parallel.dp_rank, dp_size=parallel.dp_size,
+                          micro_batch_size=d.micro_batch_size, seed=d.seed, on_exhausted=d.on_exhausted)
+    return tokenizer, loader, loader, validation or None
+

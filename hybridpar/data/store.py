@@ -91,8 +91,7 @@ class _Concatenated:
 
 class TokenStore:
     """A complete store's tokens of one part ("train", or "validation" when it was split), read as
-    memory maps; the same interface as a TokenFile (tokens, n_tokens, dtype, vocab_size, eos_id,
-    tokenizer_sha256)."""
+    memory maps: `tokens[a:b]` reads across shard edges."""
 
     def __init__(self, folder: PathLike, part: str = "train") -> None:
         self.folder = Path(folder)
@@ -143,6 +142,10 @@ class TokenStore:
 
     def __len__(self) -> int:
         return self.n_tokens
+
+    def array(self) -> np.ndarray:
+        """Every token of the part in one array (small stores: tests, inspection)."""
+        return np.asarray(self.tokens[0:self.n_tokens])
 
     def __getstate__(self) -> dict:  # DataLoader workers reopen the memory maps
         return {**self.__dict__, "_tokens": None}

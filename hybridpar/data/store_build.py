@@ -18,7 +18,7 @@ import multiprocessing
 import os
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import crc32c
 import numpy as np
@@ -66,14 +66,15 @@ def make_plan(source: Source, tokenizer, out: PathLike, *, text_field: str = "te
     data["key"] = sha256_text(json.dumps(data, sort_keys=True))[:16]
     folder = Path(out)
     existing = folder / PLAN
-    if existing.is_file():
-        other = json.loads(existing.read_text())
-        if other.get("key") != data["key"]:
+    other = json.loads(existing.read_text()) if existing.is_file() else {}
+    if other.get("key") != data["key"]:
+        if (folder / MANIFEST).is_file():  # a complete store is never replaced
             differs = [k for k in ("sources", "tokenizer_sha256", "text_field", "val_fraction", "on_bad_record")
                        if other.get(k) != data[k]] or ["the units"]
             raise StoreError(f"{folder} holds a store of other input ({', '.join(differs)} differ): give another "
                              f"--out, or delete {folder} to prepare it anew")
-    else:
+        # Nothing there, or an unfinished store of other input: its unit records name the old plan and
+        # are not reused.
         folder.mkdir(parents=True, exist_ok=True)
         write_text_atomic(existing, json.dumps(data, indent=1) + "\n")
     return Plan(folder, data, tuple(units))
@@ -146,8 +147,9 @@ class _ShardWriter:
         return self.shards
 
 
-def build_unit(plan: Plan, index: int, tokenizer, on_bytes=None) -> dict:
-    """Tokenise unit `index` into its shards, then write its record (the unit is done). Its record."""
+def build_unit(plan: Plan, index: int, tokenizer, on_bytes=None, on_tokens=None) -> dict:
+    """Tokenise unit `index` into its shards, then write its record (the unit is done). Its record.
+    `on_bytes(n)` hears of input read, `on_tokens(n)` of each batch of tokens made."""
     data, unit = plan.data, plan.units[index]
     dtype, vocab_size = np.dtype(data["dtype"]), data["vocab_size"]
     tally = Tally()
@@ -163,6 +165,8 @@ def build_unit(plan: Plan, index: int, tokenizer, on_bytes=None) -> dict:
                 writers[part].write(ids.astype(dtype))
                 tokens[part] += int(ids.size)
                 documents[part] += ended
+                if on_tokens is not None:
+                    on_tokens(int(ids.size))
     except BaseException as err:
         for writer in writers:
             writer.finish(err)
@@ -174,12 +178,12 @@ def build_unit(plan: Plan, index: int, tokenizer, on_bytes=None) -> dict:
     return record
 
 
-def _claim_and_build(plan: Plan, index: int, tokenizer, on_bytes=None) -> Optional[dict]:
+def _claim_and_build(plan: Plan, index: int, tokenizer, on_bytes=None, on_tokens=None) -> Optional[dict]:
     """Build unit `index` unless it is done or another process holds it: its record, or None."""
     lock = plan.folder / (unit_record_name(index) + ".lock")
     try:
         with file_lock(lock, timeout=0, purpose="preparing a unit"):
-            return _record(plan, index) or build_unit(plan, index, tokenizer, on_bytes)
+            return _record(plan, index) or build_unit(plan, index, tokenizer, on_bytes, on_tokens)
     except TimeoutError:
         return None
 
@@ -190,7 +194,10 @@ _WORKER: dict = {}
 
 
 def _worker_init(plan: Plan, tokenizer) -> None:
+    from hybridpar.data.tokenizer import limit_threads
+
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    limit_threads(1)  # the workers are the parallelism
     _WORKER.update(plan=plan, tokenizer=tokenizer)
 
 
@@ -208,21 +215,26 @@ def default_workers() -> int:
 def prepare_store(source: Source, tokenizer, out: PathLike, *, text_field: str = "text", val_fraction: float = 0.0,
                   on_bad_record: str = "error", workers: Optional[int] = None, part: tuple[int, int] = (0, 1),
                   report: Optional[bool] = None, unit_bytes: int = UNIT_BYTES, wait: bool = True,
-                  progress_every: float = 5.0) -> Optional[TokenStore]:
+                  progress_every: float = 5.0, on_progress: Optional[Callable[[str], None]] = None
+                  ) -> Optional[TokenStore]:
     """Tokenise `source` into the store `out` with `workers` processes (default: every core; 1: in
     this process), doing part `part` = (I, N) of it. Returns the store once it is complete; None when
-    other parts are still to come (wait=False, or a part of several). Runs again where it stopped."""
+    other parts are still to come (wait=False, or a part of several). Runs again where it stopped.
+    `on_progress(text)` hears how far the work is, at least every few seconds while it moves (a
+    training job's watchdog: a long preparation is progress, not a hang)."""
+    from hybridpar.data.tokenizer import limit_threads
+
     plan = make_plan(source, tokenizer, out, text_field=text_field, val_fraction=val_fraction,
                      on_bad_record=on_bad_record, unit_bytes=unit_bytes)
+    limit_threads(1)  # one tokenizer thread per process: the workers (or a job's ranks) are the parallelism
     if (plan.folder / MANIFEST).is_file():
         return TokenStore(plan.folder)
     index, parts = part
     mine = part_of(plan, index, parts)
     todo = [i for i in mine if _record(plan, i) is None]
-    total = sum(plan.units[i].nbytes for i in todo)
     share = f" (part {index}/{parts}: {len(mine)} of {len(plan.units)} units)" if parts > 1 else ""
-    progress = Progress(f"preparing {plan.folder}", total=total, unit="B", enabled=report, every=progress_every)
-    progress.rates["tokens"] = 0
+    progress = _StoreProgress(plan, mine, report, progress_every, on_progress)
+    progress.done = sum(plan.units[i].nbytes for i in mine if i not in todo)
     if todo:
         done_before = len(mine) - len(todo)
         progress.note(f"preparing {source_name(resolve_sources(source))} into the token store {plan.folder}{share}"
@@ -240,12 +252,35 @@ def prepare_store(source: Source, tokenizer, out: PathLike, *, text_field: str =
     return None
 
 
-def _build(plan: Plan, todo: list[int], tokenizer, workers: int, progress: Progress) -> None:
-    def done(i: int, record: Optional[dict]) -> None:
-        progress.update(plan.units[i].nbytes if record is not None else 0)
-        if record is not None:
-            progress.rates["tokens"] += sum(record["tokens"])
+class _StoreProgress(Progress):
+    """Bytes of a share's units done (by this process or another), tokens/s, and a word to
+    `on_progress` whenever the count moves (throttled)."""
 
+    def __init__(self, plan: Plan, units: Sequence[int], report: Optional[bool], every: float,
+                 on_progress: Optional[Callable[[str], None]]) -> None:
+        super().__init__(f"preparing {plan.folder}", total=sum(plan.units[i].nbytes for i in units), unit="B",
+                         enabled=report, every=every)
+        self.rates["tokens"] = 0
+        self._on_progress, self._told = on_progress, 0.0
+
+    def update(self, amount: float = 1) -> None:
+        super().update(amount)
+        self._tell()
+
+    def made(self, tokens: int) -> None:
+        """Tokens made here: they move the work on even inside one long unit."""
+        self.rates["tokens"] += tokens
+        self._tell()
+
+    def _tell(self) -> None:
+        now = time.monotonic()
+        if self._on_progress is not None and now - self._told >= 1.0:
+            self._told = now
+            self._on_progress(f"preparing data, {self.done / max(self.total or 1, 1):.1%} of the input, "
+                              f"{self.rates['tokens']:,.0f} tokens made here")
+
+
+def _build(plan: Plan, todo: list[int], tokenizer, workers: int, progress: "_StoreProgress") -> None:
     if workers <= 1 or len(todo) <= 1:
         for i in todo:
             seen = [0]
@@ -254,10 +289,17 @@ def _build(plan: Plan, todo: list[int], tokenizer, workers: int, progress: Progr
                 seen[0] += n
                 progress.update(n)
 
-            record = _claim_and_build(plan, i, tokenizer, on_bytes)
-            progress.update(-seen[0])  # counted as the unit's planned bytes below
-            done(i, record)
+            record = _claim_and_build(plan, i, tokenizer, on_bytes, progress.made)
+            planned = (plan.units[i].nbytes if record is not None else 0) - seen[0]  # what the reads did not count
+            if planned:
+                progress.update(planned)
         return
+
+    def done(i: int, record: Optional[dict]) -> None:
+        progress.update(plan.units[i].nbytes if record is not None else 0)
+        if record is not None:
+            progress.made(sum(record["tokens"]))
+
     context = multiprocessing.get_context("spawn")  # no fork: the caller may hold threads (a training job)
     with concurrent.futures.ProcessPoolExecutor(min(workers, len(todo)), mp_context=context,
                                                 initializer=_worker_init, initargs=(plan, tokenizer)) as pool:
@@ -265,7 +307,7 @@ def _build(plan: Plan, todo: list[int], tokenizer, workers: int, progress: Progr
             done(*future.result())
 
 
-def _wait_for_others(plan: Plan, units: Sequence[int], tokenizer, progress: Progress) -> None:
+def _wait_for_others(plan: Plan, units: Sequence[int], tokenizer, progress: "_StoreProgress") -> None:
     """Until every unit of `units` is done: units another process holds are waited for; one whose
     holder died (its lock released, no record) is built here."""
     while True:
@@ -273,9 +315,10 @@ def _wait_for_others(plan: Plan, units: Sequence[int], tokenizer, progress: Prog
         if not left:
             return
         for i in left:
-            record = _claim_and_build(plan, i, tokenizer)
-            if record is not None:
-                progress.rates["tokens"] += sum(record["tokens"])
+            _claim_and_build(plan, i, tokenizer, on_tokens=progress.made)  # built here if its holder died
+        # every unit recorded so far counts, whoever made it
+        progress.update(sum(plan.units[i].nbytes for i in units if (plan.folder / unit_record_name(i)).is_file())
+                        - progress.done)
         time.sleep(_POLL)
 
 
@@ -298,7 +341,8 @@ def merge_store(out: PathLike) -> TokenStore:
             raise StoreError(f"{folder}: {len(missing)} of {len(records)} units are not prepared yet (units {shown}): "
                              "run the parts that hold them (hybridpar prepare ... --part I/N) until each finishes")
         _check_sources(data, files)
-        write_text_atomic(folder / MANIFEST, json.dumps(_manifest(data, records), indent=1) + "\n")
+        manifest = _manifest(data, records, source_name(files))
+        write_text_atomic(folder / MANIFEST, json.dumps(manifest, indent=1) + "\n")
     return TokenStore(folder)
 
 
@@ -313,7 +357,7 @@ def _check_sources(data: dict, files: list[SourceFile]) -> None:
                              "prepare it again")
 
 
-def _manifest(data: dict, records: list[dict]) -> dict:
+def _manifest(data: dict, records: list[dict], name: str) -> dict:
     files = [{**f, "documents": 0, "tokens": 0, "skipped": 0} for f in data["sources"]["files"]]
     parts = {name: {"tokens": 0, "documents": 0, "shards": []} for name in PART_NAMES[: 2 if data["val_fraction"] else 1]}
     for record in records:
@@ -321,13 +365,19 @@ def _manifest(data: dict, records: list[dict]) -> dict:
         described["documents"] += sum(record["documents"])
         described["tokens"] += sum(record["tokens"])
         described["skipped"] += record["skipped"]
-        for p, name in enumerate(parts):
-            parts[name]["tokens"] += record["tokens"][p]
-            parts[name]["documents"] += record["documents"][p]
+        for p, part in enumerate(parts):
+            parts[part]["tokens"] += record["tokens"][p]
+            parts[part]["documents"] += record["documents"][p]
         for shard in record["shards"]:
             parts[shard["part"]]["shards"].append({k: shard[k] for k in ("name", "tokens", "size", "crc32c")})
     if sum(p["tokens"] for p in parts.values()) == 0:
-        raise StoreError("no tokens: the data source holds no text")
+        raise StoreError(f"no tokens: the data source {name} holds no text")
+    total = sum(p["documents"] for p in parts.values())
+    for part, p in parts.items():
+        if data["val_fraction"] and p["tokens"] == 0:
+            change = "raise it, or name a held-out data.val_source" if part == "validation" else "lower it"
+            raise StoreError(f"data.val_fraction = {data['val_fraction']} put {'none' if part == 'validation' else 'all'} "
+                             f"of the {total} documents of {name} in validation: {change}")
     return {"format": FORMAT, "version": VERSION, "plan": data["key"],
             **{k: data[k] for k in ("dtype", "vocab_size", "eos_id", "tokenizer_sha256", "tokenizer_path",
                                     "text_field", "val_fraction", "on_bad_record")},
@@ -360,3 +410,20 @@ def prepare_command(args) -> int:
               + (f", {skipped:,} bad records skipped" if skipped else "")
               + f"; train on it with --data.source {store.folder}")
     return 0
+
+
+def cached_store(source: Source, tokenizer, cache_dir: PathLike, *, text_field: str = "text", val_fraction: float = 0.0,
+                 on_bad_record: str = "error", report: Optional[bool] = None, progress_every: float = 5.0,
+                 on_progress: Optional[Callable[[str], None]] = None) -> tuple[TokenStore, Optional[TokenStore]]:
+    """The store of `source` in `cache_dir` (named by a hash of the input, the tokenizer and the
+    options), prepared here if it is not complete: every process that asks at once (the ranks of a
+    job) takes units of it, and later jobs reuse it. (training part, validation part or None)."""
+    files = resolve_sources(source)
+    key = {"source": describe_sources(files, text_field), "tokenizer": tokenizer.sha256, "version": VERSION,
+           "val_fraction": val_fraction, "on_bad_record": on_bad_record}
+    folder = Path(cache_dir) / f"store-{sha256_text(json.dumps(key, sort_keys=True))[:16]}"
+    store = prepare_store(source, tokenizer, folder, text_field=text_field, val_fraction=val_fraction,
+                          on_bad_record=on_bad_record, workers=1, report=report, progress_every=progress_every,
+                          on_progress=on_progress)
+    return store, TokenStore(folder, "validation") if val_fraction else None
+

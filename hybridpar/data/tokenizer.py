@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 from functools import cached_property, partial
 from pathlib import Path
@@ -30,6 +31,19 @@ DEFAULT_MAX_TRAINING_SENTENCES = 1_000_000
 # SentencePiece drops longer sentences; cut them instead (its limit is in bytes, UTF-8 <= 4 per char).
 _MAX_SENTENCE_CHARS = 4096
 
+
+
+_THREADS: Optional[int] = None  # threads a batch encode may use; None: the library's default
+
+
+def limit_threads(n: int) -> None:
+    """Encode batches on at most `n` threads in this process: in a preparation worker the workers
+    are the parallelism, and each library's own threads would only compete with them."""
+    global _THREADS
+    _THREADS = n
+    os.environ["RAYON_NUM_THREADS"] = str(n)  # the tokenizers library's pool (read when it starts)
+    if n == 1:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 class Tokenizer:
     """A tokenizer file; the kind is read from its contents, whatever the file is called:
@@ -99,9 +113,9 @@ class Tokenizer:
 
     def encode_batch_numpy(self, texts: Sequence[str]) -> list[np.ndarray]:
         """Like encode_batch (no bos/eos) as int32 arrays, for bulk tokenising (sentencepiece makes
-        them directly, without a Python int per token)."""
+        them directly, without a Python int per token), on at most limit_threads' threads."""
         texts = list(texts)
-        return self._impl.encode_batch_numpy(texts) if texts else []
+        return self._impl.encode_batch_numpy(texts, _THREADS) if texts else []
 
     def decode(self, ids: Iterable[int]) -> str:
         """Decode ids (a list, numpy array or tensor); bos/eos and other special pieces decode to nothing."""
@@ -167,8 +181,8 @@ class _SentencePiece:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return self._sp.encode(texts)
 
-    def encode_batch_numpy(self, texts: list[str]) -> list[np.ndarray]:
-        return self._sp.encode(texts, out_type="numpy")
+    def encode_batch_numpy(self, texts: list[str], threads: Optional[int] = None) -> list[np.ndarray]:
+        return self._sp.encode(texts, out_type="numpy", **({"num_threads": threads} if threads else {}))
 
     def decode(self, ids: list[int]) -> str:
         return self._sp.decode(ids)

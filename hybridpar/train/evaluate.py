@@ -68,3 +68,22 @@ class Validator:
         dist.all_reduce(totals, group=p.dp_group)
         loss = (totals[0] / totals[1]).item()
         return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)), "val_tokens": int(totals[1].item())}
+
+
+class BlendValidator:
+    """A blend's validation: each source's held-out windows on their own ("val_loss/<name>"), and
+    "val_loss" over all of their tokens together."""
+
+    def __init__(self, datasets: dict, parallel: ParallelDims, **kwargs) -> None:
+        self.validators = {name: Validator(d, parallel, **kwargs) for name, d in datasets.items()}
+
+    def __call__(self, model: torch.nn.Module) -> dict:
+        out, loss_sum, tokens = {}, 0.0, 0
+        for name, validator in self.validators.items():
+            result = validator(model)
+            out[f"val_loss/{name}"] = result["val_loss"]
+            loss_sum += result["val_loss"] * result["val_tokens"]
+            tokens += result["val_tokens"]
+        loss = loss_sum / tokens
+        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)), "val_tokens": tokens, **out}
+

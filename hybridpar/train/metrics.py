@@ -305,6 +305,10 @@ def progress_line(step: int, steps: int, m: dict) -> str:
         f"step {step:>5}/{steps}  loss {m['loss']:.4f}  lr {m['lr']:.2e}  grad_norm {m['grad_norm']:.3f}  "
         f"{m['tokens_per_s']:,.0f} tok/s  mfu {100 * m['mfu']:.1f}%  mem {m['memory_gb']:.2f} GB"
     )
+    by_source = {k[len("tokens/"):]: v for k, v in m.items() if k.startswith("tokens/")}
+    if by_source:  # a blend: each source's share of the tokens so far
+        total = sum(by_source.values()) or 1
+        line += "  " + " ".join(f"{name} {100 * n / total:.0f}%" for name, n in by_source.items())
     return line + validation_text(m)
 
 

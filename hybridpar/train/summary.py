@@ -39,7 +39,8 @@ def launch_command(config_path: Path, run_dir: Path, environ=os.environ) -> list
 def summarise(*, run_dir: Path, steps: tuple[int, int], skipped: int, tokens: float, wall_seconds: float,
               train_seconds: float, eval_seconds: float, mfu: float, peak_memory_gb: float,
               train_loss: Optional[float], validation: Optional[dict], checkpoint: Optional[Path],
-              tokenizer: Optional[Path], config_path: Path, train_steps: int) -> tuple[str, dict]:
+              tokenizer: Optional[Path], config_path: Path, train_steps: int,
+              sources: Optional[list] = None) -> tuple[str, dict]:
     """(the printed block, the same as a dict for summary.json)."""
     first, last = steps
     done = {
@@ -50,12 +51,15 @@ def summarise(*, run_dir: Path, steps: tuple[int, int], skipped: int, tokens: fl
         "val_loss": validation["val_loss"] if validation else None,
         "val_ppl": validation["val_ppl"] if validation else None,
         "checkpoint": str(checkpoint) if checkpoint else None,
+        "sources": sources or [],  # a blend's: name, weight, tokens trained on
     }
     trained = (f"steps {first}-{last}" if last >= first else "no steps") + (f", {skipped} skipped" if skipped else "")
     rows = [
         ("wall time", f"{_duration(wall_seconds)} ({_duration(train_seconds)} training"
                       + (f", {_duration(eval_seconds)} validation" if eval_seconds else "") + f"); {trained}"),
-        ("tokens seen", f"{tokens:,.0f} this run"),
+        ("tokens seen", f"{tokens:,.0f} this run" + ("; by source (all runs): " + ", ".join(
+            f"{s['name']} {s['tokens']:,} ({s['tokens'] / max(1, sum(x['tokens'] for x in sources)):.1%}, weight "
+            f"{s['weight']:.1%})" for s in sources) if sources else "")),
         ("throughput", f"{done['tokens_per_s']:,.0f} tokens/s, MFU {100 * mfu:.1f}% (means over the steps)"),
         ("peak memory", f"{peak_memory_gb:.2f} GB (the largest rank)"),
         ("final loss", (f"training {train_loss:.4f} (the last log_every steps)" if train_loss is not None

@@ -33,6 +33,7 @@ from ..checkpoint.convert import detect_format, load_into, read_args
 from ..checkpoint.dcp import Checkpointer, complete_checkpoints, latest_checkpoint, params_dict
 from ..config import Config, ConfigError, dump_toml, profile_range
 from ..data import build_training_data, check_vocab
+from ..data.blend import describe_blend
 from ..diagnostics.data_guard import check_data, step_fingerprint
 from ..diagnostics.replicas import check_replicas
 from ..diagnostics.stragglers import StragglerMonitor
@@ -40,9 +41,10 @@ from ..diagnostics.timeouts import Deadlines, apply_env_defaults
 from ..diagnostics.watchdog import Watchdog
 from ..files import refuse_occupied, write_text_atomic
 from ..mesh import ParallelDims, init_parallel
+from ..ranks import wait_for_every_rank
 from ..parallel.fsdp import apply_fsdp
 from . import stop as stopping
-from .evaluate import Validator
+from .evaluate import BlendValidator, Validator
 from .metrics import (MetricsWriter, WandbSettings, flops_per_token, measure_matmul_peak, memory_bytes, plot_dashboard,
                       progress_line, require_wandb, validation_text)
 from .optim import build_optimizer, grad_norm_and_clip, lr_lambda
@@ -147,8 +149,11 @@ class Trainer:
         if c.output.wandb:
             require_wandb()
         phase("data")
+        # Each unit of a preparation changes the phase: the watchdog sees progress, not a hang.
         self.tokenizer, self.dataset, self.loader, self.val_dataset = build_training_data(
-            c, p, on_tokenizer=self._fit_vocab)
+            c, p, on_tokenizer=self._fit_vocab, on_progress=lambda text: phase(f"data: {text}"))
+        phase("data: waiting for every rank's data")
+        wait_for_every_rank("data")  # nodes preparing into caches of their own may finish minutes apart
         # Before the model is built and compiled: the compiler's start-up takes a share of the cores,
         # and a peak measured then comes out low.
         phase("peak flops")
@@ -175,9 +180,11 @@ class Trainer:
         self.metrics = MetricsWriter(self.run_dir, enabled=self.is_main, tensorboard=c.output.tensorboard,
                                      start_step=self.step, wandb=wandb)
         self.flops_per_token = flops_per_token(self.args, c.data.seq_len)
-        self.validator = None if self.val_dataset is None else Validator(
-            self.val_dataset, p, micro_batch_size=c.data.micro_batch_size, eval_steps=c.train.eval_steps,
-            global_batch=self.global_batch, at=lambda phase: self.deadlines.at(phase))
+        evaluation = dict(micro_batch_size=c.data.micro_batch_size, eval_steps=c.train.eval_steps,
+                          global_batch=self.global_batch, at=lambda phase: self.deadlines.at(phase))
+        self.validator = None if self.val_dataset is None else (
+            BlendValidator(self.val_dataset, p, **evaluation) if isinstance(self.val_dataset, dict)
+            else Validator(self.val_dataset, p, **evaluation))
         self.validation: Optional[dict] = None  # the last validation result
         self.eval_seconds = 0.0
         self.profiler = StepProfiler(profile_range(c.train.profile_steps), self.run_dir, p)
@@ -415,6 +422,11 @@ class Trainer:
         self._summary()
         return self.history
 
+    def _source_tokens(self) -> dict:
+        """A blend's tokens trained on so far, per source: {"tokens/<name>": n}."""
+        names, tokens = getattr(self.loader, "names", None), getattr(self.loader, "tokens", None)
+        return {f"tokens/{n}": t for n, t in zip(names, tokens)} if names else {}
+
     def _summary(self) -> None:
         """The end-of-run block (rank 0) and summary.json; the peak memory is the largest rank's."""
         peak = torch.tensor([max((m["memory_gb"] for m in self.history), default=memory_bytes(self.device) / 1e9)],
@@ -432,7 +444,7 @@ class Trainer:
             peak_memory_gb=peak.item(), train_loss=self._summarise(h[-self.config.train.log_every:])["loss"] if h else None,
             validation=self.validation, checkpoint=latest_checkpoint(self.checkpointer.folder),
             tokenizer=getattr(self.tokenizer, "path", None), config_path=self.run_dir / "config.toml",
-            train_steps=self.config.train.steps)
+            train_steps=self.config.train.steps, sources=describe_blend(self.loader))
         write_summary(self.run_dir, done)
         print(text, flush=True)
 
@@ -465,7 +477,7 @@ class Trainer:
                     (every and self.step % every == 0) or self.step == c.train.steps):
                 row.update(self.validate())
             if m["step"] % c.train.log_every == 0 or m["step"] in (1, c.train.steps):
-                summary = self._summarise(window)
+                summary = {**self._summarise(window), **self._source_tokens()}
                 self.metrics.write(m["step"], {**summary, **row})
                 if self.is_main:
                     print(progress_line(m["step"], c.train.steps, {**summary, **row}), flush=True)

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from hybridpar.data import prepare_tokens
+from hybridpar.data import prepare_store
 
 
 class NumberTokenizer:
@@ -18,7 +18,8 @@ class NumberTokenizer:
 
 
 def numbered_token_file(folder: Path, n_tokens: int, name: str = "numbers"):
-    """A token file holding 1, 2, ..., n_tokens - 1 and then EOS (0): token k sits at position k - 1."""
+    """A token store holding 1, 2, ..., n_tokens - 1 and then EOS (0): token k sits at position k - 1."""
     text_path = folder / f"{name}.txt"
     text_path.write_text(" ".join(str(i) for i in range(1, n_tokens)))
-    return prepare_tokens(text_path, NumberTokenizer(vocab_size=max(n_tokens, 2)), folder / f"{name}.bin")
+    return prepare_store(text_path, NumberTokenizer(vocab_size=max(n_tokens, 2)), folder / name, workers=1,
+                         report=False)

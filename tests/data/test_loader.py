@@ -39,7 +39,7 @@ def test_packed_windows_overlap_by_one_token(tmp_path):
         assert ds[i].dtype == torch.int64 and ds[i].tolist() == list(range(5 * i + 1, 5 * i + 7))
     with pytest.raises(IndexError, match="window 4 is outside the dataset's 4 windows"):
         ds[4]
-    assert PackedDataset(tf.path, 2)[10].tolist() == [21, 22, 0]  # a path works; the last window ends on EOS
+    assert PackedDataset(tf.folder, 2)[10].tolist() == [21, 22, 0]  # a path works; the last window ends on EOS
     assert len(PackedDataset(tf, 22)) == 1 and len(PackedDataset(tf, 23)) == 0
     with pytest.raises(ValueError, match="seq_len must be a positive integer"):
         PackedDataset(tf, 0)
@@ -205,7 +205,7 @@ def _case_batches_per_rank(token_path: str, layout: tuple) -> tuple:
 
 @pytest.mark.parametrize("layout", [(2, 2, 1), (1, 2, 2), (4, 1, 1)], ids=["mp2_dp2", "mp1_hybrid2x2", "mp4"])
 def test_model_parallel_ranks_get_identical_batches(workers, tmp_path, layout):
-    token_path = str(numbered_token_file(tmp_path, 40 * SEQ + 1).path)
+    token_path = str(numbered_token_file(tmp_path, 40 * SEQ + 1).folder)
     results = workers(4).run(_case_batches_per_rank, token_path, layout)
     mp = layout[0]
     for rank, (dp_rank, batches) in enumerate(results):

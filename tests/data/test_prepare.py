@@ -1,4 +1,5 @@
-"""prepare: sources -> one flat token file with EOS after every document, streamed, atomic, cached."""
+"""Preparing a token store: EOS after every document, sources in order, streamed, never complete-looking
+when it failed, cached by input and tokenizer."""
 
 import json
 import pickle
@@ -7,13 +8,17 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from hybridpar.data import TokenFile, default_corpus_documents, default_corpus_id, prepare_cached, prepare_tokens
+from hybridpar.data import TokenStore, cached_store, default_corpus_documents, default_corpus_id, prepare_store
 from hybridpar.data import formats, tokenise
 from tests.data.stubs import NumberTokenizer
 
 
 def expected_tokens(tokenizer, documents):
     return [i for doc in documents for i in tokenizer.encode(doc, eos=True)]
+
+
+def make_store(source, tokenizer, out, **options) -> TokenStore:
+    return prepare_store(source, tokenizer, out, workers=1, report=False, **options)
 
 
 def write_jsonl(path, records):
@@ -25,20 +30,22 @@ def test_eos_after_every_document_exactly(tmp_path, tokenizer, corpus_sample):
     docs = corpus_sample[:5] + ["short", "line one\nline two"]
     src = tmp_path / "docs.jsonl"
     src.write_text("".join(json.dumps({"text": d, "id": i}) + "\n" + ("\n" if i == 2 else "") for i, d in enumerate(docs)))
-    tf = prepare_tokens(src, tokenizer, tmp_path / "out.bin")
-    assert tf.tokens.tolist() == expected_tokens(tokenizer, docs)
+    tf = make_store(src, tokenizer, tmp_path / "out.bin")
+    assert tf.array().tolist() == expected_tokens(tokenizer, docs)
     assert (tf.n_tokens, tf.n_documents, tf.vocab_size, tf.dtype) == (len(tf.tokens), len(docs), tokenizer.vocab_size, np.uint16)
-    assert int((tf.tokens == tokenizer.eos_id).sum()) == len(docs)
-    meta = json.loads((tmp_path / "out.bin.json").read_text())
+    assert int((tf.array() == tokenizer.eos_id).sum()) == len(docs)
+    meta = json.loads((tmp_path / "out.bin" / "store.json").read_text())
     assert meta["tokenizer_sha256"] == tokenizer.sha256 and meta["dtype"] == "uint16" and meta["eos_id"] == 2
-    assert meta["source"]["files"][0]["path"] == str(src) and meta["source"]["text_field"] == "text"
-    assert (tmp_path / "out.bin").stat().st_size == 2 * tf.n_tokens  # raw uint16, no header
+    assert meta["files"][0]["path"] == str(src) and meta["text_field"] == "text"
+    assert meta["files"][0]["documents"] == len(docs) and meta["files"][0]["tokens"] == tf.n_tokens
+    shards = [tmp_path / "out.bin" / s["name"] for s in meta["parts"]["train"]["shards"]]
+    assert sum(p.stat().st_size for p in shards) == 2 * tf.n_tokens  # raw uint16, no header
 
 
 def test_text_field_option(tmp_path, tokenizer):
     src = write_jsonl(tmp_path / "c.jsonl", [{"content": "first doc"}, {"content": "second doc"}])
-    tf = prepare_tokens(src, tokenizer, tmp_path / "out.bin", text_field="content")
-    assert tf.tokens.tolist() == expected_tokens(tokenizer, ["first doc", "second doc"])
+    tf = make_store(src, tokenizer, tmp_path / "out.bin", text_field="content")
+    assert tf.array().tolist() == expected_tokens(tokenizer, ["first doc", "second doc"])
 
 
 def test_directories_are_sorted_and_lists_keep_their_order(tmp_path, tokenizer):
@@ -49,14 +56,14 @@ def test_directories_are_sorted_and_lists_keep_their_order(tmp_path, tokenizer):
     write_jsonl(data / "sub" / "c.jsonl", [{"text": "charlie one"}, {"text": "charlie two"}])
     (data / ".hidden.txt").write_text("hidden")
     (data / "notes.md").write_text("not data")
-    tf = prepare_tokens(data, tokenizer, tmp_path / "dir.bin")
+    tf = make_store(data, tokenizer, tmp_path / "dir.bin")
     in_order = ["alpha file", "bravo file\nsecond line\n", "charlie one", "charlie two"]
-    assert tf.tokens.tolist() == expected_tokens(tokenizer, in_order)
+    assert tf.array().tolist() == expected_tokens(tokenizer, in_order)
 
     extra = tmp_path / "z.txt"
     extra.write_text("zulu")
-    tf = prepare_tokens([str(extra), data], tokenizer, tmp_path / "list.bin")
-    assert tf.tokens.tolist() == expected_tokens(tokenizer, ["zulu"] + in_order)
+    tf = make_store([str(extra), data], tokenizer, tmp_path / "list.bin")
+    assert tf.array().tolist() == expected_tokens(tokenizer, ["zulu"] + in_order)
     assert tf.n_documents == 5
 
 
@@ -68,29 +75,29 @@ def test_long_documents_cut_in_pieces_tokenise_as_whole(tmp_path, tokenizer, cor
     txt = tmp_path / "long.txt"
     txt.write_text(long_doc)
     src = write_jsonl(tmp_path / "long.jsonl", [{"text": long_doc}, {"text": corpus_sample[41]}])
-    tf = prepare_tokens([txt, src], tokenizer, tmp_path / "out.bin")
-    assert tf.tokens.tolist() == expected_tokens(tokenizer, [long_doc, long_doc, corpus_sample[41]])
+    tf = make_store([txt, src], tokenizer, tmp_path / "out.bin")
+    assert tf.array().tolist() == expected_tokens(tokenizer, [long_doc, long_doc, corpus_sample[41]])
 
 
 def test_crlf_txt_is_read_with_universal_newlines(tmp_path, tokenizer):
     (tmp_path / "crlf.txt").write_bytes(b"one\r\ntwo\r\n")
-    tf = prepare_tokens(tmp_path / "crlf.txt", tokenizer, tmp_path / "out.bin")
-    assert tf.tokens.tolist() == expected_tokens(tokenizer, ["one\ntwo\n"])
+    tf = make_store(tmp_path / "crlf.txt", tokenizer, tmp_path / "out.bin")
+    assert tf.array().tolist() == expected_tokens(tokenizer, ["one\ntwo\n"])
 
 
 @pytest.mark.parametrize("vocab,top,dtype", [(65536, 65535, np.uint16), (65537, 65536, np.uint32), (70000, 69999, np.uint32)])
 def test_dtype_is_uint16_when_the_vocab_fits(tmp_path, vocab, top, dtype):
     (tmp_path / "ids.txt").write_text(f"5 {top} 7")
-    tf = prepare_tokens(tmp_path / "ids.txt", NumberTokenizer(vocab_size=vocab), tmp_path / "out.bin")
-    assert tf.dtype == dtype and tf.tokens.dtype == dtype
-    assert tf.tokens.tolist() == [5, top, 7, 0]
-    assert (tmp_path / "out.bin").stat().st_size == 4 * np.dtype(dtype).itemsize
+    tf = make_store(tmp_path / "ids.txt", NumberTokenizer(vocab_size=vocab), tmp_path / "out.bin")
+    assert tf.dtype == dtype and tf.array().dtype == dtype
+    assert tf.array().tolist() == [5, top, 7, 0]
+    assert sum(s["size"] for s in tf.shards) == 4 * np.dtype(dtype).itemsize
 
 
 def test_id_outside_the_vocab_is_an_error(tmp_path):
     (tmp_path / "ids.txt").write_text("5 1000")
     with pytest.raises(ValueError, match=r"produced id 1000, outside its vocab of 1000"):
-        prepare_tokens(tmp_path / "ids.txt", NumberTokenizer(vocab_size=1000), tmp_path / "out.bin")
+        make_store(tmp_path / "ids.txt", NumberTokenizer(vocab_size=1000), tmp_path / "out.bin")
 
 
 @pytest.mark.parametrize(
@@ -105,37 +112,42 @@ def test_id_outside_the_vocab_is_an_error(tmp_path):
 def test_jsonl_errors_name_file_and_line(tmp_path, tokenizer, lines, message):
     (tmp_path / "bad.jsonl").write_text("\n".join(lines) + "\n")
     with pytest.raises(ValueError, match=message):
-        prepare_tokens(tmp_path / "bad.jsonl", tokenizer, tmp_path / "out.bin")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]  # no output, no temporary file
+        make_store(tmp_path / "bad.jsonl", tokenizer, tmp_path / "out.bin")
+    out = tmp_path / "out.bin"  # nothing that looks done: no manifest, no unit, no shard or temporary file
+    assert not (out / "store.json").exists() and [p.name for p in out.rglob("*") if not p.name.endswith(".lock")] == \
+        ["plan.json", "units"]
 
 
 def test_path_type_and_empty_input_errors(tmp_path, tokenizer):
     with pytest.raises(FileNotFoundError, match=r"data path .*missing.txt does not exist"):
-        prepare_tokens(tmp_path / "missing.txt", tokenizer, tmp_path / "out.bin")
+        make_store(tmp_path / "missing.txt", tokenizer, tmp_path / "out.bin")
     (tmp_path / "table.csv").write_text("a,b\n")
     with pytest.raises(ValueError, match=r"table.csv: unknown kind of data file; use 'default', .txt"):
-        prepare_tokens(tmp_path / "table.csv", tokenizer, tmp_path / "out.bin")
+        make_store(tmp_path / "table.csv", tokenizer, tmp_path / "out.bin")
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match=r"data directory .*empty has no data files"):
-        prepare_tokens(tmp_path / "empty", tokenizer, tmp_path / "out.bin")
+        make_store(tmp_path / "empty", tokenizer, tmp_path / "out.bin")
     (tmp_path / "empty.txt").write_text("")
     write_jsonl(tmp_path / "blank.jsonl", [{"text": ""}])
     with pytest.raises(ValueError, match=r"no tokens: the data source .*empty.txt, .*blank.jsonl holds no text"):
-        prepare_tokens([tmp_path / "empty.txt", tmp_path / "blank.jsonl"], tokenizer, tmp_path / "out.bin")
+        make_store([tmp_path / "empty.txt", tmp_path / "blank.jsonl"], tokenizer, tmp_path / "out.bin")
     (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
     with pytest.raises(ValueError, match=r"latin1.txt: not UTF-8 text"):
-        prepare_tokens(tmp_path / "latin1.txt", tokenizer, tmp_path / "out.bin")
-    assert not list(tmp_path.glob("out.bin*")) and not list(tmp_path.glob(".*"))
+        make_store(tmp_path / "latin1.txt", tokenizer, tmp_path / "out.bin")
+    assert not (tmp_path / "out.bin" / "store.json").exists() and not list(tmp_path.rglob("*.tokens"))
 
 
-def test_failure_keeps_the_previous_output(tmp_path, tokenizer):
+def test_a_failed_store_never_looks_complete_and_a_folder_holds_one_store(tmp_path, tokenizer):
     good = write_jsonl(tmp_path / "good.jsonl", [{"text": "kept"}])
-    before = prepare_tokens(good, tokenizer, tmp_path / "out.bin").tokens.tolist()
+    before = make_store(good, tokenizer, tmp_path / "out.bin").array().tolist()
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"text": "fine"}] * 3 + [{"no": "text"}])
+    with pytest.raises(ValueError, match="holds a store of other input"):
+        make_store(bad, tokenizer, tmp_path / "out.bin")
+    assert TokenStore(tmp_path / "out.bin").array().tolist() == before
     with pytest.raises(ValueError, match="bad.jsonl:4"):
-        prepare_tokens(bad, tokenizer, tmp_path / "out.bin")
-    assert TokenFile(tmp_path / "out.bin").tokens.tolist() == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "good.jsonl", "out.bin", "out.bin.json"]
+        make_store(bad, tokenizer, tmp_path / "bad.bin")
+    with pytest.raises(ValueError, match=r"bad.bin has no store.json: its preparation has not finished: run the same"):
+        TokenStore(tmp_path / "bad.bin")
 
 
 def test_streaming_keeps_memory_bounded(tmp_path, tokenizer, corpus_sample):
@@ -147,7 +159,7 @@ def test_streaming_keeps_memory_bounded(tmp_path, tokenizer, corpus_sample):
     size = big.stat().st_size
     tracemalloc.start()
     try:
-        tf = prepare_tokens(big, tokenizer, tmp_path / "big.bin")
+        tf = make_store(big, tokenizer, tmp_path / "big.bin")
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -156,34 +168,35 @@ def test_streaming_keeps_memory_bounded(tmp_path, tokenizer, corpus_sample):
     # Spot check: the start and the end match tokenising those parts directly.
     head = tokenizer.encode(text[:2000])
     assert tf.tokens[: len(head) - 5].tolist() == head[:-5]
-    assert tf.tokens[-1] == tokenizer.eos_id
+    assert tf.tokens[tf.n_tokens - 1:][0] == tokenizer.eos_id
 
 
-def test_token_file_is_read_only_checked_and_pickles_small(tmp_path, tokenizer):
-    tf = prepare_tokens(write_jsonl(tmp_path / "d.jsonl", [{"text": "some words " * 200}]), tokenizer, tmp_path / "t.bin")
+def test_a_store_is_read_only_checked_and_pickles_small(tmp_path, tokenizer):
+    tf = make_store(write_jsonl(tmp_path / "d.jsonl", [{"text": "some words " * 200}]), tokenizer, tmp_path / "t")
     with pytest.raises(ValueError, match="read-only"):
-        tf.tokens[0] = 7
-    assert TokenFile(tmp_path / "t.bin.json").n_tokens == tf.n_tokens  # the sidecar path works too
+        tf.tokens.shards[0][0] = 7
     clone = pickle.loads(pickle.dumps(tf))
-    assert len(pickle.dumps(tf)) < 2000 and clone.tokens.tolist() == tf.tokens.tolist()
+    assert len(pickle.dumps(tf)) < 4000 and clone.array().tolist() == tf.array().tolist()
 
-    with open(tmp_path / "t.bin", "r+b") as f:
+    shard = tmp_path / "t" / tf.shards[0]["name"]
+    with open(shard, "r+b") as f:
         f.truncate(10)
-    with pytest.raises(ValueError, match=r"holds 10 bytes but its sidecar says \d+ uint16 tokens"):
-        TokenFile(tmp_path / "t.bin")
-    (tmp_path / "t.bin.json").unlink()
-    with pytest.raises(ValueError, match="has no sidecar t.bin.json"):
-        TokenFile(tmp_path / "t.bin")
-    with pytest.raises(FileNotFoundError, match="token file .*nope.bin does not exist"):
-        TokenFile(tmp_path / "nope.bin")
+    with pytest.raises(ValueError, match=r"token store .*t is damaged: units/000000.train.0.tokens is 10 bytes, the "
+                                         r"manifest records \d+; prepare it again"):
+        TokenStore(tmp_path / "t")
+    (tmp_path / "t" / "store.json").unlink()
+    with pytest.raises(ValueError, match="has no store.json: its preparation has not finished"):
+        TokenStore(tmp_path / "t")
+    with pytest.raises(ValueError, match="nope has no store.json: it is not a token store"):
+        TokenStore(tmp_path / "nope")
 
 
 def test_default_source_is_the_embedded_corpus(tmp_path, tokenizer, monkeypatch):
     docs = list(default_corpus_documents(max_documents=30))
     monkeypatch.setattr(formats, "default_corpus_documents", lambda on_bytes=None: iter(docs))  # keep the test fast
-    tf = prepare_tokens("default", tokenizer, tmp_path / "default.bin")
-    assert tf.tokens.tolist() == expected_tokens(tokenizer, docs)
-    assert tf.meta["source"]["files"] == [{"kind": "default", "corpus_id": default_corpus_id()}]
+    tf = make_store("default", tokenizer, tmp_path / "default.bin")
+    assert tf.array().tolist() == expected_tokens(tokenizer, docs)
+    assert [(f["kind"], f["corpus_id"]) for f in tf.meta["files"]] == [("default", default_corpus_id())]
 
 
 class CountingTokenizer:
@@ -198,26 +211,29 @@ class CountingTokenizer:
         return self.inner.encode_batch(texts)
 
 
-def test_prepare_cached_reuses_until_source_or_tokenizer_change(tmp_path, tokenizer):
+def test_cached_store_reuses_until_source_or_tokenizer_change(tmp_path, tokenizer):
     src = write_jsonl(tmp_path / "d.jsonl", [{"text": "cached text"}])
     cache = tmp_path / "cache"
     counting = CountingTokenizer(tokenizer)
-    first = prepare_cached(src, counting, cache)
-    calls, mtime = counting.calls, first.path.stat().st_mtime_ns
-    assert calls > 0 and first.tokens.tolist() == expected_tokens(tokenizer, ["cached text"])
-    again = prepare_cached(src, counting, cache)
-    assert again.path == first.path and counting.calls == calls and first.path.stat().st_mtime_ns == mtime
+    first, validation = cached_store(src, counting, cache, report=False)
+    calls, mtime = counting.calls, (first.folder / "store.json").stat().st_mtime_ns
+    assert validation is None and calls > 0 and first.array().tolist() == expected_tokens(tokenizer, ["cached text"])
+    again, _ = cached_store(src, counting, cache, report=False)
+    assert again.folder == first.folder and counting.calls == calls
+    assert (first.folder / "store.json").stat().st_mtime_ns == mtime
 
     write_jsonl(src, [{"text": "edited text, longer"}])  # size and mtime change
-    edited = prepare_cached(src, counting, cache)
-    assert edited.path != first.path and edited.tokens.tolist() == expected_tokens(tokenizer, ["edited text, longer"])
+    edited, _ = cached_store(src, counting, cache, report=False)
+    assert edited.folder != first.folder and edited.array().tolist() == expected_tokens(tokenizer, ["edited text, longer"])
 
     other_tokenizer = CountingTokenizer(tokenizer)
     other_tokenizer.sha256 = "another-model"
-    assert prepare_cached(src, other_tokenizer, cache).path != edited.path
+    assert cached_store(src, other_tokenizer, cache, report=False)[0].folder != edited.folder
 
-    # An entry a killed job left without its sidecar is prepared again, not trusted.
-    edited_path = edited.path
-    (cache / (edited_path.name + ".json")).unlink()
+    # A store a killed job left unfinished (a unit without its record, no manifest) is finished, not trusted.
+    (edited.folder / "store.json").unlink()
+    (edited.folder / "units" / "000000.json").unlink()
     calls = counting.calls
-    assert prepare_cached(src, counting, cache).path == edited_path and counting.calls > calls
+    finished, _ = cached_store(src, counting, cache, report=False)
+    assert finished.folder == edited.folder and counting.calls > calls
+    assert finished.array().tolist() == edited.array().tolist()

@@ -6,12 +6,16 @@ import json
 import numpy as np
 import pytest
 
-from hybridpar.data import Tokenizer, formats, prepare_cached, prepare_tokens, tokenise
+from hybridpar.data import Tokenizer, cached_store, formats, prepare_store, tokenise
 from tests.data.bpe_files import MIXED_TEXT, write_wide_tiktoken_file
 
 
 def expected_tokens(tokenizer, documents):
     return [i for doc in documents for i in tokenizer.encode(doc, eos=True)]
+
+
+def make_store(source, tokenizer, out):
+    return prepare_store(source, tokenizer, out, workers=1, report=False)
 
 
 def write_jsonl(path, texts):
@@ -20,7 +24,7 @@ def write_jsonl(path, texts):
 
 
 def check_file(name, token_file, expected):
-    ours = token_file.tokens.tolist()
+    ours = token_file.array().tolist()
     mismatches = sum(a != b for a, b in zip(ours, expected)) + abs(len(ours) - len(expected))
     print(f"{name}: {len(expected)} ids compared, {mismatches} mismatches")
     assert mismatches == 0
@@ -30,10 +34,10 @@ def check_file(name, token_file, expected):
 def test_token_file_equals_the_tokenizers_ids(which, tiktoken_tokenizer, hf_tokenizer, corpus_sample, tmp_path):
     tok = tiktoken_tokenizer if which == "tiktoken" else hf_tokenizer
     docs = corpus_sample[:30] + [MIXED_TEXT, "short", "line one\nline two"]
-    tf = prepare_tokens(write_jsonl(tmp_path / "docs.jsonl", docs), tok, tmp_path / "out.bin")
+    tf = make_store(write_jsonl(tmp_path / "docs.jsonl", docs), tok, tmp_path / "out.bin")
     check_file(which, tf, expected_tokens(tok, docs))
     assert (tf.dtype, tf.vocab_size, tf.eos_id, tf.tokenizer_sha256) == (np.uint16, tok.vocab_size, tok.eos_id, tok.sha256)
-    assert int((tf.tokens == tok.eos_id).sum()) == len(docs)
+    assert int((tf.array() == tok.eos_id).sum()) == len(docs)
 
 
 @pytest.mark.parametrize("which", ["tiktoken", "huggingface"])
@@ -47,29 +51,30 @@ def test_long_documents_cut_in_pieces_tokenise_as_whole(which, tiktoken_tokenize
     long_doc = "\n".join(corpus_sample[:40]) + "\n\n  indented tail\n" + MIXED_TEXT * 3 + "end.\n\n\n \n  \nlast"
     (tmp_path / "long.txt").write_text(long_doc)
     src = write_jsonl(tmp_path / "long.jsonl", [long_doc, corpus_sample[41]])
-    tf = prepare_tokens([tmp_path / "long.txt", src], tok, tmp_path / "out.bin")
+    tf = make_store([tmp_path / "long.txt", src], tok, tmp_path / "out.bin")
     as_read = long_doc.replace("\r\n", "\n")  # a .txt is read with universal newlines
     check_file(f"{which}, cut in pieces", tf, expected_tokens(tok, [as_read, long_doc, corpus_sample[41]]))
 
 
 def test_cache_is_keyed_by_the_tokenizer(tiktoken_tokenizer, hf_tokenizer, tokenizer, tmp_path):
     src = write_jsonl(tmp_path / "c.jsonl", ["first document", MIXED_TEXT])
-    files = {tok.kind: prepare_cached(src, tok, tmp_path / "cache") for tok in (tiktoken_tokenizer, hf_tokenizer, tokenizer)}
-    assert len({tf.path for tf in files.values()}) == 3
-    again = prepare_cached(src, Tokenizer(tiktoken_tokenizer.path), tmp_path / "cache")
-    assert again.path == files["tiktoken"].path and again.tokenizer_sha256 == tiktoken_tokenizer.sha256
+    files = {tok.kind: cached_store(src, tok, tmp_path / "cache", report=False)[0]
+             for tok in (tiktoken_tokenizer, hf_tokenizer, tokenizer)}
+    assert len({tf.folder for tf in files.values()}) == 3
+    again, _ = cached_store(src, Tokenizer(tiktoken_tokenizer.path), tmp_path / "cache", report=False)
+    assert again.folder == files["tiktoken"].folder and again.tokenizer_sha256 == tiktoken_tokenizer.sha256
     for kind, tok in [("tiktoken", tiktoken_tokenizer), ("huggingface", hf_tokenizer)]:
-        assert files[kind].tokens.tolist() == expected_tokens(tok, ["first document", MIXED_TEXT])
+        assert files[kind].array().tolist() == expected_tokens(tok, ["first document", MIXED_TEXT])
 
 
 def test_ids_above_65535_make_a_uint32_file(tmp_path):
     write_wide_tiktoken_file(tmp_path / "wide.model")
     tok = Tokenizer(tmp_path / "wide.model")
     docs = [MIXED_TEXT, "ÿ\x7f" * 20]
-    tf = prepare_tokens(write_jsonl(tmp_path / "docs.jsonl", docs), tok, tmp_path / "wide.bin")
+    tf = make_store(write_jsonl(tmp_path / "docs.jsonl", docs), tok, tmp_path / "wide.bin")
     expected = expected_tokens(tok, docs)
     assert tf.dtype == np.uint32 and max(expected) == tok.eos_id == 65_793
-    assert (tmp_path / "wide.bin").stat().st_size == 4 * len(expected)
+    assert sum(s["size"] for s in tf.shards) == 4 * len(expected)
     check_file("uint32", tf, expected)
 
 

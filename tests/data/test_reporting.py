@@ -1,5 +1,6 @@
-"""What preparing data says on stderr, and who says it: the process doing the work, whatever its
-rank; a process that finds the work done, or waits for another to finish it, stays quiet."""
+"""What preparing data says on stderr, and who says it: rank 0 reports a store's preparation (every
+process takes units of it); a tokenizer is announced by the process that trains it, whatever its
+rank; a process that finds the work done stays quiet."""
 
 import json
 import logging
@@ -7,11 +8,12 @@ import re
 import threading
 import time
 
-from hybridpar.data import build_data, formats, load_or_train_tokenizer, prepare_cached, prepare_tokens
+from hybridpar.data import build_data, formats, load_or_train_tokenizer, prepare_store
 from tests.data.conftest import SAMPLE_VOCAB
 from tests.runs import make_config
 
-PROGRESS = re.compile(r"tokenising: [\d.]+ (B|KiB) of [\d.]+ KiB \(\d+%\)(, about \d+ s left)? \[\d+ s\]")
+PROGRESS = re.compile(r"preparing .*: [\d.]+ (B|KiB) of [\d.]+ KiB \(\d+%\), [\d.]+ (B|KiB|MiB)/s, [\d,]+ tokens/s"
+                      r"(, about \d+ s left)? \[\d+ s\]")
 
 
 def sources(tmp_path, corpus_sample):
@@ -31,59 +33,63 @@ def test_progress_on_the_reporting_process_and_nothing_on_the_others(tmp_path, t
                                                                      capsys, monkeypatch):
     monkeypatch.setattr(formats, "PIECE_CHARS", 2000)  # the .txt file is read in several pieces
     files = sources(tmp_path, corpus_sample)
-    tf = prepare_tokens(files, tokenizer, tmp_path / "a.bin", progress_every=0.0)  # no group: rank 0 reports
+    # no process group: this process is rank 0, and reports
+    tf = prepare_store(files, tokenizer, tmp_path / "a", workers=1, progress_every=0.0)
     lines = capsys.readouterr().err.splitlines()
-    assert lines[0] == f"tokenising {files[0]}, {files[1]} into {tmp_path / 'a.bin'}"
+    assert lines[0] == f"preparing {files[0]}, {files[1]} into the token store {tmp_path / 'a'}"
     assert len(lines) >= 8 and all(PROGRESS.fullmatch(line) for line in lines[1:-1]), lines
     assert "(100%)" in lines[-2] and "(100%)" not in lines[-3]  # every byte of both files, once
-    assert lines[-1].startswith("tokenising: done, ")
-    assert lines[-1].endswith(f" s: {tf.n_tokens:,} tokens in {tf.n_documents:,} documents")
+    assert lines[-1].startswith(f"preparing {tmp_path / 'a'}: done, ")
+    assert lines[-1].endswith(f" s: {tf.n_tokens:,} tokens")
 
     pretend_rank(monkeypatch, 1)
-    assert prepare_tokens(files, tokenizer, tmp_path / "b.bin", progress_every=0.0).n_tokens == tf.n_tokens
+    assert prepare_store(files, tokenizer, tmp_path / "b", workers=1, progress_every=0.0).n_tokens == tf.n_tokens
     assert capsys.readouterr().err == ""
 
 
 class HeldTokenizer:
-    """Holds its first encode until released, keeping prepare_cached's lock taken meanwhile."""
+    """Holds its first encode until released, keeping the lock of the unit it prepares taken meanwhile."""
 
     def __init__(self, inner):
         self.inner, self.entered, self.release = inner, threading.Event(), threading.Event()
         self.vocab_size, self.eos_id, self.sha256, self.path = inner.vocab_size, inner.eos_id, inner.sha256, inner.path
+        self.texts: list[str] = []
 
     def encode_batch(self, texts):
+        self.texts += texts
         self.entered.set()
         assert self.release.wait(30)
         return self.inner.encode_batch(texts)
 
 
-def test_the_preparing_process_reports_whatever_its_rank_and_waiting_ones_stay_quiet(
-        tmp_path, tokenizer, corpus_sample, capsys, caplog, monkeypatch):
-    files, cache = sources(tmp_path, corpus_sample), tmp_path / "cache"
-    pretend_rank(monkeypatch, 3)  # the first process to take the lock need not be rank 0
-    first = prepare_cached(files, tokenizer, cache, progress_every=0.0)
-    err = capsys.readouterr().err
-    assert f"into {first.path}, once: later runs reuse it\n" in err and "tokenising: done" in err
-
-    assert prepare_cached(files, tokenizer, cache, progress_every=0.0).path == first.path  # found: quiet
-    assert capsys.readouterr().err == ""
-
-    # One process prepares (quietly here), another waits for its lock and then finds the file.
-    caplog.set_level(logging.INFO, logger="hybridpar.files")
+def test_processes_preparing_one_store_share_its_units_and_wait_for_each_other(tmp_path, tokenizer, corpus_sample,
+                                                                              capsys):
+    """Two preparations of one store at once (the ranks of a job): the second takes the units the
+    first does not hold, then waits for the one it holds; both end with the same complete store."""
+    files = sources(tmp_path, corpus_sample)
     held, found = HeldTokenizer(tokenizer), []
-    preparer = threading.Thread(target=prepare_cached, args=(files[:1], held, cache), kwargs={"report": False})
-    preparer.start()
-    assert held.entered.wait(30)
-    waiter = threading.Thread(target=lambda: found.append(prepare_cached(files[:1], tokenizer, cache,
-                                                                         progress_every=0.0)))
-    waiter.start()
+    kwargs = dict(workers=1, report=False, unit_bytes=4000)
+    first = threading.Thread(target=lambda: found.append(prepare_store(files, held, tmp_path / "s", **kwargs)))
+    first.start()
+    assert held.entered.wait(30)  # the first holds unit 0, stopped inside it
+    second = threading.Thread(target=lambda: found.append(prepare_store(files, tokenizer, tmp_path / "s", **kwargs)))
+    second.start()
     deadline = time.monotonic() + 30
-    while "another process is preparing it" not in caplog.text and time.monotonic() < deadline:
+    units = len(json.loads((tmp_path / "s" / "plan.json").read_text())["units"]) if (tmp_path / "s" / "plan.json").exists() else 0
+    while len(list((tmp_path / "s" / "units").glob("*.json"))) < units - 1 and time.monotonic() < deadline:
         time.sleep(0.01)
+    assert len(list((tmp_path / "s" / "units").glob("*.json"))) == units - 1 > 1  # all but the held one
+    assert second.is_alive()  # waiting for unit 0
     held.release.set()
-    preparer.join(30)
-    waiter.join(30)
-    assert "another process is preparing it" in caplog.text and len(found) == 1
+    first.join(30)
+    second.join(30)
+    assert len(found) == 2 and found[0].array().tolist() == found[1].array().tolist()
+    # The first made unit 0 (the .txt file) only: the second made every unit of the .jsonl file.
+    # (its pieces, each continuation after a newline, and one newline alone: the separator's own ids)
+    txt = files[0].read_text()
+    assert len(txt) <= sum(map(len, held.texts)) <= len(txt) + len(held.texts), (len(txt), len(held.texts))
+    alone = prepare_store(files, tokenizer, tmp_path / "alone", **kwargs)
+    assert alone.array().tolist() == found[0].array().tolist()
     assert capsys.readouterr().err == ""
 
 
@@ -106,7 +112,7 @@ def test_the_trainer_data_speaks_from_the_process_that_prepares(corpus, tmp_path
     build_data(config.data)
     err = capsys.readouterr().err
     assert "training a 512-token sentencepiece tokenizer on " + corpus["source"] in err
-    assert "sentencepiece is building" in err and ", once: later runs reuse it\n" in err
+    assert "sentencepiece is building" in err and "preparing" not in err  # rank 0 reports the store
     pretend_rank(monkeypatch, 0)
     build_data(config.data)  # everything cached: nothing to say
     assert capsys.readouterr().err == ""

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hybridpar.data import default_corpus_documents, prepare_tokens
+from hybridpar.data import default_corpus_documents
 from hybridpar.data.store import MANIFEST, TokenStore, verify_store
 from hybridpar.data.store_build import prepare_store
 
@@ -53,10 +53,9 @@ def formats(tmp_path_factory, documents) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, formats, tokenizer) -> np.ndarray:
-    """The tokens of the .jsonl as the single-file preparation makes them."""
-    out = tmp_path_factory.mktemp("flat") / "flat.bin"
-    return np.asarray(prepare_tokens(formats["jsonl"], tokenizer, out, report=False).tokens)
+def reference(documents, tokenizer) -> np.ndarray:
+    """The tokens of the documents as the tokenizer makes them, EOS after each."""
+    return np.array([i for d in documents for i in tokenizer.encode(d, eos=True)], dtype=np.uint16)
 
 
 def _tokens(store: TokenStore) -> np.ndarray:
@@ -189,3 +188,92 @@ def test_data_source_takes_a_store_made_with_the_run_tokenizer(formats, tokenize
         build_data(SimpleNamespace(**{**vars(d), "tokenizer": str(bpe_files[0])}))
     with pytest.raises(ValueError, match=r"prepared without a validation split: prepare it with --val-fraction 0.1"):
         build_data(SimpleNamespace(**{**vars(d), "val_fraction": 0.1}))
+
+
+def test_the_documented_data_commands_parse():
+    """Every hybridpar command docs/data.md shows, and README's prepare and verify lines, is taken
+    by the parser; a train command's config and overrides load (blends checked)."""
+    import shlex
+
+    from hybridpar.cli import build_parser
+    from hybridpar.config import find_config, load_config
+
+    lines = [line.split("#")[0].strip() for line in (ROOT / "README.md").read_text().splitlines()
+             if line.strip().startswith(("hybridpar prepare", "hybridpar verify /data"))]
+    docs = [line.strip() for line in (ROOT / "docs" / "data.md").read_text().splitlines()
+            if line.startswith("    hybridpar ")]
+    assert len(lines) >= 3 and len(docs) >= 7, (lines, docs)
+    for line in lines + docs:
+        args, extra = build_parser().parse_known_args(shlex.split(line)[1:])
+        if args.func.__name__ == "_cmd_train":
+            load_config(find_config(args.config), extra)
+        else:
+            assert not extra and args.func.__name__ in ("_cmd_prepare", "_cmd_verify"), line
+
+
+# --- inside a training job -----------------------------------------------------------------------
+
+TIMEOUT = 4.0  # the job's parallel.init_timeout and diagnostics.train_timeout
+
+
+def _case_slow_preparation(source: str, cache: str, run_dir: str) -> dict:
+    """Train 2 steps on a source the job must prepare, every tokenizer batch slowed to 1.5 s (a
+    test-side fault), so that preparing takes longer than the job's set-up and step timeouts
+    together (while each batch moves the preparation on within them)."""
+    import time
+
+    from hybridpar.data.tokenizer import Tokenizer
+    from hybridpar.train import Trainer
+    from tests.runs import make_config
+
+    config = make_config({"source": source, "cache_dir": cache}, run_dir, dp=2, steps=2,
+                         **{"parallel.init_timeout": TIMEOUT, "diagnostics.train_timeout": TIMEOUT})
+    original = Tokenizer.encode_batch_numpy
+
+    def slow(self, texts):
+        time.sleep(1.5)
+        return original(self, texts)
+
+    from hybridpar.data import load_or_train_tokenizer  # noqa: F401 - the tokenizer is trained unslowed
+    Tokenizer.encode_batch_numpy = slow
+    started = time.monotonic()
+    try:
+        trainer = Trainer(config)
+        set_up = time.monotonic() - started
+        history = trainer.run()
+    finally:
+        Tokenizer.encode_batch_numpy = original
+    return {"steps": len(history), "set_up": set_up, "hang_report": (Path(run_dir) / "hang_report.json").exists()}
+
+
+def test_a_long_preparation_in_the_job_is_not_a_hang(workers, documents, tmp_path):
+    source = tmp_path / "docs.jsonl"
+    source.write_text("".join(json.dumps({"text": d}) + "\n" for d in documents * 2))
+    results = workers(2).run(_case_slow_preparation, str(source), str(tmp_path / "cache"), str(tmp_path / "run"))
+    print(f"\nset-up (mostly preparing) {results[0]['set_up']:.1f} s with {TIMEOUT:g} s timeouts, then 2 steps")
+    assert results[0]["set_up"] > 2 * TIMEOUT  # the preparation outlasted both timeouts
+    assert all(r["steps"] == 2 and not r["hang_report"] for r in results), results
+    stores = list((tmp_path / "cache").glob("store-*/store.json"))
+    assert len(stores) == 1  # one store, prepared once for both ranks
+
+
+def test_the_sbatch_example_as_two_array_tasks(formats, tokenizer, tmp_path):
+    """launch/prepare.sh run as tasks 0 and 1 of an array of two (the variables Slurm sets): the
+    first leaves the store incomplete, the second completes it, equal to one pass."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "SOURCES": f"{formats['parquet']} {formats['jsonl']}",
+           "TOKENIZER": str(tokenizer.path), "OUT": str(tmp_path / "store"), "WORKERS": "1",
+           "SLURM_ARRAY_TASK_COUNT": "2", "SLURM_ARRAY_TASK_MIN": "0", "PREPARE_ARGS": "--unit-mb 0.04"}
+    script = ROOT / "launch" / "prepare.sh"
+    first = subprocess.run(["bash", str(script)], env={**env, "SLURM_ARRAY_TASK_ID": "0"}, capture_output=True,
+                           text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "part 0/2" in first.stderr and not (tmp_path / "store" / MANIFEST).exists()
+    second = subprocess.run(["bash", str(script)], env={**env, "SLURM_ARRAY_TASK_ID": "1"}, capture_output=True,
+                            text=True, timeout=300)
+    assert second.returncode == 0 and "complete" in second.stdout, second.stderr[-3000:]
+    one = prepare_store([formats["parquet"], formats["jsonl"]], tokenizer, tmp_path / "one", workers=1,
+                        unit_bytes=int(0.04 * 2**20), report=False)
+    assert TokenStore(tmp_path / "store").meta["parts"] == one.meta["parts"]
+    missing = subprocess.run(["bash", str(script)], env={k: v for k, v in env.items() if k != "TOKENIZER"},
+                             capture_output=True, text=True)
+    assert missing.returncode != 0 and "set TOKENIZER" in missing.stderr

@@ -31,7 +31,10 @@ MAX_SHARD_TOKENS = 1 << 28  # 512 MB of uint16 a file
 
 
 class StoreError(ValueError):
-    """A store that is incomplete, damaged or made for something else, with what to do."""
+    """A store that is incomplete, damaged or made for something else, with what to do. Every rank
+    of a job reads the same store and meets the same error: said once."""
+
+    every_rank = True  # hybridpar.ranks.raised_by_every_rank
 
 
 def is_store(path: PathLike) -> bool:

@@ -224,6 +224,7 @@ def prepare_store(source: Source, tokenizer, out: PathLike, *, text_field: str =
     training job's watchdog: a long preparation is progress, not a hang)."""
     from hybridpar.data.tokenizer import limit_threads
 
+    started = time.time()
     plan = make_plan(source, tokenizer, out, text_field=text_field, val_fraction=val_fraction,
                      on_bad_record=on_bad_record, unit_bytes=unit_bytes)
     limit_threads(1)  # one tokenizer thread per process: the workers (or a job's ranks) are the parallelism
@@ -245,7 +246,10 @@ def prepare_store(source: Source, tokenizer, out: PathLike, *, text_field: str =
             _wait_for_others(plan, mine, tokenizer, progress)
         progress.summary = f"{progress.rates['tokens']:,.0f} tokens"
     if all(_record(plan, i) is not None for i in range(len(plan.units))):
-        return merge_store(plan.folder)
+        store = merge_store(plan.folder)
+        if report is not False and not (plan.folder / MANIFEST).stat().st_mtime < started:
+            report_skipped(store)  # once, by the process that completed it
+        return store
     if parts > 1:
         progress.note(f"part {index}/{parts} of {plan.folder} is done; the store is complete once every part is "
                       f"(the last part to finish writes its manifest, or: hybridpar prepare --merge --out {plan.folder})")
@@ -346,6 +350,16 @@ def merge_store(out: PathLike) -> TokenStore:
     return TokenStore(folder)
 
 
+def report_skipped(store: TokenStore) -> None:
+    """One line per source file whose bad records were skipped (data.on_bad_record = "skip")."""
+    from hybridpar.progress import note
+
+    for f in store.meta["files"]:
+        if f["skipped"]:
+            note(f"{f['path']}: {f['skipped']:,} bad records skipped (no text, or not a string) of "
+                 f"{f['skipped'] + f['documents']:,}")
+
+
 def _check_sources(data: dict, files: list[SourceFile]) -> None:
     """The input must not have changed while the store was made: sizes and mtimes as planned."""
     for described, f in zip(data["sources"]["files"], files):
@@ -405,10 +419,8 @@ def prepare_command(args) -> int:
                           workers=args.workers or None, part=(index, parts), report=True,
                           unit_bytes=max(1, int(args.unit_mb * 2**20)))
     if store is not None:
-        skipped = sum(f["skipped"] for f in store.meta["files"])
         print(f"{store.folder}: complete, {store.n_tokens:,} tokens in {store.n_documents:,} documents"
-              + (f", {skipped:,} bad records skipped" if skipped else "")
-              + f"; train on it with --data.source {store.folder}")
+              f"; train on it with --data.source {store.folder}")
     return 0
 
 

@@ -242,12 +242,23 @@ def plot_dashboard(jsonl_path: Path, png_path: Path, title: Optional[str] = None
     if val:
         loss_ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], color="tab:orange", marker="o", lw=2,
                      label="validation")
+    for name in sorted({k.split("/", 1)[1] for r in val for k in r if k.startswith("val_loss/")}):
+        points = [(r["step"], r[f"val_loss/{name}"]) for r in val if f"val_loss/{name}" in r]
+        loss_ax.plot(*zip(*points), marker=".", lw=1, ls="--", label=f"validation: {name}")
     loss_ax.set_title("loss")
     loss_ax.legend(loc="upper right", fontsize=9)
 
     lr_ax.plot(*series("lr"), color="tab:green", lw=2)
     lr_ax.set_title("learning rate")
     lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    sources = sorted({k.split("/", 1)[1] for r in train for k in r if k.startswith("tokens/")})
+    if sources:  # a blend: the tokens trained on from each source, on the right
+        share_ax = lr_ax.twinx()
+        for name in sources:
+            share_ax.plot(*series(f"tokens/{name}", 1e-6), lw=1.5, ls="--", label=name)
+        share_ax.set_ylabel("tokens per source (M)")
+        share_ax.legend(loc="lower right", fontsize=9)
+        lr_ax.set_title("learning rate; tokens per source (right)")
 
     speed_steps, speed = series("tokens_per_s")
     speed_ax.plot(speed_steps, speed, color="tab:purple", lw=2)

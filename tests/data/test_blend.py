@@ -177,3 +177,12 @@ def test_a_resume_continues_the_blend_exactly(straight, workers, blend_sources, 
                   enumerate(zip(resumed["losses"], straight["losses"][HALF:]))}
         assert len(errors) == STEPS - HALF
         check_close("blend resumed at mp1 x dp4", errors, 1e-5)
+
+
+def test_the_dashboard_draws_each_source(straight, tmp_path):
+    from hybridpar.train.metrics import plot_dashboard
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in straight["rows"]))
+    png = plot_dashboard(metrics, tmp_path / "loss.png")
+    assert png.stat().st_size > 10_000

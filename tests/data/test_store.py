@@ -136,7 +136,7 @@ def test_the_command_killed_midway_finishes_the_same_store(formats, tokenizer, t
 
 # --- bad input ------------------------------------------------------------------------------------
 
-def test_bad_records_are_named_or_skipped_and_counted(tmp_path, tokenizer):
+def test_bad_records_are_named_or_skipped_and_counted(tmp_path, tokenizer, capsys):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -145,9 +145,9 @@ def test_bad_records_are_named_or_skipped_and_counted(tmp_path, tokenizer):
                                          r"data.on_bad_record = \"skip\""):
         prepare_store(tmp_path / "nulls.parquet", tokenizer, tmp_path / "s1", workers=1, report=False)
     assert not (tmp_path / "s1" / MANIFEST).exists()
-    store = prepare_store(tmp_path / "nulls.parquet", tokenizer, tmp_path / "s2", workers=1, report=False,
-                          on_bad_record="skip")
+    store = prepare_store(tmp_path / "nulls.parquet", tokenizer, tmp_path / "s2", workers=1, on_bad_record="skip")
     assert store.meta["files"][0]["skipped"] == 1 and store.n_documents == 2
+    assert f"{tmp_path / 'nulls.parquet'}: 1 bad records skipped" in capsys.readouterr().err
     pq.write_table(pa.table({"content": ["x"], "id": [1]}), tmp_path / "other.parquet")
     with pytest.raises(ValueError, match=r"other.parquet has no column 'text' \(its columns: content, id\); set "
                                          r"data.text_field"):
@@ -277,3 +277,22 @@ def test_the_sbatch_example_as_two_array_tasks(formats, tokenizer, tmp_path):
     missing = subprocess.run(["bash", str(script)], env={k: v for k, v in env.items() if k != "TOKENIZER"},
                              capture_output=True, text=True)
     assert missing.returncode != 0 and "set TOKENIZER" in missing.stderr
+
+
+def test_merge_writes_the_manifest_once_every_part_is_done(formats, tokenizer, tmp_path):
+    source = [formats["parquet"], formats["jsonl"]]
+    kwargs = dict(workers=1, unit_bytes=UNIT, report=False)
+    assert prepare_store(source, tokenizer, tmp_path / "s", part=(0, 3), **kwargs) is None
+    from hybridpar.cli import main
+
+    assert main(["prepare", "--merge", "--out", str(tmp_path / "s")]) == 2  # parts 1 and 2 are missing
+    assert not (tmp_path / "s" / MANIFEST).exists()
+    # the other parts, as other nodes would run them, but without completing the store themselves
+    from hybridpar.data.store_build import build_unit, make_plan, part_of
+
+    plan = make_plan(source, tokenizer, tmp_path / "s", unit_bytes=UNIT)
+    for i in part_of(plan, 1, 3) + part_of(plan, 2, 3):
+        build_unit(plan, i, tokenizer)
+    assert main(["prepare", "--merge", "--out", str(tmp_path / "s")]) == 0
+    one = prepare_store(source, tokenizer, tmp_path / "one", **kwargs)
+    assert TokenStore(tmp_path / "s").meta["parts"] == one.meta["parts"]

@@ -70,7 +70,7 @@ class BlendedLoader:
         self.seed, self.on_exhausted = seed, on_exhausted
         self.counts = [0] * len(sources)  # sequences the whole group consumed, per source
         self._permutations: dict[tuple[int, int], np.ndarray] = {}
-        self._said_epoch = [0] * len(sources)
+        self._said = [False] * len(sources)
 
     def __iter__(self) -> "BlendedLoader":
         return self
@@ -89,19 +89,25 @@ class BlendedLoader:
         return [c * s.dataset.seq_len for c, s in zip(self.counts, self.sources)]
 
     def _check_epoch(self, s: int, k: int) -> None:
-        """Sequence k of source s starts a new epoch: said once (rank 0), or the end with "stop".
-        Asked for every sequence of the group, so every rank stops at the same step."""
+        """Sequence k of source s is past its data: said once (rank 0; later epochs are counted in
+        `epochs`), or the end with "stop". Asked for every sequence of the group, so every rank
+        stops at the same step."""
         n = len(self.sources[s].dataset)
-        epoch = k // n
-        if epoch > 0 and self.on_exhausted == "stop":
+        if k < n:
+            return
+        if self.on_exhausted == "stop":
             raise SourceExhaustedError(
                 f"data source {self.sources[s].name!r} ran out after {n:,} sequences (all of its data, once): set "
                 "data.on_exhausted = \"repeat\" to go through it again, give it more data or a lower weight")
-        if epoch > self._said_epoch[s]:
-            self._said_epoch[s] = epoch
-            if self.dp_rank == 0:
-                note(f"data: source {self.sources[s].name!r} ran out after {n:,} sequences; repeating it "
-                     f"(epoch {epoch + 1})")
+        if not self._said[s]:
+            self._said[s] = True
+            note(f"data: source {self.sources[s].name!r} ran out after {n:,} sequences; repeating it in a new order "
+                 "(its epochs are counted in summary.json)")
+
+    @property
+    def epochs(self) -> list[float]:
+        """Passes through each source's data so far (1.5: once and a half)."""
+        return [c / len(s.dataset) for c, s in zip(self.counts, self.sources)]
 
     def _window(self, s: int, k: int) -> torch.Tensor:
         n = len(self.sources[s].dataset)
@@ -162,4 +168,5 @@ def describe_blend(loader) -> list[dict]:
     """summary.json's "sources": name, weight and tokens trained on, per source ([] unless a blend)."""
     if not isinstance(loader, BlendedLoader):
         return []
-    return [{"name": n, "weight": w, "tokens": t} for n, w, t in zip(loader.names, loader.weights, loader.tokens)]
+    return [{"name": n, "weight": w, "tokens": t, "epochs": round(e, 6)}
+            for n, w, t, e in zip(loader.names, loader.weights, loader.tokens, loader.epochs)]

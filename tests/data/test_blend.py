@@ -54,9 +54,11 @@ def test_a_source_that_runs_out_repeats_said_once_or_stops_the_run(capsys):
         inputs, _ = next(loader)
         for row in inputs.tolist():
             seen[row[0]].append(row[1])
-    assert loader.counts == [32, 8]
+    assert loader.counts == [32, 8] and loader.epochs[1] == 8 / 3
+    epochs = [[int(loader._window(1, k)[1]) for k in range(e * 3, e * 3 + 3)] for e in range(3)]
+    assert all(sorted(e) == [0, 1, 2] for e in epochs) and len({tuple(e) for e in epochs}) > 1, epochs  # new orders
     err = capsys.readouterr().err
-    assert err.count("source 'small' ran out after 3 sequences; repeating it") == 2  # epochs 2 and 3, once each
+    assert err.count("source 'small' ran out after 3 sequences; repeating it") == 1  # said once
     stopping = blend_loader(sources, dp_rank=0, dp_size=2, micro_batch_size=5, seed=0, on_exhausted="stop")
     next(stopping)  # 2 of small's 3
     with pytest.raises(SourceExhaustedError, match=r"data source 'small' ran out after 3 sequences .* set "

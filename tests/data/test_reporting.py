@@ -3,7 +3,6 @@ process takes units of it); a tokenizer is announced by the process that trains 
 rank; a process that finds the work done stays quiet."""
 
 import json
-import logging
 import re
 import threading
 import time

@@ -234,7 +234,6 @@ def _case_slow_preparation(source: str, cache: str, run_dir: str) -> dict:
         time.sleep(1.5)
         return original(self, texts)
 
-    from hybridpar.data import load_or_train_tokenizer  # noqa: F401 - the tokenizer is trained unslowed
     Tokenizer.encode_batch_numpy = slow
     started = time.monotonic()
     try:

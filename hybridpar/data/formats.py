@@ -197,15 +197,18 @@ def cut(text: str) -> Iterator[str]:
         start = end
 
 
-def _bad(where: str, why: str, on_bad_record: str, tally: Tally, fix: str = "fix the record") -> None:
+def _bad(where: Callable[[], str], why: str, on_bad_record: str, tally: Tally, fix: str = "fix the record") -> None:
+    """A bad record: counted when skipping, else an error naming it (`where()`: asked only then)."""
     if on_bad_record == "skip":
         tally.skipped += 1
         return
-    raise DataFormatError(f"{where}: {why}; {fix}, or set data.on_bad_record = \"skip\" to skip such records "
+    raise DataFormatError(f"{where()}: {why}; {fix}, or set data.on_bad_record = \"skip\" to skip such records "
                           "(they are counted)")
 
 
-def _text_of(value, where: str, text_field: str, on_bad_record: str, tally: Tally) -> Optional[str]:
+def _text_of(value, where: Callable[[], str], text_field: str, on_bad_record: str, tally: Tally) -> Optional[str]:
+    """`value` if it is text; else the bad record counted or said. `where()` names the record, asked
+    only for an error: finding a line's number reads the file before it."""
     if isinstance(value, str):
         return value
     why = f"{text_field!r} is null" if value is None else f"{text_field!r} is a {type(value).__name__}, not a string"
@@ -235,7 +238,7 @@ def _table_texts(unit: Unit, text_field: str, on_bad_record: str, tally: Tally, 
     for column, size in zip(parts, sizes):
         for value in column.to_pylist():
             row += 1
-            text = _text_of(value, f"{path}: row {row}", text_field, on_bad_record, tally)
+            text = _text_of(value, lambda: f"{path}: row {row}", text_field, on_bad_record, tally)
             if text is not None:
                 yield text
         if on_bytes is not None:
@@ -243,18 +246,15 @@ def _table_texts(unit: Unit, text_field: str, on_bad_record: str, tally: Tally, 
 
 
 def _jsonl_texts(unit: Unit, text_field: str, on_bad_record: str, tally: Tally, on_bytes: OnBytes) -> Iterator[str]:
-    path = unit.file.path
-    first_line = None  # the line number where the unit starts, counted only for a message
+    path, line_index = unit.file.path, 0
+
+    def where() -> str:  # the line's number in the file: counted only for a message
+        before = _lines_before(path, unit.start) if unit.file.kind == "jsonl" else 0
+        return f"{path}:{before + line_index + 1}"
+
     for line_index, line in _lines(unit, on_bytes):
         if not line.strip():
             continue
-
-        def where() -> str:
-            nonlocal first_line
-            if first_line is None:
-                first_line = _lines_before(path, unit.start) if unit.file.kind == "jsonl" else 0
-            return f"{path}:{first_line + line_index + 1}"
-
         try:
             record = json.loads(line)
         except ValueError as err:  # JSONDecodeError, or bytes that are not UTF-8
@@ -265,16 +265,20 @@ def _jsonl_texts(unit: Unit, text_field: str, on_bad_record: str, tally: Tally, 
                                   f"{text_field!r} field")
         if text_field not in record:
             fields = ", ".join(sorted(record)[:10])
-            _bad(where(), f"no {text_field!r} field (it has: {fields})", on_bad_record, tally,
+            _bad(where, f"no {text_field!r} field (it has: {fields})", on_bad_record, tally,
                  "set data.text_field to the field that holds the text")
             continue
-        text = _text_of(record[text_field], where(), text_field, on_bad_record, tally)
+        text = _text_of(record[text_field], where, text_field, on_bad_record, tally)
         if text is not None:
             yield text
 
 
 def _lines_before(path: Path, offset: int) -> int:
-    count = 0
+    """How many lines start before byte `offset`: the index of the first line a unit starting there
+    reads (a line starts at 0 and after each newline, so: 1 + the newlines in bytes 0..offset-2)."""
+    if offset <= 0:
+        return 0
+    count, offset = 1, offset - 1
     with open(path, "rb") as f:
         while offset > 0:
             block = f.read(min(_READ, offset))

@@ -155,6 +155,13 @@ def test_bad_records_are_named_or_skipped_and_counted(tmp_path, tokenizer, capsy
     (tmp_path / "rec.jsonl").write_text('{"text": "ok"}\n{"body": "x"}\n')
     with pytest.raises(ValueError, match=r"rec.jsonl:2: no 'text' field \(it has: body\)"):
         prepare_store(tmp_path / "rec.jsonl", tokenizer, tmp_path / "s4", workers=1, report=False)
+    # deep in a file read in several units, the line is still named by its number in the file
+    lines = [json.dumps({"text": f"document {i} " * 20}) for i in range(3000)]
+    lines[2718] = json.dumps({"text": None})
+    (tmp_path / "long.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=r"long.jsonl:2719: 'text' is null"):
+        prepare_store(tmp_path / "long.jsonl", tokenizer, tmp_path / "s5", workers=1, report=False, unit_bytes=UNIT)
+    assert len(json.loads((tmp_path / "s5" / "plan.json").read_text())["units"]) > 5
 
 
 @pytest.mark.parametrize("kind", ["jsonl.zst", "jsonl.gz"])
@@ -295,3 +302,14 @@ def test_merge_writes_the_manifest_once_every_part_is_done(formats, tokenizer, t
     assert main(["prepare", "--merge", "--out", str(tmp_path / "s")]) == 0
     one = prepare_store(source, tokenizer, tmp_path / "one", **kwargs)
     assert TokenStore(tmp_path / "s").meta["parts"] == one.meta["parts"]
+
+
+def test_a_units_first_line_number_counts_the_lines_before_it(tmp_path):
+    """formats._lines_before against a direct count of line starts, at every byte offset."""
+    from hybridpar.data.formats import _lines_before
+
+    data = b"ab\n\ncde\nf\n\nghij"
+    (tmp_path / "f.jsonl").write_bytes(data)
+    starts = [0] + [i + 1 for i, b in enumerate(data) if b == ord("\n")]
+    assert [_lines_before(tmp_path / "f.jsonl", off) for off in range(len(data) + 1)] == \
+        [sum(s < off for s in starts) for off in range(len(data) + 1)]

@@ -266,6 +266,28 @@ def sha256_file(path: PathLike, chunk_bytes: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
+CRC_CHUNK = 8 << 20  # bytes read at a time when summing a file: large enough to keep the disk streaming
+
+
+def crc32c_file(path: PathLike, progress: Optional[Callable[[int], object]] = None) -> tuple[int, int]:
+    """(size, CRC-32C) of the file at `path` as it is now, read once front to back; `progress(n)`
+    hears of each chunk (checkpoint checksums, token store shards)."""
+    import crc32c
+
+    value, size = 0, 0
+    buf = bytearray(CRC_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        while n := f.readinto(buf):
+            value = crc32c.crc32c(view[:n], value)  # releases the GIL: reader threads go on meanwhile
+            size += n
+            if progress is not None:
+                progress(n)
+    return size, value
+
+
 def sha256_text(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 

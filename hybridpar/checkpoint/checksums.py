@@ -24,12 +24,11 @@ from typing import Any, Callable, Iterator, Optional
 import crc32c
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from ..files import write_text_atomic
+from ..files import CRC_CHUNK, crc32c_file, write_text_atomic
 
 ALGORITHM = "crc32c"
 MANIFEST = "checksums.json"
 ENV = "HYBRIDPAR_CHECKSUMS"
-CHUNK = 8 << 20  # bytes read at a time when summing a file: large enough to keep the disk streaming
 
 
 def enabled() -> bool:
@@ -61,7 +60,7 @@ def sum_range(f, start: int, stop: int, value: int) -> int:
     """CRC-32C of bytes start..stop of the open file `f`, continuing from `value`."""
     f.seek(start)
     while start < stop:
-        data = f.read(min(CHUNK, stop - start))
+        data = f.read(min(CRC_CHUNK, stop - start))
         if not data:
             break
         value, start = crc32c.crc32c(data, value), start + len(data)
@@ -80,18 +79,7 @@ def first_difference(path: Path, want: dict) -> Optional[tuple[int, int]]:
 
 def file_checksum(path: Path, progress: Optional[Callable[[int], Any]] = None) -> dict:
     """The manifest entry of the file at `path` as it is now (size and checksum of its bytes)."""
-    value, size = 0, 0
-    buf = bytearray(CHUNK)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        while n := f.readinto(buf):
-            value = crc32c.crc32c(view[:n], value)  # releases the GIL: reader threads go on meanwhile
-            size += n
-            if progress is not None:
-                progress(n)
-    return entry(size, value)
+    return entry(*crc32c_file(path, progress))
 
 
 def entry_of(data: bytes) -> dict:

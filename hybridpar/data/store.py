@@ -20,7 +20,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from hybridpar.data.tokenise import PART_NAMES
-from hybridpar.files import PathLike
+from hybridpar.files import PathLike, crc32c_file
 
 MANIFEST = "store.json"
 PLAN = "plan.json"
@@ -170,8 +170,6 @@ def verify_store(folder: PathLike, out=None, progress: Optional[Callable[[int], 
     damaged shard and a summary; 0 when all are ok, 1 otherwise."""
     import sys
 
-    import crc32c
-
     folder, out = Path(folder), out or sys.stdout
     try:
         manifest = read_manifest(folder)
@@ -187,13 +185,7 @@ def verify_store(folder: PathLike, out=None, progress: Optional[Callable[[int], 
         elif path.stat().st_size != shard["size"]:
             verdict = f"damaged: {path.stat().st_size} bytes, the manifest records {shard['size']}"
         else:
-            value = 0
-            with open(path, "rb") as f:
-                while block := f.read(1 << 22):
-                    value = crc32c.crc32c(block, value)
-                    if progress is not None:
-                        progress(len(block))
-            verdict = None if value == shard["crc32c"] else "damaged: checksum mismatch"
+            verdict = None if crc32c_file(path, progress)[1] == shard["crc32c"] else "damaged: checksum mismatch"
         if verdict is not None:
             bad += 1
             print(f"{shard['name']}: {verdict}", file=out)

@@ -290,6 +290,7 @@ def _cmd_hang_report(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from .config import describe  # every config key, for `train --help`
+    from .data.formats import BAD_RECORD_CHOICES  # one list of choices with data.on_bad_record
     parser = argparse.ArgumentParser(prog="hybridpar", description=__doc__)
     parser.add_argument("--version", action="version", version=f"hybridpar {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -358,7 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--text-field", default="text", help="the jsonl field or table column holding the text")
     prep.add_argument("--val-fraction", type=float, default=0.0,
                       help="this share of the documents, whole, goes to the store's validation part")
-    prep.add_argument("--on-bad-record", default="error", choices=("error", "skip"),
+    prep.add_argument("--on-bad-record", default="error", choices=BAD_RECORD_CHOICES,
                       help="a record whose text is missing, null or not a string: stop naming it, or skip and count it")
     prep.set_defaults(func=_cmd_prepare)
     gen = sub.add_parser("generate", help="continue prompts with a trained model (greedy or top-p, KV cache)")

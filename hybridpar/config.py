@@ -14,6 +14,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
+from .data.formats import BAD_RECORD_CHOICES
 from .options import description, option
 from .parallel.fsdp import FSDPConfig
 
@@ -156,7 +157,7 @@ class Config:
             raise ConfigError(f"train.grad_sync must be 'last' or 'every', got {self.train.grad_sync!r}")
         if self.train.on_nonfinite not in ("stop", "skip"):
             raise ConfigError(f"train.on_nonfinite must be 'stop' or 'skip', got {self.train.on_nonfinite!r}")
-        if self.data.on_bad_record not in ("error", "skip"):
+        if self.data.on_bad_record not in BAD_RECORD_CHOICES:
             raise ConfigError(f"data.on_bad_record must be 'error' or 'skip', got {self.data.on_bad_record!r}")
         if self.data.on_exhausted not in ("repeat", "stop"):
             raise ConfigError(f"data.on_exhausted must be 'repeat' or 'stop', got {self.data.on_exhausted!r}")

@@ -130,12 +130,19 @@ def raise_if_any_failed(error: Optional[BaseException], what: str, *,
 _ARRIVALS: dict[str, int] = {}  # name -> calls so far in this process: every rank counts alike
 
 
+def attempt_id() -> str:
+    """This start of the job (torchrun's run id and restart count): torchrun's store outlives
+    restarts, so keys of the job's store name the attempt they belong to."""
+    import os
+
+    return f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
 def wait_for_every_rank(name: str, poll: float = 0.2) -> None:
     """Return once every rank has called this with `name`, however long that takes: through the
     job's store, not a collective, whose timeout would end a job whose nodes finish some long local
     work (preparing data in a node's own cache) minutes apart. A rank that dies meanwhile is the
     watchdog's to report."""
-    import os
     import time
 
     from .compat.torch import default_store
@@ -144,9 +151,7 @@ def wait_for_every_rank(name: str, poll: float = 0.2) -> None:
     if world == 1:
         return
     _ARRIVALS[name] = _ARRIVALS.get(name, 0) + 1
-    # torchrun's store outlives restarts: keys name the attempt and the call
-    attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    key = f"hybridpar/arrived/{attempt}/{name}/{_ARRIVALS[name]}"
+    key = f"hybridpar/arrived/{attempt_id()}/{name}/{_ARRIVALS[name]}"
     store = default_store()
     store.add(key, 1)
     while store.add(key, 0) < world:

@@ -214,12 +214,11 @@ def default_workers() -> int:
 
 def prepare_store(source: Source, tokenizer, out: PathLike, *, text_field: str = "text", val_fraction: float = 0.0,
                   on_bad_record: str = "error", workers: Optional[int] = None, part: tuple[int, int] = (0, 1),
-                  report: Optional[bool] = None, unit_bytes: int = UNIT_BYTES, wait: bool = True,
-                  progress_every: float = 5.0, on_progress: Optional[Callable[[str], None]] = None
+                  report: Optional[bool] = None, unit_bytes: int = UNIT_BYTES, progress_every: float = 5.0, on_progress: Optional[Callable[[str], None]] = None
                   ) -> Optional[TokenStore]:
     """Tokenise `source` into the store `out` with `workers` processes (default: every core; 1: in
     this process), doing part `part` = (I, N) of it. Returns the store once it is complete; None when
-    other parts are still to come (wait=False, or a part of several). Runs again where it stopped.
+    other parts are still to come (a part of several). Runs again where it stopped.
     `on_progress(text)` hears how far the work is, at least every few seconds while it moves (a
     training job's watchdog: a long preparation is progress, not a hang)."""
     from hybridpar.data.tokenizer import limit_threads
@@ -242,7 +241,7 @@ def prepare_store(source: Source, tokenizer, out: PathLike, *, text_field: str =
                       + (f"; {done_before} units were done before" if done_before else ""))
     with progress:
         _build(plan, todo, tokenizer, workers or default_workers(), progress)
-        if parts == 1 and wait:
+        if parts == 1:
             _wait_for_others(plan, mine, tokenizer, progress)
         progress.summary = f"{progress.rates['tokens']:,.0f} tokens"
     if all(_record(plan, i) is not None for i in range(len(plan.units))):
@@ -373,7 +372,7 @@ def _check_sources(data: dict, files: list[SourceFile]) -> None:
 
 def _manifest(data: dict, records: list[dict], name: str) -> dict:
     files = [{**f, "documents": 0, "tokens": 0, "skipped": 0} for f in data["sources"]["files"]]
-    parts = {name: {"tokens": 0, "documents": 0, "shards": []} for name in PART_NAMES[: 2 if data["val_fraction"] else 1]}
+    parts = {part: {"tokens": 0, "documents": 0, "shards": []} for part in PART_NAMES[: 2 if data["val_fraction"] else 1]}
     for record in records:
         described = files[record["file"]]
         described["documents"] += sum(record["documents"])

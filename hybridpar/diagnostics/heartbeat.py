@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from ..compat.torch import default_store, sequence_number
 from ..mesh import MeshCoords, ParallelDims
+from ..ranks import attempt_id
 from . import flight
 from .liveness import process_alive
 from .traces import write_dump
@@ -57,8 +58,7 @@ class Heartbeat:
         # Keys must not meet those of an earlier watchdog in the same store: torchrun's store outlives
         # restarts, and a process may train several times. Every rank counts alike, so keys agree.
         Heartbeat._instances += 1
-        attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-        self._attempt = f"hybridpar/watchdog/{attempt}/"
+        self._attempt = f"hybridpar/watchdog/{attempt_id()}/"
         self._prefix = f"{self._attempt}{Heartbeat._instances}/"
         self._store = None
         self._info: dict = {}

@@ -54,11 +54,12 @@ def summarise(*, run_dir: Path, steps: tuple[int, int], skipped: int, tokens: fl
         "sources": sources or [],  # a blend's: name, weight, tokens trained on
     }
     trained = (f"steps {first}-{last}" if last >= first else "no steps") + (f", {skipped} skipped" if skipped else "")
+    by_source = sum(s["tokens"] for s in sources or []) or 1
     rows = [
         ("wall time", f"{_duration(wall_seconds)} ({_duration(train_seconds)} training"
                       + (f", {_duration(eval_seconds)} validation" if eval_seconds else "") + f"); {trained}"),
         ("tokens seen", f"{tokens:,.0f} this run" + ("; by source (all runs): " + ", ".join(
-            f"{s['name']} {s['tokens']:,} ({s['tokens'] / max(1, sum(x['tokens'] for x in sources)):.1%}, weight "
+            f"{s['name']} {s['tokens']:,} ({s['tokens'] / by_source:.1%}, weight "
             f"{s['weight']:.1%})" for s in sources) if sources else "")),
         ("throughput", f"{done['tokens_per_s']:,.0f} tokens/s, MFU {100 * mfu:.1f}% (means over the steps)"),
         ("peak memory", f"{peak_memory_gb:.2f} GB (the largest rank)"),

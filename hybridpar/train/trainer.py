@@ -149,7 +149,7 @@ class Trainer:
         if c.output.wandb:
             require_wandb()
         phase("data")
-        # Each unit of a preparation changes the phase: the watchdog sees progress, not a hang.
+        # A preparation's progress changes the phase: the watchdog sees progress, not a hang.
         self.tokenizer, self.dataset, self.loader, self.val_dataset = build_training_data(
             c, p, on_tokenizer=self._fit_vocab, on_progress=lambda text: phase(f"data: {text}"))
         phase("data: waiting for every rank's data")
@@ -423,9 +423,8 @@ class Trainer:
         return self.history
 
     def _source_tokens(self) -> dict:
-        """A blend's tokens trained on so far, per source: {"tokens/<name>": n}."""
-        names, tokens = getattr(self.loader, "names", None), getattr(self.loader, "tokens", None)
-        return {f"tokens/{n}": t for n, t in zip(names, tokens)} if names else {}
+        """A blend's tokens trained on so far, per source: {"tokens/<name>": n} ({} for one source)."""
+        return {f"tokens/{s['name']}": s["tokens"] for s in describe_blend(self.loader)}
 
     def _summary(self) -> None:
         """The end-of-run block (rank 0) and summary.json; the peak memory is the largest rank's."""

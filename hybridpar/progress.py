@@ -17,6 +17,15 @@ from typing import Optional, TextIO
 from .files import human_bytes
 
 
+def hms(seconds: float) -> str:
+    """A duration as h:mm:ss ("0:04:05", "27:46:40": hours are not folded into days); "?" when
+    it is unknown (NaN, infinite or negative)."""
+    if not 0 <= seconds < float("inf"):
+        return "?"
+    h, rest = divmod(int(round(seconds)), 3600)
+    return f"{h}:{rest // 60:02d}:{rest % 60:02d}"
+
+
 def _amount(n: float, unit: str) -> str:
     if unit != "B":
         return f"{n:,.0f}{' ' + unit if unit else ''}"

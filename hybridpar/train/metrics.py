@@ -8,8 +8,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
-import math
-import os
 import resource
 import threading
 import time
@@ -22,11 +20,33 @@ import torch
 from models.llama import ModelArgs
 
 from ..files import DiskFullError, full_disk_said, out_of_space, write_text_atomic
+from ..progress import hms
 
 flops_per_token = ModelArgs.flops_per_token  # flops_per_token(args, seq_len), as the trainer and bench call it
 # What to change when the run folder's file system is full (files.full_disk_said says the rest).
 RUN_DIR_ADVICE = "free space there or point output.run_dir elsewhere"
 EVENTS = "events.jsonl"  # beside metrics.jsonl: {"step", "event": "resumed" | "skipped", ...}
+
+# metrics.jsonl key -> TensorBoard / W&B tag: grouped, so each group is one section of the board.
+# metrics.jsonl keeps its keys (the summary, the dashboard and scripts read them).
+BOARD_TAGS = {
+    "loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
+    "skipped_steps": "train/skipped_steps",
+    "val_loss": "val/loss", "val_ppl": "val/ppl", "val_tokens": "val/tokens",
+    "step_time": "perf/step_time_s", "tokens_per_s": "perf/tokens_per_s", "mfu": "perf/mfu",
+    "memory_gb": "memory/peak_gb",
+}
+BOARD_PREFIXES = {"tokens/": "train/tokens/", "val_loss/": "val/loss/", "straggler/": "straggler/"}
+
+
+def board_tag(key: str) -> str:
+    """The TensorBoard / W&B tag of a metrics.jsonl key (a key of no group goes under other/)."""
+    if key in BOARD_TAGS:
+        return BOARD_TAGS[key]
+    for prefix, group in BOARD_PREFIXES.items():
+        if key.startswith(prefix):
+            return group + key[len(prefix):]
+    return f"other/{key}"
 
 
 def measure_matmul_peak(seconds: float = 1.0, size: int = 1024, dtype: torch.dtype = torch.float32,
@@ -144,10 +164,11 @@ class MetricsWriter:
                 if self._file is None:
                     self._open()
                 self._file.write(json.dumps({"step": step, **values}) + "\n")
-                numbers = {k: v for k, v in values.items() if isinstance(v, (int, float))}  # bools too (flags)
+                numbers = {board_tag(k): v for k, v in values.items()
+                           if isinstance(v, (int, float))}  # bools too (flags)
                 if self._tb is not None:
-                    for key, value in numbers.items():
-                        self._tb.add_scalar(key, value, step)
+                    for tag, value in numbers.items():
+                        self._tb.add_scalar(tag, value, step)
                 if self._wandb_run is not None and numbers:
                     self._wandb_run.log(numbers, step=step)
         except DiskFullError:
@@ -197,123 +218,25 @@ def read_metrics(jsonl_path: Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def smoothed(values: list[float], half_width: int) -> list[float]:
-    """A centred moving average over 2 x half_width + 1 points (fewer at the ends): no lag, so a
-    falling curve is not drawn above its own points."""
-    out = []
-    for i in range(len(values)):
-        window = values[max(0, i - half_width): i + half_width + 1]
-        out.append(sum(window) / len(window))
-    return out
+def log_row(window: list[dict]) -> dict:
+    """One log row for the steps since the last: mean loss, throughput over the whole interval."""
+    good = [m for m in window if not m["skipped"]] or window
+    last = window[-1]
+    tokens, seconds = sum(m["tokens"] for m in window), sum(m["step_time"] for m in window)
+    return {
+        "loss": sum(m["loss"] for m in good) / len(good), "lr": last["lr"], "grad_norm": last["grad_norm"],
+        "skipped_steps": sum(m["skipped"] for m in window), "step_time": seconds / len(window),
+        "tokens_per_s": tokens / seconds, "mfu": sum(m["mfu"] * m["step_time"] for m in window) / seconds,
+        "memory_gb": last["memory_gb"],
+    }
 
 
-def plot_dashboard(jsonl_path: Path, png_path: Path, title: Optional[str] = None, grad_clip: float = 0.0) -> Path:
-    """The run at a glance from metrics.jsonl, as a PNG (written atomically): training loss raw and
-    smoothed with the validation loss, the learning rate, tokens/s and MFU, the gradient norm with
-    skipped steps; resumes as dashed lines on every panel."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on training nodes
-    import matplotlib.pyplot as plt
-
-    rows = read_metrics(jsonl_path)
-    train = [r for r in rows if "loss" in r]
-    val = [r for r in rows if "val_loss" in r]
-    events_path = Path(jsonl_path).with_name(EVENTS)
-    events = read_metrics(events_path) if events_path.exists() else []
-    skipped = sorted({e["step"] for e in events if e.get("event") == "skipped"})
-    resumes = [e["step"] for e in events if e.get("event") == "resumed"]
-
-    plt.rcParams.update({"font.size": 10})
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
-    (loss_ax, lr_ax), (speed_ax, norm_ax) = axes
-
-    def series(key: str, scale: float = 1.0) -> tuple[list[int], list[float]]:
-        """(steps, values) of the rows that have a finite `key`: a skipped step's NaN breaks no line."""
-        points = [(r["step"], scale * r[key]) for r in train if isinstance(r.get(key), (int, float))
-                  and math.isfinite(r[key])]
-        return [p[0] for p in points], [p[1] for p in points]
-
-    loss_steps, losses = series("loss")
-    if losses:
-        loss_ax.plot(loss_steps, losses, color="tab:blue", alpha=0.35, lw=1, label="training (raw)")
-        loss_ax.plot(loss_steps, smoothed(losses, max(1, len(losses) // 20)), color="tab:blue", lw=2,
-                     label="training (smoothed)")
-    if val:
-        loss_ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], color="tab:orange", marker="o", lw=2,
-                     label="validation")
-    for name in sorted({k.split("/", 1)[1] for r in val for k in r if k.startswith("val_loss/")}):
-        points = [(r["step"], r[f"val_loss/{name}"]) for r in val if f"val_loss/{name}" in r]
-        loss_ax.plot(*zip(*points), marker=".", lw=1, ls="--", label=f"validation: {name}")
-    loss_ax.set_title("loss")
-    loss_ax.legend(loc="upper right", fontsize=9)
-
-    lr_ax.plot(*series("lr"), color="tab:green", lw=2)
-    lr_ax.set_title("learning rate")
-    lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
-    sources = sorted({k.split("/", 1)[1] for r in train for k in r if k.startswith("tokens/")})
-    if sources:  # a blend: the tokens trained on from each source, on the right
-        share_ax = lr_ax.twinx()
-        for name in sources:
-            share_ax.plot(*series(f"tokens/{name}", 1e-6), lw=1.5, ls="--", label=name)
-        share_ax.set_ylabel("tokens per source (M)")
-        share_ax.legend(loc="lower right", fontsize=9)
-        lr_ax.set_title("learning rate; tokens per source (right)")
-
-    speed_steps, speed = series("tokens_per_s")
-    speed_ax.plot(speed_steps, speed, color="tab:purple", lw=2)
-    speed_ax.set_title("throughput: tokens/s (left), MFU (right)")
-    speed_ax.set_ylabel("tokens/s")
-    # MFU is tokens/s times a constant (the model's FLOPs per token over the peak): one line, two scales.
-    ratios = sorted(100 * r["mfu"] / r["tokens_per_s"] for r in train if r.get("tokens_per_s") and "mfu" in r)
-    if ratios:
-        mfu_ax = speed_ax.twinx()
-        low, high = speed_ax.get_ylim()
-        ratio = ratios[len(ratios) // 2]
-        mfu_ax.set_ylim(low * ratio, high * ratio)
-        mfu_ax.set_ylabel("MFU %")
-
-    norm_ax.plot(*series("grad_norm"), color="tab:brown", lw=2, label="gradient norm")
-    if grad_clip > 0:
-        norm_ax.axhline(grad_clip, color="gray", lw=1, ls=":", label=f"clipped above {grad_clip:g}")
-    if skipped:
-        norm_ax.plot(skipped, [0] * len(skipped), "x", color="red", ms=10, mew=2,
-                     label=f"skipped steps ({len(skipped)})")
-    norm_ax.set_title("gradient norm")
-    norm_ax.legend(loc="upper right", fontsize=9)
-
-    for ax in axes.flat:
-        ax.grid(alpha=0.3)
-        for i, step in enumerate(resumes):
-            ax.axvline(step, color="black", lw=1, ls="--", alpha=0.6, label="resumed" if i == 0 else None)
-    if resumes:
-        loss_ax.legend(loc="upper right", fontsize=9)
-    for ax in axes[1]:
-        ax.set_xlabel("step")
-    last = train[-1] if train else {}
-    headline = [title or Path(jsonl_path).parent.name]
-    if last:
-        headline.append(f"step {last['step']}: loss {last['loss']:.3f}")
-    if val:
-        headline.append(f"validation {val[-1]['val_loss']:.3f}")
-    fig.suptitle("  |  ".join(headline), fontsize=12)
-    fig.tight_layout()
-    tmp = Path(png_path).with_suffix(".tmp.png")
-    try:
-        with full_disk_said(tmp.parent, f"the dashboard ({Path(png_path).name}) could not be written", RUN_DIR_ADVICE):
-            fig.savefig(tmp, dpi=100)
-        os.replace(tmp, png_path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    finally:
-        plt.close(fig)
-    return Path(png_path)
-
-
-def progress_line(step: int, steps: int, m: dict) -> str:
+def progress_line(step: int, steps: int, m: dict, elapsed: float, eta: Optional[float]) -> str:
+    """The step line: where training is, how long it has run and has left (h:mm:ss; "?" before
+    the estimate exists: clock.StepClock), and the step's numbers."""
     line = (
-        f"step {step:>5}/{steps}  loss {m['loss']:.4f}  lr {m['lr']:.2e}  grad_norm {m['grad_norm']:.3f}  "
+        f"step {step:>5}/{steps}  elapsed {hms(elapsed)}  eta {hms(float('nan') if eta is None else eta)}  "
+        f"loss {m['loss']:.4f}  lr {m['lr']:.2e}  grad_norm {m['grad_norm']:.3f}  "
         f"{m['tokens_per_s']:,.0f} tok/s  mfu {100 * m['mfu']:.1f}%  mem {m['memory_gb']:.2f} GB"
     )
     by_source = {k[len("tokens/"):]: v for k, v in m.items() if k.startswith("tokens/")}

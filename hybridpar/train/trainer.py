@@ -45,7 +45,9 @@ from ..ranks import wait_for_every_rank
 from ..parallel.fsdp import apply_fsdp
 from . import stop as stopping
 from .evaluate import BlendValidator, Validator
-from .metrics import (MetricsWriter, WandbSettings, flops_per_token, measure_matmul_peak, memory_bytes, plot_dashboard,
+from .clock import StepClock
+from .dashboard import plot_dashboard
+from .metrics import (MetricsWriter, WandbSettings, flops_per_token, measure_matmul_peak, memory_bytes, log_row,
                       progress_line, require_wandb, validation_text)
 from .optim import build_optimizer, grad_norm_and_clip, lr_lambda
 from .profile import StepProfiler
@@ -312,18 +314,6 @@ class Trainer:
             "memory_gb": memory_bytes(self.device) / 1e9, "data_guard_s": guard_seconds,
         }
 
-    def _summarise(self, window: list[dict]) -> dict:
-        """One log row for the steps since the last: mean loss, throughput over the whole interval."""
-        good = [m for m in window if not m["skipped"]] or window
-        last = window[-1]
-        tokens, seconds = sum(m["tokens"] for m in window), sum(m["step_time"] for m in window)
-        return {
-            "loss": sum(m["loss"] for m in good) / len(good), "lr": last["lr"], "grad_norm": last["grad_norm"],
-            "skipped_steps": sum(m["skipped"] for m in window), "step_time": seconds / len(window),
-            "tokens_per_s": tokens / seconds, "mfu": sum(m["mfu"] * m["step_time"] for m in window) / seconds,
-            "memory_gb": last["memory_gb"],
-        }
-
     def _start_watchdog(self, timeout: float, phase: str) -> Optional[Watchdog]:
         d = self.config.diagnostics
         if not d.watchdog:
@@ -440,7 +430,7 @@ class Trainer:
             tokens=sum(m["tokens"] for m in h), wall_seconds=time.perf_counter() - self.started,
             train_seconds=seconds, eval_seconds=self.eval_seconds,
             mfu=sum(m["mfu"] * m["step_time"] for m in h) / seconds if seconds else 0.0,
-            peak_memory_gb=peak.item(), train_loss=self._summarise(h[-self.config.train.log_every:])["loss"] if h else None,
+            peak_memory_gb=peak.item(), train_loss=log_row(h[-self.config.train.log_every:])["loss"] if h else None,
             validation=self.validation, checkpoint=latest_checkpoint(self.checkpointer.folder),
             tokenizer=getattr(self.tokenizer, "path", None), config_path=self.run_dir / "config.toml",
             train_steps=self.config.train.steps, sources=describe_blend(self.loader))
@@ -459,9 +449,11 @@ class Trainer:
         """Train to train.steps: log, report stragglers, save checkpoints; the step last saved."""
         c = self.config
         window: list[dict] = []  # the steps since the last log line
+        clock = StepClock(self.started, self.step)  # the step line's elapsed time and ETA
         while self.step < c.train.steps:
             with stragglers.timing(self.step + 1), self.profiler.step(self.step + 1):
                 m = self.train_step()
+            clock.step_done(self.step)
             self.history.append(m)
             window.append(m)
             if m["skipped"]:
@@ -474,19 +466,22 @@ class Trainer:
             every = c.train.eval_every
             if self.validator is not None and not self.stop_signal and (
                     (every and self.step % every == 0) or self.step == c.train.steps):
-                row.update(self.validate())
+                with clock.pause():
+                    row.update(self.validate())
             if m["step"] % c.train.log_every == 0 or m["step"] in (1, c.train.steps):
-                summary = {**self._summarise(window), **self._source_tokens()}
+                summary = {**log_row(window), **self._source_tokens()}
                 self.metrics.write(m["step"], {**summary, **row})
                 if self.is_main:
-                    print(progress_line(m["step"], c.train.steps, {**summary, **row}), flush=True)
+                    print(progress_line(m["step"], c.train.steps, {**summary, **row}, clock.elapsed(),
+                                        clock.eta(self.step, c.train.steps)), flush=True)
                 window = []
             elif row:
                 self.metrics.write(m["step"], row)
                 if self.is_main and "val_loss" in row:
                     print(f"step {m['step']:>5}/{c.train.steps}{validation_text(row)}", flush=True)
             if self.stop_signal or (c.checkpoint.every and self.step % c.checkpoint.every == 0):
-                self.save_checkpoint()
+                with clock.pause():
+                    self.save_checkpoint()
                 saved_at = self.step
             if self.stop_signal:
                 break

@@ -182,7 +182,7 @@ def test_a_resume_continues_the_blend_exactly(straight, workers, blend_sources, 
 
 
 def test_the_dashboard_draws_each_source(straight, tmp_path):
-    from hybridpar.train.metrics import plot_dashboard
+    from hybridpar.train.dashboard import plot_dashboard
 
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(json.dumps(r) + "\n" for r in straight["rows"]))

@@ -210,7 +210,7 @@ def test_run_folder_has_metrics_tensorboard_and_plot(workers, corpus, tmp_path):
     assert {"loss", "lr", "grad_norm", "tokens_per_s", "mfu", "memory_gb"} <= rows[0].keys()
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
-    assert [e.step for e in events.Scalars("loss")] == [1, 2, 4]
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 4]
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "[train]" in (tmp_path / "config.toml").read_text()
 

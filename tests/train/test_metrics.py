@@ -1,9 +1,14 @@
 """The metrics files of a run that was killed and resumed hold every step once; the CPU matmul peak
-behind MFU is timed only once every rank is ready."""
+behind MFU is timed only once every rank is ready; TensorBoard's and W&B's tags are grouped."""
 
 import time
+import types
 
-from hybridpar.train.metrics import MetricsWriter, measure_matmul_peak, read_metrics
+import pytest
+
+from hybridpar.train.metrics import MetricsWriter, board_tag, log_row, measure_matmul_peak, read_metrics
+
+pytestmark = pytest.mark.fast
 
 
 def _log(run_dir, steps, start_step=0, loss=1.0):
@@ -36,3 +41,47 @@ def test_the_matmul_peak_is_timed_from_start_together_on():
     print(f"peak {peak / 1e9:.2f} GFLOP/s, a clock started before the wait would give <= {one_matmul_per_wait / 1e9:.5f}")
     assert waited == [1]
     assert peak > 100 * one_matmul_per_wait
+
+
+def _every_key_the_trainer_logs():
+    """A log row as the trainer writes it (log_row's keys), with a blend's tokens, a validation and
+    a straggler report."""
+    step = {"loss": 3.0, "lr": 1e-3, "grad_norm": 0.5, "skipped": False, "tokens": 256, "step_time": 0.5,
+            "tokens_per_s": 512.0, "mfu": 0.1, "memory_gb": 1.5}
+    return {**log_row([step]), "tokens/code": 100, "tokens/web": 156, "val_loss": 3.1, "val_ppl": 22.2,
+            "val_tokens": 64, "val_loss/code": 3.0, "val_loss/web": 3.2, "straggler/ratio": 1.1,
+            "straggler/flagged": False, "straggler/host": "node1"}
+
+
+def test_tensorboard_tags_are_grouped_and_metrics_jsonl_keeps_its_keys(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    row = _every_key_the_trainer_logs()
+    writer = MetricsWriter(tmp_path, enabled=True, tensorboard=True)
+    writer.write(7, row)
+    writer.close()
+    assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 7, **row}]
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert set(events.Tags()["scalars"]) == {
+        "train/loss", "train/lr", "train/grad_norm", "train/skipped_steps", "train/tokens/code", "train/tokens/web",
+        "perf/step_time_s", "perf/tokens_per_s", "perf/mfu", "memory/peak_gb",
+        "val/loss", "val/ppl", "val/tokens", "val/loss/code", "val/loss/web",
+        "straggler/ratio", "straggler/flagged"}  # text (the host) is not a scalar
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(7, 3.0)]
+    assert [(e.step, e.value) for e in events.Scalars("val/loss/web")] == [(7, pytest.approx(3.2))]
+
+
+def test_wandb_gets_the_same_tags(tmp_path):
+    logged = []
+    writer = MetricsWriter(tmp_path, enabled=True, tensorboard=False)
+    writer.write(1, {"loss": 1.0})  # opens the files
+    writer._wandb_run = types.SimpleNamespace(log=lambda values, step: logged.append((step, values)),
+                                              finish=lambda: None)
+    writer.write(2, {"loss": 2.0, "memory_gb": 1.0, "tokens/code": 5, "note": "text"})
+    writer.close()
+    assert logged == [(2, {"train/loss": 2.0, "memory/peak_gb": 1.0, "train/tokens/code": 5})]
+
+
+def test_a_key_of_no_group_is_still_grouped():
+    assert board_tag("data_guard_s") == "other/data_guard_s"

@@ -211,8 +211,39 @@ def test_run_folder_has_metrics_tensorboard_and_plot(workers, corpus, tmp_path):
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 4]
+    tags = set(events.Tags()["scalars"])
+    assert {"train/lr", "train/grad_norm", "perf/step_time_s", "perf/tokens_per_s", "perf/mfu", "memory/peak_gb"} <= tags
+    assert all(tag.split("/")[0] in ("train", "val", "perf", "memory") for tag in tags), tags
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "[train]" in (tmp_path / "config.toml").read_text()
+
+
+def _case_printed(config):
+    import contextlib
+    import io
+
+    from hybridpar.train import Trainer
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        Trainer(config).run()
+    return printed.getvalue()
+
+
+def test_the_step_line_shows_elapsed_time_and_eta(workers, corpus, tmp_path):
+    from hybridpar.train.clock import WARMUP_STEPS
+
+    out = workers(1).run(_case_printed, make_config(corpus, tmp_path, steps=6))[0]
+    lines = [line for line in out.splitlines() if line.startswith("step ")]
+    print("\n" + "\n".join(lines))
+    found = [re.match(r"step +(\d+)/6  elapsed (\d+):(\d\d):(\d\d)  eta (\?|\d+:\d\d:\d\d)  loss \d", line)
+             for line in lines]
+    assert all(found) and [int(m[1]) for m in found] == list(range(1, 7)), lines
+    elapsed = [3600 * int(m[2]) + 60 * int(m[3]) + int(m[4]) for m in found]
+    assert elapsed == sorted(elapsed)
+    etas = [m[5] for m in found]
+    assert etas[:WARMUP_STEPS] == ["?"] * WARMUP_STEPS and etas[-1] == "0:00:00"
+    assert all(eta != "?" for eta in etas[WARMUP_STEPS:]), etas
 
 
 def _case_vocab_from_tokenizer(config):

@@ -285,10 +285,13 @@ def test_the_cheap_documented_commands_run(tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.slow
-def test_the_training_and_checkpoint_commands_run_on_tiny_settings(corpus, tmp_path):
-    """The README's one-process run and the resume, verify, generate, convert and doctor commands,
-    as written plus tiny settings appended (overrides come last, so they win), in a folder of their
-    own with HOME there too: runs/local and ~/.cache/hybridpar are this test's."""
+def test_the_training_and_checkpoint_commands_run_on_tiny_settings(corpus, tmp_path, monkeypatch, capsys):
+    """The README's one-process run and its resume (each a process of its own), then the verify,
+    generate, convert and doctor commands (in this process, each a world of one): as written, with
+    tiny settings appended to the runs (overrides come last, so they win), in a folder of their own
+    that is HOME too, so runs/local and ~/.cache/hybridpar are this test's."""
+    from hybridpar.cli import main
+
     home = tmp_path / "home"
     cache = home / ".cache" / "hybridpar"
     tiny = ["--model.preset", "debug", "--model.vocab_size", "512", "--data.tokenizer_vocab_size", "512",
@@ -303,27 +306,40 @@ def test_the_training_and_checkpoint_commands_run_on_tiny_settings(corpus, tmp_p
     assert len(trains) == 2 and len(others) >= 5, [ch.command.text for ch in checks]
     checkpoints = tmp_path / "runs" / "local" / "checkpoints"
     for check, steps in zip(trains, ("2", "3")):  # the first run, then its resume
-        _run(check, [*tiny, "--train.steps", steps], tmp_path, env)
+        where = f"{check.command.file}:{check.command.line}: `{check.command.text}`"
+        result = subprocess.run([sys.executable, "-m", "hybridpar", *check.hybridpar, *tiny, "--train.steps", steps],
+                                cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, f"{where}:\n{result.stdout[-2000:]}{result.stderr[-3000:]}"
     rows = [json.loads(x) for x in (tmp_path / "runs" / "local" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 3 and (checkpoints / "step-00000003").is_dir()
+    assert "resumed from" in result.stdout
     # The pages verify the main job's last checkpoint, step 200: this run's newest stands in for it.
     shutil.copytree(checkpoints / "step-00000003", checkpoints / "step-00000200")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(home))
+    failed, ran = [], [f"{ch.command.file}:{ch.command.line}: `{ch.command.text}`" for ch in trains]
     for check in others:
-        _run(check, [], tmp_path, {**env, **check.command.env})
-
-
-def _run(check: Check, extra: list[str], cwd: Path, env: dict) -> None:
-    """A documented hybridpar command in a process of its own: `~` and globs expanded as a shell would."""
-    argv = []
-    for word in check.hybridpar:
-        word = word.replace("~", env["HOME"], 1) if word.startswith("~") else word
-        argv += sorted(glob.glob(str(cwd / word) if not word.startswith("/") else word)) or [word] if "*" in word else [word]
-    result = subprocess.run([sys.executable, "-m", "hybridpar", *argv, *extra], cwd=cwd, env=env,
-                            capture_output=True, text=True, timeout=600)
-    expected = EXPECTED_EXIT.get(check.command.text, 0)
-    where = f"{check.command.file}:{check.command.line}: `{check.command.text}`"
-    assert result.returncode == expected, f"{where} exits {result.returncode}:\n{result.stdout[-2000:]}{result.stderr[-3000:]}"
-    print(f"ran {where}")
+        where = f"{check.command.file}:{check.command.line}: `{check.command.text}`"
+        argv = []
+        for word in check.hybridpar:  # `~` and globs expanded as a shell would
+            word = os.path.expanduser(word)
+            argv += sorted(glob.glob(word)) or [word] if "*" in word else [word]
+        saved = dict(os.environ)
+        os.environ.update(check.command.env)
+        try:
+            code = main(argv)
+        except SystemExit as exit_:
+            code = exit_.code
+        finally:  # the commands set hybridpar's environment defaults: leave none behind
+            os.environ.clear()
+            os.environ.update(saved)
+        out = capsys.readouterr()
+        if code != EXPECTED_EXIT.get(check.command.text, 0) or not out.out.strip():
+            failed.append(f"{where} exits {code}:\n{out.out[-1500:]}{out.err[-1500:]}")
+        ran.append(where)
+    print("\nran " + "\nran ".join(ran))
+    assert not failed, "\n".join(failed)
+    assert (tmp_path / "local-hf" / "config.json").is_file()
 
 
 # --- what the pages say, against the code and the tests --------------------------------------------
@@ -398,3 +414,76 @@ def test_the_readme_preset_table_is_the_preset_files():
         shown = [dim, layers, heads, kv, ffn, vocab, seq]
         actual = [a.dim, a.n_layers, a.n_heads, a.n_kv_heads or a.n_heads, a.ffn_hidden_dim, a.vocab_size, a.max_seq_len]
         assert [int(x) for x in shown] == actual, (name, shown, actual)
+
+
+def _resolve(dotted: str):
+    import importlib
+
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            obj = getattr(obj, name, None)
+            if obj is None:
+                return None
+        return obj
+    return None
+
+
+# Spans of docs/api.md that call something other than the API itself (a tensor's method, a result's).
+NOT_API = {"weight.full_tensor", "weight.to_local", "describe", "by_dim", "summary", "wire_bytes", "state_dict",
+           "load_state_dict", "num_params", "release", "text", "to_dict", "run", "wait", "close", "update", "note",
+           "check", "e.mfu", "seconds", "allowed", "arange", "work", "error_type"}
+
+
+@pytest.mark.fast
+def test_the_api_page_names_what_exists_with_those_arguments():
+    """Every `name(arguments)` docs/api.md shows resolves, in the module its section or paragraph is
+    about, and every keyword argument it names is a parameter of that function or class."""
+    import inspect
+
+    sections: list[str] = []
+    context: list[str] = []  # modules and classes the paragraph has named so far
+    failures = []
+
+    def learn(obj) -> None:
+        if inspect.ismodule(obj):
+            context.append(obj.__name__)
+        elif getattr(obj, "__module__", None):
+            context.append(obj.__module__)
+            if inspect.isclass(obj):
+                context.append(f"{obj.__module__}.{obj.__qualname__}")
+
+    for line in (ROOT / "docs" / "api.md").read_text().splitlines():
+        if line.startswith("## "):
+            sections = [m for m in re.findall(r"`([\w.]+)`", line) if m.startswith(("hybridpar", "models"))]
+        if not line.strip():
+            context = []
+        for dotted in re.findall(r"`((?:hybridpar|models)\.[\w.]+|[A-Z]\w+)`", line):
+            candidates = [dotted, *(f"{m}.{dotted}" for m in sections)]
+            found = next((o for o in map(_resolve, candidates) if o is not None), None)
+            if found is not None:
+                learn(found)
+        for name, arguments in re.findall(r"`([A-Za-z_][\w.]*)\(([^`]*?)\)(?:\s*->[^`]*)?`", line):
+            if name in NOT_API or name.split(".")[-1] in NOT_API:
+                continue
+            prefixes = [*reversed(context), *sections, "hybridpar", "models.llama"]
+            obj = next((o for o in map(_resolve, [*(f"{m}.{name}" for m in prefixes), name]) if o is not None), None)
+            if obj is None:
+                failures.append(f"{name}: not found in {sections} or {context}")
+                continue
+            learn(obj)
+            try:
+                parameters = inspect.signature(obj).parameters
+            except (TypeError, ValueError):
+                continue
+            if any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+                continue
+            for piece in arguments.split(","):
+                keyword = piece.split("=")[0].strip()
+                if "=" in piece and keyword.isidentifier() and keyword not in parameters:
+                    failures.append(f"{name}: no parameter {keyword!r} (it takes {list(parameters)})")
+    assert not failures, "docs/api.md is out of date:\n" + "\n".join(failures)

@@ -206,8 +206,11 @@ def test_the_documented_data_commands_parse():
     from hybridpar.cli import build_parser
     from hybridpar.config import find_config, load_config
 
-    docs = [line.split("#")[0].strip() for line in (ROOT / "docs" / "data.md").read_text().splitlines()
-            if line.startswith("hybridpar ")]
+    docs, fenced = [], False
+    for line in (ROOT / "docs" / "data.md").read_text().splitlines():
+        fenced = line.startswith("```bash") or (fenced and not line.startswith("```"))
+        if fenced and line.startswith("hybridpar "):
+            docs.append(line.split("#")[0].strip())
     assert len(docs) >= 8, docs
     for line in docs:
         args, extra = build_parser().parse_known_args(shlex.split(line)[1:])

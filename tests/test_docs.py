@@ -242,7 +242,7 @@ def listing(checks: list[Check]) -> str:
     rows = ["| action | page | command | why |", "|---|---|---|---|"]
     for ch in checks:
         text = ch.command.text if len(ch.command.text) <= 90 else ch.command.text[:87] + "..."
-        rows.append(f"| {ch.action} | {ch.command.file}:{ch.command.line} | `{text.replace('|', '&#124;')}` | {ch.reason} |")
+        rows.append(f"| {ch.action} | {ch.command.file} | `{text.replace('|', '&#124;')}` | {ch.reason} |")
     return "\n".join(rows)
 
 

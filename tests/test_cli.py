@@ -46,21 +46,22 @@ def test_train_help_names_every_key_of_every_section_with_its_default_and_meanin
     result = _run([sys.executable, "-m", "hybridpar", "train", "--help"], 120)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    readme = (ROOT / "README.md").read_text()
+    page = (ROOT / "docs" / "training.md").read_text()  # the config key table
+    checkpoints = (ROOT / "docs" / "checkpoints.md").read_text()  # the [checkpoint] keys' own table
     config = Config()
     for section in dataclasses.fields(config):
         assert f"[{section.name}]" in lines, section.name
-        row = next(line for line in readme.splitlines() if line.startswith(f"| `[{section.name}]` |"))
+        row = next(line for line in page.splitlines() if line.startswith(f"| `[{section.name}]` |"))
         for field in dataclasses.fields(getattr(config, section.name)):
             key = f"--{section.name}.{field.name}"
             line = next((x for x in lines if x.strip().startswith(key + " ")), None)
             assert line is not None, f"{key} missing from train --help"
             default = json.dumps(getattr(getattr(config, section.name), field.name))
             assert f"(default {default})  " in line and line.split(")  ", 1)[1].strip(), line
-            if section.name != "checkpoint":  # README's [checkpoint] row points to its own table
-                assert f"`{field.name}`" in row, f"README's [{section.name}] row does not name {field.name}"
+            if section.name != "checkpoint":  # the [checkpoint] row points to its own table
+                assert f"`{field.name}`" in row, f"docs/training.md's [{section.name}] row does not name {field.name}"
             else:
-                assert f"| `{field.name}` |" in readme, f"README's checkpoint table does not name {field.name}"
+                assert f"| `{field.name}` |" in checkpoints, f"docs/checkpoints.md's table does not name {field.name}"
 
 
 @pytest.mark.slow
@@ -108,7 +109,7 @@ def test_bad_override_is_one_clear_line():
 
 @pytest.mark.slow
 def test_quickstart_script_trains_and_writes_its_outputs(tmp_path):
-    """The README's first command, shortened: 4 processes, mp 2 x dp 2, the embedded corpus."""
+    """The README's main job, shortened: 4 processes, mp 2 x dp 2, the embedded corpus."""
     run_dir = tmp_path / "local"
     result = _run(["bash", "launch/local.sh", "--train.steps", "30", "--output.run_dir", str(run_dir)], 900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -1,5 +1,5 @@
 """Plan a layout before asking for GPUs: per-rank memory and step time of every (mp, dp_shard,
-dp_replicate, AC) layout, best first (`hybridpar plan`; README.md, "Planning a layout").
+dp_replicate, AC) layout, best first (`hybridpar plan`; docs/planner.md).
 
 Arithmetic on the model's shape, derived from what hybridpar's code keeps, runs and sends: the
 fp32 state FSDP2 shards, gathered compute-dtype parameters, gradient buffers and the unsharded

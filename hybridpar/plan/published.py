@@ -1,6 +1,6 @@
 """The planner against published training throughput: each case is a run someone measured and
 published, restated as the nearest hybridpar layout on the matching `--gpu` spec
-(`hybridpar plan --published` prints the table; README.md, "Planning a layout", shows it).
+(`hybridpar plan --published` prints the table; docs/planner.md shows it).
 
 Tokens/s per GPU are compared through the trainer's FLOP count where a source gives MFU instead.
 """

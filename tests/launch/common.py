@@ -77,7 +77,7 @@ def mesh_table(stdout: str) -> list[tuple[int, ...]]:
 
 
 def documented_coords(rank: int, mp: int, dp_shard: int) -> dict:
-    """The README's layout: rank = (replicate * dp_shard + shard) * mp + mp_rank."""
+    """docs/api.md's layout: rank = (replicate * dp_shard + shard) * mp + mp_rank."""
     dp_rank, mp_rank = divmod(rank, mp)
     replicate, shard = divmod(dp_rank, dp_shard)
     return {"mp_rank": mp_rank, "dp_rank": dp_rank, "replicate": replicate, "shard": shard}

@@ -106,8 +106,14 @@ def test_resume_at_another_layout(mp2_dp2_runs, check_close, workers, corpus, tm
     resumed = workers(world).run(_case_run, _config(corpus, folder, tmp_path / "run", layout))[0]
     assert resumed["start"] == HALF
     expected = s["straight"]["losses"][HALF:]
+    # Every step after the resume is compared, and so is every parameter at the end: a run that
+    # trained fewer steps, or none, cannot pass on an empty comparison.
+    assert len(resumed["losses"]) == len(expected) == STEPS - HALF, (len(resumed["losses"]), len(expected))
     errors = {f"loss step {HALF + 1 + i}": rel_err(torch.tensor(a), torch.tensor(b))
               for i, (a, b) in enumerate(zip(resumed["losses"], expected))}
+    straight = s["straight"]["params"]
+    assert sorted(resumed["params"]) == sorted(straight)
+    errors.update({name: rel_err(resumed["params"][name], value) for name, value in straight.items()})
     check_close(f"mp2-dp2 -> {target}", errors, 1e-5)
 
 

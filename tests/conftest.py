@@ -46,6 +46,14 @@ def workers():
         pool.close()
 
 
+def pytest_collection_modifyitems(config, items):
+    """The fast tier (`python -m pytest -m fast`, the contributor's loop) is every test not marked
+    slow or slurm: a test that takes more than a few seconds says so with @pytest.mark.slow."""
+    for item in items:
+        if item.get_closest_marker("slow") is None and item.get_closest_marker("slurm") is None:
+            item.add_marker(pytest.mark.fast)
+
+
 def compare(who: str, label: str, per_rank, bound: float) -> None:
     """per_rank: {name: error} or one such dict per rank (the worst rank counts); every error <= bound."""
     ranks = [per_rank] if isinstance(per_rank, dict) else list(per_rank)

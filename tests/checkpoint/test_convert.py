@@ -47,6 +47,7 @@ def _case_round_trip(root: str, load_mp: int) -> dict:
     return {name: rel_err(value, logits["ckpt"]) for name, value in logits.items() if name != "ckpt"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("load_mp", [1, 4])
 def test_round_trip_through_meta_keeps_the_logits(workers, check_close, trained, load_mp):
     check_close(f"dcp->meta->dcp at mp{load_mp}", workers(4).run(_case_round_trip, str(trained), load_mp), 1e-5)
@@ -84,6 +85,7 @@ def test_training_starts_from_meta_weights(workers, check_close, trained, corpus
     check_close("init_from meta", workers(4).run(_case_init_from, config, str(trained / "ckpt")), 0.0)
 
 
+@pytest.mark.slow
 def test_convert_and_generate_commands(trained, corpus, tmp_path):
     """The CLI as a user runs it, a world of one: convert to Meta at MP 2, generate from it."""
     env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}

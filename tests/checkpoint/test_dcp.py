@@ -77,6 +77,7 @@ def mp2_dp2_runs(workers, corpus, tmp_path_factory):
     return _straight_and_half((2, 2, 1), workers, corpus, tmp_path_factory)
 
 
+@pytest.mark.slow
 def test_resume_is_bit_exact_in_new_processes(straight_and_half, check_close, corpus):
     s = straight_and_half
     assert s["half"]["losses"] == s["straight"]["losses"][:HALF]
@@ -167,6 +168,7 @@ def _case_die_during_save(config, die_at_step):
         ckpt.dcp.save = save
 
 
+@pytest.mark.slow
 def test_rank_killed_mid_save_leaves_the_previous_checkpoint(corpus, tmp_path):
     from hybridpar.checkpoint.dcp import latest_checkpoint
     from tests.distributed import WorkerError

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -10,7 +11,6 @@ import pytest  # noqa: E402
 
 from tests.distributed import WorkerPool  # noqa: E402
 
-# (test and label, worst quantity, its relative error, bound): one row per check_close call.
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory):
     """A small jsonl corpus (real text from the embedded corpus) and a cache folder shared by all runs."""
@@ -26,6 +26,7 @@ def corpus(tmp_path_factory):
     return {"source": str(path), "cache_dir": str(root / "cache")}
 
 
+# (test and label, worst quantity, its relative error, bound): one row per check_close call.
 _ERRORS: list[tuple[str, str, float, float]] = []
 
 
@@ -45,23 +46,35 @@ def workers():
         pool.close()
 
 
+def pytest_collection_modifyitems(config, items):
+    """The fast tier (`python -m pytest -m fast`, the contributor's loop) is every test not marked
+    slow or slurm: a test that takes more than a few seconds says so with @pytest.mark.slow."""
+    for item in items:
+        if item.get_closest_marker("slow") is None and item.get_closest_marker("slurm") is None:
+            item.add_marker(pytest.mark.fast)
+
+
+def compare(who: str, label: str, per_rank, bound: float) -> None:
+    """per_rank: {name: error} or one such dict per rank (the worst rank counts); every error <= bound."""
+    ranks = [per_rank] if isinstance(per_rank, dict) else list(per_rank)
+    # A comparison of nothing would pass whatever the code did: a rank that compared no quantity fails.
+    assert ranks and all(ranks), f"{label}: nothing was compared ({len(ranks)} ranks: {[len(r) for r in ranks]})"
+    worst: dict[str, float] = {}
+    for errors in ranks:
+        for name, err in errors.items():
+            err, before = float(err), worst.get(name)
+            # NaN wins: max() would let a rank's NaN hide behind another rank's finite error.
+            worst[name] = err if before is None or math.isnan(err) or err > before else before
+    name = max(worst, key=worst.get)
+    _ERRORS.append((f"{who} {label}", f"{name} (worst of {len(worst)})", worst[name], bound))
+    bad = {n: e for n, e in worst.items() if not e <= bound}
+    assert not bad, f"{label}: relative error above {bound:g}: " + ", ".join(f"{n}={e:.3g}" for n, e in bad.items())
+
+
 @pytest.fixture
 def check_close(request):
     """check_close(label, per_rank, bound): every relative error <= bound; all are printed at the end."""
-
-    def check(label: str, per_rank, bound: float) -> None:
-        """per_rank: {name: error} or one such dict per rank (the worst rank counts)."""
-        worst: dict[str, float] = {}
-        for errors in [per_rank] if isinstance(per_rank, dict) else per_rank:
-            for name, err in errors.items():
-                worst[name] = max(worst.get(name, 0.0), float(err))
-        if worst:
-            name = max(worst, key=worst.get)
-            _ERRORS.append((f"{request.node.name} {label}", f"{name} (worst of {len(worst)})", worst[name], bound))
-        bad = {n: e for n, e in worst.items() if not e <= bound}
-        assert not bad, f"{label}: relative error above {bound:g}: " + ", ".join(f"{n}={e:.3g}" for n, e in bad.items())
-
-    return check
+    return lambda label, per_rank, bound: compare(request.node.name, label, per_rank, bound)
 
 
 def pytest_terminal_summary(terminalreporter):

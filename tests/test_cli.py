@@ -24,6 +24,7 @@ def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
     return result
 
 
+@pytest.mark.slow
 def test_train_world_of_one_without_launcher(tmp_path):
     data = tmp_path / "docs.jsonl"
     data.write_text("".join(json.dumps({"text": f"document {i}: " + "the quick brown fox jumps. " * 20}) + "\n"

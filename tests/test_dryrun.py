@@ -59,6 +59,7 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_the_dry_run_reports_what_a_real_gloo_run_holds_and_sends(workers, corpus, tmp_path, layout):
     world, kwargs = LAYOUTS[layout]

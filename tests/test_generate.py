@@ -106,6 +106,7 @@ def _same_on_every_rank(results):
     return results[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["debug", "debug_gqa"])
 def test_generation_is_the_same_at_every_mp(workers, preset):
     runs = [GREEDY, SAMPLED, dict(SAMPLED, seed=6)]
@@ -116,6 +117,7 @@ def test_generation_is_the_same_at_every_mp(workers, preset):
     assert sampled != greedy and sampled_other_seed != sampled
 
 
+@pytest.mark.slow
 def test_cache_top_p_batching_and_eos(workers):
     pool = workers(4)
     runs = [

@@ -310,6 +310,7 @@ def test_srun_style_environment(launch):
     assert results == _expected("slurm", 2), out
 
 
+@pytest.mark.slow
 def test_torchrun(launch):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     out, results = launch(torchrun, [_clean_env()], mp=2)
@@ -326,6 +327,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_cli_prints_the_documented_table():
     result = _cli("--world", "8", "--mp", "2", "--dp-shard", "2", "--dp-replicate", "2")
     out = result.stdout

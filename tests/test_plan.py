@@ -204,6 +204,7 @@ CASES = [  # (model overrides, mp, dp_shard, micro_batch, seq_len, FSDP param_dt
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides,mp,dp_shard,micro_batch,seq_len,param_dtype,sp", CASES)
 @pytest.mark.parametrize("ac", ["none", "full"])
 def test_memory_estimate_matches_measured(workers, check_close, overrides, mp, dp_shard, micro_batch, seq_len,
@@ -228,6 +229,7 @@ def test_memory_estimate_matches_measured(workers, check_close, overrides, mp, d
     check_close("memory estimate vs measured", errors, TOLERANCE)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides,mp,dp_shard,dp_replicate,ac,sp", [
     ({}, 2, 2, 1, "full", False),  # tensor parallel + FSDP, with the recomputation's all-reduces
     ({"n_kv_heads": 2}, 4, 1, 1, "none", False),  # replicated kv heads: their weight gradients are all-reduced
@@ -549,6 +551,7 @@ def test_cli_says_clearly_when_nothing_fits_and_takes_a_params_json(capsys, tmp_
     assert code == 2 and "global batch 1000 is not a multiple" in err, err
 
 
+@pytest.mark.slow
 def test_cli_plans_on_this_cpu_measured(capsys):
     """--gpu cpu measures this machine (kernels here, then 2 gloo processes) and plans with it."""
     code, out, err = _run(capsys, "--model", "tiny", "--gpus", "2", "--gpu", "cpu", "--seq-len", "128",

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -108,6 +110,7 @@ def test_analytic_minimum_by_hand():
     assert got == {"fsdp": fsdp, "tp": tp, "scalars": scalars, "total": fsdp + tp + scalars}
 
 
+@pytest.mark.slow
 def test_entry_point_tiny_world2(tmp_path, check_close):
     out = tmp_path / "train.json"
     proc = subprocess.run(

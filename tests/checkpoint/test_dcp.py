@@ -77,6 +77,7 @@ def mp2_dp2_runs(workers, corpus, tmp_path_factory):
     return _straight_and_half((2, 2, 1), workers, corpus, tmp_path_factory)
 
 
+@pytest.mark.slow
 def test_resume_is_bit_exact_in_new_processes(straight_and_half, check_close, corpus):
     s = straight_and_half
     assert s["half"]["losses"] == s["straight"]["losses"][:HALF]
@@ -106,8 +107,14 @@ def test_resume_at_another_layout(mp2_dp2_runs, check_close, workers, corpus, tm
     resumed = workers(world).run(_case_run, _config(corpus, folder, tmp_path / "run", layout))[0]
     assert resumed["start"] == HALF
     expected = s["straight"]["losses"][HALF:]
+    # Every step after the resume is compared, and so is every parameter at the end: a run that
+    # trained fewer steps, or none, cannot pass on an empty comparison.
+    assert len(resumed["losses"]) == len(expected) == STEPS - HALF, (len(resumed["losses"]), len(expected))
     errors = {f"loss step {HALF + 1 + i}": rel_err(torch.tensor(a), torch.tensor(b))
               for i, (a, b) in enumerate(zip(resumed["losses"], expected))}
+    straight = s["straight"]["params"]
+    assert sorted(resumed["params"]) == sorted(straight)
+    errors.update({name: rel_err(resumed["params"][name], value) for name, value in straight.items()})
     check_close(f"mp2-dp2 -> {target}", errors, 1e-5)
 
 
@@ -161,6 +168,7 @@ def _case_die_during_save(config, die_at_step):
         ckpt.dcp.save = save
 
 
+@pytest.mark.slow
 def test_rank_killed_mid_save_leaves_the_previous_checkpoint(corpus, tmp_path):
     from hybridpar.checkpoint.dcp import latest_checkpoint
     from tests.distributed import WorkerError

@@ -266,6 +266,7 @@ def _assert_step1_intact(workers, corpus, tmp_path, folder: Path) -> None:
     assert workers(4).run(_case_resume_step, config) == [1] * 4  # and it loads
 
 
+@pytest.mark.slow
 def test_cli_a_checkpoint_that_does_not_fit_is_refused_before_writing(workers, corpus, tmp_path, small_mount):
     # Room for one checkpoint and a half: step 1 is saved, step 2 is refused before anything is written.
     folder = small_mount(int(1.5 * _checkpoint_bytes_of_debug_model()))
@@ -276,6 +277,7 @@ def test_cli_a_checkpoint_that_does_not_fit_is_refused_before_writing(workers, c
     _assert_step1_intact(workers, corpus, tmp_path, folder)
 
 
+@pytest.mark.slow
 def test_cli_a_save_that_runs_out_of_space_is_removed(workers, corpus, tmp_path, small_mount):
     # The estimate taken for 1 byte: step 2 passes the check and its background writes fail.
     folder = small_mount(int(1.5 * _checkpoint_bytes_of_debug_model()))
@@ -286,6 +288,7 @@ def test_cli_a_save_that_runs_out_of_space_is_removed(workers, corpus, tmp_path,
     _assert_step1_intact(workers, corpus, tmp_path, folder)
 
 
+@pytest.mark.slow
 def test_cli_a_full_run_folder_is_one_message(corpus, tmp_path, small_mount):
     # A run folder with room for config.toml alone (tmpfs counts whole pages): rank 0's first metrics
     # row fails. The other ranks are ended by the launcher (the watchdog's report names the cause).

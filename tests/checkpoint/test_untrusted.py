@@ -168,6 +168,7 @@ def _tokenizer(corpus) -> Path:
     return found[0]
 
 
+@pytest.mark.slow
 def test_init_from_convert_generate_and_verify_refuse(runs, corpus, tmp_path):
     """The commands that read a checkpoint, each in a process of its own, on a crafted one: exit
     non-zero, one line naming the global, the marker never made. Genuine: convert and verify work."""

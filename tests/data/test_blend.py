@@ -144,6 +144,7 @@ def straight(workers, blend_sources, tmp_path_factory):
     return {**result, "root": root}
 
 
+@pytest.mark.slow
 def test_every_step_follows_the_weights(straight):
     names, global_batch = list(WEIGHTS), 8
     rows = [r for r in straight["rows"] if "tokens/web" in r]
@@ -163,6 +164,7 @@ def test_every_step_follows_the_weights(straight):
     assert len(validation) == 2 and all(f"val_loss/{n}" in validation[0] for n in names)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [(1, 4), (2, 2)], ids=["mp1-dp4", "mp2-dp2"])
 def test_a_resume_continues_the_blend_exactly(straight, workers, blend_sources, check_close, tmp_path, layout):
     root = straight["root"]

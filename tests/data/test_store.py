@@ -97,6 +97,7 @@ def _hybridpar(*args: str, **kwargs) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, env=env, **kwargs)
 
 
+@pytest.mark.slow
 def test_the_command_killed_midway_finishes_the_same_store(formats, tokenizer, tmp_path, documents):
     """SIGKILL while units are being written; the same command again completes the store, equal to
     one uninterrupted pass; `hybridpar verify` checks it and finds a changed byte."""
@@ -254,6 +255,7 @@ def _case_slow_preparation(source: str, cache: str, run_dir: str) -> dict:
     return {"steps": len(history), "set_up": set_up, "hang_report": (Path(run_dir) / "hang_report.json").exists()}
 
 
+@pytest.mark.slow
 def test_a_long_preparation_in_the_job_is_not_a_hang(workers, documents, tmp_path):
     source = tmp_path / "docs.jsonl"
     source.write_text("".join(json.dumps({"text": d}) + "\n" for d in documents * 2))
@@ -265,6 +267,7 @@ def test_a_long_preparation_in_the_job_is_not_a_hang(workers, documents, tmp_pat
     assert len(stores) == 1  # one store, prepared once for both ranks
 
 
+@pytest.mark.slow
 def test_the_sbatch_example_as_two_array_tasks(formats, tokenizer, tmp_path):
     """launch/prepare.sh run as tasks 0 and 1 of an array of two (the variables Slurm sets): the
     first leaves the store incomplete, the second completes it, equal to one pass."""

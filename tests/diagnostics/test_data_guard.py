@@ -88,6 +88,7 @@ def test_mistakes_are_caught_at_step_1(workers, corpus, tmp_path, mistake, expec
     assert all(r["error"].startswith("data guard, step 1: ") and expected in r["error"] for r in results)
 
 
+@pytest.mark.slow
 def test_correct_setup_passes_and_the_guard_is_cheap(workers, corpus, tmp_path):
     config = make_config(corpus, tmp_path, mp=2, dp_shard=2, dp=2, **{"model.preset": "tiny", "model.vocab_size": 0,
                                                                       "data.seq_len": 128})

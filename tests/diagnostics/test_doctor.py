@@ -153,6 +153,7 @@ def _env(**extra) -> dict:
     return {**env, "OMP_NUM_THREADS": "1", **extra}
 
 
+@pytest.mark.slow
 def test_doctor_under_torchrun_prints_the_report_and_passes(corpus, tmp_path):
     from hybridpar.config import dump_toml
 
@@ -185,6 +186,7 @@ def test_doctor_under_torchrun_prints_the_report_and_passes(corpus, tmp_path):
         assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * bus_factor(r["op"], r["n"]))
 
 
+@pytest.mark.slow
 def test_doctor_fails_on_a_planted_bad_environment(tmp_path):
     """World of one, no launcher: the old spelling is shadowed by hybridpar's default (an error), and a
     train timeout longer than the init timeout is only a warning."""

@@ -175,6 +175,7 @@ SLOW_LAYOUTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", list(SLOW_LAYOUTS))
 def test_slow_rank_is_named_within_two_reports(workers, corpus, tmp_path, world):
     """Over the threshold at the first report, named at the second."""
@@ -195,6 +196,7 @@ def test_slow_rank_is_named_within_two_reports(workers, corpus, tmp_path, world)
     assert warnings[0].startswith(f"straggler at step 4: rank {slow} ({where}, host {socket.gethostname()}) computes")
 
 
+@pytest.mark.slow
 def test_healthy_run_warns_nothing(workers, corpus, tmp_path):
     """100 steps, a report every 5. The reports go into the log rows of their steps, or rows of
     their own, and to TensorBoard."""

@@ -39,6 +39,7 @@ def _case_stuck_collective(timeout_s: float, sleep_s: float):
     return {"raised_after": None}
 
 
+@pytest.mark.slow
 def test_collective_times_out_after_the_train_timeout():
     pool = WorkerPool(2)  # its groups are broken afterwards: a pool of its own
     try:

@@ -18,6 +18,7 @@ def test_scripts_parse(script):
     assert result.returncode == 0, result.stderr
 
 
+@pytest.mark.slow
 def test_mp8_dp16_dry_run_prints_the_exact_commands_and_mesh_and_rehearses_rank_0(tmp_path):
     run_dir = tmp_path / "run"
     report = tmp_path / "rehearsal.json"

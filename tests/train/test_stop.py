@@ -9,6 +9,8 @@ import signal
 import threading
 import time
 
+import pytest
+
 from hybridpar.train.stop import StopRequest
 from tests.checkpoint.test_dcp import _case_run, _config, mp2_dp2_runs  # noqa: F401 - a fixture
 from tests.distributed import rel_err
@@ -145,6 +147,7 @@ def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step_with_a_checkp
     assert not (run_dir / "stopped.json").exists()  # it told of the stopped run's end
 
 
+@pytest.mark.slow
 def test_a_stop_that_cannot_finish_ends_in_time_with_the_previous_checkpoint_intact(corpus, tmp_path):
     """Every rank gets SIGTERM in step 3, and rank 2 hangs there: no rank can finish the step. Within
     checkpoint.exit_save_timeout every rank leaves on its own, rank 0 says so once, the previous

@@ -61,6 +61,7 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_training_matches_single_process(workers, check_close, corpus, reference, tmp_path, layout):
     world, kwargs = LAYOUTS[layout]
@@ -80,6 +81,7 @@ def test_training_matches_single_process(workers, check_close, corpus, reference
     assert hist[-1]["loss"] < hist[0]["loss"]
 
 
+@pytest.mark.slow
 def test_bf16_mixed_precision_trains(workers, corpus, tmp_path):
     config = make_config(corpus, tmp_path, mp=2, dp_shard=2, strategy="hybrid_shard", dp=2, steps=20,
                          **{"fsdp.param_dtype": "bfloat16", "optim.grad_clip": 1.0})

@@ -59,6 +59,7 @@ def world1_validation(workers, corpus, tmp_path_factory):
     return result, _val_rows(run_dir)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["mp2-dp2", "mp1-dp4"])
 def test_the_validation_loss_does_not_depend_on_the_layout(workers, check_close, corpus, tmp_path,
                                                           world1_validation, layout):
@@ -150,6 +151,7 @@ def _case_run_poisoned(config, bad_step):
     return printed.getvalue()
 
 
+@pytest.mark.slow
 def test_the_run_ends_with_a_summary_whose_commands_work_and_a_dashboard(workers, corpus, tmp_path):
     run_dir = tmp_path / "run"
     flags = {**VAL, "train.on_nonfinite": "skip", "output.plot": True, "checkpoint.at_end": True,
@@ -219,6 +221,7 @@ def _case_wandb(config):
     Trainer(config).run()
 
 
+@pytest.mark.slow
 def test_wandb_logs_the_same_metrics_offline(workers, corpus, tmp_path):
     pytest.importorskip("wandb")
     config = make_config(corpus, tmp_path, mp=2, dp_shard=2, dp=2, steps=2, **{**VAL, "output.wandb": True})
@@ -251,6 +254,7 @@ def _case_wandb_missing(config):
     return "no error"
 
 
+@pytest.mark.slow
 def test_wandb_without_the_package_is_one_clear_error(workers, corpus, tmp_path):
     message = workers(1).run(_case_wandb_missing, make_config(corpus, tmp_path, **{"output.wandb": True}))[0]
     assert message == "output.wandb = true needs the wandb package: pip install wandb, or set output.wandb = false"

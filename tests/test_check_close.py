@@ -6,8 +6,6 @@ import pytest
 
 from tests.conftest import compare
 
-pytestmark = pytest.mark.fast
-
 
 @pytest.mark.parametrize("per_rank", [{}, [], [{}, {}], [{"w": 0.0}, {}]], ids=["empty", "no-ranks", "empty-ranks", "one-rank-empty"])
 def test_an_empty_comparison_fails(per_rank):

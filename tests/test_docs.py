@@ -246,7 +246,6 @@ def listing(checks: list[Check]) -> str:
     return "\n".join(rows)
 
 
-@pytest.mark.fast
 def test_every_documented_command_is_known_and_parses():
     errors: list[str] = []
     checks = all_checks(errors)
@@ -263,7 +262,6 @@ def test_every_documented_command_is_known_and_parses():
                                      "paste the listing printed above between its markers"
 
 
-@pytest.mark.fast
 def test_the_cheap_documented_commands_run(tmp_path, monkeypatch, capsys):
     from hybridpar.cli import main
 
@@ -351,7 +349,6 @@ def _slug(heading: str) -> str:
     return text.replace(" ", "-")
 
 
-@pytest.mark.fast
 def test_links_between_the_pages_resolve():
     anchors = {}
     for path in [*DOCS, ROOT / "bench" / "README.md"]:
@@ -383,7 +380,6 @@ BOUNDS = [
 ]
 
 
-@pytest.mark.fast
 @pytest.mark.parametrize("page,sentence,test_file,pattern", BOUNDS, ids=[f"{b[0]}:{b[2]}" for b in BOUNDS])
 def test_quoted_bounds_are_the_ones_the_tests_hold(page, sentence, test_file, pattern):
     match = re.search(pattern, (ROOT / "tests" / test_file).read_text(), re.M)
@@ -393,7 +389,6 @@ def test_quoted_bounds_are_the_ones_the_tests_hold(page, sentence, test_file, pa
     assert sentence.format(bound) in text, f"docs/{page} should quote {sentence.format(bound)!r} (tests/{test_file})"
 
 
-@pytest.mark.fast
 def test_the_readme_preset_table_is_the_preset_files():
     from models.llama import ModelArgs
 
@@ -439,7 +434,6 @@ NOT_API = {"weight.full_tensor", "weight.to_local", "describe", "by_dim", "summa
            "check", "e.mfu", "seconds", "allowed", "arange", "work", "error_type"}
 
 
-@pytest.mark.fast
 def test_the_api_page_names_what_exists_with_those_arguments():
     """Every `name(arguments)` docs/api.md shows resolves, in the module its section or paragraph is
     about, and every keyword argument it names is a parameter of that function or class."""

@@ -3,11 +3,8 @@
 import io
 import types
 
-import pytest
 
 from hybridpar.progress import Progress, note
-
-pytestmark = pytest.mark.fast
 
 
 def test_short_work_is_silent_and_long_work_reports_and_closes(monkeypatch):

@@ -7,8 +7,6 @@ from hybridpar.progress import hms
 from hybridpar.train.clock import RECENT_STEPS, WARMUP_STEPS, StepClock
 from hybridpar.train.metrics import progress_line
 
-pytestmark = pytest.mark.fast
-
 
 class FakeTime:
     def __init__(self):

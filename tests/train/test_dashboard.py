@@ -11,8 +11,6 @@ import pytest
 
 from hybridpar.train.dashboard import SMOOTH_MIN_POINTS, draw_dashboard, plot_dashboard, smoothed
 
-pytestmark = pytest.mark.fast
-
 
 def _rows(n, val_every=0, sources=()):
     rng = random.Random(n)

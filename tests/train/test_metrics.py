@@ -8,8 +8,6 @@ import pytest
 
 from hybridpar.train.metrics import MetricsWriter, board_tag, log_row, measure_matmul_peak, read_metrics
 
-pytestmark = pytest.mark.fast
-
 
 def _log(run_dir, steps, start_step=0, loss=1.0):
     writer = MetricsWriter(run_dir, enabled=True, tensorboard=False, start_step=start_step)

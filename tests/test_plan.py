@@ -302,7 +302,7 @@ def test_op_counts_match_the_code(workers, mp, dp_shard, sp):
 
     counted = max(workers(2).run(_case_count_ops, mp, dp_shard, sp))
     args, layout = ModelArgs.from_preset("tiny"), Layout(mp, dp_shard, 1, "none", sequence_parallel=sp)
-    workload = Workload(seq_len=64, micro_batch=2, param_dtype="fp32")
+    workload = Workload(seq_len=64, micro_batch=2, param_dtype="float32")
     comm = collective_bytes(args, layout, workload)
     planned = (micro_batch_work(args, layout, workload, comm.tp_calls).ops
                + step_work(args, layout, workload, 2, 1, comm.fsdp_gather_calls + comm.fsdp_reduce_calls).ops)

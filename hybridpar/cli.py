@@ -192,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", default="", metavar="PATH",
                       help="also write every layout's estimate and the best one's config as JSON here")
     plan.set_defaults(func=_cmd_plan)
+    parser.commands = sub.choices  # each command's parser, whose errors name the command
     return parser
 
 
@@ -201,7 +202,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command in ("train", "doctor"):
         args.overrides = extra
     elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args)
     except Exception as err:  # noqa: BLE001 - reported below, then the exit code says it failed

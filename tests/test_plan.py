@@ -552,7 +552,7 @@ def test_cli_says_clearly_when_nothing_fits_and_takes_a_params_json(capsys, tmp_
 def test_cli_plans_on_this_cpu_measured(capsys):
     """--gpu cpu measures this machine (kernels here, then 2 gloo processes) and plans with it."""
     code, out, err = _run(capsys, "--model", "tiny", "--gpus", "2", "--gpu", "cpu", "--seq-len", "128",
-                          "--micro-batch", "4", "--param-dtype", "fp32")
+                          "--micro-batch", "4", "--param-dtype", "float32")
     assert code == 0, err
     assert "measuring this machine" in out and "hardware: cpu, measured: " in out
     assert "GFLOP/s fp32 matmul per core" in out and "per synchronising call" in out

@@ -31,12 +31,14 @@ def _check_mp_out(args: ModelArgs, mp_out: int) -> None:
     if args.kv_heads % mp_out:
         raise MetaCheckpointError(
             f"cannot export at mp_out = {mp_out}: n_kv_heads = {args.kv_heads} is not divisible by it, and Meta's "
-            f"loader splits whole kv heads across files; choose an mp_out that divides {args.kv_heads}"
+            f"loader splits whole kv heads across files; choose an mp_out (convert's --meta-files) that divides "
+            f"{args.kv_heads}"
         )
     try:
         args.check(mp_out)
     except ValueError as err:
-        raise MetaCheckpointError(f"cannot export at mp_out = {mp_out}: {err}; choose another mp_out") from err
+        raise MetaCheckpointError(f"cannot export at mp_out = {mp_out}: {err}; choose another mp_out "
+                                  "(convert's --meta-files)") from err
 
 
 def _begin(folder: Path, overwrite: bool) -> Path:

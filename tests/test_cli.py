@@ -122,11 +122,12 @@ def test_quickstart_script_trains_and_writes_its_outputs(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("mistake,flags,message", [
     ("same_data", {}, "hybridpar: error: data guard, step 1"),
-    ("none", {"--parallel.mp": "3"}, "hybridpar: error: "),
+    ("none", {"--parallel.mp": "3"}, "hybridpar: error: parallel.mp / parallel.dp_shard / parallel.dp_replicate"),
 ])
 def test_an_error_every_rank_raises_is_one_screen(corpus, tmp_path, mistake, flags, message):
-    """Under torchrun at world 4: the message once, from rank 0, without a traceback; every rank's
-    traceback in the run folder's logs, which the message names; a non-zero exit."""
+    """Under torchrun at world 4: the message once, from rank 0, without a traceback; a non-zero exit.
+    Once the run has started, every rank's traceback is in the run folder's logs, which the message
+    names; a mistake the checks before the start find leaves no run folder at all."""
     run_dir = tmp_path / "run"
     args = {"--config": "local", "--train.steps": "2", "--output.run_dir": str(run_dir), "--model.preset": "debug",
             "--model.vocab_size": "512", "--data.tokenizer_vocab_size": "512", "--data.seq_len": "32",
@@ -142,6 +143,9 @@ def test_an_error_every_rank_raises_is_one_screen(corpus, tmp_path, mistake, fla
     assert len(ours) == 1 and ours[0].startswith(message), result.stderr[-3000:]
     assert not re.search(r"^\[rank\d+\]:", result.stderr, re.M), result.stderr[-3000:]  # no rank's traceback
     assert result.stderr.count("Traceback") <= 1  # torchrun's own, around its summary
+    if mistake == "none":
+        assert not run_dir.exists()
+        return
     logs = sorted(p.name for p in (run_dir / "logs").iterdir())
     assert logs == [f"rank-{r}.log" for r in range(4)] and str(run_dir / "logs") in ours[0]
     assert "Traceback" in (run_dir / "logs" / "rank-2.log").read_text()
@@ -167,7 +171,7 @@ def test_train_with_a_bad_params_json_is_one_clear_line(tmp_path):
 
 @pytest.mark.slow
 def test_train_with_a_bad_params_json_at_world_2_prints_it_once(tmp_path):
-    """Every rank reads the file and refuses it; rank 0 alone prints the message."""
+    """Every rank reads the file and refuses it, before any process group; rank 0 alone prints the message."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "tests" / "diagnostics" / "cli_job.py"), "none", "--",
            "--model.params_json", str(_bad_params_json(tmp_path)), "--output.run_dir", str(tmp_path / "run")]
@@ -175,7 +179,7 @@ def test_train_with_a_bad_params_json_at_world_2_prints_it_once(tmp_path):
     assert result.returncode != 0
     ours = [line for line in result.stderr.splitlines() if line.startswith("hybridpar: error")]
     assert len(ours) == 1 and ours[0].startswith(f"hybridpar: error: {tmp_path}/{BAD_DIM}"), result.stderr[-3000:]
-    assert sorted(p.name for p in (tmp_path / "run" / "logs").iterdir()) == ["rank-0.log", "rank-1.log"]
+    assert not (tmp_path / "run").exists()  # refused before the start: nothing made
 
 
 # --- first contact: --help without torch, and every mistake one line before anything starts -----------

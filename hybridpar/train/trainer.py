@@ -105,7 +105,8 @@ class Trainer:
                 setup.phase = f"set-up: {name}"
 
         phase("model args")
-        self.args = self._model_args()  # checked before any data work
+        # Checked before any data work; a vocab_size of -1 (Llama 2's) waits for the tokenizer: _fit_vocab.
+        self.args = model_args(c, p.mp)
         if c.output.wandb:
             require_wandb()
         phase("data")
@@ -180,11 +181,6 @@ class Trainer:
         with self.deadlines.checkpointing():  # a large checkpoint's writes are not a hang
             path = self.checkpointer.save(self.step, self.model, self.optimizer, train_state, params_dict(self.args))
         return path
-
-    def _model_args(self) -> ModelArgs:
-        """The model's shape, checked against data.seq_len and the mesh (a vocab_size of -1, Llama 2's,
-        waits for the tokenizer: _fit_vocab)."""
-        return model_args(self.config, self.parallel.mp)
 
     def _fit_vocab(self, tokenizer) -> None:
         """Before the loader is built: a vocab_size of -1 (Llama 2's params.json) becomes the

@@ -174,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--reduce-dtype", default="float32", metavar="{" + ",".join(dtypes.NAMES) + "}",
                       help="fsdp.reduce_dtype, the gradient reduction dtype (default float32)")
     plan.add_argument("--compile", action="store_true", help="plan with train.compile (fused elementwise chains)")
-    plan.add_argument("--peak-tflops", type=float, help="dense bf16 TFLOP/s per GPU, the MFU denominator")
+    plan.add_argument("--peak-tflops", type=float, help="dense bfloat16 TFLOP/s per GPU, the MFU denominator")
     plan.add_argument("--gemm-efficiency", type=float, help="fraction of the peak large matmuls sustain")
     plan.add_argument("--attention-efficiency", type=float, help="fraction of the peak flash attention sustains")
     plan.add_argument("--memory-gbs", type=float, help="device memory bandwidth, GB/s")

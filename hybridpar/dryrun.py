@@ -414,7 +414,7 @@ def _report(run: DryRun) -> str:
                          f"  {r['dtype']:<8} {r['placement']}")
     if run.state_bytes:
         lines.append("")
-        lines.append("state on this rank (fp32; ideal = the model's state / (mp x dp_shard)):")
+        lines.append("state on this rank (float32; ideal = the model's state / (mp x dp_shard)):")
         for key in ("parameters", "gradients", "optimizer"):
             have, ideal = run.state_bytes[key], run.expected_bytes[key]
             lines.append(f"  {key:<11} {human_bytes(have):>10}   ideal {human_bytes(ideal):>10}   {have / ideal:.3f}x")

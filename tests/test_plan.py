@@ -555,6 +555,6 @@ def test_cli_plans_on_this_cpu_measured(capsys):
                           "--micro-batch", "4", "--param-dtype", "float32")
     assert code == 0, err
     assert "measuring this machine" in out and "hardware: cpu, measured: " in out
-    assert "GFLOP/s fp32 matmul per core" in out and "per synchronising call" in out
+    assert "GFLOP/s float32 matmul per core" in out and "per synchronising call" in out
     first = out.splitlines()[next(i for i, line in enumerate(out.splitlines()) if line.split()[:2] == ["#", "layout"]) + 1]
     assert 0.01 < float(first.split()[-5]) < 30, first  # a step of the tiny model: tens of ms to seconds

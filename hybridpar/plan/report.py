@@ -83,13 +83,13 @@ def format_plan(plan: Plan, top: int = 10, model_name: str = "", model_flags: st
         f"{hw.reserve_gib:g} GiB reserved; seq_len {w.seq_len}, micro-batch {w.micro_batch}, {batch}",
         f"hardware: {hw.name or 'custom'}",
         f"assumed: {hw.describe()}; busbw {hw.intra_node_busbw / 1e9:.3g} GB/s inside a node, "
-        f"{hw.inter_node_busbw / 1e9:.3g} GB/s per GPU between nodes; fp32 master weights, "
+        f"{hw.inter_node_busbw / 1e9:.3g} GB/s per GPU between nodes; float32 master weights, "
         f"{w.param_dtype} compute, {w.reduce_dtype} gradient reduction" + (", compiled blocks" if w.compile else ""),
         "",
     ]
     fitting = plan.fitting
     if fitting:
-        out.append(f"{len(fitting)} of {len(plan.estimates)} layouts fit, the best first. GiB per GPU: state = fp32 "
+        out.append(f"{len(fitting)} of {len(plan.estimates)} layouts fit, the best first. GiB per GPU: state = float32 "
                    "params + grads + AdamW, accum = unsharded grads kept between micro-batches,")
         out.append("act = saved activations, other = gathered params, buffers, peaks; "
                    "fsdp s = FSDP time compute does not hide; micro = micro-batches per step.")

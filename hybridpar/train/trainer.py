@@ -202,7 +202,7 @@ class Trainer:
 
     def _measure_peak(self) -> float:
         if self.device.type == "cuda":
-            raise ConfigError("train.peak_flops must be set on GPUs (the accelerator's dense bf16 peak, e.g. 989e12)")
+            raise ConfigError("train.peak_flops must be set on GPUs (the accelerator's dense bfloat16 peak, e.g. 989e12)")
         # Every rank measures the same window, under the same contention as training. Within it the
         # scheduler shares the cores unevenly, so the per-rank peak is the mean over ranks.
         peak = torch.tensor([measure_matmul_peak(seconds=0.5, start_together=dist.barrier)], dtype=torch.float64)

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from models.llama import ModelArgs, Transformer
+from models.llama import Transformer
 
 from ..checkpoint.convert import load_into
 from ..checkpoint.dcp import Checkpointer, complete_checkpoints, latest_checkpoint, params_dict

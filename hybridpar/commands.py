@@ -229,8 +229,11 @@ def _plan_model(args: argparse.Namespace):
     if Path(args.model).is_dir():  # a checkpoint, Meta or Hugging Face folder: its shape (and weights)
         from .checkpoint.convert import detect_format, read_args
 
-        model = dataclasses.replace(read_args(*detect_format(Path(args.model))), **overrides)
-        return model, f"--checkpoint.init_from {args.model}"
+        kind, path = detect_format(Path(args.model))
+        model = dataclasses.replace(read_args(kind, path), **overrides)
+        # Meta and Hugging Face folders give the trainer the model's shape; a hybridpar checkpoint its params.json.
+        shape = f"--model.params_json {path / 'params.json'}{vocab} " if kind == "dcp" else ""
+        return model, f"{shape}--checkpoint.init_from {args.model}"
     if args.model.endswith(".json") or os.sep in args.model:
         model = _model_from_json(Path(args.model), overrides)
         if Path(args.model).name == "config.json":  # Hugging Face's: the folder with its weights

@@ -48,6 +48,16 @@ def resolve_sizes(world_size: int, mp: int = 1, dp_shard: int = -1, dp_replicate
     return dp_replicate, dp_shard, mp
 
 
+def divide(numerator: int, denominator: int, what: str) -> int:
+    """numerator / denominator, or a ValueError that says which size must change."""
+    if numerator % denominator:
+        raise ValueError(
+            f"{what} = {numerator} is not divisible by the model-parallel size mp = {denominator}; "
+            f"choose an mp that divides {numerator}"
+        )
+    return numerator // denominator
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 

@@ -110,11 +110,11 @@ def world_size_from_env() -> int:
 def init_from_folder(config: Config) -> Optional[tuple[str, Path]]:
     """(kind, folder) when checkpoint.init_from is a Meta or Hugging Face folder: its shape is the
     model's, and its weights are sliced into the unsharded model before FSDP."""
-    from .checkpoint.convert import detect_format
-
     folder = config.checkpoint.init_from
     if not folder:
         return None
+    from .checkpoint.convert import detect_format
+
     kind, path = detect_format(Path(folder))
     return (kind, path) if kind in ("meta", "hf") else None
 
@@ -125,10 +125,10 @@ def model_args(c: Config, mp: int, tokenizer_vocab: int = 0):
     for the tokenizer (the trainer's _fit_vocab)."""
     from models.args import ModelArgs
 
-    from .checkpoint.convert import read_args
-
     found = init_from_folder(c)
     if found is not None:
+        from .checkpoint.convert import read_args
+
         args = read_args(*found)
     else:
         m = c.model

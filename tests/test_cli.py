@@ -191,17 +191,20 @@ def _hybridpar(cwd: Path, *argv: str, env: dict = None, timeout: float = 300) ->
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("argv", [["--help"], ["train", "--help"], ["plan", "--help"], ["mesh", "--world", "8", "--mp", "2"]])
-def test_help_and_mesh_import_no_torch(argv, tmp_path):
-    """The parser and the config's dataclasses are torch-free: `--help` answers at once."""
+@pytest.mark.parametrize("argv,code", [
+    (["--help"], 0), (["train", "--help"], 0), (["plan", "--help"], 0), (["mesh", "--world", "8", "--mp", "2"], 0),
+    (["train", "--optim.lr", "-1"], 2), (["train", "--data.seq_len", "127", "--parallel.mp", "2"], 2),
+])
+def test_help_mesh_and_a_refused_start_import_no_torch(argv, code, tmp_path):
+    """The parser, the config's dataclasses and the checks before the start are torch-free: `--help`
+    answers at once, and so does a mistake."""
     probe = ("import runpy, sys\nsys.argv = ['hybridpar', *sys.argv[1:]]\ntry:\n    runpy.run_module('hybridpar', "
-             "run_name='__main__')\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+             "run_name='__main__')\nexcept SystemExit as e:\n    print('exit', e.code or 0)\n"
              "print('torch imported' if 'torch' in sys.modules else 'no torch', file=sys.stderr)")
     result = subprocess.run([sys.executable, "-c", probe, *argv], cwd=tmp_path, capture_output=True, text=True,
-                            timeout=120, env={**_env(), "PYTHONPATH": str(ROOT)})
-    assert result.returncode == 0, result.stderr
+                            timeout=120, env={**_env(), "PYTHONPATH": str(ROOT), "WORLD_SIZE": "2", "RANK": "0"})
+    assert result.returncode == 0 and result.stdout.strip().splitlines()[-1] == f"exit {code}", result.stderr
     assert result.stderr.strip().splitlines()[-1] == "no torch", result.stderr
-    assert result.stdout.strip()
 
 
 def _one_line_refusal(result: subprocess.CompletedProcess, cwd: Path, before: set, *expected: str) -> str:

@@ -37,7 +37,7 @@ def run_case(world: int, flags: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
         cmd = [sys.executable, "-m", "hybridpar", "train", "--dry-run", "--world", str(world),
-               "--dry-run-json", str(report), *flags]
+               "--json", str(report), *flags]
         before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
         start = time.perf_counter()
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -69,8 +69,8 @@ def main(argv=None) -> int:
             print(f"measuring this machine for {world} rank(s)", flush=True)
             hardware[world] = measure_cpu(world)
         layout = Layout(case["mp"], case["dp_shard"], case["dp_replicate"], "none")
-        workload = Workload(seq_len=case["seq_len"], micro_batch=case["micro_batch"], param_dtype="fp32",
-                            reduce_dtype="fp32")
+        workload = Workload(seq_len=case["seq_len"], micro_batch=case["micro_batch"], param_dtype="float32",
+                            reduce_dtype="float32")
         e = estimate(ModelArgs.from_preset(case["shape"]), layout, workload, hardware[world])
         rows.append({**case, "world": world, "planned": e.time.step, "error": e.time.step / case["step_time"] - 1,
                      "compute": e.time.compute, "tp": e.time.tp_comm, "fsdp": e.time.dp_exposed})

@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence, Union
 
 from .data.formats import BAD_RECORD_CHOICES
 from .options import description, option
-from .parallel.fsdp import FSDPConfig
+from .fsdp_config import FSDPConfig
 
 
 class ConfigError(ValueError):
@@ -152,7 +152,11 @@ class Config:
     output: OutputConfig = dataclasses.field(default_factory=OutputConfig)
 
     def validate(self) -> None:
-        self.fsdp.validate()
+        """The values' own ranges and choices (hybridpar.preflight checks them against the world and the disk)."""
+        try:
+            self.fsdp.validate()
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         if self.train.grad_sync not in ("last", "every"):
             raise ConfigError(f"train.grad_sync must be 'last' or 'every', got {self.train.grad_sync!r}")
         if self.train.on_nonfinite not in ("stop", "skip"):
@@ -186,14 +190,26 @@ class Config:
         profile_range(self.train.profile_steps)  # raises on a malformed range
         if self.output.wandb_mode not in ("offline", "online"):
             raise ConfigError(f"output.wandb_mode must be 'offline' or 'online', got {self.output.wandb_mode!r}")
-        for key in ("train.steps", "train.grad_accum", "train.log_every", "data.seq_len", "data.micro_batch_size",
-                    "checkpoint.keep"):
-            if get_value(self, key) < 1:
-                raise ConfigError(f"{key} must be >= 1, got {get_value(self, key)}")
+        for key, low, high in _RANGES:
+            value = get_value(self, key)
+            fits_high = high is None or (value <= high if isinstance(high, int) else value < high)
+            if not (value >= low if isinstance(low, int) else value > low) or not fits_high:
+                above = f">= {low}" if isinstance(low, int) else f"> {low:g}"
+                below = "" if high is None else f" and {'<=' if isinstance(high, int) else '<'} {high:g}"
+                raise ConfigError(f"{key} must be {above}{below}, got {value}; change {key}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+
+# (key, low, high or None): an int bound includes itself, a float bound does not.
+_RANGES = tuple((key, 1, None) for key in ("train.steps", "train.grad_accum", "train.log_every", "data.seq_len",
+                                           "data.micro_batch_size", "checkpoint.keep", "data.tokenizer_vocab_size")) + (
+    ("optim.lr", 0.0, None), ("optim.eps", 0.0, None), ("optim.beta1", 0, 1.0), ("optim.beta2", 0, 1.0),
+    ("optim.min_lr_ratio", 0, 1), ("optim.warmup_steps", 0, None), ("optim.weight_decay", 0, None),
+    ("optim.grad_clip", 0, None), ("data.num_workers", 0, None), ("checkpoint.every", 0, None),
+    ("train.peak_flops", 0, None), ("parallel.init_timeout", 0.0, None), ("diagnostics.train_timeout", 0, None),
+    ("diagnostics.data_guard_every", 0, None), ("diagnostics.replica_check_every", 0, None))
 
 _BLEND_KEYS = ("name", "source", "weight", "text_field")
 
@@ -329,12 +345,15 @@ def load_config(path: Union[str, Path, None] = None, overrides: Sequence[str] = 
     config = Config()
     if path:
         path = Path(path)
-        if not path.exists():
-            raise ConfigError(f"config file {path} does not exist")
+        if not path.is_file():
+            raise ConfigError(f"--config {path} {'is a folder' if path.is_dir() else 'does not exist'}: "
+                              "give a TOML file, or a named config (local, llama2_70b)")
         try:
             data = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as err:
-            raise ConfigError(f"{path}: {err}") from err
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+            raise ConfigError(f"--config {path} is not a TOML file ({err})") from None
+        except OSError as err:
+            raise ConfigError(f"--config {path}: {err.strerror}") from None
         for section, table in data.items():
             if not isinstance(table, dict):
                 raise ConfigError(f"{path}: {section!r} must be a [section] table, e.g. [{section}]")

@@ -140,7 +140,7 @@ def _rehearse(run: DryRun, c: Config, world: int, sizes: list[int], target: str,
     from .diagnostics.collectives import CollectiveCounter, mesh_dims
     from .mesh import init_parallel
     from .parallel.fsdp import apply_fsdp, dp_mesh_for
-    from .train.trainer import model_args
+    from .preflight import model_args
 
     dr, ds, mp = sizes
     say(f"mesh of {world} ranks on a fake process group")
@@ -219,17 +219,17 @@ def _data_detail(c: Config) -> str:
     """The sources and tokenizer the config names, found (not read: no tokenizing here)."""
     from .data.sources import resolve_sources, source_name
     from .data.store import is_store
+    from .preflight import check_paths
 
     def named(source: str) -> str:
         return f"the token store {source}" if is_store(source) else source_name(resolve_sources(source))
 
+    check_paths(c)  # the paths the job names, as the trainer checks them first
     d = c.data
     blend = ", ".join(f"{e['name']} {e['weight']:g} ({named(e['source'])})" for e in d.sources)
     found = [f"a blend of {blend}" if d.sources else named(d.source)]
     if d.val_source:
         found.append(f"validation {named(d.val_source)}")
-    if d.tokenizer and not Path(d.tokenizer).exists():
-        raise FileNotFoundError(f"data.tokenizer {d.tokenizer} does not exist on this machine")
     found.append(f"tokenizer {d.tokenizer}" if d.tokenizer else
                  f"a {d.tokenizer_vocab_size:,}-token tokenizer trained on the source")
     return "; ".join(found)
@@ -414,7 +414,7 @@ def _report(run: DryRun) -> str:
                          f"  {r['dtype']:<8} {r['placement']}")
     if run.state_bytes:
         lines.append("")
-        lines.append("state on this rank (fp32; ideal = the model's state / (mp x dp_shard)):")
+        lines.append("state on this rank (float32; ideal = the model's state / (mp x dp_shard)):")
         for key in ("parameters", "gradients", "optimizer"):
             have, ideal = run.state_bytes[key], run.expected_bytes[key]
             lines.append(f"  {key:<11} {human_bytes(have):>10}   ideal {human_bytes(ideal):>10}   {have / ideal:.3f}x")

@@ -158,6 +158,10 @@ def staged_folder(target: PathLike) -> Iterator[Path]:
         raise
 
 
+# What to do about an output folder that exists: `hybridpar convert`'s flag, the writers' argument.
+OCCUPIED_ADVICE = "choose a new folder, or replace it with --overwrite (overwrite=True from Python)"
+
+
 def refuse_occupied(path: PathLike, advice: str, *, error_type: type[Exception] = FileExistsError,
                     overwrite: bool = False, empty_ok: bool = True,
                     listing: Optional[tuple[str, Callable[[Path], list[Path]]]] = None) -> None:

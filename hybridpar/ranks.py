@@ -9,21 +9,29 @@ shared. One wording for what the ranks raise:
   - any other failure is re-raised where it happened; the other ranks raise
     `error_type("rank R could not <what>: <Type>: <message>")`.
 
-Without a process group (a world of one) everything runs locally.
+Without a process group (a world of one) everything runs locally. torch is imported on use: the
+command line reports a refused start (raised_by_every_rank) without loading it.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable, NoReturn, Optional, TypeVar
-
-import torch
-import torch.distributed as dist
 
 T = TypeVar("T")
 
 
+def _dist():
+    import torch.distributed as dist
+
+    return dist
+
+
 def rank_and_world() -> tuple[int, int]:
     """(rank, world size) of the default group; (0, 1) without one."""
+    if "torch" not in sys.modules:  # a process that never imported torch has no process group
+        return 0, 1
+    dist = _dist()
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
@@ -35,7 +43,7 @@ def gather_objects(value: Any) -> list[Any]:
     if world == 1:
         return [value]
     out: list[Any] = [None] * world
-    dist.all_gather_object(out, value)
+    _dist().all_gather_object(out, value)
     return out
 
 
@@ -45,7 +53,7 @@ def broadcast_from_rank0(value: Any) -> Any:
     if world == 1:
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    _dist().broadcast_object_list(box, src=0)
     return box[0]
 
 
@@ -98,9 +106,11 @@ def on_rank0(work: Callable[[], T], what: str, *, error_type: type[Exception] = 
     return outcome[1]
 
 
-def _flag_device() -> torch.device:
+def _flag_device():
+    import torch
+
     # A backend string with gloo in it ("gloo", "cpu:gloo,cuda:nccl") reduces CPU tensors.
-    backend = str(dist.get_backend())
+    backend = str(_dist().get_backend())
     if "gloo" in backend or not torch.cuda.is_available():
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())
@@ -116,8 +126,10 @@ def raise_if_any_failed(error: Optional[BaseException], what: str, *,
         if error is not None:
             raise error
         return
+    import torch
+
     failed = torch.tensor([0 if error is None else 1], device=_flag_device())
-    dist.all_reduce(failed)
+    _dist().all_reduce(failed)
     if not failed.item():
         return
     shared = gather_objects(None if error is None else _shared(error, error_type))

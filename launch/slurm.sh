@@ -260,7 +260,7 @@ if [[ $DRY_RUN == 1 ]]; then
     # The real model building, sharding and one step, as one rank of the whole world (no GPU needed).
     rehearsal=("$PYTHON" -m hybridpar train --dry-run --world "$WORLD" --dry-run-rank "$DRY_RUN_RANK"
       --gpus-per-node "$PROCS_PER_NODE" --config "$CONFIG" "${train_overrides[@]}")
-    [[ -n $DRY_RUN_JSON ]] && rehearsal+=(--dry-run-json "$DRY_RUN_JSON")
+    [[ -n $DRY_RUN_JSON ]] && rehearsal+=(--json "$DRY_RUN_JSON")
     [[ -n $DRY_RUN_GPU ]] && rehearsal+=(--gpu "$DRY_RUN_GPU")
     echo "rehearsal: $(quoted "${rehearsal[@]}")"
     exec "${rehearsal[@]}"

@@ -8,7 +8,7 @@ import typing
 from pathlib import Path
 from typing import Any, NamedTuple, Optional, Union
 
-from hybridpar.parallel.layers import divide
+from hybridpar.layout import divide
 from hybridpar.ranks import mark_every_rank
 
 from .fields import check_field, read_json_object

@@ -124,11 +124,12 @@ def test_quickstart_script_trains_and_writes_its_outputs(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("mistake,flags,message", [
     ("same_data", {}, "hybridpar: error: data guard, step 1"),
-    ("none", {"--parallel.mp": "3"}, "hybridpar: error: "),
+    ("none", {"--parallel.mp": "3"}, "hybridpar: error: parallel.mp / parallel.dp_shard / parallel.dp_replicate"),
 ])
 def test_an_error_every_rank_raises_is_one_screen(corpus, tmp_path, mistake, flags, message):
-    """Under torchrun at world 4: the message once, from rank 0, without a traceback; every rank's
-    traceback in the run folder's logs, which the message names; a non-zero exit."""
+    """Under torchrun at world 4: the message once, from rank 0, without a traceback; a non-zero exit.
+    Once the run has started, every rank's traceback is in the run folder's logs, which the message
+    names; a mistake the checks before the start find leaves no run folder at all."""
     run_dir = tmp_path / "run"
     args = {"--config": "local", "--train.steps": "2", "--output.run_dir": str(run_dir), "--model.preset": "debug",
             "--model.vocab_size": "512", "--data.tokenizer_vocab_size": "512", "--data.seq_len": "32",
@@ -144,6 +145,9 @@ def test_an_error_every_rank_raises_is_one_screen(corpus, tmp_path, mistake, fla
     assert len(ours) == 1 and ours[0].startswith(message), result.stderr[-3000:]
     assert not re.search(r"^\[rank\d+\]:", result.stderr, re.M), result.stderr[-3000:]  # no rank's traceback
     assert result.stderr.count("Traceback") <= 1  # torchrun's own, around its summary
+    if mistake == "none":
+        assert not run_dir.exists()
+        return
     logs = sorted(p.name for p in (run_dir / "logs").iterdir())
     assert logs == [f"rank-{r}.log" for r in range(4)] and str(run_dir / "logs") in ours[0]
     assert "Traceback" in (run_dir / "logs" / "rank-2.log").read_text()
@@ -169,7 +173,7 @@ def test_train_with_a_bad_params_json_is_one_clear_line(tmp_path):
 
 @pytest.mark.slow
 def test_train_with_a_bad_params_json_at_world_2_prints_it_once(tmp_path):
-    """Every rank reads the file and refuses it; rank 0 alone prints the message."""
+    """Every rank reads the file and refuses it, before any process group; rank 0 alone prints the message."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "tests" / "diagnostics" / "cli_job.py"), "none", "--",
            "--model.params_json", str(_bad_params_json(tmp_path)), "--output.run_dir", str(tmp_path / "run")]
@@ -177,4 +181,223 @@ def test_train_with_a_bad_params_json_at_world_2_prints_it_once(tmp_path):
     assert result.returncode != 0
     ours = [line for line in result.stderr.splitlines() if line.startswith("hybridpar: error")]
     assert len(ours) == 1 and ours[0].startswith(f"hybridpar: error: {tmp_path}/{BAD_DIM}"), result.stderr[-3000:]
-    assert sorted(p.name for p in (tmp_path / "run" / "logs").iterdir()) == ["rank-0.log", "rank-1.log"]
+    assert not (tmp_path / "run").exists()  # refused before the start: nothing made
+
+
+# --- first contact: --help without torch, and every mistake one line before anything starts -----------
+
+def _hybridpar(cwd: Path, *argv: str, env: dict = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python -m hybridpar ...` as a user runs it from `cwd`, this checkout's hybridpar first."""
+    return subprocess.run([sys.executable, "-m", "hybridpar", *argv], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env={**_env(), "PYTHONPATH": str(ROOT), **(env or {})})
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("argv,code", [
+    (["--help"], 0), (["train", "--help"], 0), (["plan", "--help"], 0), (["mesh", "--world", "8", "--mp", "2"], 0),
+    (["train", "--optim.lr", "-1"], 2), (["train", "--data.seq_len", "127", "--parallel.mp", "2"], 2),
+])
+def test_help_mesh_and_a_refused_start_import_no_torch(argv, code, tmp_path):
+    """The parser, the config's dataclasses and the checks before the start are torch-free: `--help`
+    answers at once, and so does a mistake."""
+    probe = ("import runpy, sys\nsys.argv = ['hybridpar', *sys.argv[1:]]\ntry:\n    runpy.run_module('hybridpar', "
+             "run_name='__main__')\nexcept SystemExit as e:\n    print('exit', e.code or 0)\n"
+             "print('torch imported' if 'torch' in sys.modules else 'no torch', file=sys.stderr)")
+    result = subprocess.run([sys.executable, "-c", probe, *argv], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=120, env={**_env(), "PYTHONPATH": str(ROOT), "WORLD_SIZE": "2", "RANK": "0"})
+    assert result.returncode == 0 and result.stdout.strip().splitlines()[-1] == f"exit {code}", result.stderr
+    assert result.stderr.strip().splitlines()[-1] == "no torch", result.stderr
+
+
+def _one_line_refusal(result: subprocess.CompletedProcess, cwd: Path, before: set, *expected: str) -> str:
+    """The mistake is one line on stderr, naming what to change; nothing else printed or left behind."""
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode not in (0, None), result.stdout + result.stderr
+    assert len(lines) == 1 and lines[0].startswith("hybridpar"), result.stderr
+    assert "Traceback" not in result.stderr and "HYBRIDPAR_TRACEBACK" not in result.stderr, result.stderr
+    for text in expected:
+        assert text in lines[0], lines[0]
+    assert {p.relative_to(cwd) for p in cwd.rglob("*")} == before, "a refused start left files behind"
+    return lines[0]
+
+
+MISTAKES = {
+    # name: (argv, environment, what the line says); in a folder holding some_file, a_folder/ and empty/
+    "config is a folder": (["train", "--config", "a_folder"], {}, ["--config a_folder is a folder", "TOML file"]),
+    "run_dir under a file": (["train", "--output.run_dir", "some_file/run"], {},
+                             ["output.run_dir", "some_file is a file", "choose another output.run_dir"]),
+    "run_dir is a file": (["train", "--output.run_dir", "some_file"], {}, ["output.run_dir: some_file is a file"]),
+    "checkpoint folder under a file": (["train", "--checkpoint.folder", "some_file/ckpt"], {}, ["checkpoint.folder"]),
+    "negative lr": (["train", "--optim.lr", "-1"], {}, ["optim.lr must be > 0, got -1.0"]),
+    "beta of 1": (["train", "--optim.beta2", "1"], {}, ["optim.beta2 must be >= 0 and < 1"]),
+    "seq_len not a multiple of mp": (["train", "--data.seq_len", "127", "--parallel.mp", "2"],
+                                     {"WORLD_SIZE": "2", "RANK": "0"},
+                                     ["data.seq_len = 127 is not divisible by parallel.mp = 2", "multiple of 2"]),
+    "mesh against the world": (["train", "--parallel.mp", "3"], {}, ["parallel.mp", "at 1 rank(s)"]),
+    "missing tokenizer": (["train", "--data.tokenizer", "/nope"], {}, ["data.tokenizer: /nope does not exist",
+                                                                     "\"\" to train one"]),
+    "tokenizer folder without one": (["train", "--data.tokenizer", "empty"], {},
+                                     ["data.tokenizer: the folder empty holds no tokenizer.model"]),
+    "missing source": (["train", "--data.source", "/nope.jsonl"], {}, ["data.source: /nope.jsonl does not exist"]),
+    "params_json a folder": (["train", "--model.params_json", "a_folder"], {}, ["model.params_json: a_folder is a folder"]),
+    "dtype alias in config": (["train", "--fsdp.param_dtype", "bf16"], {}, ["fsdp.param_dtype: write 'bfloat16'"]),
+    "json without dry run": (["train", "--json", "report.json"], {}, ["--json goes with --dry-run"]),
+    "local config at world 1": (["train", "--config", "local"], {}, ["parallel.mp", "at 1 rank(s)"]),
+    "generate: tokenizer folder without one": (
+        ["generate", "--checkpoint", "a_folder", "--tokenizer", "empty", "--prompt", "hi"], {},
+        ["--tokenizer: the folder empty holds no tokenizer.model or tokenizer.json"]),
+    "generate: missing tokenizer": (["generate", "--checkpoint", "a_folder", "--tokenizer", "/nope", "--prompt", "hi"],
+                                    {}, ["--tokenizer: /nope does not exist"]),
+    "generate: dtype alias": (["generate", "--checkpoint", "a_folder", "--tokenizer", "some_file", "--prompt", "hi",
+                               "--dtype", "bf16"], {}, ["--dtype: write 'bfloat16' (torch's name) instead of 'bf16'"]),
+    "hang-report: nothing there": (["hang-report", "/nope"], {}, ["no flight-recorder dumps in /nope"]),
+    "plan: dtype alias": (["plan", "--model", "tiny", "--gpus", "8", "--param-dtype", "bf16"], {},
+                          ["--param-dtype: write 'bfloat16' (torch's name) instead of 'bf16'"]),
+    "plan: reduce dtype alias": (["plan", "--model", "tiny", "--gpus", "8", "--reduce-dtype", "fp32"], {},
+                                 ["--reduce-dtype: write 'float32'"]),
+    "convert: the old --load-mp": (["convert", "a", "b", "--to", "hf", "--load-mp", "2"], {},
+                                   ["unrecognized arguments: --load-mp 2", "hybridpar convert --help"]),
+    "verify: nothing there": (["verify", "/nope"], {}, ["verify /nope: no such file or folder"]),
+    "doctor: config is a folder": (["doctor", "--config", "a_folder"], {}, ["--config a_folder is a folder"]),
+    "doctor: the old --out": (["doctor", "--out", "x.json"], {}, ["unknown config key 'out'"]),
+    "mesh: sizes": (["mesh", "--world", "4", "--mp", "3"], {}, ["not divisible"]),
+}
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("name", MISTAKES)
+def test_a_mistake_is_one_line_before_anything_starts(name, tmp_path):
+    argv, env, expected = MISTAKES[name]
+    (tmp_path / "some_file").write_text("not a folder")
+    (tmp_path / "a_folder").mkdir()
+    (tmp_path / "empty").mkdir()
+    before = {p.relative_to(tmp_path) for p in tmp_path.rglob("*")}
+    line = _one_line_refusal(_hybridpar(tmp_path, *argv, env=env), tmp_path, before, *expected)
+    assert "train one" not in line or argv[0] == "train", line  # generate's advice is not training's
+
+
+@pytest.mark.fast
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
+def test_a_run_dir_without_permission_is_one_line(tmp_path):
+    (tmp_path / "locked").mkdir(mode=0o500)
+    before = {p.relative_to(tmp_path) for p in tmp_path.rglob("*")}
+    _one_line_refusal(_hybridpar(tmp_path, "train", "--output.run_dir", "locked/run"), tmp_path, before,
+                      "output.run_dir: no permission to write in locked")
+
+
+@pytest.mark.fast
+def test_convert_into_an_existing_folder_names_the_overwrite_flag(tmp_path):
+    (tmp_path / "dst").mkdir()
+    (tmp_path / "dst" / "kept.txt").write_text("mine")
+    before = {p.relative_to(tmp_path) for p in tmp_path.rglob("*")}
+    _one_line_refusal(_hybridpar(tmp_path, "convert", "nothing", "dst", "--to", "dcp"), tmp_path, before,
+                      "dst already exists", "--overwrite")
+
+
+@pytest.mark.fast
+def test_under_a_launcher_only_rank_0_prints_a_mistake_every_rank_makes(tmp_path):
+    """Every rank runs the same checks; the others exit non-zero without a word."""
+    result = _hybridpar(tmp_path, "train", "--optim.lr", "-1", env={"WORLD_SIZE": "2", "RANK": "1"})
+    assert result.returncode == 2 and not result.stderr.strip(), result.stderr
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.fast
+def test_only_an_internal_error_suggests_the_traceback(tmp_path, capsys):
+    from hybridpar.cli import _report_error
+    from hybridpar.config import ConfigError
+
+    assert _report_error(ConfigError("optim.lr must be > 0"), None) == 2
+    assert _report_error(IsADirectoryError(21, "Is a directory", "/data/x"), None) == 2
+    assert capsys.readouterr().err.splitlines() == ["hybridpar: error: optim.lr must be > 0",
+                                                    "hybridpar: error: /data/x: is a directory"]
+    try:
+        raise RuntimeError("the unexpected")
+    except RuntimeError as raised:
+        internal = raised
+    assert _report_error(internal, tmp_path / "logs") == 1
+    err = capsys.readouterr().err
+    assert err.startswith("hybridpar: internal error: RuntimeError: the unexpected (traceback: ") and \
+        "HYBRIDPAR_TRACEBACK=1" in err, err
+    assert "Traceback" in (tmp_path / "logs" / "rank-0.log").read_text()
+    with pytest.raises(RuntimeError):  # no run folder to log in: the traceback itself
+        _report_error(internal, None)
+
+
+@pytest.mark.fast
+def test_the_local_config_runs_alone_at_mp_1_and_as_mp2_x_dp2_at_four(tmp_path):
+    from hybridpar.config import find_config, load_config
+    from hybridpar.layout import resolve_sizes
+    from hybridpar.preflight import check_values
+
+    alone = load_config(find_config("local"), ["--parallel.mp", "1"])
+    check_values(alone, 1)
+    four = load_config(find_config("local"))
+    check_values(four, 4)
+    p = four.parallel
+    assert resolve_sizes(4, p.mp, p.dp_shard, p.dp_replicate) == (1, 2, 2)
+
+
+def _fake_checkpoint(folder: Path, damaged: bool = False) -> None:
+    """A checkpoint folder as verify sees it: files and the manifest of their checksums."""
+    from hybridpar.checkpoint.checksums import entry_of, write_manifest
+
+    folder.mkdir(parents=True)
+    files = {"params.json": b'{"dim": 64}', "train_state.json": b'{"step": 1}'}
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+    write_manifest(folder, {name: entry_of(data) for name, data in files.items()})
+    if damaged:
+        (folder / "train_state.json").write_bytes(b'{"step": 2}')
+
+
+@pytest.mark.fast
+def test_verify_on_a_run_checkpoints_folder_checks_each_checkpoint(tmp_path):
+    checkpoints = tmp_path / "run" / "checkpoints"
+    _fake_checkpoint(checkpoints / "step-00000010")
+    _fake_checkpoint(checkpoints / "step-00000020")
+    result = _hybridpar(tmp_path, "verify", str(checkpoints))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"{checkpoints}: 2 of 2 checkpoints ok; all ok" in result.stdout
+    assert f"{checkpoints / 'step-00000010'}: 2 of 2 files ok; all ok" in result.stdout
+    _fake_checkpoint(checkpoints / "step-00000030", damaged=True)
+    result = _hybridpar(tmp_path, "verify", str(checkpoints))
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert f"{checkpoints}: 2 of 3 checkpoints ok; NOT OK: step-00000030" in result.stdout
+    result = _hybridpar(tmp_path, "verify", str(checkpoints / "step-00000020"))  # one checkpoint, as before
+    assert result.returncode == 0 and "checkpoints ok" not in result.stdout, result.stdout
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("argv", [
+    ["--model", "llama3_70b", "--gpus", "128", "--gpu", "h100", "--global-batch", "4Mtok"],
+    ["--model", "llama2_7b", "--gpus", "16", "--global-batch", "256", "--param-dtype", "float32", "--compile",
+     "--grad-sync", "every", "--seq-len", "2048", "--no-sequence-parallel"],
+])
+def test_the_plans_config_line_trains_what_was_planned(argv, tmp_path, capsys):
+    """Pasted after `hybridpar train`, the best layout's config line sets every key the plan assumed."""
+    import shlex
+
+    from hybridpar.cli import build_parser, main
+    from hybridpar.config import load_config
+
+    report = tmp_path / "plan.json"
+    assert main(["plan", *argv, "--json", str(report)]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("  config: "))[len("  config: "):]
+    planned = json.loads(report.read_text())
+    assert planned["best"] == line and planned["layouts"][0]["config"] == line
+    best, w = planned["layouts"][0], planned["workload"]
+    args, extra = build_parser().parse_known_args(["train", *shlex.split(line)])
+    c = load_config(None, extra)
+    preset = argv[argv.index("--model") + 1]
+    assert (c.model.preset, c.data.seq_len, c.data.micro_batch_size) == (preset, w["seq_len"], w["micro_batch"])
+    assert (c.parallel.mp, c.parallel.dp_shard, c.parallel.dp_replicate) == (
+        best["mp"], best["dp_shard"], best["dp_replicate"])
+    assert c.data.micro_batch_size * c.train.grad_accum * best["dp_shard"] * best["dp_replicate"] == \
+        best["global_batch"] == (w["global_batch"] or best["global_batch"])
+    assert (c.fsdp.param_dtype, c.fsdp.reduce_dtype) == (w["param_dtype"], w["reduce_dtype"])
+    assert (c.fsdp.sharding_strategy, c.fsdp.activation_checkpointing) == (best["strategy"], best["ac"])
+    assert c.fsdp.ac_every == (best["ac_every"] if best["ac"] == "selective" else 2)
+    assert (c.train.grad_sync, c.train.compile, c.parallel.sequence_parallel) == (
+        w["grad_sync"], w["compile"], best["sequence_parallel"])

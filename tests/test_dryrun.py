@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _dry_run(flags: dict, world: int, rank: int, out: Path, config: str = "", timeout: float = 600):
     cmd = [sys.executable, "-m", "hybridpar", "train", "--dry-run", "--world", str(world), "--dry-run-rank", str(rank),
-           "--dry-run-json", str(out), *(["--config", config] if config else []),
+           "--json", str(out), *(["--config", config] if config else []),
            *[x for k, v in flags.items() for x in (f"--{k}", str(v))]]
     start = time.perf_counter()
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,

@@ -304,7 +304,7 @@ def test_op_counts_match_the_code(workers, mp, dp_shard, sp):
 
     counted = max(workers(2).run(_case_count_ops, mp, dp_shard, sp))
     args, layout = ModelArgs.from_preset("tiny"), Layout(mp, dp_shard, 1, "none", sequence_parallel=sp)
-    workload = Workload(seq_len=64, micro_batch=2, param_dtype="fp32")
+    workload = Workload(seq_len=64, micro_batch=2, param_dtype="float32")
     comm = collective_bytes(args, layout, workload)
     planned = (micro_batch_work(args, layout, workload, comm.tp_calls).ops
                + step_work(args, layout, workload, 2, 1, comm.fsdp_gather_calls + comm.fsdp_reduce_calls).ops)
@@ -555,9 +555,9 @@ def test_cli_says_clearly_when_nothing_fits_and_takes_a_params_json(capsys, tmp_
 def test_cli_plans_on_this_cpu_measured(capsys):
     """--gpu cpu measures this machine (kernels here, then 2 gloo processes) and plans with it."""
     code, out, err = _run(capsys, "--model", "tiny", "--gpus", "2", "--gpu", "cpu", "--seq-len", "128",
-                          "--micro-batch", "4", "--param-dtype", "fp32")
+                          "--micro-batch", "4", "--param-dtype", "float32")
     assert code == 0, err
     assert "measuring this machine" in out and "hardware: cpu, measured: " in out
-    assert "GFLOP/s fp32 matmul per core" in out and "per synchronising call" in out
+    assert "GFLOP/s float32 matmul per core" in out and "per synchronising call" in out
     first = out.splitlines()[next(i for i, line in enumerate(out.splitlines()) if line.split()[:2] == ["#", "layout"]) + 1]
     assert 0.01 < float(first.split()[-5]) < 30, first  # a step of the tiny model: tens of ms to seconds

@@ -7,26 +7,30 @@ from hybridpar import dtypes
 from models.llama import ModelArgs
 
 
-def test_dtype_names_aliases_and_bytes():
-    assert dtypes.parse("bf16") is dtypes.parse("bfloat16")
-    assert (dtypes.parse("fp32").torch, dtypes.parse("fp32").bytes) == (torch.float32, 4)
-    assert [dtypes.dtype_bytes(name) for name in ("float16", "fp16", "bf16")] == [2, 2, 2]
+def test_dtype_names_and_bytes():
+    assert (dtypes.parse("float32").torch, dtypes.parse("float32").bytes) == (torch.float32, 4)
+    assert [dtypes.dtype_bytes(name) for name in ("float16", "bfloat16")] == [2, 2]
     assert dtypes.CANONICAL_NAMES == {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-    assert dtypes.NAMES == ("float32", "bfloat16", "float16") and dtypes.ALIASES == ("bf16", "fp16", "fp32")
+    assert dtypes.TORCH_DTYPES == {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    assert dtypes.NAMES == ("float32", "bfloat16", "float16")
+    assert all(d.bytes == d.torch.itemsize for d in dtypes.TABLE)
 
 
-def test_an_unknown_dtype_names_the_valid_ones():
-    with pytest.raises(ValueError, match=r"unknown dtype 'int8'; choose one of "
-                                         r"\['bf16', 'bfloat16', 'float16', 'float32', 'fp16', 'fp32'\]"):
-        dtypes.parse("int8")
+@pytest.mark.parametrize("name,message", [
+    ("bf16", "fsdp.param_dtype: write 'bfloat16' (torch's name) instead of 'bf16'"),
+    ("fp32", "fsdp.param_dtype: write 'float32' (torch's name) instead of 'fp32'"),
+    ("int8", "fsdp.param_dtype: unknown dtype 'int8'; choose one of float32, bfloat16, float16"),
+])
+def test_a_dtype_alias_or_unknown_name_is_refused_naming_the_right_spelling(name, message):
+    with pytest.raises(ValueError) as caught:
+        dtypes.parse(name, "fsdp.param_dtype")
+    assert str(caught.value) == message
 
 
 def test_config_plan_and_export_read_the_one_dtype_table():
     from hybridpar import plan
     from hybridpar.checkpoint import hf
-    from hybridpar.parallel import fsdp
 
-    assert fsdp.DTYPES is dtypes.TORCH_DTYPES
     assert hf._DTYPE_NAMES is dtypes.CANONICAL_NAMES
     assert plan.dtype_bytes is dtypes.dtype_bytes
 

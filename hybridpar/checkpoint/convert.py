@@ -1,11 +1,11 @@
 """Between formats: hybridpar (DCP) checkpoints, Meta consolidated folders, Hugging Face folders.
 
-    hybridpar convert SRC DST --to {dcp,meta,hf} [--mp N] [--load-mp N] [--tokenizer PATH | --bos-id N --eos-id N]
-                      [--max-seq-len N]
+    hybridpar convert SRC DST --to {dcp,meta,hf} [--mp N] [--meta-files N] [--overwrite]
+                      [--tokenizer PATH | --bos-id N --eos-id N] [--max-seq-len N]
 
 The source format is detected from the folder's files. The model is built at model-parallel size
-`--load-mp` (default 1; more under torchrun spreads the work) and the weights resharded on the way
-in, so any source MP converts to any target MP.
+`--mp` (default 1; more under torchrun spreads the work) and the weights resharded on the way
+in, so any source MP converts to any target MP (`--meta-files N`: Meta's files for mp N).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 from models.llama import ModelArgs, Transformer
 
-from ..files import refuse_occupied
+from ..files import OCCUPIED_ADVICE, begin_staging, commit_staged, refuse_occupied, staging_path
 from ..mesh import ParallelDims
 from ..ranks import on_rank0
 from .dcp import Checkpointer, CheckpointError, latest_checkpoint, params_dict
@@ -126,18 +126,20 @@ def _source_token_ids(src: Path) -> tuple[Optional[int], Optional[int]]:
 
 def convert(src: Path, dst: Path, to: str, parallel: ParallelDims, mp_out: Optional[int] = None, *,
             bos_id: Optional[int] = None, eos_id: Optional[int] = None, max_seq_len: Optional[int] = None,
-            tokenizer: Optional[Path] = None) -> Path:
+            tokenizer: Optional[Path] = None, overwrite: bool = False) -> Path:
     """Write the weights of `src` to `dst` in format `to`; returns what was written.
 
     bos_id / eos_id (hf only): config.json's token ids; default the tokenizer's when `tokenizer` is
     given (whose files are then copied into the folder), else a Hugging Face source's own, else
     hf.default_token_ids. max_seq_len (hf, dcp): the context length recorded, default the source's.
+    overwrite: replace an existing `dst` (the old folder goes once the new one is complete).
     """
     if to not in FORMATS:
         raise ValueError(f"--to must be one of {FORMATS}, got {to!r}")
     # Option mistakes before the (long) load.
     if mp_out is not None and to != "meta":
-        raise ValueError("--mp applies to --to meta only: dcp and hf checkpoints load at any model-parallel size")
+        raise ValueError("--meta-files applies to --to meta only: dcp and hf checkpoints load at any "
+                         "model-parallel size")
     if (bos_id is not None or eos_id is not None) and to != "hf":
         raise ValueError("--bos-id / --eos-id apply to --to hf only: the other formats do not record token ids")
     if tokenizer is not None and (to != "hf" or bos_id is not None or eos_id is not None):
@@ -148,13 +150,13 @@ def convert(src: Path, dst: Path, to: str, parallel: ParallelDims, mp_out: Optio
         raise ValueError(f"--max-seq-len must be a positive number of tokens, got {max_seq_len}")
     dst = Path(dst)
     if to == "dcp":  # rank 0 looks (one view of the file system); every rank refuses alike
-        on_rank0(lambda: refuse_occupied(dst, "choose a new folder", error_type=CheckpointError),
+        on_rank0(lambda: refuse_occupied(dst, OCCUPIED_ADVICE, error_type=CheckpointError, overwrite=overwrite),
                  f"check {dst}", error_type=CheckpointError)
     model, args = load_model(src, parallel, max_seq_len=max_seq_len)
     if to == "meta":
         from .meta import save_meta_checkpoint
 
-        save_meta_checkpoint(model, dst, parallel, mp_out or parallel.mp)
+        save_meta_checkpoint(model, dst, parallel, mp_out or parallel.mp, overwrite=overwrite)
         return dst
     if to == "hf":
         from .hf import export_hf
@@ -164,7 +166,14 @@ def convert(src: Path, dst: Path, to: str, parallel: ParallelDims, mp_out: Optio
             bos_id, eos_id, files = _tokenizer_files(Path(tokenizer), args.vocab_size)
         elif bos_id is None and eos_id is None:
             bos_id, eos_id = _source_token_ids(src)
-        export_hf(model, dst, parallel, bos_token_id=bos_id, eos_token_id=eos_id, extra_files=files)
+        export_hf(model, dst, parallel, bos_token_id=bos_id, eos_token_id=eos_id, extra_files=files,
+                  overwrite=overwrite)
         return dst
     # A weights-only hybridpar checkpoint (step 0): start training from it with checkpoint.init_from.
-    return Checkpointer(dst, parallel).save(0, model, None, {}, params_dict(args))
+    if not (overwrite and dst.exists()):
+        return Checkpointer(dst, parallel).save(0, model, None, {}, params_dict(args))
+    # Replacing: written beside it, then swapped in, so a failed conversion leaves the old folder.
+    staged = on_rank0(lambda: begin_staging(dst), f"prepare {staging_path(dst)}", error_type=CheckpointError)
+    saved = Checkpointer(staged, parallel).save(0, model, None, {}, params_dict(args))
+    on_rank0(lambda: commit_staged(staged, dst), f"replace {dst}", error_type=CheckpointError)
+    return dst / saved.name

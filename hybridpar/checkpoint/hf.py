@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from models.llama import ModelArgs
 
 from ..dtypes import CANONICAL_NAMES as _DTYPE_NAMES
-from ..files import refuse_occupied, staged_folder
+from ..files import OCCUPIED_ADVICE, refuse_occupied, staged_folder
 from ..ranks import on_rank0, rank_and_world
 
 CONFIG_JSON = "config.json"
@@ -139,7 +139,7 @@ def hf_config(args: ModelArgs, *, dtype: torch.dtype = torch.float32, bos_token_
 
 
 def _check_target(out_dir: Path, overwrite: bool) -> None:
-    advice = "choose a new folder" if overwrite else "choose a new folder or pass overwrite=True"
+    advice = "choose a new folder" if overwrite else OCCUPIED_ADVICE
     refuse_occupied(out_dir, advice, overwrite=overwrite, empty_ok=False)
 
 

@@ -18,7 +18,8 @@ from torch.distributed.tensor import DTensor
 
 from models.llama import ModelArgs
 
-from ..files import atomic_output, begin_staging, commit_staged, refuse_occupied, staging_path, write_text_atomic
+from ..files import (OCCUPIED_ADVICE, atomic_output, begin_staging, commit_staged, refuse_occupied, staging_path,
+                     write_text_atomic)
 from ..ranks import on_rank0, raise_if_any_failed, rank_and_world
 from .meta import (PARAMS_JSON, ROPE_FREQS, SIDECAR_JSON, MetaCheckpointError, _fmt, hybridpar_json, meta_ffn_fields,
                    meta_params_json, meta_shapes, rope_inverse_frequencies, shard_name, split_dim)
@@ -30,17 +31,19 @@ def _check_mp_out(args: ModelArgs, mp_out: int) -> None:
     if args.kv_heads % mp_out:
         raise MetaCheckpointError(
             f"cannot export at mp_out = {mp_out}: n_kv_heads = {args.kv_heads} is not divisible by it, and Meta's "
-            f"loader splits whole kv heads across files; choose an mp_out that divides {args.kv_heads}"
+            f"loader splits whole kv heads across files; choose an mp_out (convert's --meta-files) that divides "
+            f"{args.kv_heads}"
         )
     try:
         args.check(mp_out)
     except ValueError as err:
-        raise MetaCheckpointError(f"cannot export at mp_out = {mp_out}: {err}; choose another mp_out") from err
+        raise MetaCheckpointError(f"cannot export at mp_out = {mp_out}: {err}; choose another mp_out "
+                                  "(convert's --meta-files)") from err
 
 
 def _begin(folder: Path, overwrite: bool) -> Path:
     """Rank 0: refuse an existing `folder` (unless overwrite), then stage its replacement."""
-    advice = "choose a new folder" if overwrite else "choose a new folder or pass overwrite=True"
+    advice = "choose a new folder" if overwrite else OCCUPIED_ADVICE
     refuse_occupied(folder, advice, error_type=MetaCheckpointError, overwrite=overwrite, empty_ok=False)
     return begin_staging(folder)
 

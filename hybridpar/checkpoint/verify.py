@@ -256,3 +256,19 @@ def verify_folder(folder: Path, out: Optional[TextIO] = None) -> int:
     summary = "all ok" if not bad else f"NOT OK: {', '.join(bad)}"
     print(f"{folder}: {len(verdicts) - len(bad)} of {len(verdicts)} files ok; {summary}", file=out)
     return 0 if not bad else 1
+
+
+def verify_path(path: Path, out: Optional[TextIO] = None) -> int:
+    """`hybridpar verify PATH`: one checkpoint folder, or a folder of them (a run's checkpoints/,
+    step-NNNNNNNN each), every one checked and reported; 0 when all are ok, 1 otherwise."""
+    from .dcp import STEP_DIR  # dcp imports torch: only here
+
+    path, out = Path(path), out or sys.stdout
+    steps = sorted((p for p in path.iterdir() if p.is_dir() and STEP_DIR.match(p.name)),
+                   key=lambda p: p.name) if path.is_dir() and not (path / ".metadata").exists() else []
+    if not steps:
+        return verify_folder(path, out)
+    bad = [step.name for step in steps if verify_folder(step, out)]
+    summary = "all ok" if not bad else f"NOT OK: {', '.join(bad)}"
+    print(f"{path}: {len(steps) - len(bad)} of {len(steps)} checkpoints ok; {summary}", file=out)
+    return 1 if bad else 0

@@ -61,7 +61,7 @@ class Tokenizer:
         if not path.exists():
             raise FileNotFoundError(
                 f"tokenizer model {path} does not exist; pass a tokenizer.model (sentencepiece, e.g. Llama 2's, "
-                f"or Meta's Llama 3 tiktoken file), a Hugging Face tokenizer.json, or none to train one on the corpus"
+                f"or Meta's Llama 3 tiktoken file), a Hugging Face tokenizer.json, or a folder holding one"
             )
         if path.is_dir():
             path = find_tokenizer_file(path)
@@ -198,7 +198,7 @@ def _load_processor(path: Path) -> spm.SentencePieceProcessor:
         raise ValueError(
             f"{path} is not a valid sentencepiece model ({e}), nor a tiktoken BPE file (a 'base64-token rank' "
             f"line each) nor a Hugging Face tokenizer.json (JSON); pass one of these three, e.g. Llama 2's "
-            f"tokenizer.model, Llama 3's original/tokenizer.model or a tokenizer.json, or none to train one"
+            f"tokenizer.model, Llama 3's original/tokenizer.model or a tokenizer.json"
         ) from e
 
 

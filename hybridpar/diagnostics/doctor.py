@@ -328,7 +328,7 @@ def _print(text: str) -> None:
 
 def run_doctor(config: Config, parallel: ParallelDims, options: DoctorOptions,
                environ: Optional[Mapping[str, str]] = None, echo=_print) -> int:
-    """Collective: run every check, rank 0 prints the report (and writes --out); 1 on errors, else 0
+    """Collective: run every check, rank 0 prints the report (and writes --json); 1 on errors, else 0
     on every rank. `environ` is the environment as launched (before hybridpar's defaults)."""
     environ = dict(os.environ if environ is None else environ)
     for op in options.ops:
@@ -366,7 +366,7 @@ def _environment_findings(config: Config, p: ParallelDims, infos: Sequence[Mappi
 
 def _report(p: ParallelDims, infos: Sequence[Mapping], rows: list[dict], findings: list[Finding],
             options: DoctorOptions, echo) -> None:
-    """Rank 0's printout (and --out)."""
+    """Rank 0's printout (and --json)."""
     sizes = (p.dp_replicate, p.dp_shard, p.mp)
     hosts = sorted({i["host"] for i in infos})
     errors = sum(f.level == ERROR for f in findings)

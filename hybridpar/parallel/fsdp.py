@@ -15,7 +15,6 @@ hands FSDP's collectives to hybridpar.fastpaths.gloo_collectives.
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 import warnings
 from typing import Optional
@@ -25,42 +24,13 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from .. import fastpaths
 from ..compat.torch import checkpoint_module
-from ..dtypes import TORCH_DTYPES as DTYPES
+from .. import dtypes
 # _BufferPool and _use_gloo_collectives keep their old names here, where tests import them.
 from ..fastpaths.gloo_collectives import _BufferPool  # noqa: F401
 from ..fastpaths.gloo_collectives import use_gloo_collectives as _use_gloo_collectives
 from ..mesh import ParallelDims
-from ..options import option
-
-STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "hybrid_shard_zero2", "no_shard")
-AC_MODES = ("none", "selective", "full")  # least recomputation first: `hybridpar plan` lists layouts in this order
-
-
-@dataclasses.dataclass
-class FSDPConfig:
-    sharding_strategy: str = option("hybrid_shard", f"one of {', '.join(STRATEGIES)}")
-    param_dtype: str = option("bfloat16", "compute dtype of the gathered parameters")
-    reduce_dtype: str = option("float32", "gradient reduction dtype")
-    activation_checkpointing: str = option("none", f"one of {', '.join(AC_MODES)}")
-    ac_every: int = option(2, "selective: checkpoint every k-th block")
-    cpu_offload: bool = option(False, "keep parameters, gradients and optimizer state on the CPU (GPUs)")
-    forward_prefetch: int = option(1, "blocks whose all-gather is issued ahead in forward (0: FSDP2's implicit)")
-    backward_prefetch: int = option(1, "the same in backward")
-    # They cost gloo less CPU for the same bytes (a fast path: HYBRIDPAR_FAST_PATHS=0 turns it off too).
-    gloo_all_to_all: bool = option(True, "on gloo, FSDP's all-gather and reduce-scatter as all-to-alls; false "
-                                         "keeps FSDP2's own, the ones nccl runs")
-
-    def validate(self) -> None:
-        if self.sharding_strategy not in STRATEGIES:
-            raise ValueError(f"sharding_strategy must be one of {STRATEGIES}, got {self.sharding_strategy!r}")
-        if self.activation_checkpointing not in AC_MODES:
-            raise ValueError(f"activation_checkpointing must be one of {AC_MODES}, got {self.activation_checkpointing!r}")
-        for name in ("param_dtype", "reduce_dtype"):
-            if getattr(self, name) not in DTYPES:
-                raise ValueError(f"{name} must be one of {sorted(DTYPES)}, got {getattr(self, name)!r}")
-        if self.ac_every < 1:
-            raise ValueError(f"ac_every must be >= 1, got {self.ac_every}")
-
+# The [fsdp] section is torch-free (the config reads it); imported from here too.
+from ..fsdp_config import AC_MODES, STRATEGIES, FSDPConfig  # noqa: F401
 
 def dp_mesh_for(strategy: str, parallel: ParallelDims):
     """The data-parallel mesh a strategy shards over; errors name the sizes to change."""
@@ -134,7 +104,8 @@ def _policies(config: FSDPConfig, parallel: ParallelDims) -> dict:
         else:
             offload = CPUOffloadPolicy(pin_memory=True)
     return dict(
-        mp_policy=MixedPrecisionPolicy(param_dtype=DTYPES[config.param_dtype], reduce_dtype=DTYPES[config.reduce_dtype]),
+        mp_policy=MixedPrecisionPolicy(param_dtype=dtypes.parse(config.param_dtype).torch,
+                                       reduce_dtype=dtypes.parse(config.reduce_dtype).torch),
         offload_policy=offload,
     )
 

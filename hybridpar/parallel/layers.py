@@ -28,21 +28,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
+from ..layout import divide
 from ..mesh import ParallelDims
 from .mappings import (copy_to_region, enter_region, gather_from_region, leave_region, scatter_to_region,
                        scatter_to_sequence_region)
 
 InitMethod = Callable[[torch.Tensor], object]
-
-
-def divide(numerator: int, denominator: int, what: str) -> int:
-    """numerator / denominator, or a ValueError that says which size must change."""
-    if numerator % denominator:
-        raise ValueError(
-            f"{what} = {numerator} is not divisible by the model-parallel size mp = {denominator}; "
-            f"choose an mp that divides {numerator}"
-        )
-    return numerator // denominator
 
 
 def _default_device() -> torch.device:

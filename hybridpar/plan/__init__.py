@@ -18,13 +18,13 @@ times. search: estimate, candidate_layouts, make_plan. report: the text. publish
 """
 
 from ..dtypes import dtype_bytes
-from ..parallel.fsdp import AC_MODES
+from ..fsdp_config import AC_MODES
 from .comm import (CommBytes, StepTime, all_gather_seconds, all_reduce_seconds, collective_bytes, flops_per_token,
                    group_busbw)
 from .inputs import GIB, MASTER_BYTES, Hardware, Layout, Workload
 from .memory import (Activations, Memory, ParamCounts, activation_bytes, kv_heads_per_rank, local_param_shapes,
                      param_counts)
-from .report import breakdown, format_plan, no_fit_message, parse_global_batch
+from .report import breakdown, config_flags, format_plan, no_fit_message, parse_global_batch, plan_json
 from .search import Estimate, Plan, candidate_layouts, divisors, estimate, make_plan
 
 __all__ = [
@@ -33,5 +33,5 @@ __all__ = [
     "kv_heads_per_rank", "local_param_shapes", "ParamCounts", "param_counts", "Activations", "activation_bytes",
     "Memory", "StepTime", "CommBytes", "flops_per_token", "group_busbw", "all_reduce_seconds", "all_gather_seconds",
     "collective_bytes", "Estimate", "estimate", "divisors", "candidate_layouts", "Plan", "make_plan",
-    "parse_global_batch", "breakdown", "format_plan", "no_fit_message",
+    "parse_global_batch", "breakdown", "config_flags", "format_plan", "no_fit_message", "plan_json",
 ]

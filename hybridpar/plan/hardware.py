@@ -13,11 +13,11 @@ from .inputs import Hardware
 
 # name -> (description, Hardware fields). gpus and gpu_mem_gib's use are filled in by `spec`.
 GPUS: dict[str, tuple[str, dict]] = {
-    "a100": ("A100 SXM4 80 GB (400 W): 312 TFLOP/s bf16, HBM2e 2.04 TB/s, NVLink3 300 GB/s per "
+    "a100": ("A100 SXM4 80 GB (400 W): 312 TFLOP/s bfloat16, HBM2e 2.04 TB/s, NVLink3 300 GB/s per "
              "direction, one 200 Gb/s NIC per GPU", dict(
                  gpu_mem_gib=80, peak_flops=312e12, gemm_efficiency=0.85, attention_efficiency=0.55,
                  memory_bw=2.04e12, memory_efficiency=0.8, intra_node_busbw=230e9, inter_node_busbw=23e9)),
-    "h100": ("H100 SXM5 80 GB (700 W): 989 TFLOP/s bf16, HBM3 3.35 TB/s, NVLink4 450 GB/s per "
+    "h100": ("H100 SXM5 80 GB (700 W): 989 TFLOP/s bfloat16, HBM3 3.35 TB/s, NVLink4 450 GB/s per "
              "direction, one 400 Gb/s NIC per GPU", dict(
                  gpu_mem_gib=80, peak_flops=989e12, gemm_efficiency=0.7, attention_efficiency=0.35,
                  memory_bw=3.35e12, memory_efficiency=0.8, intra_node_busbw=370e9, inter_node_busbw=45e9)),
@@ -25,7 +25,7 @@ GPUS: dict[str, tuple[str, dict]] = {
     # with 96 GB of HBM2e at 2.4 TB/s, capped at 500 W. torchtitan quotes MFU against 989 but notes
     # the capped card's real peak lies between the NVL's 835 and 989; its clock is taken as the
     # midpoint, 912/989 of the SXM's, and the 700 W card's kernel fractions are scaled by it.
-    "h100-500w": ("H100 SXM5 96 GB HBM2e capped at 500 W (Grand Teton): 989 TFLOP/s bf16 on paper, "
+    "h100-500w": ("H100 SXM5 96 GB HBM2e capped at 500 W (Grand Teton): 989 TFLOP/s bfloat16 on paper, "
                   "about 912 at its clock; HBM2e 2.4 TB/s, NVLink4, one 400 Gb/s NIC per GPU", dict(
                       gpu_mem_gib=94, peak_flops=989e12, gemm_efficiency=0.7 * 912 / 989,
                       attention_efficiency=0.35 * 912 / 989, memory_bw=2.4e12, memory_efficiency=0.8,

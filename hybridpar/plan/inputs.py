@@ -61,8 +61,8 @@ class Workload:
     seq_len: int
     micro_batch: int = 1  # sequences per micro-batch per data-parallel rank
     global_batch: int = 0  # sequences per optimizer step; 0: one micro-batch per dp rank (no accumulation)
-    param_dtype: str = "bf16"  # FSDP compute dtype (the gathered parameters and activations)
-    reduce_dtype: str = "fp32"  # FSDP gradient reduction dtype
+    param_dtype: str = "bfloat16"  # FSDP compute dtype (the gathered parameters and activations)
+    reduce_dtype: str = "float32"  # FSDP gradient reduction dtype
     grad_sync: str = "last"  # train.grad_sync: reduce-scatter after the last micro-batch, or after "every" one
     compile: bool = False  # train.compile: each block's elementwise chains fused
 

@@ -3,10 +3,11 @@ when nothing fits; and the --global-batch syntax."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
-from .inputs import GIB, Hardware
+from .inputs import GIB, Hardware, Workload
 from .search import Estimate, Plan
 
 _BATCH = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*(tok|tokens|t)?\s*$")
@@ -69,7 +70,8 @@ def _row(i: int, e: Estimate, hw: Hardware) -> str:
             f"{_seconds(t.tp_comm):>6} {_seconds(t.dp_exposed):>7}")
 
 
-def format_plan(plan: Plan, top: int = 10, model_name: str = "") -> str:
+def format_plan(plan: Plan, top: int = 10, model_name: str = "", model_flags: str = "") -> str:
+    """The report; `model_flags` (e.g. "--model.preset llama3_70b") starts the best layout's config line."""
     args, w, hw = plan.args, plan.workload, plan.hardware
     nodes = math.ceil(hw.gpus / hw.gpus_per_node)
     batch = (f"global batch {w.global_batch} sequences ({w.global_batch * w.seq_len / 2**20:.2f}M tokens)"
@@ -81,13 +83,13 @@ def format_plan(plan: Plan, top: int = 10, model_name: str = "") -> str:
         f"{hw.reserve_gib:g} GiB reserved; seq_len {w.seq_len}, micro-batch {w.micro_batch}, {batch}",
         f"hardware: {hw.name or 'custom'}",
         f"assumed: {hw.describe()}; busbw {hw.intra_node_busbw / 1e9:.3g} GB/s inside a node, "
-        f"{hw.inter_node_busbw / 1e9:.3g} GB/s per GPU between nodes; fp32 master weights, "
+        f"{hw.inter_node_busbw / 1e9:.3g} GB/s per GPU between nodes; float32 master weights, "
         f"{w.param_dtype} compute, {w.reduce_dtype} gradient reduction" + (", compiled blocks" if w.compile else ""),
         "",
     ]
     fitting = plan.fitting
     if fitting:
-        out.append(f"{len(fitting)} of {len(plan.estimates)} layouts fit, the best first. GiB per GPU: state = fp32 "
+        out.append(f"{len(fitting)} of {len(plan.estimates)} layouts fit, the best first. GiB per GPU: state = float32 "
                    "params + grads + AdamW, accum = unsharded grads kept between micro-batches,")
         out.append("act = saved activations, other = gathered params, buffers, peaks; "
                    "fsdp s = FSDP time compute does not hide; micro = micro-batches per step.")
@@ -97,14 +99,7 @@ def format_plan(plan: Plan, top: int = 10, model_name: str = "") -> str:
             out.append(f"    ... {len(fitting) - top} more (--top N)")
         out.append("")
         out.append("best: " + "\n".join(breakdown(fitting[0], hw)))
-        best = fitting[0].layout
-        out.append(f"  config: --parallel.mp {best.mp} --parallel.dp_shard {best.dp_shard} "
-                   f"--parallel.dp_replicate {best.dp_replicate} --fsdp.sharding_strategy {best.strategy} "
-                   f"--fsdp.activation_checkpointing {best.ac}"
-                   + (f" --fsdp.ac_every {best.ac_every}" if best.ac == "selective" else "")
-                   + (" --parallel.sequence_parallel false" if best.mp > 1 and not best.sequence_parallel else "")
-                   + f" --data.micro_batch_size {w.micro_batch} --train.grad_accum {fitting[0].grad_accum}"
-                   + (f" --train.grad_sync {w.grad_sync}" if w.grad_sync != "last" else ""))
+        out.append("  config: " + config_flags(fitting[0], w, model_flags))
     else:
         out.append(no_fit_message(plan))
     too_big = [e for e in plan.estimates if not e.fits]
@@ -119,6 +114,39 @@ def format_plan(plan: Plan, top: int = 10, model_name: str = "") -> str:
         out.append(f"{len(plan.skipped)} layouts skipped: the global batch of {w.global_batch} sequences is not a "
                    f"multiple of dp x micro-batch for dp in {dps}")
     return "\n".join(out)
+
+
+def config_flags(e: Estimate, w: Workload, model_flags: str = "") -> str:
+    """Every `hybridpar train` key the estimate assumed, as flags: pasted after `hybridpar train`
+    (with the data and output keys) it trains the layout that was planned."""
+    lay = e.layout
+    flags = [model_flags, f"--data.seq_len {w.seq_len}",
+             f"--data.micro_batch_size {w.micro_batch} --train.grad_accum {e.grad_accum}",
+             f"--parallel.mp {lay.mp} --parallel.dp_shard {lay.dp_shard} --parallel.dp_replicate {lay.dp_replicate}",
+             f"--parallel.sequence_parallel {'true' if lay.sequence_parallel else 'false'}",
+             f"--fsdp.sharding_strategy {lay.strategy} --fsdp.activation_checkpointing {lay.ac}",
+             f"--fsdp.ac_every {lay.ac_every}" if lay.ac == "selective" else "",
+             f"--fsdp.param_dtype {w.param_dtype} --fsdp.reduce_dtype {w.reduce_dtype}",
+             f"--train.grad_sync {w.grad_sync} --train.compile {'true' if w.compile else 'false'}"]
+    return " ".join(f for f in flags if f)
+
+
+def plan_json(plan: Plan, model_name: str = "", model_flags: str = "") -> dict:
+    """The plan as data (`hybridpar plan --json`): the inputs, every layout estimated, and the config
+    line of the best one that fits."""
+    def layout(e: Estimate) -> dict:
+        m, t = e.memory, e.time
+        return {**dataclasses.asdict(e.layout), "strategy": e.layout.strategy, "grad_accum": e.grad_accum,
+                "global_batch": e.global_batch, "fits": e.fits,
+                "memory_gib": {k: getattr(m, k) / GIB for k in ("state", "accumulated_grads", "activations", "total")},
+                "step_s": t.step, "tp_comm_s": t.tp_comm, "fsdp_exposed_s": t.dp_exposed,
+                "tokens_per_s_per_gpu": e.tokens_per_s_per_gpu, "mfu": e.mfu(plan.hardware.peak_flops),
+                "config": config_flags(e, plan.workload, model_flags)}
+
+    return {"model": model_name, "parameters": plan.args.num_params(), "workload": dataclasses.asdict(plan.workload),
+            "hardware": dataclasses.asdict(plan.hardware), "layouts": [layout(e) for e in plan.estimates],
+            "best": config_flags(plan.fitting[0], plan.workload, model_flags) if plan.fitting else None,
+            "rejected": {str(mp): why for mp, why in plan.rejected.items()}}
 
 
 def no_fit_message(plan: Plan) -> str:

@@ -8,7 +8,7 @@ from typing import Iterable, Optional
 from models.llama import ModelArgs
 
 from ..dtypes import dtype_bytes
-from ..parallel.fsdp import AC_MODES
+from ..fsdp_config import AC_MODES
 from .comm import (StepTime, all_gather_seconds, all_reduce_seconds, collective_bytes,
                    flops_per_token, group_busbw)
 from .compute import micro_batch_work, step_work

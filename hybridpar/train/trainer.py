@@ -27,9 +27,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from models.llama import ModelArgs, Transformer
+from models.llama import Transformer
 
-from ..checkpoint.convert import detect_format, load_into, read_args
+from ..checkpoint.convert import load_into
 from ..checkpoint.dcp import Checkpointer, complete_checkpoints, latest_checkpoint, params_dict
 from ..config import Config, ConfigError, dump_toml, profile_range
 from ..data import build_training_data, check_vocab
@@ -41,6 +41,7 @@ from ..diagnostics.timeouts import Deadlines, apply_env_defaults
 from ..diagnostics.watchdog import Watchdog
 from ..files import refuse_occupied, write_text_atomic
 from ..mesh import ParallelDims, init_parallel
+from ..preflight import init_from_folder, model_args, preflight, world_size_from_env
 from ..ranks import wait_for_every_rank
 from ..parallel.fsdp import apply_fsdp
 from . import stop as stopping
@@ -55,49 +56,6 @@ from .step import count_targets, forward_backward
 from .summary import summarise, write_summary
 
 
-def init_from_folder(config: Config) -> Optional[tuple[str, Path]]:
-    """(kind, folder) when checkpoint.init_from is a Meta or Hugging Face folder: its shape is the
-    model's, and its weights are sliced into the unsharded model before FSDP."""
-    folder = config.checkpoint.init_from
-    if not folder:
-        return None
-    kind, path = detect_format(Path(folder))
-    return (kind, path) if kind in ("meta", "hf") else None
-
-
-def model_args(c: Config, mp: int, tokenizer_vocab: int = 0) -> ModelArgs:
-    """The model's shape for config `c` at model-parallel size mp, checked against data.seq_len and
-    mp. A vocab_size of -1 (Llama 2's params.json) becomes `tokenizer_vocab` when given, else it waits
-    for the tokenizer (the trainer's _fit_vocab)."""
-    found = init_from_folder(c)
-    if found is not None:
-        args = read_args(*found)
-    else:
-        m = c.model
-        overrides = {}
-        if m.vocab_size:
-            overrides["vocab_size"] = m.vocab_size
-        if m.n_layers:
-            overrides["n_layers"] = m.n_layers
-        args = (ModelArgs.from_params_json(m.params_json, **overrides) if m.params_json
-                else ModelArgs.from_preset(m.preset, **overrides))
-    if args.vocab_size <= 0 and tokenizer_vocab > 0:
-        args = dataclasses.replace(args, vocab_size=tokenizer_vocab)
-    if c.data.seq_len > args.max_seq_len:
-        raise ConfigError(
-            f"data.seq_len = {c.data.seq_len} is larger than the model's max_seq_len = {args.max_seq_len}: "
-            "lower data.seq_len"
-        )
-    if c.parallel.sequence_parallel and c.data.seq_len % mp:
-        raise ConfigError(
-            f"data.seq_len = {c.data.seq_len} is not divisible by parallel.mp = {mp}: sequence parallelism "
-            f"gives each model-parallel rank seq_len / mp positions; choose a seq_len that is a multiple of {mp}, "
-            "or set parallel.sequence_parallel = false")
-    if args.vocab_size > 0:
-        args.check(mp)
-    return args
-
-
 class NonFiniteLossError(FloatingPointError):
     every_rank = True  # raised alike on every rank: hybridpar.ranks.raised_by_every_rank
 
@@ -105,7 +63,9 @@ class NonFiniteLossError(FloatingPointError):
 class Trainer:
     def __init__(self, config: Config, parallel: Optional[ParallelDims] = None) -> None:
         self.config = c = config
-        c.validate()
+        # Every mistake the config can show without a process group, before anything is made.
+        world = parallel.world_size if parallel else dist.get_world_size() if dist.is_initialized() else None
+        preflight(c, world or world_size_from_env())
         self.started = time.perf_counter()  # the summary's wall time counts set-up too
         self.trace_dir = Path(c.output.run_dir) / "flight_recorder"
         # Before init_parallel makes the process group: NCCL reads some of these when a group is
@@ -147,7 +107,8 @@ class Trainer:
                 setup.phase = f"set-up: {name}"
 
         phase("model args")
-        self.args = self._model_args()  # checked before any data work
+        # Checked before any data work; a vocab_size of -1 (Llama 2's) waits for the tokenizer: _fit_vocab.
+        self.args = model_args(c, p.mp)
         if c.output.wandb:
             require_wandb()
         phase("data")
@@ -223,11 +184,6 @@ class Trainer:
             path = self.checkpointer.save(self.step, self.model, self.optimizer, train_state, params_dict(self.args))
         return path
 
-    def _model_args(self) -> ModelArgs:
-        """The model's shape, checked against data.seq_len and the mesh (a vocab_size of -1, Llama 2's,
-        waits for the tokenizer: _fit_vocab)."""
-        return model_args(self.config, self.parallel.mp)
-
     def _fit_vocab(self, tokenizer) -> None:
         """Before the loader is built: a vocab_size of -1 (Llama 2's params.json) becomes the
         tokenizer's, and the tokenizer's ids must fit the model's embedding."""
@@ -248,7 +204,7 @@ class Trainer:
 
     def _measure_peak(self) -> float:
         if self.device.type == "cuda":
-            raise ConfigError("train.peak_flops must be set on GPUs (the accelerator's dense bf16 peak, e.g. 989e12)")
+            raise ConfigError("train.peak_flops must be set on GPUs (the accelerator's dense bfloat16 peak, e.g. 989e12)")
         # Every rank measures the same window, under the same contention as training. Within it the
         # scheduler shares the cores unevenly, so the per-rank peak is the mean over ranks.
         peak = torch.tensor([measure_matmul_peak(seconds=0.5, start_together=dist.barrier)], dtype=torch.float64)

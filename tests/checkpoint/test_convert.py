@@ -91,7 +91,7 @@ def test_convert_and_generate_commands(trained, corpus, tmp_path):
     env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
     run = lambda *argv: subprocess.run([sys.executable, "-m", "hybridpar", *argv], cwd=ROOT, env=env,  # noqa: E731
                                        capture_output=True, text=True, timeout=300)
-    out = run("convert", str(trained / "ckpt"), str(tmp_path / "meta"), "--to", "meta", "--mp", "2")
+    out = run("convert", str(trained / "ckpt"), str(tmp_path / "meta"), "--to", "meta", "--meta-files", "2")
     assert out.returncode == 0, out.stderr[-2000:]
     assert f"wrote {tmp_path / 'meta'} (meta)" in out.stdout
     tokenizer = next(Path(corpus["cache_dir"]).glob("tokenizer-*.model"))
@@ -104,7 +104,7 @@ def test_convert_and_generate_commands(trained, corpus, tmp_path):
 
 
 @pytest.mark.parametrize("to,options,message", [
-    ("hf", {"mp_out": 2}, "--mp applies to --to meta only"),
+    ("hf", {"mp_out": 2}, "--meta-files applies to --to meta only"),
     ("dcp", {"bos_id": 1}, "--bos-id / --eos-id apply to --to hf only"),
     ("meta", {"max_seq_len": 4096}, "--max-seq-len applies to --to hf and dcp only"),
     ("hf", {"max_seq_len": 0}, "--max-seq-len must be a positive number"),
@@ -121,7 +121,7 @@ def test_option_mistakes_are_refused_before_loading(tmp_path, to, options, messa
 
 def _case_convert_options(root: str) -> tuple:
     """From a Meta folder: hf with given token ids and context length; dcp into an occupied folder,
-    then into an empty one."""
+    then into an empty one, then over the occupied one with overwrite."""
     from hybridpar.checkpoint.convert import convert
     from hybridpar.checkpoint.dcp import CheckpointError
     from hybridpar.checkpoint.meta import save_meta_checkpoint
@@ -137,7 +137,8 @@ def _case_convert_options(root: str) -> tuple:
         refused = None
     except CheckpointError as err:
         refused = str(err)
-    return refused, str(convert(root / "meta", root / "empty", "dcp", parallel, max_seq_len=96))
+    written = str(convert(root / "meta", root / "empty", "dcp", parallel, max_seq_len=96))
+    return refused, written, str(convert(root / "meta", root / "occupied", "dcp", parallel, overwrite=True))
 
 
 def test_convert_options_reach_the_output_and_dcp_refuses_an_occupied_folder(workers, tmp_path):
@@ -148,9 +149,14 @@ def test_convert_options_reach_the_output_and_dcp_refuses_an_occupied_folder(wor
     (tmp_path / "empty").mkdir()
     results = workers(4).run(_case_convert_options, str(tmp_path))
     assert all(r == results[0] for r in results), results
-    refused, written = results[0]
-    assert refused == f"{tmp_path / 'occupied'} already exists and is not an empty folder: choose a new folder"
-    assert [p.name for p in (tmp_path / "occupied").rglob("*")] == ["step-00000000", "mine.txt"]
+    refused, written, replaced = results[0]
+    assert refused == (f"{tmp_path / 'occupied'} already exists and is not an empty folder: choose a new folder, "
+                       "or replace it with --overwrite (overwrite=True from Python)")
+    # Replaced whole: the old folder's file went with it, once the new checkpoint was complete.
+    assert replaced == str(tmp_path / "occupied" / "step-00000000")
+    assert not (tmp_path / "occupied" / "step-00000000" / "mine.txt").exists()
+    assert (tmp_path / "occupied" / "step-00000000" / "params.json").is_file()
+    assert not list(tmp_path.glob("*.partial")) and not list(tmp_path.glob(".occupied.*"))
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (config["bos_token_id"], config["eos_token_id"], config["max_position_embeddings"]) == (5, 6, 96)
     assert written == str(tmp_path / "empty" / "step-00000000")

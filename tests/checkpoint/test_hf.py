@@ -189,7 +189,7 @@ def test_export_refuses_an_existing_folder_and_overwrites_when_asked(workers, tm
     (out / "keep.txt").write_text("mine")
     results = pool.run(_case_export, "debug", 2, str(out))
     assert [status for status, _ in results] == ["error"] * 4  # every rank raises; none waits
-    assert "already exists: choose a new folder or pass overwrite=True" in results[1][1]
+    assert "already exists: choose a new folder, or replace it with --overwrite (overwrite=True from Python)" in results[1][1]
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
 
     results = pool.run(_case_export, "debug", 2, str(out), "bfloat16", True)

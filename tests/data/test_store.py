@@ -215,10 +215,10 @@ def test_the_documented_data_commands_parse():
     assert len(docs) >= 8, docs
     for line in docs:
         args, extra = build_parser().parse_known_args(shlex.split(line)[1:])
-        if args.func.__name__ == "_cmd_train":
+        if args.func.__name__ == "cmd_train":
             load_config(find_config(args.config), extra)
         else:
-            assert not extra and args.func.__name__ in ("_cmd_prepare", "_cmd_verify"), line
+            assert not extra and args.func.__name__ in ("cmd_prepare", "cmd_verify"), line
 
 
 # --- inside a training job -----------------------------------------------------------------------

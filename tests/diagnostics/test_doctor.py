@@ -162,7 +162,7 @@ def test_doctor_under_torchrun_prints_the_report_and_passes(corpus, tmp_path):
     out = tmp_path / "doctor.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
            "-m", "hybridpar", "doctor", "--config", str(config_path), "--sizes", "4K,64K", "--iters", "2",
-           "--warmup", "1", "--out", str(out)]
+           "--warmup", "1", "--json", str(out)]
     result = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     text = result.stdout
@@ -192,7 +192,7 @@ def test_doctor_fails_on_a_planted_bad_environment(tmp_path):
     train timeout longer than the init timeout is only a warning."""
     out = tmp_path / "doctor.json"
     cmd = [sys.executable, "-m", "hybridpar", "doctor", "--no-busbw", "--diagnostics.train_timeout", "900",
-           "--out", str(out)]
+           "--json", str(out)]
     result = subprocess.run(cmd, cwd=ROOT, env=_env(NCCL_ASYNC_ERROR_HANDLING="1"), capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 1, result.stdout + result.stderr

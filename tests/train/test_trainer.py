@@ -109,7 +109,7 @@ BAD_INPUT = {
     "seq_len": ({"data.seq_len": 65}, r"data.seq_len = 65 is larger than the model's max_seq_len = 64"),
     "dataset too small": ({"data.micro_batch_size": 4000}, r"dataset has 2126 windows .* but one global batch needs 4000 \(micro_batch 4000 x grad_accum 1 x dp_size 1\)"),
     "tokenizer vocab": ({"model.vocab_size": 256}, r"512.*256|256.*512"),
-    "missing data": ({"data.source": "/nonexistent/corpus.jsonl"}, r"data path /nonexistent/corpus.jsonl does not exist"),
+    "missing data": ({"data.source": "/nonexistent/corpus.jsonl"}, r"data.source: /nonexistent/corpus.jsonl does not exist"),
 }
 
 

@@ -192,7 +192,6 @@ def _hybridpar(cwd: Path, *argv: str, env: dict = None, timeout: float = 300) ->
                           timeout=timeout, env={**_env(), "PYTHONPATH": str(ROOT), **(env or {})})
 
 
-@pytest.mark.fast
 @pytest.mark.parametrize("argv,code", [
     (["--help"], 0), (["train", "--help"], 0), (["plan", "--help"], 0), (["mesh", "--world", "8", "--mp", "2"], 0),
     (["train", "--optim.lr", "-1"], 2), (["train", "--data.seq_len", "127", "--parallel.mp", "2"], 2),
@@ -264,7 +263,6 @@ MISTAKES = {
 }
 
 
-@pytest.mark.fast
 @pytest.mark.parametrize("name", MISTAKES)
 def test_a_mistake_is_one_line_before_anything_starts(name, tmp_path):
     argv, env, expected = MISTAKES[name]
@@ -276,7 +274,6 @@ def test_a_mistake_is_one_line_before_anything_starts(name, tmp_path):
     assert "train one" not in line or argv[0] == "train", line  # generate's advice is not training's
 
 
-@pytest.mark.fast
 @pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
 def test_a_run_dir_without_permission_is_one_line(tmp_path):
     (tmp_path / "locked").mkdir(mode=0o500)
@@ -285,7 +282,6 @@ def test_a_run_dir_without_permission_is_one_line(tmp_path):
                       "output.run_dir: no permission to write in locked")
 
 
-@pytest.mark.fast
 def test_convert_into_an_existing_folder_names_the_overwrite_flag(tmp_path):
     (tmp_path / "dst").mkdir()
     (tmp_path / "dst" / "kept.txt").write_text("mine")
@@ -294,7 +290,6 @@ def test_convert_into_an_existing_folder_names_the_overwrite_flag(tmp_path):
                       "dst already exists", "--overwrite")
 
 
-@pytest.mark.fast
 def test_under_a_launcher_only_rank_0_prints_a_mistake_every_rank_makes(tmp_path):
     """Every rank runs the same checks; the others exit non-zero without a word."""
     result = _hybridpar(tmp_path, "train", "--optim.lr", "-1", env={"WORLD_SIZE": "2", "RANK": "1"})
@@ -302,7 +297,6 @@ def test_under_a_launcher_only_rank_0_prints_a_mistake_every_rank_makes(tmp_path
     assert not list(tmp_path.iterdir())
 
 
-@pytest.mark.fast
 def test_only_an_internal_error_suggests_the_traceback(tmp_path, capsys):
     from hybridpar.cli import _report_error
     from hybridpar.config import ConfigError
@@ -324,7 +318,6 @@ def test_only_an_internal_error_suggests_the_traceback(tmp_path, capsys):
         _report_error(internal, None)
 
 
-@pytest.mark.fast
 def test_the_local_config_runs_alone_at_mp_1_and_as_mp2_x_dp2_at_four(tmp_path):
     from hybridpar.config import find_config, load_config
     from hybridpar.layout import resolve_sizes
@@ -351,7 +344,6 @@ def _fake_checkpoint(folder: Path, damaged: bool = False) -> None:
         (folder / "train_state.json").write_bytes(b'{"step": 2}')
 
 
-@pytest.mark.fast
 def test_verify_on_a_run_checkpoints_folder_checks_each_checkpoint(tmp_path):
     checkpoints = tmp_path / "run" / "checkpoints"
     _fake_checkpoint(checkpoints / "step-00000010")
@@ -368,7 +360,6 @@ def test_verify_on_a_run_checkpoints_folder_checks_each_checkpoint(tmp_path):
     assert result.returncode == 0 and "checkpoints ok" not in result.stdout, result.stdout
 
 
-@pytest.mark.fast
 @pytest.mark.parametrize("argv", [
     ["--model", "llama3_70b", "--gpus", "128", "--gpu", "h100", "--global-batch", "4Mtok"],
     ["--model", "llama2_7b", "--gpus", "16", "--global-batch", "256", "--param-dtype", "float32", "--compile",

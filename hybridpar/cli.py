@@ -5,6 +5,7 @@ Parsing imports no torch (`--help` stays fast); hybridpar.commands holds what ea
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
 from pathlib import Path
@@ -25,7 +26,9 @@ class _Parser(argparse.ArgumentParser):
     """argparse's parser whose errors are one line, naming where the flags are listed (no usage block)."""
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (the flags: {self.prog} --help)\n")
+        # Under a launcher every rank parses the same argv: rank 0 alone says what is wrong.
+        self.exit(2, f"{self.prog}: error: {message} (the flags: {self.prog} --help)\n"
+                  if os.environ.get("RANK", "0") == "0" else None)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -200,6 +203,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if args.command in ("train", "doctor"):
+        command = parser.commands[args.command]
+        for flag in (a.split("=")[0] for a in extra if a.startswith("--")):
+            if "." not in flag:  # not a config key (section.key): a mistyped flag of the command's own
+                near = difflib.get_close_matches(flag, command._option_string_actions, n=1)
+                command.error(f"unrecognized argument {flag}" + (f": did you mean {near[0]}?" if near else
+                              "; config keys look like --train.steps 20"))
         args.overrides = extra
     elif extra:
         parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
@@ -221,6 +230,8 @@ def _report_error(error: Exception, log_dir: Optional[Path]) -> int:
 
     rank = os.environ.get("RANK")
     log = _log_traceback(error, log_dir, rank or "0")
+    if os.environ.get("WORLD_SIZE", "1") == "1":
+        rank = None  # a world of one: "(rank 0)" would say nothing
     where = f" (tracebacks: {log.parent / 'rank-*.log'})" if log else ""
     if raised_by_every_rank(error):
         if rank in (None, "0"):

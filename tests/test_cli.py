@@ -258,7 +258,12 @@ MISTAKES = {
                                    ["unrecognized arguments: --load-mp 2", "hybridpar convert --help"]),
     "verify: nothing there": (["verify", "/nope"], {}, ["verify /nope: no such file or folder"]),
     "doctor: config is a folder": (["doctor", "--config", "a_folder"], {}, ["--config a_folder is a folder"]),
-    "doctor: the old --out": (["doctor", "--out", "x.json"], {}, ["unknown config key 'out'"]),
+    "doctor: the old --out": (["doctor", "--out", "x.json"], {}, ["unrecognized argument --out"]),
+    "train: a mistyped flag": (["train", "--confg", "local"], {}, ["--confg: did you mean --config?"]),
+    "train: a flag that is no key": (["train", "--stps", "3"], {}, ["--stps; config keys look like --train.steps"]),
+    "verify: not a checkpoint": (["verify", "a_folder"], {}, ["verify a_folder: not a checkpoint",
+                                                               "folder of step-NNNNNNNN checkpoints"]),
+    "convert: no source": (["convert", "/nope", "out", "--to", "hf"], {}, ["hybridpar: error: /nope does not exist"]),
     "mesh: sizes": (["mesh", "--world", "4", "--mp", "3"], {}, ["not divisible"]),
 }
 

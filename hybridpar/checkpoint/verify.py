@@ -267,6 +267,10 @@ def verify_path(path: Path, out: Optional[TextIO] = None) -> int:
     steps = sorted((p for p in path.iterdir() if p.is_dir() and STEP_DIR.match(p.name)),
                    key=lambda p: p.name) if path.is_dir() and not (path / ".metadata").exists() else []
     if not steps:
+        if path.is_dir() and not (path / ".metadata").exists() and not (path / MANIFEST).exists():
+            # Nothing of a checkpoint at all: a wrong path, not a damaged checkpoint.
+            raise ValueError(f"hybridpar verify {path}: not a checkpoint (no .metadata, no {MANIFEST}), nor a folder "
+                             "of step-NNNNNNNN checkpoints, nor a token store; give one of those")
         return verify_folder(path, out)
     bad = [step.name for step in steps if verify_folder(step, out)]
     summary = "all ok" if not bad else f"NOT OK: {', '.join(bad)}"

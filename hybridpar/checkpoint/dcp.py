@@ -57,9 +57,8 @@ from ..mesh import ParallelDims
 from ..progress import note
 from ..ranks import broadcast_from_rank0, gather_objects, on_rank0, raise_if_any_failed
 from . import checksums
-from ..safe_pickle import SafeFileSystemReader, UnsafePickleError, read_dcp_metadata
-from .reader import (CheckpointDamagedError, CheckpointError, CheckpointReadError, SafeLoadPlanner,
-                     UnsafeCheckpointError)
+from ..safe_pickle import CheckpointReadError, SafeFileSystemReader, UnsafePickleError, read_dcp_metadata
+from .reader import CheckpointDamagedError, CheckpointError, SafeLoadPlanner, UnsafeCheckpointError
 from .space import checkpoint_bytes, join_dcp_writers, no_space_reason, remove_folder
 from .verify import LoadCheck, share_load_failure
 

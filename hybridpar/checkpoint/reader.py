@@ -1,4 +1,5 @@
-"""Loading a DCP checkpoint safely: SafeLoadPlanner, and the errors a refused checkpoint raises.
+"""Loading a DCP checkpoint safely: SafeLoadPlanner, and the errors a refused checkpoint raises
+(a reader's refusal of bytes, CheckpointReadError, lives in safe_pickle, below the fast paths).
 
 SafeLoadPlanner is DCP's default load planner except that a non-tensor value (an optimizer's
 hyperparameters, say) is unpickled only when torch.load's weights_only unpickler accepts it: the
@@ -12,10 +13,7 @@ import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
 
-
-class CheckpointReadError(ValueError):
-    """A reader's refusal of bytes it cannot use (a file cut short, a damaged archive, a value that
-    is not plain data)."""
+from ..safe_pickle import CheckpointReadError
 
 
 class CheckpointError(ValueError):

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import shutil
 import threading
 import warnings
@@ -60,9 +59,8 @@ from . import checksums
 from ..safe_pickle import CheckpointReadError, SafeFileSystemReader, UnsafePickleError, read_dcp_metadata
 from .reader import CheckpointDamagedError, CheckpointError, SafeLoadPlanner, UnsafeCheckpointError
 from .space import checkpoint_bytes, join_dcp_writers, no_space_reason, remove_folder
-from .verify import LoadCheck, share_load_failure
+from .verify import STEP_DIR, LoadCheck, share_load_failure
 
-STEP_DIR = re.compile(r"^step-(\d{8})$")
 DELETING = ".deleting"
 DAMAGED = ".damaged"  # a damaged checkpoint set aside; no listing or clean-up matches it
 

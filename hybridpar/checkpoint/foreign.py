@@ -1,14 +1,10 @@
 """Foreign checkpoint formats (Meta's consolidated files, Hugging Face folders) behind one interface.
 
-A format's adapter opens a folder into a ForeignSource, having checked the files against their own
-config: the ModelArgs, the full shape of every tensor under models.llama's names (= Meta's), and a
-way to copy any block of a named tensor, in models.llama's layout, into a tensor. load_foreign is
-the one loader: it checks a model against any source and plans every rank's blocks before copying
-one (an error leaves the model untouched); each rank then reads only its own blocks.
-
-The way out mirrors it: a format's ForeignTarget says which files there are, what file j holds of a
-parameter given whole and how a file is written; export_foreign is the one writer (rank 0 stages
-the folder, every rank gathers every parameter and keeps only its files' pieces, rank 0 completes).
+In: a format's adapter opens and checks a folder into a ForeignSource (its ModelArgs, the full shape
+of every tensor under models.llama's names, a block of a named tensor read in models.llama's
+layout); load_foreign checks a model against any source and plans every rank's blocks before
+copying one, each rank reading only its own. Out: a ForeignTarget says what file j holds of a
+parameter and how a file is written; export_foreign stages, gathers and completes the folder.
 """
 
 from __future__ import annotations
@@ -35,8 +31,7 @@ BEHAVIOUR_FIELDS = ("norm_eps", "rope_theta", "rope_scaling")
 
 
 class ForeignCheckpointError(ValueError):
-    """A foreign checkpoint (or a model meant to receive or give one) that cannot be read, loaded or
-    written; each format raises its own subclass."""
+    """A foreign checkpoint (or a model for one) that cannot be read, loaded or written; per format a subclass."""
 
 
 def meta_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
@@ -70,18 +65,13 @@ def natural(key: str) -> list:
 
 
 class ForeignSource:
-    """An opened, checked foreign checkpoint folder. An adapter sets `error` (its error type) and
-    implements read_into; `config` is the file its fields come from, `reader` the call that builds
-    a matching model's ModelArgs (named in the advice), `tied_by` where tie_embeddings comes from."""
+    """An opened, checked folder. `config`: the file its fields come from; `reader`: the call giving a
+    matching model's ModelArgs (named in the advice); `tied_by`: where tie_embeddings comes from."""
 
     error: type[ForeignCheckpointError] = ForeignCheckpointError
 
     def __init__(self, folder: Path, args: ModelArgs, config: Path, reader: str, tied_by: str) -> None:
         self.folder, self.args, self.config, self.reader, self.tied_by = folder, args, config, reader, tied_by
-
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        """{name: full shape} of every tensor a model of these args takes (no output head when tied)."""
-        return model_shapes(self.args)
 
     def tie_mismatch(self, model_tied: bool) -> str:
         tied = self.args.tie_embeddings
@@ -96,7 +86,7 @@ class ForeignSource:
         raise NotImplementedError
 
     def close(self) -> None:
-        """Release what the checks held open."""
+        pass
 
 
 def check_model(source: ForeignSource, model: nn.Module) -> None:
@@ -114,7 +104,7 @@ def check_model(source: ForeignSource, model: nn.Module) -> None:
 
 def _plan(source: ForeignSource, model: nn.Module) -> list[tuple[str, torch.Tensor, tuple[int, ...]]]:
     """(name, local tensor, offset) for every parameter of the model, all checked."""
-    shapes, own, error = source.shapes(), model.state_dict(), source.error
+    shapes, own, error = model_shapes(source.args), model.state_dict(), source.error
     missing, unexpected = sorted(set(shapes) - set(own), key=natural), sorted(set(own) - set(shapes), key=natural)
     if missing or unexpected:
         raise error(
@@ -141,9 +131,8 @@ def _plan(source: ForeignSource, model: nn.Module) -> list[tuple[str, torch.Tens
 
 @torch.no_grad()
 def load_foreign(source: ForeignSource, model: nn.Module) -> ModelArgs:
-    """Fill `model` (a models.llama.Transformer at any mp, before FSDP) from an opened source; closes
-    it. Collective (every rank calls): the checks of this rank's blocks end in one flag, so no rank
-    goes on alone. Returns the source's ModelArgs."""
+    """Fill `model` (a models.llama.Transformer at any mp, before FSDP) from `source`, then close it.
+    Collective: one flag after the checks of each rank's blocks. Returns the source's ModelArgs."""
     try:
         check_model(source, model)
         plan, failed = [], None
@@ -179,7 +168,7 @@ def model_args(model: nn.Module, error: type[Exception], what: str) -> ModelArgs
 
 
 class ForeignTarget:
-    """A format's writer of `n_files` files; file j is written by rank j % world size."""
+    """A format's writer of `n_files` files, file j by rank j % world size."""
 
     error: type[ForeignCheckpointError] = ForeignCheckpointError
 
@@ -202,9 +191,8 @@ class ForeignTarget:
 
 
 def _gather(target: ForeignTarget, model: nn.Module, mine: list[int]) -> dict[int, dict[str, torch.Tensor]]:
-    """This rank's files: {file: {stored name: tensor}}. Collective: every rank gathers every
-    parameter (full_tensor(), in the same order) and keeps only its files' pieces, so no rank holds
-    the whole model unless it writes every file. A mismatch is raised only after the last gather."""
+    """{file: {stored name: tensor}} of this rank's files. Collective: every rank gathers every parameter
+    in the same order, keeping only its files' pieces; a mismatch is raised after the last gather."""
     args, shapes = target.args, model_shapes(target.args)
     outputs: dict[int, dict[str, torch.Tensor]] = {j: {} for j in mine}
     problem: Optional[str] = None
@@ -239,10 +227,8 @@ def _write_files(target: ForeignTarget, staged: Path, model: nn.Module) -> None:
 
 
 def export_foreign(target: ForeignTarget, model: nn.Module, folder: Path, overwrite: bool) -> Path:
-    """Write `model` (plain or FSDP2-wrapped) through `target`. Collective: every rank calls it.
-    Everything goes into `<folder>.partial`, renamed to `folder` once complete (or removed if any
-    rank failed): a crash never leaves half a checkpoint under the final name. Every rank returns
-    the folder or raises."""
+    """Write `model` (plain or FSDP2-wrapped) through `target`; collective, every rank returns or raises.
+    Written into `<folder>.partial`, renamed once complete (removed if any rank failed)."""
 
     def begin() -> Path:
         target.begin(folder, overwrite)

@@ -21,7 +21,7 @@ from models.fields import check_field, read_json_object
 from models.llama import ModelArgs
 
 from ..ranks import mark_every_rank
-from .foreign import ForeignCheckpointError, ForeignSource, load_foreign, meta_shapes
+from .foreign import ForeignCheckpointError, ForeignSource, load_foreign, model_shapes
 from .hf import CONFIG_JSON, WEIGHTS_FILE, hf_name, rope_permutation
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -179,14 +179,6 @@ def _weight_map(folder: Path) -> dict[str, Path]:
         return {name: single for name in handle.keys()}
 
 
-def expected_hf_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    """{HF name: full shape} of every tensor a folder of this shape holds (no lm_head when tied)."""
-    shapes = meta_shapes(args)
-    if args.tie_embeddings:
-        del shapes["output.weight"]
-    return {hf_name(name): shape for name, shape in shapes.items()}
-
-
 def _refuse_cut_short(path: Path) -> None:
     """Name the file and the first tensor a file cut short lost, from what its header records (8 bytes
     of header size, a JSON header, then each tensor at its data_offsets): safetensors' own error
@@ -230,10 +222,6 @@ class _Files:
         except Exception as err:  # noqa: BLE001 - any failure to parse means a damaged file
             raise HFImportError(f"{path} cannot be read ({type(err).__name__}: {err}); download it again") from err
 
-    def slice(self, name: str):
-        """A lazy view of tensor `name` (shape and dtype from the header), for the checks."""
-        return self.handles[self.weight_map[name]].get_slice(name)
-
     def read(self, name: str, index: tuple) -> torch.Tensor:
         """Block `index` of tensor `name`, copied out of its file, which is unmapped again."""
         with self._open(self.weight_map[name]) as handle:
@@ -247,7 +235,7 @@ class _Files:
 
 def _check_tensors(files: _Files, args: ModelArgs) -> None:
     """Every tensor config.json implies is present, with its shape and a floating dtype."""
-    expected = expected_hf_shapes(args)
+    expected = {hf_name(name): shape for name, shape in model_shapes(args).items()}
     names = {n for n in files.weight_map if not n.endswith(_IGNORED_SUFFIXES)}
     # A tied folder may still carry lm_head.weight (transformers ignores it then): so do we.
     names.discard("lm_head.weight") if args.tie_embeddings else None
@@ -261,7 +249,7 @@ def _check_tensors(files: _Files, args: ModelArgs) -> None:
             f"{missing[:8]}, unexpected {unexpected[:8]}{hint}"
         )
     for name, shape in expected.items():
-        piece = files.slice(name)
+        piece = files.handles[files.weight_map[name]].get_slice(name)  # shape and dtype from the header
         actual, dtype = tuple(piece.get_shape()), piece.get_dtype()
         where = files.weight_map[name].name
         if actual != shape:

@@ -202,6 +202,15 @@ def _refuse_cut_short(path: Path) -> None:
                             f"({len(lost)} tensor(s) lost); the file is truncated: download it again")
 
 
+def _open(path: Path):
+    from safetensors import safe_open
+
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as err:  # noqa: BLE001 - any failure to parse means a damaged file
+        raise HFImportError(f"{path} cannot be read ({type(err).__name__}: {err}); download it again") from err
+
+
 class _Files:
     """The folder's safetensors files. Headers are read through handles kept open during the checks;
     tensors are read each through its own short-lived handle, so the pages of one tensor at a time
@@ -211,21 +220,7 @@ class _Files:
         self.folder, self.weight_map, self.handles = folder, weight_map, {}
         for path in sorted(set(weight_map.values())):
             _refuse_cut_short(path)
-            self.handles[path] = self._open(path)
-
-    @staticmethod
-    def _open(path: Path):
-        from safetensors import safe_open
-
-        try:
-            return safe_open(str(path), framework="pt")
-        except Exception as err:  # noqa: BLE001 - any failure to parse means a damaged file
-            raise HFImportError(f"{path} cannot be read ({type(err).__name__}: {err}); download it again") from err
-
-    def read(self, name: str, index: tuple) -> torch.Tensor:
-        """Block `index` of tensor `name`, copied out of its file, which is unmapped again."""
-        with self._open(self.weight_map[name]) as handle:
-            return handle.get_slice(name)[index]
+            self.handles[path] = _open(path)
 
     def close(self) -> None:
         for handle in self.handles.values():
@@ -291,7 +286,8 @@ class _HFSource(ForeignSource):
 
     def read_into(self, name: str, offset: Sequence[int], out: torch.Tensor) -> None:
         index = tuple(slice(o, o + n) for o, n in zip(offset, out.shape))
-        block = self.files.read(hf_name(name), index)
+        with _open(self.files.weight_map[hf_name(name)]) as handle:  # unmapped again after the block
+            block = handle.get_slice(hf_name(name))[index]
         head_dim = self._head_dim(name)
         if head_dim is not None:  # whole heads (check_block): undo HF's rotate-half order head by head
             block = block[torch.argsort(rope_permutation(out.shape[0] // head_dim, head_dim))]

@@ -85,9 +85,6 @@ class ForeignSource:
         """Copy block [offset, offset + out.shape) of tensor `name` (models.llama's layout) into `out`."""
         raise NotImplementedError
 
-    def close(self) -> None:
-        pass
-
 
 def check_model(source: ForeignSource, model: nn.Module) -> None:
     """The model ties its embeddings as the checkpoint does, and computes with its norm_eps and RoPE."""
@@ -131,23 +128,19 @@ def _plan(source: ForeignSource, model: nn.Module) -> list[tuple[str, torch.Tens
 
 @torch.no_grad()
 def load_foreign(source: ForeignSource, model: nn.Module) -> ModelArgs:
-    """Fill `model` (a models.llama.Transformer at any mp, before FSDP) from `source`, then close it.
-    Collective: one flag after the checks of each rank's blocks. Returns the source's ModelArgs."""
+    """Fill `model` (a models.llama.Transformer at any mp, before FSDP) from `source`. Collective: one
+    flag after the checks of each rank's blocks. Returns the source's ModelArgs."""
+    check_model(source, model)
+    plan, failed = [], None
     try:
-        check_model(source, model)
-        plan, failed = [], None
-        try:
-            plan = _plan(source, model)
-        except ForeignCheckpointError as err:
-            failed = err
-        raise_if_any_failed(failed, f"load {source.folder}", error_type=source.error)
-        total = sum(local.nbytes for _, local, _ in plan)
-        with Progress(f"loading {source.folder.name}", total=total, unit="B") as progress:
-            for name, local, offset in plan:
-                source.read_into(name, offset, local)
-                progress.update(local.nbytes)
-    finally:
-        source.close()
+        plan = _plan(source, model)
+    except ForeignCheckpointError as err:
+        failed = err
+    raise_if_any_failed(failed, f"load {source.folder}", error_type=source.error)
+    with Progress(f"loading {source.folder.name}", total=sum(t.nbytes for _, t, _ in plan), unit="B") as progress:
+        for name, local, offset in plan:
+            source.read_into(name, offset, local)
+            progress.update(local.nbytes)
     return source.args
 
 

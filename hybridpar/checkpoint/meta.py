@@ -21,7 +21,7 @@ import math
 import re
 import zipfile
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -72,10 +72,6 @@ def rope_inverse_frequencies(args: ModelArgs) -> torch.Tensor:
     """
     half = torch.arange(0, args.head_dim, 2)[: args.head_dim // 2].float()
     return 1.0 / (args.rope_theta ** (half / args.head_dim))
-
-
-def _fmt(shape: Sequence[int]) -> str:
-    return "[" + ", ".join(str(int(s)) for s in shape) + "]"
 
 
 # Opening a consolidated file is part of the format: weights only, memory-mapped.

@@ -18,7 +18,7 @@ from models.llama import ModelArgs
 
 from ..ranks import mark_every_rank
 from .foreign import ForeignSource, load_foreign, meta_shapes, natural
-from .meta import (PARAMS_JSON, ROPE_FREQS, SHARD_FILE, SIDECAR_JSON, MetaCheckpointError, _fmt, _load_file,
+from .meta import (PARAMS_JSON, ROPE_FREQS, SHARD_FILE, SIDECAR_JSON, MetaCheckpointError, _load_file,
                    rope_inverse_frequencies, shard_name, split_dim)
 from .meta_json import read_params, read_sidecar
 
@@ -55,10 +55,6 @@ class _MetaSource(ForeignSource):
                  args: ModelArgs) -> None:
         super().__init__(folder, args, folder / PARAMS_JSON, "read_meta_params(folder)", "the caller's overrides")
         self.params, self.paths, self.shards = params, paths, shards
-
-    @property
-    def n(self) -> int:
-        return len(self.shards)
 
     def pieces(self, name: str) -> list[torch.Tensor]:
         return [shard[name] for shard in self.shards]
@@ -104,7 +100,7 @@ def _resolve_layout(paths: list[Path], shards: list[dict], params: dict) -> tupl
         raise MetaCheckpointError(f"{paths[0]} has no {key}: it is not a complete Meta Llama shard")
     shape = tuple(shards[0][key].shape)
     if len(shape) != 2:
-        raise MetaCheckpointError(f"{key} in {paths[0]} has shape {_fmt(shape)}, expected 2 dimensions [vocab, dim]")
+        raise MetaCheckpointError(f"{key} in {paths[0]} has shape {list(shape)}, expected 2 dimensions [vocab, dim]")
     rows, cols = shape
     declared = params.get("embedding_split", "auto")
     if n == 1:
@@ -120,26 +116,26 @@ def _resolve_layout(paths: list[Path], shards: list[dict], params: dict) -> tupl
         split, vocab = "dim", rows
     else:
         raise MetaCheckpointError(
-            f"{key} in {paths[0].name} has shape {_fmt(shape)}: with {n} files its second dimension should be "
+            f"{key} in {paths[0].name} has shape {list(shape)}: with {n} files its second dimension should be "
             f"dim = {dim} (split on the vocabulary, Llama 3 layout) or dim / {n} = {dim / n:g} (split on dim, "
             "Llama 2 layout); params.json's dim or the number of files is wrong"
         )
     if declared not in ("auto", split):
         raise MetaCheckpointError(
             f"{paths[0].parent / PARAMS_JSON} says embedding_split = {declared!r}, but {key} in {paths[0].name} "
-            f"{_fmt(shape)} across {n} files is split as {split!r}; remove embedding_split from params.json"
+            f"{list(shape)} across {n} files is split as {split!r}; remove embedding_split from params.json"
         )
     if params["vocab_size"] not in (-1, vocab):
         raise MetaCheckpointError(
             f"{paths[0].parent / PARAMS_JSON} says vocab_size = {params['vocab_size']}, but {key} in {paths[0].name} "
-            f"{_fmt(shape)} across {n} files holds {vocab} tokens; fix vocab_size (or set it to -1)"
+            f"{list(shape)} across {n} files holds {vocab} tokens; fix vocab_size (or set it to -1)"
         )
     return split, vocab
 
 
 def _check_shards(source: _MetaSource) -> None:
     """Every file holds exactly Meta's keys, each with its share of the shape params.json implies."""
-    args, n = source.args, source.n
+    args, n = source.args, len(source.shards)
     shapes = meta_shapes(args)
     split = args.resolved_embedding_split
     for path, shard in zip(source.paths, source.shards):
@@ -164,9 +160,9 @@ def _check_shards(source: _MetaSource) -> None:
                 expected[d] = full[d] // n
             actual = tuple(shard[name].shape)
             if actual != tuple(expected):
-                how = f"full {_fmt(full)} split on dim {d} into {n} files" if d is not None else "whole in every file"
+                how = f"full {list(full)} split on dim {d} into {n} files" if d is not None else "whole in every file"
                 raise MetaCheckpointError(
-                    f"{name} in {path} has shape {_fmt(actual)}, but params.json implies {_fmt(expected)} "
+                    f"{name} in {path} has shape {list(actual)}, but params.json implies {list(expected)} "
                     f"({how}); params.json does not describe this checkpoint (dim, n_heads, n_kv_heads, "
                     "multiple_of, ffn_dim_multiplier, vocab_size) or the file is from another model"
                 )
@@ -180,7 +176,7 @@ def _check_rope_freqs(freqs: torch.Tensor, args: ModelArgs, path: Path) -> None:
     expected = rope_inverse_frequencies(args)
     if tuple(freqs.shape) != tuple(expected.shape):
         raise MetaCheckpointError(
-            f"{ROPE_FREQS} in {path} has shape {_fmt(freqs.shape)}, but params.json implies head_dim / 2 = "
+            f"{ROPE_FREQS} in {path} has shape {list(freqs.shape)}, but params.json implies head_dim / 2 = "
             f"{expected.numel()}; check dim and n_heads in params.json"
         )
     # Stored in the weights' dtype (bf16 in Meta's releases): compare within that precision.
@@ -223,7 +219,7 @@ def _sample_rows_equal(source: _MetaSource) -> bool:
     on the vocabulary, the same way in every file): a few rows read from the memory-mapped files."""
     embedding, output = source.pieces("tok_embeddings.weight"), source.pieces("output.weight")
     rows = embedding[0].shape[0]
-    vocab = rows * source.n
+    vocab = rows * len(source.shards)
     count = min(_TIE_SAMPLE_ROWS, vocab)
     sample = sorted({(i * (vocab - 1)) // max(count - 1, 1) for i in range(count)})
     return all(torch.equal(embedding[r // rows][r % rows], output[r // rows][r % rows]) for r in sample)

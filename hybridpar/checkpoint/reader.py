@@ -1,5 +1,4 @@
-"""Loading a DCP checkpoint safely: SafeLoadPlanner, and the errors a refused checkpoint raises
-(a reader's refusal of bytes, CheckpointReadError, lives in safe_pickle, below the fast paths).
+"""Loading a DCP checkpoint safely: SafeLoadPlanner, and the errors a refused checkpoint raises.
 
 SafeLoadPlanner is DCP's default load planner except that a non-tensor value (an optimizer's
 hyperparameters, say) is unpickled only when torch.load's weights_only unpickler accepts it: the

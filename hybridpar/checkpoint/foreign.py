@@ -34,8 +34,9 @@ class ForeignCheckpointError(ValueError):
     """A foreign checkpoint (or a model for one) that cannot be read, loaded or written; per format a subclass."""
 
 
-def meta_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    """Every parameter of models.llama's Transformer (Meta's checkpoint) of `args`, with its full shape."""
+def model_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Every parameter of models.llama's Transformer of `args` (Meta's names), with its full shape; a
+    tied model has no output head."""
     d, q, kv, hidden = args.dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim, args.ffn_hidden_dim
     shapes = {"tok_embeddings.weight": (args.vocab_size, d)}
     for i in range(args.n_layers):
@@ -47,15 +48,9 @@ def meta_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
             p + "feed_forward.w3.weight": (hidden, d),
             p + "attention_norm.weight": (d,), p + "ffn_norm.weight": (d,),
         })
-    shapes.update({"norm.weight": (d,), "output.weight": (args.vocab_size, d)})
-    return shapes
-
-
-def model_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    """meta_shapes without the output head of a tied model (which holds none): what a model has."""
-    shapes = meta_shapes(args)
-    if args.tie_embeddings:
-        del shapes["output.weight"]
+    shapes["norm.weight"] = (d,)
+    if not args.tie_embeddings:
+        shapes["output.weight"] = (args.vocab_size, d)
     return shapes
 
 
@@ -161,12 +156,12 @@ def model_args(model: nn.Module, error: type[Exception], what: str) -> ModelArgs
 
 
 class ForeignTarget:
-    """A format's writer of `n_files` files, file j by rank j % world size."""
+    """A format's writer of `n_files` files, file j by rank j % world size; `dtype` None: the parameters'."""
 
     error: type[ForeignCheckpointError] = ForeignCheckpointError
 
-    def __init__(self, args: ModelArgs, n_files: int) -> None:
-        self.args, self.n_files = args, n_files
+    def __init__(self, args: ModelArgs, n_files: int, dtype: Optional[torch.dtype]) -> None:
+        self.args, self.n_files, self.dtype = args, n_files, dtype
 
     def begin(self, folder: Path, overwrite: bool) -> None:
         """Rank 0, before any gather: refuse what cannot be written (an occupied folder)."""
@@ -211,14 +206,6 @@ def _gather(target: ForeignTarget, model: nn.Module, mine: list[int]) -> dict[in
     return outputs
 
 
-def _write_files(target: ForeignTarget, staged: Path, model: nn.Module) -> None:
-    rank, world = rank_and_world()
-    outputs = _gather(target, model, [j for j in range(target.n_files) if j % world == rank])
-    for j in sorted(outputs):
-        target.write_file(staged, j, outputs[j])
-        outputs[j] = {}  # free each file's tensors once written
-
-
 def export_foreign(target: ForeignTarget, model: nn.Module, folder: Path, overwrite: bool) -> Path:
     """Write `model` (plain or FSDP2-wrapped) through `target`; collective, every rank returns or raises.
     Written into `<folder>.partial`, renamed once complete (removed if any rank failed)."""
@@ -231,7 +218,10 @@ def export_foreign(target: ForeignTarget, model: nn.Module, folder: Path, overwr
     try:
         error: Optional[Exception] = None
         try:
-            _write_files(target, staged, model)
+            rank, world = rank_and_world()
+            outputs = _gather(target, model, [j for j in range(target.n_files) if j % world == rank])
+            for j in sorted(outputs):
+                target.write_file(staged, j, outputs.pop(j))  # each file's tensors freed once written
         except Exception as err:  # noqa: BLE001 - every rank raises below, not only this one
             error = err
         raise_if_any_failed(error, f"write {folder}", error_type=target.error)

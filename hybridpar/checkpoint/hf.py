@@ -157,8 +157,8 @@ class _HFTarget(ForeignTarget):
 
     def __init__(self, args: ModelArgs, dtype: torch.dtype, bos_token_id: Optional[int], eos_token_id: Optional[int],
                  extra_files: Optional[Mapping[str, Path]]) -> None:
-        super().__init__(args, 1)
-        self.dtype, self.extra_files = dtype, extra_files or {}
+        super().__init__(args, 1, dtype)
+        self.extra_files = extra_files or {}
         self.config = hf_config(args, dtype=dtype, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
 
     def begin(self, folder: Path, overwrite: bool) -> None:

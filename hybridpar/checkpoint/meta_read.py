@@ -17,7 +17,7 @@ from torch import nn
 from models.llama import ModelArgs
 
 from ..ranks import mark_every_rank
-from .foreign import ForeignSource, load_foreign, meta_shapes, natural
+from .foreign import ForeignSource, load_foreign, model_shapes, natural
 from .meta import (PARAMS_JSON, ROPE_FREQS, SHARD_FILE, SIDECAR_JSON, MetaCheckpointError, _load_file,
                    rope_inverse_frequencies, shard_name, split_dim)
 from .meta_json import read_params, read_sidecar
@@ -136,7 +136,7 @@ def _resolve_layout(paths: list[Path], shards: list[dict], params: dict) -> tupl
 def _check_shards(source: _MetaSource) -> None:
     """Every file holds exactly Meta's keys, each with its share of the shape params.json implies."""
     args, n = source.args, len(source.shards)
-    shapes = meta_shapes(args)
+    shapes = {**model_shapes(args), "output.weight": (args.vocab_size, args.dim)}  # files hold it when tied too
     split = args.resolved_embedding_split
     for path, shard in zip(source.paths, source.shards):
         keys = set(shard) - {ROPE_FREQS}

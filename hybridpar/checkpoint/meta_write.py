@@ -40,10 +40,6 @@ class _MetaTarget(ForeignTarget):
 
     error = MetaCheckpointError
 
-    def __init__(self, args: ModelArgs, mp_out: int, dtype: Optional[torch.dtype]) -> None:
-        super().__init__(args, mp_out)
-        self.dtype = dtype
-
     def pieces(self, name: str, full: torch.Tensor, j: int) -> dict[str, torch.Tensor]:
         tied = name == "tok_embeddings.weight" and self.args.tie_embeddings
         out = {}

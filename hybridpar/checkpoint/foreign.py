@@ -1,10 +1,10 @@
 """Foreign checkpoint formats (Meta's consolidated files, Hugging Face folders) behind one interface.
 
-In: a format's adapter opens and checks a folder into a ForeignSource (its ModelArgs, the full shape
-of every tensor under models.llama's names, a block of a named tensor read in models.llama's
-layout); load_foreign checks a model against any source and plans every rank's blocks before
-copying one, each rank reading only its own. Out: a ForeignTarget says what file j holds of a
-parameter and how a file is written; export_foreign stages, gathers and completes the folder.
+In: a format's adapter opens and checks a folder into a ForeignSource: its ModelArgs (which fix every
+tensor's name and full shape: model_shapes) and a block of a named tensor in models.llama's layout.
+load_foreign checks a model against any source and plans every rank's blocks before copying one,
+each rank reading only its own. Out: a ForeignTarget says what file j holds of a parameter and how
+a file is written; export_foreign stages, gathers and completes the folder.
 """
 
 from __future__ import annotations

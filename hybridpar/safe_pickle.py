@@ -30,6 +30,12 @@ class UnsafePickleError(ValueError):
         super().__init__(f"{what}: {self.reason}")
 
 
+class CheckpointReadError(ValueError):
+    """A checkpoint reader's refusal of bytes it cannot use (a file cut short, a damaged archive, a
+    value that is not plain data). Here, below both readers that raise it (DCP's with the safe
+    planner, and the fast path's), so neither imports the other's floor."""
+
+
 Allowed = Callable[[str, str], bool]
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import shutil
 import threading
 import warnings
@@ -57,13 +56,11 @@ from ..mesh import ParallelDims
 from ..progress import note
 from ..ranks import broadcast_from_rank0, gather_objects, on_rank0, raise_if_any_failed
 from . import checksums
-from ..safe_pickle import SafeFileSystemReader, UnsafePickleError, read_dcp_metadata
-from .reader import (CheckpointDamagedError, CheckpointError, CheckpointReadError, SafeLoadPlanner,
-                     UnsafeCheckpointError)
+from ..safe_pickle import CheckpointReadError, SafeFileSystemReader, UnsafePickleError, read_dcp_metadata
+from .reader import CheckpointDamagedError, CheckpointError, SafeLoadPlanner, UnsafeCheckpointError
 from .space import checkpoint_bytes, join_dcp_writers, no_space_reason, remove_folder
-from .verify import LoadCheck, share_load_failure
+from .verify import STEP_DIR, LoadCheck, share_load_failure
 
-STEP_DIR = re.compile(r"^step-(\d{8})$")
 DELETING = ".deleting"
 DAMAGED = ".damaged"  # a damaged checkpoint set aside; no listing or clean-up matches it
 

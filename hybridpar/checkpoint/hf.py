@@ -11,7 +11,8 @@ rotate-half (y[i], y[i + d/2]). With y = x[perm], perm = [0, 2, 4, ..., 1, 3, 5,
 HF's rotation of y is Meta's rotation of x, permuted the same way: so the rows of wq and wk are
 reordered by perm within each head, and q.k (so attention), wv and wo are unchanged.
 
-API: export_hf (collective), write_hf_folder (one process), hf_state_dict, hf_config; import: hf_read.
+API: export_hf (collective, through foreign.export_foreign), write_hf_folder (one process), hf_state_dict,
+hf_config; import: hf_read.
 """
 
 from __future__ import annotations
@@ -24,13 +25,12 @@ from typing import Any, Mapping, Optional, Union
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from models.llama import ModelArgs
 
 from ..dtypes import CANONICAL_NAMES as _DTYPE_NAMES
-from ..files import OCCUPIED_ADVICE, refuse_occupied, staged_folder
-from ..ranks import on_rank0, rank_and_world
+from ..files import staged_folder
+from .foreign import ForeignCheckpointError, ForeignTarget, export_foreign, model_args, refuse_target
 
 CONFIG_JSON = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -54,7 +54,7 @@ _TOP_NAMES = {
 LLAMA3_VOCAB_SIZE = 128256
 
 
-class HFExportError(ValueError):
+class HFExportError(ForeignCheckpointError):
     """A model or folder that cannot be exported to the Hugging Face format."""
 
 
@@ -139,19 +139,7 @@ def hf_config(args: ModelArgs, *, dtype: torch.dtype = torch.float32, bos_token_
 
 
 def _check_target(out_dir: Path, overwrite: bool) -> None:
-    advice = "choose a new folder" if overwrite else OCCUPIED_ADVICE
-    refuse_occupied(out_dir, advice, overwrite=overwrite, empty_ok=False)
-
-
-def _precheck(out_dir: Path, overwrite: bool, args: ModelArgs, dtype: torch.dtype) -> None:
-    """What export_hf refuses before its gathers, not after."""
-    try:
-        _check_target(out_dir, overwrite)
-    except OSError as err:  # an occupied folder, or one that cannot be looked at: a refusal all the same
-        raise HFExportError(f"{type(err).__name__}: {err}") from err
-    hf_config(args, dtype=dtype)
-    if importlib.util.find_spec("safetensors") is None:
-        raise HFExportError("export_hf needs the safetensors package: pip install safetensors")
+    refuse_target(out_dir, overwrite)
 
 
 def _owning(tensor: torch.Tensor) -> torch.Tensor:
@@ -160,6 +148,40 @@ def _owning(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.untyped_storage().nbytes() != tensor.nbytes or tensor.storage_offset():
         return tensor.clone()
     return tensor
+
+
+class _HFTarget(ForeignTarget):
+    """One model.safetensors (so rank 0 holds the whole model in `dtype`) and config.json."""
+
+    error = HFExportError
+
+    def __init__(self, args: ModelArgs, dtype: torch.dtype, bos_token_id: Optional[int], eos_token_id: Optional[int],
+                 extra_files: Optional[Mapping[str, Path]]) -> None:
+        super().__init__(args, 1, dtype)
+        self.extra_files = extra_files or {}
+        self.config = hf_config(args, dtype=dtype, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
+
+    def begin(self, folder: Path, overwrite: bool) -> None:
+        try:
+            _check_target(folder, overwrite)
+        except OSError as err:  # an occupied folder, or one that cannot be looked at: a refusal all the same
+            raise HFExportError(f"{type(err).__name__}: {err}") from err
+        if importlib.util.find_spec("safetensors") is None:
+            raise HFExportError("export_hf needs the safetensors package: pip install safetensors")
+
+    def pieces(self, name: str, full: torch.Tensor, j: int) -> dict[str, torch.Tensor]:
+        tensor = _to_hf_tensor(name, full.detach().to("cpu", self.dtype), self.args)
+        return {hf_name(name): _owning(tensor.contiguous())}
+
+    def write_file(self, staged: Path, j: int, tensors: dict[str, torch.Tensor]) -> None:
+        from safetensors.torch import save_file
+
+        save_file(tensors, str(staged / WEIGHTS_FILE), metadata={"format": "pt"})
+
+    def finish(self, staged: Path) -> None:
+        (staged / CONFIG_JSON).write_text(json.dumps(self.config, indent=2) + "\n")
+        for name, source in self.extra_files.items():
+            shutil.copyfile(source, staged / name)
 
 
 def write_hf_folder(
@@ -176,17 +198,13 @@ def write_hf_folder(
     """Write full tensors under Meta's names as an HF folder (one process). Atomic: everything goes
     into `<out_dir>.partial`, renamed to out_dir once complete. An existing out_dir is refused
     (FileExistsError) unless overwrite=True. extra_files: {name: file} copied in too (the tokenizer's)."""
-    from safetensors.torch import save_file
-
     out_dir = Path(out_dir)
     _check_target(out_dir, overwrite)
-    config = hf_config(args, dtype=dtype, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
-    tensors = {k: _owning(v.detach().to("cpu", dtype).contiguous()) for k, v in hf_state_dict(state, args).items()}
+    target = _HFTarget(args, dtype, bos_token_id, eos_token_id, extra_files)
+    tensors = {k: v for name, tensor in state.items() for k, v in target.pieces(name, tensor, 0).items()}
     with staged_folder(out_dir) as staged:  # overwrite: the old folder goes only once the new one is in place
-        save_file(tensors, str(staged / WEIGHTS_FILE), metadata={"format": "pt"})
-        (staged / CONFIG_JSON).write_text(json.dumps(config, indent=2) + "\n")
-        for name, source in (extra_files or {}).items():
-            shutil.copyfile(source, staged / name)
+        target.write_file(staged, 0, tensors)
+        target.finish(staged)
     return out_dir
 
 
@@ -207,26 +225,9 @@ def export_hf(
     bos/eos ids default to default_token_ids(vocab_size): Llama 3's (128000, 128001) for a
     128256-token vocabulary, else Llama 2's (1, 2); pass others for another tokenizer. `parallel` is
     accepted for symmetry with the other checkpoint functions (the layout comes from the DTensors).
-    Every rank returns out_dir or raises (hybridpar.ranks.on_rank0: a refusal reads the same on
-    every rank; rank 0's failure to write is re-raised there and named on the others).
+    Every rank returns out_dir or raises (foreign.export_foreign: a refusal reads the same on every
+    rank; rank 0's failure to write is re-raised there and named on the others).
     """
-    out_dir = Path(out_dir)
-    args = getattr(model, "args", None)
-    if not isinstance(args, ModelArgs):
-        raise HFExportError("export_hf needs a models.llama.Transformer (a model with .args)")
-    # Rank 0 checks the target (its view of the file system) before any gather.
-    on_rank0(lambda: _precheck(out_dir, overwrite, args, dtype), f"check {out_dir}", error_type=HFExportError)
-    rank = rank_and_world()[0]
-    state: dict[str, torch.Tensor] = {}
-    with torch.no_grad():
-        for name, tensor in model.state_dict().items():
-            # Collective: every rank gathers every tensor in the same order; only rank 0 keeps it.
-            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-            if rank == 0:
-                state[name] = full.to(dtype)
-            del full
-
-    on_rank0(lambda: write_hf_folder(state, args, out_dir, dtype=dtype, overwrite=overwrite,
-                                     bos_token_id=bos_token_id, eos_token_id=eos_token_id, extra_files=extra_files),
-             f"export to {out_dir}", error_type=HFExportError)
-    return out_dir
+    args = model_args(model, HFExportError, "export_hf")
+    target = _HFTarget(args, dtype, bos_token_id, eos_token_id, extra_files)  # a dtype it cannot write: refused here
+    return export_foreign(target, model, Path(out_dir), overwrite)

@@ -12,20 +12,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from models.fields import check_field, read_json_object
 from models.llama import ModelArgs
 
-from ..parallel.state import local_box
-from ..progress import Progress
 from ..ranks import mark_every_rank
+from .foreign import ForeignCheckpointError, ForeignSource, load_foreign, model_shapes
 from .hf import CONFIG_JSON, WEIGHTS_FILE, hf_name, rope_permutation
-from .meta import meta_shapes
 
 INDEX_FILE = "model.safetensors.index.json"
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -33,7 +30,7 @@ _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-class HFImportError(ValueError):
+class HFImportError(ForeignCheckpointError):
     """A Hugging Face folder (or a model meant to receive it) that cannot be imported."""
 
 
@@ -182,14 +179,6 @@ def _weight_map(folder: Path) -> dict[str, Path]:
         return {name: single for name in handle.keys()}
 
 
-def expected_hf_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    """{HF name: full shape} of every tensor a folder of this shape holds (no lm_head when tied)."""
-    shapes = meta_shapes(args)
-    if args.tie_embeddings:
-        del shapes["output.weight"]
-    return {hf_name(name): shape for name, shape in shapes.items()}
-
-
 def _refuse_cut_short(path: Path) -> None:
     """Name the file and the first tensor a file cut short lost, from what its header records (8 bytes
     of header size, a JSON header, then each tensor at its data_offsets): safetensors' own error
@@ -213,6 +202,15 @@ def _refuse_cut_short(path: Path) -> None:
                             f"({len(lost)} tensor(s) lost); the file is truncated: download it again")
 
 
+def _open(path: Path):
+    from safetensors import safe_open
+
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as err:  # noqa: BLE001 - any failure to parse means a damaged file
+        raise HFImportError(f"{path} cannot be read ({type(err).__name__}: {err}); download it again") from err
+
+
 class _Files:
     """The folder's safetensors files. Headers are read through handles kept open during the checks;
     tensors are read each through its own short-lived handle, so the pages of one tensor at a time
@@ -222,25 +220,7 @@ class _Files:
         self.folder, self.weight_map, self.handles = folder, weight_map, {}
         for path in sorted(set(weight_map.values())):
             _refuse_cut_short(path)
-            self.handles[path] = self._open(path)
-
-    @staticmethod
-    def _open(path: Path):
-        from safetensors import safe_open
-
-        try:
-            return safe_open(str(path), framework="pt")
-        except Exception as err:  # noqa: BLE001 - any failure to parse means a damaged file
-            raise HFImportError(f"{path} cannot be read ({type(err).__name__}: {err}); download it again") from err
-
-    def slice(self, name: str):
-        """A lazy view of tensor `name` (shape and dtype from the header), for the checks."""
-        return self.handles[self.weight_map[name]].get_slice(name)
-
-    def read(self, name: str, index: tuple) -> torch.Tensor:
-        """Block `index` of tensor `name`, copied out of its file, which is unmapped again."""
-        with self._open(self.weight_map[name]) as handle:
-            return handle.get_slice(name)[index]
+            self.handles[path] = _open(path)
 
     def close(self) -> None:
         for handle in self.handles.values():
@@ -250,7 +230,7 @@ class _Files:
 
 def _check_tensors(files: _Files, args: ModelArgs) -> None:
     """Every tensor config.json implies is present, with its shape and a floating dtype."""
-    expected = expected_hf_shapes(args)
+    expected = {hf_name(name): shape for name, shape in model_shapes(args).items()}
     names = {n for n in files.weight_map if not n.endswith(_IGNORED_SUFFIXES)}
     # A tied folder may still carry lm_head.weight (transformers ignores it then): so do we.
     names.discard("lm_head.weight") if args.tie_embeddings else None
@@ -264,7 +244,7 @@ def _check_tensors(files: _Files, args: ModelArgs) -> None:
             f"{missing[:8]}, unexpected {unexpected[:8]}{hint}"
         )
     for name, shape in expected.items():
-        piece = files.slice(name)
+        piece = files.handles[files.weight_map[name]].get_slice(name)  # shape and dtype from the header
         actual, dtype = tuple(piece.get_shape()), piece.get_dtype()
         where = files.weight_map[name].name
         if actual != shape:
@@ -276,86 +256,48 @@ def _check_tensors(files: _Files, args: ModelArgs) -> None:
             raise HFImportError(f"{name} in {where} has dtype {dtype}; hybridpar imports F32, BF16 or F16 weights")
 
 
-def _heads(name: str, args: ModelArgs) -> Optional[int]:
-    """Rows per head for the RoPE-permuted projections (wq, wk), else None."""
-    return args.head_dim if name.endswith(("attention.wq.weight", "attention.wk.weight")) else None
+class _HFSource(ForeignSource):
+    """A checked folder; each block read from its tensor's file, wq and wk rows put back in Meta's order."""
 
+    error = HFImportError
 
-def _read_block(files: _Files, name: str, offset, shape, head_dim: Optional[int]) -> torch.Tensor:
-    """Block [offset, offset + shape) of Meta's tensor `name`, read from the HF file."""
-    index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
-    block = files.read(hf_name(name), index)
-    if head_dim is not None:
-        # Whole heads (checked by the caller): undo HF's rotate-half order head by head.
-        order = torch.argsort(rope_permutation(shape[0] // head_dim, head_dim))
-        block = block[order]
-    return block
+    def __init__(self, folder: Path) -> None:
+        args = read_hf_config(folder)
+        super().__init__(folder, args, folder / CONFIG_JSON, "read_hf_config(folder)", CONFIG_JSON)
+        self.files = _Files(folder, _weight_map(folder))
+        try:
+            _check_tensors(self.files, args)
+        finally:
+            self.files.close()  # header handles: each copy opens its tensor's file on its own
 
+    def tie_mismatch(self, model_tied: bool) -> str:
+        which = "tied (tie_word_embeddings: true)" if self.args.tie_embeddings else "untied (its own lm_head.weight)"
+        return (f"{self.folder} is {which} but the model is {'tied' if model_tied else 'untied'}: build the model "
+                f"with tie_embeddings = {self.args.tie_embeddings}, from read_hf_config(folder)")
 
-def _check_model(model: nn.Module, args: ModelArgs, folder: Path) -> None:
-    model_args = getattr(model, "args", None)
-    if not isinstance(model_args, ModelArgs):
-        return
-    if model_args.tie_embeddings != args.tie_embeddings:
-        which = "tied (tie_word_embeddings: true)" if args.tie_embeddings else "untied (its own lm_head.weight)"
-        model_has = "tied" if model_args.tie_embeddings else "untied"
-        raise HFImportError(
-            f"{folder} is {which} but the model is {model_has}; build the model from read_hf_config(folder) "
-            "(or set model.tie_embeddings to match)"
-        )
-    fields = ("norm_eps", "rope_theta", "rope_scaling")
-    differ = [f for f in fields if getattr(model_args, f) != getattr(args, f)]
-    if differ:
-        detail = ", ".join(f"{f} = {getattr(args, f)!r} (model: {getattr(model_args, f)!r})" for f in differ)
-        raise HFImportError(f"{folder / CONFIG_JSON} has {detail}: build the model from read_hf_config(folder)")
+    def _head_dim(self, name: str) -> Optional[int]:
+        """Rows per head for the RoPE-permuted projections (wq, wk), else None."""
+        return self.args.head_dim if name.endswith(("attention.wq.weight", "attention.wk.weight")) else None
 
-
-@torch.no_grad()
-def load_hf_checkpoint(folder: Union[str, Path], model: nn.Module, parallel: Any = None) -> ModelArgs:
-    """Fill `model` (a models.llama.Transformer built from read_hf_config(folder), at any mp, before
-    FSDP) from a Hugging Face folder. No communication: every rank reads its own blocks. Everything
-    is checked before anything is copied, so an error leaves the model untouched. `parallel` is
-    accepted for symmetry (the layout comes from the parameters' placements). Returns the folder's
-    ModelArgs."""
-    folder = Path(folder)
-    args = read_hf_config(folder)
-    _check_model(model, args, folder)
-    files = _Files(folder, _weight_map(folder))
-    try:
-        _check_tensors(files, args)
-    finally:
-        files.close()  # header handles: each copy below opens its tensor's file on its own
-    plan = _plan(model.state_dict(), args, folder)
-    with Progress(f"loading {folder.name}", total=sum(p[1].nbytes for p in plan), unit="B") as progress:
-        for name, local, offset, shape, head_dim in plan:
-            local.copy_(_read_block(files, name, offset, shape, head_dim))
-            progress.update(local.nbytes)
-    return args
-
-
-def _plan(own: dict, args: ModelArgs, folder: Path) -> list:
-    """(name, local tensor, offset, shape, head_dim) per parameter, every one checked first."""
-    shapes = meta_shapes(args)
-    if args.tie_embeddings:
-        del shapes["output.weight"]
-    if set(own) != set(shapes):
-        raise HFImportError(
-            f"the model's parameters {sorted(set(own) - set(shapes))[:6]} / the checkpoint's "
-            f"{sorted(set(shapes) - set(own))[:6]} have no counterpart; build the model from read_hf_config(folder)"
-        )
-    plan = []
-    for name, target in own.items():
-        if tuple(target.shape) != shapes[name]:
-            raise HFImportError(
-                f"{name}: the model's full shape is {list(target.shape)}, {folder} holds {list(shapes[name])}; "
-                "build the model from read_hf_config(folder)"
-            )
-        local = target.to_local() if isinstance(target, DTensor) else target
-        if local.device.type == "meta":
-            raise HFImportError(f"{name} is on the meta device: allocate the model first (model.to_empty(device=...))")
-        offset, shape = local_box(target, name, HFImportError)
-        head_dim = _heads(name, args)
+    def check_block(self, name: str, offset: Sequence[int], shape: Sequence[int]) -> None:
+        head_dim = self._head_dim(name)
         if head_dim is not None and (offset[0] % head_dim or shape[0] % head_dim):
             raise HFImportError(f"{name}: rows {offset[0]}..{offset[0] + shape[0]} do not cover whole heads")
-        plan.append((name, local, offset, shape, head_dim))
-    return plan
+
+    def read_into(self, name: str, offset: Sequence[int], out: torch.Tensor) -> None:
+        index = tuple(slice(o, o + n) for o, n in zip(offset, out.shape))
+        with _open(self.files.weight_map[hf_name(name)]) as handle:  # unmapped again after the block
+            block = handle.get_slice(hf_name(name))[index]
+        head_dim = self._head_dim(name)
+        if head_dim is not None:  # whole heads (check_block): undo HF's rotate-half order head by head
+            block = block[torch.argsort(rope_permutation(out.shape[0] // head_dim, head_dim))]
+        out.copy_(block)
+
+
+def load_hf_checkpoint(folder: Union[str, Path], model: nn.Module, parallel: Any = None) -> ModelArgs:
+    """Fill `model` (a models.llama.Transformer built from read_hf_config(folder), at any mp, before
+    FSDP) from a Hugging Face folder: every rank reads its own blocks (collective: one flag after
+    the checks). Everything is checked before anything is copied, so an error leaves the model
+    untouched. `parallel` is accepted for symmetry (the layout comes from the parameters'
+    placements). Returns the folder's ModelArgs."""
+    return load_foreign(_HFSource(Path(folder)), model)

@@ -21,12 +21,13 @@ import math
 import re
 import zipfile
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional
 
 import torch
 
 from models.llama import ModelArgs, meta_ffn_rule
 
+from .foreign import ForeignCheckpointError
 from .pth_check import cut_short, unsafe_global
 
 PARAMS_JSON = "params.json"
@@ -34,9 +35,6 @@ SIDECAR_JSON = "hybridpar.json"
 SHARD_FILE = re.compile(r"^consolidated\.(\d+)\.pth$")
 ROPE_FREQS = "rope.freqs"
 
-# Fields that change the numbers but not the shapes: a model built with other values would load
-# without a shape error and compute something else, so load_meta_checkpoint compares them.
-_BEHAVIOUR_FIELDS = ("norm_eps", "rope_theta", "rope_scaling")
 # hybridpar's fields that Meta's params.json cannot state (hybridpar.json).
 _ROPE_FACTORS = ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_context")
 SIDECAR_FIELDS = (*_ROPE_FACTORS, "tie_embeddings")
@@ -47,7 +45,7 @@ _ROW = ("attention.wo.weight", "feed_forward.w2.weight")
 _NORMS = ("attention_norm.weight", "ffn_norm.weight")
 
 
-class MetaCheckpointError(ValueError):
+class MetaCheckpointError(ForeignCheckpointError):
     """A Meta checkpoint folder (or a model meant for it) that cannot be read, loaded or written."""
 
 
@@ -66,23 +64,6 @@ def split_dim(name: str, embedding_split: str) -> Optional[int]:
     return None
 
 
-def meta_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    """Every parameter of the Meta checkpoint of `args`, with its full (unsplit) shape."""
-    d, q, kv, hidden = args.dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim, args.ffn_hidden_dim
-    shapes = {"tok_embeddings.weight": (args.vocab_size, d)}
-    for i in range(args.n_layers):
-        p = f"layers.{i}."
-        shapes.update({
-            p + "attention.wq.weight": (q, d), p + "attention.wk.weight": (kv, d),
-            p + "attention.wv.weight": (kv, d), p + "attention.wo.weight": (d, q),
-            p + "feed_forward.w1.weight": (hidden, d), p + "feed_forward.w2.weight": (d, hidden),
-            p + "feed_forward.w3.weight": (hidden, d),
-            p + "attention_norm.weight": (d,), p + "ffn_norm.weight": (d,),
-        })
-    shapes.update({"norm.weight": (d,), "output.weight": (args.vocab_size, d)})
-    return shapes
-
-
 def rope_inverse_frequencies(args: ModelArgs) -> torch.Tensor:
     """The `rope.freqs` entry of Llama 2 files: theta^(-2i / head_dim) for each pair i, [head_dim / 2] fp32.
 
@@ -91,10 +72,6 @@ def rope_inverse_frequencies(args: ModelArgs) -> torch.Tensor:
     """
     half = torch.arange(0, args.head_dim, 2)[: args.head_dim // 2].float()
     return 1.0 / (args.rope_theta ** (half / args.head_dim))
-
-
-def _fmt(shape: Sequence[int]) -> str:
-    return "[" + ", ".join(str(int(s)) for s in shape) + "]"
 
 
 # Opening a consolidated file is part of the format: weights only, memory-mapped.
@@ -224,7 +201,7 @@ def hybridpar_json(args: ModelArgs) -> dict[str, Any]:
 # use (PEP 562), so that importing either of them first works too.
 _API = {"read_meta_params": "meta_read", "load_meta_checkpoint": "meta_read", "save_meta_checkpoint": "meta_write"}
 
-__all__ = ["MetaCheckpointError", "hybridpar_json", "meta_ffn_fields", "meta_params_json", "meta_shapes",
+__all__ = ["MetaCheckpointError", "hybridpar_json", "meta_ffn_fields", "meta_params_json",
            "rope_inverse_frequencies", "shard_name", "split_dim", *_API]
 
 

@@ -8,20 +8,18 @@ only its own slice of each parameter from the memory-mapped files.
 from __future__ import annotations
 
 import dataclasses
-import re
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from models.llama import ModelArgs
 
-from ..parallel.state import local_box
-from ..ranks import mark_every_rank, raise_if_any_failed
-from .meta import (_BEHAVIOUR_FIELDS, PARAMS_JSON, ROPE_FREQS, SHARD_FILE, SIDECAR_JSON, MetaCheckpointError, _fmt,
-                   _load_file, meta_shapes, rope_inverse_frequencies, shard_name, split_dim)
+from ..ranks import mark_every_rank
+from .foreign import ForeignSource, load_foreign, model_shapes, natural
+from .meta import (PARAMS_JSON, ROPE_FREQS, SHARD_FILE, SIDECAR_JSON, MetaCheckpointError, _load_file,
+                   rope_inverse_frequencies, shard_name, split_dim)
 from .meta_json import read_params, read_sidecar
 
 
@@ -48,23 +46,36 @@ def _shard_paths(folder: Path) -> list[Path]:
     return [found[i] for i in range(len(found))]
 
 
-@dataclasses.dataclass
-class _Source:
+class _MetaSource(ForeignSource):
     """An opened checkpoint folder: params, memory-mapped shards and the resolved layout."""
 
-    folder: Path
-    params: dict[str, Any]
-    paths: list[Path]
-    shards: list[dict[str, torch.Tensor]]
-    args: ModelArgs
-    tied_by: str = "the caller's overrides"  # where tie_embeddings comes from (_resolve_tie)
+    error = MetaCheckpointError
 
-    @property
-    def n(self) -> int:
-        return len(self.shards)
+    def __init__(self, folder: Path, params: dict[str, Any], paths: list[Path], shards: list[dict[str, torch.Tensor]],
+                 args: ModelArgs) -> None:
+        super().__init__(folder, args, folder / PARAMS_JSON, "read_meta_params(folder)", "the caller's overrides")
+        self.params, self.paths, self.shards = params, paths, shards
 
     def pieces(self, name: str) -> list[torch.Tensor]:
         return [shard[name] for shard in self.shards]
+
+    def check_block(self, name: str, offset: Sequence[int], shape: Sequence[int]) -> None:
+        """A tied model reads output.weight from tok_embeddings: the files' copy must equal it on this rank's rows."""
+        if name != "tok_embeddings.weight" or not self.args.tie_embeddings:
+            return
+        if not _same_block(offset, shape, self.pieces("output.weight"), self.pieces("tok_embeddings.weight"), 0):
+            raise MetaCheckpointError(
+                f"output.weight in {self.folder} differs from tok_embeddings.weight in rows {offset[0]} to "
+                f"{offset[0] + shape[0] - 1}: the checkpoint is untied and the model tied (tie_embeddings = true, "
+                f"from {self.tied_by}). Put {{\"tie_embeddings\": false}} in {self.folder / SIDECAR_JSON} and build "
+                "the model from read_meta_params(folder)"
+            )
+
+    def read_into(self, name: str, offset: Sequence[int], out: torch.Tensor) -> None:
+        """Touching only the parts of the files' pieces the block needs."""
+        pieces, dim = self.pieces(name), split_dim(name, self.args.resolved_embedding_split)
+        for k, src, dst in _overlaps(offset, out.shape, pieces, dim):
+            out[dst].copy_(pieces[k][src])
 
 
 def _check_shard_count(paths: list[Path], shards: list[dict], params: dict) -> None:
@@ -89,7 +100,7 @@ def _resolve_layout(paths: list[Path], shards: list[dict], params: dict) -> tupl
         raise MetaCheckpointError(f"{paths[0]} has no {key}: it is not a complete Meta Llama shard")
     shape = tuple(shards[0][key].shape)
     if len(shape) != 2:
-        raise MetaCheckpointError(f"{key} in {paths[0]} has shape {_fmt(shape)}, expected 2 dimensions [vocab, dim]")
+        raise MetaCheckpointError(f"{key} in {paths[0]} has shape {list(shape)}, expected 2 dimensions [vocab, dim]")
     rows, cols = shape
     declared = params.get("embedding_split", "auto")
     if n == 1:
@@ -105,31 +116,31 @@ def _resolve_layout(paths: list[Path], shards: list[dict], params: dict) -> tupl
         split, vocab = "dim", rows
     else:
         raise MetaCheckpointError(
-            f"{key} in {paths[0].name} has shape {_fmt(shape)}: with {n} files its second dimension should be "
+            f"{key} in {paths[0].name} has shape {list(shape)}: with {n} files its second dimension should be "
             f"dim = {dim} (split on the vocabulary, Llama 3 layout) or dim / {n} = {dim / n:g} (split on dim, "
             "Llama 2 layout); params.json's dim or the number of files is wrong"
         )
     if declared not in ("auto", split):
         raise MetaCheckpointError(
             f"{paths[0].parent / PARAMS_JSON} says embedding_split = {declared!r}, but {key} in {paths[0].name} "
-            f"{_fmt(shape)} across {n} files is split as {split!r}; remove embedding_split from params.json"
+            f"{list(shape)} across {n} files is split as {split!r}; remove embedding_split from params.json"
         )
     if params["vocab_size"] not in (-1, vocab):
         raise MetaCheckpointError(
             f"{paths[0].parent / PARAMS_JSON} says vocab_size = {params['vocab_size']}, but {key} in {paths[0].name} "
-            f"{_fmt(shape)} across {n} files holds {vocab} tokens; fix vocab_size (or set it to -1)"
+            f"{list(shape)} across {n} files holds {vocab} tokens; fix vocab_size (or set it to -1)"
         )
     return split, vocab
 
 
-def _check_shards(source: _Source) -> None:
+def _check_shards(source: _MetaSource) -> None:
     """Every file holds exactly Meta's keys, each with its share of the shape params.json implies."""
-    args, n = source.args, source.n
-    shapes = meta_shapes(args)
+    args, n = source.args, len(source.shards)
+    shapes = {**model_shapes(args), "output.weight": (args.vocab_size, args.dim)}  # files hold it when tied too
     split = args.resolved_embedding_split
     for path, shard in zip(source.paths, source.shards):
         keys = set(shard) - {ROPE_FREQS}
-        missing, unexpected = sorted(set(shapes) - keys, key=_natural), sorted(keys - set(shapes), key=_natural)
+        missing, unexpected = sorted(set(shapes) - keys, key=natural), sorted(keys - set(shapes), key=natural)
         if missing or unexpected:
             problems = [f"{what} keys {names[:8]}{' ...' if len(names) > 8 else ''}"
                         for what, names in (("missing", missing), ("unexpected", unexpected)) if names]
@@ -149,9 +160,9 @@ def _check_shards(source: _Source) -> None:
                 expected[d] = full[d] // n
             actual = tuple(shard[name].shape)
             if actual != tuple(expected):
-                how = f"full {_fmt(full)} split on dim {d} into {n} files" if d is not None else "whole in every file"
+                how = f"full {list(full)} split on dim {d} into {n} files" if d is not None else "whole in every file"
                 raise MetaCheckpointError(
-                    f"{name} in {path} has shape {_fmt(actual)}, but params.json implies {_fmt(expected)} "
+                    f"{name} in {path} has shape {list(actual)}, but params.json implies {list(expected)} "
                     f"({how}); params.json does not describe this checkpoint (dim, n_heads, n_kv_heads, "
                     "multiple_of, ffn_dim_multiplier, vocab_size) or the file is from another model"
                 )
@@ -165,7 +176,7 @@ def _check_rope_freqs(freqs: torch.Tensor, args: ModelArgs, path: Path) -> None:
     expected = rope_inverse_frequencies(args)
     if tuple(freqs.shape) != tuple(expected.shape):
         raise MetaCheckpointError(
-            f"{ROPE_FREQS} in {path} has shape {_fmt(freqs.shape)}, but params.json implies head_dim / 2 = "
+            f"{ROPE_FREQS} in {path} has shape {list(freqs.shape)}, but params.json implies head_dim / 2 = "
             f"{expected.numel()}; check dim and n_heads in params.json"
         )
     # Stored in the weights' dtype (bf16 in Meta's releases): compare within that precision.
@@ -179,11 +190,7 @@ def _check_rope_freqs(freqs: torch.Tensor, args: ModelArgs, path: Path) -> None:
         )
 
 
-def _natural(key: str) -> list:
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", key)]
-
-
-def _open(folder: Union[str, Path], overrides: Mapping[str, Any], verify_checksums: bool = False) -> _Source:
+def _open(folder: Union[str, Path], overrides: Mapping[str, Any], verify_checksums: bool = False) -> _MetaSource:
     folder = Path(folder)
     paths = _shard_paths(folder)
     params = read_params(folder)
@@ -197,7 +204,7 @@ def _open(folder: Union[str, Path], overrides: Mapping[str, Any], verify_checksu
         args.check(1)
     except ValueError as err:  # the same on every rank: each reads the same files
         raise mark_every_rank(MetaCheckpointError(f"{folder / PARAMS_JSON}: {err}")) from err
-    source = _Source(folder, params, paths, shards, args)
+    source = _MetaSource(folder, params, paths, shards, args)
     _check_shards(source)
     if "tie_embeddings" not in overrides:  # else the caller has decided
         _resolve_tie(source, sidecar)
@@ -207,18 +214,18 @@ def _open(folder: Union[str, Path], overrides: Mapping[str, Any], verify_checksu
 _TIE_SAMPLE_ROWS = 64
 
 
-def _sample_rows_equal(source: _Source) -> bool:
+def _sample_rows_equal(source: _MetaSource) -> bool:
     """output.weight equals tok_embeddings.weight, exactly, on up to 64 evenly spaced rows (both split
     on the vocabulary, the same way in every file): a few rows read from the memory-mapped files."""
     embedding, output = source.pieces("tok_embeddings.weight"), source.pieces("output.weight")
     rows = embedding[0].shape[0]
-    vocab = rows * source.n
+    vocab = rows * len(source.shards)
     count = min(_TIE_SAMPLE_ROWS, vocab)
     sample = sorted({(i * (vocab - 1)) // max(count - 1, 1) for i in range(count)})
     return all(torch.equal(embedding[r // rows][r % rows], output[r // rows][r % rows]) for r in sample)
 
 
-def _resolve_tie(source: _Source, sidecar: Mapping[str, Any]) -> None:
+def _resolve_tie(source: _MetaSource, sidecar: Mapping[str, Any]) -> None:
     """tie_embeddings from hybridpar.json (or params.json) when stated, checked against a sample of
     rows; else, in the Llama 3 layout, true when the sample of output.weight equals tok_embeddings."""
     declared = next((p for p, f in ((SIDECAR_JSON, sidecar), (PARAMS_JSON, source.params)) if "tie_embeddings" in f),
@@ -280,86 +287,10 @@ def _overlaps(offset: Sequence[int], shape: Sequence[int], pieces: list[torch.Te
         yield k, tuple(src), tuple(dst)
 
 
-@torch.no_grad()
-def _fill(local: torch.Tensor, offset: Sequence[int], pieces: list[torch.Tensor], dim: Optional[int]) -> None:
-    """Copy block [offset, offset + local.shape) of the full tensor into `local`, touching only the
-    parts of the pieces it needs."""
-    for k, src, dst in _overlaps(offset, local.shape, pieces, dim):
-        local[dst].copy_(pieces[k][src])
-
-
 def _same_block(offset: Sequence[int], shape: Sequence[int], a: list[torch.Tensor], b: list[torch.Tensor],
                 dim: Optional[int]) -> bool:
     """Two tensors stored alike (pieces split along `dim`) are equal, exactly, on one block."""
     return all(torch.equal(a[k][src], b[k][src]) for k, src, _ in _overlaps(offset, shape, a, dim))
-
-
-def _check_model(source: _Source, model: nn.Module) -> None:
-    """The model ties its embeddings as the checkpoint does, and computes with its norm_eps and RoPE."""
-    args, model_args = source.args, getattr(model, "args", None)
-    if not isinstance(model_args, ModelArgs):
-        return
-    if model_args.tie_embeddings != args.tie_embeddings:
-        raise MetaCheckpointError(
-            f"the checkpoint in {source.folder} has tie_embeddings = {args.tie_embeddings} (from {source.tied_by}), "
-            f"the model tie_embeddings = {model_args.tie_embeddings}: build the model with tie_embeddings = "
-            f"{args.tie_embeddings}, from read_meta_params(folder)"
-        )
-    differ = [f for f in _BEHAVIOUR_FIELDS if getattr(model_args, f) != getattr(args, f)]
-    if differ:
-        detail = ", ".join(f"{f} = {getattr(args, f)!r} (model: {getattr(model_args, f)!r})" for f in differ)
-        raise MetaCheckpointError(
-            f"{source.folder / PARAMS_JSON} has {detail}: build the model from read_meta_params(folder)"
-        )
-
-
-def _plan(source: _Source, model: nn.Module) -> list[tuple]:
-    """(local tensor, offset, pieces, split dim) for every parameter of the model, all checked."""
-    args, split = source.args, source.args.resolved_embedding_split
-    shapes = meta_shapes(args)
-    if args.tie_embeddings:  # in the files, not in the model: checked against tok_embeddings below
-        del shapes["output.weight"]
-    own = model.state_dict()
-    missing, unexpected = sorted(set(shapes) - set(own), key=_natural), sorted(set(own) - set(shapes), key=_natural)
-    if missing or unexpected:
-        raise MetaCheckpointError(
-            f"the model does not match the checkpoint in {source.folder} (n_layers = {args.n_layers}): "
-            f"checkpoint keys the model lacks {missing[:8]}, model keys the checkpoint lacks {unexpected[:8]}; "
-            "build the model from read_meta_params(folder)"
-        )
-    plan = []
-    for name, target in own.items():
-        if tuple(target.shape) != shapes[name]:
-            raise MetaCheckpointError(
-                f"{name}: the model's full shape is {_fmt(target.shape)}, the checkpoint in {source.folder} "
-                f"holds {_fmt(shapes[name])}; build the model from read_meta_params(folder)"
-            )
-        local = target.to_local() if isinstance(target, DTensor) else target
-        if local.device.type == "meta":
-            raise MetaCheckpointError(
-                f"{name} is on the meta device: allocate the model first (model.to_empty(device=...))"
-            )
-        offset, shape = local_box(target, name, MetaCheckpointError)
-        if tuple(local.shape) != tuple(shape):
-            raise MetaCheckpointError(
-                f"{name}: local shard {_fmt(local.shape)} is not the block {_fmt(shape)} its placement implies; "
-                "load before apply_fsdp"
-            )
-        plan.append((local, offset, source.pieces(name), split_dim(name, split)))
-        if name == "tok_embeddings.weight" and args.tie_embeddings:
-            _check_tied_block(source, offset, shape)
-    return plan
-
-
-def _check_tied_block(source: _Source, offset: Sequence[int], shape: Sequence[int]) -> None:
-    """A tied model reads output.weight from tok_embeddings: the files' copy must equal it on this rank's rows."""
-    if not _same_block(offset, shape, source.pieces("output.weight"), source.pieces("tok_embeddings.weight"), 0):
-        raise MetaCheckpointError(
-            f"output.weight in {source.folder} differs from tok_embeddings.weight in rows {offset[0]} to "
-            f"{offset[0] + shape[0] - 1}: the checkpoint is untied and the model tied (tie_embeddings = true, from "
-            f"{source.tied_by}). Put {{\"tie_embeddings\": false}} in {source.folder / SIDECAR_JSON} and build the "
-            "model from read_meta_params(folder)"
-        )
 
 
 def load_meta_checkpoint(
@@ -377,16 +308,4 @@ def load_meta_checkpoint(
     checking that the files' output.weight equals it on this rank's rows; the model's
     tie_embeddings must be the checkpoint's. Returns the checkpoint's ModelArgs.
     """
-    source = _open(folder, {}, verify_checksums)
-    _check_model(source, model)
-    # Check every parameter before copying any, so an error leaves the model untouched. The tied
-    # check reads this rank's rows only: one flag tells every rank, so none goes on alone.
-    plan, error = [], None
-    try:
-        plan = _plan(source, model)
-    except MetaCheckpointError as err:
-        error = err
-    raise_if_any_failed(error, f"load {source.folder}", error_type=MetaCheckpointError)
-    for local, offset, pieces, dim in plan:
-        _fill(local, offset, pieces, dim)
-    return source.args
+    return load_foreign(_open(folder, {}, verify_checksums), model)

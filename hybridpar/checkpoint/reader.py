@@ -12,10 +12,7 @@ import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
 
-
-class CheckpointReadError(ValueError):
-    """A reader's refusal of bytes it cannot use (a file cut short, a damaged archive, a value that
-    is not plain data)."""
+from ..safe_pickle import CheckpointReadError
 
 
 class CheckpointError(ValueError):

@@ -32,9 +32,8 @@ import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from ..checkpoint.reader import CheckpointReadError
 from ..compat.torch import stored_data_offset, zip_reader
-from ..safe_pickle import SafeFileSystemReader
+from ..safe_pickle import CheckpointReadError, SafeFileSystemReader
 
 
 @dataclasses.dataclass(eq=False)  # items are told apart by identity (they hold tensors)

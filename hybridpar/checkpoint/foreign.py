@@ -1,0 +1,235 @@
+"""Foreign checkpoint formats (Meta's consolidated files, Hugging Face folders) behind one interface.
+
+In: a format's adapter opens and checks a folder into a ForeignSource: its ModelArgs (which fix every
+tensor's name and full shape: model_shapes) and a block of a named tensor in models.llama's layout.
+load_foreign checks a model against any source and plans every rank's blocks before copying one,
+each rank reading only its own. Out: a ForeignTarget says what file j holds of a parameter and how
+a file is written; export_foreign stages, gathers and completes the folder.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from models.llama import ModelArgs
+
+from ..files import OCCUPIED_ADVICE, begin_staging, commit_staged, refuse_occupied, staging_path
+from ..parallel.state import local_box
+from ..progress import Progress
+from ..ranks import on_rank0, raise_if_any_failed, rank_and_world
+
+# Fields that change the numbers but not the shapes: a model built with other values would load
+# without a shape error and compute something else, so the loader compares them.
+BEHAVIOUR_FIELDS = ("norm_eps", "rope_theta", "rope_scaling")
+
+
+class ForeignCheckpointError(ValueError):
+    """A foreign checkpoint (or a model for one) that cannot be read, loaded or written; per format a subclass."""
+
+
+def model_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Every parameter of models.llama's Transformer of `args` (Meta's names), with its full shape; a
+    tied model has no output head."""
+    d, q, kv, hidden = args.dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim, args.ffn_hidden_dim
+    shapes = {"tok_embeddings.weight": (args.vocab_size, d)}
+    for i in range(args.n_layers):
+        p = f"layers.{i}."
+        shapes.update({
+            p + "attention.wq.weight": (q, d), p + "attention.wk.weight": (kv, d),
+            p + "attention.wv.weight": (kv, d), p + "attention.wo.weight": (d, q),
+            p + "feed_forward.w1.weight": (hidden, d), p + "feed_forward.w2.weight": (d, hidden),
+            p + "feed_forward.w3.weight": (hidden, d),
+            p + "attention_norm.weight": (d,), p + "ffn_norm.weight": (d,),
+        })
+    shapes["norm.weight"] = (d,)
+    if not args.tie_embeddings:
+        shapes["output.weight"] = (args.vocab_size, d)
+    return shapes
+
+
+def natural(key: str) -> list:
+    """Sort key putting layers.2 before layers.10."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", key)]
+
+
+class ForeignSource:
+    """An opened, checked folder. `config`: the file its fields come from; `reader`: the call giving a
+    matching model's ModelArgs (named in the advice); `tied_by`: where tie_embeddings comes from."""
+
+    error: type[ForeignCheckpointError] = ForeignCheckpointError
+
+    def __init__(self, folder: Path, args: ModelArgs, config: Path, reader: str, tied_by: str) -> None:
+        self.folder, self.args, self.config, self.reader, self.tied_by = folder, args, config, reader, tied_by
+
+    def tie_mismatch(self, model_tied: bool) -> str:
+        tied = self.args.tie_embeddings
+        return (f"the checkpoint in {self.folder} has tie_embeddings = {tied} (from {self.tied_by}), the model "
+                f"tie_embeddings = {model_tied}: build the model with tie_embeddings = {tied}, from {self.reader}")
+
+    def check_block(self, name: str, offset: Sequence[int], shape: Sequence[int]) -> None:
+        """Refuse (self.error) a block of `name` this source cannot give; any block by default."""
+
+    def read_into(self, name: str, offset: Sequence[int], out: torch.Tensor) -> None:
+        """Copy block [offset, offset + out.shape) of tensor `name` (models.llama's layout) into `out`."""
+        raise NotImplementedError
+
+
+def check_model(source: ForeignSource, model: nn.Module) -> None:
+    """The model ties its embeddings as the checkpoint does, and computes with its norm_eps and RoPE."""
+    args, model_args = source.args, getattr(model, "args", None)
+    if not isinstance(model_args, ModelArgs):
+        return
+    if model_args.tie_embeddings != args.tie_embeddings:
+        raise source.error(source.tie_mismatch(model_args.tie_embeddings))
+    differ = [f for f in BEHAVIOUR_FIELDS if getattr(model_args, f) != getattr(args, f)]
+    if differ:
+        detail = ", ".join(f"{f} = {getattr(args, f)!r} (model: {getattr(model_args, f)!r})" for f in differ)
+        raise source.error(f"{source.config} has {detail}: build the model from {source.reader}")
+
+
+def _plan(source: ForeignSource, model: nn.Module) -> list[tuple[str, torch.Tensor, tuple[int, ...]]]:
+    """(name, local tensor, offset) for every parameter of the model, all checked."""
+    shapes, own, error = model_shapes(source.args), model.state_dict(), source.error
+    missing, unexpected = sorted(set(shapes) - set(own), key=natural), sorted(set(own) - set(shapes), key=natural)
+    if missing or unexpected:
+        raise error(
+            f"the model does not match the checkpoint in {source.folder} (n_layers = {source.args.n_layers}): "
+            f"checkpoint keys the model lacks {missing[:8]}, model keys the checkpoint lacks {unexpected[:8]}; "
+            f"build the model from {source.reader}"
+        )
+    plan = []
+    for name, target in own.items():
+        if tuple(target.shape) != shapes[name]:
+            raise error(f"{name}: the model's full shape is {list(target.shape)}, the checkpoint in {source.folder} "
+                        f"holds {list(shapes[name])}; build the model from {source.reader}")
+        local = target.to_local() if isinstance(target, DTensor) else target
+        if local.device.type == "meta":
+            raise error(f"{name} is on the meta device: allocate the model first (model.to_empty(device=...))")
+        offset, shape = local_box(target, name, error)
+        if tuple(local.shape) != tuple(shape):
+            raise error(f"{name}: local shard {list(local.shape)} is not the block {list(shape)} its placement "
+                        "implies; load before apply_fsdp")
+        source.check_block(name, offset, shape)
+        plan.append((name, local, offset))
+    return plan
+
+
+@torch.no_grad()
+def load_foreign(source: ForeignSource, model: nn.Module) -> ModelArgs:
+    """Fill `model` (a models.llama.Transformer at any mp, before FSDP) from `source`. Collective: one
+    flag after the checks of each rank's blocks. Returns the source's ModelArgs."""
+    check_model(source, model)
+    plan, failed = [], None
+    try:
+        plan = _plan(source, model)
+    except ForeignCheckpointError as err:
+        failed = err
+    raise_if_any_failed(failed, f"load {source.folder}", error_type=source.error)
+    with Progress(f"loading {source.folder.name}", total=sum(t.nbytes for _, t, _ in plan), unit="B") as progress:
+        for name, local, offset in plan:
+            source.read_into(name, offset, local)
+            progress.update(local.nbytes)
+    return source.args
+
+
+# --- the way out ------------------------------------------------------------------------------------
+
+
+def refuse_target(folder: Path, overwrite: bool, error_type: type[Exception] = FileExistsError) -> None:
+    """An export's folder must not exist, unless overwrite (then it is replaced once complete)."""
+    advice = "choose a new folder" if overwrite else OCCUPIED_ADVICE
+    refuse_occupied(folder, advice, error_type=error_type, overwrite=overwrite, empty_ok=False)
+
+
+def model_args(model: nn.Module, error: type[Exception], what: str) -> ModelArgs:
+    args = getattr(model, "args", None)
+    if not isinstance(args, ModelArgs):
+        raise error(f"{what} needs a models.llama.Transformer (a model with .args)")
+    return args
+
+
+class ForeignTarget:
+    """A format's writer of `n_files` files, file j by rank j % world size; `dtype` None: the parameters'."""
+
+    error: type[ForeignCheckpointError] = ForeignCheckpointError
+
+    def __init__(self, args: ModelArgs, n_files: int, dtype: Optional[torch.dtype]) -> None:
+        self.args, self.n_files, self.dtype = args, n_files, dtype
+
+    def begin(self, folder: Path, overwrite: bool) -> None:
+        """Rank 0, before any gather: refuse what cannot be written (an occupied folder)."""
+        refuse_target(folder, overwrite, self.error)
+
+    def pieces(self, name: str, full: torch.Tensor, j: int) -> dict[str, torch.Tensor]:
+        """{stored name: tensor} that file j holds of parameter `name` (models.llama's), given whole."""
+        raise NotImplementedError
+
+    def write_file(self, staged: Path, j: int, tensors: dict[str, torch.Tensor]) -> None:
+        raise NotImplementedError
+
+    def finish(self, staged: Path) -> None:
+        """Rank 0, once every file is written: what completes the folder (its config files)."""
+
+
+def _gather(target: ForeignTarget, model: nn.Module, mine: list[int]) -> dict[int, dict[str, torch.Tensor]]:
+    """{file: {stored name: tensor}} of this rank's files. Collective: every rank gathers every parameter
+    in the same order, keeping only its files' pieces; a mismatch is raised after the last gather."""
+    args, shapes = target.args, model_shapes(target.args)
+    outputs: dict[int, dict[str, torch.Tensor]] = {j: {} for j in mine}
+    problem: Optional[str] = None
+    seen = set()
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            if name not in shapes:
+                problem = problem or (f"{name} is not a parameter of Meta's Llama format "
+                                      f"(tie_embeddings = {args.tie_embeddings})")
+                continue
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            if tuple(full.shape) != shapes[name]:
+                problem = problem or f"{name} has shape {list(full.shape)}, its ModelArgs imply {list(shapes[name])}"
+                continue
+            seen.add(name)
+            for j in mine:
+                outputs[j].update(target.pieces(name, full, j))
+            del full
+    lacking = [n for n in shapes if n not in seen]
+    problem = problem or (f"the model has no {lacking[0]} (tie_embeddings = {args.tie_embeddings})" if lacking else None)
+    if problem:
+        raise target.error(f"{problem}: save a models.llama.Transformer built from its own ModelArgs")
+    return outputs
+
+
+def export_foreign(target: ForeignTarget, model: nn.Module, folder: Path, overwrite: bool) -> Path:
+    """Write `model` (plain or FSDP2-wrapped) through `target`; collective, every rank returns or raises.
+    Written into `<folder>.partial`, renamed once complete (removed if any rank failed)."""
+
+    def begin() -> Path:
+        target.begin(folder, overwrite)
+        return begin_staging(folder)
+
+    staged = on_rank0(begin, f"prepare {staging_path(folder)}", error_type=target.error)
+    try:
+        error: Optional[Exception] = None
+        try:
+            rank, world = rank_and_world()
+            outputs = _gather(target, model, [j for j in range(target.n_files) if j % world == rank])
+            for j in sorted(outputs):
+                target.write_file(staged, j, outputs.pop(j))  # each file's tensors freed once written
+        except Exception as err:  # noqa: BLE001 - every rank raises below, not only this one
+            error = err
+        raise_if_any_failed(error, f"write {folder}", error_type=target.error)
+        # overwrite: the old folder goes only once the new one is in place
+        on_rank0(lambda: (target.finish(staged), commit_staged(staged, folder)), f"complete {folder}",
+                 error_type=target.error)
+    except BaseException:
+        if rank_and_world()[0] == 0:  # every rank is past its writes: all raise together above
+            shutil.rmtree(staged, ignore_errors=True)
+        raise
+    return folder

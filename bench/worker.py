@@ -174,7 +174,7 @@ def run_case(case: dict) -> dict:
     between them (A B, B A, ...), so both see the same machine load, step by step."""
     import hybridpar
     from hybridpar.train.metrics import measure_matmul_peak
-    from models.llama import ModelArgs
+    from models.args import ModelArgs
 
     from bench.comm import CollectiveCounter
 

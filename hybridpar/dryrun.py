@@ -55,7 +55,7 @@ def dry_run(config: Config, world: int, rank: int = 0, *, gpu_mem_gib: float = 8
     (it makes a fake one and destroys it at the end). `gpu` names the planner's hardware for the
     step-time estimate of a GPU job (hybridpar.plan.hardware)."""
     from .compat.torch import init_fake_process_group
-    from .mesh import resolve_sizes
+    from .layout import resolve_sizes
 
     started = time.perf_counter()
     c = config

@@ -17,7 +17,8 @@ from typing import Optional
 
 import torch
 
-from models.llama import ModelArgs, Transformer
+from models.args import ModelArgs
+from models.llama import Transformer
 
 from ..files import OCCUPIED_ADVICE, begin_staging, commit_staged, refuse_occupied, staging_path
 from ..mesh import ParallelDims

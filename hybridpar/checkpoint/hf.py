@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from models.llama import ModelArgs
+from models.args import ModelArgs
 
 from ..dtypes import CANONICAL_NAMES as _DTYPE_NAMES
 from ..files import OCCUPIED_ADVICE, refuse_occupied, staged_folder

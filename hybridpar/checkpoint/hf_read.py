@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from models.fields import check_field, read_json_object
-from models.llama import ModelArgs
+from models.args import ModelArgs
 
 from ..parallel.state import local_box
 from ..progress import Progress

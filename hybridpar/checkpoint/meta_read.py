@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from models.llama import ModelArgs
+from models.args import ModelArgs
 
 from ..parallel.state import local_box
 from ..ranks import mark_every_rank, raise_if_any_failed

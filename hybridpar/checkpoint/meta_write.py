@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from models.llama import ModelArgs
+from models.args import ModelArgs
 
 from ..files import (OCCUPIED_ADVICE, atomic_output, begin_staging, commit_staged, refuse_occupied, staging_path,
                      write_text_atomic)

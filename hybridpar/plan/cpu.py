@@ -179,7 +179,7 @@ def measure_ranks(world: int, timeout: float = 120.0) -> dict:
     rank's wall time beyond its share of the cores, between spells of work)."""
     import json
 
-    from ..mesh import free_port
+    from ..layout import free_port
 
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -10,7 +10,8 @@ from tests.distributed import parallel_dims
 
 def _case_recompute_counts(mode: str, every: int) -> tuple:
     from hybridpar.parallel.fsdp import apply_activation_checkpointing
-    from models.llama import ModelArgs, Transformer
+    from models.args import ModelArgs
+    from models.llama import Transformer
 
     args = ModelArgs.from_preset("debug", n_layers=4)
     model = Transformer(args, parallel_dims())

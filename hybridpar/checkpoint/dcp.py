@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import shutil
 import threading
 import warnings
@@ -61,9 +60,8 @@ from ..safe_pickle import SafeFileSystemReader, UnsafePickleError, read_dcp_meta
 from .reader import (CheckpointDamagedError, CheckpointError, CheckpointReadError, SafeLoadPlanner,
                      UnsafeCheckpointError)
 from .space import checkpoint_bytes, join_dcp_writers, no_space_reason, remove_folder
-from .verify import LoadCheck, share_load_failure
+from .verify import STEP_DIR, LoadCheck, share_load_failure
 
-STEP_DIR = re.compile(r"^step-(\d{8})$")
 DELETING = ".deleting"
 DAMAGED = ".damaged"  # a damaged checkpoint set aside; no listing or clean-up matches it
 

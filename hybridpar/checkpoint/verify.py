@@ -26,6 +26,8 @@ from .checksums import (MANIFEST, enabled as checksums_enabled, file_checksum, f
                         read_manifest, same, sum_range)
 from .reader import CheckpointDamagedError, CheckpointError
 
+STEP_DIR = re.compile(r"^step-(\d{8})$")  # a checkpoint folder of a run, by step
+
 _OWNER = re.compile(r"^(?:__(\d+)_\d+\.distcp|rng/rank(\d+)\.pt)$")
 _LISTED = 6  # tensors named in a damage message; the rest are counted
 
@@ -261,8 +263,6 @@ def verify_folder(folder: Path, out: Optional[TextIO] = None) -> int:
 def verify_path(path: Path, out: Optional[TextIO] = None) -> int:
     """`hybridpar verify PATH`: one checkpoint folder, or a folder of them (a run's checkpoints/,
     step-NNNNNNNN each), every one checked and reported; 0 when all are ok, 1 otherwise."""
-    from .dcp import STEP_DIR  # dcp imports torch: only here
-
     path, out = Path(path), out or sys.stdout
     steps = sorted((p for p in path.iterdir() if p.is_dir() and STEP_DIR.match(p.name)),
                    key=lambda p: p.name) if path.is_dir() and not (path / ".metadata").exists() else []

@@ -363,7 +363,7 @@ def test_links_between_the_pages_resolve():
             if anchor:
                 assert anchor in anchors.get(resolved, set()), f"{path.name}: link to {target}: no such heading"
     for name in ("training", "data", "slurm", "checkpoints", "troubleshooting", "planner", "api", "benchmarks",
-                 "development", "security"):
+                 "architecture", "development", "security"):
         assert f"({name}.md)" in (ROOT / "docs" / "README.md").read_text(), f"docs/README.md does not list {name}.md"
     assert len((ROOT / "README.md").read_text().splitlines()) <= 200, "README.md is the front door: keep it short"
 

@@ -29,6 +29,7 @@ from ..fastpaths.gloo_collectives import use_gloo_collectives
 from ..fsdp_config import FSDPConfig
 from ..mesh import ParallelDims
 
+
 def dp_mesh_for(strategy: str, parallel: ParallelDims):
     """The data-parallel mesh a strategy shards over; errors name the sizes to change."""
     if strategy in ("full_shard", "shard_grad_op"):
@@ -58,7 +59,8 @@ def apply_activation_checkpointing(blocks: nn.ModuleList, mode: str, every: int 
 
 
 def apply_fsdp(model: nn.Module, parallel: ParallelDims, config: Optional[FSDPConfig] = None) -> nn.Module:
-    """Shard `model` (a models.llama.Transformer) in place over the data-parallel dims and return it."""
+    """Shard `model` (a models.llama.Transformer) in place over the data-parallel dims and return it.
+    config's activation checkpointing is not applied here: build_model applies it, before this."""
     config = config or FSDPConfig()
     config.validate()
     mesh = dp_mesh_for(config.sharding_strategy, parallel)

@@ -176,3 +176,10 @@ def test_the_fast_paths_import_no_checkpoint_module():
     arrows = {(m, t) for m, targets in graph.items() if m.startswith("hybridpar.fastpaths")
               for t in targets if t.startswith("hybridpar.checkpoint")}
     assert not arrows - ALLOWED_FASTPATH_ARROWS, f"fast paths importing checkpoint/: {sorted(arrows)}"
+
+
+def test_every_name_the_package_face_lists_resolves():
+    """hybridpar/__init__.py hands names on lazily: each must still be where it looks."""
+    import hybridpar
+
+    assert [name for name in hybridpar.__all__ if getattr(hybridpar, name, None) is None] == []

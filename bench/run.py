@@ -69,7 +69,7 @@ DEFAULT_LAYOUTS = "1:4:1,2:2:1,2:2:2,4:1:1"
 def shape_dict(name: str) -> dict:
     if name in SHAPES:
         return dict(SHAPES[name])
-    from models.llama import PRESETS_DIR
+    from models.args import PRESETS_DIR
 
     path = PRESETS_DIR / f"{name}.json"
     if not path.exists():
@@ -109,7 +109,7 @@ def launch(case: dict, world: int, timeout: float) -> list[dict]:
     procs = []
     try:
         (work / "case.json").write_text(json.dumps(case))
-        from hybridpar.mesh import free_port
+        from hybridpar.layout import free_port
 
         port = free_port()
         for rank in range(world):
@@ -257,7 +257,7 @@ def main(argv=None) -> int:
     # A SIGTERM unwinds like Ctrl-C, so launch() still stops the ranks it started.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
-    from models.llama import ModelArgs
+    from models.args import ModelArgs
 
     from hybridpar.files import write_text_atomic
 

@@ -107,7 +107,7 @@ def main() -> None:
     opts = parser.parse_args()
 
     import hybridpar
-    from models.llama import ModelArgs
+    from models.args import ModelArgs
 
     torch.set_num_threads(1)
     args = ModelArgs.from_dict(shape_dict(opts.shape))

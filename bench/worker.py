@@ -74,18 +74,11 @@ class HybridparEngine:
 
     def __init__(self, args, parallel, case: dict) -> None:
         from hybridpar.config import OptimConfig
-        from hybridpar.parallel.fsdp import FSDPConfig, apply_fsdp
         from hybridpar.train.optim import build_optimizer
-        from models.llama import Transformer
 
         self.parallel = parallel
         torch.manual_seed(case["seed"])
-        sp = {"sequence_parallel": case["sequence_parallel"]} if "sequence_parallel" in case else {}
-        model = Transformer(args, parallel, device=parallel.device, **sp)
-        fsdp = FSDPConfig(sharding_strategy=case["strategy"], param_dtype=case.get("precision", "float32"),
-                          reduce_dtype="float32", **case.get("fsdp", {}))
-        # Only when asked: a baseline checkout from before train.compile has no such argument.
-        self.model = apply_fsdp(model, parallel, fsdp, **({"compile_blocks": True} if case.get("compile") else {}))
+        self.model = _build_model(args, parallel, case)
         self.params = list(self.model.parameters())
         optim = OptimConfig(**case["optim"])
         # "foreach": the A/B of the trainer's fused AdamW against torch's multi-tensor one
@@ -112,6 +105,27 @@ class HybridparEngine:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum.item() / global_targets
+
+
+def _build_model(args, parallel, case: dict):
+    """hybridpar.model.build_model, as the trainer calls it; a baseline checkout from before it
+    (bench/run.py --baseline) assembled the same steps by hand."""
+    try:
+        from hybridpar.fsdp_config import FSDPConfig
+        from hybridpar.model import build_model
+    except ImportError:
+        build_model = None
+        from hybridpar.parallel.fsdp import FSDPConfig, apply_fsdp
+        from models.llama import Transformer
+
+    sp = {"sequence_parallel": case["sequence_parallel"]} if "sequence_parallel" in case else {}
+    fsdp = FSDPConfig(sharding_strategy=case["strategy"], param_dtype=case.get("precision", "float32"),
+                      reduce_dtype="float32", **case.get("fsdp", {}))
+    if build_model is not None:
+        return build_model(args, parallel, device=parallel.device, fsdp=fsdp, compile=bool(case.get("compile")), **sp)
+    model = Transformer(args, parallel, device=parallel.device, **sp)
+    # Only when asked: a baseline checkout from before train.compile has no such argument.
+    return apply_fsdp(model, parallel, fsdp, **({"compile_blocks": True} if case.get("compile") else {}))
 
 
 def state_tensors(engine):
@@ -160,7 +174,7 @@ def run_case(case: dict) -> dict:
     between them (A B, B A, ...), so both see the same machine load, step by step."""
     import hybridpar
     from hybridpar.train.metrics import measure_matmul_peak
-    from models.llama import ModelArgs
+    from models.args import ModelArgs
 
     from bench.comm import CollectiveCounter
 

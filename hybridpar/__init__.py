@@ -6,8 +6,12 @@ __all__ = ["init_parallel", "ParallelDims", "MeshSizeError", "__version__"]
 
 def __getattr__(name: str):
     # On first use: importing the package must not import torch (a data-preparation worker, --help).
-    if name in ("init_parallel", "ParallelDims", "MeshSizeError"):
+    if name in ("init_parallel", "ParallelDims"):
         from . import mesh
 
         return getattr(mesh, name)
+    if name == "MeshSizeError":
+        from .layout import MeshSizeError
+
+        return MeshSizeError
     raise AttributeError(f"module 'hybridpar' has no attribute {name!r}")

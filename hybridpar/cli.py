@@ -12,10 +12,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from . import __version__, dtypes
-# The command bodies; imported by their old names too (generate.main_generate is _cmd_generate).
-from .commands import (cmd_convert as _cmd_convert, cmd_doctor as _cmd_doctor, cmd_generate as _cmd_generate,
-                       cmd_hang_report as _cmd_hang_report, cmd_mesh as _cmd_mesh, cmd_plan as _cmd_plan,
-                       cmd_prepare as _cmd_prepare, cmd_train as _cmd_train, cmd_verify as _cmd_verify)
+from .commands import (cmd_convert, cmd_doctor, cmd_generate, cmd_hang_report, cmd_mesh, cmd_plan, cmd_prepare,
+                       cmd_train, cmd_verify)
 
 # hybridpar.plan.hardware.GPUS's names (tests/test_plan.py holds them equal): the parser is built
 # without importing the planner, which imports torch.
@@ -43,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     mesh.add_argument("--dp-shard", type=int, default=-1, help="-1: the remaining ranks")
     mesh.add_argument("--dp-replicate", type=int, default=1)
     mesh.add_argument("--procs-per-node", type=int, default=0, help="to show node boundaries")
-    mesh.set_defaults(func=_cmd_mesh)
+    mesh.set_defaults(func=cmd_mesh)
     train = sub.add_parser(
         "train", help="train a model (under torchrun or srun; a world of one without)",
         epilog="Any config key can be overridden: --train.steps 20 --parallel.mp 2 --fsdp.param_dtype float32.\n"
@@ -65,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--gpus-per-node", type=int, default=8, help="--dry-run: GPUs per node (default 8)")
     train.add_argument("--gpu", default="a100", choices=GPU_NAMES,
                        help="--dry-run: the GPU of the planner's step-time estimate (default a100)")
-    train.set_defaults(func=_cmd_train)
+    train.set_defaults(func=cmd_train)
     convert = sub.add_parser("convert", help="convert a checkpoint: hybridpar (dcp), Meta consolidated, Hugging Face")
     convert.add_argument("src", help="a hybridpar checkpoint (or a folder of them: the newest), a Meta folder or a Hugging Face folder")
     convert.add_argument("dst", help="the folder to write")
@@ -89,12 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--max-seq-len", type=int, default=None,
                          help="--to hf/dcp: the context length recorded (max_position_embeddings); default: the "
                               "source's max_seq_len (2048 for a Meta folder, whose params.json has none)")
-    convert.set_defaults(func=_cmd_convert)
+    convert.set_defaults(func=cmd_convert)
     verify = sub.add_parser("verify", help="check a checkpoint folder's (or a token store's) files against the "
                                            "checksums saved with it")
     verify.add_argument("path", help="one checkpoint folder (checkpoints/step-00000100), a run's checkpoints/ "
                                      "folder (each checkpoint in it), or a token store")
-    verify.set_defaults(func=_cmd_verify)
+    verify.set_defaults(func=cmd_verify)
     prep = sub.add_parser("prepare", help="tokenise corpus files (parquet, datasets folders, jsonl[.gz|.zst], txt) "
                                           "into a token store that data.source accepts")
     prep.add_argument("sources", nargs="*", help="files or folders, read in the order given (folders sorted by path)")
@@ -110,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="this share of the documents, whole, goes to the store's validation part")
     prep.add_argument("--on-bad-record", default="error", choices=BAD_RECORD_CHOICES,
                       help="a record whose text is missing, null or not a string: stop naming it, or skip and count it")
-    prep.set_defaults(func=_cmd_prepare)
+    prep.set_defaults(func=cmd_prepare)
     gen = sub.add_parser("generate", help="continue prompts with a trained model (greedy or top-p, KV cache)")
     gen.add_argument("--checkpoint", required=True, help="a hybridpar checkpoint (or a folder of them), a Meta folder or a Hugging Face folder")
     gen.add_argument("--tokenizer", required=True,
@@ -124,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--mp", type=int, default=1, help="model-parallel size (run under torchrun with that many ranks)")
     gen.add_argument("--dtype", default=None, metavar="{" + ",".join(dtypes.NAMES) + "}",
                      help="the weights' dtype (default float32 on CPU, bfloat16 on GPU)")
-    gen.set_defaults(func=_cmd_generate)
+    gen.set_defaults(func=cmd_generate)
     doctor = sub.add_parser(
         "doctor", help="check mesh layout, NCCL/gloo environment, bus bandwidth per mesh dim and the data pipeline",
         epilog="Run under the job's launcher (torchrun, srun); exit code 1 when a check finds an error. "
@@ -142,12 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter", help="collectives to time")
     doctor.add_argument("--no-busbw", action="store_true", help="skip the bandwidth measurement")
     doctor.add_argument("--json", default="", metavar="PATH", help="also write the report as JSON here (rank 0)")
-    doctor.set_defaults(func=_cmd_doctor)
+    doctor.set_defaults(func=cmd_doctor)
     hang = sub.add_parser("hang-report", help="explain a hang from the flight-recorder dumps of every rank")
     hang.add_argument("dir", help="a folder with one dump per rank (e.g. the run folder's flight_recorder/)")
     hang.add_argument("--world", type=int, default=0, help="number of ranks, if the dumps do not say (nccl dumps)")
     hang.add_argument("--json", default="", metavar="PATH", help="also write the verdict as JSON here")
-    hang.set_defaults(func=_cmd_hang_report)
+    hang.set_defaults(func=cmd_hang_report)
     plan = sub.add_parser(
         "plan", help="estimate per-GPU memory and step time of every layout, best first",
         epilog="Example: hybridpar plan --model llama3_70b --gpus 128 --gpu h100 --global-batch 4Mtok. "
@@ -194,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--top", type=int, default=10, help="layouts to list (default 10)")
     plan.add_argument("--json", default="", metavar="PATH",
                       help="also write every layout's estimate and the best one's config as JSON here")
-    plan.set_defaults(func=_cmd_plan)
+    plan.set_defaults(func=cmd_plan)
     parser.commands = sub.choices  # each command's parser, whose errors name the command
     return parser
 

@@ -222,7 +222,7 @@ def _plan_hardware(args: argparse.Namespace):
 
 def _plan_model(args: argparse.Namespace):
     """(ModelArgs, the train flags that build that model) for --model."""
-    from models.llama import ModelArgs
+    from models.args import ModelArgs
 
     overrides = {"vocab_size": args.vocab_size} if args.vocab_size else {}
     vocab = f" --model.vocab_size {args.vocab_size}" if args.vocab_size else ""
@@ -308,7 +308,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 def cmd_hang_report(args: argparse.Namespace) -> int:
     """The watchdog's analysis, offline, over flight-recorder dumps collected from every node."""
-    from .diagnostics.flight import analyse, format_report, load_dumps
+    from .diagnostics.flight import analyse, format_report
+    from .diagnostics.traces import load_dumps
     from .files import write_text_atomic
 
     traces, world, skipped = load_dumps(Path(args.dir))

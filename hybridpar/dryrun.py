@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import os
 import re
 import sys
@@ -32,49 +31,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from models.llama import Transformer
-
 from .config import Config, ConfigError
+from .dryrun_report import Check, DryRun
 from .files import human_bytes
 
 PARAM_BYTES = 4  # the trainer keeps fp32 master parameters (plan.MASTER_BYTES)
-
-
-@dataclasses.dataclass
-class Check:
-    name: str
-    ok: bool
-    detail: str
-    warning: bool = False  # passed, with something to look at (e.g. data this machine cannot see)
-
-
-@dataclasses.dataclass
-class DryRun:
-    """What the rehearsal found; `text()` is the report."""
-
-    world: int
-    rank: int
-    target: str  # "gpu" or "cpu"
-    layout: str = ""
-    model: str = ""
-    checks: list[Check] = dataclasses.field(default_factory=list)
-    parameters: list[dict] = dataclasses.field(default_factory=list)  # one row per group of alike parameters
-    state_bytes: dict = dataclasses.field(default_factory=dict)  # parameters, gradients, optimizer (this rank)
-    expected_bytes: dict = dataclasses.field(default_factory=dict)  # the same, total / (mp x dp_shard)
-    collectives: list[dict] = dataclasses.field(default_factory=list)  # per (dim, op): calls, payload, wire
-    memory: dict = dataclasses.field(default_factory=dict)  # the planner's estimate for this layout
-    checkpoint: dict = dataclasses.field(default_factory=dict)
-    seconds: float = 0.0
-
-    @property
-    def ok(self) -> bool:
-        return all(c.ok or c.warning for c in self.checks)
-
-    def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "ok": self.ok}
-
-    def text(self) -> str:
-        return _report(self)
 
 
 def _check(run: DryRun, name: str, fn: Callable[[], str], warn_only: bool = False) -> bool:
@@ -94,7 +55,7 @@ def dry_run(config: Config, world: int, rank: int = 0, *, gpu_mem_gib: float = 8
     (it makes a fake one and destroys it at the end). `gpu` names the planner's hardware for the
     step-time estimate of a GPU job (hybridpar.plan.hardware)."""
     from .compat.torch import init_fake_process_group
-    from .mesh import resolve_sizes
+    from .layout import resolve_sizes
 
     started = time.perf_counter()
     c = config
@@ -139,7 +100,8 @@ def _rehearse(run: DryRun, c: Config, world: int, sizes: list[int], target: str,
     from .compat.torch import fake_tensors
     from .diagnostics.collectives import CollectiveCounter, mesh_dims
     from .mesh import init_parallel
-    from .parallel.fsdp import apply_fsdp, dp_mesh_for
+    from .model import build_model
+    from .parallel.fsdp import dp_mesh_for
     from .preflight import model_args
 
     dr, ds, mp = sizes
@@ -154,8 +116,8 @@ def _rehearse(run: DryRun, c: Config, world: int, sizes: list[int], target: str,
                   lambda: _strategy_detail(dp_mesh_for(c.fsdp.sharding_strategy, parallel))):
         return
     say(f"building {run.model} on the meta device, tensor parallel {mp}, FSDP over {ds * dr}")
-    model = Transformer(args, parallel, device=torch.device("meta"), sequence_parallel=c.parallel.sequence_parallel)
-    model = apply_fsdp(model, parallel, c.fsdp, compile_blocks=False)
+    model = build_model(args, parallel, device=torch.device("meta"), sequence_parallel=c.parallel.sequence_parallel,
+                        fsdp=c.fsdp)
     run.parameters = _placements(model)
     say("one training step on fake tensors (forward, backward, optimizer)")
     with fake_tensors(), warnings.catch_warnings():
@@ -400,66 +362,3 @@ def _hidden(memory: dict) -> str:
                          "gather hides them (a larger data.micro_batch_size), or fewer gathers (shard_grad_op / "
                          f"hybrid_shard_zero2 if memory allows); `hybridpar plan --gpu {memory['gpu']}` ranks the layouts")
     return f"FSDP's traffic all but {exposed:.2f} s hidden behind compute on {memory['gpu']}"
-
-
-def _report(run: DryRun) -> str:
-    lines = [f"dry run of rank {run.rank} of {run.world} ({'GPU' if run.target == 'gpu' else 'CPU'} job): "
-             f"{run.model or '?'}; {run.layout or '?'}"]
-    if run.parameters:
-        lines.append("")
-        lines.append("parameters (this rank's shards):")
-        width = max(len(_row_name(r)) for r in run.parameters)
-        for r in run.parameters:
-            lines.append(f"  {_row_name(r):<{width}}  {_shape(r['global_shape']):>14} -> {_shape(r['local_shape']):<14}"
-                         f"  {r['dtype']:<8} {r['placement']}")
-    if run.state_bytes:
-        lines.append("")
-        lines.append("state on this rank (float32; ideal = the model's state / (mp x dp_shard)):")
-        for key in ("parameters", "gradients", "optimizer"):
-            have, ideal = run.state_bytes[key], run.expected_bytes[key]
-            lines.append(f"  {key:<11} {human_bytes(have):>10}   ideal {human_bytes(ideal):>10}   {have / ideal:.3f}x")
-        total = sum(run.state_bytes.values())
-        ideal = sum(run.expected_bytes.values())
-        lines.append(f"  {'total':<11} {human_bytes(total):>10}   ideal {human_bytes(ideal):>10}   {total / ideal:.3f}x")
-    if run.collectives:
-        lines.append("")
-        lines.append("collectives of one training step on this rank (issued by the real code, counted):")
-        lines.append(f"  {'dimension':<13} {'collective':<15} {'ranks':>5} {'calls':>6} {'payload':>11} {'sent':>11}")
-        for r in run.collectives:
-            lines.append(f"  {r['dim']:<13} {r['op']:<15} {r['group_size']:>5} {r['calls']:>6} "
-                         f"{human_bytes(r['payload']):>11} {human_bytes(r['wire']):>11}")
-    if run.memory:
-        m = run.memory
-        lines.append("")
-        lines.append(f"memory per rank (the planner's estimate for a step): activations {human_bytes(m['activations'])}, "
-                     f"gathered parameters {human_bytes(m['gathered_params'])}, gradient buffers "
-                     f"{human_bytes(m['grad_buffers'])}, working space {human_bytes(m['transient'])}; "
-                     f"peak {human_bytes(m['total'])} with the state")
-        if "step_s" in m:
-            lines.append(f"time per step (the planner, on {m['gpu']}; hybridpar plan --gpu says what it assumes): "
-                         f"{m['step_s']:.2f} s, of which tensor-parallel {m['tp_s']:.2f} s and exposed FSDP "
-                         f"{m['fsdp_exposed_s']:.2f} s; {m['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, "
-                         f"MFU {100 * m['mfu']:.0f}%")
-    if run.checkpoint:
-        k = run.checkpoint
-        lines.append("")
-        lines.append(f"checkpoint: {k['folder']} about {human_bytes(k['total'])} in {k['files']} files, "
-                     f"{human_bytes(k['per_rank_file'])} per rank's file: {', '.join(k['layout'])}")
-    lines.append("")
-    lines.append("checks:")
-    for check in run.checks:
-        status = "ok  " if check.ok else "warn" if check.warning else "FAIL"
-        lines.append(f"  {status} {check.name}: {check.detail}")
-    lines.append(f"dry run {'passed' if run.ok else 'FAILED'} in {run.seconds:.0f} s")
-    return "\n".join(lines)
-
-
-def _row_name(row: dict) -> str:
-    layers = row["layers"]
-    if not layers:
-        return row["name"]
-    return f"{row['name']} ({len(layers)} layers)"
-
-
-def _shape(shape) -> str:
-    return "[" + ", ".join(str(s) for s in shape) + "]"

@@ -142,11 +142,3 @@ def generate_text(model, parallel: ParallelDims, tokenizer, prompts: Sequence[st
     prompt_tokens = [tokenizer.encode(p, bos=True) for p in prompts]
     completions = generate(model, parallel, prompt_tokens, eos_id=tokenizer.eos_id, **kwargs)
     return [tokenizer.decode(c) for c in completions]
-
-
-def __getattr__(name: str):
-    if name == "main_generate":  # the command's entry point, now in hybridpar.cli
-        from .cli import _cmd_generate
-
-        return _cmd_generate
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -25,9 +25,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .compat.torch import flatten_mesh
-# The arithmetic lives in the torch-free layout module; its names are imported from here too.
-from .layout import (MESH_DIM_NAMES, LaunchEnv, MeshCoords, MeshSizeError, expand_nodelist, free_port,  # noqa: F401
-                     group_ranks, launch_env, resolve_sizes)
+# The arithmetic lives in the torch-free layout module.
+from .layout import MESH_DIM_NAMES, MeshCoords, launch_env, resolve_sizes
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 

@@ -42,9 +42,7 @@ from hybridpar.parallel import (
 )
 from hybridpar.parallel.layers import ReplicatedHeadLinear, local_tensor, mp_parameter
 
-from .args import (  # noqa: F401 - re-exported
-    PRESETS_DIR, ModelArgs, ModelArgsError, RopeScaling, meta_ffn_rule, preset_names,
-)
+from .args import ModelArgs, RopeScaling
 
 # --- rotary position embedding, Meta's convention --------------------------------------------
 

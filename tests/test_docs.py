@@ -129,7 +129,7 @@ def _parse_hybridpar(argv: list[str], world: Optional[int], where: str) -> None:
     mesh's sizes tile the torchrun world (or the dry run's --world)."""
     from hybridpar.cli import build_parser
     from hybridpar.config import find_config, load_config
-    from hybridpar.mesh import resolve_sizes
+    from hybridpar.layout import resolve_sizes
 
     if "--help" in argv:  # argparse prints the help and exits: the subcommand must exist
         argv = [w for w in argv if w != "--help"][:1]
@@ -363,7 +363,7 @@ def test_links_between_the_pages_resolve():
             if anchor:
                 assert anchor in anchors.get(resolved, set()), f"{path.name}: link to {target}: no such heading"
     for name in ("training", "data", "slurm", "checkpoints", "troubleshooting", "planner", "api", "benchmarks",
-                 "development", "security"):
+                 "architecture", "development", "security"):
         assert f"({name}.md)" in (ROOT / "docs" / "README.md").read_text(), f"docs/README.md does not list {name}.md"
     assert len((ROOT / "README.md").read_text().splitlines()) <= 200, "README.md is the front door: keep it short"
 
@@ -390,7 +390,7 @@ def test_quoted_bounds_are_the_ones_the_tests_hold(page, sentence, test_file, pa
 
 
 def test_the_readme_preset_table_is_the_preset_files():
-    from models.llama import ModelArgs
+    from models.args import ModelArgs
 
     rows = {}
     for line in (ROOT / "README.md").read_text().splitlines():
@@ -464,7 +464,7 @@ def test_the_api_page_names_what_exists_with_those_arguments():
         for name, arguments in re.findall(r"`([A-Za-z_][\w.]*)\(([^`]*?)\)(?:\s*->[^`]*)?`", line):
             if name in NOT_API or name.split(".")[-1] in NOT_API:
                 continue
-            prefixes = [*reversed(context), *sections, "hybridpar", "models.llama"]
+            prefixes = [*reversed(context), *sections, "hybridpar", "models.args", "models.llama"]
             obj = next((o for o in map(_resolve, [*(f"{m}.{name}" for m in prefixes), name]) if o is not None), None)
             if obj is None:
                 failures.append(f"{name}: not found in {sections} or {context}")

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.llama import ModelArgs, Transformer
+from models.args import ModelArgs
+from models.llama import Transformer
 from tests.distributed import parallel_dims, rel_err
 
 BOUND = 1e-5
@@ -200,13 +201,13 @@ def test_sample_top_p_keeps_the_nucleus():
 
 
 def _case_main_generate(folder: str, tokenizer: str, prompts: list) -> tuple:
-    from hybridpar.generate import main_generate
+    from hybridpar.commands import cmd_generate
 
     args = types.SimpleNamespace(checkpoint=folder, tokenizer=tokenizer, prompts=prompts, max_new_tokens=6,
                                  temperature=0.0, top_p=0.9, mp=2)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = main_generate(args)
+        code = cmd_generate(args)
     return code, out.getvalue()
 
 

@@ -15,7 +15,8 @@ import sys
 import pytest
 import torch
 
-from hybridpar.mesh import LaunchEnv, MeshCoords, MeshSizeError, expand_nodelist, group_ranks, launch_env, resolve_sizes
+from hybridpar.layout import (LaunchEnv, MeshCoords, MeshSizeError, expand_nodelist, group_ranks, launch_env,
+                              resolve_sizes)
 from tests.distributed import free_port, parallel_dims
 
 # World 8, (dp_replicate, dp_shard, mp) = (2, 2, 2): (rank, replicate_idx, shard_idx, mp_rank, dp_rank).

@@ -1,10 +1,10 @@
-"""Definitions that several modules use are made once, and the old import paths still reach them."""
+"""Definitions that several modules use are made once."""
 
 import pytest
 import torch
 
 from hybridpar import dtypes
-from models.llama import ModelArgs
+from models.args import ModelArgs
 
 
 def test_dtype_names_and_bytes():
@@ -36,24 +36,12 @@ def test_config_plan_and_export_read_the_one_dtype_table():
 
 
 def test_one_flops_per_token_and_one_list_of_ac_modes():
-    from hybridpar import plan
-    from hybridpar.parallel import fsdp
+    from hybridpar import fsdp_config, plan
     from hybridpar.train import metrics
 
     assert plan.flops_per_token is metrics.flops_per_token is ModelArgs.flops_per_token
-    assert plan.AC_MODES is fsdp.AC_MODES
+    assert plan.AC_MODES is fsdp_config.AC_MODES
     # The planner's candidates come in this order, and equal estimates keep it in the ranking.
     layouts, _ = plan.candidate_layouts(ModelArgs.from_preset("tiny"), plan.Hardware(gpus=1, gpu_mem_gib=80))
     assert [layout.ac for layout in layouts] == ["none", "selective", "full"]
 
-
-def test_moved_names_still_import_from_their_old_modules():
-    from hybridpar import cli, generate
-    from hybridpar.diagnostics import flight, traces
-
-    assert generate.main_generate is cli._cmd_generate
-    with pytest.raises(AttributeError):
-        generate.no_such_name  # noqa: B018
-    for name in flight.__all__:
-        assert getattr(flight, name) is not None
-    assert flight.RankTrace is traces.RankTrace and flight.trace_from_dump is traces.trace_from_dump

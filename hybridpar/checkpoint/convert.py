@@ -17,10 +17,12 @@ from typing import Optional
 
 import torch
 
-from models.llama import ModelArgs, Transformer
+from models.args import ModelArgs
+from models.llama import Transformer
 
 from ..files import OCCUPIED_ADVICE, begin_staging, commit_staged, refuse_occupied, staging_path
 from ..mesh import ParallelDims
+from ..model import build_model
 from ..ranks import on_rank0
 from .dcp import Checkpointer, CheckpointError, latest_checkpoint, params_dict
 
@@ -92,8 +94,7 @@ def load_model(path: Path, parallel: ParallelDims, *, dtype: Optional[torch.dtyp
     if max_seq_len is not None:
         args = dataclasses.replace(args, max_seq_len=max_seq_len)
     # Built without memory, then allocated once: the checkpoint overwrites every weight anyway.
-    with torch.device("meta"):
-        model = Transformer(args, parallel, dtype=dtype)
+    model = build_model(args, parallel, device=torch.device("meta"), dtype=dtype)
     model.to_empty(device=parallel.device)
     load_into(kind, path, model, parallel)
     return model, args

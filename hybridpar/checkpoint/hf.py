@@ -26,7 +26,7 @@ from typing import Any, Mapping, Optional, Union
 import torch
 from torch import nn
 
-from models.llama import ModelArgs
+from models.args import ModelArgs
 
 from ..dtypes import CANONICAL_NAMES as _DTYPE_NAMES
 from ..files import staged_folder

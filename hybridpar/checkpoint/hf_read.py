@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from models.fields import check_field, read_json_object
-from models.llama import ModelArgs
+from models.args import ModelArgs
 
 from ..ranks import mark_every_rank
 from .foreign import ForeignCheckpointError, ForeignSource, load_foreign, model_shapes

@@ -25,7 +25,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from models.llama import ModelArgs, meta_ffn_rule
+from models.args import ModelArgs, meta_ffn_rule
 
 from .foreign import ForeignCheckpointError
 from .pth_check import cut_short, unsafe_global

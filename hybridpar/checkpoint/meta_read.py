@@ -14,7 +14,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from models.llama import ModelArgs
+from models.args import ModelArgs
 
 from ..ranks import mark_every_rank
 from .foreign import ForeignSource, load_foreign, model_shapes, natural

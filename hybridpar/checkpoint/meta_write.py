@@ -10,7 +10,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from models.llama import ModelArgs
+from models.args import ModelArgs
 
 from ..files import atomic_output, write_text_atomic
 from .foreign import ForeignTarget, export_foreign, model_args

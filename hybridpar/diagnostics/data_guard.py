@@ -15,7 +15,8 @@ import hashlib
 
 import torch
 
-from ..mesh import MeshCoords, ParallelDims
+from ..layout import MeshCoords
+from ..mesh import ParallelDims
 from ..compat.torch import all_gather_single
 
 

@@ -28,7 +28,8 @@ import torch.distributed as dist
 
 from ..config import Config
 from ..files import write_text_atomic
-from ..mesh import MeshCoords, ParallelDims, group_ranks, launch_env
+from ..layout import MeshCoords, group_ranks, launch_env
+from ..mesh import ParallelDims
 from ..parallel.cost import COLLECTIVES as OPS
 from ..parallel.cost import bus_factor
 from ..compat.torch import all_gather_single, reduce_scatter_single

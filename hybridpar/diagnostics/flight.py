@@ -1,6 +1,6 @@
 """What every rank was doing when a job stopped making progress, and who is to blame: the analysis
 the live watchdog and `hybridpar hang-report DIR` share, over one trace per rank
-(hybridpar.diagnostics.traces, whose names this module also exports).
+(hybridpar.diagnostics.traces reads them).
 
 Collectives are matched per group by sequence number; groups of one mesh dimension run the same
 program, so a sequence number also compares across them. Culprits, in order of confidence:
@@ -20,15 +20,9 @@ from collections import Counter
 from typing import Iterable, Optional
 
 from .liveness import says_peer_loss
+from .traces import Collective, GroupTrace, RankTrace
 
-from .traces import (RECENT, Collective, GroupTrace, RankTrace, dump_flight_recorder, error_stack, load_dumps,
-                     python_stack, short_message, trace_from_dump, where)
-
-__all__ = [
-    "RECENT", "Collective", "GroupTrace", "RankTrace", "where", "short_message", "error_stack", "python_stack",
-    "dump_flight_recorder", "trace_from_dump", "load_dumps",
-    "Finding", "Wait", "Verdict", "analyse", "format_report",
-]
+__all__ = ["Finding", "Wait", "Verdict", "analyse", "format_report"]
 
 
 @dataclasses.dataclass

@@ -23,9 +23,10 @@ from typing import Callable, Optional
 import torch.distributed as dist
 
 from ..compat.torch import default_store, sequence_number
-from ..mesh import MeshCoords, ParallelDims
+from ..layout import MeshCoords
+from ..mesh import ParallelDims
 from ..ranks import attempt_id
-from . import flight
+from . import traces
 from .liveness import process_alive
 from .traces import write_dump
 from .timeouts import mesh_groups
@@ -183,8 +184,8 @@ class Heartbeat:
 
     def _record_failure(self, error: BaseException) -> None:
         """What this rank saw when it raised, for the monitor and for hang-report: it is about to exit."""
-        self.note = f"raised {type(error).__name__}: {flight.short_message(error)}"
-        stack, group_name = flight.error_stack(error)
+        self.note = f"raised {type(error).__name__}: {traces.short_message(error)}"
+        stack, group_name = traces.error_stack(error)
         try:
             self._dump_trace({"stack": stack, "failed_in": group_name})
         except Exception:
@@ -194,15 +195,15 @@ class Heartbeat:
         """Send this rank's trace to the monitor and keep a flight-recorder dump on this node."""
         self._dumped = True
         info = {**self._info, "rank": self.rank, "world_size": self.world_size, "step": self.step,
-                "phase": self.phase, "note": self.note, "stack": flight.python_stack(self._main_thread),
+                "phase": self.phase, "note": self.note, "stack": traces.python_stack(self._main_thread),
                 **(extra or {})}
         try:
-            dump = flight.dump_flight_recorder()
+            dump = traces.dump_flight_recorder()
         except Exception as err:  # the recorder is off (TORCH_FR_BUFFER_SIZE=0): counts only
             dump = {"entries": [], "pg_status": {}}
             info["note"] = (info["note"] + "; " if info["note"] else "") + f"no flight recorder ({err})"
         dump["hybridpar"] = info
-        trace = flight.trace_from_dump(dump, info)
+        trace = traces.trace_from_dump(dump, info)
         self._set(f"trace/{self.rank}", json.dumps(dataclasses.asdict(trace)))
         try:  # this node's own copy, for `hybridpar hang-report` later
             write_dump(self.trace_dir, self.rank, dump)

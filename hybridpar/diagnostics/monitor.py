@@ -21,9 +21,11 @@ from pathlib import Path
 from typing import Optional
 
 from ..files import write_text_atomic
-from ..mesh import MeshCoords, ParallelDims
+from ..layout import MeshCoords
+from ..mesh import ParallelDims
 from . import flight
 from .heartbeat import HANG_EXIT_CODE, Heartbeat
+from .traces import RankTrace
 
 
 LEFT = ("done", "stopped")  # the states of a rank that ended on purpose: not watched any more
@@ -158,7 +160,7 @@ class Monitor(Heartbeat):
         self._set("abort", "1")
         self._exit(HANG_EXIT_CODE)
 
-    def _write(self, reason: str, traces: dict[int, flight.RankTrace], gone: list[int]) -> str:
+    def _write(self, reason: str, traces: dict[int, RankTrace], gone: list[int]) -> str:
         """Analyse, print the report and write hang_report.json; the report's text."""
         last_issued = {r: self._last.get(r, {}).get("seqs", {}) for r in gone}
         step = max((last.get("step", 0) for last in self._last.values()), default=0)
@@ -202,15 +204,15 @@ class Monitor(Heartbeat):
             info[r] = entry
         return info
 
-    def _collect(self, dead: list[int]) -> dict[int, flight.RankTrace]:
+    def _collect(self, dead: list[int]) -> dict[int, RankTrace]:
         """Traces of every live rank; those that do not answer within a few seconds are left out."""
         wanted = [r for r in range(self.world_size) if r not in dead]
         deadline = self._clock.monotonic() + max(5.0, 4 * self.interval)
-        traces: dict[int, flight.RankTrace] = {}
+        traces: dict[int, RankTrace] = {}
         while True:
             for r in wanted:
                 if r not in traces and self._has(f"trace/{r}"):
-                    traces[r] = flight.RankTrace.from_json(json.loads(self._get_many([f"trace/{r}"])[0]))
+                    traces[r] = RankTrace.from_json(json.loads(self._get_many([f"trace/{r}"])[0]))
             if len(traces) == len(wanted) or self._clock.monotonic() > deadline:
                 return traces
             self._clock.sleep(0.1)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..mesh import MeshCoords, ParallelDims
+from ..layout import MeshCoords
+from ..mesh import ParallelDims
 from ..compat.torch import all_gather_single
 
 

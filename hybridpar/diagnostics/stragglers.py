@@ -29,7 +29,8 @@ import torch.distributed as dist
 from torch.compiler import is_compiling
 
 from ..compat.torch import all_gather_single
-from ..mesh import MeshCoords, ParallelDims
+from ..layout import MeshCoords
+from ..mesh import ParallelDims
 from ..ranks import gather_objects
 
 # The collectives a training step can block in; names missing from this torch are skipped.

@@ -9,8 +9,9 @@
 FSDP2 (`fully_shard`), not FSDP1: per-parameter DTensor sharding composes with tensor parallelism,
 and no silent NO_SHARD fallback (FSDP1's HYBRID_SHARD with a one-rank shard group stops
 all-reducing across replicas; a 2-D FSDP2 mesh with dp_shard = 1 still all-reduces over
-dp_replicate). `apply_fsdp` is the plan, one named step after another; on gloo its last step
-hands FSDP's collectives to hybridpar.fastpaths.gloo_collectives.
+dp_replicate). `apply_fsdp` is the sharding, one named step after another; on gloo its last step
+hands FSDP's collectives to hybridpar.fastpaths.gloo_collectives. Activation checkpointing and
+compile come before it: hybridpar.model.build_model applies all of them, in order.
 """
 
 from __future__ import annotations
@@ -22,15 +23,12 @@ from typing import Optional
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from .. import fastpaths
+from .. import dtypes, fastpaths
 from ..compat.torch import checkpoint_module
-from .. import dtypes
-# _BufferPool and _use_gloo_collectives keep their old names here, where tests import them.
-from ..fastpaths.gloo_collectives import _BufferPool  # noqa: F401
-from ..fastpaths.gloo_collectives import use_gloo_collectives as _use_gloo_collectives
+from ..fastpaths.gloo_collectives import use_gloo_collectives
+from ..fsdp_config import FSDPConfig
 from ..mesh import ParallelDims
-# The [fsdp] section is torch-free (the config reads it); imported from here too.
-from ..fsdp_config import AC_MODES, STRATEGIES, FSDPConfig  # noqa: F401
+
 
 def dp_mesh_for(strategy: str, parallel: ParallelDims):
     """The data-parallel mesh a strategy shards over; errors name the sizes to change."""
@@ -60,20 +58,12 @@ def apply_activation_checkpointing(blocks: nn.ModuleList, mode: str, every: int 
     return chosen
 
 
-def apply_fsdp(model: nn.Module, parallel: ParallelDims, config: Optional[FSDPConfig] = None, *,
-               compile_blocks: bool = False) -> nn.Module:
+def apply_fsdp(model: nn.Module, parallel: ParallelDims, config: Optional[FSDPConfig] = None) -> nn.Module:
     """Shard `model` (a models.llama.Transformer) in place over the data-parallel dims and return it.
-
-    compile_blocks: torch.compile each transformer block, after activation checkpointing and before
-    sharding, so FSDP's hooks stay outside the compiled code.
-    """
+    config's activation checkpointing is not applied here: build_model applies it, before this."""
     config = config or FSDPConfig()
     config.validate()
-    _check_compiler(compile_blocks, parallel)
     mesh = dp_mesh_for(config.sharding_strategy, parallel)
-    apply_activation_checkpointing(model.layers, config.activation_checkpointing, config.ac_every)
-    if compile_blocks:
-        _compile_blocks(model)
     policies = _policies(config, parallel)
     _shard_units(model, mesh, config.sharding_strategy, policies)
     _set_prefetch(model, config.forward_prefetch, config.backward_prefetch)
@@ -81,15 +71,15 @@ def apply_fsdp(model: nn.Module, parallel: ParallelDims, config: Optional[FSDPCo
     return model
 
 
-def _check_compiler(compile_blocks: bool, parallel: ParallelDims) -> None:
+def check_compiler(compile: bool, parallel: ParallelDims) -> None:
     """Refuse train.compile on a CPU without a C++ compiler before anything is changed."""
-    if compile_blocks and parallel.device.type == "cpu" and not (shutil.which("c++") or shutil.which("g++")):
+    if compile and parallel.device.type == "cpu" and not (shutil.which("c++") or shutil.which("g++")):
         raise ValueError("train.compile on the CPU needs a C++ compiler (inductor builds its kernels with it): "
                          "install g++ or set train.compile = false")
 
 
-def _compile_blocks(model: nn.Module) -> None:
-    """torch.compile each block in place (after activation checkpointing, which it then traces)."""
+def compile_blocks(model: nn.Module) -> None:
+    """torch.compile each block in place."""
     for block in model.layers:
         block.compile()
 
@@ -148,4 +138,4 @@ def _set_prefetch(model: nn.Module, forward: int, backward: int) -> None:
 def _gloo_collectives(model: nn.Module, config: FSDPConfig, parallel: ParallelDims) -> None:
     """On gloo, FSDP's collectives as all-to-alls (a fast path): when the config and the switch allow."""
     if config.gloo_all_to_all and fastpaths.enabled():
-        _use_gloo_collectives([*_units(model), model], parallel)
+        use_gloo_collectives([*_units(model), model], parallel)

@@ -4,7 +4,7 @@
 Measured in this process, one thread: the fp32 matmul rate (the peak), flash attention's rate,
 and the rate of the elementwise chains the planner counts (models/llama.py's RMSNorm, RoPE, the
 SwiGLU product, the loss), as the planner's bytes per second. Measured in N processes on one gloo
-group: the host time of one op of the real model (Transformer under apply_fsdp at tiny sizes,
+group: the host time of one op of the real model (build_model with FSDP, at tiny sizes,
 where kernels take nothing), the CPU time per byte and per call of gloo's collectives, and the
 time a synchronising collective waits when N processes share the cores.
 """
@@ -99,15 +99,16 @@ def measure_cpu(gpus: int, seconds: float = 0.25, **overrides) -> Hardware:
 
 def _op_seconds() -> float:
     """Host seconds per dispatched op of the real model and FSDP, at sizes where kernels take nothing:
-    Transformer under apply_fsdp on a fake process group of one rank."""
+    build_model's Transformer under FSDP on a fake process group of one rank."""
     import torch
     import torch.distributed as dist
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from hybridpar.compat.torch import init_fake_process_group
     from hybridpar.mesh import init_parallel
-    from hybridpar.parallel.fsdp import FSDPConfig, apply_fsdp
-    from models.llama import ModelArgs, Transformer
+    from hybridpar.fsdp_config import FSDPConfig
+    from hybridpar.model import build_model
+    from models.args import ModelArgs
 
     class Count(TorchDispatchMode):
         ops = 0
@@ -122,7 +123,7 @@ def _op_seconds() -> float:
         parallel = init_parallel(mp=1, dp_shard=1, dp_replicate=1)
         args = ModelArgs.from_preset("tiny", dim=32, n_heads=2, n_kv_heads=1, n_layers=2, vocab_size=64,
                                      multiple_of=16)
-        model = apply_fsdp(Transformer(args, parallel), parallel, FSDPConfig(param_dtype="float32"))
+        model = build_model(args, parallel, fsdp=FSDPConfig(param_dtype="float32"))
         tokens = torch.randint(0, 64, (1, 8))
 
         def step():
@@ -178,7 +179,7 @@ def measure_ranks(world: int, timeout: float = 120.0) -> dict:
     rank's wall time beyond its share of the cores, between spells of work)."""
     import json
 
-    from ..mesh import free_port
+    from ..layout import free_port
 
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

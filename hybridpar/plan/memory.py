@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from models.llama import ModelArgs
+from models.args import ModelArgs
 
 
 def kv_heads_per_rank(args: ModelArgs, mp: int) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from models.llama import ModelArgs
+from models.args import ModelArgs
 
 from .hardware import spec
 from .inputs import Layout, Workload

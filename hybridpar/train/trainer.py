@@ -27,8 +27,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from models.llama import Transformer
-
 from ..checkpoint.convert import load_into
 from ..checkpoint.dcp import Checkpointer, complete_checkpoints, latest_checkpoint, params_dict
 from ..config import Config, ConfigError, dump_toml, profile_range
@@ -41,9 +39,9 @@ from ..diagnostics.timeouts import Deadlines, apply_env_defaults
 from ..diagnostics.watchdog import Watchdog
 from ..files import refuse_occupied, write_text_atomic
 from ..mesh import ParallelDims, init_parallel
+from ..model import build_model
 from ..preflight import init_from_folder, model_args, preflight, world_size_from_env
 from ..ranks import wait_for_every_rank
-from ..parallel.fsdp import apply_fsdp
 from . import stop as stopping
 from .evaluate import BlendValidator, Validator
 from .clock import StepClock
@@ -196,11 +194,12 @@ class Trainer:
         """The same full weights on every rank, whatever the layout, then sharded by FSDP."""
         c, p = self.config, self.parallel
         torch.manual_seed(c.train.seed)
-        model = Transformer(self.args, p, device=self.device, sequence_parallel=c.parallel.sequence_parallel)
-        if self.init_from_folder is not None:  # sliced into the unsharded model, before FSDP
+        load = None
+        if self.init_from_folder is not None:
             kind, folder = self.init_from_folder
-            load_into(kind, folder, model, p)
-        return apply_fsdp(model, p, c.fsdp, compile_blocks=c.train.compile)
+            load = functools.partial(load_into, kind, folder, parallel=p)
+        return build_model(self.args, p, device=self.device, sequence_parallel=c.parallel.sequence_parallel,
+                           load=load, fsdp=c.fsdp, compile=c.train.compile)
 
     def _measure_peak(self) -> float:
         if self.device.type == "cuda":

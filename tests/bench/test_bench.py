@@ -48,12 +48,12 @@ def _count_by_hand_case():
         counter.reset()
 
         # The same with hybridpar's gloo collectives (all-to-all): the same wire bytes, the same gradient.
-        from hybridpar.parallel.fsdp import _use_gloo_collectives
+        from hybridpar.fastpaths.gloo_collectives import use_gloo_collectives
 
         torch.manual_seed(0)
         a2a = nn.Linear(4, 8, bias=False)
         fully_shard(a2a, mesh=init_device_mesh("cpu", (2,)), reshard_after_forward=True)
-        _use_gloo_collectives([a2a], parallel_dims(mp=1))
+        use_gloo_collectives([a2a], parallel_dims(mp=1))
         torch.manual_seed(1)
         x = torch.randn(3, 4)
         counter.enabled = False
@@ -95,7 +95,7 @@ def test_counter_matches_hand_counts(workers):
 
 def test_analytic_minimum_by_hand():
     from bench.comm import analytic_bytes
-    from models.llama import ModelArgs
+    from models.args import ModelArgs
 
     args = ModelArgs.from_preset("debug")  # dim 64, 2 layers, vocab 128, ffn 192, 8 heads = kv heads
     # mp 2, dp_shard 2, one replica, 1 x 4 tokens: the numbers written out.

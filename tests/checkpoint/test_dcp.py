@@ -277,7 +277,8 @@ def _case_tie_mismatch(folder: str) -> list:
     import torch.distributed as dist
 
     from hybridpar.checkpoint.dcp import Checkpointer, CheckpointError, params_dict
-    from models.llama import ModelArgs, Transformer
+    from models.args import ModelArgs
+    from models.llama import Transformer
     from tests.distributed import parallel_dims
 
     parallel = parallel_dims(mp=2)

@@ -45,8 +45,10 @@ def _case_estimate(folder: str, layout: tuple) -> tuple:
     import torch.distributed as dist
 
     from hybridpar.checkpoint import dcp as dcp_module
-    from hybridpar.parallel.fsdp import FSDPConfig, apply_fsdp
-    from models.llama import ModelArgs, Transformer
+    from hybridpar.fsdp_config import FSDPConfig
+    from hybridpar.parallel.fsdp import apply_fsdp
+    from models.args import ModelArgs
+    from models.llama import Transformer
     from tests.distributed import parallel_dims
 
     mp, dp_shard, dp_replicate = layout
@@ -254,7 +256,7 @@ def _case_resume_step(config) -> int:
 
 
 def _checkpoint_bytes_of_debug_model() -> int:
-    from models.llama import ModelArgs
+    from models.args import ModelArgs
 
     return 12 * ModelArgs.from_preset("debug", vocab_size=512).num_params()  # fp32 weights + AdamW's two moments
 

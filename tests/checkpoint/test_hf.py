@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from hybridpar.checkpoint.hf import HFExportError, export_hf, hf_state_dict, rope_permutation
-from models.llama import ModelArgs, Transformer, apply_rope, rope_frequencies
+from models.args import ModelArgs
+from models.llama import Transformer, apply_rope, rope_frequencies
 from tests.distributed import parallel_dims, rel_err
 
 BOUND = 1e-4
@@ -87,7 +88,8 @@ def _case_export(name: str, mp: int, out_dir: str, dtype_name: str = "float32", 
     """Export a seeded model at this mp; rank 0 returns its full state dict and full logits."""
     import torch.distributed as dist
 
-    from hybridpar.parallel.fsdp import FSDPConfig, apply_fsdp
+    from hybridpar.fsdp_config import FSDPConfig
+    from hybridpar.parallel.fsdp import apply_fsdp
     from hybridpar.parallel.state import full_state_dict
 
     args = _args(name)

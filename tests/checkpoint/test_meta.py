@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.llama import ModelArgs, Transformer
+from models.args import ModelArgs
+from models.llama import Transformer
 from tests.distributed import parallel_dims, rel_err
 
 BOUND = 1e-5

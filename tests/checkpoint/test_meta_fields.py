@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.llama import ModelArgs, Transformer, preset_names
+from models.args import ModelArgs, preset_names
+from models.llama import Transformer
 from tests.distributed import parallel_dims, rel_err
 
 BOUND = 1e-5

@@ -4,7 +4,7 @@ and a slow collective blame nobody; the analysis and the collective timer on the
 import pytest
 
 from hybridpar.diagnostics.stragglers import CollectiveTimer, analyse, describe
-from hybridpar.mesh import MeshCoords
+from hybridpar.layout import MeshCoords
 from tests.runs import make_config
 
 SLEEP_S = 0.2

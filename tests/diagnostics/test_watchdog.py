@@ -18,7 +18,8 @@ import pytest
 import torch.distributed as dist
 
 from hybridpar.diagnostics import flight, watchdog
-from hybridpar.diagnostics.flight import Collective, GroupTrace, RankTrace, analyse, format_report, trace_from_dump
+from hybridpar.diagnostics.flight import analyse, format_report
+from hybridpar.diagnostics.traces import Collective, GroupTrace, RankTrace, trace_from_dump
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN_TIMEOUT = 4.0

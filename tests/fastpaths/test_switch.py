@@ -40,8 +40,10 @@ def _fast_paths(on: bool):
 
 
 def _sharded_model(seed: int, parallel, fast: bool = True):
-    from hybridpar.parallel.fsdp import FSDPConfig, apply_fsdp
-    from models.llama import ModelArgs, Transformer
+    from hybridpar.fsdp_config import FSDPConfig
+    from hybridpar.parallel.fsdp import apply_fsdp
+    from models.args import ModelArgs
+    from models.llama import Transformer
 
     args = ModelArgs.from_preset("debug")
     torch.manual_seed(seed)

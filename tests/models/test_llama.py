@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.llama import ModelArgs, Transformer, preset_names
+from models.args import ModelArgs, preset_names
+from models.llama import Transformer
 from tests.distributed import parallel_dims, rel_err
 from tests.models.meta_files import PUBLISHED_PARAMS
 
@@ -87,7 +88,8 @@ def _case_tied_fsdp_step(mp: int, strategy: str) -> dict:
     import torch.distributed as dist
 
     from hybridpar.parallel import vocab_parallel_cross_entropy
-    from hybridpar.parallel.fsdp import FSDPConfig, apply_fsdp
+    from hybridpar.fsdp_config import FSDPConfig
+    from hybridpar.parallel.fsdp import apply_fsdp
     from hybridpar.parallel.state import full_state_dict
 
     args = ModelArgs.from_preset("debug_gqa", tie_embeddings=True)

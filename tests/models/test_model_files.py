@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hybridpar.ranks import raised_by_every_rank
-from models.llama import ModelArgs
+from models.args import ModelArgs
 from tests.models.meta_files import PUBLISHED_PARAMS
 
 SMALL = {"dim": 64, "n_layers": 2, "n_heads": 8, "vocab_size": 128}  # the shape fields, nothing else

@@ -10,7 +10,8 @@ from tests.distributed import parallel_dims
 
 def _case_recompute_counts(mode: str, every: int) -> tuple:
     from hybridpar.parallel.fsdp import apply_activation_checkpointing
-    from models.llama import ModelArgs, Transformer
+    from models.args import ModelArgs
+    from models.llama import Transformer
 
     args = ModelArgs.from_preset("debug", n_layers=4)
     model = Transformer(args, parallel_dims())
@@ -39,7 +40,7 @@ def test_activation_checkpointing_recomputes_chosen_blocks(workers, mode, every,
 
 
 def test_buffer_pool_reuses_only_buffers_nothing_else_holds():
-    from hybridpar.parallel.fsdp import _BufferPool
+    from hybridpar.fastpaths.gloo_collectives import _BufferPool
 
     pool = _BufferPool()
     a = pool.get((4, 3), torch.float32, "cpu")
@@ -60,18 +61,20 @@ def test_buffer_pool_reuses_only_buffers_nothing_else_holds():
 def _case_compile_without_compiler() -> tuple:
     from unittest import mock
 
+    from hybridpar import model as model_module
+    from hybridpar.fsdp_config import FSDPConfig
     from hybridpar.parallel import fsdp
-    from models.llama import ModelArgs, Transformer
+    from models.args import ModelArgs
 
-    model = Transformer(ModelArgs.from_preset("debug"), parallel_dims())
-    with mock.patch.object(fsdp.shutil, "which", return_value=None):
+    with mock.patch.object(fsdp.shutil, "which", return_value=None), \
+            mock.patch.object(model_module, "Transformer", wraps=model_module.Transformer) as built:
         try:
-            fsdp.apply_fsdp(model, parallel_dims(), compile_blocks=True)
+            model_module.build_model(ModelArgs.from_preset("debug"), parallel_dims(), fsdp=FSDPConfig(), compile=True)
         except ValueError as err:
             message = str(err)
         else:
             message = ""
-    untouched = not any(getattr(block, "_compiled_call_impl", None) for block in model.layers)
+    untouched = not built.called  # refused before anything is built
     return message, untouched
 
 

@@ -1,0 +1,107 @@
+"""What `hybridpar train --dry-run` found (hybridpar.dryrun runs the rehearsal), and its report."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .files import human_bytes
+
+
+@dataclasses.dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    warning: bool = False  # passed, with something to look at (e.g. data this machine cannot see)
+
+
+@dataclasses.dataclass
+class DryRun:
+    """What the rehearsal found; `text()` is the report."""
+
+    world: int
+    rank: int
+    target: str  # "gpu" or "cpu"
+    layout: str = ""
+    model: str = ""
+    checks: list[Check] = dataclasses.field(default_factory=list)
+    parameters: list[dict] = dataclasses.field(default_factory=list)  # one row per group of alike parameters
+    state_bytes: dict = dataclasses.field(default_factory=dict)  # parameters, gradients, optimizer (this rank)
+    expected_bytes: dict = dataclasses.field(default_factory=dict)  # the same, total / (mp x dp_shard)
+    collectives: list[dict] = dataclasses.field(default_factory=list)  # per (dim, op): calls, payload, wire
+    memory: dict = dataclasses.field(default_factory=dict)  # the planner's estimate for this layout
+    checkpoint: dict = dataclasses.field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok or c.warning for c in self.checks)
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "ok": self.ok}
+
+    def text(self) -> str:
+        return report(self)
+
+
+def report(run: DryRun) -> str:
+    lines = [f"dry run of rank {run.rank} of {run.world} ({'GPU' if run.target == 'gpu' else 'CPU'} job): "
+             f"{run.model or '?'}; {run.layout or '?'}"]
+    if run.parameters:
+        lines.append("")
+        lines.append("parameters (this rank's shards):")
+        width = max(len(_row_name(r)) for r in run.parameters)
+        for r in run.parameters:
+            lines.append(f"  {_row_name(r):<{width}}  {_shape(r['global_shape']):>14} -> {_shape(r['local_shape']):<14}"
+                         f"  {r['dtype']:<8} {r['placement']}")
+    if run.state_bytes:
+        lines.append("")
+        lines.append("state on this rank (float32; ideal = the model's state / (mp x dp_shard)):")
+        for key in ("parameters", "gradients", "optimizer"):
+            have, ideal = run.state_bytes[key], run.expected_bytes[key]
+            lines.append(f"  {key:<11} {human_bytes(have):>10}   ideal {human_bytes(ideal):>10}   {have / ideal:.3f}x")
+        total = sum(run.state_bytes.values())
+        ideal = sum(run.expected_bytes.values())
+        lines.append(f"  {'total':<11} {human_bytes(total):>10}   ideal {human_bytes(ideal):>10}   {total / ideal:.3f}x")
+    if run.collectives:
+        lines.append("")
+        lines.append("collectives of one training step on this rank (issued by the real code, counted):")
+        lines.append(f"  {'dimension':<13} {'collective':<15} {'ranks':>5} {'calls':>6} {'payload':>11} {'sent':>11}")
+        for r in run.collectives:
+            lines.append(f"  {r['dim']:<13} {r['op']:<15} {r['group_size']:>5} {r['calls']:>6} "
+                         f"{human_bytes(r['payload']):>11} {human_bytes(r['wire']):>11}")
+    if run.memory:
+        m = run.memory
+        lines.append("")
+        lines.append(f"memory per rank (the planner's estimate for a step): activations {human_bytes(m['activations'])}, "
+                     f"gathered parameters {human_bytes(m['gathered_params'])}, gradient buffers "
+                     f"{human_bytes(m['grad_buffers'])}, working space {human_bytes(m['transient'])}; "
+                     f"peak {human_bytes(m['total'])} with the state")
+        if "step_s" in m:
+            lines.append(f"time per step (the planner, on {m['gpu']}; hybridpar plan --gpu says what it assumes): "
+                         f"{m['step_s']:.2f} s, of which tensor-parallel {m['tp_s']:.2f} s and exposed FSDP "
+                         f"{m['fsdp_exposed_s']:.2f} s; {m['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, "
+                         f"MFU {100 * m['mfu']:.0f}%")
+    if run.checkpoint:
+        k = run.checkpoint
+        lines.append("")
+        lines.append(f"checkpoint: {k['folder']} about {human_bytes(k['total'])} in {k['files']} files, "
+                     f"{human_bytes(k['per_rank_file'])} per rank's file: {', '.join(k['layout'])}")
+    lines.append("")
+    lines.append("checks:")
+    for check in run.checks:
+        status = "ok  " if check.ok else "warn" if check.warning else "FAIL"
+        lines.append(f"  {status} {check.name}: {check.detail}")
+    lines.append(f"dry run {'passed' if run.ok else 'FAILED'} in {run.seconds:.0f} s")
+    return "\n".join(lines)
+
+
+def _row_name(row: dict) -> str:
+    layers = row["layers"]
+    if not layers:
+        return row["name"]
+    return f"{row['name']} ({len(layers)} layers)"
+
+
+def _shape(shape) -> str:
+    return "[" + ", ".join(str(s) for s in shape) + "]"

@@ -1,0 +1,52 @@
+"""The one place a model is built: tensor parallelism inside the model, then its weights, activation
+checkpointing, compile and FSDP, in the order below.
+
+Training, the dry run, the planner's CPU probe, checkpoint conversion and the benchmark all call
+`build_model`; what differs between them (device, dtype, FSDP or not, compile, sequence
+parallelism, where the weights come from) is a parameter.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from models.args import ModelArgs
+from models.llama import Transformer
+
+from .fsdp_config import FSDPConfig
+from .mesh import ParallelDims
+from .parallel.fsdp import apply_activation_checkpointing, apply_fsdp, check_compiler, compile_blocks
+
+
+def build_model(args: ModelArgs, parallel: ParallelDims, *, device: Optional[torch.device] = None,
+                dtype: Optional[torch.dtype] = None, sequence_parallel: bool = False,
+                load: Optional[Callable[[Transformer], None]] = None, fsdp: Optional[FSDPConfig] = None,
+                compile: bool = False) -> Transformer:
+    """A Transformer for this rank of `parallel`.
+
+    device "meta" builds without memory (the dry run; or weights loaded after `to_empty`). load(model)
+    fills the unsharded model (a checkpoint sliced into it). fsdp None: no FSDP, no activation
+    checkpointing, no compile (conversion, generation). compile: torch.compile each block.
+    """
+    if fsdp is not None:
+        fsdp.validate()  # bad fsdp.* values and a missing compiler refused before anything is built
+        check_compiler(compile, parallel)
+    # 1. Tensor parallelism is inside the model: each layer is built as this rank's mp slice, which is
+    #    what lets Meta's and fairscale's layouts load one to one. The same seed gives the same weights
+    #    at any layout.
+    model = Transformer(args, parallel, device=device, dtype=dtype, sequence_parallel=sequence_parallel)
+    # 2. Weights are sliced into the unsharded model: before FSDP.
+    if load is not None:
+        load(model)
+    if fsdp is None:
+        return model
+    # 3. Activation checkpointing: inserts no wrapper module, so parameter names stay Meta's.
+    apply_activation_checkpointing(model.layers, fsdp.activation_checkpointing, fsdp.ac_every)
+    # 4. Compile each block: after activation checkpointing, which it then traces; before FSDP, whose
+    #    hooks stay outside the compiled code.
+    if compile:
+        compile_blocks(model)
+    # 5. FSDP over the data-parallel dims (on gloo, its collectives as all-to-alls).
+    return apply_fsdp(model, parallel, fsdp)

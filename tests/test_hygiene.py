@@ -56,12 +56,9 @@ def test_no_file_is_unpickled_without_a_restriction():
 # --- the house's structure: imports of hybridpar/ and models/, read with ast ---------------------
 
 MAX_LINES = 450
-# Known today and removed on other branches of issue 30: the supervisor branch ends the diagnostics
-# circle, the adapters branch moves the fast paths' error type below them. Removed by the
-# supervisor/adapters branches: the integrator deletes these two allow-lists after merging them.
+# Known today and removed by the supervisor branch of issue 30: the integrator deletes it after merging.
 ALLOWED_CIRCLES = [{"hybridpar.diagnostics.heartbeat", "hybridpar.diagnostics.monitor",
                     "hybridpar.diagnostics.timeouts", "hybridpar.diagnostics.watchdog"}]
-ALLOWED_FASTPATH_ARROWS = {("hybridpar.fastpaths.dcp_reader", "hybridpar.checkpoint.reader")}
 
 
 def _module_files() -> dict[str, Path]:
@@ -175,7 +172,7 @@ def test_the_fast_paths_import_no_checkpoint_module():
     graph = _imports(_module_files())
     arrows = {(m, t) for m, targets in graph.items() if m.startswith("hybridpar.fastpaths")
               for t in targets if t.startswith("hybridpar.checkpoint")}
-    assert not arrows - ALLOWED_FASTPATH_ARROWS, f"fast paths importing checkpoint/: {sorted(arrows)}"
+    assert not arrows, f"fast paths importing checkpoint/: {sorted(arrows)}"
 
 
 def test_every_name_the_package_face_lists_resolves():

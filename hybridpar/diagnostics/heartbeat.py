@@ -23,12 +23,11 @@ from typing import Callable, Optional
 import torch.distributed as dist
 
 from ..compat.torch import default_store, sequence_number
-from ..mesh import MeshCoords, ParallelDims
+from ..mesh import MeshCoords, ParallelDims, mesh_groups
 from ..ranks import attempt_id
 from . import flight
 from .liveness import process_alive
 from .traces import write_dump
-from .timeouts import mesh_groups
 
 HANG_EXIT_CODE = 124  # as timeout(1): the job was stopped because it stopped making progress
 

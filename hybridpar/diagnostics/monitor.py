@@ -26,7 +26,7 @@ from . import flight
 from .heartbeat import HANG_EXIT_CODE, Heartbeat
 
 
-LEFT = ("done", "stopped")  # the states of a rank that ended on purpose: not watched any more
+LEFT = ("done", "stopped", "paused")  # the states of a rank that ended (or paused) on purpose: not watched
 
 
 class Monitor(Heartbeat):

@@ -37,10 +37,15 @@ class Watchdog(Monitor):
         super().__init__(parallel, run_dir=run_dir, timeout=timeout, trace_dir=trace_dir, interval=interval,
                          exit_fn=exit_fn, clock=time)
         self._monitoring = self.rank == 0  # rank 1 joins in when rank 0's heartbeat stops
+        self.paused = False
 
     def start(self) -> "Watchdog":
-        self._connect()
-        self._register()
+        """Start watching; after pause(), watch on with the same keys (a verdict given meanwhile is obeyed)."""
+        if self._store is None:
+            self._connect()
+            self._register()
+        self._state, self.paused = "running", False
+        self._stop.clear()
         self._publish()
         self._thread = threading.Thread(target=self._run, name="hybridpar-watchdog", daemon=True)
         self._thread.start()
@@ -49,6 +54,12 @@ class Watchdog(Monitor):
     def arm(self, timeout: float) -> None:
         """Change the no-progress timeout (the trainer shortens it once the first step is done)."""
         self.timeout = timeout
+
+    def pause(self) -> None:
+        """Stop the thread until start() again; the last beat says 'paused': not watched meanwhile
+        (set-up is done and run() has not begun; a Trainer built and never run leaves no thread)."""
+        self._end("paused")
+        self.paused = True
 
     def close(self, error: Optional[BaseException] = None) -> None:
         """Stop the thread. The last heartbeat says 'done' (a normal end, not a death), or 'failed'
@@ -66,9 +77,15 @@ class Watchdog(Monitor):
             self._thread.join(timeout=self._dead_after() + max(5.0, 4 * self.interval) + 10.0)
             if self._thread is None:
                 return
-        self._state = "failed" if error is not None else "done"
         if error is not None:
+            self._state = "failed"
             self._record_failure(error)
+        self._end("failed" if error is not None else "done")
+
+    def _end(self, state: str) -> None:
+        if self._thread is None:
+            return
+        self._state = state
         self._stop.set()
         self._wake()
         self._thread.join(timeout=10)

@@ -331,6 +331,23 @@ def test_close_wakes_the_thread_without_waiting_for_its_interval(tmp_path, monke
     assert wd.exits == []  # the wake-up is not taken for SIGTERM
 
 
+def test_a_verdict_given_while_paused_between_set_up_and_run_is_obeyed(tmp_path):
+    """One watchdog watches set-up and run with the same keys: a verdict another rank's monitor gives
+    while this rank is between the two reaches it once it watches on (two watchdogs once missed it)."""
+    wd = _watchdog(tmp_path, world=2, rank=1, interval=0.05).start()
+    key = wd.beat.key("abort")
+    wd.pause()
+    assert wd.paused and wd._thread is None and wd.exits == []
+    assert json.loads(wd.beat.store.get(wd.beat.key("beat/1")))["state"] == "paused"  # not watched meanwhile
+    wd.beat.put("abort", "1")  # rank 0's verdict
+    wd.start()
+    deadline = time.monotonic() + 5
+    while not wd.exits and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert wd.beat.key("abort") == key and wd.exits == [watchdog.HANG_EXIT_CODE]
+    wd.close()
+
+
 # --- planted faults in real jobs ---------------------------------------------------------------
 
 FAULTS = {

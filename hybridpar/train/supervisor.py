@@ -34,8 +34,9 @@ from . import stop as stopping
 
 
 class Supervisor:
-    """Made before the process group (it sets the tracing variables torch reads when groups are made,
-    and a stop signal from here on ends the run at a step boundary with a checkpoint: stop.py).
+    """Made before the process group: it sets the tracing variables torch reads when a group is made
+    (a group made earlier by the caller gets them only in part), and a stop signal from here on ends
+    the run at a step boundary with a checkpoint (stop.py).
     `checkpoint_folder`: where the run's checkpoints are, once known (for a stop that runs out of time)."""
 
     def __init__(self, config: Config, *, checkpoint_folder: Callable[[], Optional[Path]] = lambda: None) -> None:

@@ -62,16 +62,16 @@ def watchdog_round(trainer: Trainer, repeats: int) -> float:
     """One round of the beat thread (monitoring on rank 0), run here in the main thread."""
     wd = Watchdog(trainer.parallel, timeout=300.0, run_dir=Path(tempfile.mkdtemp(prefix="hybridpar-bench-")),
                   trace_dir=Path(tempfile.mkdtemp(prefix="hybridpar-bench-")), interval=5.0)
-    wd._connect()
-    wd._register()
-    wd._publish()
+    wd.beat.connect()
+    wd.beat.register()
+    wd.beat.publish()
     dist.barrier()  # every rank registered: the neighbour look is the full one
 
     def one_round():
-        wd._look_at_neighbours()
-        wd._publish()
+        wd.beat.look_at_neighbours()
+        wd.beat.publish()
         if wd.rank == 0:
-            wd._check()
+            wd.monitor.check()
 
     return median_seconds(one_round, repeats)
 

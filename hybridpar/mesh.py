@@ -116,6 +116,18 @@ class ParallelDims:
         )
 
 
+def mesh_groups(parallel: ParallelDims) -> list[tuple[str, object]]:
+    """(dimension name, group) for every process group a training step can use; each group once."""
+    named = [("mp", parallel.mp_group), ("dp_shard", parallel.dp_shard_group),
+             ("dp_replicate", parallel.dp_replicate_group), ("dp", parallel.dp_group), ("world", dist.group.WORLD)]
+    seen, out = set(), []
+    for dim, group in named:
+        if group is not None and group.group_name not in seen:
+            seen.add(group.group_name)
+            out.append((dim, group))
+    return out
+
+
 def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
 

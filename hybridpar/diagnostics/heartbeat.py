@@ -18,18 +18,17 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import torch.distributed as dist
 
 from ..compat.torch import default_store, sequence_number
 from ..layout import MeshCoords
-from ..mesh import ParallelDims
+from ..mesh import ParallelDims, mesh_groups
 from ..ranks import attempt_id
 from . import traces
 from .liveness import process_alive
 from .traces import write_dump
-from .timeouts import mesh_groups
 
 HANG_EXIT_CODE = 124  # as timeout(1): the job was stopped because it stopped making progress
 
@@ -40,49 +39,47 @@ def default_interval(timeout: float) -> float:
 
 
 class Heartbeat:
-    """This rank's beat: the trainer sets `.step`, `.phase` and `.note`; a thread publishes them.
-    `clock` gives monotonic() and sleep() (the `time` module, or a test's stand-in)."""
+    """This rank's beat: the trainer sets `.step`, `.phase` and `.note`; the watchdog's thread
+    publishes them. It also holds the rank's connection to the job's store, which the monitor
+    reads through. `clock` gives monotonic() and sleep() (the `time` module, or a test's stand-in)."""
 
     _instances = 0
 
     def __init__(self, parallel: ParallelDims, *, timeout: float, trace_dir: Path, interval: float = 0.0,
-                 exit_fn: Callable[[int], None] = os._exit, clock=time) -> None:
+                 clock=time) -> None:
         self.parallel = parallel
         self.rank, self.world_size = parallel.rank, parallel.world_size
         self.timeout = timeout
         self.interval = interval or default_interval(timeout)
         self.trace_dir = Path(trace_dir)
         self.step, self.phase, self.note = 0, "start", ""
-        self._exit = exit_fn
-        self._clock = clock
+        self.clock = clock
         self._groups = mesh_groups(parallel)
         # Keys must not meet those of an earlier watchdog in the same store: torchrun's store outlives
         # restarts, and a process may train several times. Every rank counts alike, so keys agree.
         Heartbeat._instances += 1
         self._attempt = f"hybridpar/watchdog/{attempt_id()}/"
         self._prefix = f"{self._attempt}{Heartbeat._instances}/"
-        self._store = None
-        self._info: dict = {}
-        self._thread: Optional[threading.Thread] = None  # the thread that beats (the watchdog's)
-        self._stop = threading.Event()
+        self.store = None
+        self.info: dict = {}
         self._main_thread = threading.main_thread().ident
         self._beat = 0
-        self._state = "running"
+        self.state = "running"
         self._dumped = False
         self._woken = threading.Event()
-        self._published = threading.Event()
-        self._neighbours: Optional[dict[int, int]] = None  # rank -> pid, of the ranks on this host
+        self.published = threading.Event()
+        self.neighbours: Optional[dict[int, int]] = None  # rank -> pid, of the ranks on this host
         self._seen_gone: set[int] = set()
 
-    def _connect(self) -> None:
+    def connect(self) -> None:
         """This rank's own store connection, and what its trace says about it."""
         store = default_store()
         try:
-            self._store = store.clone()  # its own connection: never queued behind the main thread's calls
+            self.store = store.clone()  # its own connection: never queued behind the main thread's calls
         except (AttributeError, RuntimeError):
-            self._store = store
+            self.store = store
         c = self.parallel.coords
-        self._info = {
+        self.info = {
             "host": socket.gethostname(), "pid": os.getpid(),
             "coords": MeshCoords.describe(c),  # also for a stand-in with the same fields
             "groups": {g.group_name: {"dim": dim, "ranks": dist.get_process_group_ranks(g)} for dim, g in self._groups},
@@ -90,58 +87,58 @@ class Heartbeat:
 
     # --- store helpers --------------------------------------------------------------------------
 
-    def _key(self, name: str) -> str:
+    def key(self, name: str) -> str:
         return self._prefix + name
 
-    def _set(self, name: str, value: str | bytes) -> None:
-        self._store.set(self._key(name), value)
+    def put(self, name: str, value: str | bytes) -> None:
+        self.store.set(self.key(name), value)
 
-    def _has(self, name: str) -> bool:
-        return self._store.check([self._key(name)])
+    def has(self, name: str) -> bool:
+        return self.store.check([self.key(name)])
 
-    def _get_many(self, names: list[str]) -> list[bytes]:
-        return self._store.multi_get([self._key(n) for n in names])
+    def get_many(self, names: list[str]) -> list[bytes]:
+        return self.store.multi_get([self.key(n) for n in names])
 
     # --- the beat -------------------------------------------------------------------------------
 
     def _seqs(self) -> dict[str, int]:
         return {g.group_name: sequence_number(g) for _, g in self._groups}
 
-    def _publish(self) -> None:
+    def publish(self) -> None:
         self._beat += 1
         beat = {"beat": self._beat, "step": self.step, "phase": self.phase, "seqs": self._seqs(),
-                "state": self._state, "timeout": self.timeout, "note": self.note}
-        self._set(f"beat/{self.rank}", json.dumps(beat))
-        self._published.set()
+                "state": self.state, "timeout": self.timeout, "note": self.note}
+        self.put(f"beat/{self.rank}", json.dumps(beat))
+        self.published.set()
 
     # --- who runs where, and who is gone (liveness.py) ------------------------------------------
 
-    def _who_key(self, rank: int) -> str:
+    def who_key(self, rank: int) -> str:
         # Per attempt, not per watchdog: a rank that died under the set-up watchdog is still found
         # by the training one.
         return f"{self._attempt}who/{rank}"
 
-    def _register(self) -> None:
-        self._store.set(self._who_key(self.rank), json.dumps({"host": self._info["host"], "pid": self._info["pid"]}))
+    def register(self) -> None:
+        self.store.set(self.who_key(self.rank), json.dumps({"host": self.info["host"], "pid": self.info["pid"]}))
 
-    def _whos(self, ranks: list[int]) -> list[dict]:
-        return [json.loads(v) for v in self._store.multi_get([self._who_key(r) for r in ranks])]
+    def whos(self, ranks: list[int]) -> list[dict]:
+        return [json.loads(v) for v in self.store.multi_get([self.who_key(r) for r in ranks])]
 
-    def _look_at_neighbours(self) -> None:
+    def look_at_neighbours(self) -> None:
         """Say, through the store, which ranks on this host have died since the last look."""
-        if self._neighbours is None:
-            if not all(self._store.check([self._who_key(r)]) for r in range(self.world_size)):
+        if self.neighbours is None:
+            if not all(self.store.check([self.who_key(r)]) for r in range(self.world_size)):
                 return  # some rank has not registered yet
-            whos = self._whos(list(range(self.world_size)))
-            self._neighbours = {r: w["pid"] for r, w in enumerate(whos)
-                                if r != self.rank and w["host"] == self._info["host"]}
-        for r, pid in self._neighbours.items():
+            whos = self.whos(list(range(self.world_size)))
+            self.neighbours = {r: w["pid"] for r, w in enumerate(whos)
+                                if r != self.rank and w["host"] == self.info["host"]}
+        for r, pid in self.neighbours.items():
             if r not in self._seen_gone and not process_alive(pid):
                 self._seen_gone.add(r)
-                self._set(f"gone/{r}", json.dumps({"by": self.rank, "host": self._info["host"], "pid": pid}))
-                self._store.add(self._key("gone_count"), 1)
+                self.put(f"gone/{r}", json.dumps({"by": self.rank, "host": self.info["host"], "pid": pid}))
+                self.store.add(self.key("gone_count"), 1)
 
-    def _dead_after(self) -> float:
+    def dead_after(self) -> float:
         """A heartbeat silent this long means the process is gone. The beat thread runs while the
         main thread waits in a collective or computes in kernels that release the GIL; C code that
         holds the GIL this long would be mistaken for a dead process."""
@@ -149,11 +146,11 @@ class Heartbeat:
 
     # --- waking, and a stop on request -----------------------------------------------------------
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
         """Wake the thread from its sleep."""
         self._woken.set()
 
-    def _sleep(self) -> None:
+    def sleep(self) -> None:
         """Wait one interval, or until woken."""
         self._woken.wait(self.interval)
         self._woken.clear()
@@ -161,40 +158,31 @@ class Heartbeat:
     def stop_requested(self, signal_name: str) -> None:
         """A stop signal arrived (hybridpar.train.stop): the rank now finishes its step and saves. Said at
         once, so the monitor never takes what follows for a hang or a teardown."""
-        if self._state in ("lost_peer", "failed"):  # a stop cannot complete without the lost rank
+        if self.state in ("lost_peer", "failed"):  # a stop cannot complete without the lost rank
             return
-        self._state = "stopping"
+        self.state = "stopping"
         self.note = f"stopping on {signal_name}"
-        self._wake()
-
-    def stopped(self, wait: float = 2.0) -> None:
-        """The rank is about to exit on purpose (its stop ran out of time): not a death. Waits until
-        the beat saying so is out, at most `wait` seconds."""
-        self._state = "stopped"
-        self._published.clear()
-        self._wake()
-        if self._thread is not None and self._thread.is_alive():
-            self._published.wait(wait)
+        self.wake()
 
     # --- answering the monitor ------------------------------------------------------------------
 
-    def _answer_dump_request(self) -> None:
-        if not self._dumped and self._has("dump"):
-            self._dump_trace()
+    def answer_dump_request(self) -> None:
+        if not self._dumped and self.has("dump"):
+            self.dump_trace()
 
-    def _record_failure(self, error: BaseException) -> None:
+    def record_failure(self, error: BaseException) -> None:
         """What this rank saw when it raised, for the monitor and for hang-report: it is about to exit."""
         self.note = f"raised {type(error).__name__}: {traces.short_message(error)}"
         stack, group_name = traces.error_stack(error)
         try:
-            self._dump_trace({"stack": stack, "failed_in": group_name})
+            self.dump_trace({"stack": stack, "failed_in": group_name})
         except Exception:
             pass
 
-    def _dump_trace(self, extra: Optional[dict] = None) -> None:
+    def dump_trace(self, extra: Optional[dict] = None) -> None:
         """Send this rank's trace to the monitor and keep a flight-recorder dump on this node."""
         self._dumped = True
-        info = {**self._info, "rank": self.rank, "world_size": self.world_size, "step": self.step,
+        info = {**self.info, "rank": self.rank, "world_size": self.world_size, "step": self.step,
                 "phase": self.phase, "note": self.note, "stack": traces.python_stack(self._main_thread),
                 **(extra or {})}
         try:
@@ -204,7 +192,7 @@ class Heartbeat:
             info["note"] = (info["note"] + "; " if info["note"] else "") + f"no flight recorder ({err})"
         dump["hybridpar"] = info
         trace = traces.trace_from_dump(dump, info)
-        self._set(f"trace/{self.rank}", json.dumps(dataclasses.asdict(trace)))
+        self.put(f"trace/{self.rank}", json.dumps(dataclasses.asdict(trace)))
         try:  # this node's own copy, for `hybridpar hang-report` later
             write_dump(self.trace_dir, self.rank, dump)
         except OSError:

@@ -15,60 +15,63 @@ Then it asks every live rank for its trace, runs `flight.analyse`, prints one re
 from __future__ import annotations
 
 import json
+import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from ..files import write_text_atomic
 from ..layout import MeshCoords
-from ..mesh import ParallelDims
 from . import flight
 from .heartbeat import HANG_EXIT_CODE, Heartbeat
 from .traces import RankTrace
 
 
-LEFT = ("done", "stopped")  # the states of a rank that ended on purpose: not watched any more
+LEFT = ("done", "stopped", "paused")  # the states of a rank that ended (or paused) on purpose: not watched
 
 
-class Monitor(Heartbeat):
-    """A heartbeat that also watches everyone's: rank 0's acts, rank 1's takes over when rank 0's stops."""
+class Monitor:
+    """Watches everyone's heartbeat through this rank's (`beat`, its store connection and clock):
+    rank 0's acts, rank 1's takes over when rank 0's stops. `exit_fn` ends the process after a verdict."""
 
-    def __init__(self, parallel: ParallelDims, *, run_dir: Path, **beat) -> None:
-        super().__init__(parallel, **beat)
+    def __init__(self, beat: Heartbeat, *, run_dir: Path, exit_fn: Callable[[int], None] = os._exit) -> None:
+        self.beat = beat
+        self.rank, self.world_size = beat.rank, beat.world_size
         self.run_dir = Path(run_dir)
+        self._exit = exit_fn
         # rank -> (last value, monitor time it last changed)
         self._beats: dict[int, tuple[object, float]] = {}
         self._progress: dict[int, tuple[object, float]] = {}
         self._last: dict[int, dict] = {}  # rank -> its last heartbeat
         self._all_beating = False
-        self._dead: list[int] = []
+        self.dead: list[int] = []
         self._gone: set[int] = set()  # ranks a neighbour saw die (liveness.py)
 
-    def _rank0_gone(self) -> bool:
+    def rank0_gone(self) -> bool:
         """Rank 1's question before it takes over: has rank 0 died, or its heartbeat stopped?"""
         if 0 in self._seen_dead():
             return True
-        if not self._has("beat/0"):  # rank 0 is still setting up: a get would block until it beats
+        if not self.beat.has("beat/0"):  # rank 0 is still setting up: a get would block until it beats
             return False
-        beat = json.loads(self._get_many(["beat/0"])[0])
-        now = self._clock.monotonic()
+        beat = json.loads(self.beat.get_many(["beat/0"])[0])
+        now = self.beat.clock.monotonic()
         last = self._beats.get(0)
         if last is None or last[0] != beat["beat"]:
             self._beats[0] = (beat["beat"], now)
             return False
-        return beat["state"] not in LEFT and now - last[1] > self._dead_after()
+        return beat["state"] not in LEFT and now - last[1] > self.beat.dead_after()
 
     # --- reading the heartbeats -----------------------------------------------------------------
 
     def _read_beats(self) -> dict[int, dict]:
         names = [f"beat/{r}" for r in range(self.world_size)]
         if not self._all_beating:  # until every rank has beaten once: one check each
-            present = [n for n in names if self._store.check([self._key(n)])]
+            present = [n for n in names if self.beat.store.check([self.beat.key(n)])]
             self._all_beating = len(present) == len(names)
         else:  # then one round trip for all (a beat key is never deleted)
             present = names
-        values = self._get_many(present) if present else []
+        values = self.beat.get_many(present) if present else []
         return {int(n.split("/")[1]): json.loads(v) for n, v in zip(present, values)}
 
     def _observe(self, now: float) -> None:
@@ -89,9 +92,9 @@ class Monitor(Heartbeat):
 
     def _seen_dead(self) -> set[int]:
         """Ranks a neighbour saw die: one round trip while there are none."""
-        count = self._store.add(self._key("gone_count"), 0)
+        count = self.beat.store.add(self.beat.key("gone_count"), 0)
         if count > len(self._gone):
-            self._gone |= {r for r in range(self.world_size) if r not in self._gone and self._has(f"gone/{r}")}
+            self._gone |= {r for r in range(self.world_size) if r not in self._gone and self.beat.has(f"gone/{r}")}
         return self._gone
 
     def _states(self, state: str, ranks: list[int]) -> list[int]:
@@ -99,29 +102,29 @@ class Monitor(Heartbeat):
 
     # --- deciding -------------------------------------------------------------------------------
 
-    def _check(self) -> Optional[str]:
+    def check(self) -> Optional[str]:
         """The reason to report now, or None."""
-        now = self._clock.monotonic()
+        now = self.beat.clock.monotonic()
         self._observe(now)
         active = [r for r in range(self.world_size) if self._last.get(r, {}).get("state") not in LEFT]
         if not active:
             return None
         failed = self._states("failed", active)
-        timeout = max(self._last.get(r, {}).get("timeout", self.timeout) for r in active)
+        timeout = max(self._last.get(r, {}).get("timeout", self.beat.timeout) for r in active)
         idle = now - max(self._progress[r][1] for r in active)
         # A failed rank stops beating once it has published its error and trace: not a death.
         died = sorted(r for r in self._seen_dead() if r in active and r not in failed)
         # A silent heartbeat is only a guess (C code holding the GIL through a long set-up step looks
         # the same): for ranks on this host the process itself is looked at instead.
-        local = set(self._neighbours or ())
+        local = set(self.beat.neighbours or ())
         stopped = [r for r in active if r not in failed and r not in died and r not in local
-                   and self._beats[r][0] is not None and now - self._beats[r][1] > self._dead_after()]
+                   and self._beats[r][0] is not None and now - self._beats[r][1] > self.beat.dead_after()]
         if self.rank == 1 and 0 not in stopped + failed:  # rank 1 monitors only when rank 0 is gone
             stopped.append(0)
         # A rank that never beat may still be setting up (building the model, loading a checkpoint)
         # without any collective: it gets the whole timeout.
         unstarted = [r for r in active if self._beats[r][0] is None and now - self._beats[r][1] > timeout]
-        self._dead = sorted(set(died + stopped + unstarted))
+        self.dead = sorted(set(died + stopped + unstarted))
         reasons = []
         if died:
             reasons.append(f"rank(s) {died} died (the process is gone: it exited, was killed or crashed)")
@@ -135,7 +138,7 @@ class Monitor(Heartbeat):
         # A rank failed, and the others are stuck without it, or already know it: a collective of
         # theirs lost it, or the launcher's teardown (a stop signal) reached them.
         knowing = [r for r in active if self._last.get(r, {}).get("state") in ("lost_peer", "stopping")]
-        if failed and (knowing or idle > self._dead_after()):
+        if failed and (knowing or idle > self.beat.dead_after()):
             notes = "; ".join(f"rank {r} {self._last[r]['note']}" for r in failed[:3])
             return f"rank(s) {failed} failed: {notes}"
         if idle > timeout:
@@ -144,11 +147,11 @@ class Monitor(Heartbeat):
 
     # --- reporting ------------------------------------------------------------------------------
 
-    def _report(self, reason: str) -> None:
+    def report(self, reason: str) -> None:
         """Collect the traces, print and write the verdict, and make every rank exit."""
-        self._set("dump", reason)
-        self._answer_dump_request()
-        dead = list(self._dead)
+        self.beat.put("dump", reason)
+        self.beat.answer_dump_request()
+        dead = list(self.dead)
         traces = self._collect(dead)
         gone = sorted(set(dead) | (set(range(self.world_size)) - set(traces)))
         for r, t in traces.items():
@@ -156,8 +159,8 @@ class Monitor(Heartbeat):
             if last and last.get("note") and not t.note:
                 t.note = last["note"]
         text = self._write(reason, traces, gone)
-        self._set("verdict", text)
-        self._set("abort", "1")
+        self.beat.put("verdict", text)
+        self.beat.put("abort", "1")
         self._exit(HANG_EXIT_CODE)
 
     def _write(self, reason: str, traces: dict[int, RankTrace], gone: list[int]) -> str:
@@ -175,7 +178,7 @@ class Monitor(Heartbeat):
             text = f"{headline}\nthe analysis of the traces failed:\n{error}"
             report = {"reason": reason, "step": step, "analysis_error": error}
         report_path = self.run_dir / "hang_report.json"
-        text += (f"\nreport: {report_path}; per-rank traces: {self.trace_dir} on each node "
+        text += (f"\nreport: {report_path}; per-rank traces: {self.beat.trace_dir} on each node "
                  f"(`hybridpar hang-report DIR` after collecting them)\nthe ranks exit with code {HANG_EXIT_CODE}")
         print("\n" + text + "\n", file=sys.stderr, flush=True)
         try:
@@ -186,7 +189,7 @@ class Monitor(Heartbeat):
 
     def _gone_info(self, gone: list[int]) -> dict[int, dict]:
         """Where the ranks without a trace ran and what their last heartbeat said."""
-        p, info = self.parallel, {}
+        p, info = self.beat.parallel, {}
         for r in gone:
             entry = {}
             try:
@@ -197,8 +200,8 @@ class Monitor(Heartbeat):
             last = self._last.get(r, {})
             entry.update({k: last[k] for k in ("step", "phase") if k in last})
             try:
-                if self._store.check([self._who_key(r)]):
-                    entry.update(self._whos([r])[0])
+                if self.beat.store.check([self.beat.who_key(r)]):
+                    entry.update(self.beat.whos([r])[0])
             except Exception:  # the store is going away with the job: the coordinates still help
                 pass
             info[r] = entry
@@ -207,12 +210,12 @@ class Monitor(Heartbeat):
     def _collect(self, dead: list[int]) -> dict[int, RankTrace]:
         """Traces of every live rank; those that do not answer within a few seconds are left out."""
         wanted = [r for r in range(self.world_size) if r not in dead]
-        deadline = self._clock.monotonic() + max(5.0, 4 * self.interval)
+        deadline = self.beat.clock.monotonic() + max(5.0, 4 * self.beat.interval)
         traces: dict[int, RankTrace] = {}
         while True:
             for r in wanted:
-                if r not in traces and self._has(f"trace/{r}"):
-                    traces[r] = RankTrace.from_json(json.loads(self._get_many([f"trace/{r}"])[0]))
-            if len(traces) == len(wanted) or self._clock.monotonic() > deadline:
+                if r not in traces and self.beat.has(f"trace/{r}"):
+                    traces[r] = RankTrace.from_json(json.loads(self.beat.get_many([f"trace/{r}"])[0]))
+            if len(traces) == len(wanted) or self.beat.clock.monotonic() > deadline:
                 return traces
-            self._clock.sleep(0.1)
+            self.beat.clock.sleep(0.1)

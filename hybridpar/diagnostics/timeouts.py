@@ -4,7 +4,7 @@ Start-up (rendezvous, first compilation, data preparation) legitimately takes lo
 group starts with the generous init timeout; once this run's first step has completed (also after
 a resume), every group of the mesh gets the shorter train timeout: a collective that waits longer
 than that is a hang. While a checkpoint is written, the init timeout applies again. `Deadlines`
-says which one applies when, to the collectives and to the watchdog.
+says which one applies when; the trainer's supervisor (hybridpar.train.supervisor) tells the watchdog.
 """
 
 from __future__ import annotations
@@ -13,15 +13,10 @@ import os
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, MutableMapping, Optional
-
-import torch.distributed as dist
+from typing import Iterator, MutableMapping, Optional
 
 from ..compat.torch import set_pg_timeout
-from ..mesh import ParallelDims
-
-if TYPE_CHECKING:
-    from .watchdog import Watchdog
+from ..mesh import ParallelDims, mesh_groups
 
 # Read by torch when the process group is created: set them before init_parallel.
 ENV_DEFAULTS = {
@@ -46,18 +41,6 @@ def apply_env_defaults(trace_dir: Optional[Path] = None,
     return applied
 
 
-def mesh_groups(parallel: ParallelDims) -> list[tuple[str, object]]:
-    """(dimension name, group) for every process group a training step can use; each group once."""
-    named = [("mp", parallel.mp_group), ("dp_shard", parallel.dp_shard_group),
-             ("dp_replicate", parallel.dp_replicate_group), ("dp", parallel.dp_group), ("world", dist.group.WORLD)]
-    seen, out = set(), []
-    for dim, group in named:
-        if group is not None and group.group_name not in seen:
-            seen.add(group.group_name)
-            out.append((dim, group))
-    return out
-
-
 def set_train_timeout(parallel: ParallelDims, seconds: float) -> None:
     """Give every group of the mesh the (shorter) timeout used once training runs."""
     timeout = timedelta(seconds=seconds)
@@ -66,16 +49,16 @@ def set_train_timeout(parallel: ParallelDims, seconds: float) -> None:
 
 
 class Deadlines:
-    """Which timeout applies when, for a run that starts (or resumes) at `start_step`. The trainer
-    calls `at(phase)` as it goes, `step_done(step)` after each step and writes checkpoints inside
-    `checkpointing()`; `watchdog` (set while one runs) is told the phase and its no-progress limit."""
+    """Which timeout applies when, for a run that starts (or resumes) at `start_step`: the trainer's
+    supervisor calls `step_done(step)` after each step and writes checkpoints inside
+    `checkpointing()`; `watched`: a hang watchdog runs, and reports before the collectives give up."""
 
     def __init__(self, init_timeout: float, train_timeout: float, parallel: ParallelDims, start_step: int = 0,
-                 watchdog: Optional[Watchdog] = None) -> None:
+                 watched: bool = False) -> None:
         self.init_timeout, self.train_timeout = init_timeout, train_timeout
         self.parallel = parallel
         self.start_step = self.step = start_step
-        self.watchdog = watchdog
+        self.watched = watched
 
     @property
     def train_timeout_in_force(self) -> bool:
@@ -90,35 +73,25 @@ class Deadlines:
     def collective_timeout(self) -> float:
         """The collectives' timeout once training runs: the watchdog reports a hang after
         train_timeout; the collectives' own limit stays a little longer, as a backstop."""
-        return self.train_timeout + (BACKSTOP_GRACE if self.watchdog is not None else 0.0)
+        return self.train_timeout + (BACKSTOP_GRACE if self.watched else 0.0)
 
-    def at(self, phase: str, *, step: Optional[int] = None, timeout: Optional[float] = None) -> None:
-        """Tell the watchdog where this rank is (cheap: a few attribute writes); `step`: the step in
-        progress; `timeout`: its new no-progress limit."""
-        if self.watchdog is not None:
-            if step is not None:
-                self.watchdog.step = step
-            self.watchdog.phase = phase
-            if timeout is not None:
-                self.watchdog.arm(timeout)
-
-    def step_done(self, step: int) -> None:
-        """After each optimizer step. The first of this run ends start-up: a long wait is now a hang."""
+    def step_done(self, step: int) -> Optional[float]:
+        """After each optimizer step. The first of this run ends start-up: a long wait is now a hang;
+        then the watchdog's new no-progress limit is returned (else None)."""
         self.step = step
         if step == self.start_step + 1 and self.train_timeout > 0:
             set_train_timeout(self.parallel, self.collective_timeout())
-            self.at("first step done", timeout=self.train_timeout)
+            return self.train_timeout
+        return None
 
     @contextmanager
     def checkpointing(self) -> Iterator[None]:
         """Around a checkpoint's writes, which can outlast the train timeout (fast writers wait for
-        slow ones in DCP's closing collective): not a hang, so the watchdog and the collectives get
-        the init timeout, and the train timeout back afterwards."""
+        slow ones in DCP's closing collective): not a hang, so the collectives get the init timeout
+        (as the watchdog does: its supervisor says so), and the train timeout back afterwards."""
         shortened = self.train_timeout_in_force
-        self.at("checkpoint", timeout=self.init_timeout)
         if shortened:
             set_train_timeout(self.parallel, self.init_timeout)
         yield
         if shortened:
             set_train_timeout(self.parallel, self.collective_timeout())
-        self.at("checkpointed", timeout=self.no_progress_limit())

@@ -1,7 +1,7 @@
 """The hang watchdog: when a job stops making progress, say who is to blame, then exit non-zero.
 
 Every rank runs a small thread that publishes its heartbeat through the job's store (heartbeat.py)
-and answers the monitor; rank 0's thread is also the monitor (monitor.py; rank 1's takes over if
+and answers the monitor; rank 0's thread also runs the monitor (monitor.py; rank 1's takes over if
 rank 0's heartbeat stops), which reports a hang, a dead rank or a failed rank (a rank stopping on
 request is none of these: hybridpar.train.stop), writes `hang_report.json` in the run folder and
 makes every rank exit with HANG_EXIT_CODE.
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..mesh import ParallelDims
-from .heartbeat import HANG_EXIT_CODE, default_interval
+from .heartbeat import HANG_EXIT_CODE, Heartbeat, default_interval
 from .liveness import is_peer_loss
 from .monitor import Monitor
 from .timeouts import BACKSTOP_GRACE
@@ -28,27 +28,74 @@ from .timeouts import BACKSTOP_GRACE
 __all__ = ["Watchdog", "HANG_EXIT_CODE", "BACKSTOP_GRACE", "default_interval"]
 
 
-class Watchdog(Monitor):
-    """Start after init_parallel; the trainer sets `.step` and `.phase` as it goes and calls close()."""
+class Watchdog:
+    """Start after init_parallel; tell it `.step` and `.phase` as the rank goes, then close().
+    This rank's heartbeat (`beat`) and the monitor that reads everyone's (`monitor`), one thread for both."""
 
     def __init__(self, parallel: ParallelDims, *, timeout: float, run_dir: Path, trace_dir: Path,
                  interval: float = 0.0, exit_fn: Callable[[int], None] = os._exit) -> None:
-        # This module's `time` is the clock of both halves, so a test that replaces it moves them all.
-        super().__init__(parallel, run_dir=run_dir, timeout=timeout, trace_dir=trace_dir, interval=interval,
-                         exit_fn=exit_fn, clock=time)
+        # This module's `time` is the clock of both, so a test that replaces it moves them all.
+        self.beat = Heartbeat(parallel, timeout=timeout, trace_dir=trace_dir, interval=interval, clock=time)
+        self.monitor = Monitor(self.beat, run_dir=run_dir, exit_fn=exit_fn)
+        self.rank, self.world_size = parallel.rank, parallel.world_size
+        self._exit = exit_fn
         self._monitoring = self.rank == 0  # rank 1 joins in when rank 0's heartbeat stops
+        self._thread: Optional[threading.Thread] = None
+        self._stop = threading.Event()
+        self.paused = False
+
+    @property
+    def step(self) -> int:
+        """The step this rank is in, as its heartbeat says."""
+        return self.beat.step
+
+    @step.setter
+    def step(self, step: int) -> None:
+        self.beat.step = step
+
+    @property
+    def phase(self) -> str:
+        """Where in the step (or in set-up) this rank is, as its heartbeat says."""
+        return self.beat.phase
+
+    @phase.setter
+    def phase(self, phase: str) -> None:
+        self.beat.phase = phase
 
     def start(self) -> "Watchdog":
-        self._connect()
-        self._register()
-        self._publish()
+        """Start watching; after pause(), watch on with the same keys (a verdict given meanwhile is obeyed)."""
+        if self.beat.store is None:
+            self.beat.connect()
+            self.beat.register()
+        self.beat.state, self.paused = "running", False
+        self._stop.clear()
+        self.beat.publish()
         self._thread = threading.Thread(target=self._run, name="hybridpar-watchdog", daemon=True)
         self._thread.start()
         return self
 
     def arm(self, timeout: float) -> None:
         """Change the no-progress timeout (the trainer shortens it once the first step is done)."""
-        self.timeout = timeout
+        self.beat.timeout = timeout
+
+    def stop_requested(self, signal_name: str) -> None:
+        """A stop signal arrived: said at once (Heartbeat.stop_requested)."""
+        self.beat.stop_requested(signal_name)
+
+    def stopped(self, wait: float = 2.0) -> None:
+        """The rank is about to exit on purpose (its stop ran out of time): not a death. Waits until
+        the beat saying so is out, at most `wait` seconds."""
+        self.beat.state = "stopped"
+        self.beat.published.clear()
+        self.beat.wake()
+        if self._thread is not None and self._thread.is_alive():
+            self.beat.published.wait(wait)
+
+    def pause(self) -> None:
+        """Stop the thread until start() again; the last beat says 'paused': not watched meanwhile
+        (set-up is done and run() has not begun; a Trainer built and never run leaves no thread)."""
+        self._end("paused")
+        self.paused = True
 
     def close(self, error: Optional[BaseException] = None) -> None:
         """Stop the thread. The last heartbeat says 'done' (a normal end, not a death), or 'failed'
@@ -59,21 +106,28 @@ class Watchdog(Monitor):
         monitoring), until the verdict names the dead rank and ends the process."""
         if self._thread is None:
             return
+        beat = self.beat
         if error is not None and self.world_size > 1 and is_peer_loss(error) and self._thread.is_alive():
-            self._state = "lost_peer"
-            self._record_failure(error)
-            self._wake()
-            self._thread.join(timeout=self._dead_after() + max(5.0, 4 * self.interval) + 10.0)
+            beat.state = "lost_peer"
+            beat.record_failure(error)
+            beat.wake()
+            self._thread.join(timeout=beat.dead_after() + max(5.0, 4 * beat.interval) + 10.0)
             if self._thread is None:
                 return
-        self._state = "failed" if error is not None else "done"
         if error is not None:
-            self._record_failure(error)
+            beat.state = "failed"
+            beat.record_failure(error)
+        self._end("failed" if error is not None else "done")
+
+    def _end(self, state: str) -> None:
+        if self._thread is None:
+            return
+        self.beat.state = state
         self._stop.set()
-        self._wake()
+        self.beat.wake()
         self._thread.join(timeout=10)
         try:
-            self._publish()
+            self.beat.publish()
         except Exception:  # the store may already be gone at the very end of a job
             pass
         self._thread = None
@@ -83,7 +137,7 @@ class Watchdog(Monitor):
     def _run(self) -> None:
         failures_since: Optional[float] = None
         while not self._stop.is_set():
-            self._sleep()
+            self.beat.sleep()
             if self._stop.is_set():
                 return
             try:
@@ -91,9 +145,9 @@ class Watchdog(Monitor):
                     return
                 failures_since = None
             except Exception as err:  # the store is unreachable: its host (rank 0's) is probably gone
-                now = self._clock.monotonic()
+                now = self.beat.clock.monotonic()
                 failures_since = failures_since or now
-                if now - failures_since > self._dead_after():
+                if now - failures_since > self.beat.dead_after():
                     print(f"hybridpar watchdog (rank {self.rank}): the job's store has been unreachable for "
                           f"{now - failures_since:.0f} s ({err}); the rank hosting it is probably gone. Exiting.",
                           file=sys.stderr, flush=True)
@@ -103,18 +157,19 @@ class Watchdog(Monitor):
     def _round(self) -> bool:
         """One beat: publish, obey an abort, answer a dump request, then monitor (rank 0, or rank 1
         once rank 0 is gone). True when the thread is done."""
-        self._look_at_neighbours()
-        self._publish()
-        if self._has("abort"):
-            self._answer_dump_request()
+        beat = self.beat
+        beat.look_at_neighbours()
+        beat.publish()
+        if beat.has("abort"):
+            beat.answer_dump_request()
             self._exit(HANG_EXIT_CODE)
             return True
-        self._answer_dump_request()
+        beat.answer_dump_request()
         if not self._monitoring and self.rank == 1:
-            self._monitoring = self._rank0_gone()
+            self._monitoring = self.monitor.rank0_gone()
         if self._monitoring:
-            reason = self._check()
+            reason = self.monitor.check()
             if reason:
-                self._report(reason)
+                self.monitor.report(reason)
                 return True
         return False

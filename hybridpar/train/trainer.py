@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -32,11 +31,6 @@ from ..checkpoint.dcp import Checkpointer, complete_checkpoints, latest_checkpoi
 from ..config import Config, ConfigError, dump_toml, profile_range
 from ..data import build_training_data, check_vocab
 from ..data.blend import describe_blend
-from ..diagnostics.data_guard import check_data, step_fingerprint
-from ..diagnostics.replicas import check_replicas
-from ..diagnostics.stragglers import StragglerMonitor
-from ..diagnostics.timeouts import Deadlines, apply_env_defaults
-from ..diagnostics.watchdog import Watchdog
 from ..files import refuse_occupied, write_text_atomic
 from ..mesh import ParallelDims, init_parallel
 from ..model import build_model
@@ -52,6 +46,7 @@ from .optim import build_optimizer, grad_norm_and_clip, lr_lambda
 from .profile import StepProfiler
 from .step import count_targets, forward_backward
 from .summary import summarise, write_summary
+from .supervisor import Supervisor
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -65,15 +60,11 @@ class Trainer:
         world = parallel.world_size if parallel else dist.get_world_size() if dist.is_initialized() else None
         preflight(c, world or world_size_from_env())
         self.started = time.perf_counter()  # the summary's wall time counts set-up too
-        self.trace_dir = Path(c.output.run_dir) / "flight_recorder"
-        # Before init_parallel makes the process group: NCCL reads some of these when a group is
-        # created, so a group passed in (or made earlier by the caller) gets them only in part.
-        apply_env_defaults(self.trace_dir)
-        self.watchdog: Optional[Watchdog] = None  # runs during run()
-        self._setup_watchdog: Optional[Watchdog] = None
-        # A stop signal from here on ends the run at a step boundary with a checkpoint (stop.py).
-        self.stop = stopping.StopRequest(c.checkpoint.exit_save_timeout, on_signal=self._on_stop_signal,
-                                         on_expire=self._on_stop_expired).install()
+        # Before init_parallel makes the process group: NCCL reads some tracing variables when a
+        # group is created, and a stop signal from here on ends the run with a checkpoint.
+        self.supervisor = Supervisor(c, checkpoint_folder=lambda: getattr(getattr(self, "checkpointer", None),
+                                                                          "folder", None))
+        self.stop = self.supervisor.stop
         self.stop_signal = ""  # the stop signal every rank agreed on (at the end of a step), if any
         try:
             self.parallel = parallel or init_parallel(
@@ -84,25 +75,16 @@ class Trainer:
             self.is_main = p.rank == 0
             self.device = p.device
             self.global_batch = c.data.micro_batch_size * c.train.grad_accum * p.dp_size
-            # From here on a rank that dies or hangs is reported, set-up included (its own watchdog,
-            # closed at the end of set-up: a Trainer built and never run leaves no thread behind).
-            setup = self._setup_watchdog = self._start_watchdog(c.parallel.init_timeout, "set-up")
-            try:
-                self._set_up(c, p, setup)
-            except BaseException as err:
-                if setup is not None:
-                    setup.close(err)
-                raise
-            if setup is not None:
-                setup.close()
-        finally:
-            self._setup_watchdog = None
-            self.stop.uninstall()  # until run(): a Trainer built and never run leaves the signals alone
+            self.supervisor.start(p)  # from here on a rank that dies or hangs is reported
+            self._set_up(c, p)
+        except BaseException as err:
+            self.supervisor.close(err)
+            raise
+        self.supervisor.set_up(self.start_step, self.model)
 
-    def _set_up(self, c: Config, p: ParallelDims, setup: Optional[Watchdog]) -> None:
+    def _set_up(self, c: Config, p: ParallelDims) -> None:
         def phase(name: str) -> None:
-            if setup is not None:
-                setup.phase = f"set-up: {name}"
+            self.supervisor.phase(f"set-up: {name}")
 
         phase("model args")
         # Checked before any data work; a vocab_size of -1 (Llama 2's) waits for the tokenizer: _fit_vocab.
@@ -136,13 +118,12 @@ class Trainer:
         phase("checkpoint")
         self.resumed_from = self._restore()
         self.start_step = self.step  # 0, or the step a resumed run continues from
-        self.deadlines = Deadlines(c.parallel.init_timeout, c.diagnostics.train_timeout, p, self.start_step)
         wandb = WandbSettings(c.output.wandb_project, c.output.wandb_mode, c.to_dict()) if c.output.wandb else None
         self.metrics = MetricsWriter(self.run_dir, enabled=self.is_main, tensorboard=c.output.tensorboard,
                                      start_step=self.step, wandb=wandb)
         self.flops_per_token = flops_per_token(self.args, c.data.seq_len)
         evaluation = dict(micro_batch_size=c.data.micro_batch_size, eval_steps=c.train.eval_steps,
-                          global_batch=self.global_batch, at=lambda phase: self.deadlines.at(phase))
+                          global_batch=self.global_batch, at=self.supervisor.phase)
         self.validator = None if self.val_dataset is None else (
             BlendValidator(self.val_dataset, p, **evaluation) if isinstance(self.val_dataset, dict)
             else Validator(self.val_dataset, p, **evaluation))
@@ -178,7 +159,7 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         train_state = {"scheduler": self.scheduler.state_dict(), "data": self.loader.state_dict()}
-        with self.deadlines.checkpointing():  # a large checkpoint's writes are not a hang
+        with self.supervisor.checkpointing():  # a large checkpoint's writes are not a hang
             path = self.checkpointer.save(self.step, self.model, self.optimizer, train_state, params_dict(self.args))
         return path
 
@@ -212,33 +193,22 @@ class Trainer:
 
     # --- the loop -------------------------------------------------------------------------------
 
-    def _guard_data(self, batches) -> float:
-        """Run the data guard when due (this run's first step, resumed or not, and every N steps if
-        configured); its seconds."""
-        d, step = self.config.diagnostics, self.step + 1
-        first = step == self.start_step + 1  # a resume at another layout is when the data can go wrong
-        if not d.data_guard or not (first or (d.data_guard_every and step % d.data_guard_every == 0)):
-            return 0.0
-        start = time.perf_counter()
-        check_data(step_fingerprint(batches), self.parallel, step)
-        return time.perf_counter() - start
-
     def train_step(self) -> dict:
         c, p = self.config, self.parallel
         start = time.perf_counter()
-        self.deadlines.at("data", step=self.step + 1)  # the step in progress
+        self.supervisor.phase("data", step=self.step + 1)  # the step in progress
         batches = [next(self.loader) for _ in range(c.train.grad_accum)]
-        guard_seconds = self._guard_data(batches)
+        guard_seconds = self.supervisor.guard(self.step + 1, batches)
         global_targets = count_targets(batches, p, self.device).item()
         # FSDP averages gradients over the dp ranks; undo that so the sum over ranks is the global mean.
         scale = p.dp_size / global_targets
         loss_sum = forward_backward(self.model, batches, p, scale=scale, grad_sync=c.train.grad_sync,
-                                    device=self.device, at=self.deadlines.at)
-        self.deadlines.at("loss")
+                                    device=self.device, at=self.supervisor.phase)
+        self.supervisor.phase("loss")
         dist.all_reduce(loss_sum, group=p.dp_group)
         mean_loss = loss_sum.item() / global_targets
 
-        self.deadlines.at("optimizer")
+        self.supervisor.phase("optimizer")
         grad_norm, votes = grad_norm_and_clip(self.params, c.optim.grad_clip, self.device,
                                               also_sum=self.stop.vote())
         self.stop_signal = stopping.agreed(votes)
@@ -254,10 +224,6 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.step += 1
-        self.deadlines.step_done(self.step)
-        every = c.diagnostics.replica_check_every
-        if every and self.step % every == 0:
-            check_replicas(self.model, p, self.step)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - start
@@ -269,59 +235,17 @@ class Trainer:
             "memory_gb": memory_bytes(self.device) / 1e9, "data_guard_s": guard_seconds,
         }
 
-    def _start_watchdog(self, timeout: float, phase: str) -> Optional[Watchdog]:
-        d = self.config.diagnostics
-        if not d.watchdog:
-            return None
-        watchdog = Watchdog(self.parallel, timeout=timeout, run_dir=Path(self.config.output.run_dir),
-                            trace_dir=self.trace_dir, interval=d.watchdog_interval)
-        watchdog.phase = phase
-        return watchdog.start()
-
     def run(self) -> list[dict]:
-        self.stop.install()
-        self.watchdog = self._start_watchdog(self.deadlines.no_progress_limit(), "start")
-        if self.watchdog is not None:
-            self.watchdog.step = self.step
-            self.deadlines.watchdog = self.watchdog
-            if self.stop.requested:  # during set-up
-                self.watchdog.stop_requested(self.stop.signal_name)
         error = None
         try:
+            self.supervisor.running(self.step)
             return self._run()
         except BaseException as err:
             error = err
             raise
         finally:
             self.profiler.close()  # a run that fails or stops inside the profiled steps keeps its trace
-            # The watchdog first: a rank whose peer died waits in close() for the verdict, and the
-            # launcher's SIGTERM must not end it meanwhile (the stop's handlers are still in place).
-            if self.watchdog is not None:
-                self.watchdog.close(error)
-                self.watchdog = self.deadlines.watchdog = None
-            self.stop.finish()
-            self.stop.uninstall()
-
-    # --- a stop on request (stop.py) ------------------------------------------------------------
-
-    def _on_stop_signal(self, signal_name: str) -> None:
-        """The first stop signal (from the listener thread): the watchdogs say so at once."""
-        for watchdog in (self._setup_watchdog, self.watchdog):
-            if watchdog is not None:
-                watchdog.stop_requested(signal_name)
-
-    def _on_stop_expired(self, stop: stopping.StopRequest) -> None:
-        """The stop did not finish in time (a hung collective, a slow save): leave without a new
-        checkpoint; saves are staged, so the previous one is intact."""
-        watchdog = self.watchdog or self._setup_watchdog
-        if watchdog is not None:
-            watchdog.stopped()  # an exit on purpose, not a death
-        if getattr(self, "is_main", os.environ.get("RANK", "0") == "0"):
-            folder = getattr(getattr(self, "checkpointer", None), "folder", None)
-            previous = latest_checkpoint(folder) if folder is not None else None
-            where = f"in step {watchdog.step}, {watchdog.phase}" if watchdog is not None else "in set-up"
-            print(stopping.expired_line(stop, where, previous), file=sys.stderr, flush=True)
-        os._exit(128 + stop.signum)
+            self.supervisor.close(error)
 
     def _run(self) -> list[dict]:
         c = self.config
@@ -346,11 +270,7 @@ class Trainer:
             if self.step >= c.train.steps:
                 print(f"already at step {self.step} of {c.train.steps}: nothing to train "
                       "(raise train.steps to continue)", flush=True)
-        saved_at = self.step if self.resumed_from is not None else None
-        d = c.diagnostics
-        stragglers = StragglerMonitor(self.parallel, d.straggler_every, d.straggler_threshold, self.step)
-        with stragglers:  # collectives timed on measured steps; torch.distributed's own back on exit
-            saved_at = self._train_loop(stragglers, saved_at)
+        saved_at = self._train_loop(self.step if self.resumed_from is not None else None)
         if c.checkpoint.at_end and saved_at != self.step:
             self.save_checkpoint()
         self.checkpointer.close()
@@ -397,16 +317,16 @@ class Trainer:
         start = time.perf_counter()
         self.validation = self.validator(self.model)
         self.eval_seconds += time.perf_counter() - start
-        self.deadlines.at("validated")
+        self.supervisor.phase("validated")
         return self.validation
 
-    def _train_loop(self, stragglers: StragglerMonitor, saved_at: Optional[int]) -> Optional[int]:
+    def _train_loop(self, saved_at: Optional[int]) -> Optional[int]:
         """Train to train.steps: log, report stragglers, save checkpoints; the step last saved."""
         c = self.config
         window: list[dict] = []  # the steps since the last log line
         clock = StepClock(self.started, self.step)  # the step line's elapsed time and ETA
         while self.step < c.train.steps:
-            with stragglers.timing(self.step + 1), self.profiler.step(self.step + 1):
+            with self.supervisor.step(self.step + 1) as found, self.profiler.step(self.step + 1):
                 m = self.train_step()
             clock.step_done(self.step)
             self.history.append(m)
@@ -415,9 +335,7 @@ class Trainer:
                 self.metrics.event(m["step"], "skipped", loss=m["loss"], grad_norm=m["grad_norm"])  # on the dashboard
                 if self.is_main:
                     print(f"step {m['step']}: non-finite loss {m['loss']} or gradient norm: step skipped", flush=True)
-            if stragglers.due(self.step):
-                self.deadlines.at("straggler report")
-            row = stragglers.report(self.step) or {}
+            row = dict(found)  # the straggler report's, when one was due
             every = c.train.eval_every
             if self.validator is not None and not self.stop_signal and (
                     (every and self.step % every == 0) or self.step == c.train.steps):

@@ -1,10 +1,13 @@
 """Tracing defaults respect the user's settings; after step 1 a stuck collective fails within the train timeout;
 Deadlines applies the init or the train timeout at the right moments."""
 
+from types import SimpleNamespace
+
 import pytest
 
 from hybridpar.diagnostics import timeouts
-from hybridpar.diagnostics.timeouts import BACKSTOP_GRACE, ENV_DEFAULTS, Deadlines, apply_env_defaults
+from hybridpar.diagnostics.timeouts import BACKSTOP_GRACE, ENV_DEFAULTS, apply_env_defaults
+from hybridpar.train import supervisor
 from tests.distributed import WorkerPool
 
 
@@ -71,12 +74,36 @@ class _Watchdog:
 def group_timeouts(monkeypatch) -> list:
     calls = []
     monkeypatch.setattr(timeouts, "set_train_timeout", lambda parallel, seconds: calls.append(seconds))
+    monkeypatch.setattr(supervisor, "apply_env_defaults", lambda trace_dir: {})  # this process's env stays
     return calls
 
 
-def _deadlines(train_timeout=TRAIN, start_step=0, watchdog=True) -> Deadlines:
-    return Deadlines(INIT, train_timeout, parallel=object(), start_step=start_step,
-                     watchdog=_Watchdog() if watchdog else None)
+class _Watched:
+    """The trainer's side of the deadlines, through its supervisor: where it is, a step done, a checkpoint."""
+
+    def __init__(self, s: supervisor.Supervisor) -> None:
+        self.supervisor, self.watchdog, self.at, self.checkpointing = s, s.watchdog, s.phase, s.checkpointing
+        self.no_progress_limit, self.collective_timeout = s.deadlines.no_progress_limit, s.deadlines.collective_timeout
+
+    @property
+    def train_timeout_in_force(self) -> bool:
+        return self.supervisor.deadlines.train_timeout_in_force
+
+    def step_done(self, step: int) -> None:
+        with self.supervisor.step(step):
+            pass
+
+
+def _deadlines(train_timeout=TRAIN, start_step=0, watchdog=True) -> _Watched:
+    config = SimpleNamespace(output=SimpleNamespace(run_dir="unused"), checkpoint=SimpleNamespace(exit_save_timeout=60.0),
+                             parallel=SimpleNamespace(init_timeout=INIT),
+                             diagnostics=SimpleNamespace(train_timeout=train_timeout, replica_check_every=0))
+    s = supervisor.Supervisor(config)
+    s.parallel = object()
+    s.set_up(start_step, model=None)  # the signals are given back here
+    s.watchdog = _Watchdog() if watchdog else None
+    s.deadlines.watched = watchdog
+    return _Watched(s)
 
 
 def test_before_the_first_step_the_init_timeout_applies(group_timeouts):

@@ -183,8 +183,8 @@ def _watchdog(tmp_path, rank=0, world=2, timeout=60.0, interval=1.0) -> watchdog
     wd = watchdog.Watchdog(parallel, timeout=timeout, run_dir=tmp_path, trace_dir=tmp_path, interval=interval,
                            exit_fn=exits.append)
     wd.exits = exits
-    wd._store = dist.HashStore()
-    wd._info = {"host": "h", "pid": 1, "coords": f"r{rank}", "groups": {}}
+    wd.beat.store = dist.HashStore()
+    wd.beat.info = {"host": "h", "pid": 1, "coords": f"r{rank}", "groups": {}}
     return wd
 
 
@@ -197,42 +197,42 @@ def clock(monkeypatch) -> _Clock:
 
 def test_a_rank_still_setting_up_gets_the_whole_timeout(tmp_path, clock):
     wd = _watchdog(tmp_path)
-    wd._publish()
-    assert wd._check() is None
+    wd.beat.publish()
+    assert wd.monitor.check() is None
     clock.now += 30  # rank 1 still loads a checkpoint: no heartbeat yet, long past the 10 s of a death
-    wd._publish()
-    assert wd._check() is None
+    wd.beat.publish()
+    assert wd.monitor.check() is None
     clock.now += 31
-    wd._publish()
-    assert wd._check().startswith("rank(s) [1] have not started their watchdog within 60 s (not reached training")
-    assert wd._dead == [1]
+    wd.beat.publish()
+    assert wd.monitor.check().startswith("rank(s) [1] have not started their watchdog within 60 s (not reached training")
+    assert wd.monitor.dead == [1]
 
 
 def test_rank_1_does_not_wait_for_rank_0s_first_beat(tmp_path):
     wd = _watchdog(tmp_path, rank=1)
-    wd._store.set_timeout(timedelta(seconds=1))  # a blocking get would raise after this
-    assert wd._rank0_gone() is False
+    wd.beat.store.set_timeout(timedelta(seconds=1))  # a blocking get would raise after this
+    assert wd.monitor.rank0_gone() is False
 
 
 def test_a_neighbours_death_is_named_at_once_with_its_place(tmp_path, clock):
     """Rank 1's process is gone: rank 0, on the same host, sees it on its next look; the verdict
     names it with its coordinates and last step, without waiting for its heartbeat to go stale."""
     wd = _watchdog(tmp_path, world=3)
-    wd.parallel.dp_replicate, wd.parallel.dp_shard, wd.parallel.mp = 1, 3, 1
+    wd.beat.parallel.dp_replicate, wd.beat.parallel.dp_shard, wd.beat.parallel.mp = 1, 3, 1
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         for r, pid in ((0, os.getpid()), (1, gone.pid), (2, alive.pid)):
-            wd._store.set(wd._who_key(r), json.dumps({"host": "h", "pid": pid}))
+            wd.beat.store.set(wd.beat.who_key(r), json.dumps({"host": "h", "pid": pid}))
         for r in (1, 2):
-            wd._set(f"beat/{r}", json.dumps({"beat": 1, "step": 5, "phase": "optimizer", "seqs": {},
+            wd.beat.put(f"beat/{r}", json.dumps({"beat": 1, "step": 5, "phase": "optimizer", "seqs": {},
                                              "state": "running", "timeout": 60.0, "note": ""}))
-        wd._publish()
-        wd._look_at_neighbours()
-        assert wd._check() == "rank(s) [1] died (the process is gone: it exited, was killed or crashed)"
-        assert wd._dead == [1]
-        assert wd._gone_info([1])[1] == {"coords": "mp 0, dp 1 (replicate 0, shard 1)", "step": 5,
+        wd.beat.publish()
+        wd.beat.look_at_neighbours()
+        assert wd.monitor.check() == "rank(s) [1] died (the process is gone: it exited, was killed or crashed)"
+        assert wd.monitor.dead == [1]
+        assert wd.monitor._gone_info([1])[1] == {"coords": "mp 0, dp 1 (replicate 0, shard 1)", "step": 5,
                                          "phase": "optimizer", "host": "h", "pid": gone.pid}
     finally:
         alive.kill()
@@ -242,16 +242,16 @@ def test_a_neighbours_death_is_named_at_once_with_its_place(tmp_path, clock):
 def test_a_rank_that_raised_and_exited_is_reported_as_failed_not_gone(tmp_path, clock):
     wd = _watchdog(tmp_path)
     note = "raised RuntimeError: boom"
-    wd._set("beat/1", json.dumps({"beat": 7, "step": 3, "phase": "forward", "seqs": {}, "state": "failed",
+    wd.beat.put("beat/1", json.dumps({"beat": 7, "step": 3, "phase": "forward", "seqs": {}, "state": "failed",
                                   "timeout": 60.0, "note": note}))
-    wd._set("trace/1", json.dumps(dataclasses.asdict(_trace(1, {}, note=note))))
-    wd._publish()
-    assert wd._check() is None
+    wd.beat.put("trace/1", json.dumps(dataclasses.asdict(_trace(1, {}, note=note))))
+    wd.beat.publish()
+    assert wd.monitor.check() is None
     clock.now += 20  # rank 1 published its error and trace, then exited: its heartbeat stopped
-    wd._publish()
-    reason = wd._check()
+    wd.beat.publish()
+    reason = wd.monitor.check()
     assert reason == f"rank(s) [1] failed: rank 1 {note}"
-    wd._report(reason)
+    wd.monitor.report(reason)
     report = json.loads((tmp_path / "hang_report.json").read_text())
     assert wd.exits == [watchdog.HANG_EXIT_CODE]
     assert report["dead"] == [] and report["ranks"]["1"]["note"] == note
@@ -265,23 +265,23 @@ def test_a_failure_the_others_already_know_is_reported_at_once(tmp_path, clock, 
     heartbeat has gone stale or the stop's deadline has run out."""
     wd = _watchdog(tmp_path, world=3)
     note = "raised ValueError: planted"
-    wd._set("beat/1", json.dumps({"beat": 7, "step": 3, "phase": "forward", "seqs": {}, "state": "failed",
+    wd.beat.put("beat/1", json.dumps({"beat": 7, "step": 3, "phase": "forward", "seqs": {}, "state": "failed",
                                   "timeout": 60.0, "note": note}))
-    wd._set("beat/2", json.dumps({"beat": 7, "step": 3, "phase": "forward", "seqs": {}, "state": "running",
+    wd.beat.put("beat/2", json.dumps({"beat": 7, "step": 3, "phase": "forward", "seqs": {}, "state": "running",
                                   "timeout": 60.0, "note": ""}))
-    wd._publish()
-    assert wd._check() is None  # rank 2 may yet raise the same error itself
-    wd._set("beat/2", json.dumps({"beat": 8, "step": 3, "phase": "forward", "seqs": {}, "state": others,
+    wd.beat.publish()
+    assert wd.monitor.check() is None  # rank 2 may yet raise the same error itself
+    wd.beat.put("beat/2", json.dumps({"beat": 8, "step": 3, "phase": "forward", "seqs": {}, "state": others,
                                   "timeout": 60.0, "note": ""}))
-    wd._publish()
-    assert wd._check() == f"rank(s) [1] failed: rank 1 {note}"
+    wd.beat.publish()
+    assert wd.monitor.check() == f"rank(s) [1] failed: rank 1 {note}"
 
 
 def test_a_stop_signal_does_not_hide_a_lost_peer(tmp_path):
     wd = _watchdog(tmp_path)
-    wd._state = "lost_peer"
+    wd.beat.state = "lost_peer"
     wd.stop_requested("SIGTERM")
-    assert wd._state == "lost_peer"
+    assert wd.beat.state == "lost_peer"
 
 
 def test_a_stop_on_request_is_neither_a_teardown_nor_a_death(tmp_path, clock):
@@ -290,23 +290,23 @@ def test_a_stop_on_request_is_neither_a_teardown_nor_a_death(tmp_path, clock):
     wd = _watchdog(tmp_path)
 
     def beat(n, state):
-        wd._set("beat/1", json.dumps({"beat": n, "step": 3, "phase": "checkpoint", "seqs": {}, "state": state,
+        wd.beat.put("beat/1", json.dumps({"beat": n, "step": 3, "phase": "checkpoint", "seqs": {}, "state": state,
                                       "timeout": 60.0, "note": "stopping on SIGTERM"}))
-        wd._publish()
+        wd.beat.publish()
 
     beat(1, "stopping")
-    assert wd._check() is None
+    assert wd.monitor.check() is None
     clock.now += 5
     beat(2, "stopped")
-    assert wd._check() is None
+    assert wd.monitor.check() is None
     clock.now += 30  # its heartbeat has been silent for 30 s: it left on purpose
-    wd._publish()
-    assert wd._check() is None and wd._dead == []
+    wd.beat.publish()
+    assert wd.monitor.check() is None and wd.monitor.dead == []
     beat(3, "stopping")  # the same silence without the goodbye is a death
-    assert wd._check() is None
+    assert wd.monitor.check() is None
     clock.now += 30
-    wd._publish()
-    assert wd._check() == "rank(s) [1] stopped sending heartbeats (process gone)"
+    wd.beat.publish()
+    assert wd.monitor.check() == "rank(s) [1] stopped sending heartbeats (process gone)"
 
 
 def test_a_failing_analysis_still_writes_a_report_and_stops_the_job(tmp_path, clock, monkeypatch):
@@ -315,11 +315,11 @@ def test_a_failing_analysis_still_writes_a_report_and_stops_the_job(tmp_path, cl
 
     monkeypatch.setattr(flight, "analyse", broken)
     wd = _watchdog(tmp_path, world=1)
-    wd._report("no progress on any rank for 61.0 s (timeout 60 s)")
+    wd.monitor.report("no progress on any rank for 61.0 s (timeout 60 s)")
     report = json.loads((tmp_path / "hang_report.json").read_text())
     assert report["reason"] == "no progress on any rank for 61.0 s (timeout 60 s)"
     assert "ValueError: a bug in the analysis" in report["analysis_error"]
-    assert wd._has("verdict") and wd._has("abort") and wd.exits == [watchdog.HANG_EXIT_CODE]
+    assert wd.beat.has("verdict") and wd.beat.has("abort") and wd.exits == [watchdog.HANG_EXIT_CODE]
 
 
 def test_close_wakes_the_thread_without_waiting_for_its_interval(tmp_path, monkeypatch):
@@ -330,6 +330,23 @@ def test_close_wakes_the_thread_without_waiting_for_its_interval(tmp_path, monke
     wd.close()
     assert time.monotonic() - began < 2.0
     assert wd.exits == []  # the wake-up is not taken for SIGTERM
+
+
+def test_a_verdict_given_while_paused_between_set_up_and_run_is_obeyed(tmp_path):
+    """One watchdog watches set-up and run with the same keys: a verdict another rank's monitor gives
+    while this rank is between the two reaches it once it watches on (two watchdogs once missed it)."""
+    wd = _watchdog(tmp_path, world=2, rank=1, interval=0.05).start()
+    key = wd.beat.key("abort")
+    wd.pause()
+    assert wd.paused and wd._thread is None and wd.exits == []
+    assert json.loads(wd.beat.store.get(wd.beat.key("beat/1")))["state"] == "paused"  # not watched meanwhile
+    wd.beat.put("abort", "1")  # rank 0's verdict
+    wd.start()
+    deadline = time.monotonic() + 5
+    while not wd.exits and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert wd.beat.key("abort") == key and wd.exits == [watchdog.HANG_EXIT_CODE]
+    wd.close()
 
 
 # --- planted faults in real jobs ---------------------------------------------------------------

@@ -267,9 +267,10 @@ def test_llama2_params_json_takes_the_tokenizer_vocab(workers, corpus, tmp_path)
 
 def _case_first_step_checks(config):
     import hybridpar.diagnostics.timeouts as timeouts_module
+    import hybridpar.train.supervisor as supervisor_module
     import hybridpar.train.trainer as trainer_module
 
-    real_timeout, real_guard, calls, guarded = timeouts_module.set_train_timeout, trainer_module.check_data, [], []
+    real_timeout, real_guard, calls, guarded = timeouts_module.set_train_timeout, supervisor_module.check_data, [], []
     trainer = trainer_module.Trainer(config)
 
     def recording(parallel, seconds):
@@ -280,14 +281,14 @@ def _case_first_step_checks(config):
         guarded.append(step)
         real_guard(fingerprint, parallel, step)
 
-    timeouts_module.set_train_timeout, trainer_module.check_data = recording, guard
+    timeouts_module.set_train_timeout, supervisor_module.check_data = recording, guard
     try:
-        before = trainer.deadlines.no_progress_limit()
+        before = trainer.supervisor.deadlines.no_progress_limit()
         trainer.run()
     finally:
-        timeouts_module.set_train_timeout, trainer_module.check_data = real_timeout, real_guard
+        timeouts_module.set_train_timeout, supervisor_module.check_data = real_timeout, real_guard
     return {"start": trainer.start_step, "before": before, "calls": calls,
-            "after": trainer.deadlines.no_progress_limit(), "guarded": guarded}
+            "after": trainer.supervisor.deadlines.no_progress_limit(), "guarded": guarded}
 
 
 def test_a_resumed_run_treats_its_own_first_step_as_the_first(workers, corpus, tmp_path):

@@ -1,0 +1,187 @@
+"""One owner of everything that watches a run: the hang watchdog, the timeouts, the straggler
+monitor, the data guard, the replica check and the stop signals.
+
+The trainer tells it where it is (`phase`), that a step ran (`step`, around it), that a checkpoint
+is written (`checkpointing`) and how the run ended (`close`); the lifecycle in between is
+`start(parallel)` once the mesh exists, `set_up(start_step, model)` when set-up is done and
+`running()` when run() begins.
+
+One watchdog watches set-up and run alike: its keys in the job's store are the same throughout, so
+a verdict given while one rank still sets up and another already trains reaches both. Between
+set-up and run it pauses (its last beat says so): a Trainer built and never run leaves no thread.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from ..checkpoint.dcp import latest_checkpoint
+from ..config import Config
+from ..diagnostics.data_guard import check_data, step_fingerprint
+from ..diagnostics.replicas import check_replicas
+from ..diagnostics.stragglers import StragglerMonitor
+from ..diagnostics.timeouts import Deadlines, apply_env_defaults
+from ..diagnostics.watchdog import Watchdog
+from ..mesh import ParallelDims
+from . import stop as stopping
+
+
+class Supervisor:
+    """Made before the process group: it sets the tracing variables torch reads when a group is made
+    (a group made earlier by the caller gets them only in part), and a stop signal from here on ends
+    the run at a step boundary with a checkpoint (stop.py).
+    `checkpoint_folder`: where the run's checkpoints are, once known (for a stop that runs out of time)."""
+
+    def __init__(self, config: Config, *, checkpoint_folder: Callable[[], Optional[Path]] = lambda: None) -> None:
+        self.config = config
+        self.run_dir = Path(config.output.run_dir)
+        self.trace_dir = self.run_dir / "flight_recorder"
+        apply_env_defaults(self.trace_dir)
+        self.parallel: Optional[ParallelDims] = None
+        self.watchdog: Optional[Watchdog] = None
+        self.deadlines: Optional[Deadlines] = None
+        self.stragglers: Optional[StragglerMonitor] = None
+        self.model: Optional[torch.nn.Module] = None
+        self.start_step = 0
+        self._checkpoint_folder = checkpoint_folder
+        self.stop = stopping.StopRequest(config.checkpoint.exit_save_timeout, on_signal=self._on_stop_signal,
+                                         on_expire=self._on_stop_expired).install()
+
+    # --- the lifecycle --------------------------------------------------------------------------
+
+    def start(self, parallel: ParallelDims) -> None:
+        """The mesh exists: from here on a rank that dies or hangs is reported, set-up included."""
+        self.parallel = parallel
+        if self.config.diagnostics.watchdog:
+            self.watchdog = self._watch(self.config.parallel.init_timeout, 0, "set-up")
+
+    def _watch(self, timeout: float, step: int, phase: str) -> Watchdog:
+        watchdog = Watchdog(self.parallel, timeout=timeout, run_dir=self.run_dir, trace_dir=self.trace_dir,
+                            interval=self.config.diagnostics.watchdog_interval)
+        watchdog.step, watchdog.phase = step, phase
+        return watchdog.start()
+
+    def set_up(self, start_step: int, model: torch.nn.Module) -> None:
+        """Set-up is done; the run starts (or resumes) at `start_step`. Until running(), the watchdog
+        pauses and the signals are left alone."""
+        self.start_step, self.model = start_step, model
+        self.deadlines = Deadlines(self.config.parallel.init_timeout, self.config.diagnostics.train_timeout,
+                                   self.parallel, start_step)
+        self.stop.uninstall()
+        if self.watchdog is not None:
+            self.watchdog.pause()
+
+    def running(self, step: int) -> None:
+        """run() begins at `step`: the stop signals and the watchdog again (set-up's, resumed; a new
+        one for a Trainer run once more), and the straggler monitor."""
+        self.stop.install()
+        d, watchdog, limit = self.config.diagnostics, self.watchdog, self.deadlines.no_progress_limit()
+        if not d.watchdog:
+            self.watchdog = None
+        elif watchdog is not None and watchdog.paused:
+            watchdog.step, watchdog.phase = step, "start"
+            watchdog.arm(limit)
+            watchdog.start()
+        else:
+            self.watchdog = self._watch(limit, step, "start")
+        self.deadlines.watched = self.watchdog is not None
+        if self.watchdog is not None and self.stop.requested:  # during set-up
+            self.watchdog.stop_requested(self.stop.signal_name)
+        self.stragglers = StragglerMonitor(self.parallel, d.straggler_every, d.straggler_threshold, step)
+        self.stragglers.__enter__()  # collectives timed on measured steps; torch.distributed's own back at close
+
+    def close(self, error: Optional[BaseException] = None) -> None:
+        """Set-up failed, or run() ended (`error`: what it raised). The watchdog first: a rank whose
+        peer died waits in its close() for the verdict, and the launcher's SIGTERM must not end it
+        meanwhile (the stop's handlers are still in place)."""
+        if self.stragglers is not None:
+            self.stragglers.__exit__(None, None, None)
+            self.stragglers = None
+        if self.watchdog is not None:
+            self.watchdog.close(error)
+        self.stop.finish()
+        self.stop.uninstall()
+
+    # --- what the trainer tells it --------------------------------------------------------------
+
+    def phase(self, name: str, *, step: Optional[int] = None, timeout: Optional[float] = None) -> None:
+        """Where this rank is (cheap: a few attribute writes); `step`: the step in progress;
+        `timeout`: the watchdog's new no-progress limit."""
+        if self.watchdog is not None:
+            if step is not None:
+                self.watchdog.step = step
+            self.watchdog.phase = name
+            if timeout is not None:
+                self.watchdog.arm(timeout)
+
+    def guard(self, step: int, batches) -> float:
+        """The data guard on step `step`'s batches when due (this run's first step, resumed or not, and
+        every N steps if configured); its seconds."""
+        d = self.config.diagnostics
+        first = step == self.start_step + 1  # a resume at another layout is when the data can go wrong
+        if not d.data_guard or not (first or (d.data_guard_every and step % d.data_guard_every == 0)):
+            return 0.0
+        began = time.perf_counter()
+        check_data(step_fingerprint(batches), self.parallel, step)
+        return time.perf_counter() - began
+
+    @contextmanager
+    def step(self, step: int) -> Iterator[dict]:
+        """Around training step `step` (which ends with the device synchronised): timed for the
+        straggler report, then the step's checks. Yields a dict that holds, afterwards, the straggler
+        report's metrics when one was due."""
+        found: dict = {}
+        timing = self.stragglers.timing(step) if self.stragglers is not None else _nothing()
+        with timing:
+            yield found
+        limit = self.deadlines.step_done(step)
+        if limit is not None:  # the first step of this run ended start-up: a long wait is now a hang
+            self.phase("first step done", timeout=limit)
+        every = self.config.diagnostics.replica_check_every
+        if every and step % every == 0:
+            check_replicas(self.model, self.parallel, step)
+        if self.stragglers is not None:
+            if self.stragglers.due(step):
+                self.phase("straggler report")
+            found.update(self.stragglers.report(step) or {})
+
+    @contextmanager
+    def checkpointing(self) -> Iterator[None]:
+        """Around a checkpoint's writes: not a hang however long (Deadlines.checkpointing)."""
+        self.phase("checkpoint", timeout=self.deadlines.init_timeout)
+        with self.deadlines.checkpointing():
+            yield
+        self.phase("checkpointed", timeout=self.deadlines.no_progress_limit())
+
+    # --- a stop on request (stop.py) ------------------------------------------------------------
+
+    def _on_stop_signal(self, signal_name: str) -> None:
+        """The first stop signal (from the listener thread): the watchdog says so at once."""
+        if self.watchdog is not None:
+            self.watchdog.stop_requested(signal_name)
+
+    def _on_stop_expired(self, stop: stopping.StopRequest) -> None:
+        """The stop did not finish in time (a hung collective, a slow save): leave without a new
+        checkpoint; saves are staged, so the previous one is intact."""
+        watchdog = self.watchdog
+        if watchdog is not None:
+            watchdog.stopped()  # an exit on purpose, not a death
+        main = self.parallel.rank == 0 if self.parallel is not None else os.environ.get("RANK", "0") == "0"
+        if main:
+            folder = self._checkpoint_folder()
+            previous = latest_checkpoint(folder) if folder is not None else None
+            where = f"in step {watchdog.step}, {watchdog.phase}" if watchdog is not None else "in set-up"
+            print(stopping.expired_line(stop, where, previous), file=sys.stderr, flush=True)
+        os._exit(128 + stop.signum)
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield

@@ -1,2 +1,3 @@
-"""Bridges to other libraries: fairscale's model-parallel state on a hybridpar mesh (fairscale.py), and
-the torch internals and renamed functions hybridpar relies on, each in one place (torch.py)."""
+"""Bridges to torch: the torch internals and renamed functions hybridpar relies on, each in one place
+(torch.py). fairscale's model-parallel state on a hybridpar mesh lives with the parallel layers
+(hybridpar/parallel/fairscale.py)."""

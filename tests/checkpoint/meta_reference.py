@@ -10,7 +10,7 @@ fails here as it would there), the files sorted by name, `len(files) == model-pa
 rank its own file, `load_state_dict(strict=False)`, where only `rope.freqs` may be left over.
 
 Only the prompt pass is modelled (start_pos 0, no kv cache): what a logits comparison needs.
-fairscale's groups come from `hybridpar.compat.fairscale.use_mesh(parallel)`, which must stay
+fairscale's groups come from `hybridpar.parallel.fairscale.use_mesh(parallel)`, which must stay
 active around both `build` and the forward.
 """
 

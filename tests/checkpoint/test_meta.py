@@ -186,7 +186,7 @@ def test_bf16_export(workers, check_close, tmp_path):
 
 def _case_meta_oracle(preset: str, overrides: dict, llama_version: int, folder: str):
     from hybridpar.checkpoint.meta import load_meta_checkpoint, read_meta_params, save_meta_checkpoint
-    from hybridpar.compat.fairscale import use_mesh
+    from hybridpar.parallel.fairscale import use_mesh
     from tests.checkpoint import meta_reference
 
     args = ModelArgs.from_preset(preset, **overrides)

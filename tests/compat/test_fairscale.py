@@ -1,4 +1,4 @@
-"""hybridpar.compat.fairscale: fairscale's own layers on a hybridpar mesh serve as the oracle.
+"""hybridpar.parallel.fairscale: fairscale's own layers on a hybridpar mesh serve as the oracle.
 
 Both libraries build the same layer on the same ranks with the same local shards; outputs, input
 gradients and local weight gradients must agree. Every case releases fairscale's state on exit
@@ -56,7 +56,7 @@ def _case_layer(kind: str, flag, mp: int) -> dict:
     import fairscale.nn.model_parallel.layers as fairscale_layers
 
     import hybridpar.parallel as hybridpar_layers
-    from hybridpar.compat.fairscale import use_mesh
+    from hybridpar.parallel.fairscale import use_mesh
 
     parallel = parallel_dims(mp=mp)
     with use_mesh(parallel):
@@ -81,7 +81,7 @@ def _case_layer(kind: str, flag, mp: int) -> dict:
 def _case_cross_entropy(mp: int) -> dict:
     from fairscale.nn.model_parallel.cross_entropy import vocab_parallel_cross_entropy as fairscale_ce
 
-    from hybridpar.compat.fairscale import use_mesh
+    from hybridpar.parallel.fairscale import use_mesh
     from hybridpar.parallel import vocab_parallel_cross_entropy
 
     parallel = parallel_dims(mp=mp)
@@ -103,7 +103,7 @@ def _case_cross_entropy(mp: int) -> dict:
 def _case_getters(dims: dict) -> dict:
     from fairscale.nn.model_parallel import initialize as fs
 
-    from hybridpar.compat.fairscale import use_mesh
+    from hybridpar.parallel.fairscale import use_mesh
 
     parallel = parallel_dims(**dims)
     before = fs.model_parallel_is_initialized()
@@ -140,7 +140,7 @@ def _case_lifecycle(mp: int) -> None:
     """Refuses to take over fairscale's own state, replaces it on request, restores it, nests in order."""
     from fairscale.nn.model_parallel import initialize as fs
 
-    from hybridpar.compat.fairscale import use_mesh
+    from hybridpar.parallel.fairscale import use_mesh
 
     small, large = parallel_dims(mp=mp), parallel_dims(mp=4)
     fs.initialize_model_parallel(mp)

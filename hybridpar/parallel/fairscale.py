@@ -28,7 +28,7 @@ def _initialize_module():
     try:
         from fairscale.nn.model_parallel import initialize
     except ImportError as err:
-        raise ImportError("hybridpar.compat.fairscale needs fairscale: pip install fairscale") from err
+        raise ImportError("hybridpar.parallel.fairscale needs fairscale: pip install fairscale") from err
     return initialize
 
 

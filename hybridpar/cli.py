@@ -25,8 +25,24 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         # Under a launcher every rank parses the same argv: rank 0 alone says what is wrong.
-        self.exit(2, f"{self.prog}: error: {message} (the flags: {self.prog} --help)\n"
-                  if os.environ.get("RANK", "0") == "0" else None)
+        if os.environ.get("RANK", "0") == "0":
+            self.exit(2, f"{self.prog}: error: {message} (the flags: {self.prog} --help)\n")
+        _let_rank_0_speak()
+        self.exit(2)
+
+
+# How long a rank other than 0 waits before leaving on an error every rank makes alike.
+RANK_0_SPEAKS_S = 10.0
+
+
+def _let_rank_0_speak() -> None:
+    """A rank that stays silent on an error rank 0 reports must not leave first: the launcher would
+    stop rank 0 (torchrun sends SIGTERM to the others when one rank exits) before it has printed.
+    Rank 0's exit ends this wait, as the launcher then stops this rank."""
+    if os.environ.get("WORLD_SIZE", "1") != "1":
+        import time
+
+        time.sleep(RANK_0_SPEAKS_S)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -234,6 +250,8 @@ def _report_error(error: Exception, log_dir: Optional[Path]) -> int:
     if raised_by_every_rank(error):
         if rank in (None, "0"):
             print(f"hybridpar: error: {_one_line(error)}{where}", file=sys.stderr, flush=True)
+        else:
+            _let_rank_0_speak()
         return 2
     if isinstance(error, (ValueError, *_PATH_ERRORS)):  # bad input: one clear line
         print(f"hybridpar: error{f' (rank {rank})' if rank else ''}: {_one_line(error)}{where}", file=sys.stderr,

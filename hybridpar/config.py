@@ -126,6 +126,10 @@ class DiagnosticsConfig:
     straggler_every: int = option(50, "every N steps, compare the ranks' compute time and name the slowest "
                                       "(0: never)")
     straggler_threshold: float = option(1.5, "warn when its compute exceeds the others' median by this factor")
+    straggler_exclude: float = option(3.0, "a rank this many times the median in straggler_exclude_reports reports "
+                                           "in a row: save, stop and name its node (launch/slurm.sh excludes it; "
+                                           "0: never)")
+    straggler_exclude_reports: int = option(3, "reports in a row over straggler_exclude before the run stops")
 
 
 @dataclasses.dataclass
@@ -172,6 +176,11 @@ class Config:
         d = self.diagnostics
         if d.straggler_every < 0:
             raise ConfigError(f"diagnostics.straggler_every must be >= 0 (0: never), got {d.straggler_every}")
+        if d.straggler_exclude and not d.straggler_exclude > d.straggler_threshold:
+            raise ConfigError(f"diagnostics.straggler_exclude must be 0 (never) or above straggler_threshold "
+                              f"({d.straggler_threshold}), got {d.straggler_exclude}")
+        if d.straggler_exclude_reports < 1:
+            raise ConfigError(f"diagnostics.straggler_exclude_reports must be >= 1, got {d.straggler_exclude_reports}")
         if not d.straggler_threshold > 1:
             raise ConfigError("diagnostics.straggler_threshold must be > 1 (a ratio to the median compute), "
                               f"got {d.straggler_threshold}")

@@ -42,6 +42,15 @@
 #   REQUEUE        1: a run stopped by a signal (the --signal=USR1@120 above, ahead of the time
 #                  limit; a preemption; scancel --signal=USR1) saves its step, and this script then
 #                  requeues the job, which resumes from that checkpoint; 0: it just ends (1)
+#   EXCLUDE_ON_FAULT  1: when the watchdog's verdict blames a node (its ranks stalled, hung in a
+#                  collective, died twice, or lag as stragglers), end the attempt, exclude that node
+#                  and requeue the job, which resumes from the newest checkpoint on other nodes; a
+#                  fault that is not a node's (bad config, NaN loss, full disk) is never requeued;
+#                  every fault goes to RUN_DIR/incidents.jsonl (1)
+#   MAX_REQUEUES   requeues after node faults before the job gives up (3); it also stops when the
+#                  partition has no spare node left
+#   REQUEUE_DELAY  seconds a job requeued after a node fault waits before it may start (10; Slurm's
+#                  own hold, its credential lifetime, is 120 s)
 # Any other argument (e.g. --train.steps 50), and everything after `--`, overrides the config.
 set -euo pipefail
 
@@ -61,6 +70,9 @@ DRY_RUN_RANK=${DRY_RUN_RANK:-0}
 DRY_RUN_JSON=${DRY_RUN_JSON:-}
 DRY_RUN_GPU=${DRY_RUN_GPU:-}
 REQUEUE=${REQUEUE:-1}
+EXCLUDE_ON_FAULT=${EXCLUDE_ON_FAULT:-1}
+MAX_REQUEUES=${MAX_REQUEUES:-3}
+REQUEUE_DELAY=${REQUEUE_DELAY:-10}
 PYTHON=${PYTHON:-python3}
 
 set_option() {
@@ -90,7 +102,7 @@ while (($#)); do
 done
 
 is_int() { [[ $1 =~ ^-?[0-9]+$ ]]; }
-for name in MP DP_SHARD DP_REPLICATE MAX_RESTARTS; do
+for name in MP DP_SHARD DP_REPLICATE MAX_RESTARTS MAX_REQUEUES REQUEUE_DELAY EXCLUDE_ON_FAULT; do
   is_int "${!name}" || die "$name must be an integer, got '${!name}'"
 done
 
@@ -136,6 +148,7 @@ JOB_ID=${SLURM_JOB_ID:-dryrun}
 RUN_DIR=$(realpath -m -- "${RUN_DIR:-runs/${SLURM_JOB_NAME:-hybridpar}}")
 JOB_DIR=$RUN_DIR/job-$JOB_ID
 CKPT_DIR=$RUN_DIR/checkpoints
+INCIDENTS=$RUN_DIR/incidents.jsonl
 
 if [[ -z ${RDZV_HOST:-} ]]; then
   if [[ -n ${SLURM_JOB_NODELIST:-} ]]; then
@@ -177,6 +190,7 @@ export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQ
 # Cluster-specific network choices (NCCL_SOCKET_IFNAME, NCCL_IB_HCA, ...) are left to the environment.
 export MP DP_SHARD DP_REPLICATE
 export LAYOUT_FILE=$JOB_DIR/layout.txt
+export HYBRIDPAR_INCIDENTS=$INCIDENTS  # the trainer notes there when it trains again after a fault
 
 # --- the commands ---------------------------------------------------------------------------------
 srun_cmd=(srun --nodes="$NODES" --ntasks="$NODES" --ntasks-per-node=1 --kill-on-bad-exit=1 --label)
@@ -286,19 +300,109 @@ check
   echo "  $(quoted "${torchrun_cmd[@]}")"
 } >"$JOB_DIR/command.sh"
 
+# --- after a node's fault: exclude it and requeue -------------------------------------------------
+report=$JOB_DIR/hang_report.json  # the watchdog's verdict, with the node it blames (node_fault)
+incidents() { "$PYTHON" -m hybridpar.incidents "$@"; }
+verdict_id() { [[ -f $report ]] && stat -c '%i %Y' "$report" 2>/dev/null; }
+
+# The partition's nodes that can run a job (not down, drained or failing, and responding).
+usable_nodes() {
+  sinfo -h -N -p "${SLURM_JOB_PARTITION:-}" -o '%N %t' 2>/dev/null | while read -r node state; do
+    [[ $state == *'*' ]] && continue
+    case ${state%[~#!%$@^-]} in idle | alloc | mix | comp | planned) echo "$node" ;; esac
+  done | sort -u | paste -sd, -
+}
+excluded_nodes() {
+  local list
+  list=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | grep -o 'ExcNodeList=[^ ]*' | cut -d= -f2)
+  [[ -z $list || $list == "(null)" ]] || scontrol show hostnames "$list" | paste -sd, -
+}
+
+# What to do about the newest verdict: sets $action ($fault_nodes, $why). $1: restarts torchrun has left.
+decide() {
+  local out
+  out=$(incidents decide "$INCIDENTS" "$report" --job "$JOB_ID" --exclude-on-fault "$EXCLUDE_ON_FAULT" \
+    --max-requeues "$MAX_REQUEUES" --max-restarts "$1" --needed "$NODES" --usable "$(usable_nodes)" \
+    --excluded "$(excluded_nodes)") || { action=none; why="could not read $report"; return; }
+  read -r action fault_nodes why <<<"$out"
+  echo "slurm.sh: verdict: $action ${fault_nodes/-/} ($why)"
+}
+
+# Back in the queue without the faulty node; the next start resumes from the newest checkpoint.
+requeue_without() {
+  local exclude
+  exclude=$(scontrol show hostlist "$(printf '%s\n' "$(excluded_nodes)" "$1" | tr ',' '\n' | grep . | sort -u | paste -sd, -)")
+  incidents note "$INCIDENTS" event=requeue "job=$JOB_ID" "excluded=$exclude"
+  echo "slurm.sh: excluding $exclude and requeueing job $JOB_ID (starts again in ${REQUEUE_DELAY} s at the earliest)"
+  trap '' TERM  # the requeue ends this script with SIGTERM: the update below must still be made
+  scontrol requeue "$JOB_ID" || die "scontrol requeue $JOB_ID failed: resubmit with --exclude $exclude"
+  # A pending job only: ExcNodeList cannot change while it runs. Slurm holds a requeued job back for
+  # its credential lifetime unless its start time is already set later than now.
+  scontrol update JobId="$JOB_ID" ExcNodeList="$exclude" StartTime="now+$REQUEUE_DELAY" ||
+    echo "slurm.sh: warning: could not exclude $exclude from job $JOB_ID" >&2
+}
+
+# Ends the training step now: its ranks may be stopped or hung, and torchrun would restart them on
+# the node at fault. Two interrupts within a second make srun kill every task.
+end_step() {
+  kill -INT "$1" 2>/dev/null || return 0
+  sleep 0.5
+  kill -INT "$1" 2>/dev/null || true
+}
+
 if [[ $PREFLIGHT == 1 ]]; then
   echo "preflight: every rank joins the mesh"
-  "${srun_cmd[@]}" "${preflight_cmd[@]}" || die "preflight failed: the ranks could not form the mesh (see above)"
+  if ! "${srun_cmd[@]}" "${preflight_cmd[@]}" 2>&1 | tee "$JOB_DIR/preflight.log"; then
+    # One node whose task failed on its own (the others' were ended by --kill-on-bad-exit) is that
+    # node's fault; several failing alike are the program's.
+    mapfile -t failed < <(sed -n 's/^srun: error: \([^:]*\): tasks\{0,1\} [0-9,-]*: Exited with exit code.*/\1/p' \
+      "$JOB_DIR/preflight.log" | sort -u)
+    if ((${#failed[@]} == 1)); then
+      printf '{"reason": "the preflight failed on node %s", "step": 0, "time": %s, "quiet_s": 0, "attempt": 0, "node_fault": {"kind": "preflight", "nodes": ["%s"], "ranks": []}}\n' \
+        "${failed[0]}" "$(date +%s.%N)" "${failed[0]}" >"$report"
+      decide 0
+      [[ $action == exclude ]] && { requeue_without "$fault_nodes"; exit 0; }
+    fi
+    die "preflight failed: the ranks could not form the mesh (see above)"
+  fi
 fi
 echo "training: $(date -u +%FT%TZ)"
 stopped=$JOB_DIR/stopped.json  # written by rank 0 when the run stopped on a signal and saved
 rm -f "$stopped"
-status=0
-"${srun_cmd[@]}" "${torchrun_cmd[@]}" || status=$?
+seen=$(verdict_id || true)  # a verdict of an earlier start of this job is not this one's
+status=0 action=""
+"${srun_cmd[@]}" "${torchrun_cmd[@]}" &
+srun_pid=$!
+while kill -0 "$srun_pid" 2>/dev/null; do
+  id=$(verdict_id || true)
+  if [[ -n $id && $id != "$seen" ]]; then
+    seen=$id
+    decide "$MAX_RESTARTS"
+    if [[ $action == exclude || $action == stop ]]; then  # torchrun would restart on that node
+      end_step "$srun_pid"
+      break
+    fi
+  fi
+  sleep 1
+done
+wait "$srun_pid" || status=$?
+id=$(verdict_id || true)
+if [[ $action != exclude && $action != stop && -n $id && $id != "$seen" ]]; then
+  decide 0  # a verdict as the step ended (a death, a straggler's stop): torchrun restarts no more
+fi
+case $action in
+  exclude)
+    requeue_without "$fault_nodes"
+    exit 0 ;;
+  stop)
+    incidents note "$INCIDENTS" event=stop "job=$JOB_ID" "why=$why"
+    echo "slurm.sh: not requeued: $why" >&2 ;;
+esac
 if [[ -f $stopped ]]; then
   echo "stopped on a signal and saved: $(tr -d '\n' <"$stopped")"
   if [[ $REQUEUE == 1 && -n ${SLURM_JOB_ID:-} ]]; then
     # Back in the queue under the same job id: the next start resumes from that checkpoint.
+    trap '' TERM  # the requeue ends this script with SIGTERM: let it say so first
     scontrol requeue "$SLURM_JOB_ID" && echo "requeued job $SLURM_JOB_ID: it resumes from the checkpoint when it starts again"
   fi
   exit 0
@@ -308,4 +412,5 @@ if ((status == 0)); then
 else
   echo "slurm.sh: training failed with exit code $status; logs in $JOB_DIR (torchrun/ has each rank's output)" >&2
 fi
+[[ -f $INCIDENTS ]] && { echo "incidents of this run ($INCIDENTS):"; incidents summary "$INCIDENTS"; }
 exit "$status"

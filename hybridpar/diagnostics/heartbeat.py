@@ -17,6 +17,7 @@ import os
 import socket
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
@@ -28,6 +29,7 @@ from ..mesh import ParallelDims, mesh_groups
 from ..ranks import attempt_id
 from . import traces
 from .liveness import process_alive
+from .node_fault import node_name
 from .traces import write_dump
 
 HANG_EXIT_CODE = 124  # as timeout(1): the job was stopped because it stopped making progress
@@ -69,6 +71,7 @@ class Heartbeat:
         self._woken = threading.Event()
         self.published = threading.Event()
         self.neighbours: Optional[dict[int, int]] = None  # rank -> pid, of the ranks on this host
+        self.nodes: dict[int, str] = {}  # rank -> its node, once every rank has registered
         self._seen_gone: set[int] = set()
 
     def connect(self) -> None:
@@ -76,11 +79,14 @@ class Heartbeat:
         store = default_store()
         try:
             self.store = store.clone()  # its own connection: never queued behind the main thread's calls
+            # A wait for a key that never comes ends within a silent heartbeat's limit, not the
+            # process group's timeout (a frozen store's host: Watchdog._guard).
+            self.store.set_timeout(timedelta(seconds=self.dead_after()))
         except (AttributeError, RuntimeError):
             self.store = store
         c = self.parallel.coords
         self.info = {
-            "host": socket.gethostname(), "pid": os.getpid(),
+            "host": socket.gethostname(), "node": node_name(), "pid": os.getpid(),
             "coords": MeshCoords.describe(c),  # also for a stand-in with the same fields
             "groups": {g.group_name: {"dim": dim, "ranks": dist.get_process_group_ranks(g)} for dim, g in self._groups},
         }
@@ -119,7 +125,7 @@ class Heartbeat:
         return f"{self._attempt}who/{rank}"
 
     def register(self) -> None:
-        self.store.set(self.who_key(self.rank), json.dumps({"host": self.info["host"], "pid": self.info["pid"]}))
+        self.store.set(self.who_key(self.rank), json.dumps({k: self.info[k] for k in ("host", "node", "pid")}))
 
     def whos(self, ranks: list[int]) -> list[dict]:
         return [json.loads(v) for v in self.store.multi_get([self.who_key(r) for r in ranks])]
@@ -130,6 +136,7 @@ class Heartbeat:
             if not all(self.store.check([self.who_key(r)]) for r in range(self.world_size)):
                 return  # some rank has not registered yet
             whos = self.whos(list(range(self.world_size)))
+            self.nodes = {r: w.get("node", w["host"]) for r, w in enumerate(whos)}
             self.neighbours = {r: w["pid"] for r, w in enumerate(whos)
                                 if r != self.rank and w["host"] == self.info["host"]}
         for r, pid in self.neighbours.items():

@@ -21,6 +21,16 @@ _PEER_LOSS = ("connection closed by peer", "connection reset by peer", "broken p
               "remote process exited", "communicator was aborted", "socket timeout", "no route to host")
 
 
+def _state(pid: int) -> bytes:
+    """The process's state letter from /proc ('R', 'S', 'T' stopped, 'Z' zombie...); b'' where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            # "pid (comm) state ...": comm may hold spaces and parentheses, the state follows the last ')'.
+            return f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return b""  # no /proc (not Linux): existence is all we can tell
+
+
 def process_alive(pid: int) -> bool:
     """True while process `pid` exists and is not a zombie (dead, waiting to be reaped)."""
     try:
@@ -29,13 +39,12 @@ def process_alive(pid: int) -> bool:
         return False
     except PermissionError:  # someone else's process: it exists
         return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            # "pid (comm) state ...": comm may hold spaces and parentheses, the state follows the last ')'.
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True  # no /proc (not Linux): existence is all we can tell
-    return state not in (b"Z", b"X")
+    return _state(pid) not in (b"Z", b"X")
+
+
+def process_stopped(pid: int) -> bool:
+    """True if process `pid` is stopped (SIGSTOP, a debugger): alive, but it will not progress."""
+    return _state(pid) in (b"T", b"t")
 
 
 def is_peer_loss(error: BaseException) -> bool:

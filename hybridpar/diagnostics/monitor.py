@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Callable, Optional
@@ -25,10 +26,23 @@ from ..files import write_text_atomic
 from ..layout import MeshCoords
 from . import flight
 from .heartbeat import HANG_EXIT_CODE, Heartbeat
+from .liveness import process_stopped
+from .node_fault import describe as describe_fault, node_fault
 from .traces import RankTrace
 
 
 LEFT = ("done", "stopped", "paused")  # the states of a rank that ended (or paused) on purpose: not watched
+
+
+def save_report(run_dir: Path, text: Optional[str], report: dict) -> None:
+    """Print `text` (if any) and write `report` as the run's hang_report.json (the verdict launch/slurm.sh reads)."""
+    report_path = Path(run_dir) / "hang_report.json"
+    if text:
+        print("\n" + text + f"\nreport: {report_path}\n", file=sys.stderr, flush=True)
+    try:
+        write_text_atomic(report_path, json.dumps(report, indent=1))
+    except OSError as err:
+        print(f"hybridpar watchdog: could not write {report_path}: {err}", file=sys.stderr, flush=True)
 
 
 class Monitor:
@@ -46,7 +60,9 @@ class Monitor:
         self._last: dict[int, dict] = {}  # rank -> its last heartbeat
         self._all_beating = False
         self.dead: list[int] = []
+        self.died: list[int] = []  # of those, the ranks whose process is known to be gone
         self._gone: set[int] = set()  # ranks a neighbour saw die (liveness.py)
+        self.started = time.time()  # a hang_report.json older than this is an earlier attempt's
 
     def rank0_gone(self) -> bool:
         """Rank 1's question before it takes over: has rank 0 died, or its heartbeat stopped?"""
@@ -116,20 +132,28 @@ class Monitor:
         died = sorted(r for r in self._seen_dead() if r in active and r not in failed)
         # A silent heartbeat is only a guess (C code holding the GIL through a long set-up step looks
         # the same): for ranks on this host the process itself is looked at instead.
-        local = set(self.beat.neighbours or ())
-        stopped = [r for r in active if r not in failed and r not in died and r not in local
-                   and self._beats[r][0] is not None and now - self._beats[r][1] > self.beat.dead_after()]
+        # A stopped process (SIGSTOP, a debugger) is alive but will not progress: its silence counts.
+        neighbours = self.beat.neighbours or {}
+        frozen = {r for r, pid in neighbours.items() if process_stopped(pid)}
+        local = set(neighbours) - frozen
+        silent = [r for r in active if r not in failed and r not in died
+                  and self._beats[r][0] is not None and now - self._beats[r][1] > self.beat.dead_after()]
+        stopped = [r for r in silent if r not in local and r not in frozen]
+        frozen = sorted(r for r in silent if r in frozen)
         if self.rank == 1 and 0 not in stopped + failed:  # rank 1 monitors only when rank 0 is gone
             stopped.append(0)
         # A rank that never beat may still be setting up (building the model, loading a checkpoint)
         # without any collective: it gets the whole timeout.
         unstarted = [r for r in active if self._beats[r][0] is None and now - self._beats[r][1] > timeout]
-        self.dead = sorted(set(died + stopped + unstarted))
+        self.dead = sorted(set(died + stopped + frozen + unstarted))
+        self.died = died
         reasons = []
         if died:
             reasons.append(f"rank(s) {died} died (the process is gone: it exited, was killed or crashed)")
         if stopped:
             reasons.append(f"rank(s) {sorted(stopped)} stopped sending heartbeats (process gone)")
+        if frozen:
+            reasons.append(f"rank(s) {frozen} are stopped (SIGSTOP, a debugger): alive, their heartbeat silent")
         if unstarted:
             reasons.append(f"rank(s) {unstarted} have not started their watchdog within {timeout:g} s "
                            "(not reached training: stuck in set-up, or never started)")
@@ -171,21 +195,71 @@ class Monitor:
         try:
             verdict = flight.analyse(traces, gone, last_issued)
             verdict.gone = self._gone_info(gone)
-            text = flight.format_report(verdict, headline, self.world_size)
-            report = {"reason": reason, "step": step, **verdict.to_json()}
+            fault = node_fault(verdict.findings, self.died, self._nodes(), self.world_size)
+            text = flight.format_report(verdict, headline, self.world_size) + "\n" + describe_fault(fault)
+            report = {"reason": reason, "step": step, "node_fault": fault, **self._when(verdict.culprits),
+                      **verdict.to_json()}
         except Exception:  # a bug in the analysis must not cost the report, nor the other ranks' exit
             error = traceback.format_exc()
             text = f"{headline}\nthe analysis of the traces failed:\n{error}"
-            report = {"reason": reason, "step": step, "analysis_error": error}
+            report = {"reason": reason, "step": step, "analysis_error": error,
+                      "node_fault": {"nodes": [], "why": "the analysis failed"}}
         report_path = self.run_dir / "hang_report.json"
         text += (f"\nreport: {report_path}; per-rank traces: {self.beat.trace_dir} on each node "
                  f"(`hybridpar hang-report DIR` after collecting them)\nthe ranks exit with code {HANG_EXIT_CODE}")
         print("\n" + text + "\n", file=sys.stderr, flush=True)
-        try:
-            write_text_atomic(report_path, json.dumps(report, indent=1))
-        except OSError as err:
-            print(f"hybridpar watchdog: could not write {report_path}: {err}", file=sys.stderr, flush=True)
+        self._save(None, report)
         return text
+
+    def store_lost(self, seconds: float, error: BaseException) -> None:
+        """This rank has not reached the job's store for `seconds`: its host, rank 0, is frozen or
+        gone, and with it the monitor. The lowest rank off rank 0's node says so for the launcher,
+        unless a verdict of this attempt is there already (rank 0's own error, written as it failed)."""
+        nodes = dict(self.beat.nodes)
+        if 0 not in nodes or self.beat.state in ("done", "stopped", "stopping", "paused"):
+            return  # ending on purpose: rank 0 may have ended before this rank
+        if min((r for r, n in nodes.items() if n != nodes[0]), default=None) != self.rank:
+            return
+        path = self.run_dir / "hang_report.json"
+        if path.exists() and path.stat().st_mtime >= self.started:
+            return
+        reason = (f"the job's store (rank 0's, on node {nodes[0]}) has not answered rank {self.rank} for "
+                  f"{seconds:.0f} s ({error}): rank 0 is frozen or gone")
+        fault = {"kind": "stall", "nodes": [nodes[0]], "ranks": [0]}
+        self._save(f"hybridpar watchdog at step {self.beat.step}: {reason}\n{describe_fault(fault)}",
+                   {"reason": reason, "step": self.beat.step, "node_fault": fault, **self._when([]), "quiet_s": seconds})
+
+    def own_failure(self, error: BaseException) -> None:
+        """Rank 0 raised (the program's fault, not its node's): said in the report before its store goes
+        away with it, so that the others' store_lost does not blame its node."""
+        reason = f"rank 0 raised {type(error).__name__}: {error}"
+        self._save(None, {"reason": reason, "step": self.beat.step, **self._when([0]),
+                          "node_fault": {"nodes": [], "why": "the program's own fault (failed): rank 0 raised"}})
+
+    def _save(self, text: Optional[str], report: dict) -> None:
+        save_report(self.run_dir, text, report)
+
+    def _when(self, culprits: list[int]) -> dict:
+        """When the verdict came (wall clock), how long the culprits (else every rank) had been quiet
+        by then, and which of torchrun's restarts this is."""
+        now = self.beat.clock.monotonic()
+        quiet = [now - self._progress[r][1] for r in (culprits or range(self.world_size)) if r in self._progress]
+        return {"time": time.time(), "quiet_s": round(max(quiet, default=0.0), 3),
+                "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)}
+
+    def _nodes(self) -> dict[int, str]:
+        """rank -> node of every rank that registered."""
+        nodes = dict(self.beat.nodes)
+        for r in range(self.world_size):
+            if r in nodes:
+                continue
+            try:
+                if self.beat.store.check([self.beat.who_key(r)]):
+                    who = self.beat.whos([r])[0]
+                    nodes[r] = who.get("node", who["host"])
+            except Exception:  # the store is going away with the job
+                break
+        return nodes
 
     def _gone_info(self, gone: list[int]) -> dict[int, dict]:
         """Where the ranks without a trace ran and what their last heartbeat said."""

@@ -32,6 +32,7 @@ from ..compat.torch import all_gather_single
 from ..layout import MeshCoords
 from ..mesh import ParallelDims
 from ..ranks import gather_objects
+from .node_fault import node_name
 
 # The collectives a training step can block in; names missing from this torch are skipped.
 COLLECTIVES = (
@@ -168,15 +169,22 @@ class StragglerMonitor:
     """The trainer's side: `with monitor:` around the training loop (the collectives wrapped),
     `with monitor.timing(step):` around each step, then `monitor.report(step)` on every rank."""
 
-    def __init__(self, parallel: ParallelDims, every: int, threshold: float, start_step: int = 0) -> None:
-        """start_step: the step this run starts from; its first step (lazy set-up, compilation) is not timed."""
+    def __init__(self, parallel: ParallelDims, every: int, threshold: float, start_step: int = 0, *,
+                 exclude: float = 0.0, exclude_reports: int = 3) -> None:
+        """start_step: the step this run starts from; its first step (lazy set-up, compilation) is not timed.
+        exclude: a rank over this (higher) threshold in `exclude_reports` reports in a row is its
+        node's fault: `excluding` says so on every rank (0: never)."""
         self.parallel, self.threshold, self.start_step = parallel, threshold, start_step
+        self.exclude, self.exclude_reports = exclude, exclude_reports
+        self._streak: tuple[Optional[int], int] = (None, 0)  # (rank, reports in a row) over `exclude`
+        self.excluding: Optional[dict] = None
         self.every = every if parallel.world_size > 1 else 0  # alone, there is nobody to compare with
         device = parallel.device
         gpu = device.type == "cuda"
         self.timer = CollectiveTimer(functools.partial(torch.cuda.synchronize, device) if gpu else None)
         self.samples = 1 if gpu else CPU_SAMPLES
-        self.hosts = gather_objects(socket.gethostname()) if self.every else []  # once per run
+        # (host, node) of every rank, once per run
+        self.places = gather_objects((socket.gethostname(), node_name())) if self.every else []
         self.measured: list[tuple[float, float]] = []  # (compute, wait) of this window's measured steps
         self.over: Optional[int] = None  # rank 0: the rank over the threshold in the last report
 
@@ -227,13 +235,26 @@ class StragglerMonitor:
         table = torch.empty(2 * p.world_size, dtype=torch.float64, device=p.device)
         all_gather_single(table, mine)
         self.measured = []
+        compute, wait = table.view(-1, 2).t().tolist()
+        verdict = analyse(compute, wait, self.threshold, previous=self.over)  # every rank alike
+        self._judge(verdict, step)
         if p.rank != 0:
             return None
-        compute, wait = table.view(-1, 2).t().tolist()
-        verdict = analyse(compute, wait, self.threshold, previous=self.over)
         self.over = verdict.rank if verdict.over else None
         coords = MeshCoords.of(verdict.rank, p.dp_replicate, p.dp_shard, p.mp)
-        host = self.hosts[verdict.rank]
+        host = self.places[verdict.rank][0]
         if verdict.straggler:
             print(describe(verdict, step, coords, host), flush=True)
         return metrics_row(verdict, coords, host)
+
+    def _judge(self, verdict: Verdict, step: int) -> None:
+        """A rank over `exclude` in `exclude_reports` reports in a row: `excluding` names it and its node."""
+        if not self.exclude or verdict.ratio <= self.exclude:
+            self._streak = (None, 0)
+            return
+        rank, count = self._streak
+        self._streak = (verdict.rank, count + 1 if rank == verdict.rank else 1)
+        if self._streak[1] >= self.exclude_reports:
+            host, node = self.places[verdict.rank]
+            self.excluding = {"rank": verdict.rank, "host": host, "node": node, "ratio": round(verdict.ratio, 2),
+                              "reports": self._streak[1], "step": step}

@@ -41,7 +41,9 @@ class Watchdog:
         self._exit = exit_fn
         self._monitoring = self.rank == 0  # rank 1 joins in when rank 0's heartbeat stops
         self._thread: Optional[threading.Thread] = None
+        self._guarding: Optional[threading.Thread] = None
         self._stop = threading.Event()
+        self._busy_since: Optional[float] = None  # when the store calls under way began
         self.paused = False
 
     @property
@@ -72,6 +74,9 @@ class Watchdog:
         self.beat.publish()
         self._thread = threading.Thread(target=self._run, name="hybridpar-watchdog", daemon=True)
         self._thread.start()
+        if self.world_size > 1 and (self._guarding is None or not self._guarding.is_alive()):
+            self._guarding = threading.Thread(target=self._guard, name="hybridpar-watchdog-guard", daemon=True)
+            self._guarding.start()
         return self
 
     def arm(self, timeout: float) -> None:
@@ -116,7 +121,11 @@ class Watchdog:
                 return
         if error is not None:
             beat.state = "failed"
+            self._busy_since = beat.clock.monotonic()
             beat.record_failure(error)
+            self._busy_since = None
+            if self.rank == 0 and self.world_size > 1 and isinstance(error, Exception) and not is_peer_loss(error):
+                self.monitor.own_failure(error)
         self._end("failed" if error is not None else "done")
 
     def _end(self, state: str) -> None:
@@ -126,6 +135,8 @@ class Watchdog:
         self._stop.set()
         self.beat.wake()
         self._thread.join(timeout=10)
+        if self._guarding is not None:
+            self._guarding.join(timeout=2)
         try:
             self.beat.publish()
         except Exception:  # the store may already be gone at the very end of a job
@@ -141,18 +152,39 @@ class Watchdog:
             if self._stop.is_set():
                 return
             try:
-                if self._round():
-                    return
+                self._busy_since = self.beat.clock.monotonic()
+                try:
+                    if self._round():
+                        return
+                finally:
+                    self._busy_since = None
                 failures_since = None
             except Exception as err:  # the store is unreachable: its host (rank 0's) is probably gone
                 now = self.beat.clock.monotonic()
                 failures_since = failures_since or now
                 if now - failures_since > self.beat.dead_after():
+                    self.monitor.store_lost(now - failures_since, err)
                     print(f"hybridpar watchdog (rank {self.rank}): the job's store has been unreachable for "
                           f"{now - failures_since:.0f} s ({err}); the rank hosting it is probably gone. Exiting.",
                           file=sys.stderr, flush=True)
                     self._exit(HANG_EXIT_CODE)
                     return
+
+    def _guard(self) -> None:
+        """A store whose host (rank 0) is frozen, stopped but not dead, keeps its connections open, and
+        a call on it returns only at the process group's timeout: a call still under way after a silent
+        heartbeat's limit (plus a verdict's trace collection) means the store is gone."""
+        beat = self.beat
+        limit = beat.dead_after() + max(5.0, 4 * beat.interval) + 5.0
+        while not self._stop.wait(1.0):
+            began = self._busy_since
+            stuck = beat.clock.monotonic() - began if began is not None else 0.0
+            if stuck > limit:
+                self.monitor.store_lost(stuck, TimeoutError(f"a call has not returned for {stuck:.0f} s"))
+                print(f"hybridpar watchdog (rank {self.rank}): the job's store has not answered for {stuck:.0f} s; "
+                      "the rank hosting it (rank 0) is frozen or gone. Exiting.", file=sys.stderr, flush=True)
+                self._exit(HANG_EXIT_CODE)
+                return
 
     def _round(self) -> bool:
         """One beat: publish, obey an abort, answer a dump request, then monitor (rank 0, or rank 1

@@ -9,6 +9,7 @@ import shlex
 from pathlib import Path
 from typing import Optional
 
+from .. import incidents
 from ..files import write_text_atomic
 
 
@@ -80,6 +81,12 @@ def summarise(*, run_dir: Path, steps: tuple[int, int], skipped: int, tokens: fl
         done["commands"] = commands
     else:
         rows.append(("checkpoint", "none saved (checkpoint.at_end = false and no checkpoint.every)"))
+    path = os.environ.get(incidents.INCIDENTS_ENV)
+    events = incidents.read(Path(path)) if path else []
+    if events:  # the faults this run healed from (launch/slurm.sh)
+        lines = incidents.summary_lines(events)
+        rows += [("incidents", f"{len(lines)} in {path}"), *(("", line) for line in lines)]
+        done["incidents"] = incidents.fold(events)
     width = max(len(k) for k, _ in rows)
     text = "\n".join([f"=== run summary: {run_dir} ==="] + [f"  {k:<{width}}  {v}" for k, v in rows])
     return text, done

@@ -22,9 +22,11 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
+from .. import incidents
 from ..checkpoint.dcp import latest_checkpoint
 from ..config import Config
 from ..diagnostics.data_guard import check_data, step_fingerprint
+from ..diagnostics.monitor import save_report
 from ..diagnostics.replicas import check_replicas
 from ..diagnostics.stragglers import StragglerMonitor
 from ..diagnostics.timeouts import Deadlines, apply_env_defaults
@@ -94,7 +96,8 @@ class Supervisor:
         self.deadlines.watched = self.watchdog is not None
         if self.watchdog is not None and self.stop.requested:  # during set-up
             self.watchdog.stop_requested(self.stop.signal_name)
-        self.stragglers = StragglerMonitor(self.parallel, d.straggler_every, d.straggler_threshold, step)
+        self.stragglers = StragglerMonitor(self.parallel, d.straggler_every, d.straggler_threshold, step,
+                                           exclude=d.straggler_exclude, exclude_reports=d.straggler_exclude_reports)
         self.stragglers.__enter__()  # collectives timed on measured steps; torch.distributed's own back at close
 
     def close(self, error: Optional[BaseException] = None) -> None:
@@ -144,6 +147,7 @@ class Supervisor:
         limit = self.deadlines.step_done(step)
         if limit is not None:  # the first step of this run ended start-up: a long wait is now a hang
             self.phase("first step done", timeout=limit)
+            self._training_again(step)
         every = self.config.diagnostics.replica_check_every
         if every and step % every == 0:
             check_replicas(self.model, self.parallel, step)
@@ -152,6 +156,25 @@ class Supervisor:
                 self.phase("straggler report")
             found.update(self.stragglers.report(step) or {})
 
+    @property
+    def excluding(self) -> Optional[dict]:
+        """A straggler so slow for so long that its node should go (every rank agrees): the run saves
+        and stops, and straggler_stop() names the node."""
+        return self.stragglers.excluding if self.stragglers is not None else None
+
+    def straggler_stop(self, step: int, checkpoint: Optional[Path]) -> None:
+        """Rank 0, once the checkpoint is written: the verdict for launch/slurm.sh, and one line."""
+        x = self.excluding
+        line = (f"hybridpar: rank {x['rank']} (node {x['node']}, host {x['host']}) computed {x['ratio']}x the "
+                f"others' median in {x['reports']} straggler reports in a row (diagnostics.straggler_exclude = "
+                f"{self.config.diagnostics.straggler_exclude}); saved step {step} ({checkpoint}) and stopped so "
+                f"that node {x['node']} can be left out (launch/slurm.sh excludes it and requeues the job)")
+        fault = {"kind": "straggler", "nodes": [x["node"]], "ranks": [x["rank"]]}
+        save_report(self.run_dir, None, {"reason": line, "step": step, "node_fault": fault, "time": time.time(),
+                                         "quiet_s": 0.0, "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0) or 0),
+                                         "straggler": x, "checkpoint": str(checkpoint)})
+        print(line, flush=True)
+
     @contextmanager
     def checkpointing(self) -> Iterator[None]:
         """Around a checkpoint's writes: not a hang however long (Deadlines.checkpointing)."""
@@ -159,6 +182,18 @@ class Supervisor:
         with self.deadlines.checkpointing():
             yield
         self.phase("checkpointed", timeout=self.deadlines.no_progress_limit())
+
+    def _training_again(self, step: int) -> None:
+        """Rank 0, after this run's first step: the run's incidents (launch/slurm.sh's) say when
+        training went on after the last fault."""
+        path = os.environ.get(incidents.INCIDENTS_ENV)
+        if not path or self.parallel is None or self.parallel.rank != 0:
+            return
+        try:
+            incidents.training_again(Path(path), step=step, resumed_from=self.start_step,
+                                     job=os.environ.get("SLURM_JOB_ID", ""), nodes=os.environ.get("SLURM_JOB_NODELIST", ""))
+        except OSError as err:  # a record, not a reason to stop training
+            print(f"hybridpar: could not note in {path}: {err}", file=sys.stderr, flush=True)
 
     # --- a stop on request (stop.py) ------------------------------------------------------------
 

@@ -282,8 +282,11 @@ class Trainer:
             plot_dashboard(self.metrics.jsonl_path, self.run_dir / "loss.png", grad_clip=c.optim.grad_clip)
         if self.stop_signal and self.is_main:
             path = latest_checkpoint(self.checkpointer.folder)
-            stopping.write_marker(self.run_dir, self.stop_signal, self.step, path)
-            print(stopping.stopped_line(self.stop_signal, self.step, path, c.checkpoint.resume), flush=True)
+            if self.supervisor.excluding is not None:
+                self.supervisor.straggler_stop(self.step, path)
+            else:
+                stopping.write_marker(self.run_dir, self.stop_signal, self.step, path)
+                print(stopping.stopped_line(self.stop_signal, self.step, path, c.checkpoint.resume), flush=True)
         self._summary()
         return self.history
 
@@ -336,6 +339,8 @@ class Trainer:
                 if self.is_main:
                     print(f"step {m['step']}: non-finite loss {m['loss']} or gradient norm: step skipped", flush=True)
             row = dict(found)  # the straggler report's, when one was due
+            if self.supervisor.excluding is not None:  # every rank agrees: save, stop, name the node
+                self.stop_signal = self.stop_signal or "a straggler"
             every = c.train.eval_every
             if self.validator is not None and not self.stop_signal and (
                     (every and self.step % every == 0) or self.step == c.train.steps):

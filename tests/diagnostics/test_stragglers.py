@@ -52,6 +52,11 @@ def test_config_defaults_and_bad_values():
         load_config(None, ["--diagnostics.straggler_every", "-1"])
     with pytest.raises(ConfigError, match=r"diagnostics.straggler_threshold must be > 1 .*, got 1.0"):
         load_config(None, ["--diagnostics.straggler_threshold", "1"])
+    assert (d.straggler_exclude, d.straggler_exclude_reports) == (3.0, 3)
+    assert load_config(None, ["--diagnostics.straggler_exclude", "0"]).diagnostics.straggler_exclude == 0
+    with pytest.raises(ConfigError, match=r"straggler_exclude must be 0 \(never\) or above straggler_threshold "
+                                          r"\(1.5\), got 1.2"):
+        load_config(None, ["--diagnostics.straggler_exclude", "1.2"])
 
 
 def test_analysis_refuses_fewer_than_two_ranks():
@@ -226,3 +231,47 @@ def test_slow_collective_blames_nobody(workers, corpus, tmp_path):
     assert len(reports) == 3 and _warnings(result["out"]) == []
     # Three all_reduces per step (the target count, the loss, the gradient norm), each 0.2 s late.
     assert all(r["straggler/median_wait_s"] > 2.5 * SLEEP_S for r in reports)
+
+
+def _case_straggler_stops(config, slow_rank, sleep_s):
+    """Train with `slow_rank` sleeping `sleep_s` in each forward; the step every rank stopped at, and
+    on rank 0 its output and the verdict it wrote."""
+    import contextlib
+    import io
+    import json
+    import time
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from hybridpar.train import Trainer
+
+    trainer = Trainer(config)
+    if dist.get_rank() == slow_rank:
+        trainer.model.register_forward_pre_hook(lambda module, args: time.sleep(sleep_s))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        trainer.run()
+    report = Path(config.output.run_dir) / "hang_report.json"
+    return {"step": trainer.step, "out": out.getvalue(),
+            "report": json.loads(report.read_text()) if dist.get_rank() == 0 else None}
+
+
+@pytest.mark.slow
+def test_a_straggler_over_the_exclusion_threshold_stops_the_run_with_a_checkpoint_naming_its_node(
+        workers, corpus, tmp_path):
+    """Over straggler_exclude in straggler_exclude_reports reports in a row: every rank stops at the same
+    step, after saving it, and the verdict names the node (for launch/slurm.sh): no step is lost."""
+    import socket
+
+    config = make_config(corpus, tmp_path, steps=12, mp=2, dp_shard=2, strategy="hybrid_shard", dp=2, **{
+        "diagnostics.straggler_every": 2, "diagnostics.straggler_exclude": 2.0,
+        "diagnostics.straggler_exclude_reports": 2, "checkpoint.every": 100})
+    results = workers(4).run(_case_straggler_stops, config, slow_rank=3, sleep_s=0.4)
+    assert [r["step"] for r in results] == [4] * 4, [r["step"] for r in results]
+    report = results[0]["report"]
+    print("\n" + report["reason"])
+    assert report["node_fault"] == {"kind": "straggler", "nodes": [socket.gethostname()], "ranks": [3]}
+    assert report["straggler"]["reports"] == 2 and report["straggler"]["ratio"] > 2.0
+    assert report["checkpoint"].endswith("step-00000004") and (tmp_path / "checkpoints" / "step-00000004").is_dir()
+    assert "hybridpar: rank 3 (node " in results[0]["out"] and "saved step 4" in results[0]["out"]

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ import torch.distributed as dist
 
 from hybridpar.diagnostics import flight, watchdog
 from hybridpar.diagnostics.flight import analyse, format_report
+from hybridpar.diagnostics.liveness import process_stopped
 from hybridpar.diagnostics.traces import Collective, GroupTrace, RankTrace, trace_from_dump
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -307,6 +309,35 @@ def test_a_stop_on_request_is_neither_a_teardown_nor_a_death(tmp_path, clock):
     clock.now += 30
     wd.beat.publish()
     assert wd.monitor.check() == "rank(s) [1] stopped sending heartbeats (process gone)"
+
+
+def test_a_stopped_neighbour_is_a_stall_and_its_node_is_named(tmp_path, clock):
+    """A rank on this host whose process is stopped (SIGSTOP: alive, not progressing) is judged by
+    its silent heartbeat like a rank elsewhere; the verdict names its node for the launcher."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        wd = _watchdog(tmp_path)
+        wd.beat.neighbours, wd.beat.nodes = {1: child.pid}, {0: "n1", 1: "n2"}
+        wd.beat.put("beat/1", json.dumps({"beat": 1, "step": 6, "phase": "forward", "seqs": {}, "state": "running",
+                                          "timeout": 60.0, "note": ""}))
+        wd.beat.publish()
+        assert wd.monitor.check() is None
+        clock.now += 30
+        wd.beat.publish()
+        assert wd.monitor.check() is None  # alive and running on this host: a long C call, not a death
+        os.kill(child.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while not process_stopped(child.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        reason = wd.monitor.check()
+        assert reason == "rank(s) [1] are stopped (SIGSTOP, a debugger): alive, their heartbeat silent"
+        wd.monitor.report(reason)
+    finally:
+        child.kill()
+        child.wait()
+    report = json.loads((tmp_path / "hang_report.json").read_text())
+    assert report["node_fault"] == {"kind": "stall", "nodes": ["n2"], "ranks": [1]}
+    assert report["step"] == 6 and report["quiet_s"] == pytest.approx(30.0) and report["attempt"] == 0
 
 
 def test_a_failing_analysis_still_writes_a_report_and_stops_the_job(tmp_path, clock, monkeypatch):

@@ -1,128 +1,27 @@
-"""launch/slurm.sh on a real Slurm cluster: one controller and two slurmd "nodes" on this machine
-(<repo>/../shared/slurm/local-cluster.sh), `sbatch --wait`, 2 nodes x 2 CPU ranks (mp 2 x dp 2, gloo).
-
-The cluster needs root and Debian's slurm-wlm (installed with apt on first use). Where slurm cannot
-start although root and apt are there, the test fails rather than skips: a launch path that only
-works on paper is what this test exists to catch. Only a machine without root, or without both
-slurm and apt, skips it.
-"""
+"""launch/slurm.sh on a real Slurm cluster (tests/launch/cluster.py: slurmd "nodes" on this machine),
+`sbatch --wait`, 2 nodes x 2 CPU ranks (mp 2 x dp 2, gloo)."""
 
 from __future__ import annotations
 
 import json
-import os
-import random
 import re
-import shutil
-import socket
-import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
-from tests.launch.common import (
-    LAYOUT_LINE, ROOT, SLURM_SH, documented_coords, free_port, mesh_table, metrics_by_step, script_env,
-    tiny_overrides,
+from tests.launch.cluster import (
+    JOB_TIMEOUT, MP, NODES, PROCS_PER_NODE, job_id, sbatch_wait, submit, wait_for_step,
 )
+from tests.launch.common import LAYOUT_LINE, documented_coords, mesh_table, metrics_by_step
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
-HARNESS = ROOT.parent / "shared" / "slurm" / "local-cluster.sh"
-NODES, PROCS_PER_NODE, MP = 2, 2, 2
 STEPS = 4
-JOB_TIMEOUT = 600
-
-
-def _ports_free(ports) -> bool:
-    for port in ports:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                return False
-    return True
-
-
-def _port_base() -> int:
-    """A base for the harness's ports (base, base+1, base+10..): not the default 16800, so a cluster
-    someone else runs on this machine is left alone."""
-    for _ in range(200):
-        base = random.randrange(20000, 30000, 20)
-        if _ports_free([base, base + 1] + [base + 10 + i for i in range(NODES)]):
-            return base
-    raise RuntimeError("no free port range for the Slurm daemons")
-
-
-class Cluster:
-    def __init__(self, folder: Path, conf: str) -> None:
-        self.folder, self.conf = folder, conf
-
-    def env(self, **extra) -> dict:
-        return script_env(SLURM_CONF=self.conf, **extra)
-
-    def run(self, *cmd: str, timeout: float = 60) -> subprocess.CompletedProcess:
-        return subprocess.run(list(cmd), env=self.env(), capture_output=True, text=True, timeout=timeout)
-
-    def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((self.folder / "log").glob("*.log")))
-
-    def cancel_all(self) -> None:
-        """Cancel every job and wait until none is left (slurmd alone would not end running steps)."""
-        jobs = self.run("squeue", "-h", "-o", "%i").stdout.split()
-        if jobs:
-            self.run("scancel", "--full", *jobs)
-        deadline = time.monotonic() + 60
-        while self.run("squeue", "-h", "-o", "%i").stdout.split() and time.monotonic() < deadline:
-            time.sleep(1)
-
-
-@pytest.fixture(scope="module")
-def slurm_cluster(tmp_path_factory):
-    if os.geteuid() != 0:
-        pytest.skip("a local Slurm cluster needs root")
-    if not shutil.which("slurmctld") and not shutil.which("apt-get"):
-        pytest.skip("slurm-wlm is not installed and there is no apt-get to install it")
-    assert HARNESS.is_file(), (
-        f"{HARNESS} is missing: the CI clones the repository with ../shared beside it (shared/slurm/local-cluster.sh)")
-    folder = tmp_path_factory.mktemp("slurm")
-    env = script_env(SLURM_LOCAL_PORT_BASE=_port_base())
-    cluster = None
-    try:
-        start = subprocess.run(["bash", str(HARNESS), "start", str(folder), str(NODES), str(PROCS_PER_NODE)],
-                               env=env, capture_output=True, text=True, timeout=900)
-        conf = re.search(r"export SLURM_CONF=(\S+)", start.stdout)
-        assert start.returncode == 0 and conf, f"the Slurm cluster did not start:\n{start.stdout}\n{start.stderr}"
-        cluster = Cluster(folder, conf.group(1))
-        idle = cluster.run("sinfo", "-h", "-t", "idle", "-o", "%D").stdout.split()
-        assert idle and int(idle[0]) == NODES, f"expected {NODES} idle nodes, sinfo says {idle}:\n{cluster.logs()}"
-        yield cluster
-    finally:
-        if cluster is not None:
-            cluster.cancel_all()
-        subprocess.run(["bash", str(HARNESS), "stop", str(folder)], env=env, capture_output=True, timeout=120)
-
-
-def _sbatch(cluster: Cluster, run_dir: Path, output: Path, steps: int, corpus, **env) -> tuple[str, Path]:
-    """Submit launch/slurm.sh with `sbatch --wait`; returns the job's output and its job folder."""
-    env = cluster.env(MP=MP, PROCS_PER_NODE=PROCS_PER_NODE, RUN_DIR=run_dir, MAX_RESTARTS=0,
-                      RDZV_HOST="127.0.0.1", RDZV_PORT=free_port(), **env)  # every node name is this machine
-    cmd = ["sbatch", "--wait", f"--nodes={NODES}", f"--output={output}", str(SLURM_SH),
-           "--", *tiny_overrides(corpus, steps, every=2)]
-    try:
-        result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        cluster.cancel_all()
-        pytest.fail(f"the job did not end in {JOB_TIMEOUT} s:\n{output.read_text()[-5000:] if output.exists() else ''}")
-    log = output.read_text() if output.exists() else ""
-    assert result.returncode == 0, f"sbatch --wait exited {result.returncode}\n{result.stderr}\n{log[-6000:]}\n{cluster.logs()}"
-    job_id = re.search(r"Submitted batch job (\d+)", result.stdout).group(1)
-    return log, run_dir / f"job-{job_id}"
 
 
 def test_sbatch_two_nodes_trains_checkpoints_and_reports_the_documented_layout(slurm_cluster, corpus, tmp_path):
     run_dir = tmp_path / "run"
-    log, job_dir = _sbatch(slurm_cluster, run_dir, tmp_path / "slurm-1.out", STEPS, corpus)
+    log, job_dir = sbatch_wait(slurm_cluster, run_dir, tmp_path / "slurm-1.out", STEPS, corpus)
 
     # Trained the steps and left a complete checkpoint of the 4-rank job.
     rows = metrics_by_step(job_dir)
@@ -165,7 +64,7 @@ def test_sbatch_two_nodes_trains_checkpoints_and_reports_the_documented_layout(s
 
     # A second job of the same run (a resubmission after a time limit, say) continues from the newest
     # checkpoint: the first job's last step.
-    log2, job_dir2 = _sbatch(slurm_cluster, run_dir, tmp_path / "slurm-2.out", STEPS + 2, corpus, PREFLIGHT=0)
+    log2, job_dir2 = sbatch_wait(slurm_cluster, run_dir, tmp_path / "slurm-2.out", STEPS + 2, corpus, PREFLIGHT=0)
     assert f"resumed from {run_dir}/checkpoints/step-{STEPS:08d} at step {STEPS}" in log2, log2[-4000:]
     assert sorted(metrics_by_step(job_dir2)) == [STEPS + 1, STEPS + 2]
     assert (run_dir / "checkpoints" / f"step-{STEPS + 2:08d}").is_dir() and job_dir2 != job_dir
@@ -177,36 +76,16 @@ def test_usr1_to_the_job_saves_the_step_requeues_and_the_requeued_job_finishes(s
     torchrun agents pass it to their ranks, which save the step they are in; slurm.sh requeues the
     job, and the same job id starts again, resumes from that checkpoint and trains to the end."""
     steps, run_dir = 16, tmp_path / "run"
-    env = slurm_cluster.env(MP=MP, PROCS_PER_NODE=PROCS_PER_NODE, RUN_DIR=run_dir, MAX_RESTARTS=0, PREFLIGHT=0,
-                            RDZV_HOST="127.0.0.1", RDZV_PORT=free_port())
-    cmd = ["sbatch", f"--nodes={NODES}", f"--output={tmp_path / 'slurm.out'}", str(SLURM_SH),
-           "--", *tiny_overrides(corpus, steps, every=100)]
-    submitted = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
-    job_id = re.search(r"Submitted batch job (\d+)", submitted.stdout).group(1)
-    job_dir = run_dir / f"job-{job_id}"
+    job = job_id(submit(slurm_cluster, run_dir, tmp_path / "slurm.out", steps, corpus, every=100, PREFLIGHT=0))
+    job_dir = run_dir / f"job-{job}"
     deadline = time.monotonic() + 2 * JOB_TIMEOUT  # two starts of the job
     try:
-        while not (job_dir / "metrics.jsonl").exists() or len((job_dir / "metrics.jsonl").read_text().splitlines()) < 3:
-            assert time.monotonic() < deadline, f"no step 3:\n{slurm_cluster.logs()}"
-            time.sleep(0.2)
-        signalled = slurm_cluster.run("scancel", "--signal=USR1", job_id)
+        wait_for_step(job_dir, 3, deadline, slurm_cluster)
+        signalled = slurm_cluster.run("scancel", "--signal=USR1", job)
         assert signalled.returncode == 0, signalled.stderr
-        state, hurried, ended_at = "", False, None
-        while state != "COMPLETED":
-            shown = slurm_cluster.run("scontrol", "show", "job", job_id).stdout
-            state = re.search(r"JobState=(\S+)", shown).group(1)
-            if state == "PENDING" and "Reason=BeginTime" in shown and not hurried:
-                # Slurm holds a requeued job back for a while before it may start again; only the
-                # test's clock, not what it checks: let it start now.
-                hurried = slurm_cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now").returncode == 0
-            # On a busy machine slurmctld may show the first start's end (FAILED: its srun step was
-            # cancelled) for a moment before it applies the requeue the batch script asked for: a
-            # final state only when it stays.
-            ended = state in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL")
-            ended_at = (ended_at or time.monotonic()) if ended else None
-            assert not (ended and time.monotonic() - ended_at > 15) and time.monotonic() < deadline, \
-                f"{state}:\n{(job_dir / 'job.log').read_text()[-6000:]}"
-            time.sleep(1)
+        # Slurm holds a requeued job back for a while before it may start again; only the test's
+        # clock, not what it checks: let it start now.
+        shown = slurm_cluster.wait_completed(job, deadline, job_dir / "job.log", hurry=True)
     finally:
         slurm_cluster.cancel_all()
     log = (job_dir / "job.log").read_text()
@@ -214,7 +93,7 @@ def test_usr1_to_the_job_saves_the_step_requeues_and_the_requeued_job_finishes(s
     assert stopped, log[-6000:]
     step = int(stopped.group(1))
     print(f"\nstopped after step {step}, requeued, resumed: {re.findall(r'resumed from .*', log)}")
-    assert f"requeued job {job_id}" in log and "Restarts=1" in shown
+    assert f"requeued job {job}" in log and "Restarts=1" in shown
     assert f"resumed from {run_dir}/checkpoints/step-{step:08d} at step {step}" in log, log[-6000:]
     assert sorted(metrics_by_step(job_dir)) == list(range(1, steps + 1))
     assert (run_dir / "checkpoints" / f"step-{steps:08d}").is_dir() and "hybridpar watchdog" not in log

@@ -26,7 +26,7 @@ from ..files import write_text_atomic
 from ..layout import MeshCoords
 from . import flight
 from .heartbeat import HANG_EXIT_CODE, Heartbeat
-from .liveness import process_stopped
+from .liveness import is_peer_loss, process_stopped
 from .node_fault import describe as describe_fault, node_fault
 from .traces import RankTrace
 
@@ -211,23 +211,29 @@ class Monitor:
         self._save(None, report)
         return text
 
-    def store_lost(self, seconds: float, error: BaseException) -> None:
+    def store_lost(self, seconds: float, error: BaseException) -> str:
         """This rank has not reached the job's store for `seconds`: its host, rank 0, is frozen or
         gone, and with it the monitor. The lowest rank off rank 0's node says so for the launcher,
-        unless a verdict of this attempt is there already (rank 0's own error, written as it failed)."""
+        unless a verdict of this attempt is there already (rank 0's own error, written as it failed).
+        What it did, for the rank's last line."""
         nodes = dict(self.beat.nodes)
-        if 0 not in nodes or self.beat.state in ("done", "stopped", "stopping", "paused"):
-            return  # ending on purpose: rank 0 may have ended before this rank
-        if min((r for r, n in nodes.items() if n != nodes[0]), default=None) != self.rank:
-            return
+        if 0 not in nodes:
+            return "rank 0's node is not known: no verdict"
+        if self.beat.state in ("done", "stopped"):
+            return f"this rank is {self.beat.state}: no verdict"  # rank 0 may have ended before it
+        writer = min((r for r, n in nodes.items() if n != nodes[0]), default=None)
+        if writer != self.rank:
+            return f"rank {writer} names rank 0's node" if writer is not None else "every rank is on rank 0's node"
         path = self.run_dir / "hang_report.json"
         if path.exists() and path.stat().st_mtime >= self.started:
-            return
+            return f"{path} says why"
+        gone = is_peer_loss(error)  # the connection broke: the process is gone, not frozen
         reason = (f"the job's store (rank 0's, on node {nodes[0]}) has not answered rank {self.rank} for "
-                  f"{seconds:.0f} s ({error}): rank 0 is frozen or gone")
-        fault = {"kind": "stall", "nodes": [nodes[0]], "ranks": [0]}
+                  f"{seconds:.0f} s ({error}): rank 0 is {'gone' if gone else 'frozen'}")
+        fault = {"kind": "death" if gone else "stall", "nodes": [nodes[0]], "ranks": [0]}
         self._save(f"hybridpar watchdog at step {self.beat.step}: {reason}\n{describe_fault(fault)}",
                    {"reason": reason, "step": self.beat.step, "node_fault": fault, **self._when([]), "quiet_s": seconds})
+        return f"{path} names node {nodes[0]}"
 
     def own_failure(self, error: BaseException) -> None:
         """Rank 0 raised (the program's fault, not its node's): said in the report before its store goes

@@ -163,10 +163,10 @@ class Watchdog:
                 now = self.beat.clock.monotonic()
                 failures_since = failures_since or now
                 if now - failures_since > self.beat.dead_after():
-                    self.monitor.store_lost(now - failures_since, err)
+                    said = self.monitor.store_lost(now - failures_since, err)
                     print(f"hybridpar watchdog (rank {self.rank}): the job's store has been unreachable for "
-                          f"{now - failures_since:.0f} s ({err}); the rank hosting it is probably gone. Exiting.",
-                          file=sys.stderr, flush=True)
+                          f"{now - failures_since:.0f} s ({err}); the rank hosting it is probably gone ({said}). "
+                          "Exiting.", file=sys.stderr, flush=True)
                     self._exit(HANG_EXIT_CODE)
                     return
 
@@ -180,9 +180,9 @@ class Watchdog:
             began = self._busy_since
             stuck = beat.clock.monotonic() - began if began is not None else 0.0
             if stuck > limit:
-                self.monitor.store_lost(stuck, TimeoutError(f"a call has not returned for {stuck:.0f} s"))
+                said = self.monitor.store_lost(stuck, TimeoutError(f"a call has not returned for {stuck:.0f} s"))
                 print(f"hybridpar watchdog (rank {self.rank}): the job's store has not answered for {stuck:.0f} s; "
-                      "the rank hosting it (rank 0) is frozen or gone. Exiting.", file=sys.stderr, flush=True)
+                      f"the rank hosting it (rank 0) is frozen or gone ({said}). Exiting.", file=sys.stderr, flush=True)
                 self._exit(HANG_EXIT_CODE)
                 return
 

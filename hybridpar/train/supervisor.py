@@ -27,11 +27,13 @@ from ..checkpoint.dcp import latest_checkpoint
 from ..config import Config
 from ..diagnostics.data_guard import check_data, step_fingerprint
 from ..diagnostics.monitor import save_report
+from ..diagnostics.node_fault import node_name
 from ..diagnostics.replicas import check_replicas
 from ..diagnostics.stragglers import StragglerMonitor
 from ..diagnostics.timeouts import Deadlines, apply_env_defaults
 from ..diagnostics.watchdog import Watchdog
 from ..mesh import ParallelDims
+from ..ranks import gather_objects
 from . import stop as stopping
 
 
@@ -63,6 +65,9 @@ class Supervisor:
         self.parallel = parallel
         if self.config.diagnostics.watchdog:
             self.watchdog = self._watch(self.config.parallel.init_timeout, 0, "set-up")
+            # Every rank's node, known to every rank before anything can freeze: a rank that finds the
+            # store's host frozen can then name its node (the store registry may not be complete yet).
+            self.watchdog.beat.nodes = dict(enumerate(gather_objects(node_name())))
 
     def _watch(self, timeout: float, step: int, phase: str) -> Watchdog:
         watchdog = Watchdog(self.parallel, timeout=timeout, run_dir=self.run_dir, trace_dir=self.trace_dir,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -37,9 +38,9 @@ def undisturbed(slurm_cluster, corpus, tmp_path_factory):
     return {step: row["loss"] for step, row in rows.items()}
 
 
-def _rank_pids(job: str, node: str) -> list[int]:
-    """The training ranks of job `job` on `node` (torchrun's workers: they have LOCAL_RANK)."""
-    pids = []
+def _ranks(job: str) -> dict[int, tuple[str, int]]:
+    """rank -> (node, pid) of job `job`'s training ranks (torchrun's workers: they have RANK)."""
+    found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -49,15 +50,34 @@ def _rank_pids(job: str, node: str) -> list[int]:
             cmdline = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if (env.get("SLURM_JOB_ID") == job and env.get("SLURMD_NODENAME") == node and "LOCAL_RANK" in env
-                and b"hybridpar" in cmdline and b"train" in cmdline):
-            pids.append(int(entry.name))
-    return pids
+        if env.get("SLURM_JOB_ID") == job and "RANK" in env and b"hybridpar" in cmdline and b"train" in cmdline:
+            found[int(env["RANK"])] = (env.get("SLURMD_NODENAME", "?"), int(entry.name))
+    return found
 
 
-def _heal(slurm_cluster, corpus, tmp_path, fault: str, index: int, **env) -> dict:
-    """Run a job, make `fault` on its node `index` (0: ranks 0 and 1, the batch script's node and the
-    host of the job's store) after FAULT_AFTER steps, wait until it completes; what happened, measured."""
+def _rank_pids(job: str, store_host: bool) -> tuple[str, list[int]]:
+    """The node of rank 0 (it hosts the job's store), or the other one, and its ranks' pids, in rank order.
+    torchrun numbers the nodes in rendezvous order, not Slurm's: rank 0 may be on either."""
+    ranks = _ranks(job)
+    assert len(ranks) == 4, f"expected the 4 ranks of job {job}, found {ranks}"
+    node = ranks[0][0] if store_host else next(n for n, _ in ranks.values() if n != ranks[0][0])
+    return node, [pid for r, (n, pid) in sorted(ranks.items()) if n == node]
+
+
+def _release(pids: list[int]) -> None:
+    """Nothing of the test's making outlives it: the processes it stopped are killed."""
+    for pid in pids:
+        for sig in (signal.SIGKILL, signal.SIGCONT):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+def _heal(slurm_cluster, corpus, tmp_path, fault: str, store_host: bool, **env) -> dict:
+    """Run a job, make `fault` on the node of rank 0 (`store_host`: the host of the job's store and
+    its monitor) or on the other one after FAULT_AFTER steps (a stall stops every rank there, a kill
+    its last rank), wait until it completes; what happened, measured."""
     run_dir = tmp_path / "run"
     job = job_id(submit(slurm_cluster, run_dir, tmp_path / "slurm.out", STEPS, corpus, every=EVERY,
                         overrides=WATCH, PREFLIGHT=0, **env))
@@ -66,27 +86,18 @@ def _heal(slurm_cluster, corpus, tmp_path, fault: str, index: int, **env) -> dic
     hit: list[int] = []
     try:
         wait_for_step(job_dir, FAULT_AFTER, deadline, slurm_cluster)
-        shown = slurm_cluster.run("scontrol", "show", "job", job).stdout
-        first_nodes = slurm_cluster.run("scontrol", "show", "hostnames",
-                                        shown.split(" NodeList=")[1].split()[0]).stdout.split()
-        node = first_nodes[index]
-        hit = _rank_pids(job, node)
+        node, hit = _rank_pids(job, store_host)
         assert len(hit) == 2, f"expected 2 ranks of job {job} on {node}, found {hit}"
         fault_time = time.time()
-        for pid in (hit if fault == "stall" else hit[:1]):
+        for pid in (hit if fault == "stall" else hit[-1:]):
             os.kill(pid, signal.SIGSTOP if fault == "stall" else signal.SIGKILL)
         shown = slurm_cluster.wait_completed(job, deadline, job_dir / "job.log")
     finally:
-        for pid in hit:  # nothing of the test's making outlives it
-            for sig in (signal.SIGKILL, signal.SIGCONT):
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
+        _release(hit)
         slurm_cluster.cancel_all()
     log = (job_dir / "job.log").read_text()
     events = [json.loads(line) for line in (run_dir / "incidents.jsonl").read_text().splitlines()]
-    return {"job": job, "node": node, "first_nodes": first_nodes, "fault_time": fault_time, "shown": shown,
+    return {"job": job, "node": node, "fault_time": fault_time, "shown": shown,
             "log": log, "events": events, "losses": {s: r["loss"] for s, r in metrics_by_step(job_dir).items()},
             "run_dir": run_dir}
 
@@ -118,18 +129,19 @@ def _check_healed(result: dict, undisturbed: dict, kind: str) -> None:
     assert "incidents of this run" in log and "training again after" in log
 
 
-@pytest.mark.parametrize("index", [1, 0], ids=["second-node", "first-node"])
-def test_a_node_whose_ranks_stall_is_excluded_and_the_job_heals(slurm_cluster, corpus, tmp_path, undisturbed, index):
+@pytest.mark.parametrize("store_host", [False, True], ids=["other-node", "store-host"])
+def test_a_node_whose_ranks_stall_is_excluded_and_the_job_heals(slurm_cluster, corpus, tmp_path, undisturbed,
+                                                                store_host):
     """Every rank of one node stopped (SIGSTOP): silent heartbeats, the node's fault. torchrun's
     in-job restarts (MAX_RESTARTS) would meet the same node again: the script does not wait for them.
-    The first node's rank 0 hosts the job's store and its monitor: the others find it frozen."""
-    result = _heal(slurm_cluster, corpus, tmp_path, "stall", index, MAX_RESTARTS=3)
+    Rank 0 hosts the job's store and its monitor: stopped, the others find the store frozen."""
+    result = _heal(slurm_cluster, corpus, tmp_path, "stall", store_host, MAX_RESTARTS=3)
     _check_healed(result, undisturbed, "stall")
 
 
 def test_a_node_that_kills_a_rank_is_excluded_when_no_restart_is_left(slurm_cluster, corpus, tmp_path, undisturbed):
     """A rank killed (SIGKILL) with no in-job restart left (MAX_RESTARTS=0): its node is excluded."""
-    result = _heal(slurm_cluster, corpus, tmp_path, "kill", 1, MAX_RESTARTS=0)
+    result = _heal(slurm_cluster, corpus, tmp_path, "kill", False, MAX_RESTARTS=0)
     _check_healed(result, undisturbed, "death")
 
 
@@ -143,3 +155,57 @@ def test_a_wrong_config_is_not_requeued(slurm_cluster, corpus, tmp_path):
     assert submitted.returncode != 0 and "JobState=FAILED" in shown and "Restarts=0" in shown, shown
     assert "optim.lr" in log and "requeue" not in log, log[-3000:]
     assert not (run_dir / "incidents.jsonl").exists()
+
+
+def test_a_node_that_fails_the_preflight_alone_is_excluded(slurm_cluster, corpus, tmp_path):
+    """The interpreter breaks on one node (a wrapper that exits there, made by the test): the
+    preflight's tasks fail on that node alone, which is excluded; the requeued job trains."""
+    wrapper = tmp_path / "python3"
+    wrapper.write_text('#!/usr/bin/env bash\n[[ ${SLURMD_NODENAME:-} == n2 ]] && { echo "broken node" >&2; exit 3; }\n'
+                       f'exec {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    run_dir = tmp_path / "run"
+    job = job_id(submit(slurm_cluster, run_dir, tmp_path / "slurm.out", 4, corpus, PYTHON=wrapper))
+    job_dir = run_dir / f"job-{job}"
+    try:
+        shown = slurm_cluster.wait_completed(job, time.monotonic() + 2 * JOB_TIMEOUT, job_dir / "job.log")
+    finally:
+        slurm_cluster.cancel_all()
+    log = (job_dir / "job.log").read_text()
+    events = [json.loads(line) for line in (run_dir / "incidents.jsonl").read_text().splitlines()]
+    assert [(e["event"], e.get("kind"), e.get("nodes")) for e in events] == [
+        ("fault", "preflight", ["n2"]), ("requeue", None, None), ("training_again", None, None)], events
+    assert "ExcNodeList=n2" in shown and "Restarts=1" in shown and "n2" not in events[-1]["nodes"]
+    assert sorted(metrics_by_step(job_dir)) == [1, 2, 3, 4] and "slurm.sh: verdict: exclude n2" in log
+
+
+def test_without_a_spare_node_the_job_says_so_and_stops(slurm_cluster, corpus, tmp_path):
+    """The third node is drained: after a node's fault no two usable nodes are left, so the job ends
+    naming why instead of requeueing into a queue it cannot leave."""
+    spare = slurm_cluster.run("sinfo", "-h", "-N", "-o", "%N").stdout.split()[-1]
+    drained = slurm_cluster.run("scontrol", "update", f"NodeName={spare}", "State=DRAIN", "Reason=test")
+    assert drained.returncode == 0, drained.stderr
+    run_dir = tmp_path / "run"
+    hit: list[int] = []
+    try:
+        job = job_id(submit(slurm_cluster, run_dir, tmp_path / "slurm.out", STEPS, corpus, every=EVERY,
+                            overrides=WATCH, PREFLIGHT=0))
+        job_dir = run_dir / f"job-{job}"
+        wait_for_step(job_dir, FAULT_AFTER, time.monotonic() + JOB_TIMEOUT, slurm_cluster)
+        node, hit = _rank_pids(job, store_host=False)
+        for pid in hit:
+            os.kill(pid, signal.SIGSTOP)
+        deadline = time.monotonic() + JOB_TIMEOUT
+        while "JobState=FAILED" not in (shown := slurm_cluster.run("scontrol", "show", "job", job).stdout):
+            assert time.monotonic() < deadline and "JobState=PENDING" not in shown, shown
+            time.sleep(1)
+    finally:
+        _release(hit)
+        slurm_cluster.cancel_all()
+        slurm_cluster.run("scontrol", "update", f"NodeName={spare}", "State=RESUME")
+    log = (job_dir / "job.log").read_text()
+    other = ({"n1", "n2"} - {node}).pop()
+    why = f"no spare node: without {node} the partition has 1 usable node(s) ({other}), the job needs 2"
+    assert f"slurm.sh: not requeued: {why}" in log and "Restarts=0" in shown, log[-4000:]
+    events = [json.loads(line) for line in (run_dir / "incidents.jsonl").read_text().splitlines()]
+    assert [(e["event"], e.get("action")) for e in events] == [("fault", "stop"), ("stop", None)], events

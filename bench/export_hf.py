@@ -7,13 +7,17 @@ A seeded Llama (fp32 master weights, FSDP2 over dp, tensor parallel over mp 2) i
 bfloat16, rounds interleaved A B A B:
   dd        `dd if=/dev/zero bs=16M conv=fsync` of the export's size into the same folder (rank 0:
             the disk's speed for one stream)
+  full_tensor  every parameter cast to bf16 and gathered to every rank (DTensor.full_tensor, what the
+            export did before gathering each to its writer alone), nothing written
   export    export_hf with --shard-mb shards (each rank writes its shards, fsynced)
 Memory, per rank, in every export round: VmHWM (the resident high-water mark, reset through
 /proc/self/clear_refs just before) minus VmRSS at that moment, i.e. what the export added at its
 peak (freed memory malloc still keeps is handed back first, malloc_trim, or its reuse would hide). Against: the rank's assignment (the bytes of its shards) plus the largest tensor, the bound
 the export promises, and one shard plus the largest tensor, what writing each shard as soon as it
 is complete should come to. A last row exports the same model as one file (a 1TB limit), which
-rank 0 then holds whole: the old export's memory. Prints a table and writes
+rank 0 then holds whole: the old export's memory. glibc keeps freed blocks under its mmap threshold
+(dynamic, up to 32 MB) for reuse, which raises the resident peak above the live bytes; run with
+MALLOC_MMAP_THRESHOLD_=131072 to see the live bytes (the JSON records the setting). Prints a table and writes
 bench/results/export_hf.json (--out).
 """
 
@@ -118,11 +122,22 @@ def main() -> None:
                 raise RuntimeError(done.stderr)
             os.unlink(root / "dd.bin")
 
+    def gather_only() -> None:
+        state = model.state_dict()
+        for name in hf_order(args):
+            state[name].to(dtype).full_tensor()
+
     def export(limit) -> None:
-        export_hf(model, root / "hf", parallel, dtype=dtype, max_shard_size=limit, overwrite=True)
+        export_hf(model, root / "hf", parallel, dtype=dtype, max_shard_size=limit)
+
+    def clear() -> None:  # outside the timed region: deleting the last export is not this one's work
+        if rank == 0:
+            shutil.rmtree(root / "hf", ignore_errors=True)
+        dist.barrier()
 
     export(max_bytes)  # warm-up, unmeasured: first-use imports and allocations are not the export's
-    times: dict[str, list[float]] = {"dd write": [], "export": []}
+    clear()
+    times: dict[str, list[float]] = {"dd write": [], "full_tensor": [], "export": []}
     peaks: dict[str, list[int]] = {"export": [], "one file": []}
     for _ in range(opts.rounds):
         for name in times:  # A B A B: the disk's drift hits both alike
@@ -131,9 +146,10 @@ def main() -> None:
             if name == "export":
                 peaks["export"].append(peak_extra_bytes(lambda: export(max_bytes)))
             else:
-                dd_write()
+                (dd_write if name == "dd write" else gather_only)()
             dist.barrier()
             times[name].append(time.perf_counter() - start)
+            clear()
     peaks["one file"].append(peak_extra_bytes(lambda: export(10**12)))
     dd_bytes = max(1, round(nbytes / (16 << 20))) * (16 << 20)
     per_rank = [None] * world
@@ -148,7 +164,7 @@ def main() -> None:
 
 
 def report(opts, args, times, per_rank, held, held_one, nbytes, dd_bytes, world, load, out: Path) -> None:
-    gbps = {"export": [nbytes / t / 1e9 for t in times["export"]],
+    gbps = {"export": [nbytes / t / 1e9 for t in times["export"]], "full_tensor": [nbytes / t / 1e9 for t in times["full_tensor"]],
             "dd write": [dd_bytes / t / 1e9 for t in times["dd write"]]}
     ratio = [e / d for e, d in zip(gbps["export"], gbps["dd write"])]
     mb = 1e6
@@ -169,16 +185,18 @@ def report(opts, args, times, per_rank, held, held_one, nbytes, dd_bytes, world,
                      "one_file_peak_extra_bytes": seen["one file"], "one_file_assignment_bytes": h1["assignment"]})
         print(f"{rank:>4}{seen['export'] / mb:>15.1f}{bound / mb:>19.1f}{streaming / mb:>14.1f}"
               f"{seen['one file'] / mb:>16.1f}{one_bound / mb:>17.1f}")
-    print(f"{'what':<10}{'best GB/s':>10}{'median GB/s':>13}")
+    print(f"{'what':<12}{'best GB/s':>10}{'median GB/s':>13}")
     for k, v in gbps.items():
-        print(f"{k:<10}{max(v):>10.3f}{statistics.median(v):>13.3f}")
+        print(f"{k:<12}{max(v):>10.3f}{statistics.median(v):>13.3f}")
     print(f"export / disk: best-of {max(gbps['export']) / max(gbps['dd write']):.2f}x, "
-          f"per-round median {statistics.median(ratio):.2f}x")
+          f"per-round median {statistics.median(ratio):.2f}x; export / full_tensor alone: per-round median "
+          f"{statistics.median(e / g for e, g in zip(gbps['export'], gbps['full_tensor'])):.2f}x")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "bytes": nbytes, "world": world, "mp": 2, "dim": args.dim, "layers": args.n_layers, "vocab": args.vocab_size,
         "shard_mb": opts.shard_mb, "n_shards": held[0]["n_files"], "rounds": opts.rounds, "cpu_count": os.cpu_count(),
-        "load_average_before_after": load, "seconds": times, "gb_per_s": gbps, "export_vs_disk_per_round": ratio,
+        "load_average_before_after": load, "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
+        "seconds": times, "gb_per_s": gbps, "export_vs_disk_per_round": ratio,
         "memory": rows}, indent=2) + "\n")
     print(f"wrote {out}")
 

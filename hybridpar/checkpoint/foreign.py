@@ -22,9 +22,9 @@ from torch.distributed.tensor import DTensor
 from models.llama import ModelArgs
 
 from ..files import OCCUPIED_ADVICE, begin_staging, commit_staged, refuse_occupied, staging_path
-from ..parallel.state import local_box
+from ..parallel.state import block, gather_to, local_box
 from ..progress import Progress
-from ..ranks import on_rank0, raise_if_any_failed, rank_and_world
+from ..ranks import gather_objects, on_rank0, raise_if_any_failed, rank_and_world
 
 # Fields that change the numbers but not the shapes: a model built with other values would load
 # without a shape error and compute something else, so the loader compares them.
@@ -176,6 +176,11 @@ class ForeignTarget:
         """The parameter after whose gather file j has all its pieces and is written (freed)."""
         return self.order()[-1]
 
+    def owner(self, name: str) -> Optional[int]:
+        """The one file holding parameter `name` (then only its writer receives it whole), or None
+        when several files hold pieces of it (then every rank gathers it: DTensor.full_tensor)."""
+        return None
+
     def pieces(self, name: str, full: torch.Tensor, j: int) -> dict[str, torch.Tensor]:
         """{stored name: tensor} that file j holds of parameter `name` (models.llama's), given whole."""
         raise NotImplementedError
@@ -206,11 +211,15 @@ def _check_state(target: ForeignTarget, state: Mapping[str, torch.Tensor]) -> No
 
 def write_files(target: ForeignTarget, state: Mapping[str, torch.Tensor], staged: Path, mine: Sequence[int]) -> None:
     """Write files `mine` of `state` (full tensors, or DTensors: then collective, every rank calling
-    with the same state) into `staged`. Every parameter is gathered in target.order(), each rank
-    keeping only its files' pieces and writing each file once its last piece is in: a rank holds
-    the files it is filling and one gathered parameter."""
+    with the same state) into `staged`. Every parameter is gathered in target.order(), to its one
+    writer when it has one (target.owner), each rank keeping only its files' pieces and writing each
+    file once its last piece is in: a rank holds the files it is filling and one gathered parameter."""
     _check_state(target, state)
-    order = target.order()
+    order, world = target.order(), rank_and_world()[1]
+    owners = {name: target.owner(name) for name in order if isinstance(state[name], DTensor)}
+    # Where every rank's block lies, exchanged once: a writer needs them to place what it receives.
+    sent = {name: block(state[name]) for name, j in owners.items() if j is not None}
+    blocks = gather_objects(sent) if sent else []  # (plain tensors: no collective at all)
     last = {j: target.last_piece(j) for j in mine}
     filling: dict[int, dict[str, torch.Tensor]] = {j: {} for j in mine}
     written = {name: math.prod(state[name].shape) * (target.dtype or state[name].dtype).itemsize for name in order}
@@ -220,8 +229,13 @@ def write_files(target: ForeignTarget, state: Mapping[str, torch.Tensor], staged
             tensor = state[name]
             if target.dtype is not None:  # cast before the gather: the same numbers, fewer bytes sent and held
                 tensor = tensor.to(target.dtype)
-            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-            for j in list(filling):  # the files not yet written
+            if not isinstance(tensor, DTensor):
+                full = tensor
+            elif owners[name] is None:
+                full = tensor.full_tensor()
+            else:
+                full = gather_to(tensor, owners[name] % world, [b[name] for b in blocks])
+            for j in list(filling) if full is not None else []:  # the files not yet written
                 filling[j].update(target.pieces(name, full, j))
                 if last[j] == name:
                     target.write_file(staged, j, filling.pop(j))  # its tensors freed once written

@@ -207,6 +207,9 @@ class _HFTarget(ForeignTarget):
     def last_piece(self, j: int) -> str:
         return self._meta_name[self.plan.last_of(j)]
 
+    def owner(self, name: str) -> int:
+        return self._file_of[name]
+
     def pieces(self, name: str, full: torch.Tensor, j: int) -> dict[str, torch.Tensor]:
         if self._file_of[name] != j:
             return {}

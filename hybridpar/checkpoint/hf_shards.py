@@ -9,7 +9,7 @@ holds everything (no index then), else `model-00001-of-0000N.safetensors` and
 `model.safetensors.index.json` = {"metadata": {"total_size": bytes of the tensors,
 "total_parameters": their element count}, "weight_map": {name: file}}, keys sorted.
 
-API: parse_shard_size, ShardPlan, plan_shards, write_shard.
+API: parse_shard_size, ShardPlan, plan_shards, write_shard, write_index.
 """
 
 from __future__ import annotations

@@ -231,12 +231,13 @@ def test_a_rank_holds_its_shard_and_one_tensor_not_the_model(workers, tmp_path):
         print(f"rank {rank}: peak extra {peak['sharded'] / mb:.1f} MB in shards (its assignment "
               f"{h['assignment'] / mb:.1f} MB, largest shard {h['largest_shard'] / mb:.1f} MB, largest tensor "
               f"{h['largest_tensor'] / mb:.1f} MB); one file: {peak['one file'] / mb:.1f} MB; model {model_bytes / mb:.1f} MB")
-    # The promise: no more than its assignment plus the tensor being gathered. Measured: less, as each
-    # shard goes as soon as it is complete; what remains is mostly gathering itself (DTensor's two
-    # gathers and FSDP's strided reordering hold ~3x a tensor; gloo and malloc some MB), which the
-    # ranks holding nothing in the one-file export show alone (~20 MB here).
+    # The promise was its assignment plus one tensor. Measured: less, as each shard goes as soon as
+    # it is complete and a parameter goes whole only to its writer (parallel.state.gather_to): the
+    # shard being filled, the tensor, one received block, and some MB the allocator and gloo keep.
+    # (Measured with each rank writing its shards at the end: 42-49 MB; gathering every parameter to
+    # every rank with DTensor.full_tensor instead: 20-26 MB.)
     for peak, h in zip(peaks, held):
-        assert peak["sharded"] <= h["assignment"] + h["largest_tensor"], (peak, h)
-        assert peak["sharded"] < 0.25 * model_bytes
+        assert peak["sharded"] <= h["largest_shard"] + 2 * h["largest_tensor"] + 8 * mb, (peak, h)
+        assert peak["sharded"] <= h["assignment"] + h["largest_tensor"]
     # The check has teeth: one file makes rank 0 hold the whole model (the export before shards).
     assert peaks[0]["one file"] >= model_bytes

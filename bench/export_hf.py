@@ -1,24 +1,25 @@
 """The sharded Hugging Face export (export_hf): per-rank peak memory against what a rank must hold,
 and GB/s against the disk's write speed.
 
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 4 bench/export_hf.py [--dim 1024 --layers 8 --rounds 3]
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 4 bench/export_hf.py [--dim 1024 --layers 8 --rounds 4]
 
 A seeded Llama (fp32 master weights, FSDP2 over dp, tensor parallel over mp 2) is exported in
-bfloat16, rounds interleaved A B A B:
-  dd        `dd if=/dev/zero bs=16M conv=fsync` of the export's size into the same folder (rank 0:
-            the disk's speed for one stream)
-  full_tensor  every parameter cast to bf16 and gathered to every rank (DTensor.full_tensor, what the
-            export did before gathering each to its writer alone), nothing written
-  export    export_hf with --shard-mb shards (each rank writes its shards, fsynced)
+bfloat16; rounds interleave A B C A B C, so the disk's drift hits each alike:
+  dd write     `dd if=/dev/zero bs=16M conv=fsync` of the export's size into the same folder
+               (rank 0: the disk's speed for one stream)
+  full_tensor  every parameter cast to bf16 and gathered to every rank (DTensor.full_tensor, what
+               the export did before sending each to its writer alone), nothing written
+  export       export_hf with --shard-mb shards (each rank writes its shards, fsynced)
 Memory, per rank, in every export round: VmHWM (the resident high-water mark, reset through
 /proc/self/clear_refs just before) minus VmRSS at that moment, i.e. what the export added at its
-peak (freed memory malloc still keeps is handed back first, malloc_trim, or its reuse would hide). Against: the rank's assignment (the bytes of its shards) plus the largest tensor, the bound
-the export promises, and one shard plus the largest tensor, what writing each shard as soon as it
-is complete should come to. A last row exports the same model as one file (a 1TB limit), which
-rank 0 then holds whole: the old export's memory. glibc keeps freed blocks under its mmap threshold
-(dynamic, up to 32 MB) for reuse, which raises the resident peak above the live bytes; run with
-MALLOC_MMAP_THRESHOLD_=131072 to see the live bytes (the JSON records the setting). Prints a table and writes
-bench/results/export_hf.json (--out).
+peak; memory freed earlier that malloc still keeps is handed back first (malloc_trim), or its
+reuse would hide. Against: the rank's assignment (the bytes of its shards) plus the largest
+tensor, the bound the export promises, and one shard plus the largest tensor, what writing each
+shard as soon as it is complete comes to. A last row exports the same model as one file (a 1 TB
+limit), which rank 0 then holds whole, as the export did before shards. glibc keeps freed blocks
+under its mmap threshold (dynamic, up to 32 MB) for reuse, which raises the resident peak above
+the live bytes: MALLOC_MMAP_THRESHOLD_=131072 shows the live bytes (the JSON records the
+setting). Prints a table and writes bench/results/export_hf.json (--out).
 """
 
 from __future__ import annotations
@@ -164,12 +165,13 @@ def main() -> None:
 
 
 def report(opts, args, times, per_rank, held, held_one, nbytes, dd_bytes, world, load, out: Path) -> None:
-    gbps = {"export": [nbytes / t / 1e9 for t in times["export"]], "full_tensor": [nbytes / t / 1e9 for t in times["full_tensor"]],
-            "dd write": [dd_bytes / t / 1e9 for t in times["dd write"]]}
+    sizes = {"export": nbytes, "full_tensor": nbytes, "dd write": dd_bytes}
+    gbps = {k: [sizes[k] / t / 1e9 for t in v] for k, v in times.items()}
     ratio = [e / d for e, d in zip(gbps["export"], gbps["dd write"])]
     mb = 1e6
-    print(f"\nexport_hf of {nbytes / 1e9:.3f} GB (bf16; {sum(math.prod(s) for s in model_shapes(args).values()) / 1e6:.1f}M "
-          f"parameters, dim {args.dim}, {args.n_layers} layers, vocab {args.vocab_size}) at world {world} "
+    n_params = sum(math.prod(s) for s in model_shapes(args).values())
+    print(f"\nexport_hf of {nbytes / 1e9:.3f} GB (bf16; {n_params / 1e6:.1f}M parameters, dim {args.dim}, "
+          f"{args.n_layers} layers, vocab {args.vocab_size}) at world {world} "
           f"(mp 2 x dp {world // 2}, FSDP2), {held[0]['n_files']} shards of <= {opts.shard_mb:g} MB; "
           f"load average {load[0]:.1f} before, {load[1]:.1f} after on {os.cpu_count()} cores")
     print(f"{'rank':>4}{'peak extra MB':>15}{'assignment+tensor':>19}{'shard+tensor':>14}"

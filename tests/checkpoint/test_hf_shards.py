@@ -230,7 +230,8 @@ def test_a_rank_holds_its_shard_and_one_tensor_not_the_model(workers, tmp_path):
     for rank, (peak, h) in enumerate(zip(peaks, held)):
         print(f"rank {rank}: peak extra {peak['sharded'] / mb:.1f} MB in shards (its assignment "
               f"{h['assignment'] / mb:.1f} MB, largest shard {h['largest_shard'] / mb:.1f} MB, largest tensor "
-              f"{h['largest_tensor'] / mb:.1f} MB); one file: {peak['one file'] / mb:.1f} MB; model {model_bytes / mb:.1f} MB")
+              f"{h['largest_tensor'] / mb:.1f} MB); one file: {peak['one file'] / mb:.1f} MB; "
+              f"model {model_bytes / mb:.1f} MB")
     # The promise was its assignment plus one tensor. Measured: less, as each shard goes as soon as
     # it is complete and a parameter goes whole only to its writer (parallel.state.gather_to): the
     # shard being filled, the tensor, one received block, and some MB the allocator and gloo keep.

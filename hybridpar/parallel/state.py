@@ -95,6 +95,8 @@ def gather_to(tensor: DTensor, dst: int, blocks: Sequence[Box]) -> Optional[torc
         view = full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
         if r == rank:
             view.copy_(local)
+        elif view.is_contiguous():  # a block of whole rows: received in place
+            dist.recv(view, src=r)
         else:
             received = torch.empty(shape, dtype=local.dtype, device=local.device)
             dist.recv(received, src=r)

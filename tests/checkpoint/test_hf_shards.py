@@ -153,6 +153,47 @@ def test_transformers_loads_a_sharded_export(workers, check_close, tmp_path, dty
     assert rel_err(hf_logits, logits) > 1e-4  # the rounding shows: the comparison above has teeth
 
 
+# --- the command line ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_convert_command_writes_the_dtype_and_shards_asked_for(tmp_path):
+    """`hybridpar convert SRC DST --to hf` from a folder transformers saved: --dtype float32 in
+    --max-shard-size shards gives transformers' logits back; the defaults give bf16 in one file."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from tests.checkpoint.hf_folders import make_hf_folder, transformers_logits
+
+    root = Path(__file__).resolve().parents[2]
+    src = make_hf_folder(tmp_path / "src")
+    run = lambda *argv: subprocess.run(  # noqa: E731
+        [sys.executable, "-m", "hybridpar", "convert", str(src), *argv, "--to", "hf"], cwd=root,
+        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=300)
+    out = run(str(tmp_path / "fp32"), "--dtype", "float32", "--max-shard-size", "30KB")
+    assert out.returncode == 0, out.stderr[-2000:]
+    index, files, _ = _check_index(tmp_path / "fp32", torch.float32, 30_000)
+    assert len(files) > 5
+    tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    err = rel_err(transformers_logits(tmp_path / "fp32", tokens), transformers_logits(src, tokens))
+    print(f"fp32 export of a transformers folder, {len(files)} shards: logits rel err {err:.2e}")
+    assert err < 1e-6
+
+    out = run(str(tmp_path / "bf16"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert sorted(p.name for p in (tmp_path / "bf16").iterdir()) == [
+        "config.json", "generation_config.json", "model.safetensors"]
+    again = load_file(str(tmp_path / "bf16" / "model.safetensors"))
+    original = {}
+    for f in files:
+        original.update(load_file(str(tmp_path / "fp32" / f)))
+    assert sorted(again) == sorted(original)
+    assert all(torch.equal(again[k], v.to(torch.bfloat16)) for k, v in original.items())  # rounded once, exactly
+
+
 # --- a rank killed mid-export ---------------------------------------------------------------------
 
 

@@ -223,6 +223,7 @@ def write_files(target: ForeignTarget, state: Mapping[str, torch.Tensor], staged
     last = {j: target.last_piece(j) for j in mine}
     filling: dict[int, dict[str, torch.Tensor]] = {j: {} for j in mine}
     written = {name: math.prod(state[name].shape) * (target.dtype or state[name].dtype).itemsize for name in order}
+    failed: Optional[Exception] = None
     with torch.no_grad(), Progress(f"writing {staged}", total=sum(written.values()), unit="B",
                                    every=20.0) as progress:
         for name in order:
@@ -235,12 +236,19 @@ def write_files(target: ForeignTarget, state: Mapping[str, torch.Tensor], staged
                 full = tensor.full_tensor()
             else:
                 full = gather_to(tensor, owners[name] % world, [b[name] for b in blocks])
-            for j in list(filling) if full is not None else []:  # the files not yet written
+            for j in list(filling) if full is not None and failed is None else []:  # the files not yet written
                 filling[j].update(target.pieces(name, full, j))
                 if last[j] == name:
-                    target.write_file(staged, j, filling.pop(j))  # its tensors freed once written
+                    try:
+                        target.write_file(staged, j, filling.pop(j))  # its tensors freed once written
+                    except Exception as err:  # noqa: BLE001 - raised after the last gather: the others wait in them
+                        failed = err
+                        filling.clear()
+                        break
             del full, tensor
             progress.update(written[name])
+    if failed is not None:
+        raise failed
 
 
 def export_foreign(target: ForeignTarget, model: nn.Module, folder: Path, overwrite: bool) -> Path:

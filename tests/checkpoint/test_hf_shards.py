@@ -289,3 +289,30 @@ def test_a_rank_holds_its_shard_and_one_tensor_not_the_model(workers, tmp_path):
         assert peak["sharded"] <= h["assignment"] + h["largest_tensor"]
     # The check has teeth: one file makes rank 0 hold the whole model (the export before shards).
     assert peaks[0]["one file"] >= model_bytes
+
+
+def _case_export_failing_write(out_dir: str, failing: int):
+    """Rank `failing` cannot write its first shard (a full disk); the others go on gathering with it."""
+    import errno
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    from hybridpar.checkpoint import hf
+
+    def full_disk(path, tensors):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    with mock.patch.object(hf, "write_shard", full_disk if dist.get_rank() == failing else hf.write_shard):
+        try:
+            return _case_export("debug_gqa", 2, out_dir, "bfloat16", max_shard_size=40_000)
+        except OSError as err:  # the failing rank's own error, re-raised there (the others: HFExportError)
+            return "error", f"{type(err).__name__}: {err}"
+
+
+def test_a_rank_that_cannot_write_a_shard_fails_every_rank_without_a_hang(workers, tmp_path):
+    results = workers(4).run(_case_export_failing_write, str(tmp_path / "hf"), 2, timeout=90)
+    assert [status for status, _ in results] == ["error"] * 4, results
+    assert "No space left on device" in results[2][1], results[2][1]
+    assert all("rank 2 could not" in r[1] and "No space left" in r[1] for i, r in enumerate(results) if i != 2), results
+    assert list(tmp_path.iterdir()) == []  # neither the folder nor its .partial

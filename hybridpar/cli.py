@@ -103,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--max-seq-len", type=int, default=None,
                          help="--to hf/dcp: the context length recorded (max_position_embeddings); default: the "
                               "source's max_seq_len (2048 for a Meta folder, whose params.json has none)")
+    convert.add_argument("--dtype", default=None, metavar="{" + ",".join(dtypes.NAMES) + "}",
+                         help="--to hf: the weights' dtype (default bfloat16, as Llama is published)")
+    convert.add_argument("--max-shard-size", default=None, metavar="SIZE",
+                         help="--to hf: the largest safetensors file, as transformers' save_pretrained: 5GB (the "
+                              "default; 10^9 bytes a GB), 500MB, 2GiB or a byte count; a larger tensor gets a file "
+                              "of its own")
     convert.set_defaults(func=cmd_convert)
     verify = sub.add_parser("verify", help="check a checkpoint folder's (or a token store's) files against the "
                                            "checksums saved with it")

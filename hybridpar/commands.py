@@ -101,6 +101,13 @@ def _dry_run(args: argparse.Namespace, config) -> int:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     """Convert a checkpoint between formats (under torchrun for large models; a world of one works)."""
+    # The user's mistakes before any process group: one line naming the flag.
+    if args.dtype is not None:
+        dtypes.check(args.dtype, "--dtype")
+    if args.max_shard_size is not None:
+        from .checkpoint.hf_shards import parse_shard_size
+
+        parse_shard_size(args.max_shard_size, "--max-shard-size")
     import torch.distributed as dist
 
     from .checkpoint.convert import convert
@@ -110,7 +117,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
     try:
         written = convert(Path(args.src), Path(args.dst), args.to, parallel, mp_out=args.meta_files,
                           bos_id=args.bos_id, eos_id=args.eos_id, max_seq_len=args.max_seq_len,
-                          tokenizer=args.tokenizer, overwrite=args.overwrite)
+                          tokenizer=args.tokenizer, overwrite=args.overwrite,
+                          dtype=args.dtype and dtypes.parse(args.dtype, "--dtype").torch,
+                          max_shard_size=args.max_shard_size)
         if parallel.rank == 0:
             print(f"wrote {written} ({args.to})")
     finally:

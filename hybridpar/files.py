@@ -34,10 +34,9 @@ NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
 @contextlib.contextmanager
-def atomic_output(path: PathLike, mode: str = "wb") -> Iterator[IO]:
-    """Open a temporary file beside `path`; on success it replaces `path`, on error it is removed."""
-    if mode not in ("wb", "w"):
-        raise ValueError(f"atomic_output writes whole files: mode must be 'wb' or 'w', got {mode!r}")
+def atomic_path(path: PathLike) -> Iterator[Path]:
+    """A temporary file's path beside `path`, for writers that take a file name (safetensors); on
+    success it is fsynced and replaces `path`, on error it is removed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with full_disk_said(path.parent, f"{path.name} could not be written"):
@@ -45,15 +44,23 @@ def atomic_output(path: PathLike, mode: str = "wb") -> Iterator[IO]:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         try:
             os.fchmod(fd, 0o666 & ~umask())  # mkstemp makes 0600; a normal file respects the umask
-            with os.fdopen(fd, mode, **({"encoding": "utf-8"} if mode == "w" else {})) as f:
-                yield f
-                f.flush()
-                os.fsync(f.fileno())
+            os.close(fd)
+            yield Path(tmp)
+            fsync_file(tmp)
             os.replace(tmp, path)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
             raise
+
+
+@contextlib.contextmanager
+def atomic_output(path: PathLike, mode: str = "wb") -> Iterator[IO]:
+    """Open a temporary file beside `path`; on success it replaces `path`, on error it is removed."""
+    if mode not in ("wb", "w"):
+        raise ValueError(f"atomic_output writes whole files: mode must be 'wb' or 'w', got {mode!r}")
+    with atomic_path(path) as tmp, open(tmp, mode, **({"encoding": "utf-8"} if mode == "w" else {})) as f:
+        yield f
 
 
 def umask() -> int:
@@ -68,13 +75,18 @@ def umask() -> int:
     return 0o022
 
 
-def fsync_dir(path: PathLike) -> None:
-    """Make a folder's entries (names created, renamed or removed in it) durable, as fsync does a file's data."""
+def fsync_file(path: PathLike) -> None:
+    """Make a file's data durable (a no-op for data already fsynced)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_dir(path: PathLike) -> None:
+    """Make a folder's entries (names created, renamed or removed in it) durable, as fsync does a file's data."""
+    fsync_file(path)  # a folder opened read-only gives a descriptor fsync takes
 
 
 def replace_folder(new: PathLike, target: PathLike) -> None:
@@ -133,11 +145,7 @@ def commit_staged(staged: PathLike, target: PathLike) -> Path:
     staged, target = Path(staged), Path(target)
     for path in sorted(staged.rglob("*")):
         if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_file(path)
         elif path.is_dir():
             fsync_dir(path)
     replace_folder(staged, target)

@@ -264,6 +264,11 @@ MISTAKES = {
     "verify: not a checkpoint": (["verify", "a_folder"], {}, ["verify a_folder: not a checkpoint",
                                                                "folder of step-NNNNNNNN checkpoints"]),
     "convert: no source": (["convert", "/nope", "out", "--to", "hf"], {}, ["hybridpar: error: /nope does not exist"]),
+    "convert: a shard size without a unit it knows": (
+        ["convert", "/nope", "out", "--to", "hf", "--max-shard-size", "5XB"], {},
+        ["--max-shard-size 5XB: not a size; write a byte count (5000000000) or a number with KB, MB, GB, TB"]),
+    "convert: dtype alias": (["convert", "/nope", "out", "--to", "hf", "--dtype", "bf16"], {},
+                             ["--dtype: write 'bfloat16' (torch's name) instead of 'bf16'"]),
     "mesh: sizes": (["mesh", "--world", "4", "--mp", "3"], {}, ["not divisible"]),
 }
 

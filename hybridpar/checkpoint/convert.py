@@ -2,6 +2,7 @@
 
     hybridpar convert SRC DST --to {dcp,meta,hf} [--mp N] [--meta-files N] [--overwrite]
                       [--tokenizer PATH | --bos-id N --eos-id N] [--max-seq-len N]
+                      [--dtype float32|bfloat16|float16] [--max-shard-size 5GB]
 
 The source format is detected from the folder's files. The model is built at model-parallel size
 `--mp` (default 1; more under torchrun spreads the work) and the weights resharded on the way
@@ -13,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -25,6 +26,7 @@ from ..mesh import ParallelDims
 from ..model import build_model
 from ..ranks import on_rank0
 from .dcp import Checkpointer, CheckpointError, latest_checkpoint, params_dict
+from .hf_shards import DEFAULT_MAX_SHARD_SIZE, parse_shard_size
 
 FORMATS = ("dcp", "meta", "hf")
 
@@ -127,13 +129,15 @@ def _source_token_ids(src: Path) -> tuple[Optional[int], Optional[int]]:
 
 def convert(src: Path, dst: Path, to: str, parallel: ParallelDims, mp_out: Optional[int] = None, *,
             bos_id: Optional[int] = None, eos_id: Optional[int] = None, max_seq_len: Optional[int] = None,
-            tokenizer: Optional[Path] = None, overwrite: bool = False) -> Path:
+            tokenizer: Optional[Path] = None, overwrite: bool = False, dtype: Optional[torch.dtype] = None,
+            max_shard_size: Optional[Union[int, str]] = None) -> Path:
     """Write the weights of `src` to `dst` in format `to`; returns what was written.
 
     bos_id / eos_id (hf only): config.json's token ids; default the tokenizer's when `tokenizer` is
     given (whose files are then copied into the folder), else a Hugging Face source's own, else
     hf.default_token_ids. max_seq_len (hf, dcp): the context length recorded, default the source's.
     overwrite: replace an existing `dst` (the old folder goes once the new one is complete).
+    dtype, max_shard_size (hf only): export_hf's, default bfloat16 and 5GB shards.
     """
     if to not in FORMATS:
         raise ValueError(f"--to must be one of {FORMATS}, got {to!r}")
@@ -147,6 +151,11 @@ def convert(src: Path, dst: Path, to: str, parallel: ParallelDims, mp_out: Optio
         raise ValueError("--tokenizer applies to --to hf only, without --bos-id / --eos-id (it gives them)")
     if max_seq_len is not None and to == "meta":
         raise ValueError("--max-seq-len applies to --to hf and dcp only: Meta's params.json does not record it")
+    if (dtype is not None or max_shard_size is not None) and to != "hf":
+        raise ValueError("--dtype / --max-shard-size apply to --to hf only: the other formats keep the source's "
+                         "dtype and their own files")
+    if max_shard_size is not None:
+        parse_shard_size(max_shard_size, "--max-shard-size")
     if max_seq_len is not None and max_seq_len < 1:
         raise ValueError(f"--max-seq-len must be a positive number of tokens, got {max_seq_len}")
     dst = Path(dst)
@@ -168,7 +177,8 @@ def convert(src: Path, dst: Path, to: str, parallel: ParallelDims, mp_out: Optio
         elif bos_id is None and eos_id is None:
             bos_id, eos_id = _source_token_ids(src)
         export_hf(model, dst, parallel, bos_token_id=bos_id, eos_token_id=eos_id, extra_files=files,
-                  overwrite=overwrite)
+                  overwrite=overwrite, dtype=dtype or torch.bfloat16,
+                  max_shard_size=DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size)
         return dst
     # A weights-only hybridpar checkpoint (step 0): start training from it with checkpoint.init_from.
     if not (overwrite and dst.exists()):

@@ -9,10 +9,11 @@ a file is written; export_foreign stages, gathers and completes the folder.
 
 from __future__ import annotations
 
+import math
 import re
 import shutil
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -21,9 +22,9 @@ from torch.distributed.tensor import DTensor
 from models.llama import ModelArgs
 
 from ..files import OCCUPIED_ADVICE, begin_staging, commit_staged, refuse_occupied, staging_path
-from ..parallel.state import local_box
+from ..parallel.state import block, gather_to, local_box
 from ..progress import Progress
-from ..ranks import on_rank0, raise_if_any_failed, rank_and_world
+from ..ranks import gather_objects, on_rank0, raise_if_any_failed, rank_and_world
 
 # Fields that change the numbers but not the shapes: a model built with other values would load
 # without a shape error and compute something else, so the loader compares them.
@@ -167,6 +168,19 @@ class ForeignTarget:
         """Rank 0, before any gather: refuse what cannot be written (an occupied folder)."""
         refuse_target(folder, overwrite, self.error)
 
+    def order(self) -> list[str]:
+        """The parameters (models.llama's names) in the order every rank gathers them."""
+        return list(model_shapes(self.args))
+
+    def last_piece(self, j: int) -> str:
+        """The parameter after whose gather file j has all its pieces and is written (freed)."""
+        return self.order()[-1]
+
+    def owner(self, name: str) -> Optional[int]:
+        """The one file holding parameter `name` (then only its writer receives it whole), or None
+        when several files hold pieces of it (then every rank gathers it: DTensor.full_tensor)."""
+        return None
+
     def pieces(self, name: str, full: torch.Tensor, j: int) -> dict[str, torch.Tensor]:
         """{stored name: tensor} that file j holds of parameter `name` (models.llama's), given whole."""
         raise NotImplementedError
@@ -178,32 +192,63 @@ class ForeignTarget:
         """Rank 0, once every file is written: what completes the folder (its config files)."""
 
 
-def _gather(target: ForeignTarget, model: nn.Module, mine: list[int]) -> dict[int, dict[str, torch.Tensor]]:
-    """{file: {stored name: tensor}} of this rank's files. Collective: every rank gathers every parameter
-    in the same order, keeping only its files' pieces; a mismatch is raised after the last gather."""
+def _check_state(target: ForeignTarget, state: Mapping[str, torch.Tensor]) -> None:
+    """The model holds exactly the parameters of target.args, at their full shapes. Every rank holds
+    the same model, so every rank raises alike, before any gather or write."""
     args, shapes = target.args, model_shapes(target.args)
-    outputs: dict[int, dict[str, torch.Tensor]] = {j: {} for j in mine}
-    problem: Optional[str] = None
-    seen = set()
-    with torch.no_grad():
-        for name, tensor in model.state_dict().items():
-            if name not in shapes:
-                problem = problem or (f"{name} is not a parameter of Meta's Llama format "
-                                      f"(tie_embeddings = {args.tie_embeddings})")
-                continue
-            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-            if tuple(full.shape) != shapes[name]:
-                problem = problem or f"{name} has shape {list(full.shape)}, its ModelArgs imply {list(shapes[name])}"
-                continue
-            seen.add(name)
-            for j in mine:
-                outputs[j].update(target.pieces(name, full, j))
-            del full
-    lacking = [n for n in shapes if n not in seen]
-    problem = problem or (f"the model has no {lacking[0]} (tie_embeddings = {args.tie_embeddings})" if lacking else None)
+    unexpected = [name for name in state if name not in shapes]
+    if unexpected:
+        problem = f"{unexpected[0]} is not a parameter of Meta's Llama format (tie_embeddings = {args.tie_embeddings})"
+    else:
+        wrong = [name for name, tensor in state.items() if tuple(tensor.shape) != shapes[name]]
+        lacking = [name for name in shapes if name not in state]
+        problem = (f"{wrong[0]} has shape {list(state[wrong[0]].shape)}, its ModelArgs imply {list(shapes[wrong[0]])}"
+                   if wrong else f"the model has no {lacking[0]} (tie_embeddings = {args.tie_embeddings})"
+                   if lacking else None)
     if problem:
         raise target.error(f"{problem}: save a models.llama.Transformer built from its own ModelArgs")
-    return outputs
+
+
+def write_files(target: ForeignTarget, state: Mapping[str, torch.Tensor], staged: Path, mine: Sequence[int]) -> None:
+    """Write files `mine` of `state` (full tensors, or DTensors: then collective, every rank calling
+    with the same state) into `staged`. Every parameter is gathered in target.order(), to its one
+    writer when it has one (target.owner), each rank keeping only its files' pieces and writing each
+    file once its last piece is in: a rank holds the files it is filling and one gathered parameter."""
+    _check_state(target, state)
+    order, world = target.order(), rank_and_world()[1]
+    owners = {name: target.owner(name) for name in order if isinstance(state[name], DTensor)}
+    # Where every rank's block lies, exchanged once: a writer needs them to place what it receives.
+    sent = {name: block(state[name]) for name, j in owners.items() if j is not None}
+    blocks = gather_objects(sent) if sent else []  # (plain tensors: no collective at all)
+    last = {j: target.last_piece(j) for j in mine}
+    filling: dict[int, dict[str, torch.Tensor]] = {j: {} for j in mine}
+    written = {name: math.prod(state[name].shape) * (target.dtype or state[name].dtype).itemsize for name in order}
+    failed: Optional[Exception] = None
+    with torch.no_grad(), Progress(f"writing {staged}", total=sum(written.values()), unit="B",
+                                   every=20.0) as progress:
+        for name in order:
+            tensor = state[name]
+            if target.dtype is not None:  # cast before the gather: the same numbers, fewer bytes sent and held
+                tensor = tensor.to(target.dtype)
+            if not isinstance(tensor, DTensor):
+                full = tensor
+            elif owners[name] is None:
+                full = tensor.full_tensor()
+            else:
+                full = gather_to(tensor, owners[name] % world, [b[name] for b in blocks])
+            for j in list(filling) if full is not None and failed is None else []:  # the files not yet written
+                filling[j].update(target.pieces(name, full, j))
+                if last[j] == name:
+                    try:
+                        target.write_file(staged, j, filling.pop(j))  # its tensors freed once written
+                    except Exception as err:  # noqa: BLE001 - raised after the last gather: the others wait in them
+                        failed = err
+                        filling.clear()
+                        break
+            del full, tensor
+            progress.update(written[name])
+    if failed is not None:
+        raise failed
 
 
 def export_foreign(target: ForeignTarget, model: nn.Module, folder: Path, overwrite: bool) -> Path:
@@ -219,9 +264,7 @@ def export_foreign(target: ForeignTarget, model: nn.Module, folder: Path, overwr
         error: Optional[Exception] = None
         try:
             rank, world = rank_and_world()
-            outputs = _gather(target, model, [j for j in range(target.n_files) if j % world == rank])
-            for j in sorted(outputs):
-                target.write_file(staged, j, outputs.pop(j))  # each file's tensors freed once written
+            write_files(target, model.state_dict(), staged, [j for j in range(target.n_files) if j % world == rank])
         except Exception as err:  # noqa: BLE001 - every rank raises below, not only this one
             error = err
         raise_if_any_failed(error, f"write {folder}", error_type=target.error)

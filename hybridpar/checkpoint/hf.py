@@ -1,5 +1,6 @@
 """Export to a Hugging Face Llama folder that transformers' LlamaForCausalLM loads: `config.json`
-(LlamaConfig fields) and `model.safetensors`, under HF's names:
+(LlamaConfig fields), `generation_config.json` and the weights in safetensors shards with their
+index (hf_shards: transformers' layout, bfloat16 and 5GB shards by default), under HF's names:
 
     tok_embeddings / norm / output    model.embed_tokens / model.norm / lm_head
     layers.N.attention.wq/wk/wv/wo    model.layers.N.self_attn.q_proj/k_proj/v_proj/o_proj
@@ -29,11 +30,14 @@ from torch import nn
 from models.args import ModelArgs
 
 from ..dtypes import CANONICAL_NAMES as _DTYPE_NAMES
-from ..files import staged_folder
-from .foreign import ForeignCheckpointError, ForeignTarget, export_foreign, model_args, refuse_target
+from ..files import human_bytes, staged_folder, write_text_atomic
+from ..progress import note
+from .foreign import (ForeignCheckpointError, ForeignTarget, export_foreign, model_args, model_shapes, refuse_target,
+                      write_files)
+from .hf_shards import DEFAULT_MAX_SHARD_SIZE, parse_shard_size, plan_shards, write_index, write_shard
 
 CONFIG_JSON = "config.json"
-WEIGHTS_FILE = "model.safetensors"
+GENERATION_CONFIG_JSON = "generation_config.json"
 
 _LAYER_NAMES = {
     "attention.wq.weight": "self_attn.q_proj.weight",
@@ -134,12 +138,28 @@ def hf_config(args: ModelArgs, *, dtype: torch.dtype = torch.float32, bos_token_
         "use_cache": True,
         "bos_token_id": default_bos if bos_token_id is None else bos_token_id,
         "eos_token_id": default_eos if eos_token_id is None else eos_token_id,
+        # transformers 5 writes and reads "dtype"; 4.x read "torch_dtype" (5 still accepts it)
+        "dtype": _DTYPE_NAMES[dtype],
         "torch_dtype": _DTYPE_NAMES[dtype],
     }
 
 
 def _check_target(out_dir: Path, overwrite: bool) -> None:
     refuse_target(out_dir, overwrite)
+
+
+def hf_order(args: ModelArgs) -> list[str]:
+    """models.llama's parameter names in the order of transformers' state_dict (so of its shards):
+    embeddings, each layer's q k v o, gate up down and norms, the final norm, the head."""
+    shapes = model_shapes(args)
+    layers = [f"layers.{i}.{key}" for i in range(args.n_layers) for key in _LAYER_NAMES]  # _LAYER_NAMES: HF's order
+    return [name for name in ["tok_embeddings.weight", *layers, "norm.weight", "output.weight"] if name in shapes]
+
+
+def generation_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """generation_config.json as transformers' GenerationConfig.from_model_config writes it for a Llama."""
+    return {"_from_model_config": True, "bos_token_id": config["bos_token_id"],
+            "eos_token_id": config["eos_token_id"], "use_cache": True}
 
 
 def _owning(tensor: torch.Tensor) -> torch.Tensor:
@@ -151,15 +171,27 @@ def _owning(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class _HFTarget(ForeignTarget):
-    """One model.safetensors (so rank 0 holds the whole model in `dtype`) and config.json."""
+    """Shards of at most max_shard_size in transformers' order and names (hf_shards), file j by rank
+    j % world; then tokenizer files, generation_config.json, the index and config.json, last."""
 
     error = HFExportError
 
-    def __init__(self, args: ModelArgs, dtype: torch.dtype, bos_token_id: Optional[int], eos_token_id: Optional[int],
+    def __init__(self, args: ModelArgs, dtype: torch.dtype, max_shard_size: Union[int, str],
+                 bos_token_id: Optional[int], eos_token_id: Optional[int],
                  extra_files: Optional[Mapping[str, Path]]) -> None:
-        super().__init__(args, 1, dtype)
-        self.extra_files = extra_files or {}
         self.config = hf_config(args, dtype=dtype, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
+        try:
+            max_bytes = parse_shard_size(max_shard_size)
+        except ValueError as err:
+            raise HFExportError(str(err)) from None
+        shapes = model_shapes(args)
+        self._order = hf_order(args)
+        self.plan = plan_shards([(hf_name(name), shapes[name]) for name in self._order], dtype, max_bytes)
+        super().__init__(args, len(self.plan.files), dtype)
+        self.extra_files = extra_files or {}
+        file_of = self.plan.file_of()
+        self._file_of = {name: file_of[hf_name(name)] for name in self._order}
+        self._meta_name = {hf_name(name): name for name in self._order}
 
     def begin(self, folder: Path, overwrite: bool) -> None:
         try:
@@ -169,19 +201,32 @@ class _HFTarget(ForeignTarget):
         if importlib.util.find_spec("safetensors") is None:
             raise HFExportError("export_hf needs the safetensors package: pip install safetensors")
 
+    def order(self) -> list[str]:
+        return self._order
+
+    def last_piece(self, j: int) -> str:
+        return self._meta_name[self.plan.last_of(j)]
+
+    def owner(self, name: str) -> int:
+        return self._file_of[name]
+
     def pieces(self, name: str, full: torch.Tensor, j: int) -> dict[str, torch.Tensor]:
+        if self._file_of[name] != j:
+            return {}
         tensor = _to_hf_tensor(name, full.detach().to("cpu", self.dtype), self.args)
         return {hf_name(name): _owning(tensor.contiguous())}
 
     def write_file(self, staged: Path, j: int, tensors: dict[str, torch.Tensor]) -> None:
-        from safetensors.torch import save_file
-
-        save_file(tensors, str(staged / WEIGHTS_FILE), metadata={"format": "pt"})
+        write_shard(staged / self.plan.file_names[j], tensors)
+        note(f"wrote {self.plan.file_names[j]} ({human_bytes(sum(t.nbytes for t in tensors.values()))})")
 
     def finish(self, staged: Path) -> None:
-        (staged / CONFIG_JSON).write_text(json.dumps(self.config, indent=2) + "\n")
+        """The index and config.json last, once every shard is in: a folder holding them is complete."""
         for name, source in self.extra_files.items():
             shutil.copyfile(source, staged / name)
+        write_text_atomic(staged / GENERATION_CONFIG_JSON, json.dumps(generation_config(self.config), indent=2) + "\n")
+        write_index(staged, self.plan)
+        write_text_atomic(staged / CONFIG_JSON, json.dumps(self.config, indent=2) + "\n")
 
 
 def write_hf_folder(
@@ -189,21 +234,22 @@ def write_hf_folder(
     args: ModelArgs,
     out_dir: Union[str, Path],
     *,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype = torch.bfloat16,
+    max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE,
     overwrite: bool = False,
     bos_token_id: Optional[int] = None,
     eos_token_id: Optional[int] = None,
     extra_files: Optional[Mapping[str, Path]] = None,
 ) -> Path:
-    """Write full tensors under Meta's names as an HF folder (one process). Atomic: everything goes
-    into `<out_dir>.partial`, renamed to out_dir once complete. An existing out_dir is refused
+    """Write every parameter of `args`' model, as full tensors under Meta's names, as an HF folder
+    (one process; the same shards and files as export_hf). Atomic: everything goes into
+    `<out_dir>.partial`, renamed to out_dir once complete. An existing out_dir is refused
     (FileExistsError) unless overwrite=True. extra_files: {name: file} copied in too (the tokenizer's)."""
     out_dir = Path(out_dir)
     _check_target(out_dir, overwrite)
-    target = _HFTarget(args, dtype, bos_token_id, eos_token_id, extra_files)
-    tensors = {k: v for name, tensor in state.items() for k, v in target.pieces(name, tensor, 0).items()}
+    target = _HFTarget(args, dtype, max_shard_size, bos_token_id, eos_token_id, extra_files)
     with staged_folder(out_dir) as staged:  # overwrite: the old folder goes only once the new one is in place
-        target.write_file(staged, 0, tensors)
+        write_files(target, state, staged, range(target.n_files))
         target.finish(staged)
     return out_dir
 
@@ -213,21 +259,27 @@ def export_hf(
     out_dir: Union[str, Path],
     parallel: Any = None,
     *,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype = torch.bfloat16,
+    max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE,
     overwrite: bool = False,
     bos_token_id: Optional[int] = None,
     eos_token_id: Optional[int] = None,
     extra_files: Optional[Mapping[str, Path]] = None,
 ) -> Path:
     """Write `model` (a models.llama.Transformer at any mp, plain or FSDP2-wrapped) as an HF Llama
-    folder. Collective: every rank calls it; rank 0 writes (so it holds the whole model in `dtype`).
+    folder. Collective: every rank calls it. The weights go in `dtype` (bfloat16 by default, as Meta
+    and Hugging Face publish Llama) into shards of at most max_shard_size (5GB = 5 * 10^9 bytes, or
+    500MB, 2GiB, a byte count; a larger tensor alone gets its own shard), named and indexed as
+    transformers' save_pretrained does; shard j is written by rank j % world as soon as its last
+    tensor is gathered, so a rank holds one shard and one gathered tensor at a time.
 
     bos/eos ids default to default_token_ids(vocab_size): Llama 3's (128000, 128001) for a
     128256-token vocabulary, else Llama 2's (1, 2); pass others for another tokenizer. `parallel` is
     accepted for symmetry with the other checkpoint functions (the layout comes from the DTensors).
     Every rank returns out_dir or raises (foreign.export_foreign: a refusal reads the same on every
-    rank; rank 0's failure to write is re-raised there and named on the others).
+    rank; a rank's failure to write is re-raised there and named on the others).
     """
     args = model_args(model, HFExportError, "export_hf")
-    target = _HFTarget(args, dtype, bos_token_id, eos_token_id, extra_files)  # a dtype it cannot write: refused here
+    # A dtype or size it cannot write: refused here, on every rank alike.
+    target = _HFTarget(args, dtype, max_shard_size, bos_token_id, eos_token_id, extra_files)
     return export_foreign(target, model, Path(out_dir), overwrite)

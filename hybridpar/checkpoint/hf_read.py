@@ -22,9 +22,9 @@ from models.args import ModelArgs
 
 from ..ranks import mark_every_rank
 from .foreign import ForeignCheckpointError, ForeignSource, load_foreign, model_shapes
-from .hf import CONFIG_JSON, WEIGHTS_FILE, hf_name, rope_permutation
+from .hf import CONFIG_JSON, hf_name, rope_permutation
+from .hf_shards import INDEX_FILE, WEIGHTS_FILE
 
-INDEX_FILE = "model.safetensors.index.json"
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 # Buffers some older exports saved alongside the weights: recomputed by the model, never loaded.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

@@ -110,6 +110,8 @@ def test_convert_and_generate_commands(trained, corpus, tmp_path):
     ("hf", {"max_seq_len": 0}, "--max-seq-len must be a positive number"),
     ("dcp", {"tokenizer": "tok"}, "--tokenizer applies to --to hf only"),
     ("hf", {"tokenizer": "tok", "bos_id": 1}, "without --bos-id / --eos-id"),
+    ("meta", {"dtype": torch.float32}, "--dtype / --max-shard-size apply to --to hf only"),
+    ("hf", {"max_shard_size": "5XB"}, "--max-shard-size 5XB: not a size; write a byte count"),
 ])
 def test_option_mistakes_are_refused_before_loading(tmp_path, to, options, message):
     from hybridpar.checkpoint.convert import convert

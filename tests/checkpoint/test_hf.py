@@ -84,7 +84,7 @@ def _tokens(args: ModelArgs) -> torch.Tensor:
 
 
 def _case_export(name: str, mp: int, out_dir: str, dtype_name: str = "float32", overwrite: bool = False,
-                 fsdp: bool = False):
+                 fsdp: bool = False, max_shard_size="5GB"):
     """Export a seeded model at this mp; rank 0 returns its full state dict and full logits."""
     import torch.distributed as dist
 
@@ -100,7 +100,8 @@ def _case_export(name: str, mp: int, out_dir: str, dtype_name: str = "float32", 
     if fsdp:  # parameters sharded over dp too: the gather must see through both
         apply_fsdp(model, parallel, FSDPConfig(sharding_strategy="full_shard", param_dtype="float32"))
     try:
-        export_hf(model, out_dir, parallel, dtype=getattr(torch, dtype_name), overwrite=overwrite)
+        export_hf(model, out_dir, parallel, dtype=getattr(torch, dtype_name), overwrite=overwrite,
+                  max_shard_size=max_shard_size)
     except HFExportError as err:
         return "error", str(err)
     with torch.no_grad():
@@ -144,7 +145,8 @@ def test_export_writes_hf_names_shapes_and_full_tensors(workers, tmp_path, name,
     args = _args(name)
 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no temporary folder left behind
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    # The whole model fits in one 5GB shard: one model.safetensors and no index, as transformers writes it.
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["model_type"] == "llama"
     assert (config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]) == (
@@ -152,7 +154,7 @@ def test_export_writes_hf_names_shapes_and_full_tensors(workers, tmp_path, name,
     assert (config["num_attention_heads"], config["num_key_value_heads"]) == (args.n_heads, args.kv_heads)
     assert (config["rope_theta"], config["rms_norm_eps"], config["vocab_size"]) == (
         args.rope_theta, args.norm_eps, args.vocab_size)
-    assert config["tie_word_embeddings"] is False and config["torch_dtype"] == "float32"
+    assert config["tie_word_embeddings"] is False and config["torch_dtype"] == config["dtype"] == "float32"
     assert (config["bos_token_id"], config["eos_token_id"], config["hidden_act"]) == (1, 2, "silu")
     assert (config["rope_scaling"] is not None) == args.use_scaled_rope
     if args.use_scaled_rope:
@@ -196,9 +198,9 @@ def test_export_refuses_an_existing_folder_and_overwrites_when_asked(workers, tm
 
     results = pool.run(_case_export, "debug", 2, str(out), "bfloat16", True)
     assert [status for status, _ in results] == ["ok"] * 4
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
-    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     state, _ = results[0][1]
     tensors = load_file(str(out / "model.safetensors"))
     assert torch.equal(tensors["lm_head.weight"], state["output.weight"].bfloat16())
@@ -257,8 +259,16 @@ def test_any_error_of_rank0s_check_reaches_every_rank(workers, tmp_path):
 # --- one process: what write_hf_folder copies and writes -------------------------------------------
 
 
+def _debug_state(args: ModelArgs) -> dict:
+    """Every parameter of `args`' model, full and seeded, under Meta's names (one process)."""
+    from hybridpar.checkpoint.foreign import model_shapes
+
+    g = torch.Generator().manual_seed(0)
+    return {name: torch.randn(shape, generator=g) for name, shape in model_shapes(args).items()}
+
+
 def test_write_copies_only_views(tmp_path, monkeypatch):
-    """Tensors that own their storage go to safetensors as they are (rank 0 holds the model once);
+    """Tensors that own their storage go to safetensors as they are (a rank holds its shard once);
     views into a larger tensor, which safetensors refuses, are copied."""
     import safetensors.torch
     from safetensors.torch import load_file
@@ -268,13 +278,14 @@ def test_write_copies_only_views(tmp_path, monkeypatch):
     saved, real_save = {}, safetensors.torch.save_file
     monkeypatch.setattr(safetensors.torch, "save_file",
                         lambda tensors, *a, **k: (saved.update(tensors), real_save(tensors, *a, **k))[1])
-    g = torch.Generator().manual_seed(0)
-    norm, rows = torch.randn(64, generator=g), torch.randn(2, 64, generator=g)
-    state = {"norm.weight": norm, "layers.0.attention_norm.weight": rows[0], "layers.0.ffn_norm.weight": rows[1]}
-    write_hf_folder(state, _args("debug"), tmp_path / "hf")
+    args = _args("debug")
+    state = _debug_state(args)
+    norm, rows = state["norm.weight"], torch.randn(2, args.dim, generator=torch.Generator().manual_seed(1))
+    state.update({"layers.0.attention_norm.weight": rows[0], "layers.0.ffn_norm.weight": rows[1]})
+    write_hf_folder(state, args, tmp_path / "hf", dtype=torch.float32)
     assert saved["model.norm.weight"].data_ptr() == norm.data_ptr()
     views = ("model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight")
-    assert all(saved[name].untyped_storage().nbytes() == 64 * 4 for name in views)
+    assert all(saved[name].untyped_storage().nbytes() == args.dim * 4 for name in views)
     tensors = load_file(str(tmp_path / "hf" / "model.safetensors"))
     assert torch.equal(tensors["model.norm.weight"], norm)
     assert torch.equal(tensors[views[0]], rows[0]) and torch.equal(tensors[views[1]], rows[1])
@@ -289,6 +300,8 @@ def test_token_ids_follow_the_vocabulary_unless_given(tmp_path, vocab, given, ex
     from hybridpar.checkpoint.hf import write_hf_folder
 
     args = ModelArgs.from_preset("debug", vocab_size=vocab)
-    out = write_hf_folder({"norm.weight": torch.ones(args.dim)}, args, tmp_path / "hf", **given)
+    out = write_hf_folder(_debug_state(args), args, tmp_path / "hf", **given)
     config = json.loads((out / "config.json").read_text())
     assert (config["bos_token_id"], config["eos_token_id"]) == expected
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert (generation["bos_token_id"], generation["eos_token_id"]) == expected

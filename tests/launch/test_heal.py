@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.launch.cluster import JOB_TIMEOUT, job_id, sbatch_wait, submit, wait_for_step
-from tests.launch.common import metrics_by_step
+from tests.launch.common import ROOT, metrics_by_step
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -210,3 +210,48 @@ def test_without_a_spare_node_the_job_says_so_and_stops(slurm_cluster, corpus, t
     assert f"slurm.sh: not requeued: {why}" in log and "Restarts=0" in shown, log[-4000:]
     events = [json.loads(line) for line in (run_dir / "incidents.jsonl").read_text().splitlines()]
     assert [(e["event"], e.get("action")) for e in events] == [("fault", "stop"), ("stop", None)], events
+
+
+SLOW_RANK = """
+import os
+if os.environ.get("RANK") == "3" and os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
+    import time
+    import models.llama as llama
+    forward = llama.Transformer.forward
+
+    def slow(self, *args, **kwargs):  # a slow node: this rank computes 0.2 s longer per step
+        time.sleep(0.2)
+        return forward(self, *args, **kwargs)
+
+    llama.Transformer.forward = slow
+"""
+
+
+def test_a_node_that_runs_slow_is_excluded_without_losing_a_step(slurm_cluster, corpus, tmp_path):
+    """Rank 3 made slow by the test (a sitecustomize on its PYTHONPATH, on the job's first start only,
+    as a node that is slow and then left out): over straggler_exclude in two reports in a row, the
+    run saves its step and stops naming the node; the job is requeued without it and resumes from
+    that very step."""
+    (tmp_path / "inject").mkdir()
+    (tmp_path / "inject" / "sitecustomize.py").write_text(SLOW_RANK)
+    run_dir = tmp_path / "run"
+    job = job_id(submit(slurm_cluster, run_dir, tmp_path / "slurm.out", 24, corpus, every=100, PREFLIGHT=0,
+                        PYTHONPATH=f"{tmp_path / 'inject'}{os.pathsep}{ROOT}",
+                        overrides=["--diagnostics.straggler_every=4", "--diagnostics.straggler_exclude=2",
+                                   "--diagnostics.straggler_exclude_reports=2"]))
+    job_dir = run_dir / f"job-{job}"
+    try:
+        shown = slurm_cluster.wait_completed(job, time.monotonic() + 2 * JOB_TIMEOUT, job_dir / "job.log")
+    finally:
+        slurm_cluster.cancel_all()
+    log = (job_dir / "job.log").read_text()
+    events = [json.loads(line) for line in (run_dir / "incidents.jsonl").read_text().splitlines()]
+    assert [(e["event"], e.get("kind")) for e in events] == [
+        ("fault", "straggler"), ("requeue", None), ("training_again", None)], (events, log[-4000:])
+    fault, requeue, again = events
+    print(f"\n{fault['reason']}\nrequeued without {requeue['excluded']}, training again on {again['nodes']} "
+          f"from step {again['resumed_from']}")
+    assert fault["ranks"] == [3] and f"ExcNodeList={requeue['excluded']}" in shown
+    assert fault["nodes"] == [requeue["excluded"]] and requeue["excluded"] not in again["nodes"]
+    assert again["resumed_from"] == fault["step"] == 8  # reports at 4 and 8; step 8 saved: none lost
+    assert sorted(metrics_by_step(job_dir)) == list(range(1, 25))

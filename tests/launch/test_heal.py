@@ -64,6 +64,20 @@ def _rank_pids(job: str, store_host: bool) -> tuple[str, list[int]]:
     return node, [pid for r, (n, pid) in sorted(ranks.items()) if n == node]
 
 
+def _events(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "incidents.jsonl").read_text().splitlines()]
+
+
+def _completed(slurm_cluster, job: str, run_dir: Path) -> tuple[str, str, list[dict]]:
+    """Wait until job `job` completes, through its requeues: its `scontrol show job`, log and incidents."""
+    log = run_dir / f"job-{job}" / "job.log"
+    try:
+        shown = slurm_cluster.wait_completed(job, time.monotonic() + 2 * JOB_TIMEOUT, log)
+    finally:
+        slurm_cluster.cancel_all()
+    return shown, log.read_text(), _events(run_dir)
+
+
 def _release(pids: list[int]) -> None:
     """Nothing of the test's making outlives it: the processes it stopped are killed."""
     for pid in pids:
@@ -96,7 +110,7 @@ def _heal(slurm_cluster, corpus, tmp_path, fault: str, store_host: bool, **env) 
         _release(hit)
         slurm_cluster.cancel_all()
     log = (job_dir / "job.log").read_text()
-    events = [json.loads(line) for line in (run_dir / "incidents.jsonl").read_text().splitlines()]
+    events = _events(run_dir)
     return {"job": job, "node": node, "fault_time": fault_time, "shown": shown,
             "log": log, "events": events, "losses": {s: r["loss"] for s, r in metrics_by_step(job_dir).items()},
             "run_dir": run_dir}
@@ -167,12 +181,7 @@ def test_a_node_that_fails_the_preflight_alone_is_excluded(slurm_cluster, corpus
     run_dir = tmp_path / "run"
     job = job_id(submit(slurm_cluster, run_dir, tmp_path / "slurm.out", 4, corpus, PYTHON=wrapper))
     job_dir = run_dir / f"job-{job}"
-    try:
-        shown = slurm_cluster.wait_completed(job, time.monotonic() + 2 * JOB_TIMEOUT, job_dir / "job.log")
-    finally:
-        slurm_cluster.cancel_all()
-    log = (job_dir / "job.log").read_text()
-    events = [json.loads(line) for line in (run_dir / "incidents.jsonl").read_text().splitlines()]
+    shown, log, events = _completed(slurm_cluster, job, run_dir)
     assert [(e["event"], e.get("kind")) for e in events] == [
         ("fault", "preflight"), ("requeue", None), ("training_again", None)], events
     assert events[0]["nodes"] == ["n2"] and events[1]["excluded"] == "n2", events
@@ -208,7 +217,7 @@ def test_without_a_spare_node_the_job_says_so_and_stops(slurm_cluster, corpus, t
     other = ({"n1", "n2"} - {node}).pop()
     why = f"no spare node: without {node} the partition has 1 usable node(s) ({other}), the job needs 2"
     assert f"slurm.sh: not requeued: {why}" in log and "Restarts=0" in shown, log[-4000:]
-    events = [json.loads(line) for line in (run_dir / "incidents.jsonl").read_text().splitlines()]
+    events = _events(run_dir)
     assert [(e["event"], e.get("action")) for e in events] == [("fault", "stop"), ("stop", None)], events
 
 
@@ -240,12 +249,7 @@ def test_a_node_that_runs_slow_is_excluded_without_losing_a_step(slurm_cluster, 
                         overrides=["--diagnostics.straggler_every=4", "--diagnostics.straggler_exclude=2",
                                    "--diagnostics.straggler_exclude_reports=2"]))
     job_dir = run_dir / f"job-{job}"
-    try:
-        shown = slurm_cluster.wait_completed(job, time.monotonic() + 2 * JOB_TIMEOUT, job_dir / "job.log")
-    finally:
-        slurm_cluster.cancel_all()
-    log = (job_dir / "job.log").read_text()
-    events = [json.loads(line) for line in (run_dir / "incidents.jsonl").read_text().splitlines()]
+    shown, log, events = _completed(slurm_cluster, job, run_dir)
     assert [(e["event"], e.get("kind")) for e in events] == [
         ("fault", "straggler"), ("requeue", None), ("training_again", None)], (events, log[-4000:])
     fault, requeue, again = events

@@ -71,7 +71,7 @@ class Heartbeat:
         self._woken = threading.Event()
         self.published = threading.Event()
         self.neighbours: Optional[dict[int, int]] = None  # rank -> pid, of the ranks on this host
-        self.nodes: dict[int, str] = {}  # rank -> its node, once every rank has registered
+        self.nodes: dict[int, str] = {}  # rank -> its node, gathered at set-up (train.supervisor)
         self._seen_gone: set[int] = set()
 
     def connect(self) -> None:
@@ -136,7 +136,6 @@ class Heartbeat:
             if not all(self.store.check([self.who_key(r)]) for r in range(self.world_size)):
                 return  # some rank has not registered yet
             whos = self.whos(list(range(self.world_size)))
-            self.nodes = {r: w.get("node", w["host"]) for r, w in enumerate(whos)}
             self.neighbours = {r: w["pid"] for r, w in enumerate(whos)
                                 if r != self.rank and w["host"] == self.info["host"]}
         for r, pid in self.neighbours.items():

@@ -20,6 +20,11 @@ def node_name() -> str:
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
+def place() -> tuple[str, str]:
+    """(host, node) of this process."""
+    return socket.gethostname(), node_name()
+
+
 # Findings (flight.Finding.kind) a node's fault explains; any other finding is the program's.
 NODE_FINDINGS = ("dead", "not_arrived")
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import socket
 import statistics
 import threading
 import time
@@ -32,7 +31,7 @@ from ..compat.torch import all_gather_single
 from ..layout import MeshCoords
 from ..mesh import ParallelDims
 from ..ranks import gather_objects
-from .node_fault import node_name
+from .node_fault import place
 
 # The collectives a training step can block in; names missing from this torch are skipped.
 COLLECTIVES = (
@@ -170,10 +169,11 @@ class StragglerMonitor:
     `with monitor.timing(step):` around each step, then `monitor.report(step)` on every rank."""
 
     def __init__(self, parallel: ParallelDims, every: int, threshold: float, start_step: int = 0, *,
-                 exclude: float = 0.0, exclude_reports: int = 3) -> None:
+                 exclude: float = 0.0, exclude_reports: int = 3, places: Optional[list] = None) -> None:
         """start_step: the step this run starts from; its first step (lazy set-up, compilation) is not timed.
         exclude: a rank over this (higher) threshold in `exclude_reports` reports in a row is its
-        node's fault: `excluding` says so on every rank (0: never)."""
+        node's fault: `excluding` says so on every rank (0: never). places: every rank's (host, node),
+        if the caller has gathered them (else gathered here, a collective)."""
         self.parallel, self.threshold, self.start_step = parallel, threshold, start_step
         self.exclude, self.exclude_reports = exclude, exclude_reports
         self._streak: tuple[Optional[int], int] = (None, 0)  # (rank, reports in a row) over `exclude`
@@ -183,8 +183,7 @@ class StragglerMonitor:
         gpu = device.type == "cuda"
         self.timer = CollectiveTimer(functools.partial(torch.cuda.synchronize, device) if gpu else None)
         self.samples = 1 if gpu else CPU_SAMPLES
-        # (host, node) of every rank, once per run
-        self.places = gather_objects((socket.gethostname(), node_name())) if self.every else []
+        self.places = places if places is not None else gather_objects(place()) if self.every else []
         self.measured: list[tuple[float, float]] = []  # (compute, wait) of this window's measured steps
         self.over: Optional[int] = None  # rank 0: the rank over the threshold in the last report
 

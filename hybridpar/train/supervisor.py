@@ -27,7 +27,7 @@ from ..checkpoint.dcp import latest_checkpoint
 from ..config import Config
 from ..diagnostics.data_guard import check_data, step_fingerprint
 from ..diagnostics.monitor import save_report
-from ..diagnostics.node_fault import node_name
+from ..diagnostics.node_fault import place
 from ..diagnostics.replicas import check_replicas
 from ..diagnostics.stragglers import StragglerMonitor
 from ..diagnostics.timeouts import Deadlines, apply_env_defaults
@@ -53,6 +53,7 @@ class Supervisor:
         self.deadlines: Optional[Deadlines] = None
         self.stragglers: Optional[StragglerMonitor] = None
         self.model: Optional[torch.nn.Module] = None
+        self.places: Optional[list] = None  # every rank's (host, node), once the mesh exists
         self.start_step = 0
         self._checkpoint_folder = checkpoint_folder
         self.stop = stopping.StopRequest(config.checkpoint.exit_save_timeout, on_signal=self._on_stop_signal,
@@ -65,9 +66,11 @@ class Supervisor:
         self.parallel = parallel
         if self.config.diagnostics.watchdog:
             self.watchdog = self._watch(self.config.parallel.init_timeout, 0, "set-up")
-            # Every rank's node, known to every rank before anything can freeze: a rank that finds the
-            # store's host frozen can then name its node (the store registry may not be complete yet).
-            self.watchdog.beat.nodes = dict(enumerate(gather_objects(node_name())))
+        # Every rank's (host, node), once: the straggler report names them, and a rank that finds the
+        # store's host frozen names its node (known to every rank before anything can freeze).
+        self.places = gather_objects(place())
+        if self.watchdog is not None:
+            self.watchdog.beat.nodes = {r: node for r, (_, node) in enumerate(self.places)}
 
     def _watch(self, timeout: float, step: int, phase: str) -> Watchdog:
         watchdog = Watchdog(self.parallel, timeout=timeout, run_dir=self.run_dir, trace_dir=self.trace_dir,
@@ -102,7 +105,8 @@ class Supervisor:
         if self.watchdog is not None and self.stop.requested:  # during set-up
             self.watchdog.stop_requested(self.stop.signal_name)
         self.stragglers = StragglerMonitor(self.parallel, d.straggler_every, d.straggler_threshold, step,
-                                           exclude=d.straggler_exclude, exclude_reports=d.straggler_exclude_reports)
+                                           exclude=d.straggler_exclude, exclude_reports=d.straggler_exclude_reports,
+                                           places=self.places)
         self.stragglers.__enter__()  # collectives timed on measured steps; torch.distributed's own back at close
 
     def close(self, error: Optional[BaseException] = None) -> None:

@@ -142,12 +142,19 @@ def raise_if_any_failed(error: Optional[BaseException], what: str, *,
 _ARRIVALS: dict[str, int] = {}  # name -> calls so far in this process: every rank counts alike
 
 
+def restart_count() -> int:
+    """How many times torchrun has restarted the job's ranks (0 outside torchrun)."""
+    import os
+
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
 def attempt_id() -> str:
     """This start of the job (torchrun's run id and restart count): torchrun's store outlives
     restarts, so keys of the job's store name the attempt they belong to."""
     import os
 
-    return f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{restart_count()}"
 
 
 def wait_for_every_rank(name: str, poll: float = 0.2) -> None:

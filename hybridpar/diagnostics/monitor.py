@@ -24,6 +24,7 @@ from typing import Callable, Optional
 
 from ..files import write_text_atomic
 from ..layout import MeshCoords
+from ..ranks import restart_count
 from . import flight
 from .heartbeat import HANG_EXIT_CODE, Heartbeat
 from .liveness import is_peer_loss, process_stopped
@@ -32,6 +33,11 @@ from .traces import RankTrace
 
 
 LEFT = ("done", "stopped", "paused")  # the states of a rank that ended (or paused) on purpose: not watched
+
+
+def verdict_time(quiet_s: float) -> dict:
+    """A verdict's when: the wall clock now, how long the culprits had been quiet, torchrun's restart."""
+    return {"time": time.time(), "quiet_s": round(quiet_s, 3), "attempt": restart_count()}
 
 
 def save_report(run_dir: Path, text: Optional[str], report: dict) -> None:
@@ -232,7 +238,7 @@ class Monitor:
                   f"{seconds:.0f} s ({error}): rank 0 is {'gone' if gone else 'frozen'}")
         fault = {"kind": "death" if gone else "stall", "nodes": [nodes[0]], "ranks": [0]}
         self._save(f"hybridpar watchdog at step {self.beat.step}: {reason}\n{describe_fault(fault)}",
-                   {"reason": reason, "step": self.beat.step, "node_fault": fault, **self._when([]), "quiet_s": seconds})
+                   {"reason": reason, "step": self.beat.step, "node_fault": fault, **verdict_time(seconds)})
         return f"{path} names node {nodes[0]}"
 
     def own_failure(self, error: BaseException) -> None:
@@ -250,8 +256,7 @@ class Monitor:
         by then, and which of torchrun's restarts this is."""
         now = self.beat.clock.monotonic()
         quiet = [now - self._progress[r][1] for r in (culprits or range(self.world_size)) if r in self._progress]
-        return {"time": time.time(), "quiet_s": round(max(quiet, default=0.0), 3),
-                "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)}
+        return verdict_time(max(quiet, default=0.0))
 
     def _nodes(self) -> dict[int, str]:
         """rank -> node of every rank that registered."""

@@ -163,11 +163,7 @@ class Watchdog:
                 now = self.beat.clock.monotonic()
                 failures_since = failures_since or now
                 if now - failures_since > self.beat.dead_after():
-                    said = self.monitor.store_lost(now - failures_since, err)
-                    print(f"hybridpar watchdog (rank {self.rank}): the job's store has been unreachable for "
-                          f"{now - failures_since:.0f} s ({err}); the rank hosting it is probably gone ({said}). "
-                          "Exiting.", file=sys.stderr, flush=True)
-                    self._exit(HANG_EXIT_CODE)
+                    self._store_gone(now - failures_since, err)
                     return
 
     def _guard(self) -> None:
@@ -180,11 +176,16 @@ class Watchdog:
             began = self._busy_since
             stuck = beat.clock.monotonic() - began if began is not None else 0.0
             if stuck > limit:
-                said = self.monitor.store_lost(stuck, TimeoutError(f"a call has not returned for {stuck:.0f} s"))
-                print(f"hybridpar watchdog (rank {self.rank}): the job's store has not answered for {stuck:.0f} s; "
-                      f"the rank hosting it (rank 0) is frozen or gone ({said}). Exiting.", file=sys.stderr, flush=True)
-                self._exit(HANG_EXIT_CODE)
+                self._store_gone(stuck, TimeoutError(f"a call has not returned for {stuck:.0f} s"))
                 return
+
+    def _store_gone(self, seconds: float, error: BaseException) -> None:
+        """The job's store has not answered for `seconds` (`error`): its host, rank 0, is frozen or gone.
+        Name its node if this rank is the one to (Monitor.store_lost), say so and exit."""
+        said = self.monitor.store_lost(seconds, error)
+        print(f"hybridpar watchdog (rank {self.rank}): the job's store has not answered for {seconds:.0f} s ({error}); "
+              f"the rank hosting it (rank 0) is frozen or gone ({said}). Exiting.", file=sys.stderr, flush=True)
+        self._exit(HANG_EXIT_CODE)
 
     def _round(self) -> bool:
         """One beat: publish, obey an abort, answer a dump request, then monitor (rank 0, or rank 1

@@ -26,7 +26,7 @@ from .. import incidents
 from ..checkpoint.dcp import latest_checkpoint
 from ..config import Config
 from ..diagnostics.data_guard import check_data, step_fingerprint
-from ..diagnostics.monitor import save_report
+from ..diagnostics.monitor import save_report, verdict_time
 from ..diagnostics.node_fault import place
 from ..diagnostics.replicas import check_replicas
 from ..diagnostics.stragglers import StragglerMonitor
@@ -179,8 +179,7 @@ class Supervisor:
                 f"{self.config.diagnostics.straggler_exclude}); saved step {step} ({checkpoint}) and stopped so "
                 f"that node {x['node']} can be left out (launch/slurm.sh excludes it and requeues the job)")
         fault = {"kind": "straggler", "nodes": [x["node"]], "ranks": [x["rank"]]}
-        save_report(self.run_dir, None, {"reason": line, "step": step, "node_fault": fault, "time": time.time(),
-                                         "quiet_s": 0.0, "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0) or 0),
+        save_report(self.run_dir, None, {"reason": line, "step": step, "node_fault": fault, **verdict_time(0.0),
                                          "straggler": x, "checkpoint": str(checkpoint)})
         print(line, flush=True)
 

@@ -342,6 +342,18 @@ requeue_without() {
     echo "slurm.sh: warning: could not exclude $exclude from job $JOB_ID" >&2
 }
 
+# What decide() said: requeue without the node (this script then ends), or record why not.
+act() {
+  case $action in
+    exclude)
+      requeue_without "$fault_nodes"
+      exit 0 ;;
+    stop)
+      incidents note "$INCIDENTS" event=stop "job=$JOB_ID" "why=$why"
+      echo "slurm.sh: not requeued: $why" >&2 ;;
+  esac
+}
+
 # Ends the training step now: its ranks may be stopped or hung, and torchrun would restart them on
 # the node at fault. Two interrupts within a second make srun kill every task.
 end_step() {
@@ -361,7 +373,7 @@ if [[ $PREFLIGHT == 1 ]]; then
       printf '{"reason": "the preflight failed on node %s", "step": 0, "time": %s, "quiet_s": 0, "attempt": 0, "node_fault": {"kind": "preflight", "nodes": ["%s"], "ranks": []}}\n' \
         "${failed[0]}" "$(date +%s.%N)" "${failed[0]}" >"$report"
       decide 0
-      [[ $action == exclude ]] && { requeue_without "$fault_nodes"; exit 0; }
+      act
     fi
     die "preflight failed: the ranks could not form the mesh (see above)"
   fi
@@ -390,14 +402,7 @@ id=$(verdict_id || true)
 if [[ $action != exclude && $action != stop && -n $id && $id != "$seen" ]]; then
   decide 0  # a verdict as the step ended (a death, a straggler's stop): torchrun restarts no more
 fi
-case $action in
-  exclude)
-    requeue_without "$fault_nodes"
-    exit 0 ;;
-  stop)
-    incidents note "$INCIDENTS" event=stop "job=$JOB_ID" "why=$why"
-    echo "slurm.sh: not requeued: $why" >&2 ;;
-esac
+act
 if [[ -f $stopped ]]; then
   echo "stopped on a signal and saved: $(tr -d '\n' <"$stopped")"
   if [[ $REQUEUE == 1 && -n ${SLURM_JOB_ID:-} ]]; then

@@ -13,16 +13,24 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from ..compat.torch import compute_local_shape_and_global_offset
 
 
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def block(tensor: DTensor) -> Box:
+    """(offset, shape) of the block of the full tensor this rank holds (local_slice's)."""
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return tuple(offset), tuple(shape)
+
+
 def local_slice(full: torch.Tensor, like: DTensor) -> torch.Tensor:
     """The part of `full` that this rank holds in a DTensor laid out like `like` (no communication)."""
     if tuple(full.shape) != tuple(like.shape):
         raise ValueError(f"full tensor has shape {tuple(full.shape)}, the parameter {tuple(like.shape)}")
-    shape, offset = compute_local_shape_and_global_offset(full.shape, like.device_mesh, like.placements)
-    index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
-    return full[index]
+    offset, shape = block(like)
+    return full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
 
 
-def local_box(param: torch.Tensor, name: str, error_type: type = ValueError) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def local_box(param: torch.Tensor, name: str, error_type: type = ValueError) -> Box:
     """(offset, shape): the block of the full tensor this rank holds of a tensor-parallel parameter.
 
     Only before FSDP: its Shard subclasses interleave, so an FSDP-wrapped parameter is refused
@@ -35,8 +43,7 @@ def local_box(param: torch.Tensor, name: str, error_type: type = ValueError) -> 
                 f"{name} is placed as {param.placements} on mesh dims {param.device_mesh.mesh_dim_names}: "
                 "checkpoints are sliced into a model before FSDP; load before apply_fsdp"
             )
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    return tuple(offset), tuple(shape)
+    return block(param)
 
 
 @torch.no_grad()
@@ -60,15 +67,6 @@ def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tenso
 def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and buffer as a full tensor (gathers across ranks: collective, for tests and export)."""
     return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in module.state_dict().items()}
-
-
-Box = tuple[tuple[int, ...], tuple[int, ...]]
-
-
-def block(tensor: DTensor) -> Box:
-    """(offset, shape) of the block of the full tensor this rank holds (local_slice's)."""
-    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
-    return tuple(offset), tuple(shape)
 
 
 @torch.no_grad()

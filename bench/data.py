@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hybridpar.data import Tokenizer, default_corpus_documents, train_tokenizer  # noqa: E402
-from hybridpar.data.store_build import prepare_store  # noqa: E402
+from hybridpar.data.store_prepare import prepare_store  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "data.json"
 BATCH_CHARS = 1 << 17

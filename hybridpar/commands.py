@@ -147,7 +147,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_prepare(args: argparse.Namespace) -> int:
     """Tokenise corpus files into a token store (on every core; a share of it with --part)."""
-    from .data.store_build import prepare_command
+    from .data.store_prepare import prepare_command
 
     return prepare_command(args)
 

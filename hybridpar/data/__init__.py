@@ -20,7 +20,7 @@ _WHERE = {
     "build_dataloader": "loader", "check_dataset_size": "loader", "check_vocab": "loader",
     "build_data": "pipeline", "build_training_data": "pipeline", "default_cache_dir": "pipeline",
     "TokenStore": "store", "is_store": "store", "verify_store": "store",
-    "prepare_store": "store_build", "cached_store": "store_build", "merge_store": "store_build",
+    "prepare_store": "store_prepare", "cached_store": "store_prepare", "merge_store": "store_build",
     "source_documents": "formats",
     "source_id": "sources",
     "Tokenizer": "tokenizer", "load_or_train_tokenizer": "tokenizer", "train_tokenizer": "tokenizer",

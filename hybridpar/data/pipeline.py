@@ -11,7 +11,7 @@ from hybridpar.data.blend import blend_loader
 from hybridpar.data.formats import source_documents
 from hybridpar.data.sources import resolve_sources, source_bytes, source_id, source_name
 from hybridpar.data.store import TokenStore, is_store
-from hybridpar.data.store_build import cached_store
+from hybridpar.data.store_prepare import cached_store
 from hybridpar.data.tokenizer import Tokenizer, load_or_train_tokenizer
 from hybridpar.progress import Progress
 

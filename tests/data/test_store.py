@@ -17,7 +17,7 @@ import pytest
 
 from hybridpar.data import default_corpus_documents
 from hybridpar.data.store import MANIFEST, TokenStore, verify_store
-from hybridpar.data.store_build import prepare_store
+from hybridpar.data.store_prepare import prepare_store
 
 ROOT = Path(__file__).resolve().parents[2]
 UNIT = 40_000  # bytes a unit: several units per file
@@ -299,7 +299,8 @@ def test_merge_writes_the_manifest_once_every_part_is_done(formats, tokenizer, t
     assert main(["prepare", "--merge", "--out", str(tmp_path / "s")]) == 2  # parts 1 and 2 are missing
     assert not (tmp_path / "s" / MANIFEST).exists()
     # the other parts, as other nodes would run them, but without completing the store themselves
-    from hybridpar.data.store_build import build_unit, make_plan, part_of
+    from hybridpar.data.store_build import build_unit
+    from hybridpar.data.store_plan import make_plan, part_of
 
     plan = make_plan(source, tokenizer, tmp_path / "s", unit_bytes=UNIT)
     for i in part_of(plan, 1, 3) + part_of(plan, 2, 3):

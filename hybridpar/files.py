@@ -28,7 +28,7 @@ PathLike = Union[str, "os.PathLike[str]"]
 
 _LOCK_POLL_SECONDS = 0.1
 # Errors by which a file system says it has no flock (some NFS and Lustre mounts).
-_NO_FLOCK_ERRNOS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
+NO_FLOCK_ERRNOS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 # Errors by which a file system says it is full (ENOSPC) or the user's quota is used up (EDQUOT).
 NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
@@ -319,7 +319,7 @@ def file_lock(path: PathLike, *, timeout: Optional[float] = None, purpose: str =
         _wait(lambda: _try_flock(fd), path, timeout, purpose)
     except OSError as e:
         os.close(fd)
-        if e.errno not in _NO_FLOCK_ERRNOS:
+        if e.errno not in NO_FLOCK_ERRNOS:
             raise
         fd = -1
     if fd < 0:

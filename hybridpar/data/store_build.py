@@ -12,6 +12,8 @@ manifest is written last, by whoever finds every unit done (or by `--merge`).
 from __future__ import annotations
 
 import json
+import os
+import socket
 from pathlib import Path
 from typing import Optional
 
@@ -22,9 +24,11 @@ from hybridpar.data.formats import Tally, Unit, unit_documents
 from hybridpar.data.sources import SourceFile, source_name
 from hybridpar.data.store import (FORMAT, MANIFEST, MAX_SHARD_TOKENS, PLAN, VERSION, StoreError, TokenStore,
                                   shard_name, unit_record_name)
-from hybridpar.data.store_plan import Plan
+from hybridpar.data.store_plan import Plan, preparing, read_plan
 from hybridpar.data.tokenise import PART_NAMES, pieces, token_batches
 from hybridpar.files import PathLike, atomic_output, file_lock, write_text_atomic
+
+_MANIFEST_WAIT = 600.0  # seconds to wait for another process writing the manifest (seconds, even for a large store)
 
 
 # --- one unit ------------------------------------------------------------------------------------
@@ -117,23 +121,38 @@ def _claim_and_build(plan: Plan, index: int, tokenizer, on_bytes=None, on_tokens
     lock = plan.folder / (unit_record_name(index) + ".lock")
     try:
         with file_lock(lock, timeout=0, purpose="preparing a unit"):
-            return _record(plan, index) or build_unit(plan, index, tokenizer, on_bytes, on_tokens)
+            if (record := _record(plan, index)) is not None:
+                return record
+            # who holds it, for a process that waits for it (the flock is on the file, not its text)
+            lock.write_text(f"{socket.gethostname()} pid {os.getpid()}\n")
+            return build_unit(plan, index, tokenizer, on_bytes, on_tokens)
     except TimeoutError:
         return None
+
+
+def unit_holder(plan: Plan, index: int) -> str:
+    """'host pid N' of the process that last took unit `index`, or '' (unknown)."""
+    try:
+        return (plan.folder / (unit_record_name(index) + ".lock")).read_text().strip()
+    except OSError:
+        return ""
 
 
 def merge_store(out: PathLike) -> TokenStore:
     """Write the manifest of store `out` once every unit is done (any process may call it; the
     first writes it). Refuses naming the units still missing."""
     folder = Path(out)
-    if not (folder / PLAN).is_file():
+    if (folder / MANIFEST).is_file():
+        return TokenStore(folder)
+    data = read_plan(folder)
+    if data is None:
         raise StoreError(f"{folder} is not a token store being prepared (no {PLAN}): run hybridpar prepare first")
-    with file_lock(folder / (MANIFEST + ".lock"), purpose="writing the manifest"):
+    files = [SourceFile(f["kind"], Path(f["path"]) if f.get("path") else None) for f in data["sources"]["files"]]
+    plan = Plan(folder, data, tuple(Unit(files[u["file"]], u["start"], u["stop"], u["bytes"]) for u in data["units"]))
+    with preparing(plan), file_lock(folder / (MANIFEST + ".lock"), timeout=_MANIFEST_WAIT,
+                                    purpose="writing the manifest"):
         if (folder / MANIFEST).is_file():
             return TokenStore(folder)
-        data = json.loads((folder / PLAN).read_text())
-        files = [SourceFile(f["kind"], Path(f["path"]) if f.get("path") else None) for f in data["sources"]["files"]]
-        plan = Plan(folder, data, tuple(Unit(files[u["file"]], u["start"], u["stop"], u["bytes"]) for u in data["units"]))
         records = [_record(plan, i) for i in range(len(plan.units))]
         missing = [i for i, r in enumerate(records) if r is None]
         if missing:

@@ -3,15 +3,24 @@ store's token order, written to the store folder's plan.json; and the share of i
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import json
+import logging
+import os
+import socket
+import time
 from pathlib import Path
+from typing import Iterator, Optional
 
 from hybridpar.data.formats import BAD_RECORD_CHOICES, UNIT_BYTES, Unit, plan_units
 from hybridpar.data.sources import Source, describe_sources, resolve_sources
-from hybridpar.data.store import FORMAT, MANIFEST, PLAN, VERSION, StoreError
+from hybridpar.data.store import FORMAT, MANIFEST, PLAN, UNITS, VERSION, StoreError
 from hybridpar.data.tokenise import token_dtype
-from hybridpar.files import PathLike, sha256_text, write_text_atomic
+from hybridpar.files import NO_FLOCK_ERRNOS, PathLike, sha256_text, write_text_atomic
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,45 +34,198 @@ class Plan:
         return self.data["key"]
 
 
-def make_plan(source: Source, tokenizer, out: PathLike, *, text_field: str = "text", val_fraction: float = 0.0,
-              on_bad_record: str = "error", unit_bytes: int = UNIT_BYTES) -> Plan:
-    """The plan of a store of `source` tokenised by `tokenizer` in folder `out`, written to plan.json
-    (or checked against the one there: a store folder holds one store)."""
+def plan_of(source: Source, tokenizer, out: PathLike, *, text_field: str = "text", val_fraction: float = 0.0,
+            on_bad_record: str = "error", unit_bytes: int = UNIT_BYTES) -> Plan:
+    """The plan of a store of `source` tokenised by `tokenizer` in folder `out` (nothing written)."""
     if on_bad_record not in BAD_RECORD_CHOICES:
         raise ValueError(f"data.on_bad_record must be one of {', '.join(BAD_RECORD_CHOICES)}, got {on_bad_record!r}")
     if not 0 <= val_fraction < 1:
         raise ValueError(f"the validation fraction must be in [0, 1), got {val_fraction}")
+    if not isinstance(unit_bytes, int) or unit_bytes < 1:
+        raise ValueError(f"the unit size must be a positive number of bytes, got {unit_bytes!r}")
     eos_id, vocab_size = int(tokenizer.eos_id), int(tokenizer.vocab_size)
     if not 0 <= eos_id < vocab_size:
         raise ValueError(f"the tokenizer has no usable eos piece (eos_id {eos_id}); documents need one between them")
     files = resolve_sources(source)
     units = plan_units(files, text_field, unit_bytes)
     data = {"format": FORMAT + "-plan", "version": VERSION, "sources": describe_sources(files, text_field),
-            "tokenizer_sha256": tokenizer.sha256, "tokenizer_path": str(getattr(tokenizer, "path", "")),
+            "tokenizer_sha256": tokenizer.sha256,
             "vocab_size": vocab_size, "eos_id": eos_id, "dtype": token_dtype(vocab_size).name,
             "text_field": text_field, "val_fraction": val_fraction, "on_bad_record": on_bad_record,
             "units": [{"file": files.index(u.file), "start": u.start, "stop": u.stop, "bytes": u.nbytes} for u in units]}
     data["key"] = sha256_text(json.dumps(data, sort_keys=True))[:16]
-    folder = Path(out)
-    existing = folder / PLAN
-    other = json.loads(existing.read_text()) if existing.is_file() else {}
-    if other.get("key") != data["key"]:
-        if (folder / MANIFEST).is_file():  # a complete store is never replaced
-            differs = [k for k in ("sources", "tokenizer_sha256", "text_field", "val_fraction", "on_bad_record")
-                       if other.get(k) != data[k]] or ["the units"]
-            raise StoreError(f"{folder} holds a store of other input ({', '.join(differs)} differ): give another "
-                             f"--out, or delete {folder} to prepare it anew")
-        # Nothing there, or an unfinished store of other input: its unit records name the old plan and
-        # are not reused.
-        folder.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(existing, json.dumps(data, indent=1) + "\n")
-    return Plan(folder, data, tuple(units))
+    # Not in the key: the same tokenizer (its sha256) read from another path makes the same store. Absolute,
+    # so that a run started in another folder finds it.
+    path = getattr(tokenizer, "path", "")
+    data["tokenizer_path"] = str(Path(path).absolute()) if path else ""
+    return Plan(Path(out), data, tuple(units))
+
+
+def make_plan(source: Source, tokenizer, out: PathLike, **options) -> Plan:
+    """plan_of, written to plan.json (or checked against the one there: a store folder holds one store)."""
+    plan = plan_of(source, tokenizer, out, **options)
+    with preparing(plan):
+        pass
+    return plan
+
+
+def read_plan(folder: Path) -> Optional[dict]:
+    """plan.json of store `folder`, or None (none there, or half of one on a file system without atomic rename)."""
+    try:
+        return json.loads((Path(folder) / PLAN).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def describe_plan(data: Optional[dict]) -> str:
+    """The input a plan.json names, in a few words (its sources, and who wrote it when known)."""
+    if not data:
+        return "unknown input"
+    try:
+        files = [f.get("path") or f.get("kind", "?") for f in data["sources"]["files"]]
+    except (KeyError, TypeError, AttributeError):
+        files = ["unknown input"]
+    shown = ", ".join(str(f) for f in files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+    who = data.get("written_by")
+    return shown + (f"; {who}" if who else "")
+
+
+# --- one store, one input at a time ------------------------------------------------------------
+#
+# Every process that prepares a store holds a shared flock on STORE/prepare.lock while it works (the
+# workers of `hybridpar prepare` under their parent's); plan.json is written or replaced only under
+# the exclusive lock, i.e. when nobody prepares. So processes of the same input join each other, and
+# one of other input is refused at once instead of replacing plan.json under them (which made both
+# loop forever). Once the manifest is written, the last process out removes the lock files.
+
+STORE_LOCK = "prepare.lock"
+_SHARED_WAIT = 60.0  # seconds to wait for a shared lock: the exclusive one is held while plan.json is written
+
+
+@contextlib.contextmanager
+def preparing(plan: Plan) -> Iterator[None]:
+    """Hold store `plan.folder` for preparing `plan` (writing its plan.json if the store is new);
+    refuses, in one line, a store being prepared, or holding units, of other input."""
+    if (plan.folder / MANIFEST).is_file():  # complete: nothing to lock (its lock files are gone)
+        there = read_plan(plan.folder)
+        if there is None or there.get("key") != plan.key:
+            _refuse_other_store(plan, there)
+        yield
+        return
+    plan.folder.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(plan.folder / STORE_LOCK, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as err:
+        raise StoreError(f"cannot lock {plan.folder / STORE_LOCK} ({err.strerror}): give an --out you may write in")
+    try:
+        _claim(fd, plan)
+    except BaseException:
+        os.close(fd)
+        raise
+    try:
+        yield
+    finally:
+        os.close(fd)  # releases the shared lock
+        remove_locks(plan.folder)
+
+
+def _claim(fd: int, plan: Plan) -> None:
+    deadline = time.monotonic() + _SHARED_WAIT
+    while True:
+        try:
+            if _flock(fd, fcntl.LOCK_EX):
+                _write_plan(plan)  # nobody else prepares: plan.json may be written or replaced
+                fcntl.flock(fd, fcntl.LOCK_SH)  # (not atomic: another may slip in between, hence the re-read)
+            elif not _flock(fd, fcntl.LOCK_SH):  # someone is writing plan.json: a moment
+                if time.monotonic() > deadline:
+                    raise StoreError(f"{plan.folder}: waited {_SHARED_WAIT:.0f} s for {STORE_LOCK}, held exclusively "
+                                     "by another process writing plan.json: is it stuck? stop it and run again")
+                time.sleep(0.05)
+                continue
+        except OSError as err:
+            if err.errno not in NO_FLOCK_ERRNOS:
+                raise
+            log.warning("%s: this file system has no flock; two preparations of different input into it are not "
+                        "told apart", plan.folder)
+            _write_plan(plan)
+            return
+        there = read_plan(plan.folder)
+        if there is not None and there.get("key") == plan.key:
+            return  # ours: joined
+        if (plan.folder / MANIFEST).is_file():
+            _refuse_other_store(plan, there)
+        raise StoreError(f"{plan.folder} is being prepared from other input ({describe_plan(there)}): give another "
+                         "--out (one store a folder), or let that preparation finish first")
+
+
+def _flock(fd: int, kind: int) -> bool:
+    try:
+        fcntl.flock(fd, kind | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def _write_plan(plan: Plan) -> None:
+    """Under the exclusive store lock: plan.json made `plan`'s if the folder holds no other input."""
+    there = read_plan(plan.folder)
+    if there is not None and there.get("key") == plan.key:
+        return
+    if (plan.folder / MANIFEST).is_file():  # a complete store is never replaced
+        _refuse_other_store(plan, there)
+    if there is not None and any((plan.folder / UNITS).glob("*.json")):
+        raise StoreError(f"{plan.folder} holds an unfinished store of other input ({describe_plan(there)}) that nobody "
+                         f"is preparing: delete {plan.folder} or give another --out (or run that preparation again "
+                         "to finish it)")
+    # Nothing there, or a plan nobody made anything of yet.
+    data = {**plan.data, "written_by": f"{socket.gethostname()} pid {os.getpid()}"}
+    write_text_atomic(plan.folder / PLAN, json.dumps(data, indent=1) + "\n")
+
+
+def _refuse_other_store(plan: Plan, there: Optional[dict]) -> None:
+    there = there or {}
+    differs = [k for k in ("sources", "tokenizer_sha256", "text_field", "val_fraction", "on_bad_record")
+               if there.get(k) != plan.data[k]] or ["the units"]
+    raise StoreError(f"{plan.folder} holds a store of other input ({', '.join(differs)} differ): give another "
+                     f"--out, or delete {plan.folder} to prepare it anew")
+
+
+def remove_locks(folder: Path) -> None:
+    """Once the store is complete and nobody holds it: its lock files go (they would stay in the
+    finished store). Whoever holds it still removes them when it leaves; new comers see the manifest
+    and take no lock."""
+    if not (folder / MANIFEST).is_file():
+        return
+    try:
+        fd = os.open(folder / STORE_LOCK, os.O_RDWR)  # never created here: gone means removed already
+    except OSError:
+        return
+    try:
+        if not _flock(fd, fcntl.LOCK_EX):
+            return  # another still works (it removes them when it leaves)
+        for lock in [*folder.glob("*.lock"), *(folder / UNITS).glob("*.lock")]:
+            if lock.name != STORE_LOCK:
+                with contextlib.suppress(FileNotFoundError):
+                    lock.unlink()
+        with contextlib.suppress(FileNotFoundError):
+            (folder / STORE_LOCK).unlink()  # last, under its own lock
+    except OSError as err:
+        if err.errno not in NO_FLOCK_ERRNOS:
+            raise
+    finally:
+        os.close(fd)
+
+
+def check_part(part: int, parts: int) -> None:
+    if parts < 1:
+        raise ValueError(f"--part {part}/{parts}: N must be 1 or more (I/N: share I of N, I from 0 to N-1)")
+    if not 0 <= part < parts:
+        raise ValueError(f"--part {part}/{parts}: the part must be in 0..{parts - 1}")
 
 
 def part_of(plan: Plan, part: int, parts: int) -> list[int]:
     """The units of part `part` of `parts`: the largest first to the part with the least input so far."""
-    if not 0 <= part < parts:
-        raise ValueError(f"--part {part}/{parts}: the part must be in 0..{parts - 1}")
+    check_part(part, parts)
     loads, mine = [0] * parts, []
     for i in sorted(range(len(plan.units)), key=lambda i: (-plan.units[i].nbytes, i)):
         target = loads.index(min(loads))

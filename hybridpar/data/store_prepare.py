@@ -7,19 +7,27 @@ import concurrent.futures
 import json
 import multiprocessing
 import os
+import queue
 import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from hybridpar.data.formats import UNIT_BYTES
 from hybridpar.data.sources import Source, describe_sources, resolve_sources, source_name
-from hybridpar.data.store import MANIFEST, VERSION, TokenStore, unit_record_name
-from hybridpar.data.store_build import _claim_and_build, _record, merge_store, report_skipped
-from hybridpar.data.store_plan import Plan, make_plan, part_of
+from hybridpar.data.store import MANIFEST, PLAN, VERSION, StoreError, TokenStore
+from hybridpar.data.store_build import _claim_and_build, _record, merge_store, report_skipped, unit_holder
+from hybridpar.data.store_plan import Plan, check_part, part_of, plan_of, preparing, read_plan
 from hybridpar.files import PathLike, sha256_text
-from hybridpar.progress import Progress
+from hybridpar.progress import Progress, note
 
 _POLL = 0.5  # seconds between looks at units other processes hold
+_TELL_EVERY = 0.5  # seconds between a worker's words on what it read and made inside a unit
+# A preparation waiting for units that other processes hold (they are alive: their locks are held)
+# says which and who every SAY_WAITING_EVERY seconds, and gives up once none of them has finished
+# for WAIT_WITHOUT_PROGRESS seconds (a 64 MB unit takes a minute or two; docs/data.md).
+SAY_WAITING_EVERY = 30.0
+MIN_UNIT_MB = 1 / 64  # --unit-mb's floor, 16 KiB: below it a unit's files and record cost more than it spreads
+WAIT_WITHOUT_PROGRESS = 1800.0
 
 
 # --- worker processes ----------------------------------------------------------------------------
@@ -27,16 +35,35 @@ _POLL = 0.5  # seconds between looks at units other processes hold
 _WORKER: dict = {}
 
 
-def _worker_init(plan: Plan, tokenizer) -> None:
+def _worker_init(plan: Plan, tokenizer, heard) -> None:
     from hybridpar.data.tokenizer import limit_threads
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     limit_threads(1)  # the workers are the parallelism
-    _WORKER.update(plan=plan, tokenizer=tokenizer)
+    _WORKER.update(plan=plan, tokenizer=tokenizer, heard=heard)
 
 
 def _worker_unit(index: int) -> tuple[int, Optional[dict]]:
-    return index, _claim_and_build(_WORKER["plan"], index, _WORKER["tokenizer"])
+    """Build unit `index`, telling the parent (the queue `heard`) of bytes read and tokens made as
+    they come, at most every _TELL_EVERY seconds: a unit can take minutes."""
+    heard, counts, told = _WORKER["heard"], [0, 0], [time.monotonic()]
+
+    def count(which: int, n: int) -> None:
+        counts[which] += n
+        if time.monotonic() - told[0] >= _TELL_EVERY:
+            tell()
+
+    def tell() -> None:
+        if counts != [0, 0]:
+            heard.put((index, *counts))
+            counts[:] = [0, 0]
+        told[0] = time.monotonic()
+
+    try:
+        return index, _claim_and_build(_WORKER["plan"], index, _WORKER["tokenizer"],
+                                       lambda n: count(0, n), lambda n: count(1, n))
+    finally:
+        tell()
 
 
 def default_workers() -> int:
@@ -48,38 +75,41 @@ def default_workers() -> int:
 
 def prepare_store(source: Source, tokenizer, out: PathLike, *, text_field: str = "text", val_fraction: float = 0.0,
                   on_bad_record: str = "error", workers: Optional[int] = None, part: tuple[int, int] = (0, 1),
-                  report: Optional[bool] = None, unit_bytes: int = UNIT_BYTES, progress_every: float = 5.0, on_progress: Optional[Callable[[str], None]] = None
-                  ) -> Optional[TokenStore]:
+                  report: Optional[bool] = None, unit_bytes: int = UNIT_BYTES, progress_every: float = 5.0,
+                  on_progress: Optional[Callable[[str], None]] = None) -> Optional[TokenStore]:
     """Tokenise `source` into the store `out` with `workers` processes (default: every core; 1: in
     this process), doing part `part` = (I, N) of it. Returns the store once it is complete; None when
-    other parts are still to come (a part of several). Runs again where it stopped.
+    other parts are still to come (a part of several). Runs again where it stopped. Another
+    preparation of the same input joins this one; one of other input is refused (store_plan.preparing).
     `on_progress(text)` hears how far the work is, at least every few seconds while it moves (a
     training job's watchdog: a long preparation is progress, not a hang)."""
     from hybridpar.data.tokenizer import limit_threads
 
     started = time.time()
-    plan = make_plan(source, tokenizer, out, text_field=text_field, val_fraction=val_fraction,
-                     on_bad_record=on_bad_record, unit_bytes=unit_bytes)
-    limit_threads(1)  # one tokenizer thread per process: the workers (or a job's ranks) are the parallelism
-    if (plan.folder / MANIFEST).is_file():
-        return TokenStore(plan.folder)
     index, parts = part
-    mine = part_of(plan, index, parts)
-    todo = [i for i in mine if _record(plan, i) is None]
-    share = f" (part {index}/{parts}: {len(mine)} of {len(plan.units)} units)" if parts > 1 else ""
-    progress = _StoreProgress(plan, mine, report, progress_every, on_progress)
-    progress.done = sum(plan.units[i].nbytes for i in mine if i not in todo)
-    if todo:
-        done_before = len(mine) - len(todo)
-        progress.note(f"preparing {source_name(resolve_sources(source))} into the token store {plan.folder}{share}"
-                      + (f"; {done_before} units were done before" if done_before else ""))
-    with progress:
-        _build(plan, todo, tokenizer, workers or default_workers(), progress)
-        if parts == 1:
-            _wait_for_others(plan, mine, tokenizer, progress)
-        progress.summary = f"{progress.rates['tokens']:,.0f} tokens"
-    if all(_record(plan, i) is not None for i in range(len(plan.units))):
-        store = merge_store(plan.folder)
+    check_part(index, parts)  # every check before anything is written
+    plan = plan_of(source, tokenizer, out, text_field=text_field, val_fraction=val_fraction,
+                   on_bad_record=on_bad_record, unit_bytes=unit_bytes)
+    limit_threads(1)  # one tokenizer thread per process: the workers (or a job's ranks) are the parallelism
+    with preparing(plan):
+        if (plan.folder / MANIFEST).is_file():
+            return TokenStore(plan.folder)
+        mine = part_of(plan, index, parts)
+        todo = [i for i in mine if _record(plan, i) is None]
+        share = f" (part {index}/{parts}: {len(mine)} of {len(plan.units)} units)" if parts > 1 else ""
+        progress = _StoreProgress(plan, mine, report, progress_every, on_progress)
+        progress.done = sum(plan.units[i].nbytes for i in mine if i not in todo)
+        if todo:
+            done_before = len(mine) - len(todo)
+            progress.note(f"preparing {source_name(resolve_sources(source))} into the token store {plan.folder}{share}"
+                          + (f"; {done_before} units were done before" if done_before else ""))
+        with progress:
+            _build(plan, todo, tokenizer, workers or default_workers(), progress)
+            if parts == 1:
+                _wait_for_others(plan, mine, tokenizer, progress)
+            progress.summary = f"{progress.rates['tokens']:,.0f} tokens"
+        store = merge_store(plan.folder) if all(_record(plan, i) is not None for i in range(len(plan.units))) else None
+    if store is not None:
         if report is not False and not (plan.folder / MANIFEST).stat().st_mtime < started:
             report_skipped(store)  # once, by the process that completed it
         return store
@@ -107,7 +137,10 @@ class _StoreProgress(Progress):
     def made(self, tokens: int) -> None:
         """Tokens made here: they move the work on even inside one long unit."""
         self.rates["tokens"] += tokens
-        self._tell()
+        if self.done < (self.total or 0):  # a line is due even when no byte was counted (bytes are told late)
+            self.update(0)
+        else:
+            self._tell()
 
     def _tell(self) -> None:
         now = time.monotonic()
@@ -118,45 +151,88 @@ class _StoreProgress(Progress):
 
 
 def _build(plan: Plan, todo: list[int], tokenizer, workers: int, progress: "_StoreProgress") -> None:
-    if workers <= 1 or len(todo) <= 1:
-        for i in todo:
-            seen = [0]
+    """Build the units `todo` (those another process holds are left to it), in this process or in
+    `workers` processes; bytes read count as they are read, and a unit done counts whole."""
+    seen: dict[int, int] = {}
+    closed: set[int] = set()  # units counted whole: a worker's word arriving after its result adds no bytes
 
-            def on_bytes(n: int) -> None:
-                seen[0] += n
-                progress.update(n)
-
-            record = _claim_and_build(plan, i, tokenizer, on_bytes, progress.made)
-            planned = (plan.units[i].nbytes if record is not None else 0) - seen[0]  # what the reads did not count
-            if planned:
-                progress.update(planned)
-        return
+    def read(i: int, n: int) -> None:
+        if i not in closed:
+            seen[i] = seen.get(i, 0) + n
+            progress.update(n)
 
     def done(i: int, record: Optional[dict]) -> None:
-        progress.update(plan.units[i].nbytes if record is not None else 0)
-        if record is not None:
-            progress.made(sum(record["tokens"]))
+        closed.add(i)
+        planned = (plan.units[i].nbytes if record is not None else 0) - seen.pop(i, 0)  # what the reads did not count
+        if planned:
+            progress.update(planned)
+
+    if workers <= 1 or len(todo) <= 1:
+        for i in todo:
+            done(i, _claim_and_build(plan, i, tokenizer, lambda n, i=i: read(i, n), progress.made))
+        return
 
     context = multiprocessing.get_context("spawn")  # no fork: the caller may hold threads (a training job)
+    heard = context.Queue()
+
+    def drain() -> None:
+        while True:
+            try:
+                i, nbytes, tokens = heard.get_nowait()
+            except queue.Empty:
+                return
+            read(i, nbytes)
+            progress.made(tokens)
+
     with concurrent.futures.ProcessPoolExecutor(min(workers, len(todo)), mp_context=context,
-                                                initializer=_worker_init, initargs=(plan, tokenizer)) as pool:
-        for future in concurrent.futures.as_completed([pool.submit(_worker_unit, i) for i in todo]):
-            done(*future.result())
+                                                initializer=_worker_init, initargs=(plan, tokenizer, heard)) as pool:
+        pending = {pool.submit(_worker_unit, i) for i in todo}
+        while pending:
+            finished, pending = concurrent.futures.wait(pending, timeout=_TELL_EVERY,
+                                                        return_when=concurrent.futures.FIRST_COMPLETED)
+            drain()
+            for future in finished:
+                done(*future.result())
+    drain()
 
 
 def _wait_for_others(plan: Plan, units: Sequence[int], tokenizer, progress: "_StoreProgress") -> None:
-    """Until every unit of `units` is done: units another process holds are waited for; one whose
-    holder died (its lock released, no record) is built here."""
-    while True:
-        left = [i for i in units if _record(plan, i) is None]
-        if not left:
-            return
+    """Until every unit of `units` is done: units another process holds are waited for, said every
+    SAY_WAITING_EVERY s (which, and who holds them); one whose holder died (its lock released, no
+    record) is built here. Gives up, in one line, when none has finished in WAIT_WITHOUT_PROGRESS s."""
+    left = [i for i in units if _record(plan, i) is None]
+    moved = said = time.monotonic()
+    while left:
         for i in left:
             _claim_and_build(plan, i, tokenizer, on_tokens=progress.made)  # built here if its holder died
-        # every unit recorded so far counts, whoever made it
-        progress.update(sum(plan.units[i].nbytes for i in units if (plan.folder / unit_record_name(i)).is_file())
-                        - progress.done)
+        still = [i for i in left if _record(plan, i) is None]
+        progress.update(sum(plan.units[i].nbytes for i in left if i not in still))
+        now = time.monotonic()
+        moved = now if len(still) < len(left) else moved
+        left = still
+        if not left:
+            return
+        if (read_plan(plan.folder) or {}).get("key") != plan.key:
+            raise StoreError(f"{plan.folder / PLAN} changed while this process waited for units of it: another "
+                             "preparation replaced it; run this one again")
+        if now - moved >= WAIT_WITHOUT_PROGRESS:
+            raise StoreError(f"{plan.folder}: waited {now - moved:.0f} s for {_held(plan, left)}, and none finished: "
+                             "if those processes are stuck, stop them and run again (it goes on where it stopped)")
+        if now - said >= SAY_WAITING_EVERY:
+            said = now
+            note(f"{plan.folder}: waiting for {_held(plan, left)} ({now - moved:.0f} s without one finishing; "
+                 f"gives up after {WAIT_WITHOUT_PROGRESS:.0f} s)", enabled=progress.enabled)
         time.sleep(_POLL)
+
+
+def _held(plan: Plan, units: Sequence[int]) -> str:
+    """'units 3, 5 held by host pid 12 (3), host pid 14 (5)': the holders their lock files name."""
+    holders: dict[str, list[int]] = {}
+    for i in units:
+        holders.setdefault(unit_holder(plan, i) or "another process", []).append(i)
+    shown = ", ".join(str(i) for i in units[:10]) + (" ..." if len(units) > 10 else "")
+    return f"unit{'s' if len(units) > 1 else ''} {shown} held by " + "; ".join(
+        f"{who} ({', '.join(str(i) for i in held[:5])}{' ...' if len(held) > 5 else ''})" for who, held in holders.items())
 
 
 def prepare_command(args) -> int:
@@ -173,12 +249,16 @@ def prepare_command(args) -> int:
         index, parts = (int(x) for x in args.part.split("/"))
     except ValueError:
         raise ValueError(f"--part {args.part}: give I/N, e.g. --part 0/4 for the first of four parts") from None
+    check_part(index, parts)
     if args.workers < 0:
         raise ValueError(f"--workers {args.workers}: give a number of processes, or 0 for every core")
+    if not args.unit_mb >= MIN_UNIT_MB:  # (NaN too)
+        raise ValueError(f"--unit-mb {args.unit_mb:g}: give at least {MIN_UNIT_MB} (16 KiB): smaller units cost more "
+                         "in files and bookkeeping than they spread work (the default, 64, suits most corpora)")
     store = prepare_store(list(args.sources), Tokenizer(args.tokenizer), args.out, text_field=args.text_field,
                           val_fraction=args.val_fraction, on_bad_record=args.on_bad_record,
                           workers=args.workers or None, part=(index, parts), report=True,
-                          unit_bytes=max(1, int(args.unit_mb * 2**20)))
+                          unit_bytes=int(args.unit_mb * 2**20))
     if store is not None:
         print(f"{store.folder}: complete, {store.n_tokens:,} tokens in {store.n_documents:,} documents"
               f"; train on it with --data.source {store.folder}")

@@ -23,3 +23,18 @@ def numbered_token_file(folder: Path, n_tokens: int, name: str = "numbers"):
     text_path.write_text(" ".join(str(i) for i in range(1, n_tokens)))
     return prepare_store(text_path, NumberTokenizer(vocab_size=max(n_tokens, 2)), folder / name, workers=1,
                          report=False)
+
+
+class SlowNumberTokenizer(NumberTokenizer):
+    """NumberTokenizer taking `seconds` a batch: a unit that lasts, to watch from outside."""
+
+    def __init__(self, seconds: float, vocab_size: int = 1000) -> None:
+        super().__init__(vocab_size)
+        self.seconds = seconds
+        self.sha256 = f"slow-number-tokenizer-{vocab_size}"
+
+    def encode_batch(self, texts):
+        import time
+
+        time.sleep(self.seconds)
+        return super().encode_batch(texts)

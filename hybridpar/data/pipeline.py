@@ -55,15 +55,28 @@ def _tokenizer_for(d, sources: list[str]) -> Tokenizer:
         return Tokenizer(d.tokenizer)
     stores = [s for s in sources if is_store(s)]
     if stores:
-        made_with = TokenStore(stores[0]).meta.get("tokenizer_path", "")
-        if not made_with:
-            raise ValueError(f"the token store {stores[0]} does not record its tokenizer's path: set data.tokenizer")
-        return Tokenizer(made_with)
+        return _store_tokenizer(TokenStore(stores[0]))
     raw = sources[0] if len(sources) == 1 else sources
     return load_or_train_tokenizer(
         None, vocab_size=d.tokenizer_vocab_size, documents_factory=lambda: _tokenizer_text(d, raw),
         corpus_id=source_id(raw, d.text_field), corpus_name=source_name(resolve_sources(raw)),
         cache_dir=_cache(d))
+
+
+def _store_tokenizer(store: TokenStore) -> Tokenizer:
+    """The tokenizer a store was made with: the file at the path it records, if that file still has
+    the sha256 it records (the sha256 wins)."""
+    made_with, sha = store.meta.get("tokenizer_path", ""), store.tokenizer_sha256
+    if not made_with or not Path(made_with).exists():
+        gone = f" ({made_with} is gone)" if made_with else ""
+        raise ValueError(f"the token store {store.folder} was made with a tokenizer (sha256 {sha[:12]}) that cannot be "
+                         f"found{gone}: set data.tokenizer to it")
+    tokenizer = Tokenizer(made_with)
+    if tokenizer.sha256 != sha:
+        raise ValueError(f"the token store {store.folder} was made with the tokenizer of sha256 {sha[:12]}, but "
+                         f"{made_with} now holds another (sha256 {tokenizer.sha256[:12]}): set data.tokenizer to the "
+                         "store's tokenizer, or prepare the store again with this one")
+    return tokenizer
 
 
 def _cache(d) -> Path:

@@ -43,6 +43,10 @@ def summarise(*, run_dir: Path, steps: tuple[int, int], skipped: int, tokens: fl
               tokenizer: Optional[Path], config_path: Path, train_steps: int,
               sources: Optional[list] = None) -> tuple[str, dict]:
     """(the printed block, the same as a dict for summary.json)."""
+    # Absolute: the commands printed must work from any folder, whatever the run was started with.
+    run_dir, config_path = Path(run_dir).absolute(), Path(config_path).absolute()
+    checkpoint = Path(checkpoint).absolute() if checkpoint is not None else None
+    tokenizer = Path(tokenizer).absolute() if tokenizer else None
     first, last = steps
     done = {
         "run_dir": str(run_dir), "first_step": first, "last_step": last, "skipped_steps": skipped,

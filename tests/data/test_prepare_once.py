@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from hybridpar.data.store import MANIFEST, PLAN, StoreError, TokenStore
+from hybridpar.data.tokenizer import Tokenizer
 from hybridpar.data.store_plan import plan_of, preparing
 from hybridpar.data.store_prepare import prepare_store
 from hybridpar.files import file_lock
@@ -176,3 +177,33 @@ def test_workers_say_how_far_they_are_inside_a_unit(tmp_path):
     assert store.n_documents == 6000
     inside = [text for records, text in heard if records == 0 and " 0 tokens made" not in text]
     assert inside, heard
+
+
+def test_the_store_keeps_its_tokenizer_absolute_and_checked_by_sha256(tmp_path, tokenizer, bpe_files, monkeypatch):
+    """Prepared with a relative --tokenizer, a run started elsewhere finds it; a file at that path
+    with another sha256 is refused naming both; a missing one says to set data.tokenizer."""
+    import shutil
+    from types import SimpleNamespace
+
+    from hybridpar.cli import main
+    from hybridpar.data import build_data
+
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    work.mkdir(), elsewhere.mkdir()
+    shutil.copy(tokenizer.path, work / "tok.model")
+    _numbers(work / "a.jsonl", 100, offset=1)
+    monkeypatch.chdir(work)
+    assert main(["prepare", "a.jsonl", "--tokenizer", "tok.model", "--out", "store", "--workers", "1"]) == 0
+    assert TokenStore(work / "store").meta["tokenizer_path"] == str(work / "tok.model")
+    monkeypatch.chdir(elsewhere)
+    d = SimpleNamespace(source=str(work / "store"), tokenizer="", val_source="", val_fraction=0.0, seq_len=16,
+                        text_field="text", cache_dir=str(tmp_path / "cache"), tokenizer_vocab_size=600)
+    assert build_data(d)[0].sha256 == tokenizer.sha256
+    shutil.copy(bpe_files[0], work / "tok.model")  # another tokenizer at the recorded path
+    with pytest.raises(ValueError) as other:
+        build_data(d)
+    assert f"sha256 {tokenizer.sha256[:12]}" in str(other.value) and str(work / "tok.model") in str(other.value)
+    assert f"another (sha256 {Tokenizer(work / 'tok.model').sha256[:12]})" in str(other.value)
+    (work / "tok.model").unlink()
+    with pytest.raises(ValueError, match=r"tok.model is gone\): set data.tokenizer"):
+        build_data(d)

@@ -274,10 +274,19 @@ def _report_error(error: Exception, log_dir: Optional[Path]) -> int:
 _PATH_ERRORS = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError, FileExistsError)
 
 
+# What to do about a system's path error, said after it ("afile: file exists" alone leaves the user guessing).
+_PATH_ADVICE = {
+    FileExistsError: "something is in the way there: move or delete it, or give another path",
+    NotADirectoryError: "a part of that path is a file, not a folder: give another path",
+}
+
+
 def _one_line(error: Exception) -> str:
-    """The message, on one line: an OSError from the system as "<path>: <what is wrong>"."""
+    """The message, on one line: an OSError from the system as "<path>: <what is wrong>; <what to do>"."""
     if isinstance(error, OSError) and error.filename is not None and error.strerror:
-        return f"{error.filename}: {error.strerror.lower()}" + (f" ({error.filename2})" if error.filename2 else "")
+        advice = next((a for kind, a in _PATH_ADVICE.items() if isinstance(error, kind)), "")
+        return (f"{error.filename}: {error.strerror.lower()}" + (f" ({error.filename2})" if error.filename2 else "")
+                + (f"; {advice}" if advice else ""))
     return " ".join(str(error).split("\n"))
 
 

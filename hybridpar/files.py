@@ -43,9 +43,11 @@ def atomic_path(path: PathLike) -> Iterator[Path]:
         # Same folder as the target: os.replace is only atomic within one file system.
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         try:
-            os.fchmod(fd, 0o666 & ~umask())  # mkstemp makes 0600; a normal file respects the umask
             os.close(fd)
             yield Path(tmp)
+            # mkstemp makes 0600, and so may a writer that replaces the file it is given (safetensors
+            # does): the file gets the mode any file would, the umask's, once written.
+            os.chmod(tmp, 0o666 & ~umask())
             fsync_file(tmp)
             os.replace(tmp, path)
         except BaseException:
@@ -182,6 +184,8 @@ def refuse_occupied(path: PathLike, advice: str, *, error_type: type[Exception] 
     except OSError as err:
         problem = f"cannot be checked ({type(err).__name__}: {err})"
     if problem:
+        if path.exists() and not path.is_dir():  # --overwrite replaces folders only
+            advice = "move or delete it, or choose another path"
         raise error_type(f"{path} {problem}: {advice}")
 
 

@@ -63,14 +63,27 @@ def test_replace_folder_swaps_in_the_new_one_and_removes_the_old(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # nothing parked is left behind
 
 
-def test_atomic_files_get_the_umask_mode_not_mkstemps_0600(tmp_path):
+@pytest.mark.parametrize("mask", [0o022, 0o077, 0o002])
+def test_atomic_files_get_the_umask_mode_not_mkstemps_0600(tmp_path, mask):
+    """Whatever writes the file: atomic_output, or a writer given atomic_path's name that replaces
+    the file (safetensors' save_file does, with 0600: exported model*.safetensors were unreadable to others)."""
     import os
 
-    from hybridpar.files import umask
+    import torch
+    from safetensors.torch import save_file
 
-    write_text_atomic(tmp_path / "report.json", "{}")
-    assert (tmp_path / "report.json").stat().st_mode & 0o777 == 0o666 & ~umask()
-    assert umask() == os.umask(umask())  # read without changing it
+    from hybridpar.files import atomic_path, umask
+
+    old = os.umask(mask)
+    try:
+        assert umask() == mask  # read without changing it
+        write_text_atomic(tmp_path / "report.json", "{}")
+        with atomic_path(tmp_path / "model.safetensors") as tmp:
+            save_file({"w": torch.zeros(2)}, str(tmp))
+    finally:
+        os.umask(old)
+    for name in ("report.json", "model.safetensors"):
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o666 & ~mask, name
 
 
 def test_replace_folder_fsyncs_the_new_folder_then_the_parent(tmp_path, monkeypatch):
@@ -160,7 +173,8 @@ def test_refuse_occupied(tmp_path, setup, options, problem):
         return
     with pytest.raises(Refused) as info:
         refuse_occupied(path, "choose a new folder", error_type=Refused, **options)
-    assert str(info.value) == f"{path} {problem}: choose a new folder"
+    advice = "move or delete it, or choose another path" if setup == "file" else "choose a new folder"  # not --overwrite
+    assert str(info.value) == f"{path} {problem}: {advice}"
 
 
 def test_refuse_occupied_with_a_listing(tmp_path):

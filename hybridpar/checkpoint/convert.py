@@ -117,6 +117,36 @@ def _tokenizer_files(tokenizer: Path, vocab_size: int) -> tuple[int, int, dict[s
     return tok.bos_id, tok.eos_id, files
 
 
+def _run_tokenizer(src: Path) -> Optional[Path]:
+    """The tokenizer a hybridpar checkpoint's run trained with (its train_state.json records it),
+    if its file is still there with the same sha256; said in one line either way."""
+    from ..data.tokenizer import Tokenizer
+    from ..progress import note
+
+    kind, path = detect_format(src)
+    if kind != "dcp":
+        return None
+    try:
+        recorded = json.loads((path / "train_state.json").read_text()).get("tokenizer")
+    except (OSError, ValueError):
+        recorded = None
+    if not recorded:
+        note(f"{path} does not record its run's tokenizer: the export has none (give --tokenizer to add it)")
+        return None
+    found, sha = Path(recorded["path"]), recorded["sha256"]
+    try:
+        same = found.exists() and Tokenizer(found).sha256 == sha
+    except ValueError:  # not a tokenizer any more
+        same = False
+    if not same:
+        state = "is gone" if not found.exists() else "now holds another tokenizer"
+        note(f"the run's tokenizer {found} {state} (sha256 {sha[:12]} was trained with): the export has no "
+             "tokenizer; give --tokenizer the run's to add it")
+        return None
+    note(f"tokenizer: {found}, the run's (recorded in {path.name}; --tokenizer chooses another)")
+    return found
+
+
 def _source_token_ids(src: Path) -> tuple[Optional[int], Optional[int]]:
     """A Hugging Face source's own bos/eos ids (None for the formats that do not record them)."""
     kind, path = detect_format(src)
@@ -172,6 +202,8 @@ def convert(src: Path, dst: Path, to: str, parallel: ParallelDims, mp_out: Optio
         from .hf import export_hf
 
         files: dict[str, Path] = {}
+        if tokenizer is None and bos_id is None and eos_id is None:
+            tokenizer = _run_tokenizer(src)
         if tokenizer is not None:
             bos_id, eos_id, files = _tokenizer_files(Path(tokenizer), args.vocab_size)
         elif bos_id is None and eos_id is None:

@@ -112,6 +112,8 @@ def preparing(plan: Plan) -> Iterator[None]:
             _refuse_other_store(plan, there)
         yield
         return
+    if plan.folder.exists() and not plan.folder.is_dir():
+        raise StoreError(f"{plan.folder} is a file, not a store folder: give another path (a new folder, or a store's)")
     plan.folder.mkdir(parents=True, exist_ok=True)
     try:
         fd = os.open(plan.folder / STORE_LOCK, os.O_RDWR | os.O_CREAT, 0o666)

@@ -159,6 +159,9 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         train_state = {"scheduler": self.scheduler.state_dict(), "data": self.loader.state_dict()}
+        if getattr(self.tokenizer, "path", None):  # for `convert --to hf`, which writes it beside the weights
+            train_state["tokenizer"] = {"path": str(Path(self.tokenizer.path).absolute()),
+                                        "sha256": self.tokenizer.sha256}
         with self.supervisor.checkpointing():  # a large checkpoint's writes are not a hang
             path = self.checkpointer.save(self.step, self.model, self.optimizer, train_state, params_dict(self.args))
         return path

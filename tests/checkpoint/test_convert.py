@@ -180,3 +180,46 @@ def test_commands_leave_the_process_group_they_made(tmp_path):
                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split("\n") == ["2 False", "2 False", ""], (out.stdout, out.stderr[-2000:])
+
+
+@pytest.mark.slow
+def test_an_export_of_a_run_carries_the_run_tokenizer(trained, tmp_path):
+    """`convert CHECKPOINT DST --to hf` without --tokenizer writes the tokenizer the run recorded in
+    the checkpoint: transformers' AutoTokenizer loads the export and encodes as hybridpar does."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from hybridpar.data.tokenizer import Tokenizer
+
+    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-m", "hybridpar", "convert", str(trained / "ckpt"), str(tmp_path / "hf"),
+                          "--to", "hf"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    newest = sorted((trained / "ckpt").glob("step-*"))[-1]
+    recorded = json.loads((newest / "train_state.json").read_text())["tokenizer"]
+    assert f"tokenizer: {recorded['path']}, the run's" in out.stderr, out.stderr
+    ours = Tokenizer(recorded["path"])
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    text = "def add(a, b):\n    \"\"\"Return the sum of a and b.\"\"\"\n    return a + b\n"
+    assert theirs(text, add_special_tokens=False)["input_ids"] == ours.encode_batch([text])[0]
+    assert (theirs.bos_token_id, theirs.eos_token_id) == (ours.bos_id, ours.eos_id)
+
+
+def test_an_export_says_when_the_run_tokenizer_is_gone(tmp_path, capsys):
+    import json
+
+    from hybridpar.checkpoint.convert import _run_tokenizer
+
+    step = tmp_path / "ckpt" / "step-00000003"
+    step.mkdir(parents=True)
+    (step / ".metadata").write_bytes(b"")
+    (step / "params.json").write_text("{}")
+    (step / "train_state.json").write_text(json.dumps({"step": 3, "tokenizer": {"path": str(tmp_path / "tok.model"),
+                                                                                 "sha256": "ab" * 32}}))
+    assert _run_tokenizer(tmp_path / "ckpt") is None
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"{tmp_path / 'tok.model'} is gone" in err and "give --tokenizer" in err, err
+    (tmp_path / "tok.model").write_text("not the one")
+    assert _run_tokenizer(step) is None
+    assert "now holds another tokenizer" in capsys.readouterr().err

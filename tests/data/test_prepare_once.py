@@ -207,3 +207,20 @@ def test_the_store_keeps_its_tokenizer_absolute_and_checked_by_sha256(tmp_path, 
     (work / "tok.model").unlink()
     with pytest.raises(ValueError, match=r"tok.model is gone\): set data.tokenizer"):
         build_data(d)
+
+
+def test_a_path_in_the_way_says_what_to_do(tmp_path, tokenizer, capsys):
+    from hybridpar.cli import main
+
+    source = _numbers(tmp_path / "a.jsonl", 20)
+    (tmp_path / "afile").write_text("mine")
+    for out, said in ((tmp_path / "afile", "is a file, not a store folder: give another path"),
+                      (tmp_path / "afile" / "sub", "a part of that path is a file, not a folder: give another path")):
+        assert main(["prepare", str(source), "--tokenizer", str(tokenizer.path), "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert said in err and len(err.splitlines()) == 1, err
+    assert (tmp_path / "afile").read_text() == "mine"
+    from hybridpar.files import refuse_occupied
+
+    with pytest.raises(FileExistsError, match="afile already exists and is not a folder: move or delete it, or choose"):
+        refuse_occupied(tmp_path / "afile", "replace it with --overwrite", overwrite=True)

@@ -2,8 +2,8 @@
 command cannot go stale unnoticed: the cheap ones run as written (in this process), the training
 and checkpoint commands run on tiny settings (the slow test), and the rest (many processes, Slurm,
 your data or downloads, the whole test suite) are at least parsed: the hybridpar argv by the real
-parser and, for train and doctor, the config with its overrides by the real loader; a torchrun
-world against the mesh's sizes; a script by `bash -n` or the compiler. A command this file does not
+parser and, for train and doctor, the config with its overrides by the real loader; the world
+(torchrun's, 1 without a launcher) against the mesh's sizes; a script by `bash -n` or the compiler. A command this file does not
 recognise fails. The same checks hold the links between the pages, the bounds the pages quote
 against the tests' constants, and README's preset table against models/presets/."""
 
@@ -126,7 +126,7 @@ def _bash_n(path: str) -> None:
 
 def _parse_hybridpar(argv: list[str], world: Optional[int], where: str) -> None:
     """The real parser takes the argv; train's and doctor's config loads with the overrides; the
-    mesh's sizes tile the torchrun world (or the dry run's --world)."""
+    mesh's sizes tile the world: torchrun's, 1 without a launcher, or the dry run's --world."""
     from hybridpar.cli import build_parser
     from hybridpar.config import find_config, load_config
     from hybridpar.layout import resolve_sizes
@@ -230,7 +230,8 @@ def all_checks(errors: Optional[list[str]] = None) -> list[Check]:
         try:
             checks.append(classify(command, known))
             if checks[-1].hybridpar is not None:
-                _parse_hybridpar(checks[-1].hybridpar, checks[-1].world, f"{command.file}:{command.line}")
+                # A command without a launcher runs as a world of one: its mesh must fit one process.
+                _parse_hybridpar(checks[-1].hybridpar, checks[-1].world or 1, f"{command.file}:{command.line}")
         except Exception as error:  # noqa: BLE001 - every failing command is reported, not the first
             if errors is None:
                 raise

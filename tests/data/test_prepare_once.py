@@ -118,13 +118,16 @@ def test_bad_part_and_unit_size_leave_nothing(tmp_path, capsys):
     assert not (tmp_path / "s").exists()
 
 
-def test_the_lowest_unit_size_is_taken(tmp_path):
+def test_the_floor_unit_size_is_taken(tmp_path, tokenizer):
+    """--unit-mb at its floor (1/64, 16 KiB) prepares, in several units."""
+    from hybridpar.cli import main
     from hybridpar.data.store_prepare import MIN_UNIT_MB
 
     source = _numbers(tmp_path / "a.jsonl", 400)
-    store = prepare_store(source, NumberTokenizer(), tmp_path / "s", workers=1, unit_bytes=int(MIN_UNIT_MB * 2**20),
-                          report=False)
-    assert store.n_documents == 400 and len(json.loads((tmp_path / "s" / PLAN).read_text())["units"]) > 1
+    assert main(["prepare", str(source), "--tokenizer", str(tokenizer.path), "--out", str(tmp_path / "s"),
+                 "--workers", "1", "--unit-mb", "0.015625"]) == 0
+    assert MIN_UNIT_MB == 0.015625 and TokenStore(tmp_path / "s").n_documents == 400
+    assert len(json.loads((tmp_path / "s" / PLAN).read_text())["units"]) == -(-source.stat().st_size // 2**14)
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ from typing import Callable, Optional, Sequence
 import crc32c
 import numpy as np
 
+from hybridpar.data.chunks import ChunkSummer, sums_name
 from hybridpar.data.formats import BAD_RECORD_CHOICES, UNIT_BYTES, Tally, Unit, plan_units, unit_documents
 from hybridpar.data.sources import Source, SourceFile, describe_sources, resolve_sources, source_name
 from hybridpar.data.store import (FORMAT, MANIFEST, MAX_SHARD_TOKENS, PLAN, VERSION, StoreError, TokenStore,
@@ -105,19 +106,20 @@ def _record(plan: Plan, index: int) -> Optional[dict]:
     if record.get("plan") != plan.key:
         return None
     for shard in record["shards"]:
-        shard_path = plan.folder / shard["name"]
-        if not shard_path.is_file() or shard_path.stat().st_size != shard["size"]:
+        shard_path, sums_path = plan.folder / shard["name"], plan.folder / sums_name(shard["name"])
+        if not shard_path.is_file() or shard_path.stat().st_size != shard["size"] or not sums_path.is_file():
             return None
     return record
 
 
 class _ShardWriter:
-    """A unit's shards of one part: atomic files of at most MAX_SHARD_TOKENS, summed as written."""
+    """A unit's shards of one part: atomic files of at most MAX_SHARD_TOKENS, their chunks summed as
+    written (the sidecar, hybridpar.data.chunks, is written as each shard closes)."""
 
     def __init__(self, folder: Path, unit: int, part: int) -> None:
         self.folder, self.unit, self.part = folder, unit, part
         self.shards: list[dict] = []
-        self._context = self._file = None
+        self._context = self._file = self._sums = None
 
     def write(self, ids: np.ndarray) -> None:
         while ids.size:
@@ -125,14 +127,15 @@ class _ShardWriter:
                 name = shard_name(self.unit, self.part, len(self.shards))
                 self._context = atomic_output(self.folder / name, "wb")
                 self._file = self._context.__enter__()
-                self.shards.append({"name": name, "part": PART_NAMES[self.part], "tokens": 0, "size": 0, "crc32c": 0})
+                self._sums = ChunkSummer()
+                self.shards.append({"name": name, "part": PART_NAMES[self.part], "tokens": 0, "size": 0})
             shard = self.shards[-1]
             take = ids[: MAX_SHARD_TOKENS - shard["tokens"]]
             data = take.tobytes()
             self._file.write(data)
             shard["tokens"] += int(take.size)
             shard["size"] += len(data)
-            shard["crc32c"] = crc32c.crc32c(data, shard["crc32c"])
+            self._sums.update(data)
             ids = ids[take.size:]
             if shard["tokens"] >= MAX_SHARD_TOKENS:
                 self._close()
@@ -141,6 +144,11 @@ class _ShardWriter:
         if self._context is not None:
             context, self._context, self._file = self._context, None, None
             context.__exit__(type(error) if error else None, error, None)
+            if error is None:
+                shard, sums = self.shards[-1], self._sums.finish()
+                with atomic_output(self.folder / sums_name(shard["name"]), "wb") as f:
+                    f.write(sums)
+                shard["chunks_crc32c"] = crc32c.crc32c(sums)
 
     def finish(self, error: Optional[BaseException] = None) -> list[dict]:
         self._close(error)
@@ -382,7 +390,7 @@ def _manifest(data: dict, records: list[dict], name: str) -> dict:
             parts[part]["tokens"] += record["tokens"][p]
             parts[part]["documents"] += record["documents"][p]
         for shard in record["shards"]:
-            parts[shard["part"]]["shards"].append({k: shard[k] for k in ("name", "tokens", "size", "crc32c")})
+            parts[shard["part"]]["shards"].append({k: shard[k] for k in ("name", "tokens", "size", "chunks_crc32c")})
     if sum(p["tokens"] for p in parts.values()) == 0:
         raise StoreError(f"no tokens: the data source {name} holds no text")
     total = sum(p["documents"] for p in parts.values())

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from hybridpar.data import default_corpus_documents
-from hybridpar.data.store import MANIFEST, TokenStore, verify_store
+from hybridpar.data.store import MANIFEST, TokenStore
+from hybridpar.data.store_verify import verify_store
 from hybridpar.data.store_build import prepare_store
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -216,20 +216,21 @@ class TokenStore:
 
 class _ChunkCheck:
     """Checks the chunks a slice of shard i reads, each once per process: its CRC-32C and its tokens
-    against the vocabulary. Remembers a bit per chunk (a 2 TB store: 32 MB of bits, when all read)."""
+    against the vocabulary. Remembers a byte per chunk (a 2 TB store: 32 MB, once all is read)."""
 
     def __init__(self, folder: Path, shards: list[dict], maps: list[np.memmap], vocab_size: int) -> None:
         self.folder, self.shards, self.maps, self.vocab_size = folder, shards, maps, vocab_size
+        self.itemsize = maps[0].itemsize if maps else 2
         self.sums: list[Optional[np.ndarray]] = [None] * len(shards)
-        self.done: list[Optional[np.ndarray]] = [None] * len(shards)
+        self.done: list[Optional[bytearray]] = [None] * len(shards)  # 1: checked
 
     def __call__(self, i: int, lo: int, hi: int) -> None:
         if hi <= lo:
             return
-        itemsize = self.maps[i].itemsize
+        itemsize = self.itemsize
         first, last = lo * itemsize // CHUNK_BYTES, ((hi - 1) * itemsize) // CHUNK_BYTES + 1
         done = self.done[i]
-        if done is not None and done[first:last].all():  # the common case: a few microseconds
+        if done is not None and done.find(0, first, last) < 0:  # the common case: a fraction of a microsecond
             return
         shard, path = self.shards[i], self.folder / self.shards[i]["name"]
         if done is None:
@@ -237,7 +238,7 @@ class _ChunkCheck:
                 self.sums[i] = read_sums(self.folder / sums_name(shard["name"]), shard["size"], shard["chunks_crc32c"])
             except ValueError as err:
                 raise StoreDamagedError(f"token store {self.folder} is damaged: {path}: {err}; prepare it again") from None
-            done = self.done[i] = np.zeros(len(self.sums[i]), dtype=bool)
+            done = self.done[i] = bytearray(len(self.sums[i]))
         per_chunk = CHUNK_BYTES // itemsize
         for c in range(first, last):
             if not done[c]:
@@ -245,7 +246,7 @@ class _ChunkCheck:
                 found = chunk_damage(data, int(self.sums[i][c]), self.vocab_size)
                 if found is not None:
                     raise StoreDamagedError(damage_line(self.folder, path, c * CHUNK_BYTES, data.nbytes, found))
-                done[c] = True
+                done[c] = 1
 
 
 def damage_where(path: Path, chunk_offset: int, nbytes: int, found: tuple[Optional[int], str]) -> str:

@@ -54,7 +54,7 @@ def check_shard(folder: Path, shard: dict, dtype: np.dtype, vocab_size: int, on_
     return found
 
 
-def verify_store(folder: PathLike, out=None, workers: Optional[int] = None) -> int:
+def verify_store(folder: PathLike, out=None, workers: Optional[int] = None, progress_every: float = 5.0) -> int:
     """Check every chunk of a store: a line per damage and a summary; 0 when all is ok, 1 otherwise."""
     from hybridpar.data.store_build import default_workers
 
@@ -67,7 +67,8 @@ def verify_store(folder: PathLike, out=None, workers: Optional[int] = None) -> i
     shards = [s for part in manifest["parts"].values() for s in part["shards"]]
     dtype, vocab_size = np.dtype(manifest["dtype"]), int(manifest["vocab_size"])
     lock, bad = threading.Lock(), 0
-    with Progress(f"verifying {folder}", total=sum(s["size"] for s in shards), unit="B", enabled=True) as progress:
+    with Progress(f"verifying {folder}", total=sum(s["size"] for s in shards), unit="B", enabled=True,
+                  every=progress_every) as progress:
         def on_bytes(n: int) -> None:
             with lock:
                 progress.update(n)

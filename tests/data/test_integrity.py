@@ -127,14 +127,29 @@ def test_a_damaged_manifest_is_refused_in_one_line(store, case):
 
 
 def test_verify_never_opens_a_file_outside_the_store(store, tmp_path, monkeypatch):
-    outside = tmp_path / "outside.tokens"
-    outside.write_bytes(b"\0" * 64)
-    _edit(store, lambda m: m["parts"]["train"]["shards"][0].update(name=os.path.relpath(outside, store)))
+    """A name that leaves the store, for an exact copy of a shard and its sums (every count agrees):
+    refused by its name alone, the copy never opened."""
+    from hybridpar.data.chunks import sums_name
+
+    name = TokenStore(store).shards[0]["name"]
+    (tmp_path / "elsewhere" / "units").mkdir(parents=True)
+    for n in (name, sums_name(name)):
+        shutil.copy(store / n, tmp_path / "elsewhere" / n)
+    outside = os.path.relpath(tmp_path / "elsewhere" / name, store)
+    assert outside.startswith("../")
+    _edit(store, lambda m: m["parts"]["train"]["shards"][0].update(name=outside))
     opened = []
     real_open = open
     monkeypatch.setattr("builtins.open", lambda path, *a, **k: (opened.append(str(path)), real_open(path, *a, **k))[1])
     assert verify_store(store, out=open(os.devnull, "w")) == 1
-    assert not any("outside" in p for p in opened), opened
+    assert not any("elsewhere" in p for p in opened), opened
+
+
+def test_verify_shows_its_progress(store, capsys):
+    assert verify_store(store, progress_every=0) == 0
+    err = capsys.readouterr().err
+    print(err)
+    assert re.search(rf"verifying {re.escape(str(store))}: .* of .* \(\d+%\)", err)
 
 
 def test_an_old_store_is_prepared_again(store):
@@ -306,6 +321,27 @@ def test_training_refuses_a_damaged_manifest_in_one_line(workers, corpus, run_to
     for r in results:
         assert r["error"].startswith("StoreError: ") and r["every_rank"] and re.search(expected, r["error"]), r
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_single_source_loader_stops_at_the_end_of_its_epoch_where_it_was(store):
+    from hybridpar.data.loader import PackedDataset, ResumableDataLoader, SourceExhaustedError
+
+    dataset = PackedDataset(TokenStore(store), 32)
+    loaders = [ResumableDataLoader(dataset, dp_rank=r, dp_size=2, micro_batch_size=100, seed=0, on_exhausted="stop",
+                                   name="corpus") for r in range(2)]
+    epoch = len(dataset) // 2 // 100
+    for _ in range(epoch):
+        [next(loader) for loader in loaders]
+    for loader in loaders:  # both ranks at the same batch
+        position = loader.state_dict()
+        with pytest.raises(SourceExhaustedError, match=rf"data source 'corpus' is exhausted: it ran out after "
+                                                       rf"{epoch * 200:,} sequences"):
+            next(loader)
+        assert loader.state_dict() == position
+    repeating = ResumableDataLoader(dataset, dp_rank=0, dp_size=2, micro_batch_size=100, seed=0)
+    for _ in range(epoch + 1):
+        next(repeating)
+    assert repeating.epoch == 1
 
 
 def test_a_damage_met_in_a_dataloader_worker_is_one_line(store):

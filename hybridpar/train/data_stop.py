@@ -50,9 +50,11 @@ def agreed_error(mine: Optional[Exception]) -> Exception:
 
 def stopped_text(error: Exception, step: int, checkpoint: Optional[Path]) -> str:
     """The run's last line: what stopped it, and the checkpoint of the last step that trained."""
-    kept = f"step {step} is saved in {checkpoint}" if checkpoint is not None else "no step trained, nothing saved"
     if isinstance(error, StoreDamagedError):
-        return f"{error}. Stopped before step {step + 1} trained; {kept}, and a run started again resumes from it"
+        kept = (f"step {step} is saved in {checkpoint}, and a run started again resumes from it"
+                if checkpoint is not None else "no step had trained, nothing is saved")
+        return f"{error}. Stopped before step {step + 1} trained; {kept}"
+    kept = f"step {step} is saved in {checkpoint}" if checkpoint is not None else "no step had trained, nothing is saved"
     return f"hybridpar: stopped at step {step}: {error}; {kept}"
 
 

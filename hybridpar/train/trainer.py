@@ -2,7 +2,8 @@
 
 One optimizer step:
   1. fetch `grad_accum` micro-batches and count the targets of the whole global batch (one
-     all-reduce of a single number over the dp group);
+     all-reduce of two numbers over the dp group: the count, and whether any rank's data stopped,
+     a damaged store or a source run out, which stops every rank here: data_stop.py);
   2. forward + backward each micro-batch with loss = sum of token losses / global target count;
      gradients are synchronised only after the last micro-batch (train.grad_sync = "last", the
      default; "every" reduce-scatters after each one);

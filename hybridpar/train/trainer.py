@@ -373,7 +373,10 @@ class Trainer:
             if self.validator is not None and not self.stop_signal and (
                     (every and self.step % every == 0) or self.step == c.train.steps):
                 with clock.pause():
-                    row.update(self.validate())
+                    try:
+                        row.update(self.validate())
+                    except data_stop.StoreDamagedError as err:  # the held-out data's, every rank alike: save, stop
+                        self.data_stopped, self.stop_signal = err, "the data"
             if m["step"] % c.train.log_every == 0 or m["step"] in (1, c.train.steps):
                 summary = {**log_row(window), **self._source_tokens()}
                 self.metrics.write(m["step"], {**summary, **row})

@@ -248,6 +248,27 @@ def test_training_stops_before_the_damaged_batch_with_the_last_good_step_saved(
     assert (tmp_path / "run" / "checkpoints" / f"step-{stop_step - 1:08d}").is_dir()
 
 
+@pytest.mark.slow
+def test_a_damaged_validation_store_stops_every_rank_with_the_step_saved(workers, corpus, run_tokenizer, tmp_path):
+    """The held-out windows are read before the first evaluation's forward, and the stop is agreed as
+    training's is: every rank stops after the step that trained, saved. (A validation split this small
+    is one chunk, which both ranks read; the agreement itself is shown by the training test above.)"""
+    store = tmp_path / "val"
+    prepare_store(_small_jsonl(tmp_path / "val.jsonl", 40), run_tokenizer, store, workers=1, report=False)
+    shard = TokenStore(store).shards[-1]
+    _flip(store / shard["name"], shard["size"] - 3)
+    config = make_config(corpus, tmp_path / "run", dp=2, steps=6, **{
+        "data.source": corpus["source"], "data.tokenizer": run_tokenizer.path, "data.val_source": str(store),
+        "train.eval_every": 2})
+    results = workers(2).run(_case_train, config)
+    print(f"\n{results[0]['error']}")
+    for r in results:
+        assert r["error"].startswith("StoreDamagedError: token store") and r["every_rank"], r
+        assert f"{store / shard['name']}, bytes" in r["error"] and "step 2 is saved" in r["error"]
+    assert _trained_steps(tmp_path / "run") == [1, 2]
+    assert (tmp_path / "run" / "checkpoints" / "step-00000002").is_dir()
+
+
 def _small_jsonl(path: Path, n: int) -> str:
     from hybridpar.data import default_corpus_documents
 

@@ -27,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hybridpar.data import store_build  # noqa: E402
+from hybridpar.data import shards as shard_files  # noqa: E402
 from hybridpar.data.store import FORMAT, MANIFEST, VERSION, TokenStore, _Concatenated  # noqa: E402
 from hybridpar.data.store_verify import verify_store  # noqa: E402
 
@@ -36,10 +36,10 @@ VOCAB = 32000
 
 
 def make_store(folder: Path, mb: float) -> TokenStore:
-    store_build.MAX_SHARD_TOKENS = 32 << 20  # 64 MB shards: several, for verify's threads
+    shard_files.MAX_SHARD_TOKENS = 32 << 20  # 64 MB shards: several, for verify's threads
     rng = np.random.default_rng(0)
     n = int(mb * 2**20) // 2
-    writer = store_build._ShardWriter(folder, 0, 0)
+    writer = shard_files.ShardWriter(folder, 0, 0)
     (folder / "units").mkdir(parents=True)
     for start in range(0, n, 1 << 22):
         writer.write(rng.integers(0, VOCAB, min(1 << 22, n - start), dtype=np.uint16))

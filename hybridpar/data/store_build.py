@@ -20,16 +20,14 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-import crc32c
 import numpy as np
 
-from hybridpar.data.chunks import ChunkSummer, sums_name
 from hybridpar.data.formats import BAD_RECORD_CHOICES, UNIT_BYTES, Tally, Unit, plan_units, unit_documents
 from hybridpar.data.sources import Source, SourceFile, describe_sources, resolve_sources, source_name
-from hybridpar.data.store import (FORMAT, MANIFEST, MAX_SHARD_TOKENS, PLAN, VERSION, StoreError, TokenStore,
-                                  shard_name, unit_record_name)
+from hybridpar.data.shards import ShardWriter, shard_written
+from hybridpar.data.store import FORMAT, MANIFEST, PLAN, VERSION, StoreError, TokenStore, unit_record_name
 from hybridpar.data.tokenise import PART_NAMES, pieces, token_batches, token_dtype
-from hybridpar.files import PathLike, atomic_output, file_lock, sha256_text, write_text_atomic
+from hybridpar.files import PathLike, file_lock, sha256_text, write_text_atomic
 from hybridpar.progress import Progress
 
 _POLL = 0.5  # seconds between looks at units other processes hold
@@ -105,54 +103,7 @@ def _record(plan: Plan, index: int) -> Optional[dict]:
         return None
     if record.get("plan") != plan.key:
         return None
-    for shard in record["shards"]:
-        shard_path, sums_path = plan.folder / shard["name"], plan.folder / sums_name(shard["name"])
-        if not shard_path.is_file() or shard_path.stat().st_size != shard["size"] or not sums_path.is_file():
-            return None
-    return record
-
-
-class _ShardWriter:
-    """A unit's shards of one part: atomic files of at most MAX_SHARD_TOKENS, their chunks summed as
-    written (the sidecar, hybridpar.data.chunks, is written as each shard closes)."""
-
-    def __init__(self, folder: Path, unit: int, part: int) -> None:
-        self.folder, self.unit, self.part = folder, unit, part
-        self.shards: list[dict] = []
-        self._context = self._file = self._sums = None
-
-    def write(self, ids: np.ndarray) -> None:
-        while ids.size:
-            if self._file is None:
-                name = shard_name(self.unit, self.part, len(self.shards))
-                self._context = atomic_output(self.folder / name, "wb")
-                self._file = self._context.__enter__()
-                self._sums = ChunkSummer()
-                self.shards.append({"name": name, "part": PART_NAMES[self.part], "tokens": 0, "size": 0})
-            shard = self.shards[-1]
-            take = ids[: MAX_SHARD_TOKENS - shard["tokens"]]
-            data = take.tobytes()
-            self._file.write(data)
-            shard["tokens"] += int(take.size)
-            shard["size"] += len(data)
-            self._sums.update(data)
-            ids = ids[take.size:]
-            if shard["tokens"] >= MAX_SHARD_TOKENS:
-                self._close()
-
-    def _close(self, error: Optional[BaseException] = None) -> None:
-        if self._context is not None:
-            context, self._context, self._file = self._context, None, None
-            context.__exit__(type(error) if error else None, error, None)
-            if error is None:
-                shard, sums = self.shards[-1], self._sums.finish()
-                with atomic_output(self.folder / sums_name(shard["name"]), "wb") as f:
-                    f.write(sums)
-                shard["chunks_crc32c"] = crc32c.crc32c(sums)
-
-    def finish(self, error: Optional[BaseException] = None) -> list[dict]:
-        self._close(error)
-        return self.shards
+    return record if all(shard_written(plan.folder, shard) for shard in record["shards"]) else None
 
 
 def build_unit(plan: Plan, index: int, tokenizer, on_bytes=None, on_tokens=None) -> dict:
@@ -161,7 +112,7 @@ def build_unit(plan: Plan, index: int, tokenizer, on_bytes=None, on_tokens=None)
     data, unit = plan.data, plan.units[index]
     dtype, vocab_size = np.dtype(data["dtype"]), data["vocab_size"]
     tally = Tally()
-    writers = [_ShardWriter(plan.folder, index, part) for part in range(2 if data["val_fraction"] else 1)]
+    writers = [ShardWriter(plan.folder, index, part) for part in range(2 if data["val_fraction"] else 1)]
     tokens, documents = [0] * len(writers), [0] * len(writers)
     try:
         documents_in = unit_documents(unit, data["text_field"], data["on_bad_record"], tally, on_bytes)

@@ -137,7 +137,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"hybridpar verify {args.path}: no such file or folder; give a checkpoint folder "
                                 "(checkpoints/step-00000100), a run's checkpoints/ folder or a token store")
     if is_store(args.path):
-        from .data.store import verify_store
+        from .data.store_verify import verify_store
 
         return verify_store(Path(args.path))
     from .checkpoint.verify import verify_path

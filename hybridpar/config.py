@@ -50,8 +50,8 @@ class DataConfig:
     sources: list = option(list, "a weighted blend instead of data.source: [[data.sources]] tables (name, source, "
                                  "weight; optional text_field) or on the command line "
                                  "\"web=/data/web@0.7,code=/data/code@0.3\"")
-    on_exhausted: str = option("repeat", "a blend's source that runs out: \"repeat\" it (epochs counted per source) or "
-                                         "\"stop\" the run")
+    on_exhausted: str = option("repeat", "data.source, or a blend's source, that runs out: \"repeat\" it (epochs "
+                                         "counted) or \"stop\" the run, saving the last step that trained")
     text_field: str = option("text", "the jsonl field or table column holding the text")
     on_bad_record: str = option("error", "a record whose text is missing, null or not a string: \"error\" naming "
                                          "it, or \"skip\" it (counted in the store's manifest)")

@@ -226,7 +226,7 @@ def _step(c: Config, model: torch.nn.Module, parallel) -> tuple[torch.optim.Opti
     optimizer = build_optimizer(model, c.optim)
     tokens = torch.zeros(d.micro_batch_size, d.seq_len, dtype=torch.long)
     batches = [(tokens, tokens)] * t.grad_accum
-    count_targets(batches, parallel, parallel.device)
+    count_targets(batches, parallel, parallel.device, also_sum=[0.0])  # the data stop's flag
     global_targets = d.micro_batch_size * d.seq_len * t.grad_accum * parallel.dp_size
     loss_sum = forward_backward(model, batches, parallel, scale=parallel.dp_size / global_targets,
                                 grad_sync=t.grad_sync, device=parallel.device)

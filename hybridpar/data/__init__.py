@@ -19,7 +19,7 @@ _WHERE = {
     "DistributedSampler": "loader", "PackedDataset": "loader", "ResumableDataLoader": "loader",
     "build_dataloader": "loader", "check_dataset_size": "loader", "check_vocab": "loader",
     "build_data": "pipeline", "build_training_data": "pipeline", "default_cache_dir": "pipeline",
-    "TokenStore": "store", "is_store": "store", "verify_store": "store",
+    "TokenStore": "store", "is_store": "store", "verify_store": "store_verify",
     "prepare_store": "store_prepare", "cached_store": "store_prepare", "merge_store": "store_build",
     "source_documents": "formats",
     "source_id": "sources",

@@ -20,16 +20,10 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from hybridpar.data.loader import PackedDataset, _inputs_and_targets
+from hybridpar.data.loader import EXHAUSTED_CHOICES, PackedDataset, SourceExhaustedError, _inputs_and_targets, exhausted
 from hybridpar.progress import note
 
-EXHAUSTED_CHOICES = ("repeat", "stop")
-
-
-class SourceExhaustedError(ValueError):
-    """A source ran out with data.on_exhausted = "stop". Every rank reaches it at the same step."""
-
-    every_rank = True  # hybridpar.ranks.raised_by_every_rank
+__all__ = ["BlendSource", "BlendedLoader", "SourceExhaustedError", "blend_loader", "describe_blend", "next_sources"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,9 +90,7 @@ class BlendedLoader:
         if k < n:
             return
         if self.on_exhausted == "stop":
-            raise SourceExhaustedError(
-                f"data source {self.sources[s].name!r} ran out after {n:,} sequences (all of its data, once): set "
-                "data.on_exhausted = \"repeat\" to go through it again, give it more data or a lower weight")
+            raise exhausted(self.sources[s].name, n, blend=True)
         if not self._said[s]:
             self._said[s] = True
             note(f"data: source {self.sources[s].name!r} ran out after {n:,} sequences; repeating it in a new order "

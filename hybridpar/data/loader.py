@@ -20,6 +20,22 @@ import torch.utils.data
 
 from hybridpar.data.store import TokenStore
 
+EXHAUSTED_CHOICES = ("repeat", "stop")
+
+
+class SourceExhaustedError(ValueError):
+    """The data ran out with data.on_exhausted = "stop" (a single source's or a blend's source).
+    Every rank reaches it at the same step: the trainer saves the last step that trained and stops."""
+
+    every_rank = True  # hybridpar.ranks.raised_by_every_rank
+
+
+def exhausted(name: str, sequences: int, blend: bool = False) -> SourceExhaustedError:
+    more = ", give it more data or a lower weight" if blend else " or give it more data"
+    return SourceExhaustedError(
+        f"data source {name!r} is exhausted: it ran out after {sequences:,} sequences (all of its data, once; "
+        f"data.on_exhausted = \"stop\"): set data.on_exhausted = \"repeat\" to go through it again{more}")
+
 
 class PackedDataset(torch.utils.data.Dataset):
     """Window i = tokens[i*seq_len : i*seq_len + seq_len + 1] as int64: inputs and targets overlap by one."""
@@ -124,7 +140,12 @@ class ResumableDataLoader:
         seed: int,
         num_workers: int = 0,
         pin_memory: Optional[bool] = None,
+        on_exhausted: str = "repeat",
+        name: str = "",
     ) -> None:
+        if on_exhausted not in EXHAUSTED_CHOICES:
+            raise ValueError(f"data.on_exhausted must be one of {', '.join(EXHAUSTED_CHOICES)}, got {on_exhausted!r}")
+        self.on_exhausted, self.name = on_exhausted, name or "data.source"
         if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be a positive integer, got {micro_batch_size!r}")
         check_dataset_size(dataset, micro_batch_size * dp_size, micro_batch_size=micro_batch_size, dp_size=dp_size)
@@ -162,6 +183,9 @@ class ResumableDataLoader:
             except StopIteration:
                 if started_fresh:  # guarded by check_dataset_size; never loop forever
                     raise RuntimeError("an epoch yielded no batch: the dataset is smaller than one micro-batch per rank")
+                if self.on_exhausted == "stop":  # every rank at the same batch: their epochs are cut alike
+                    self._batches = None
+                    raise exhausted(self.name, self.global_offset)
                 self._batches = None
                 self.epoch += 1
                 self.global_offset = 0

@@ -142,7 +142,8 @@ def build_training_data(config, parallel, on_tokenizer: Optional[Callable[[Token
     check_dataset_size(dataset, d.micro_batch_size * grad_accum * parallel.dp_size,
                        micro_batch_size=d.micro_batch_size, grad_accum=grad_accum, dp_size=parallel.dp_size)
     loader = build_dataloader(dataset, dp_rank=parallel.dp_rank, dp_size=parallel.dp_size,
-                              micro_batch_size=d.micro_batch_size, seed=d.seed, num_workers=d.num_workers)
+                              micro_batch_size=d.micro_batch_size, seed=d.seed, num_workers=d.num_workers,
+                              on_exhausted=d.on_exhausted, name=d.source)
     return tokenizer, dataset, loader, val_dataset
 
 

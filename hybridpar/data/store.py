@@ -7,26 +7,30 @@
     STORE/store.json             the manifest, written last: the store is complete iff it is there
 
 The tokens of a store are its units' shards in plan order: the same store whatever the number of
-workers or parts that made it. Each shard's size and CRC-32C are in the manifest (`verify`).
+workers or parts that made it. Each shard's size is in the manifest, and the CRC-32C of every
+64 KiB chunk in a sidecar (hybridpar.data.chunks): a chunk is checked the first time a window reads
+it, its tokens against the vocabulary too; `hybridpar verify` checks them all (store_verify.py).
 """
 
 from __future__ import annotations
 
 import bisect
 import json
+import re
 from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
 
+from hybridpar.data.chunks import CHUNK_BYTES, chunk_damage, read_sums, sums_name
 from hybridpar.data.tokenise import PART_NAMES
-from hybridpar.files import PathLike, crc32c_file
+from hybridpar.files import PathLike
 
 MANIFEST = "store.json"
 PLAN = "plan.json"
 UNITS = "units"
 FORMAT = "hybridpar-token-store"
-VERSION = 1
+VERSION = 2  # 2: chunk checksums (hybridpar.data.chunks)
 MAX_SHARD_TOKENS = 1 << 28  # 512 MB of uint16 a file
 
 
@@ -35,6 +39,13 @@ class StoreError(ValueError):
     of a job reads the same store and meets the same error: said once."""
 
     every_rank = True  # hybridpar.ranks.raised_by_every_rank
+
+
+class StoreDamagedError(StoreError):
+    """A shard's bytes found damaged as they were read. Only the ranks that read them meet it: the
+    trainer agrees with every rank to stop (trainer._data_stop), then every rank raises it alike."""
+
+    every_rank = False
 
 
 def is_store(path: PathLike) -> bool:
@@ -60,14 +71,57 @@ def read_manifest(folder: Path) -> dict:
     if manifest.get("version") != VERSION:
         raise StoreError(f"{folder} is a token store of version {manifest.get('version')}, this hybridpar reads "
                          f"version {VERSION}: prepare it again")
+    check_manifest(manifest, path)
     return manifest
+
+
+_SHARD_NAME = re.compile(r"units/[0-9]{6}\.(train|validation)\.[0-9]+\.tokens")  # inside the store, always
+
+
+def check_manifest(manifest: dict, path: Path) -> None:
+    """The manifest's fields, types and counts agree with each other and name only files inside the
+    store (a shard named `../../x` or `/x` is refused, never opened); StoreError in one line."""
+    def bad(what: str):
+        raise StoreError(f"{path} is damaged: {what}; prepare the store again")
+
+    def count(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    parts = manifest.get("parts")
+    if not isinstance(parts, dict) or "train" not in parts:
+        bad("it has no \"parts\" with a train part")
+    if manifest.get("dtype") not in ("uint16", "uint32"):
+        bad(f"dtype {manifest.get('dtype')!r} is not uint16 or uint32")
+    if not count(manifest.get("vocab_size")) or not count(manifest.get("eos_id")):
+        bad("vocab_size and eos_id must be whole numbers")
+    itemsize = np.dtype(manifest["dtype"]).itemsize
+    for name, part in parts.items():
+        if name not in PART_NAMES or not isinstance(part, dict) or not count(part.get("tokens")) \
+                or not count(part.get("documents")) or not isinstance(part.get("shards"), list):
+            bad(f"part {name!r} is not a part (tokens, documents, shards)")
+        for shard in part["shards"]:
+            if not isinstance(shard, dict) or not all(count(shard.get(k)) for k in ("tokens", "size", "chunks_crc32c")):
+                bad(f"a shard of part {name!r} is not a shard record (name, tokens, size, chunks_crc32c)")
+            if not isinstance(shard.get("name"), str) or not _SHARD_NAME.fullmatch(shard["name"]):
+                bad(f"shard name {shard.get('name')!r} is not a shard file of this store (units/NNNNNN.PART.I.tokens)")
+            if shard["size"] != shard["tokens"] * itemsize:
+                bad(f"{shard['name']} records {shard['tokens']:,} tokens of {itemsize} bytes in {shard['size']:,} bytes")
+        held = sum(s["tokens"] for s in part["shards"])
+        if held != part["tokens"]:
+            bad(f"the {name} part records {part['tokens']:,} tokens, its shards hold {held:,}")
+    files = manifest.get("files")
+    if not isinstance(files, list) or not all(isinstance(f, dict) and count(f.get("tokens")) for f in files):
+        bad("\"files\" is not a list of source files with their tokens")
+    if sum(f["tokens"] for f in files) != sum(p["tokens"] for p in parts.values()):
+        bad(f"its source files hold {sum(f['tokens'] for f in files):,} tokens, its parts "
+            f"{sum(p['tokens'] for p in parts.values()):,}")
 
 
 class _Concatenated:
     """The tokens of several memory-mapped shards as one sequence: slices read across shard edges."""
 
-    def __init__(self, shards: list[np.memmap]) -> None:
-        self.shards = shards
+    def __init__(self, shards: list[np.memmap], check: Callable[[int, int, int], None] = lambda i, lo, hi: None) -> None:
+        self.shards, self.check = shards, check
         self.starts = [0]
         for s in shards:
             self.starts.append(self.starts[-1] + len(s))
@@ -84,6 +138,7 @@ class _Concatenated:
         while start < stop and i < len(self.shards):
             lo = start - self.starts[i]
             hi = min(stop, self.starts[i + 1]) - self.starts[i]
+            self.check(i, lo, hi)
             parts.append(self.shards[i][lo:hi])
             start = self.starts[i] + hi
             i += 1
@@ -114,9 +169,11 @@ class TokenStore:
 
     @property
     def tokens(self) -> _Concatenated:
+        """The part's tokens; each chunk is checked the first time a slice reads it (_ChunkCheck)."""
         if self._tokens is None:
-            self._tokens = _Concatenated([np.memmap(self.folder / s["name"], dtype=self.dtype, mode="r")
-                                          for s in self.shards if s["tokens"]])
+            shards = [s for s in self.shards if s["tokens"]]
+            maps = [np.memmap(self.folder / s["name"], dtype=self.dtype, mode="r") for s in shards]
+            self._tokens = _Concatenated(maps, _ChunkCheck(self.folder, shards, maps, self.vocab_size))
         return self._tokens
 
     @property
@@ -151,10 +208,58 @@ class TokenStore:
         return np.asarray(self.tokens[0:self.n_tokens])
 
     def __getstate__(self) -> dict:  # DataLoader workers reopen the memory maps
-        return {**self.__dict__, "_tokens": None}
+        return {**self.__dict__, "_tokens": None}  # and check the chunks they read again, once each
 
     def __repr__(self) -> str:
         return f"TokenStore({str(self.folder)!r}, part={self.part!r}, n_tokens={self.n_tokens}, dtype={self.dtype})"
+
+
+class _ChunkCheck:
+    """Checks the chunks a slice of shard i reads, each once per process: its CRC-32C and its tokens
+    against the vocabulary. Remembers a byte per chunk (a 2 TB store: 32 MB, once all is read)."""
+
+    def __init__(self, folder: Path, shards: list[dict], maps: list[np.memmap], vocab_size: int) -> None:
+        self.folder, self.shards, self.maps, self.vocab_size = folder, shards, maps, vocab_size
+        self.itemsize = maps[0].itemsize if maps else 2
+        self.sums: list[Optional[np.ndarray]] = [None] * len(shards)
+        self.done: list[Optional[bytearray]] = [None] * len(shards)  # 1: checked
+
+    def __call__(self, i: int, lo: int, hi: int) -> None:
+        if hi <= lo:
+            return
+        itemsize = self.itemsize
+        first, last = lo * itemsize // CHUNK_BYTES, ((hi - 1) * itemsize) // CHUNK_BYTES + 1
+        done = self.done[i]
+        if done is not None and done.find(0, first, last) < 0:  # the common case: a fraction of a microsecond
+            return
+        shard, path = self.shards[i], self.folder / self.shards[i]["name"]
+        if done is None:
+            try:
+                self.sums[i] = read_sums(self.folder / sums_name(shard["name"]), shard["size"], shard["chunks_crc32c"])
+            except ValueError as err:
+                raise StoreDamagedError(f"token store {self.folder} is damaged: {path}: {err}; prepare it again") from None
+            done = self.done[i] = bytearray(len(self.sums[i]))
+        per_chunk = CHUNK_BYTES // itemsize
+        for c in range(first, last):
+            if not done[c]:
+                data = self.maps[i][c * per_chunk:(c + 1) * per_chunk]
+                found = chunk_damage(data, int(self.sums[i][c]), self.vocab_size)
+                if found is not None:
+                    raise StoreDamagedError(damage_line(self.folder, path, c * CHUNK_BYTES, data.nbytes, found))
+                done[c] = 1
+
+
+def damage_where(path: Path, chunk_offset: int, nbytes: int, found: tuple[Optional[int], str]) -> str:
+    """A damaged chunk: the file, the byte offset (or range), what is wrong."""
+    at, what = found
+    where = f"bytes {chunk_offset}..{chunk_offset + nbytes - 1}" if at is None else f"byte {chunk_offset + at}"
+    return f"{path}, {where}: {what}"
+
+
+def damage_line(folder: Path, path: Path, chunk_offset: int, nbytes: int, found: tuple[Optional[int], str]) -> str:
+    """The error of a damaged chunk met in training: where, and what to do."""
+    return (f"token store {folder} is damaged: {damage_where(path, chunk_offset, nbytes, found)}; prepare it again "
+            f"(hybridpar verify {folder} lists every damaged chunk)")
 
 
 def shard_name(unit: int, part: int, index: int) -> str:
@@ -163,33 +268,3 @@ def shard_name(unit: int, part: int, index: int) -> str:
 
 def unit_record_name(unit: int) -> str:
     return f"{UNITS}/{unit:06d}.json"
-
-
-def verify_store(folder: PathLike, out=None, progress: Optional[Callable[[int], None]] = None) -> int:
-    """Check every shard of a store against the manifest's size and CRC-32C: a verdict line per
-    damaged shard and a summary; 0 when all are ok, 1 otherwise."""
-    import sys
-
-    folder, out = Path(folder), out or sys.stdout
-    try:
-        manifest = read_manifest(folder)
-    except StoreError as err:
-        print(f"{folder}: NOT OK: {err}", file=out)
-        return 1
-    shards = [s for part in manifest["parts"].values() for s in part["shards"]]
-    bad = 0
-    for shard in shards:
-        path = folder / shard["name"]
-        if not path.is_file():
-            verdict = "missing"
-        elif path.stat().st_size != shard["size"]:
-            verdict = f"damaged: {path.stat().st_size} bytes, the manifest records {shard['size']}"
-        else:
-            verdict = None if crc32c_file(path, progress)[1] == shard["crc32c"] else "damaged: checksum mismatch"
-        if verdict is not None:
-            bad += 1
-            print(f"{shard['name']}: {verdict}", file=out)
-    summary = "all ok" if not bad else f"NOT OK: {bad} damaged or missing"
-    print(f"{folder}: token store, {len(shards) - bad} of {len(shards)} shards ok "
-          f"({sum(p['tokens'] for p in manifest['parts'].values()):,} tokens); {summary}", file=out)
-    return 0 if not bad else 1

@@ -17,16 +17,15 @@ import socket
 from pathlib import Path
 from typing import Optional
 
-import crc32c
 import numpy as np
 
 from hybridpar.data.formats import Tally, Unit, unit_documents
+from hybridpar.data.shards import ShardWriter, shard_written
 from hybridpar.data.sources import SourceFile, source_name
-from hybridpar.data.store import (FORMAT, MANIFEST, MAX_SHARD_TOKENS, PLAN, VERSION, StoreError, TokenStore,
-                                  shard_name, unit_record_name)
+from hybridpar.data.store import FORMAT, MANIFEST, PLAN, VERSION, StoreError, TokenStore, unit_record_name
 from hybridpar.data.store_plan import Plan, preparing, read_plan
 from hybridpar.data.tokenise import PART_NAMES, pieces, token_batches
-from hybridpar.files import PathLike, atomic_output, file_lock, write_text_atomic
+from hybridpar.files import PathLike, file_lock, write_text_atomic
 
 _MANIFEST_WAIT = 600.0  # seconds to wait for another process writing the manifest (seconds, even for a large store)
 
@@ -42,47 +41,7 @@ def _record(plan: Plan, index: int) -> Optional[dict]:
         return None
     if record.get("plan") != plan.key:
         return None
-    for shard in record["shards"]:
-        shard_path = plan.folder / shard["name"]
-        if not shard_path.is_file() or shard_path.stat().st_size != shard["size"]:
-            return None
-    return record
-
-
-class _ShardWriter:
-    """A unit's shards of one part: atomic files of at most MAX_SHARD_TOKENS, summed as written."""
-
-    def __init__(self, folder: Path, unit: int, part: int) -> None:
-        self.folder, self.unit, self.part = folder, unit, part
-        self.shards: list[dict] = []
-        self._context = self._file = None
-
-    def write(self, ids: np.ndarray) -> None:
-        while ids.size:
-            if self._file is None:
-                name = shard_name(self.unit, self.part, len(self.shards))
-                self._context = atomic_output(self.folder / name, "wb")
-                self._file = self._context.__enter__()
-                self.shards.append({"name": name, "part": PART_NAMES[self.part], "tokens": 0, "size": 0, "crc32c": 0})
-            shard = self.shards[-1]
-            take = ids[: MAX_SHARD_TOKENS - shard["tokens"]]
-            data = take.tobytes()
-            self._file.write(data)
-            shard["tokens"] += int(take.size)
-            shard["size"] += len(data)
-            shard["crc32c"] = crc32c.crc32c(data, shard["crc32c"])
-            ids = ids[take.size:]
-            if shard["tokens"] >= MAX_SHARD_TOKENS:
-                self._close()
-
-    def _close(self, error: Optional[BaseException] = None) -> None:
-        if self._context is not None:
-            context, self._context, self._file = self._context, None, None
-            context.__exit__(type(error) if error else None, error, None)
-
-    def finish(self, error: Optional[BaseException] = None) -> list[dict]:
-        self._close(error)
-        return self.shards
+    return record if all(shard_written(plan.folder, shard) for shard in record["shards"]) else None
 
 
 def build_unit(plan: Plan, index: int, tokenizer, on_bytes=None, on_tokens=None) -> dict:
@@ -91,7 +50,7 @@ def build_unit(plan: Plan, index: int, tokenizer, on_bytes=None, on_tokens=None)
     data, unit = plan.data, plan.units[index]
     dtype, vocab_size = np.dtype(data["dtype"]), data["vocab_size"]
     tally = Tally()
-    writers = [_ShardWriter(plan.folder, index, part) for part in range(2 if data["val_fraction"] else 1)]
+    writers = [ShardWriter(plan.folder, index, part) for part in range(2 if data["val_fraction"] else 1)]
     tokens, documents = [0] * len(writers), [0] * len(writers)
     try:
         documents_in = unit_documents(unit, data["text_field"], data["on_bad_record"], tally, on_bytes)
@@ -198,7 +157,7 @@ def _manifest(data: dict, records: list[dict], name: str) -> dict:
             parts[part]["tokens"] += record["tokens"][p]
             parts[part]["documents"] += record["documents"][p]
         for shard in record["shards"]:
-            parts[shard["part"]]["shards"].append({k: shard[k] for k in ("name", "tokens", "size", "crc32c")})
+            parts[shard["part"]]["shards"].append({k: shard[k] for k in ("name", "tokens", "size", "chunks_crc32c")})
     if sum(p["tokens"] for p in parts.values()) == 0:
         raise StoreError(f"no tokens: the data source {name} holds no text")
     total = sum(p["documents"] for p in parts.values())

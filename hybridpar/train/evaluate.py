@@ -18,9 +18,11 @@ import torch
 import torch.distributed as dist
 
 from ..data.loader import PackedDataset
+from ..data.store import StoreDamagedError
 from ..mesh import ParallelDims
 from ..parallel import vocab_parallel_cross_entropy
 from ..parallel.loss import IGNORE_INDEX
+from .data_stop import agreed_error
 
 
 def windows_evaluated(n_windows: int, eval_steps: int, global_batch: int) -> int:
@@ -36,6 +38,7 @@ class Validator:
         self.dataset, self.parallel, self.micro_batch_size = dataset, parallel, micro_batch_size
         self.n = windows_evaluated(len(dataset), eval_steps, global_batch)
         self.at = at  # told where the evaluation is (the watchdog's phase)
+        self._checked = False  # this rank's windows read once before any forward (_check_windows)
 
     def _micro_batch(self, first: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's windows from `first` on: (inputs, targets), past the end padded and ignored."""
@@ -48,10 +51,30 @@ class Validator:
         targets[~torch.tensor(real)] = IGNORE_INDEX
         return inputs, targets
 
+    def _check_windows(self) -> None:
+        """The first time: read this rank's windows before any forward, so that a damaged store
+        stops every rank alike (data_stop.py) rather than the ranks that read the damage alone,
+        whose peers would wait in the forward's collectives. Later evaluations read the same
+        windows, their chunks checked already."""
+        if self._checked:
+            return
+        p, error = self.parallel, None
+        try:
+            for start in range(0, self.n, self.micro_batch_size * p.dp_size):
+                self._micro_batch(start + p.dp_rank * self.micro_batch_size)
+        except StoreDamagedError as err:
+            error = err
+        flag = torch.tensor([float(error is not None)], device=p.device)
+        dist.all_reduce(flag, group=p.dp_group)  # every dp group holds each dp coordinate: all sum alike
+        if flag.item():
+            raise agreed_error(error)
+        self._checked = True
+
     @torch.no_grad()
     def __call__(self, model: torch.nn.Module) -> dict:
         p, device = self.parallel, self.parallel.device
         per_pass = self.micro_batch_size * p.dp_size
+        self._check_windows()
         totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, target count
         was_training = model.training
         model.eval()

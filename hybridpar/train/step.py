@@ -2,7 +2,7 @@
 host: the trainer converts what it logs, and the dry run (hybridpar.dryrun) runs the same pieces on
 fake tensors, where there is no value to read.
 
-    counts = count_targets(batches, parallel, device)          # all-reduce over dp
+    counts = count_targets(batches, parallel, device, also_sum=[data_stop])   # all-reduce over dp
     loss_sum = forward_backward(model, batches, parallel, scale=dp_size / global_targets, grad_sync=...)
     dist.all_reduce(loss_sum, group=parallel.dp_group)
     norm_and_votes = clip_gradients(params, max_norm, device, also_sum=votes)   # all-reduce over the world
@@ -23,11 +23,15 @@ from ..parallel.loss import IGNORE_INDEX
 Batches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 
-def count_targets(batches: Batches, parallel: ParallelDims, device: torch.device) -> torch.Tensor:
-    """The targets of the whole global batch (one number, summed over the dp group): the loss is
-    normalised by it, so every layout computes the gradient of the same mean loss."""
-    counts = torch.stack([(t != IGNORE_INDEX).sum() for _, t in batches]).sum().reshape(1)
-    counts = counts.to(device=device, dtype=torch.float32)
+def count_targets(batches: Batches, parallel: ParallelDims, device: torch.device,
+                  also_sum: Sequence[float] = ()) -> torch.Tensor:
+    """[the targets of the whole global batch, *also_sum], summed over the dp group: the loss is
+    normalised by the count, so every layout computes the gradient of the same mean loss. The data
+    stop's flag rides on it (trainer.train_step): every dp group holds one rank of each dp
+    coordinate, and the ranks of one coordinate read the same windows, so every rank sums the same."""
+    counts = torch.stack([(t != IGNORE_INDEX).sum() for _, t in batches]).sum().reshape(1) if batches \
+        else torch.zeros(1)
+    counts = torch.cat([counts.to(torch.float32), torch.tensor(also_sum, dtype=torch.float32)]).to(device)
     dist.all_reduce(counts, group=parallel.dp_group)
     return counts
 

@@ -2,7 +2,8 @@
 
 One optimizer step:
   1. fetch `grad_accum` micro-batches and count the targets of the whole global batch (one
-     all-reduce of a single number over the dp group);
+     all-reduce of two numbers over the dp group: the count, and whether any rank's data stopped,
+     a damaged store or a source run out, which stops every rank here: data_stop.py);
   2. forward + backward each micro-batch with loss = sum of token losses / global target count;
      gradients are synchronised only after the last micro-batch (train.grad_sync = "last", the
      default; "every" reduce-scatters after each one);
@@ -35,8 +36,8 @@ from ..files import refuse_occupied, write_text_atomic
 from ..mesh import ParallelDims, init_parallel
 from ..model import build_model
 from ..preflight import init_from_folder, model_args, preflight, world_size_from_env
-from ..ranks import wait_for_every_rank
-from . import stop as stopping
+from ..ranks import mark_every_rank, wait_for_every_rank
+from . import data_stop, stop as stopping
 from .evaluate import BlendValidator, Validator
 from .clock import StepClock
 from .dashboard import plot_dashboard
@@ -66,6 +67,7 @@ class Trainer:
                                                                           "folder", None))
         self.stop = self.supervisor.stop
         self.stop_signal = ""  # the stop signal every rank agreed on (at the end of a step), if any
+        self.data_stopped: Optional[Exception] = None  # what stopped the data, agreed by every rank (data_stop.py)
         try:
             self.parallel = parallel or init_parallel(
                 mp=c.parallel.mp, dp_shard=c.parallel.dp_shard, dp_replicate=c.parallel.dp_replicate,
@@ -200,9 +202,13 @@ class Trainer:
         c, p = self.config, self.parallel
         start = time.perf_counter()
         self.supervisor.phase("data", step=self.step + 1)  # the step in progress
-        batches = [next(self.loader) for _ in range(c.train.grad_accum)]
+        batches, data_error = data_stop.fetch(self.loader, c.train.grad_accum)
+        # Before the forward: did any rank's data stop (a damaged chunk, a source run out)? Then none trains.
+        global_targets, data_stops = count_targets(batches, p, self.device,
+                                                   also_sum=[float(data_error is not None)]).tolist()
+        if data_stops:
+            raise data_stop.DataStopped(data_stop.agreed_error(data_error))
         guard_seconds = self.supervisor.guard(self.step + 1, batches)
-        global_targets = count_targets(batches, p, self.device).item()
         # FSDP averages gradients over the dp ranks; undo that so the sum over ranks is the global mean.
         scale = p.dp_size / global_targets
         loss_sum = forward_backward(self.model, batches, p, scale=scale, grad_sync=c.train.grad_sync,
@@ -274,7 +280,7 @@ class Trainer:
                 print(f"already at step {self.step} of {c.train.steps}: nothing to train "
                       "(raise train.steps to continue)", flush=True)
         saved_at = self._train_loop(self.step if self.resumed_from is not None else None)
-        if c.checkpoint.at_end and saved_at != self.step:
+        if c.checkpoint.at_end and saved_at != self.step and self.data_stopped is None:
             self.save_checkpoint()
         self.checkpointer.close()
         self.metrics.close()
@@ -285,13 +291,27 @@ class Trainer:
             plot_dashboard(self.metrics.jsonl_path, self.run_dir / "loss.png", grad_clip=c.optim.grad_clip)
         if self.stop_signal and self.is_main:
             path = latest_checkpoint(self.checkpointer.folder)
-            if self.supervisor.excluding is not None:
+            if self.data_stopped is not None:
+                pass  # said by every rank below, after the summary
+            elif self.supervisor.excluding is not None:
                 self.supervisor.straggler_stop(self.step, path)
             else:
                 stopping.write_marker(self.run_dir, self.stop_signal, self.step, path)
                 print(stopping.stopped_line(self.stop_signal, self.step, path, c.checkpoint.resume), flush=True)
         self._summary()
+        if self.data_stopped is not None:
+            self._data_stopped()
         return self.history
+
+    def _data_stopped(self) -> None:
+        """The data stopped the run (every rank, checkpoint saved): a damaged store is an error every
+        rank raises alike; a source run out with data.on_exhausted = "stop" is the end asked for."""
+        path = latest_checkpoint(self.checkpointer.folder) if self.step else None
+        text = data_stop.stopped_text(self.data_stopped, self.step, path)
+        if isinstance(self.data_stopped, data_stop.StoreDamagedError):
+            raise mark_every_rank(data_stop.StoreDamagedError(text))
+        if self.is_main:
+            print(text, flush=True)
 
     def _source_tokens(self) -> dict:
         """A blend's tokens trained on so far, per source: {"tokens/<name>": n} ({} for one source)."""
@@ -332,8 +352,16 @@ class Trainer:
         window: list[dict] = []  # the steps since the last log line
         clock = StepClock(self.started, self.step)  # the step line's elapsed time and ETA
         while self.step < c.train.steps:
-            with self.supervisor.step(self.step + 1) as found, self.profiler.step(self.step + 1):
-                m = self.train_step()
+            try:
+                with self.supervisor.step(self.step + 1) as found, self.profiler.step(self.step + 1):
+                    m = self.train_step()
+            except data_stop.DataStopped as stopped:  # every rank, before the step trained: save the last one
+                self.data_stopped, self.stop_signal = stopped.error, "the data"
+                if saved_at != self.step and self.step > 0:
+                    with clock.pause():
+                        self.save_checkpoint()
+                    saved_at = self.step
+                break
             clock.step_done(self.step)
             self.history.append(m)
             window.append(m)
@@ -348,7 +376,10 @@ class Trainer:
             if self.validator is not None and not self.stop_signal and (
                     (every and self.step % every == 0) or self.step == c.train.steps):
                 with clock.pause():
-                    row.update(self.validate())
+                    try:
+                        row.update(self.validate())
+                    except data_stop.StoreDamagedError as err:  # the held-out data's, every rank alike: save, stop
+                        self.data_stopped, self.stop_signal = err, "the data"
             if m["step"] % c.train.log_every == 0 or m["step"] in (1, c.train.steps):
                 summary = {**log_row(window), **self._source_tokens()}
                 self.metrics.write(m["step"], {**summary, **row})

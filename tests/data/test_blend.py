@@ -61,7 +61,7 @@ def test_a_source_that_runs_out_repeats_said_once_or_stops_the_run(capsys):
     assert err.count("source 'small' ran out after 3 sequences; repeating it") == 1  # said once
     stopping = blend_loader(sources, dp_rank=0, dp_size=2, micro_batch_size=5, seed=0, on_exhausted="stop")
     next(stopping)  # 2 of small's 3
-    with pytest.raises(SourceExhaustedError, match=r"data source 'small' ran out after 3 sequences .* set "
+    with pytest.raises(SourceExhaustedError, match=r"data source 'small' is exhausted: it ran out after 3 sequences .* set "
                                                    r"data.on_exhausted = \"repeat\""):
         next(stopping)
 

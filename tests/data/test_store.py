@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 from hybridpar.data import default_corpus_documents
-from hybridpar.data.store import MANIFEST, TokenStore, verify_store
+from hybridpar.data.store import MANIFEST, TokenStore
 from hybridpar.data.store_prepare import prepare_store
+from hybridpar.data.store_verify import verify_store
 
 ROOT = Path(__file__).resolve().parents[2]
 UNIT = 40_000  # bytes a unit: several units per file

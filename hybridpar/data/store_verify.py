@@ -56,7 +56,7 @@ def check_shard(folder: Path, shard: dict, dtype: np.dtype, vocab_size: int, on_
 
 def verify_store(folder: PathLike, out=None, workers: Optional[int] = None, progress_every: float = 5.0) -> int:
     """Check every chunk of a store: a line per damage and a summary; 0 when all is ok, 1 otherwise."""
-    from hybridpar.data.store_build import default_workers
+    from hybridpar.data.store_prepare import default_workers
 
     folder, out = Path(folder), out or sys.stdout
     try:

@@ -18,7 +18,7 @@ import torch
 
 from hybridpar.data.chunks import CHUNK_BYTES
 from hybridpar.data.store import MANIFEST, StoreDamagedError, StoreError, TokenStore
-from hybridpar.data.store_build import prepare_store
+from hybridpar.data.store_prepare import prepare_store
 from hybridpar.data.store_verify import verify_store
 from tests.runs import GLOBAL_BATCH, make_config
 

@@ -48,6 +48,13 @@ def agreed_error(mine: Optional[Exception]) -> Exception:
     return mark_every_rank((StoreDamagedError if damaged else SourceExhaustedError)(text))
 
 
+def kind(error: Optional[Exception]) -> str:
+    """"damaged", "exhausted", or "" when the data did not stop the run (the summary's resume hint)."""
+    if error is None:
+        return ""
+    return "damaged" if isinstance(error, StoreDamagedError) else "exhausted"
+
+
 def stopped_text(error: Exception, step: int, checkpoint: Optional[Path]) -> str:
     """The run's last line: what stopped it, and the checkpoint of the last step that trained."""
     if isinstance(error, StoreDamagedError):

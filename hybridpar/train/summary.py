@@ -41,8 +41,9 @@ def summarise(*, run_dir: Path, steps: tuple[int, int], skipped: int, tokens: fl
               train_seconds: float, eval_seconds: float, mfu: float, peak_memory_gb: float,
               train_loss: Optional[float], validation: Optional[dict], checkpoint: Optional[Path],
               tokenizer: Optional[Path], config_path: Path, train_steps: int,
-              sources: Optional[list] = None) -> tuple[str, dict]:
-    """(the printed block, the same as a dict for summary.json)."""
+              sources: Optional[list] = None, data_stop: str = "") -> tuple[str, dict]:
+    """(the printed block, the same as a dict for summary.json). `data_stop`: "exhausted" or
+    "damaged" when the data stopped the run (data_stop.py): the resume command says what to change."""
     # Absolute: the commands printed must work from any folder, whatever the run was started with.
     run_dir, config_path = Path(run_dir).absolute(), Path(config_path).absolute()
     checkpoint = Path(checkpoint).absolute() if checkpoint is not None else None
@@ -57,6 +58,7 @@ def summarise(*, run_dir: Path, steps: tuple[int, int], skipped: int, tokens: fl
         "val_ppl": validation["val_ppl"] if validation else None,
         "checkpoint": str(checkpoint) if checkpoint else None,
         "sources": sources or [],  # a blend's: name, weight, tokens trained on
+        "data_stop": data_stop or None,  # what stopped the data: "exhausted" or "damaged"
     }
     trained = (f"steps {first}-{last}" if last >= first else "no steps") + (f", {skipped} skipped" if skipped else "")
     by_source = sum(s["tokens"] for s in sources or []) or 1
@@ -74,8 +76,12 @@ def summarise(*, run_dir: Path, steps: tuple[int, int], skipped: int, tokens: fl
                           if validation else ", validation - (set data.val_fraction or data.val_source)")),
     ]
     if checkpoint is not None:
-        resume = launch_command(config_path, run_dir) + ["--checkpoint.resume", "true", "--train.steps", str(2 * train_steps)]
-        commands = {"resume": shlex.join(resume) + f"   (any train.steps above {last})"}
+        resume = launch_command(config_path, run_dir) + ["--checkpoint.resume", "true"]
+        resume, why = {
+            "exhausted": (resume + ["--data.on_exhausted", "repeat"], "   (or give the source more data)"),
+            "damaged": (resume, "   (once the token store is prepared again)"),
+        }.get(data_stop, (resume + ["--train.steps", str(2 * train_steps)], f"   (any train.steps above {last})"))
+        commands = {"resume": shlex.join(resume) + why}
         if tokenizer is not None:
             commands["generate"] = shlex.join(["hybridpar", "generate", "--checkpoint", str(checkpoint),
                                                "--tokenizer", str(tokenizer), "--prompt", "def "])

@@ -334,7 +334,8 @@ class Trainer:
             peak_memory_gb=peak.item(), train_loss=log_row(h[-self.config.train.log_every:])["loss"] if h else None,
             validation=self.validation, checkpoint=latest_checkpoint(self.checkpointer.folder),
             tokenizer=getattr(self.tokenizer, "path", None), config_path=self.run_dir / "config.toml",
-            train_steps=self.config.train.steps, sources=describe_blend(self.loader))
+            train_steps=self.config.train.steps, sources=describe_blend(self.loader),
+            data_stop=data_stop.kind(self.data_stopped))
         write_summary(self.run_dir, done)
         print(text, flush=True)
 

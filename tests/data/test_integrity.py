@@ -296,7 +296,7 @@ def test_a_single_source_that_runs_out_stops_with_its_last_step_saved(workers, c
     assert _trained_steps(tmp_path / "run") == list(range(1, last + 1))
     assert (tmp_path / "run" / "checkpoints" / f"step-{last:08d}").is_dir()
     again = workers(2).run(_case_train, config)[0]  # resumed: says so at once, trains nothing, saves nothing new
-    lines = [line for line in again["out"].splitlines() if "exhausted" in line]
+    lines = [line for line in again["out"].splitlines() if "is exhausted" in line]
     print(lines)
     assert again["error"] is None and again["step"] == last and len(lines) == 1
     assert "set data.on_exhausted = \"repeat\"" in lines[0]

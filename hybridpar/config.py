@@ -14,7 +14,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
-from .data.formats import BAD_RECORD_CHOICES
+from .data.formats import BAD_RECORD_CHOICES, MAX_DOCUMENT_BYTES
 from .options import description, option
 from .fsdp_config import FSDPConfig
 
@@ -55,6 +55,8 @@ class DataConfig:
     text_field: str = option("text", "the jsonl field or table column holding the text")
     on_bad_record: str = option("error", "a record whose text is missing, null or not a string: \"error\" naming "
                                          "it, or \"skip\" it (counted in the store's manifest)")
+    max_document_bytes: int = option(MAX_DOCUMENT_BYTES, "a record (a .jsonl line, a table's text) longer than this "
+                                                         "is a bad record (data.on_bad_record): bounds memory")
     val_source: str = option("", "held-out validation text, a source like data.source (\"\": none)")
     val_fraction: float = option(0.0, "or this share of the source's documents, whole, held out for validation "
                                       "(0: none)")
@@ -213,7 +215,8 @@ class Config:
 
 # (key, low, high or None): an int bound includes itself, a float bound does not.
 _RANGES = tuple((key, 1, None) for key in ("train.steps", "train.grad_accum", "train.log_every", "data.seq_len",
-                                           "data.micro_batch_size", "checkpoint.keep", "data.tokenizer_vocab_size")) + (
+                                           "data.micro_batch_size", "checkpoint.keep", "data.tokenizer_vocab_size",
+                                           "data.max_document_bytes")) + (
     ("optim.lr", 0.0, None), ("optim.eps", 0.0, None), ("optim.beta1", 0, 1.0), ("optim.beta2", 0, 1.0),
     ("optim.min_lr_ratio", 0, 1), ("optim.warmup_steps", 0, None), ("optim.weight_decay", 0, None),
     ("optim.grad_clip", 0, None), ("data.num_workers", 0, None), ("checkpoint.every", 0, None),

@@ -19,6 +19,7 @@ from typing import Optional, Sequence, Union
 
 from hybridpar.data.corpus import default_corpus_bytes, default_corpus_id
 from hybridpar.files import PathLike, sha256_text
+from hybridpar.progress import note
 
 DEFAULT_SOURCE = "default"
 # The name's ending -> the kind of file, longest first.
@@ -42,50 +43,120 @@ class SourceFile:
 
 
 def resolve_sources(source: Source) -> list[SourceFile]:
-    """Every input in reading order; errors name the path and what is accepted."""
-    if isinstance(source, (list, tuple)):
-        if not source:
-            raise ValueError("the data source list is empty; give 'default', files or directories")
-        return [f for item in source for f in resolve_sources(item)]
-    if isinstance(source, str) and source == DEFAULT_SOURCE:
-        return [SourceFile("default")]
-    path = Path(source)
-    if not path.exists():
-        raise FileNotFoundError(f"data path {path} does not exist")
-    if path.is_dir():
-        files = sorted(_directory_files(path), key=lambda p: p.relative_to(path).as_posix())
-        if not files:
-            raise ValueError(f"data directory {path} has no data files; it may hold {ACCEPTED}")
-        return [SourceFile(kind_of(p), p.resolve()) for p in files]
-    kind = kind_of(path)
-    if kind is None:
-        raise ValueError(f"{path}: unknown kind of data file; use {ACCEPTED}")
-    return [SourceFile(kind, path.resolve())]
+    """Every input in reading order, each real file once; errors name the path and what is accepted.
+    Links that lead to a folder or file already read are skipped (a folder holding `again -> .`
+    would be walked again and again), and so are files of no known kind: one note says which."""
+    walk = _Walk()
+    files = walk.source(source)
+    walk.tell()
+    return files
 
 
-def _directory_files(root: Path) -> list[Path]:
-    """The data files under `root`; a `datasets` folder contributes the arrow files its state.json
-    lists (not its caches), and hidden names are skipped."""
-    if (root / "dataset_dict.json").is_file():
-        splits = json.loads((root / "dataset_dict.json").read_text()).get("splits", [])
-        raise ValueError(f"{root} is a Hugging Face DatasetDict with splits {', '.join(splits)}: give one split's "
-                         f"folder, e.g. {root / (splits[0] if splits else 'train')}")
-    if (root / "state.json").is_file() and (root / "dataset_info.json").is_file():
-        listed = [root / entry["filename"] for entry in json.loads((root / "state.json").read_text())["_data_files"]]
-        missing = [p.name for p in listed if not p.is_file()]
-        if missing:
-            raise ValueError(f"{root} is a datasets folder whose state.json lists files that are not there: "
-                             f"{', '.join(missing)}; save it again")
-        return listed
-    found = []
-    for child in sorted(root.iterdir()):
-        if child.name.startswith("."):
-            continue
-        if child.is_dir():
-            found += _directory_files(child)
-        elif child.is_file() and kind_of(child) is not None:
-            found.append(child)
-    return found
+def overlap(first: PathLike, second: PathLike) -> Optional[str]:
+    """How two sources as written name the same data ("are the same folder (...)", "overlap (...)"),
+    whatever the spelling (a trailing '/', './', a link, relative or absolute); None if they don't."""
+    if DEFAULT_SOURCE in (first, second):
+        return "are the same embedded corpus" if first == second else None
+    a, b = Path(first).resolve(), Path(second).resolve()
+    if a == b:
+        return f"are the same {'folder' if a.is_dir() else 'file'} ({a})"
+    for outer, inner in ((a, b), (b, a)):
+        if outer.is_dir() and inner.is_relative_to(outer):
+            return f"overlap ({inner} lies inside {outer})"
+    return None
+
+
+class _Walk:
+    """Resolves sources, remembering each real folder and file it has seen (by device and inode)."""
+
+    def __init__(self) -> None:
+        self.named: list[PathLike] = []  # the sources as written
+        self.seen: dict[tuple[int, int], Path] = {}  # real folder or file -> the path it was first met by
+        self.again: list[tuple[Path, Path]] = []  # (path, the path met before) of what was skipped
+        self.unknown: list[Path] = []  # files of no known kind in folders
+
+    def source(self, source: Source) -> list[SourceFile]:
+        if isinstance(source, (list, tuple)):
+            if not source:
+                raise ValueError("the data source list is empty; give 'default', files or directories")
+            return [f for item in source for f in self.source(item)]
+        for earlier in self.named:
+            same = overlap(earlier, source)
+            if same:
+                raise ValueError(f"the data sources {str(earlier)!r} and {str(source)!r} {same}: list each file "
+                                 "or folder once")
+        self.named.append(source)
+        if isinstance(source, str) and source == DEFAULT_SOURCE:
+            return [SourceFile("default")]
+        path = Path(source)
+        if not path.exists():
+            raise FileNotFoundError(f"data path {path} does not exist")
+        if path.is_dir():
+            if not self._first(path):
+                return []
+            found = self._folder(path)
+            if not found:
+                raise ValueError(f"data directory {path} has no data files; it may hold {ACCEPTED}")
+            files = [p for p in sorted(found, key=lambda p: p.relative_to(path).as_posix()) if self._first(p)]
+            return [SourceFile(kind_of(p), p.resolve()) for p in files]
+        kind = kind_of(path)
+        if kind is None:
+            raise ValueError(f"{path}: unknown kind of data file; use {ACCEPTED}")
+        return [SourceFile(kind, path.resolve())] if self._first(path) else []
+
+    def _first(self, path: Path) -> bool:
+        """Whether `path` leads to a folder or file not met before (else it is noted as skipped)."""
+        st = path.stat()
+        first = self.seen.setdefault((st.st_dev, st.st_ino), path)
+        if first != path:
+            self.again.append((path, first))
+        return first == path
+
+    def _folder(self, root: Path) -> list[Path]:
+        """The data files under `root`, each folder walked once; a `datasets` folder contributes the
+        arrow files its state.json lists (not its caches), and hidden names are skipped."""
+        if (root / "dataset_dict.json").is_file():
+            splits = json.loads((root / "dataset_dict.json").read_text()).get("splits", [])
+            raise ValueError(f"{root} is a Hugging Face DatasetDict with splits {', '.join(splits)}: give one split's "
+                             f"folder, e.g. {root / (splits[0] if splits else 'train')}")
+        if (root / "state.json").is_file() and (root / "dataset_info.json").is_file():
+            listed = [root / entry["filename"] for entry in json.loads((root / "state.json").read_text())["_data_files"]]
+            missing = [p.name for p in listed if not p.is_file()]
+            if missing:
+                raise ValueError(f"{root} is a datasets folder whose state.json lists files that are not there: "
+                                 f"{', '.join(missing)}; save it again")
+            return listed
+        found = []
+        for child in sorted(root.iterdir()):
+            if child.name.startswith("."):
+                continue
+            if child.is_dir():
+                found += self._folder(child) if self._first(child) else []
+            elif child.is_file() and kind_of(child) is not None:
+                found.append(child)
+            else:
+                self.unknown.append(child)
+        return found
+
+    def tell(self) -> None:
+        """One note of what was skipped, once a process (resolving the same sources again says nothing)."""
+        said = []
+        if self.again:
+            shown = "; ".join(f"{p} is {'a link to' if p.is_symlink() else 'the same as'} {first}"
+                              for p, first in self.again[:3])
+            said.append(f"data: {len(self.again)} path(s) lead to a folder or file already read, read once: {shown}"
+                        + ("; ..." if len(self.again) > 3 else ""))
+        if self.unknown:
+            shown = ", ".join(str(p) for p in self.unknown[:3]) + (", ..." if len(self.unknown) > 3 else "")
+            said.append(f"data: {len(self.unknown)} file(s) in the data folders are not data files and were skipped "
+                        f"({shown}); data files are {', '.join(DATA_FILE_KINDS)}")
+        for text in said:
+            if text not in _SAID:
+                _SAID.add(text)
+                note(text)
+
+
+_SAID: set[str] = set()  # the notes said in this process
 
 
 def describe_sources(files: Sequence[SourceFile], text_field: str = "text") -> dict:

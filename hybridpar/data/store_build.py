@@ -23,7 +23,8 @@ from typing import Callable, Optional, Sequence
 import crc32c
 import numpy as np
 
-from hybridpar.data.formats import BAD_RECORD_CHOICES, UNIT_BYTES, Tally, Unit, plan_units, unit_documents
+from hybridpar.data.formats import (BAD_RECORD_CHOICES, MAX_DOCUMENT_BYTES, UNIT_BYTES, Tally, Unit, plan_units,
+                                    unit_documents)
 from hybridpar.data.sources import Source, SourceFile, describe_sources, resolve_sources, source_name
 from hybridpar.data.store import (FORMAT, MANIFEST, MAX_SHARD_TOKENS, PLAN, VERSION, StoreError, TokenStore,
                                   shard_name, unit_record_name)
@@ -46,13 +47,16 @@ class Plan:
 
 
 def make_plan(source: Source, tokenizer, out: PathLike, *, text_field: str = "text", val_fraction: float = 0.0,
-              on_bad_record: str = "error", unit_bytes: int = UNIT_BYTES) -> Plan:
+              on_bad_record: str = "error", unit_bytes: int = UNIT_BYTES,
+              max_document_bytes: int = MAX_DOCUMENT_BYTES) -> Plan:
     """The plan of a store of `source` tokenised by `tokenizer` in folder `out`, written to plan.json
     (or checked against the one there: a store folder holds one store)."""
     if on_bad_record not in BAD_RECORD_CHOICES:
         raise ValueError(f"data.on_bad_record must be one of {', '.join(BAD_RECORD_CHOICES)}, got {on_bad_record!r}")
     if not 0 <= val_fraction < 1:
         raise ValueError(f"the validation fraction must be in [0, 1), got {val_fraction}")
+    if max_document_bytes < 1:
+        raise ValueError(f"data.max_document_bytes (--max-document-bytes) must be at least 1, got {max_document_bytes}")
     eos_id, vocab_size = int(tokenizer.eos_id), int(tokenizer.vocab_size)
     if not 0 <= eos_id < vocab_size:
         raise ValueError(f"the tokenizer has no usable eos piece (eos_id {eos_id}); documents need one between them")
@@ -62,6 +66,7 @@ def make_plan(source: Source, tokenizer, out: PathLike, *, text_field: str = "te
             "tokenizer_sha256": tokenizer.sha256, "tokenizer_path": str(getattr(tokenizer, "path", "")),
             "vocab_size": vocab_size, "eos_id": eos_id, "dtype": token_dtype(vocab_size).name,
             "text_field": text_field, "val_fraction": val_fraction, "on_bad_record": on_bad_record,
+            "max_document_bytes": max_document_bytes,
             "units": [{"file": files.index(u.file), "start": u.start, "stop": u.stop, "bytes": u.nbytes} for u in units]}
     data["key"] = sha256_text(json.dumps(data, sort_keys=True))[:16]
     folder = Path(out)
@@ -69,7 +74,8 @@ def make_plan(source: Source, tokenizer, out: PathLike, *, text_field: str = "te
     other = json.loads(existing.read_text()) if existing.is_file() else {}
     if other.get("key") != data["key"]:
         if (folder / MANIFEST).is_file():  # a complete store is never replaced
-            differs = [k for k in ("sources", "tokenizer_sha256", "text_field", "val_fraction", "on_bad_record")
+            differs = [k for k in ("sources", "tokenizer_sha256", "text_field", "val_fraction", "on_bad_record",
+                                   "max_document_bytes")
                        if other.get(k) != data[k]] or ["the units"]
             raise StoreError(f"{folder} holds a store of other input ({', '.join(differs)} differ): give another "
                              f"--out, or delete {folder} to prepare it anew")
@@ -156,7 +162,8 @@ def build_unit(plan: Plan, index: int, tokenizer, on_bytes=None, on_tokens=None)
     writers = [_ShardWriter(plan.folder, index, part) for part in range(2 if data["val_fraction"] else 1)]
     tokens, documents = [0] * len(writers), [0] * len(writers)
     try:
-        documents_in = unit_documents(unit, data["text_field"], data["on_bad_record"], tally, on_bytes)
+        documents_in = unit_documents(unit, data["text_field"], data["on_bad_record"], tally, on_bytes,
+                                      data["max_document_bytes"])
         for batch in token_batches(pieces(documents_in, data["val_fraction"]), tokenizer):
             for part, (ids, ended) in batch.items():
                 if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
@@ -214,8 +221,8 @@ def default_workers() -> int:
 
 def prepare_store(source: Source, tokenizer, out: PathLike, *, text_field: str = "text", val_fraction: float = 0.0,
                   on_bad_record: str = "error", workers: Optional[int] = None, part: tuple[int, int] = (0, 1),
-                  report: Optional[bool] = None, unit_bytes: int = UNIT_BYTES, progress_every: float = 5.0, on_progress: Optional[Callable[[str], None]] = None
-                  ) -> Optional[TokenStore]:
+                  report: Optional[bool] = None, unit_bytes: int = UNIT_BYTES, progress_every: float = 5.0, on_progress: Optional[Callable[[str], None]] = None,
+                  max_document_bytes: int = MAX_DOCUMENT_BYTES) -> Optional[TokenStore]:
     """Tokenise `source` into the store `out` with `workers` processes (default: every core; 1: in
     this process), doing part `part` = (I, N) of it. Returns the store once it is complete; None when
     other parts are still to come (a part of several). Runs again where it stopped.
@@ -225,7 +232,7 @@ def prepare_store(source: Source, tokenizer, out: PathLike, *, text_field: str =
 
     started = time.time()
     plan = make_plan(source, tokenizer, out, text_field=text_field, val_fraction=val_fraction,
-                     on_bad_record=on_bad_record, unit_bytes=unit_bytes)
+                     on_bad_record=on_bad_record, unit_bytes=unit_bytes, max_document_bytes=max_document_bytes)
     limit_threads(1)  # one tokenizer thread per process: the workers (or a job's ranks) are the parallelism
     if (plan.folder / MANIFEST).is_file():
         return TokenStore(plan.folder)
@@ -355,8 +362,8 @@ def report_skipped(store: TokenStore) -> None:
 
     for f in store.meta["files"]:
         if f["skipped"]:
-            note(f"{f['path']}: {f['skipped']:,} bad records skipped (no text, or not a string) of "
-                 f"{f['skipped'] + f['documents']:,}")
+            note(f"{f['path']}: {f['skipped']:,} bad records skipped (no text, not a string, or over "
+                 f"data.max_document_bytes) of {f['skipped'] + f['documents']:,}")
 
 
 def _check_sources(data: dict, files: list[SourceFile]) -> None:
@@ -416,7 +423,7 @@ def prepare_command(args) -> int:
     store = prepare_store(list(args.sources), Tokenizer(args.tokenizer), args.out, text_field=args.text_field,
                           val_fraction=args.val_fraction, on_bad_record=args.on_bad_record,
                           workers=args.workers or None, part=(index, parts), report=True,
-                          unit_bytes=max(1, int(args.unit_mb * 2**20)))
+                          unit_bytes=max(1, int(args.unit_mb * 2**20)), max_document_bytes=args.max_document_bytes)
     if store is not None:
         print(f"{store.folder}: complete, {store.n_tokens:,} tokens in {store.n_documents:,} documents"
               f"; train on it with --data.source {store.folder}")
@@ -425,16 +432,17 @@ def prepare_command(args) -> int:
 
 def cached_store(source: Source, tokenizer, cache_dir: PathLike, *, text_field: str = "text", val_fraction: float = 0.0,
                  on_bad_record: str = "error", report: Optional[bool] = None, progress_every: float = 5.0,
-                 on_progress: Optional[Callable[[str], None]] = None) -> tuple[TokenStore, Optional[TokenStore]]:
+                 on_progress: Optional[Callable[[str], None]] = None, max_document_bytes: int = MAX_DOCUMENT_BYTES
+                 ) -> tuple[TokenStore, Optional[TokenStore]]:
     """The store of `source` in `cache_dir` (named by a hash of the input, the tokenizer and the
     options), prepared here if it is not complete: every process that asks at once (the ranks of a
     job) takes units of it, and later jobs reuse it. (training part, validation part or None)."""
     files = resolve_sources(source)
     key = {"source": describe_sources(files, text_field), "tokenizer": tokenizer.sha256, "version": VERSION,
-           "val_fraction": val_fraction, "on_bad_record": on_bad_record}
+           "val_fraction": val_fraction, "on_bad_record": on_bad_record, "max_document_bytes": max_document_bytes}
     folder = Path(cache_dir) / f"store-{sha256_text(json.dumps(key, sort_keys=True))[:16]}"
     store = prepare_store(source, tokenizer, folder, text_field=text_field, val_fraction=val_fraction,
                           on_bad_record=on_bad_record, workers=1, report=report, progress_every=progress_every,
-                          on_progress=on_progress)
+                          on_progress=on_progress, max_document_bytes=max_document_bytes)
     return store, TokenStore(folder, "validation") if val_fraction else None
 

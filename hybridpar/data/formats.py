@@ -332,6 +332,7 @@ def _jsonl_texts(unit: Unit, text_field: str, on_bad_record: str, tally: Tally, 
                  "set data.text_field to the field that holds the text")
             continue
         text = _text_of(record[text_field], where, text_field, on_bad_record, tally)
+        del line, record  # a long document is held once, as its text, while it is read
         if text is not None:
             yield text
 

@@ -75,7 +75,7 @@ def lines(path: Path, kind: str, start: int, stop: int, limit: int,
                 if end < 0:
                     chunk = b""
                 else:
-                    yield index, (TooLong(long) if long >= 0 else b"".join(pending))
+                    yield index, (TooLong(long) if long >= 0 else _joined(pending))
                     index, position, pending, held, long = index + 1, end + 1, [], 0, -1
             while chunk:
                 begin = _BLANK.match(chunk, position).end()
@@ -96,7 +96,14 @@ def lines(path: Path, kind: str, start: int, stop: int, limit: int,
         if long >= 0:
             yield index, TooLong(long)
         elif pending:
-            yield index, b"".join(pending)
+            yield index, _joined(pending)
+
+
+def _joined(parts: list[bytes]) -> bytes:
+    """The parts of a line as one, emptying the list: a long line is not held twice while it is read."""
+    line = b"".join(parts)
+    parts.clear()
+    return line
 
 
 def lines_before(path: Path, offset: int) -> int:

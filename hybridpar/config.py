@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 from .data.formats import BAD_RECORD_CHOICES, MAX_DOCUMENT_BYTES
-from .data.sources import overlap
+from .data.sources import SourceNames
 from .options import description, option
 from .fsdp_config import FSDPConfig
 
@@ -247,7 +247,7 @@ def blend_sources(value: Any) -> list[dict]:
         value = entries
     if not isinstance(value, list) or not all(isinstance(e, dict) for e in value):
         raise ConfigError("data.sources must be [[data.sources]] tables, or \"name=path@weight,...\"")
-    out, names, paths = [], set(), []
+    out, names, paths = [], {}, SourceNames()  # names: each source as written -> its name
     for i, entry in enumerate(value):
         where = f"data.sources entry {i + 1}" + (f" ({entry['name']!r})" if "name" in entry else "")
         unknown = sorted(set(entry) - set(_BLEND_KEYS))
@@ -263,15 +263,13 @@ def blend_sources(value: Any) -> list[dict]:
         if not weight > 0 or weight != weight or weight == float("inf"):
             raise ConfigError(f"{where}: weight {entry['weight']!r} must be above 0 (drop the source to leave it out)")
         name, source = str(entry["name"]), str(entry["source"])
-        if name in names:
+        if name in names.values():
             raise ConfigError(f"{where}: the name {name!r} is used twice; give every source its own")
-        for earlier_name, earlier in paths:
-            same = overlap(earlier, source)
-            if same:
-                raise ConfigError(f"{where}: the source {source!r} and {earlier!r} (source {earlier_name!r}) {same}: "
-                                  "list it once, with the sum of the weights")
-        names.add(name)
-        paths.append((name, source))
+        clash = paths.clash(source)
+        if clash:
+            raise ConfigError(f"{where}: the source {source!r} and {clash[0]!r} (source {names[clash[0]]!r}) "
+                              f"{clash[1]}: list it once, with the sum of the weights")
+        names[source] = name
         out.append({"name": name, "source": source, "weight": weight,
                     **({"text_field": str(entry["text_field"])} if "text_field" in entry else {})})
     return out

@@ -316,7 +316,7 @@ def _jsonl_texts(unit: Unit, text_field: str, on_bad_record: str, tally: Tally, 
         if isinstance(line, TooLong):
             _bad(where, _too_long(line.size, limit), on_bad_record, tally, _TOO_LONG_FIX)
             continue
-        if not line.strip():
+        if not line or line.isspace():  # (no copy of the line, as strip() would make)
             continue
         try:
             record = json.loads(line)

@@ -52,25 +52,38 @@ def resolve_sources(source: Source) -> list[SourceFile]:
     return files
 
 
-def overlap(first: PathLike, second: PathLike) -> Optional[str]:
-    """How two sources as written name the same data ("are the same folder (...)", "overlap (...)"),
-    whatever the spelling (a trailing '/', './', a link, relative or absolute); None if they don't."""
-    if DEFAULT_SOURCE in (first, second):
-        return "are the same embedded corpus" if first == second else None
-    a, b = Path(first).resolve(), Path(second).resolve()
-    if a == b:
-        return f"are the same {'folder' if a.is_dir() else 'file'} ({a})"
-    for outer, inner in ((a, b), (b, a)):
-        if outer.is_dir() and inner.is_relative_to(outer):
-            return f"overlap ({inner} lies inside {outer})"
-    return None
+class SourceNames:
+    """Sources as written, each checked against those before it: the same file or folder however
+    spelled (a trailing '/', './', a link, relative or absolute), or one inside another."""
+
+    def __init__(self) -> None:
+        self._named: dict = {}  # real path (or "default") -> the source as first written
+
+    def clash(self, source: PathLike) -> Optional[tuple[str, str]]:
+        """(the earlier source as written, how the two overlap) if `source` names data an earlier
+        one named; else None, and `source` is remembered."""
+        real = DEFAULT_SOURCE if source == DEFAULT_SOURCE else Path(source).resolve()
+        if real in self._named:
+            what = "embedded corpus" if real == DEFAULT_SOURCE else "folder" if real.is_dir() else "file"
+            return self._named[real], f"are the same {what}" + ("" if real == DEFAULT_SOURCE else f" ({real})")
+        if real != DEFAULT_SOURCE:
+            inside = [(p, real) for p in real.parents if p in self._named]
+            if real.is_dir():  # a folder holding an earlier source (a scan of them all: lists of folders are short)
+                inside += [(real, other) for other in self._named if other != DEFAULT_SOURCE and
+                           other.is_relative_to(real)]
+            if inside:
+                outer, inner = inside[0]
+                earlier = self._named[outer if outer != real else inner]
+                return earlier, f"overlap ({inner} lies inside {outer})"
+        self._named[real] = str(source)
+        return None
 
 
 class _Walk:
     """Resolves sources, remembering each real folder and file it has seen (by device and inode)."""
 
     def __init__(self) -> None:
-        self.named: list[PathLike] = []  # the sources as written
+        self.named = SourceNames()
         self.seen: dict[tuple[int, int], Path] = {}  # real folder or file -> the path it was first met by
         self.again: list[tuple[Path, Path]] = []  # (path, the path met before) of what was skipped
         self.unknown: list[Path] = []  # files of no known kind in folders
@@ -80,12 +93,10 @@ class _Walk:
             if not source:
                 raise ValueError("the data source list is empty; give 'default', files or directories")
             return [f for item in source for f in self.source(item)]
-        for earlier in self.named:
-            same = overlap(earlier, source)
-            if same:
-                raise ValueError(f"the data sources {str(earlier)!r} and {str(source)!r} {same}: list each file "
-                                 "or folder once")
-        self.named.append(source)
+        clash = self.named.clash(source)
+        if clash:
+            raise ValueError(f"the data sources {clash[0]!r} and {str(source)!r} {clash[1]}: list each file or "
+                             "folder once")
         if isinstance(source, str) and source == DEFAULT_SOURCE:
             return [SourceFile("default")]
         path = Path(source)

@@ -124,7 +124,7 @@ def _arrow_reader(path: Path, text_field: str) -> Iterator:
     try:
         reader = pa.ipc.open_stream(source)
         batches = iter(reader)
-    except pa.ArrowInvalid:
+    except (pa.ArrowInvalid, OSError):  # not the stream format (or a stream cut short in its schema)
         try:
             reader = pa.ipc.open_file(source)
         except Exception as err:  # noqa: BLE001 - pyarrow's errors for a damaged file vary

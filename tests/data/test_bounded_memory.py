@@ -68,6 +68,32 @@ def test_a_zstd_bomb_streams_in_bounded_memory(tmp_path):
     assert said == "1 2" and peak < PEAK_MB, (said, peak)  # one document: 1 token and EOS
 
 
+@pytest.mark.parametrize("kind", ["jsonl.gz", "jsonl.zst"])
+def test_decompression_holds_a_few_mib_at_a_time(tmp_path, kind):
+    """64 MiB of newlines, then a record: Python's allocations stay under 20 MB (a fast check of
+    what the slow test above measures in a process)."""
+    import tracemalloc
+    import zlib
+
+    import zstandard
+
+    newlines = b"\n" * (64 << 20)
+    if kind == "jsonl.gz":
+        packer = zlib.compressobj(1, zlib.DEFLATED, 31)
+        data = packer.compress(newlines) + packer.compress(b'{"text": "after"}') + packer.flush()
+    else:
+        data = zstandard.ZstdCompressor().compress(newlines + b'{"text": "after"}')
+    (tmp_path / f"b.{kind}").write_bytes(data)
+    del newlines
+    tracemalloc.start()
+    try:
+        found = documents(tmp_path / f"b.{kind}")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert found == ["after"] and peak < 20e6, peak
+
+
 @pytest.mark.slow
 def test_a_200_mb_document_without_newlines(tmp_path):
     """As .txt it is read in bounded blocks and pieces; as a .jsonl record it is over the default
@@ -158,3 +184,16 @@ def test_the_limit_is_a_key_a_flag_and_part_of_the_plan(tmp_path, tokenizer, cap
     assert plan["max_document_bytes"] == 100
     with pytest.raises(ValueError, match=r"holds a store of other input \(max_document_bytes differ"):
         prepare_store(tmp_path / "d.jsonl", tokenizer, tmp_path / "s", on_bad_record="skip", report=False)
+
+
+def test_the_configs_limit_reaches_the_store_a_run_prepares(tmp_path, tokenizer):
+    from hybridpar.config import load_config
+    from hybridpar.data import build_data
+
+    (tmp_path / "d.jsonl").write_text('{"text": "short"}\n' + json.dumps({"text": "long " * 100}) + "\n")
+    flags = [f"--data.source={tmp_path / 'd.jsonl'}", f"--data.tokenizer={tokenizer.path}", "--data.val_fraction=0",
+             f"--data.cache_dir={tmp_path / 'cache'}", "--data.max_document_bytes=100"]
+    with pytest.raises(DataFormatError, match=r"d.jsonl:2: a record of 512 bytes, over data.max_document_bytes = 100"):
+        build_data(load_config(None, flags).data)
+    _, windows, _ = build_data(load_config(None, flags[:-1] + ["--data.seq_len=4"]).data)
+    assert windows.token_file.n_documents == 2

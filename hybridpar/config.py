@@ -56,8 +56,7 @@ class DataConfig:
     text_field: str = option("text", "the jsonl field or table column holding the text")
     on_bad_record: str = option("error", "a record whose text is missing, null or not a string: \"error\" naming "
                                          "it, or \"skip\" it (counted in the store's manifest)")
-    max_document_bytes: int = option(MAX_DOCUMENT_BYTES, "a record (a .jsonl line, a table's text) longer than this "
-                                                         "is a bad record (data.on_bad_record): bounds memory")
+    max_document_bytes: int = option(MAX_DOCUMENT_BYTES, "a longer record (.jsonl line, table text) is a bad record")
     val_source: str = option("", "held-out validation text, a source like data.source (\"\": none)")
     val_fraction: float = option(0.0, "or this share of the source's documents, whole, held out for validation "
                                       "(0: none)")

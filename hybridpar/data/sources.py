@@ -118,10 +118,12 @@ class _Walk:
     def _first(self, path: Path) -> bool:
         """Whether `path` leads to a folder or file not met before (else it is noted as skipped)."""
         st = path.stat()
-        first = self.seen.setdefault((st.st_dev, st.st_ino), path)
-        if first != path:
-            self.again.append((path, first))
-        return first == path
+        key = (st.st_dev, st.st_ino)
+        if key in self.seen:
+            self.again.append((path, self.seen[key]))
+            return False
+        self.seen[key] = path
+        return True
 
     def _folder(self, root: Path) -> list[Path]:
         """The data files under `root`, each folder walked once; a `datasets` folder contributes the
@@ -131,7 +133,8 @@ class _Walk:
             raise ValueError(f"{root} is a Hugging Face DatasetDict with splits {', '.join(splits)}: give one split's "
                              f"folder, e.g. {root / (splits[0] if splits else 'train')}")
         if (root / "state.json").is_file() and (root / "dataset_info.json").is_file():
-            listed = [root / entry["filename"] for entry in json.loads((root / "state.json").read_text())["_data_files"]]
+            state = json.loads((root / "state.json").read_text())
+            listed = [root / entry["filename"] for entry in state["_data_files"]]
             missing = [p.name for p in listed if not p.is_file()]
             if missing:
                 raise ValueError(f"{root} is a datasets folder whose state.json lists files that are not there: "

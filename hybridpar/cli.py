@@ -47,7 +47,7 @@ def _let_rank_0_speak() -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from .config import describe  # every config key, for `train --help`
-    from .data.formats import BAD_RECORD_CHOICES  # one list of choices with data.on_bad_record
+    from .data.formats import BAD_RECORD_CHOICES, MAX_DOCUMENT_BYTES  # one list of choices with data.on_bad_record
     parser = _Parser(prog="hybridpar", description=__doc__.split("\n")[0])
     parser.add_argument("--version", action="version", version=f"hybridpar {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -130,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="this share of the documents, whole, goes to the store's validation part")
     prep.add_argument("--on-bad-record", default="error", choices=BAD_RECORD_CHOICES,
                       help="a record whose text is missing, null or not a string: stop naming it, or skip and count it")
+    prep.add_argument("--max-document-bytes", type=int, default=MAX_DOCUMENT_BYTES,
+                      help="a record longer than this is a bad record (data.max_document_bytes; default 64 MiB)")
     prep.set_defaults(func=cmd_prepare)
     gen = sub.add_parser("generate", help="continue prompts with a trained model (greedy or top-p, KV cache)")
     gen.add_argument("--checkpoint", required=True, help="a hybridpar checkpoint (or a folder of them), a Meta folder or a Hugging Face folder")

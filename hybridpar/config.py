@@ -14,7 +14,8 @@ import tomllib
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
-from .data.formats import BAD_RECORD_CHOICES
+from .data.formats import BAD_RECORD_CHOICES, MAX_DOCUMENT_BYTES
+from .data.sources import SourceNames
 from .options import description, option
 from .fsdp_config import FSDPConfig
 
@@ -55,6 +56,7 @@ class DataConfig:
     text_field: str = option("text", "the jsonl field or table column holding the text")
     on_bad_record: str = option("error", "a record whose text is missing, null or not a string: \"error\" naming "
                                          "it, or \"skip\" it (counted in the store's manifest)")
+    max_document_bytes: int = option(MAX_DOCUMENT_BYTES, "a longer record (.jsonl line, table text) is a bad record")
     val_source: str = option("", "held-out validation text, a source like data.source (\"\": none)")
     val_fraction: float = option(0.0, "or this share of the source's documents, whole, held out for validation "
                                       "(0: none)")
@@ -213,7 +215,8 @@ class Config:
 
 # (key, low, high or None): an int bound includes itself, a float bound does not.
 _RANGES = tuple((key, 1, None) for key in ("train.steps", "train.grad_accum", "train.log_every", "data.seq_len",
-                                           "data.micro_batch_size", "checkpoint.keep", "data.tokenizer_vocab_size")) + (
+                                           "data.micro_batch_size", "checkpoint.keep", "data.tokenizer_vocab_size",
+                                           "data.max_document_bytes")) + (
     ("optim.lr", 0.0, None), ("optim.eps", 0.0, None), ("optim.beta1", 0, 1.0), ("optim.beta2", 0, 1.0),
     ("optim.min_lr_ratio", 0, 1), ("optim.warmup_steps", 0, None), ("optim.weight_decay", 0, None),
     ("optim.grad_clip", 0, None), ("data.num_workers", 0, None), ("checkpoint.every", 0, None),
@@ -243,7 +246,7 @@ def blend_sources(value: Any) -> list[dict]:
         value = entries
     if not isinstance(value, list) or not all(isinstance(e, dict) for e in value):
         raise ConfigError("data.sources must be [[data.sources]] tables, or \"name=path@weight,...\"")
-    out, names, paths = [], set(), set()
+    out, names, paths = [], {}, SourceNames()  # names: each source as written -> its name
     for i, entry in enumerate(value):
         where = f"data.sources entry {i + 1}" + (f" ({entry['name']!r})" if "name" in entry else "")
         unknown = sorted(set(entry) - set(_BLEND_KEYS))
@@ -259,12 +262,13 @@ def blend_sources(value: Any) -> list[dict]:
         if not weight > 0 or weight != weight or weight == float("inf"):
             raise ConfigError(f"{where}: weight {entry['weight']!r} must be above 0 (drop the source to leave it out)")
         name, source = str(entry["name"]), str(entry["source"])
-        if name in names:
+        if name in names.values():
             raise ConfigError(f"{where}: the name {name!r} is used twice; give every source its own")
-        if source in paths:
-            raise ConfigError(f"{where}: the source {source} is listed twice; list it once with the sum of the weights")
-        names.add(name)
-        paths.add(source)
+        clash = paths.clash(source)
+        if clash:
+            raise ConfigError(f"{where}: the source {source!r} and {clash[0]!r} (source {names[clash[0]]!r}) "
+                              f"{clash[1]}: list it once, with the sum of the weights")
+        names[source] = name
         out.append({"name": name, "source": source, "weight": weight,
                     **({"text_field": str(entry["text_field"])} if "text_field" in entry else {})})
     return out

@@ -378,6 +378,7 @@ BOUNDS = [
      r'check_close\(f"mp2-dp2 -> \{target\}", errors, (\S+)\)'),
     ("planner.md", "are within {}% of the", "test_plan.py", r"assert abs\(planned / counted - 1\) < 0\.(\d+)"),
     ("planner.md", "(the test allows {}%)", "test_plan.py", r"^TOLERANCE = 0\.0?(\d+)"),
+    ("data.md", "The tests hold a preparation process to {} MB", "data/test_bounded_memory.py", r"^PEAK_MB = (\d+)"),
 ]
 
 

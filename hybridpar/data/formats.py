@@ -2,48 +2,47 @@
 
 A file is cut into units that can be read on their own, so that large files are prepared in
 parallel: a parquet file's row groups, an arrow file's record batches, an uncompressed `.jsonl`
-file's byte ranges (each unit reads the lines that start inside its range). A `.txt` file (one
-document), a compressed `.jsonl.gz`/`.jsonl.zst` (a stream) and the embedded corpus are one unit.
-Units are about UNIT_BYTES of input; their order (files in reading order, then position) is the
-order of the tokens, whoever reads them.
+file's byte ranges (each unit reads the lines that start inside its range: every line exactly
+once, whatever the unit size). A `.txt` file (one document), a compressed `.jsonl.gz`/`.jsonl.zst`
+(a stream) and the embedded corpus are one unit. Units are about UNIT_BYTES of input; their order
+(files in reading order, then position) is the order of the tokens, whoever reads them.
 
-Each document comes as an iterator of pieces that concatenate to it (`cut`), so one long
-document never sits in memory twice. A record whose text is missing, null or not a string is an
-error naming the file and the row, or skipped and counted (`on_bad_record = "skip"`).
+Each document comes as an iterator of pieces that concatenate to it (`cut`), at most
+MAX_PIECE_CHARS characters each, so one long document never sits in memory twice and the
+tokenizer never gets more than a piece; a `.txt` file is read a block at a time. A record over
+max_document_bytes (data.max_document_bytes), or whose text is missing, null or not a string, is
+an error naming the file and the row, or skipped and counted (`on_bad_record = "skip"`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import gzip
+import itertools
 import json
 import re
-import zlib
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 from hybridpar.data.corpus import default_corpus_documents
 from hybridpar.data.sources import Source, SourceFile, resolve_sources
+from hybridpar.data.streams import DataFormatError, OnBytes, TooLong, first_line, lines, lines_before
 
 UNIT_BYTES = 64 << 20  # input bytes per unit of work (a parquet row group or arrow batch may be more)
+# A record (a .jsonl line, a table's text) longer than this is refused, or skipped: data.max_document_bytes.
+MAX_DOCUMENT_BYTES = 64 << 20
 # A document longer than this is handed on in pieces, each cut right after a newline.
 PIECE_CHARS = 1 << 16
 # Pieces end after a newline whose next line holds a non-space character: split patterns such as
 # Llama 3's join a newline to the blank lines or indentation after it, never to such a line, so
-# the pieces tokenise as the whole does. Past this many PIECE_CHARS any newline will do (memory).
+# the pieces tokenise as the whole does. Past this many PIECE_CHARS any newline will do; text
+# without one there is cut before a space, else anywhere (memory: a piece is at most
+# MAX_PIECE_CHARS, whatever the text).
 _CUT_AFTER = re.compile(r"\n(?=[^\S\r\n]*\S)")
+_WORD_START = re.compile(r"(?<=\S)\s")
 _LONGEST_PIECE = 16
-_READ = 1 << 20  # bytes per read of a stream
+MAX_PIECE_CHARS = (_LONGEST_PIECE + 1) * PIECE_CHARS
 BAD_RECORD_CHOICES = ("error", "skip")
-
-OnBytes = Optional[Callable[[int], None]]  # told how many more bytes of input were read
-
-
-class DataFormatError(ValueError):
-    """Input that cannot be read as documents: names the file, the row or line, and what to change.
-    In a job every rank meets it (the unit is never done, so each takes it in turn): said once."""
-
-    every_rank = True  # hybridpar.ranks.raised_by_every_rank
+_TOO_LONG_FIX = "raise data.max_document_bytes (hybridpar prepare --max-document-bytes)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +71,8 @@ class Tally:
 
 def plan_units(files: Sequence[SourceFile], text_field: str, unit_bytes: int = UNIT_BYTES) -> list[Unit]:
     """Every unit of `files`, in the order their tokens go into the store."""
+    if not isinstance(unit_bytes, int) or unit_bytes < 1:
+        raise ValueError(f"the unit of work must be at least 1 byte, got {unit_bytes!r}")
     units: list[Unit] = []
     for f in files:
         if f.kind == "parquet":
@@ -104,7 +105,7 @@ def _parquet_file(path: Path, text_field: str):
     try:
         parquet = pq.ParquetFile(path)
     except Exception as err:  # noqa: BLE001 - pyarrow's errors for a damaged file vary
-        raise DataFormatError(f"{path}: not a readable parquet file ({_first_line(err)})") from err
+        raise DataFormatError(f"{path}: not a readable parquet file ({first_line(err)})") from err
     _check_column(path, parquet.schema_arrow, text_field)
     return parquet
 
@@ -114,22 +115,37 @@ def _parquet_groups(path: Path, text_field: str) -> list[int]:
     return [metadata.row_group(i).total_byte_size for i in range(metadata.num_row_groups)]
 
 
-def _arrow_reader(path: Path, text_field: str):
-    """An arrow file's record batches: the IPC stream format `datasets` writes, or the file format."""
+def _arrow_reader(path: Path, text_field: str) -> Iterator:
+    """An arrow file's record batches: the IPC stream format `datasets` writes, or the file format.
+    A file cut short or damaged is one error naming it, whenever it shows."""
     import pyarrow as pa
 
     source = pa.memory_map(str(path))  # batches are views of the mapped file: no copy to skip one
     try:
         reader = pa.ipc.open_stream(source)
         batches = iter(reader)
-    except pa.ArrowInvalid:
+    except (pa.ArrowInvalid, OSError):  # not the stream format (or a stream cut short in its schema)
         try:
             reader = pa.ipc.open_file(source)
         except Exception as err:  # noqa: BLE001 - pyarrow's errors for a damaged file vary
-            raise DataFormatError(f"{path}: not a readable arrow file ({_first_line(err)})") from err
+            raise DataFormatError(f"{path}: not a readable arrow file ({first_line(err)})") from err
         batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
     _check_column(path, reader.schema, text_field)
-    return batches
+    return _checked_batches(path, batches)
+
+
+def _checked_batches(path: Path, batches: Iterator) -> Iterator:
+    count = 0
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except Exception as err:  # noqa: BLE001 - pyarrow's errors for a damaged file vary (OSError, ArrowInvalid)
+            raise DataFormatError(f"{path}: the arrow file is cut short or damaged after {count:,} record batches "
+                                  f"({first_line(err)}); save it again") from None
+        count += 1
+        yield batch
 
 
 def _arrow_batches(path: Path, text_field: str) -> list[int]:
@@ -146,27 +162,24 @@ def _check_column(path: Path, schema, text_field: str) -> None:
                               "column that holds the text")
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
-
-
 # --- reading -------------------------------------------------------------------------------------
 
 def source_documents(source: Source, text_field: str = "text", on_bytes: OnBytes = None,
-                     on_bad_record: str = "error") -> Iterator[str]:
+                     on_bad_record: str = "error", max_document_bytes: int = MAX_DOCUMENT_BYTES) -> Iterator[str]:
     """Every document of a source as one string, in reading order (to train a tokenizer on);
     `on_bytes(n)` hears of the input read as it goes (sources.source_bytes is the total)."""
     files = resolve_sources(source)
     for unit in plan_units(files, text_field):
-        for parts in unit_documents(unit, text_field, on_bad_record, on_bytes=on_bytes):
+        for parts in unit_documents(unit, text_field, on_bad_record, on_bytes=on_bytes,
+                                    max_document_bytes=max_document_bytes):
             yield "".join(parts)
 
 
 def unit_documents(unit: Unit, text_field: str, on_bad_record: str = "error", tally: Optional[Tally] = None,
-                   on_bytes: OnBytes = None) -> Iterator[Iterator[str]]:
+                   on_bytes: OnBytes = None, max_document_bytes: int = MAX_DOCUMENT_BYTES) -> Iterator[Iterator[str]]:
     """Each document of `unit` as an iterator of pieces that concatenate to it; consume each before
-    the next. `tally` counts documents and skipped records; `on_bytes(n)` hears of input read."""
+    the next. `tally` counts documents and skipped records; `on_bytes(n)` hears of input read; a
+    record over `max_document_bytes` is a bad record."""
     tally = tally if tally is not None else Tally()
     kind = unit.file.kind
     if kind == "default":
@@ -176,25 +189,55 @@ def unit_documents(unit: Unit, text_field: str, on_bad_record: str = "error", ta
         yield _txt_pieces(unit.file.path, on_bytes)
         return
     elif kind in ("parquet", "arrow"):
-        texts = _table_texts(unit, text_field, on_bad_record, tally, on_bytes)
+        texts = _table_texts(unit, text_field, on_bad_record, tally, on_bytes, max_document_bytes)
     else:
-        texts = _jsonl_texts(unit, text_field, on_bad_record, tally, on_bytes)
+        texts = _jsonl_texts(unit, text_field, on_bad_record, tally, on_bytes, max_document_bytes)
     for text in texts:
         tally.documents += 1
         yield cut(text)
 
 
 def cut(text: str) -> Iterator[str]:
-    """Pieces of about PIECE_CHARS, each ending right after a newline (or at the end of the text),
-    where _CUT_AFTER allows if it can."""
-    start = 0
-    while start < len(text):
-        first = start + PIECE_CHARS - 1
-        found = _CUT_AFTER.search(text, first, first + _LONGEST_PIECE * PIECE_CHARS)
-        end = found.start() if found else text.find("\n", first)
-        end = len(text) if end < 0 else end + 1
-        yield text[start:end]
-        start = end
+    """Pieces of about PIECE_CHARS (at most MAX_PIECE_CHARS), each ending right after a newline where
+    _CUT_AFTER allows if it can, else after any newline, else before a space, else anywhere."""
+    return _pieces([text])
+
+
+def _pieces(blocks: Iterable[str]) -> Iterator[str]:
+    """The text of `blocks` in pieces cut as `cut` cuts: the same pieces however the text comes in
+    blocks, holding little more than a piece and a block (a piece's whole reach only without a
+    preferred cut in it)."""
+    reach = PIECE_CHARS - 1 + _LONGEST_PIECE * PIECE_CHARS  # past a piece's start, all that decides its end
+    text, start = "", 0
+    for block in itertools.chain(blocks, [None]):
+        if block is not None:
+            text, start = text[start:] + block, 0
+        while start < len(text):
+            end = _piece_end(text, start, block is None or len(text) - start > reach)
+            if end is None:  # the text so far does not decide: more of it
+                break
+            yield text[start:end]
+            start = end
+
+
+def _piece_end(text: str, start: int, whole: bool) -> Optional[int]:
+    """Where the piece that starts at `start` ends; None if that needs more text than there is
+    (`whole`: there is no more, or enough). A preferred cut found in part of the text is the one
+    found in all of it: whether a newline is one never depends on text past the next newline."""
+    first = start + PIECE_CHARS - 1
+    last = first + _LONGEST_PIECE * PIECE_CHARS
+    found = _CUT_AFTER.search(text, first, last)
+    if found:
+        return found.start() + 1
+    if not whole:
+        return None
+    newline = text.find("\n", first, last)
+    if newline >= 0:
+        return newline + 1
+    if len(text) <= last:
+        return len(text)
+    space = _WORD_START.search(text, first, last)
+    return space.start() if space else last
 
 
 def _bad(where: Callable[[], str], why: str, on_bad_record: str, tally: Tally, fix: str = "fix the record") -> None:
@@ -204,6 +247,10 @@ def _bad(where: Callable[[], str], why: str, on_bad_record: str, tally: Tally, f
         return
     raise DataFormatError(f"{where()}: {why}; {fix}, or set data.on_bad_record = \"skip\" to skip such records "
                           "(they are counted)")
+
+
+def _too_long(size: int, limit: int) -> str:
+    return f"a record of {size:,} bytes, over data.max_document_bytes = {limit:,}"
 
 
 def _text_of(value, where: Callable[[], str], text_field: str, on_bad_record: str, tally: Tally) -> Optional[str]:
@@ -216,8 +263,11 @@ def _text_of(value, where: Callable[[], str], text_field: str, on_bad_record: st
     return None
 
 
-def _table_texts(unit: Unit, text_field: str, on_bad_record: str, tally: Tally, on_bytes: OnBytes) -> Iterator[str]:
+def _table_texts(unit: Unit, text_field: str, on_bad_record: str, tally: Tally, on_bytes: OnBytes,
+                 limit: int) -> Iterator[str]:
     """The text column of a parquet unit's row groups (one in memory at a time) or an arrow unit's batches."""
+    import pyarrow.compute as pc
+
     path, row = unit.file.path, 0
     if unit.file.kind == "parquet":
         parquet = _parquet_file(path, text_field)
@@ -236,8 +286,17 @@ def _table_texts(unit: Unit, text_field: str, on_bad_record: str, tally: Tally, 
             parts.append(batch.column(batch.schema.get_field_index(text_field)))
             sizes.append(batch.nbytes)
     for column, size in zip(parts, sizes):
-        for value in column.to_pylist():
+        lengths = pc.binary_length(column)
+        longest = pc.max(lengths).as_py() or 0
+        # A record over the limit is never made a Python string: rows are taken one by one then.
+        values = column.to_pylist() if longest <= limit else (
+            None if n is None else (TooLong(n) if n > limit else column[i].as_py())
+            for i, n in enumerate(lengths.to_pylist()))
+        for value in values:
             row += 1
+            if isinstance(value, TooLong):
+                _bad(lambda: f"{path}: row {row}", _too_long(value.size, limit), on_bad_record, tally, _TOO_LONG_FIX)
+                continue
             text = _text_of(value, lambda: f"{path}: row {row}", text_field, on_bad_record, tally)
             if text is not None:
                 yield text
@@ -245,20 +304,24 @@ def _table_texts(unit: Unit, text_field: str, on_bad_record: str, tally: Tally, 
             on_bytes(size)
 
 
-def _jsonl_texts(unit: Unit, text_field: str, on_bad_record: str, tally: Tally, on_bytes: OnBytes) -> Iterator[str]:
+def _jsonl_texts(unit: Unit, text_field: str, on_bad_record: str, tally: Tally, on_bytes: OnBytes,
+                 limit: int) -> Iterator[str]:
     path, line_index = unit.file.path, 0
 
     def where() -> str:  # the line's number in the file: counted only for a message
-        before = _lines_before(path, unit.start) if unit.file.kind == "jsonl" else 0
+        before = lines_before(path, unit.start) if unit.file.kind == "jsonl" else 0
         return f"{path}:{before + line_index + 1}"
 
-    for line_index, line in _lines(unit, on_bytes):
-        if not line.strip():
+    for line_index, line in lines(path, unit.file.kind, unit.start, unit.stop, limit, on_bytes):
+        if isinstance(line, TooLong):
+            _bad(where, _too_long(line.size, limit), on_bad_record, tally, _TOO_LONG_FIX)
+            continue
+        if not line or line.isspace():  # (no copy of the line, as strip() would make)
             continue
         try:
             record = json.loads(line)
         except ValueError as err:  # JSONDecodeError, or bytes that are not UTF-8
-            raise DataFormatError(f"{where()}: not valid JSON ({_first_line(err)}); every line of a .jsonl file "
+            raise DataFormatError(f"{where()}: not valid JSON ({first_line(err)}); every line of a .jsonl file "
                                   "must be one JSON object") from None
         if not isinstance(record, dict):
             raise DataFormatError(f"{where()}: a JSON {type(record).__name__}, not an object with a "
@@ -269,143 +332,30 @@ def _jsonl_texts(unit: Unit, text_field: str, on_bad_record: str, tally: Tally, 
                  "set data.text_field to the field that holds the text")
             continue
         text = _text_of(record[text_field], where, text_field, on_bad_record, tally)
+        del line, record  # a long document is held once, as its text, while it is read
         if text is not None:
             yield text
 
 
-def _lines_before(path: Path, offset: int) -> int:
-    """How many lines start before byte `offset`: the index of the first line a unit starting there
-    reads (a line starts at 0 and after each newline, so: 1 + the newlines in bytes 0..offset-2)."""
-    if offset <= 0:
-        return 0
-    count, offset = 1, offset - 1
-    with open(path, "rb") as f:
-        while offset > 0:
-            block = f.read(min(_READ, offset))
-            if not block:
-                break
-            count += block.count(b"\n")
-            offset -= len(block)
-    return count
-
-
-def _lines(unit: Unit, on_bytes: OnBytes) -> Iterator[tuple[int, bytes]]:
-    """(index from the unit's first line, line) of a jsonl unit: plain, gzip or zstd."""
-    path, kind = unit.file.path, unit.file.kind
-    with open(path, "rb") as raw:
-        if kind == "jsonl":
-            chunks = _range_chunks(raw, unit.start, unit.stop)
-        elif kind == "jsonl.gz":
-            chunks = _gzip_chunks(raw, path)
-        else:
-            chunks = _zstd_chunks(raw, path)
-        reported, pending, index = raw.tell(), b"", 0
-        for chunk in chunks:
-            lines = (pending + chunk).split(b"\n")
-            pending = lines.pop()
-            for line in lines:
-                yield index, line
-                index += 1
-            if on_bytes is not None and raw.tell() > reported:
-                on_bytes(raw.tell() - reported)
-                reported = raw.tell()
-        if pending:
-            yield index, pending
-
-
-def _range_chunks(raw, start: int, stop: int) -> Iterator[bytes]:
-    """The bytes of the lines that start in [start, stop): from the first line start at or after
-    `start` to the end of the line holding byte stop - 1."""
-    if start > 0:
-        raw.seek(start - 1)
-        raw.readline()  # the rest of the line holding byte start - 1: the previous unit's
-    position = raw.tell()
-    while position < stop:
-        block = raw.read(min(_READ, stop - position))
-        if not block:
-            return
-        position += len(block)
-        yield block
-    if position == stop and stop > start:  # finish the line that crosses into the next unit
-        rest = raw.readline()
-        if rest:
-            yield rest
-
-
-def _gzip_chunks(raw, path: Path) -> Iterator[bytes]:
-    out = 0
-    with gzip.GzipFile(fileobj=raw) as f:
-        while True:
-            try:
-                block = f.read(_READ)
-            except (EOFError, OSError, zlib.error) as err:
-                raise DataFormatError(f"{path}: the gzip stream is damaged or cut short after {out:,} bytes of text "
-                                      f"({raw.tell():,} of {path.stat().st_size:,} compressed bytes read): "
-                                      f"{_first_line(err)}; copy or download it again") from None
-            if not block:
-                return
-            out += len(block)
-            yield block
-
-
-def _zstd_chunks(raw, path: Path) -> Iterator[bytes]:
-    """Every frame of a zstd file, decompressed as it streams; a frame cut short is an error (the
-    library's stream reader would just stop)."""
-    import zstandard
-
-    context = zstandard.ZstdDecompressor()
-    frame, fed, out = context.decompressobj(), False, 0
-    while True:
-        data = raw.read(_READ)
-        if not data:
-            break
-        while data:
-            try:
-                block = frame.decompress(data)
-            except zstandard.ZstdError as err:
-                raise DataFormatError(f"{path}: the zstd stream is damaged after {out:,} bytes of text "
-                                      f"({raw.tell():,} of {path.stat().st_size:,} compressed bytes read): "
-                                      f"{_first_line(err)}; copy or download it again") from None
-            fed = True
-            if block:
-                out += len(block)
-                yield block
-            if frame.eof:
-                data, frame, fed = frame.unused_data, context.decompressobj(), False
-            else:
-                data = b""
-    if fed:
-        raise DataFormatError(f"{path}: the zstd stream is cut short after {out:,} bytes of text (all "
-                              f"{path.stat().st_size:,} compressed bytes read, its last frame unfinished); copy or "
-                              "download it again")
-
-
 def _txt_pieces(path: Path, on_bytes: OnBytes = None) -> Iterator[str]:
-    """A .txt file (one document) in pieces cut as `cut` cuts, read line by line."""
-    lines: list[str] = []
-    size = reported = 0
+    """A .txt file (one document) in pieces cut as `cut` cuts, read a block of characters at a time
+    (never a whole line: a file may be one line of gigabytes)."""
     try:
         with open(path, encoding="utf-8") as f:  # universal newlines: '\r\n' arrives as '\n'
-            for line in f:
-                if size >= PIECE_CHARS and (line.strip() or size >= _LONGEST_PIECE * PIECE_CHARS):
-                    reported = _read_so_far(f, reported, on_bytes)
-                    yield "".join(lines)
-                    lines, size = [], 0
-                lines.append(line)
-                size += len(line)
-            _read_so_far(f, reported, on_bytes)
+            yield from _pieces(_text_blocks(f, on_bytes))
     except UnicodeDecodeError as e:
         raise DataFormatError(f"{path}: not UTF-8 text ({e}); convert it to UTF-8") from e
-    if lines:
-        yield "".join(lines)
 
 
-def _read_so_far(f, reported: int, on_bytes: OnBytes) -> int:
-    """Tell on_bytes how far the text file `f` has read past `reported` (its binary buffer's
-    position, which moves a chunk at a time); the new position."""
-    if on_bytes is None:
-        return reported
-    position = f.buffer.tell()
-    if position > reported:
-        on_bytes(position - reported)
-    return position
+def _text_blocks(f, on_bytes: OnBytes) -> Iterator[str]:
+    reported = 0
+    while True:
+        block = f.read(PIECE_CHARS)  # a piece's worth of characters
+        if on_bytes is not None:  # the binary buffer's position, which moves a chunk at a time
+            position = f.buffer.tell()
+            if position > reported:
+                on_bytes(position - reported)
+                reported = position
+        if not block:
+            return
+        yield block

@@ -90,7 +90,8 @@ def _stores_for(d, source: str, text_field: str, tokenizer: Tokenizer, on_progre
     fraction = d.val_fraction if split else 0.0
     if not is_store(source):
         return cached_store(source, tokenizer, _cache(d), text_field=text_field, val_fraction=fraction,
-                            on_bad_record=d.on_bad_record, on_progress=on_progress)
+                            on_bad_record=d.on_bad_record, on_progress=on_progress,
+                            max_document_bytes=d.max_document_bytes)
     store = TokenStore(source)
     if tokenizer.sha256 != store.tokenizer_sha256:
         made_with = store.meta.get("tokenizer_path", "") or "unknown"
@@ -122,7 +123,7 @@ def _tokenizer_text(d, source) -> Iterator[str]:
     only in the process that trains, so this one reports whatever its rank."""
     with Progress("tokenizer: reading the text", total=source_bytes(resolve_sources(source)), unit="B",
                   enabled=True) as progress:
-        yield from source_documents(source, d.text_field, progress.update, d.on_bad_record)
+        yield from source_documents(source, d.text_field, progress.update, d.on_bad_record, d.max_document_bytes)
 
 
 def build_training_data(config, parallel, on_tokenizer: Optional[Callable[[Tokenizer], None]] = None,

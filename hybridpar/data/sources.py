@@ -19,6 +19,7 @@ from typing import Optional, Sequence, Union
 
 from hybridpar.data.corpus import default_corpus_bytes, default_corpus_id
 from hybridpar.files import PathLike, sha256_text
+from hybridpar.progress import note
 
 DEFAULT_SOURCE = "default"
 # The name's ending -> the kind of file, longest first.
@@ -42,50 +43,134 @@ class SourceFile:
 
 
 def resolve_sources(source: Source) -> list[SourceFile]:
-    """Every input in reading order; errors name the path and what is accepted."""
-    if isinstance(source, (list, tuple)):
-        if not source:
-            raise ValueError("the data source list is empty; give 'default', files or directories")
-        return [f for item in source for f in resolve_sources(item)]
-    if isinstance(source, str) and source == DEFAULT_SOURCE:
-        return [SourceFile("default")]
-    path = Path(source)
-    if not path.exists():
-        raise FileNotFoundError(f"data path {path} does not exist")
-    if path.is_dir():
-        files = sorted(_directory_files(path), key=lambda p: p.relative_to(path).as_posix())
-        if not files:
-            raise ValueError(f"data directory {path} has no data files; it may hold {ACCEPTED}")
-        return [SourceFile(kind_of(p), p.resolve()) for p in files]
-    kind = kind_of(path)
-    if kind is None:
-        raise ValueError(f"{path}: unknown kind of data file; use {ACCEPTED}")
-    return [SourceFile(kind, path.resolve())]
+    """Every input in reading order, each real file once; errors name the path and what is accepted.
+    Links that lead to a folder or file already read are skipped (a folder holding `again -> .`
+    would be walked again and again), and so are files of no known kind: one note says which."""
+    walk = _Walk()
+    files = walk.source(source)
+    walk.tell()
+    return files
 
 
-def _directory_files(root: Path) -> list[Path]:
-    """The data files under `root`; a `datasets` folder contributes the arrow files its state.json
-    lists (not its caches), and hidden names are skipped."""
-    if (root / "dataset_dict.json").is_file():
-        splits = json.loads((root / "dataset_dict.json").read_text()).get("splits", [])
-        raise ValueError(f"{root} is a Hugging Face DatasetDict with splits {', '.join(splits)}: give one split's "
-                         f"folder, e.g. {root / (splits[0] if splits else 'train')}")
-    if (root / "state.json").is_file() and (root / "dataset_info.json").is_file():
-        listed = [root / entry["filename"] for entry in json.loads((root / "state.json").read_text())["_data_files"]]
-        missing = [p.name for p in listed if not p.is_file()]
-        if missing:
-            raise ValueError(f"{root} is a datasets folder whose state.json lists files that are not there: "
-                             f"{', '.join(missing)}; save it again")
-        return listed
-    found = []
-    for child in sorted(root.iterdir()):
-        if child.name.startswith("."):
-            continue
-        if child.is_dir():
-            found += _directory_files(child)
-        elif child.is_file() and kind_of(child) is not None:
-            found.append(child)
-    return found
+class SourceNames:
+    """Sources as written, each checked against those before it: the same file or folder however
+    spelled (a trailing '/', './', a link, relative or absolute), or one inside another."""
+
+    def __init__(self) -> None:
+        self._named: dict = {}  # real path (or "default") -> the source as first written
+
+    def clash(self, source: PathLike) -> Optional[tuple[str, str]]:
+        """(the earlier source as written, how the two overlap) if `source` names data an earlier
+        one named; else None, and `source` is remembered."""
+        real = DEFAULT_SOURCE if source == DEFAULT_SOURCE else Path(source).resolve()
+        if real in self._named:
+            what = "embedded corpus" if real == DEFAULT_SOURCE else "folder" if real.is_dir() else "file"
+            return self._named[real], f"are the same {what}" + ("" if real == DEFAULT_SOURCE else f" ({real})")
+        if real != DEFAULT_SOURCE:
+            inside = [(p, real) for p in real.parents if p in self._named]
+            if real.is_dir():  # a folder holding an earlier source (a scan of them all: lists of folders are short)
+                inside += [(real, other) for other in self._named if other != DEFAULT_SOURCE and
+                           other.is_relative_to(real)]
+            if inside:
+                outer, inner = inside[0]
+                earlier = self._named[outer if outer != real else inner]
+                return earlier, f"overlap ({inner} lies inside {outer})"
+        self._named[real] = str(source)
+        return None
+
+
+class _Walk:
+    """Resolves sources, remembering each real folder and file it has seen (by device and inode)."""
+
+    def __init__(self) -> None:
+        self.named = SourceNames()
+        self.seen: dict[tuple[int, int], Path] = {}  # real folder or file -> the path it was first met by
+        self.again: list[tuple[Path, Path]] = []  # (path, the path met before) of what was skipped
+        self.unknown: list[Path] = []  # files of no known kind in folders
+
+    def source(self, source: Source) -> list[SourceFile]:
+        if isinstance(source, (list, tuple)):
+            if not source:
+                raise ValueError("the data source list is empty; give 'default', files or directories")
+            return [f for item in source for f in self.source(item)]
+        clash = self.named.clash(source)
+        if clash:
+            raise ValueError(f"the data sources {clash[0]!r} and {str(source)!r} {clash[1]}: list each file or "
+                             "folder once")
+        if isinstance(source, str) and source == DEFAULT_SOURCE:
+            return [SourceFile("default")]
+        path = Path(source)
+        if not path.exists():
+            raise FileNotFoundError(f"data path {path} does not exist")
+        if path.is_dir():
+            if not self._first(path):
+                return []
+            found = self._folder(path)
+            if not found:
+                raise ValueError(f"data directory {path} has no data files; it may hold {ACCEPTED}")
+            files = [p for p in sorted(found, key=lambda p: p.relative_to(path).as_posix()) if self._first(p)]
+            return [SourceFile(kind_of(p), p.resolve()) for p in files]
+        kind = kind_of(path)
+        if kind is None:
+            raise ValueError(f"{path}: unknown kind of data file; use {ACCEPTED}")
+        return [SourceFile(kind, path.resolve())] if self._first(path) else []
+
+    def _first(self, path: Path) -> bool:
+        """Whether `path` leads to a folder or file not met before (else it is noted as skipped)."""
+        st = path.stat()
+        key = (st.st_dev, st.st_ino)
+        if key in self.seen:
+            self.again.append((path, self.seen[key]))
+            return False
+        self.seen[key] = path
+        return True
+
+    def _folder(self, root: Path) -> list[Path]:
+        """The data files under `root`, each folder walked once; a `datasets` folder contributes the
+        arrow files its state.json lists (not its caches), and hidden names are skipped."""
+        if (root / "dataset_dict.json").is_file():
+            splits = json.loads((root / "dataset_dict.json").read_text()).get("splits", [])
+            raise ValueError(f"{root} is a Hugging Face DatasetDict with splits {', '.join(splits)}: give one split's "
+                             f"folder, e.g. {root / (splits[0] if splits else 'train')}")
+        if (root / "state.json").is_file() and (root / "dataset_info.json").is_file():
+            state = json.loads((root / "state.json").read_text())
+            listed = [root / entry["filename"] for entry in state["_data_files"]]
+            missing = [p.name for p in listed if not p.is_file()]
+            if missing:
+                raise ValueError(f"{root} is a datasets folder whose state.json lists files that are not there: "
+                                 f"{', '.join(missing)}; save it again")
+            return listed
+        found = []
+        for child in sorted(root.iterdir()):
+            if child.name.startswith("."):
+                continue
+            if child.is_dir():
+                found += self._folder(child) if self._first(child) else []
+            elif child.is_file() and kind_of(child) is not None:
+                found.append(child)
+            else:
+                self.unknown.append(child)
+        return found
+
+    def tell(self) -> None:
+        """One note of what was skipped, once a process (resolving the same sources again says nothing)."""
+        said = []
+        if self.again:
+            shown = "; ".join(f"{p} is {'a link to' if p.is_symlink() else 'the same as'} {first}"
+                              for p, first in self.again[:3])
+            said.append(f"data: {len(self.again)} path(s) lead to a folder or file already read, read once: {shown}"
+                        + ("; ..." if len(self.again) > 3 else ""))
+        if self.unknown:
+            shown = ", ".join(str(p) for p in self.unknown[:3]) + (", ..." if len(self.unknown) > 3 else "")
+            said.append(f"data: {len(self.unknown)} file(s) in the data folders are not data files and were skipped "
+                        f"({shown}); data files are {', '.join(DATA_FILE_KINDS)}")
+        for text in said:
+            if text not in _SAID:
+                _SAID.add(text)
+                note(text)
+
+
+_SAID: set[str] = set()  # the notes said in this process
 
 
 def describe_sources(files: Sequence[SourceFile], text_field: str = "text") -> dict:

@@ -53,7 +53,8 @@ def build_unit(plan: Plan, index: int, tokenizer, on_bytes=None, on_tokens=None)
     writers = [ShardWriter(plan.folder, index, part) for part in range(2 if data["val_fraction"] else 1)]
     tokens, documents = [0] * len(writers), [0] * len(writers)
     try:
-        documents_in = unit_documents(unit, data["text_field"], data["on_bad_record"], tally, on_bytes)
+        documents_in = unit_documents(unit, data["text_field"], data["on_bad_record"], tally, on_bytes,
+                                      data["max_document_bytes"])
         for batch in token_batches(pieces(documents_in, data["val_fraction"]), tokenizer):
             for part, (ids, ended) in batch.items():
                 if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
@@ -130,7 +131,8 @@ def report_skipped(store: TokenStore) -> None:
 
     for f in store.meta["files"]:
         if f["skipped"]:
-            note(f"{f['path']}: {f['skipped']:,} bad records skipped (no text, or not a string) of "
+            note(f"{f['path']}: {f['skipped']:,} bad records skipped (no text, not a string, or over "
+                 f"data.max_document_bytes) of "
                  f"{f['skipped'] + f['documents']:,}")
 
 

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Iterator, Optional
 
-from hybridpar.data.formats import BAD_RECORD_CHOICES, UNIT_BYTES, Unit, plan_units
+from hybridpar.data.formats import BAD_RECORD_CHOICES, MAX_DOCUMENT_BYTES, UNIT_BYTES, Unit, plan_units
 from hybridpar.data.sources import Source, describe_sources, resolve_sources
 from hybridpar.data.store import FORMAT, MANIFEST, PLAN, UNITS, VERSION, StoreError
 from hybridpar.data.tokenise import token_dtype
@@ -35,7 +35,8 @@ class Plan:
 
 
 def plan_of(source: Source, tokenizer, out: PathLike, *, text_field: str = "text", val_fraction: float = 0.0,
-            on_bad_record: str = "error", unit_bytes: int = UNIT_BYTES) -> Plan:
+            on_bad_record: str = "error", unit_bytes: int = UNIT_BYTES,
+            max_document_bytes: int = MAX_DOCUMENT_BYTES) -> Plan:
     """The plan of a store of `source` tokenised by `tokenizer` in folder `out` (nothing written)."""
     if on_bad_record not in BAD_RECORD_CHOICES:
         raise ValueError(f"data.on_bad_record must be one of {', '.join(BAD_RECORD_CHOICES)}, got {on_bad_record!r}")
@@ -43,6 +44,8 @@ def plan_of(source: Source, tokenizer, out: PathLike, *, text_field: str = "text
         raise ValueError(f"the validation fraction must be in [0, 1), got {val_fraction}")
     if not isinstance(unit_bytes, int) or unit_bytes < 1:
         raise ValueError(f"the unit size must be a positive number of bytes, got {unit_bytes!r}")
+    if max_document_bytes < 1:
+        raise ValueError(f"data.max_document_bytes (--max-document-bytes) must be at least 1, got {max_document_bytes}")
     eos_id, vocab_size = int(tokenizer.eos_id), int(tokenizer.vocab_size)
     if not 0 <= eos_id < vocab_size:
         raise ValueError(f"the tokenizer has no usable eos piece (eos_id {eos_id}); documents need one between them")
@@ -52,6 +55,7 @@ def plan_of(source: Source, tokenizer, out: PathLike, *, text_field: str = "text
             "tokenizer_sha256": tokenizer.sha256,
             "vocab_size": vocab_size, "eos_id": eos_id, "dtype": token_dtype(vocab_size).name,
             "text_field": text_field, "val_fraction": val_fraction, "on_bad_record": on_bad_record,
+            "max_document_bytes": max_document_bytes,
             "units": [{"file": files.index(u.file), "start": u.start, "stop": u.stop, "bytes": u.nbytes} for u in units]}
     data["key"] = sha256_text(json.dumps(data, sort_keys=True))[:16]
     # Not in the key: the same tokenizer (its sha256) read from another path makes the same store. Absolute,
@@ -186,7 +190,8 @@ def _write_plan(plan: Plan) -> None:
 
 def _refuse_other_store(plan: Plan, there: Optional[dict]) -> None:
     there = there or {}
-    differs = [k for k in ("sources", "tokenizer_sha256", "text_field", "val_fraction", "on_bad_record")
+    differs = [k for k in ("sources", "tokenizer_sha256", "text_field", "val_fraction", "on_bad_record",
+                           "max_document_bytes")
                if there.get(k) != plan.data[k]] or ["the units"]
     raise StoreError(f"{plan.folder} holds a store of other input ({', '.join(differs)} differ): give another "
                      f"--out, or delete {plan.folder} to prepare it anew")

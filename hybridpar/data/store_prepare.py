@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from hybridpar.data.formats import UNIT_BYTES
+from hybridpar.data.formats import MAX_DOCUMENT_BYTES, UNIT_BYTES
 from hybridpar.data.sources import Source, describe_sources, resolve_sources, source_name
 from hybridpar.data.store import MANIFEST, PLAN, VERSION, StoreError, TokenStore
 from hybridpar.data.store_build import _claim_and_build, _record, merge_store, report_skipped, unit_holder
@@ -76,7 +76,8 @@ def default_workers() -> int:
 def prepare_store(source: Source, tokenizer, out: PathLike, *, text_field: str = "text", val_fraction: float = 0.0,
                   on_bad_record: str = "error", workers: Optional[int] = None, part: tuple[int, int] = (0, 1),
                   report: Optional[bool] = None, unit_bytes: int = UNIT_BYTES, progress_every: float = 5.0,
-                  on_progress: Optional[Callable[[str], None]] = None) -> Optional[TokenStore]:
+                  on_progress: Optional[Callable[[str], None]] = None,
+                  max_document_bytes: int = MAX_DOCUMENT_BYTES) -> Optional[TokenStore]:
     """Tokenise `source` into the store `out` with `workers` processes (default: every core; 1: in
     this process), doing part `part` = (I, N) of it. Returns the store once it is complete; None when
     other parts are still to come (a part of several). Runs again where it stopped. Another
@@ -89,7 +90,7 @@ def prepare_store(source: Source, tokenizer, out: PathLike, *, text_field: str =
     index, parts = part
     check_part(index, parts)  # every check before anything is written
     plan = plan_of(source, tokenizer, out, text_field=text_field, val_fraction=val_fraction,
-                   on_bad_record=on_bad_record, unit_bytes=unit_bytes)
+                   on_bad_record=on_bad_record, unit_bytes=unit_bytes, max_document_bytes=max_document_bytes)
     limit_threads(1)  # one tokenizer thread per process: the workers (or a job's ranks) are the parallelism
     with preparing(plan):
         if (plan.folder / MANIFEST).is_file():
@@ -258,7 +259,7 @@ def prepare_command(args) -> int:
     store = prepare_store(list(args.sources), Tokenizer(args.tokenizer), args.out, text_field=args.text_field,
                           val_fraction=args.val_fraction, on_bad_record=args.on_bad_record,
                           workers=args.workers or None, part=(index, parts), report=True,
-                          unit_bytes=int(args.unit_mb * 2**20))
+                          unit_bytes=int(args.unit_mb * 2**20), max_document_bytes=args.max_document_bytes)
     if store is not None:
         print(f"{store.folder}: complete, {store.n_tokens:,} tokens in {store.n_documents:,} documents"
               f"; train on it with --data.source {store.folder}")
@@ -267,16 +268,17 @@ def prepare_command(args) -> int:
 
 def cached_store(source: Source, tokenizer, cache_dir: PathLike, *, text_field: str = "text", val_fraction: float = 0.0,
                  on_bad_record: str = "error", report: Optional[bool] = None, progress_every: float = 5.0,
-                 on_progress: Optional[Callable[[str], None]] = None) -> tuple[TokenStore, Optional[TokenStore]]:
+                 on_progress: Optional[Callable[[str], None]] = None, max_document_bytes: int = MAX_DOCUMENT_BYTES
+                 ) -> tuple[TokenStore, Optional[TokenStore]]:
     """The store of `source` in `cache_dir` (named by a hash of the input, the tokenizer and the
     options), prepared here if it is not complete: every process that asks at once (the ranks of a
     job) takes units of it, and later jobs reuse it. (training part, validation part or None)."""
     files = resolve_sources(source)
     key = {"source": describe_sources(files, text_field), "tokenizer": tokenizer.sha256, "version": VERSION,
-           "val_fraction": val_fraction, "on_bad_record": on_bad_record}
+           "val_fraction": val_fraction, "on_bad_record": on_bad_record, "max_document_bytes": max_document_bytes}
     folder = Path(cache_dir) / f"store-{sha256_text(json.dumps(key, sort_keys=True))[:16]}"
     store = prepare_store(source, tokenizer, folder, text_field=text_field, val_fraction=val_fraction,
                           on_bad_record=on_bad_record, workers=1, report=report, progress_every=progress_every,
-                          on_progress=on_progress)
+                          on_progress=on_progress, max_document_bytes=max_document_bytes)
     return store, TokenStore(folder, "validation") if val_fraction else None
 

@@ -69,7 +69,7 @@ def test_a_source_that_runs_out_repeats_said_once_or_stops_the_run(capsys):
 @pytest.mark.parametrize("flags, message", [
     ({"data.sources": "web=/a@0"}, "weight '0' must be above 0"),
     ({"data.sources": "web=/a@-0.5"}, "weight '-0.5' must be above 0"),
-    ({"data.sources": "web=/a@1,code=/a@1"}, "the source /a is listed twice"),
+    ({"data.sources": "web=/a@1,code=/a/@1"}, r"the source '/a/' and '/a' \(source 'web'\) are the same file"),
     ({"data.sources": "web=/a@1,web=/b@1"}, "the name 'web' is used twice"),
     ({"data.sources": "web=/a@1", "data.source": "/b"}, "data.source and data.sources are both set"),
 ])

@@ -314,8 +314,8 @@ def test_merge_writes_the_manifest_once_every_part_is_done(formats, tokenizer, t
 
 
 def test_a_units_first_line_number_counts_the_lines_before_it(tmp_path):
-    """formats._lines_before against a direct count of line starts, at every byte offset."""
-    from hybridpar.data.formats import _lines_before
+    """streams.lines_before against a direct count of line starts, at every byte offset."""
+    from hybridpar.data.streams import lines_before as _lines_before
 
     data = b"ab\n\ncde\nf\n\nghij"
     (tmp_path / "f.jsonl").write_bytes(data)

@@ -263,6 +263,15 @@ def _text_of(value, where: Callable[[], str], text_field: str, on_bad_record: st
     return None
 
 
+def _row_group(parquet, path: Path, index: int, text_field: str):
+    """Row group `index`'s text column; a damaged one (its footer read fine) is one line, not pyarrow's error."""
+    try:
+        return parquet.read_row_group(index, columns=[text_field]).column(0)
+    except Exception as err:  # noqa: BLE001 - pyarrow's errors for damaged pages vary (OSError, ArrowInvalid)
+        raise DataFormatError(f"{path}: row group {index} of {parquet.metadata.num_row_groups} is damaged "
+                              f"({first_line(err)}); copy or write the file again") from None
+
+
 def _table_texts(unit: Unit, text_field: str, on_bad_record: str, tally: Tally, on_bytes: OnBytes,
                  limit: int) -> Iterator[str]:
     """The text column of a parquet unit's row groups (one in memory at a time) or an arrow unit's batches."""
@@ -272,7 +281,7 @@ def _table_texts(unit: Unit, text_field: str, on_bad_record: str, tally: Tally, 
     if unit.file.kind == "parquet":
         parquet = _parquet_file(path, text_field)
         row = sum(parquet.metadata.row_group(i).num_rows for i in range(unit.start))
-        parts = (parquet.read_row_group(i, columns=[text_field]).column(0) for i in range(unit.start, unit.stop))
+        parts = (_row_group(parquet, path, i, text_field) for i in range(unit.start, unit.stop))
         sizes = [parquet.metadata.row_group(i).total_byte_size for i in range(unit.start, unit.stop)]
     else:
         batches = _arrow_reader(path, text_field)

@@ -251,3 +251,28 @@ def test_a_truncated_arrow_file_is_one_line_at_planning_and_at_reading(tmp_path,
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and f"{path}: the arrow file is cut short or damaged" in err, err
 
+
+
+def test_a_damaged_parquet_row_group_is_one_line_at_reading(tmp_path, tokenizer, capsys):
+    """The footer reads fine, so planning passes; the damaged page is met when its row group is read."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from hybridpar.cli import main
+
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"text": [f"hello world {i} " * 50 for i in range(2000)]}), path, row_group_size=500)
+    page = pq.ParquetFile(path).metadata.row_group(1).column(0).data_page_offset
+    data = bytearray(path.read_bytes())
+    for k in range(page + 10, page + 200):  # the page header of row group 1
+        data[k] ^= 0xFF
+    path.write_bytes(bytes(data))
+    units = plan_units(resolve_sources(path), "text", 1)
+    assert [list(d) for d in unit_documents(units[0], "text")]  # row group 0 is whole
+    with pytest.raises(DataFormatError, match=rf"{path}: row group 1 of 4 is damaged \(.*\); copy or write the file"):
+        [list(d) for d in unit_documents(units[1], "text")]
+    assert main(["prepare", str(path), "--tokenizer", str(tokenizer.path), "--out", str(tmp_path / "s")]) == 2
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if not line.startswith("preparing ")]  # the progress line
+    assert said == [f"hybridpar: error: {path}: row group 1 of 4 is damaged ("
+                    + said[0].split(" is damaged (", 1)[-1]] and "Traceback" not in err, err

@@ -278,6 +278,17 @@ def _small_jsonl(path: Path, n: int) -> str:
     return str(path)
 
 
+def _stops_exhausted_with_the_step_saved(workers, config, last: int, name: str, run) -> None:
+    """The run at world 2 stops at step `last`, saying source `name` is exhausted, every step up to it
+    trained and `last` saved."""
+    results = workers(2).run(_case_train, config)
+    print(results[0]["out"].splitlines()[-1])
+    assert [r["error"] for r in results] == [None, None] and results[0]["step"] == last
+    assert f"hybridpar: stopped at step {last}: data source '{name}' is exhausted" in results[0]["out"]
+    assert _trained_steps(run) == list(range(1, last + 1))
+    assert (run / "checkpoints" / f"step-{last:08d}").is_dir()
+
+
 @pytest.mark.slow
 def test_a_single_source_that_runs_out_stops_with_its_last_step_saved(workers, corpus, run_tokenizer, tmp_path):
     from hybridpar.data.pipeline import build_data
@@ -289,12 +300,8 @@ def test_a_single_source_that_runs_out_stops_with_its_last_step_saved(workers, c
     n_windows = len(build_data(config.data)[1])
     last = (n_windows // 2) // (GLOBAL_BATCH // 2)  # the steps of one epoch
     assert 2 <= last < 40
-    results = workers(2).run(_case_train, config)
-    print(f"\n{n_windows} windows: {results[0]['out'].splitlines()[-1]}")
-    assert [r["error"] for r in results] == [None, None] and results[0]["step"] == last
-    assert f"hybridpar: stopped at step {last}: data source '{source}' is exhausted" in results[0]["out"]
-    assert _trained_steps(tmp_path / "run") == list(range(1, last + 1))
-    assert (tmp_path / "run" / "checkpoints" / f"step-{last:08d}").is_dir()
+    print(f"\n{n_windows} windows")
+    _stops_exhausted_with_the_step_saved(workers, config, last, source, tmp_path / "run")
     again = workers(2).run(_case_train, config)[0]  # resumed: says so at once, trains nothing, saves nothing new
     lines = [line for line in again["out"].splitlines() if "is exhausted" in line]
     print(lines)
@@ -320,12 +327,7 @@ def test_a_blend_source_that_runs_out_stops_with_its_last_step_saved(workers, co
         step += 1
     last = step - 1
     assert last >= 2
-    results = workers(2).run(_case_train, config)
-    print(f"\n{results[0]['out'].splitlines()[-1]}")
-    assert [r["error"] for r in results] == [None, None] and results[0]["step"] == last
-    assert f"hybridpar: stopped at step {last}: data source 'small' is exhausted" in results[0]["out"]
-    assert _trained_steps(tmp_path / "run") == list(range(1, last + 1))
-    assert (tmp_path / "run" / "checkpoints" / f"step-{last:08d}").is_dir()
+    _stops_exhausted_with_the_step_saved(workers, config, last, "small", tmp_path / "run")
 
 
 @pytest.mark.slow

@@ -27,6 +27,7 @@ import dataclasses
 import json
 import shutil
 import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -51,7 +52,7 @@ from ..fastpaths.dcp_reader import FastFileSystemReader
 from ..fastpaths.dcp_writer import UncheckedWriter
 from ..fastpaths.optimizer_state import allocate_optimizer_state
 from ..files import (STAGING_SUFFIX, DiskFullError, atomic_output, begin_staging, commit_staged, disk_full_message,
-                     free_bytes, fsync_dir, staging_path, write_text_atomic)
+                     free_bytes, fsync_dir, human_bytes, staging_path, write_text_atomic)
 from ..mesh import ParallelDims
 from ..progress import note
 from ..ranks import broadcast_from_rank0, gather_objects, on_rank0, raise_if_any_failed
@@ -110,6 +111,7 @@ class Checkpointer:
         self.async_save = async_save
         self._pending: Optional[tuple[Any, Path, dict]] = None
         self._deleter: Optional[threading.Thread] = None
+        self.written: list[dict] = []  # rank 0: {"step", "bytes", "seconds"} of each save completed, for the run's events
         # Background writes run collectives of their own: give them a group apart from training's.
         self._async_group = dist.new_group(backend="gloo") if async_save else None
 
@@ -145,7 +147,7 @@ class Checkpointer:
         if refusal is not None:  # every rank raises it alike
             raise CheckpointDiskFullError(refusal)
         meta = {"train_state": {**train_state, "step": step, "world_size": self.parallel.world_size},
-                "params": params, "needed": needed}
+                "params": params, "needed": needed, "begun": time.perf_counter()}
 
         def write() -> None:
             error = None
@@ -158,6 +160,7 @@ class Checkpointer:
             writer = self._writer(partial)
             if self.async_save:
                 future = dcp.async_save(state, storage_writer=writer, process_group=self._async_group)
+                future.add_done_callback(lambda _: meta.setdefault("written_at", time.perf_counter()))
                 self._pending = (future, partial, meta, writer)
             else:
                 dcp.save(state, storage_writer=writer)
@@ -237,6 +240,11 @@ class Checkpointer:
             # The same step saved again (a re-run) replaces the old copy, which is parked aside first.
             final = partial.with_name(partial.name[: -len(STAGING_SUFFIX)])
             commit_staged(partial, final)
+            size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file())
+            seconds = meta.get("written_at", time.perf_counter()) - meta["begun"]  # async: when the writes ended
+            self.written.append({"step": meta["train_state"]["step"], "bytes": size, "seconds": round(seconds, 3)})
+            note(f"checkpoint {final.name}: {human_bytes(size)} written in {seconds:.1f} s "
+                 f"({size / max(seconds, 1e-9) / 1e9:.2f} GB/s)")
             doomed = []
             for path in past_keep(self.folder, self.keep, final):
                 # Out of the listing at once; freeing the blocks can wait.

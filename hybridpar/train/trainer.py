@@ -164,9 +164,20 @@ class Trainer:
         if getattr(self.tokenizer, "path", None):  # for `convert --to hf`, which writes it beside the weights
             train_state["tokenizer"] = {"path": str(Path(self.tokenizer.path).absolute()),
                                         "sha256": self.tokenizer.sha256}
+        begun = time.perf_counter()
         with self.supervisor.checkpointing():  # a large checkpoint's writes are not a hang
             path = self.checkpointer.save(self.step, self.model, self.optimizer, train_state, params_dict(self.args))
+        # How long training waited (an async save: only the copy to host memory); the writes' own time follows.
+        self.metrics.event(self.step, "checkpoint", blocked_s=round(time.perf_counter() - begun, 3),
+                           async_save=self.checkpointer.async_save)
+        self._saves_written()
         return path
+
+    def _saves_written(self) -> None:
+        """events.jsonl gets each completed save's size and write time (rank 0 completes them)."""
+        for done in self.checkpointer.written:
+            self.metrics.event(done["step"], "checkpoint_written", bytes=done["bytes"], seconds=done["seconds"])
+        self.checkpointer.written.clear()
 
     def _fit_vocab(self, tokenizer) -> None:
         """Before the loader is built: a vocab_size of -1 (Llama 2's params.json) becomes the
@@ -283,6 +294,7 @@ class Trainer:
         if c.checkpoint.at_end and saved_at != self.step and self.data_stopped is None:
             self.save_checkpoint()
         self.checkpointer.close()
+        self._saves_written()
         self.metrics.close()
         self.profiler.close()
         if self.is_main and self.profiler.rows:

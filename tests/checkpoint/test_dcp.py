@@ -141,6 +141,18 @@ def test_async_save_resumes_like_sync(mp2_dp2_runs, workers, corpus, tmp_path):
 
     for step in sorted((tmp_path / "ckpt").glob("step-*")):
         assert verify_folder(step, io.StringIO()) == 0, step
+    # The run's events say how long training waited for each save and how long its writes took.
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    saved = {e["step"]: e for e in events if e["event"] == "checkpoint"}
+    written = {e["step"]: e for e in events if e["event"] == "checkpoint_written"}
+    assert sorted(saved) == sorted(written) == [2, 4, HALF], events
+    assert all(e["async_save"] and e["blocked_s"] >= 0 for e in saved.values())
+    kept = [f for f in sorted((tmp_path / "ckpt").glob("step-*")) if int(f.name.split("-")[1]) in written]
+    assert kept  # the resumed run saved step 10 into the same folder
+    for folder in kept:  # the ones checkpoint.keep left
+        e = written[int(folder.name.split("-")[1])]
+        assert e["bytes"] == sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) > 0, (folder, e)
+        assert e["seconds"] > 0
 
 
 def _case_die_during_save(config, die_at_step):

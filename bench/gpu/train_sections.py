@@ -1,0 +1,149 @@
+"""The GPU check's first sections (bench/gpu/first_light.py runs them): the machine, the tests marked
+gpu, the layers that fit, training with hybridpar and with torchtitan at the same shape."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import statistics
+import sys
+from pathlib import Path
+
+from .check import CONFIG, ROOT, TIMED_STEPS, TINY, WARMUP_STEPS, Check, json_line, last_lines
+
+
+def probe(check: Check) -> dict:
+    code, text, _ = check.run("probe", [sys.executable, "-m", "bench.gpu.probe", "--device", check.args.device,
+                                        "--work", str(check.work)] + (["--tiny"] if check.tiny else []), 120)
+    found = json_line(text, "PROBE_JSON")
+    return {"ok": True, **found} if found else {"ok": False, "why": f"exit {code}: {last_lines(text)}"}
+
+
+def gpu_tests(check: Check) -> dict:
+    code, text, seconds = check.run("gpu tests", [sys.executable, "-m", "pytest", "-m", "gpu", "tests/gpu", "-q",
+                                                  "-rs", "-p", "no:cacheprovider"], 180)
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors)", text)}
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", text, re.M)
+    return {"ok": code in (0, 5) and not failed, "counts": counts, "failed": failed, "seconds": seconds,
+            "why": "" if code in (0, 5) else last_lines(text)}
+
+
+def layers_that_fit(check: Check) -> dict:
+    """The most layers of Llama 3 8B's shape whose planned memory (hybridpar's planner, selective AC
+    every 2nd block) stays under 85% of the card's usable memory."""
+    if check.tiny:
+        return {"ok": True, "n_layers": 4, "why": "tiny shape"}
+    from models.args import ModelArgs
+    from hybridpar.plan import Workload, make_plan
+
+    memory = check.results.get("probe", {}).get("memory_gib") or 80.0
+    hardware = planner_hardware(check, memory)
+    best = None
+    for n in range(1, 33):
+        est = plan_estimate(ModelArgs.from_preset("llama3_8b", n_layers=n), hardware, compile=False,
+                            Workload=Workload, make_plan=make_plan)
+        if est is None or est.memory.total > 0.85 * est.usable_bytes:
+            break
+        best = n
+    return {"ok": best is not None, "n_layers": best or 1, "card_gib": memory,
+            "why": "" if best else "not even one layer fits the planner's memory"}
+
+
+def planner_hardware(check: Check, memory_gib: float):
+    from hybridpar.plan.hardware import GPUS, spec
+
+    card = str(check.results.get("probe", {}).get("card", ""))
+    name = "h200" if "H200" in card and "h200" in GPUS else "h100"
+    overrides = {"gpu_mem_gib": memory_gib}
+    if "H200" in card and name == "h100":
+        overrides["memory_bw"] = 4.8e12  # the H200's HBM3e; the H100's chip and rates otherwise
+    return spec(name, 1, **overrides)
+
+
+def plan_estimate(args, hardware, *, compile: bool, Workload, make_plan):
+    plan = make_plan(args, Workload(seq_len=8192, micro_batch=1, compile=compile), hardware, ac_every=2)
+    found = plan.find(1, 1, 1, "selective")
+    return found[0] if found else None
+
+
+def train(check: Check, compile: bool) -> dict:
+    n_layers = check.results.get("layers", {}).get("n_layers", 1)
+    run_dir = check.work / ("compiled" if compile else "eager")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    shape = TINY + ["--train.steps", "8"] if check.tiny else ["--model.n_layers", str(n_layers)]
+    command = [sys.executable, "-m", "hybridpar", "train", "--config", str(CONFIG), *shape, *check.cache,
+               "--train.compile", str(compile).lower(), "--output.run_dir", str(run_dir)]
+    code, text, seconds = check.run("train " + ("compiled" if compile else "eager"), command, 420 if compile else 240)
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    timed = [r for r in rows if r.get("step", 0) > (2 if check.tiny else WARMUP_STEPS) and "tokens_per_s" in r]
+    if code != 0 or not timed:
+        return {"ok": False, "n_layers": n_layers, "why": f"exit {code}: {last_lines(text)}",
+                "oom": "out of memory" in text.lower()}
+    out = {"ok": True, "n_layers": n_layers, "steps_timed": len(timed), "seconds": seconds,
+           "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
+           "mfu_logged": statistics.median(r["mfu"] for r in timed),
+           "peak_memory_gib": max(r["memory_gb"] for r in rows) * 1e9 / 2 ** 30,
+           "loss_first": rows[0]["loss"], "loss_last": rows[-1]["loss"],
+           "mfu_against": next((line for line in text.splitlines() if "MFU against" in line), "")}
+    out.update(mfu_figures(check, out["tokens_per_s"], n_layers))
+    if not check.tiny:
+        out["planner"] = planner_prediction(check, n_layers, compile)
+        if out["planner"].get("tokens_per_s"):
+            out["measured_over_planned"] = out["tokens_per_s"] / out["planner"]["tokens_per_s"]
+    return out
+
+
+def mfu_figures(check: Check, tokens_per_s: float, n_layers: int) -> dict:
+    """MFU of `tokens_per_s` against the measured matmul rate and the card's nominal peak, with the
+    trainer's own FLOPs per token (the same numerator for hybridpar and torchtitan)."""
+    from models.args import ModelArgs
+    from hybridpar.train.metrics import flops_per_token
+
+    args = ModelArgs.from_preset("tiny") if check.tiny else ModelArgs.from_preset("llama3_8b", n_layers=n_layers)
+    flops = flops_per_token(args, 128 if check.tiny else 8192) * tokens_per_s
+    probe_ = check.results.get("probe", {})
+    measured, nominal = probe_.get("matmul_tflops") or 0, probe_.get("nominal_tflops") or 0
+    return {"tflops": flops / 1e12, "mfu_measured": flops / (measured * 1e12) if measured else None,
+            "mfu_nominal": flops / (nominal * 1e12) if nominal else None}
+
+
+def planner_prediction(check: Check, n_layers: int, compile: bool) -> dict:
+    from models.args import ModelArgs
+    from hybridpar.plan import Workload, make_plan
+
+    hardware = planner_hardware(check, check.results.get("probe", {}).get("memory_gib") or 80.0)
+    est = plan_estimate(ModelArgs.from_preset("llama3_8b", n_layers=n_layers), hardware, compile=compile,
+                        Workload=Workload, make_plan=make_plan)
+    if est is None:
+        return {"why": "the planner has no selective-AC layout"}
+    return {"tokens_per_s": est.tokens_per_s_per_gpu, "mfu": est.mfu(hardware.peak_flops),
+            "memory_gib": est.memory.total / 2 ** 30, "hardware": hardware.name.split(" (")[0]}
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def titan(check: Check, compile: bool) -> dict:
+    n_layers = check.results.get("layers", {}).get("n_layers", 1)
+    shape = (["--dim", "256", "--n-layers", "4", "--n-heads", "8", "--n-kv-heads", "4", "--vocab", "4096",
+              "--seq", "128", "--warmup", "2", "--steps", "4"] if check.tiny else
+             ["--dim", "4096", "--n-layers", str(n_layers), "--n-heads", "32", "--n-kv-heads", "8", "--vocab", "128256",
+              "--seq", "8192", "--warmup", str(WARMUP_STEPS), "--steps", str(TIMED_STEPS)])
+    path = check.work / f"titan-{'compiled' if compile else 'eager'}.json"
+    code, text, seconds = check.run("torchtitan " + ("compiled" if compile else "eager"),
+                                    [sys.executable, str(ROOT / "bench/gpu/titan.py"), "--device", check.args.device,
+                                     *shape, "--json", str(path)] + (["--compile"] if compile else []),
+                                    360 if compile else 200)
+    found = json_line(text, "TITAN_JSON")
+    if not found:
+        return {"ok": False, "why": f"exit {code}: {last_lines(text)}"}
+    if found.get("ok"):
+        found.update(mfu_figures(check, found["tokens_per_s"], n_layers))
+        ours = check.results.get("train compiled" if compile else "train eager", {})
+        if ours.get("tokens_per_s"):
+            found["hybridpar_over_titan"] = ours["tokens_per_s"] / found["tokens_per_s"]
+    return found

@@ -1,0 +1,59 @@
+"""The GPU check's CPU path (bench/gpu/first_light.sh --device cpu --tiny): the same sections as on a
+GPU, end to end, on tiny shapes; and a section the time left cannot hold is a line, not the end."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_first_light_runs_end_to_end_on_a_cpu(tmp_path):
+    out, work = tmp_path / "out", tmp_path / "work"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("OUT", None)
+    done = subprocess.run(["bash", "bench/gpu/first_light.sh", "--device", "cpu", "--tiny", "--out", str(out),
+                           "--work", str(work)], cwd=ROOT, env=env, text=True, capture_output=True, timeout=600)
+    print(done.stdout[-3000:], done.stderr[-2000:])
+    assert done.returncode == 0
+    r = json.loads((out / "first_light.json").read_text())
+    # The tests marked gpu ran, and every one was skipped for want of CUDA.
+    assert r["gpu tests"]["ok"] and r["gpu tests"]["counts"].get("skipped", 0) >= 5, r["gpu tests"]
+    assert set(r["gpu tests"]["counts"]) == {"skipped"}, r["gpu tests"]
+    for name in ("probe", "train eager", "train compiled", "saves", "verify", "export hf", "generate"):
+        assert r[name]["ok"], (name, r[name])
+    for name in ("train eager", "train compiled"):
+        assert r[name]["steps_timed"] >= 5 and r[name]["tokens_per_s"] > 0 and r[name]["mfu_measured"] > 0
+    saves = r["saves"]
+    assert saves["resumed"] and saves["async"]["bytes"] > 0 and saves["blocking"]["gbs"] > 0
+    assert saves["async"]["bytes"] == pytest.approx(saves["blocking"]["bytes"], rel=0.01)  # the same model
+    print(f"HF export against transformers: relative error {r['export hf']['rel_error']:.2e}")
+    assert r["export hf"]["rel_error"] < 1e-5
+    # torchtitan is not installed here: its lines say why rather than stopping the check.
+    assert "torchtitan eager" in r and ("why" in r["torchtitan eager"] or r["torchtitan eager"]["ok"])
+    table = (out / "first_light.md").read_text()
+    assert "| train eager |" in table and "tok/s" in table and "rel error" in table
+    assert (out / "log.txt").stat().st_size > 0
+
+
+def test_a_section_the_time_left_cannot_hold_is_a_line(tmp_path):
+    from bench.gpu.check import Check
+
+    args = argparse.Namespace(out=tmp_path / "out", work=tmp_path / "work", budget=10.0, tiny=True, device="cpu")
+    check = Check(args)
+    ran = []
+    check.section("cheap", 1, lambda c: ran.append("cheap") or {"ok": True})
+    check.section("costly", 60, lambda c: ran.append("costly") or {"ok": True})
+    check.section("broken", 1, lambda c: 1 / 0)
+    assert ran == ["cheap"]
+    saved = json.loads((tmp_path / "out" / "first_light.json").read_text())
+    assert saved["cheap"] == {"ok": True}
+    assert saved["costly"]["ok"] is False and saved["costly"]["why"].startswith("skipped: ")
+    assert saved["broken"] == {"ok": False, "why": "ZeroDivisionError: division by zero"}

@@ -5,6 +5,8 @@ machine's torch, run in the background on the cores training leaves."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import re
 import shutil
 import subprocess
@@ -14,12 +16,24 @@ from pathlib import Path
 from .check import CONFIG, TINY, Check, json_line, last_lines
 from .train_sections import read_jsonl
 
-SAVE_LAYERS = 2  # Llama 3 8B's embedding, head and two blocks: 1.5B parameters, 18 GB with AdamW's state
+SAVE_LAYERS = 2  # at most: Llama 3 8B's embedding, head and two blocks, 1.5B parameters, 18 GB with AdamW's state
+
+
+def save_layers(free_bytes: int) -> int:
+    """The most blocks (up to SAVE_LAYERS) whose two checkpoints (float32 weights and AdamW's two
+    moments: 12 bytes a parameter) and float32 Hugging Face export fit in 90% of the free space;
+    0 when not even one does."""
+    from models.args import ModelArgs
+
+    def needs(n: int) -> float:
+        return 28 * ModelArgs.from_preset("llama3_8b", n_layers=n).num_params()
+
+    return max((n for n in range(1, SAVE_LAYERS + 1) if needs(n) <= 0.9 * free_bytes), default=0)
 
 
 def _save_run(check: Check, steps: int, async_save: bool) -> tuple[int, str, list[dict]]:
     run_dir = check.work / "saves"
-    shape = TINY if check.tiny else ["--model.n_layers", str(SAVE_LAYERS)]
+    shape = TINY if check.tiny else ["--model.n_layers", str(check.results["save layers"])]
     command = [sys.executable, "-m", "hybridpar", "train", "--config", str(CONFIG), *shape, *check.cache,
                "--train.steps", str(steps), "--optim.warmup_steps", "1", "--checkpoint.at_end", "true",
                "--checkpoint.keep", "1", "--checkpoint.resume", "true", "--checkpoint.async_save",
@@ -42,6 +56,10 @@ def saves(check: Check) -> dict:
     """An async save at step 2, then a run resumed from it (a load) that trains step 3 and saves it
     blocking; each save's blocked and written time from the run's events.jsonl."""
     shutil.rmtree(check.work / "saves", ignore_errors=True)
+    free = shutil.disk_usage(check.work).free
+    check.results["save layers"] = layers = save_layers(free)
+    if not check.tiny and not layers:
+        return {"ok": False, "why": f"skipped: {free / 1e9:.0f} GB free in {check.work}, too little for two checkpoints"}
     code, text, events = _save_run(check, 2, async_save=True)
     first = _save_figures(events, 2)
     if code != 0 or not first:
@@ -51,7 +69,7 @@ def saves(check: Check) -> dict:
     if code != 0 or not second:
         return {"ok": False, "async": first, "why": f"resume and blocking save: exit {code}: {last_lines(text)}"}
     disk = check.results.get("probe", {}).get("disk_gbs")
-    return {"ok": True, "n_layers": None if check.tiny else SAVE_LAYERS, "async": first, "blocking": second,
+    return {"ok": True, "n_layers": None if check.tiny else layers, "free_gb": free / 1e9, "async": first, "blocking": second,
             "resumed": "resumed from" in text, "blocking_over_disk": second["gbs"] / disk if disk else None}
 
 
@@ -93,10 +111,12 @@ def generate(check: Check) -> dict:
 
 def start_fast_tier(check: Check) -> subprocess.Popen:
     """The fast tier on this machine's torch, on the CPU (gloo), on the cores the GPU sections leave."""
-    cores = max(2, (len(__import__("os").sched_getaffinity(0)) // 2))
+    cores = max(1, len(os.sched_getaffinity(0)) // 2)
     log = open(check.out / "fast_tier.log", "w")
-    command = ["taskset", "-c", f"{cores}-{2 * cores - 1}", "nice", sys.executable, "-m", "pytest", "-m", "fast",
-               "-q", "-p", "no:cacheprovider", "-n", str(max(1, cores // 2)), "--timeout", "300"]
+    pin = ["taskset", "-c", f"{cores}-{2 * cores - 1}"] if shutil.which("taskset") and cores > 1 else []
+    spread = ["-n", str(max(1, cores // 2))] if importlib.util.find_spec("xdist") else []
+    command = [*pin, "nice", sys.executable, "-m", "pytest", "-m", "fast", "-q", "-p", "no:cacheprovider", *spread,
+               "--timeout", "300"]
     check.say(f"--- fast tier in the background: {' '.join(command)} > {log.name}")
     return subprocess.Popen(command, cwd=check.env["PYTHONPATH"].split(":")[0], stdout=log, stderr=subprocess.STDOUT,
                             env={**check.env, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"})

@@ -135,8 +135,9 @@ def titan(check: Check, compile: bool) -> dict:
               "--seq", "8192", "--warmup", str(WARMUP_STEPS), "--steps", str(TIMED_STEPS)])
     path = check.work / f"titan-{'compiled' if compile else 'eager'}.json"
     code, text, seconds = check.run("torchtitan " + ("compiled" if compile else "eager"),
+                                    # --ac 2: hybridpar's selective AC (every 2nd block recomputed), not titan's op level
                                     [sys.executable, str(ROOT / "bench/gpu/titan.py"), "--device", check.args.device,
-                                     *shape, "--json", str(path)] + (["--compile"] if compile else []),
+                                     *shape, "--ac", "2", "--json", str(path)] + (["--compile"] if compile else []),
                                     360 if compile else 200)
     found = json_line(text, "TITAN_JSON")
     if not found:

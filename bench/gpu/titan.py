@@ -14,9 +14,10 @@ Inputs are random token ids (one fixed batch, so the loss falls when training wo
 Last line printed, also written to --json:  TITAN_JSON {"ok": true, "tokens_per_s": ..., ...}
 Any failure (no torchtitan, another API, out of memory) ends the same way with exit 0:
   TITAN_JSON {"ok": false, "why": "<stage>: <exception type>: <message>"}
-Written for torchtitan 0.2.2 (released for torch 2.10, Feb 2026; torch 2.11 runs it). Importing its
-llama3 package needs, besides what the GPU machine has: tyro, docstring-parser, typeguard, torchdata,
-datasets 4.7, dill, multiprocess (carried as wheels; triton must be importable too).
+--ac N takes torchtitan's layer-selective AC instead (every Nth block fully recomputed).
+Written for torchtitan 0.2.2 (Feb 2026, its CI on the torch nightlies that became 2.11; run here on
+torch 2.13 CPU). Importing its llama3 package needs, besides what the GPU machine has: tyro,
+docstring-parser, typeguard, torchdata, datasets 4.7, dill, multiprocess (carried as wheels), triton.
 """
 
 from __future__ import annotations

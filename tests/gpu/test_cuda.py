@@ -76,6 +76,25 @@ def test_the_loader_pins_memory_and_the_batch_arrives_equal():
     assert equal
 
 
+def test_the_measured_matmul_rate_is_the_cards(parallel):
+    """The trainer's fallback for a card of unknown name: bf16 8192^2 matmuls timed on the card,
+    averaged over ranks on the device (nccl reduces GPU tensors only). Above the datasheet's peak
+    would mean the clock stopped before the GPU finished (no synchronize)."""
+    from types import SimpleNamespace
+
+    from hybridpar.plan.hardware import dense_bf16_peak
+    from hybridpar.train.trainer import Trainer
+
+    rate = Trainer._measure_peak(SimpleNamespace(device=parallel.device))
+    name = torch.cuda.get_device_name() if CUDA else "this CPU"
+    nominal = dense_bf16_peak(name) if CUDA else None
+    print(f"\nmeasured matmul rate on {name}: {rate / 1e12:.1f} TFLOP/s"
+          + (f", {rate / nominal:.2f} of the datasheet's {nominal / 1e12:.0f}" if nominal else ""))
+    assert rate > (1e13 if CUDA else 1e8)
+    if nominal:
+        assert 0.3 * nominal < rate <= 1.05 * nominal
+
+
 # --- a training job in a fresh process (tests/gpu/job.py) ---------------------------------------
 
 def _job(corpus, run_dir: Path, mode: str, **overrides) -> tuple[subprocess.CompletedProcess, float]:

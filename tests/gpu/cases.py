@@ -25,6 +25,8 @@ BATCH, SEQ = 2, 128
 BF16_LOGITS_BOUND = 2e-2
 FUSED = re.compile(r"flash|efficient|fmha|cutlass|cudnn", re.I)
 MATH = "aten::_scaled_dot_product_attention_math"
+# aten's softmax kernels, which the math path runs (the model has no other softmax)
+MATH_KERNELS = re.compile(r"softmax_warp_(forward|backward)|cunn_SoftMax(Forward|Backward)")
 
 
 def process_group(device: str):
@@ -82,8 +84,9 @@ def bf16_logits_error(parallel, device: str) -> float:
 
 
 def attention_ops(parallel, device: str) -> tuple[set[str], set[str]]:
-    """(the scaled-dot-product-attention ops a forward + backward of hybridpar's model ran, every
-    kernel and op name seen) under torch.profiler."""
+    """(the scaled-dot-product-attention ops a forward + backward of hybridpar's model ran, the GPU
+    kernels it launched) under torch.profiler."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     _, model, _ = reference_and_model(parallel, device)
@@ -93,8 +96,9 @@ def attention_ops(parallel, device: str) -> tuple[set[str], set[str]]:
         model(x).float().sum().backward()
         if device == "cuda":
             torch.cuda.synchronize()
-    names = {e.key for e in prof.key_averages()}
-    return {n for n in names if "scaled_dot_product" in n}, names
+    events = prof.key_averages()
+    kernels = {e.key for e in events if e.device_type == DeviceType.CUDA}
+    return {e.key for e in events if "scaled_dot_product" in e.key}, kernels
 
 
 def fused_attention_only(parallel, device: str) -> None:

@@ -78,3 +78,13 @@ def test_on_cpu_the_peak_is_measured_as_before(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: pytest.fail("no GPU to name"))
     assert trainer_module.Trainer._peak(fake) == 3e10
     assert capsys.readouterr().err == ""
+
+
+def _measured_on_cpu():
+    return trainer_module.Trainer._measure_peak(SimpleNamespace(device=torch.device("cpu")))
+
+
+def test_the_measured_peak_is_every_ranks_mean(workers):
+    peaks = workers(2).run(_measured_on_cpu)
+    print(f"measured matmul peak per rank: {peaks[0] / 1e9:.2f} GFLOP/s")
+    assert peaks[0] == peaks[1] > 1e8  # one all-reduced figure, the same on every rank

@@ -30,7 +30,7 @@ DENSE_BF16_PEAKS: tuple[tuple[tuple[str, ...], float], ...] = (
 )
 
 
-def dense_bf16_peak(device_name: str) -> Optional[float]:
+def peak_flops_of(device_name: str) -> Optional[float]:
     """The card's dense bf16 FLOP/s from its name ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"),
     or None for a card not in DENSE_BF16_PEAKS. Whole words: "L4" is not "L40S", "A10" not "A100"."""
     words = set(re.split(r"[^a-z0-9]+", device_name.lower()))
@@ -41,11 +41,11 @@ def dense_bf16_peak(device_name: str) -> Optional[float]:
 GPUS: dict[str, tuple[str, dict]] = {
     "a100": ("A100 SXM4 80 GB (400 W): 312 TFLOP/s bfloat16, HBM2e 2.04 TB/s, NVLink3 300 GB/s per "
              "direction, one 200 Gb/s NIC per GPU", dict(
-                 gpu_mem_gib=80, peak_flops=dense_bf16_peak("A100"), gemm_efficiency=0.85, attention_efficiency=0.55,
+                 gpu_mem_gib=80, peak_flops=peak_flops_of("A100"), gemm_efficiency=0.85, attention_efficiency=0.55,
                  memory_bw=2.04e12, memory_efficiency=0.8, intra_node_busbw=230e9, inter_node_busbw=23e9)),
     "h100": ("H100 SXM5 80 GB (700 W): 989 TFLOP/s bfloat16, HBM3 3.35 TB/s, NVLink4 450 GB/s per "
              "direction, one 400 Gb/s NIC per GPU", dict(
-                 gpu_mem_gib=80, peak_flops=dense_bf16_peak("H100 SXM"), gemm_efficiency=0.7, attention_efficiency=0.35,
+                 gpu_mem_gib=80, peak_flops=peak_flops_of("H100 SXM"), gemm_efficiency=0.7, attention_efficiency=0.35,
                  memory_bw=3.35e12, memory_efficiency=0.8, intra_node_busbw=370e9, inter_node_busbw=45e9)),
     # Meta's Grand Teton hosts, where torchtitan measured (docs/performance.md): the same SXM board
     # with 96 GB of HBM2e at 2.4 TB/s, capped at 500 W. torchtitan quotes MFU against 989 but notes
@@ -53,7 +53,7 @@ GPUS: dict[str, tuple[str, dict]] = {
     # midpoint, 912/989 of the SXM's, and the 700 W card's kernel fractions are scaled by it.
     "h100-500w": ("H100 SXM5 96 GB HBM2e capped at 500 W (Grand Teton): 989 TFLOP/s bfloat16 on paper, "
                   "about 912 at its clock; HBM2e 2.4 TB/s, NVLink4, one 400 Gb/s NIC per GPU", dict(
-                      gpu_mem_gib=94, peak_flops=dense_bf16_peak("H100 SXM"), gemm_efficiency=0.7 * 912 / 989,
+                      gpu_mem_gib=94, peak_flops=peak_flops_of("H100 SXM"), gemm_efficiency=0.7 * 912 / 989,
                       attention_efficiency=0.35 * 912 / 989, memory_bw=2.4e12, memory_efficiency=0.8,
                       intra_node_busbw=370e9, inter_node_busbw=45e9)),
 }

@@ -35,7 +35,7 @@ from ..data.blend import describe_blend
 from ..files import refuse_occupied, write_text_atomic
 from ..mesh import ParallelDims, init_parallel
 from ..model import build_model
-from ..plan.hardware import dense_bf16_peak
+from ..plan.hardware import peak_flops_of
 from ..preflight import init_from_folder, model_args, preflight, world_size_from_env
 from ..progress import note
 from ..ranks import mark_every_rank, wait_for_every_rank
@@ -195,7 +195,7 @@ class Trainer:
         if self.config.train.peak_flops:
             return self.config.train.peak_flops
         name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else ""
-        peak = dense_bf16_peak(name) if name else None
+        peak = peak_flops_of(name) if name else None
         if peak is not None:
             note(f"MFU against {name}'s dense bf16 peak {peak / 1e12:.0f} TFLOP/s (from its name; "
                  "train.peak_flops sets another)")

@@ -85,12 +85,12 @@ def test_the_measured_matmul_rate_is_the_cards(parallel):
     would mean the clock stopped before the GPU finished (no synchronize)."""
     from types import SimpleNamespace
 
-    from hybridpar.plan.hardware import dense_bf16_peak
+    from hybridpar.plan.hardware import peak_flops_of
     from hybridpar.train.trainer import Trainer
 
     rate = Trainer._measure_peak(SimpleNamespace(device=parallel.device))
     name = torch.cuda.get_device_name() if CUDA else "this CPU"
-    nominal = dense_bf16_peak(name) if CUDA else None
+    nominal = peak_flops_of(name) if CUDA else None
     print(f"\nmeasured matmul rate on {name}: {rate / 1e12:.1f} TFLOP/s"
           + (f", {rate / nominal:.2f} of the datasheet's {nominal / 1e12:.0f}" if nominal else ""))
     assert rate > (1e13 if CUDA else 1e8)
@@ -145,12 +145,12 @@ def test_mfu_is_against_the_cards_named_or_measured_peak(trained):
     print(f"\n{said}, peak {trained['peak_flops']:.3g}")
     assert trained["peak_flops"] > 0 and all(0 < m < 1 for m in trained["mfu"])
     if CUDA:
-        from hybridpar.plan.hardware import dense_bf16_peak
+        from hybridpar.plan.hardware import peak_flops_of
 
         name = torch.cuda.get_device_name()
         assert len(said) == 1 and name in said[0], said
-        if dense_bf16_peak(name) is not None:
-            assert trained["peak_flops"] == dense_bf16_peak(name)
+        if peak_flops_of(name) is not None:
+            assert trained["peak_flops"] == peak_flops_of(name)
 
 
 @pytest.mark.slow  # a training job in a fresh process (once for the three)

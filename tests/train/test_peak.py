@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hybridpar.plan.hardware import DENSE_BF16_PEAKS, GPUS, dense_bf16_peak
+from hybridpar.plan.hardware import DENSE_BF16_PEAKS, GPUS, peak_flops_of
 from hybridpar.train import trainer as trainer_module
 
 # What torch.cuda.get_device_name() says on these cards, and their datasheet dense bf16 peaks.
@@ -33,14 +33,14 @@ NAMES = {
 
 @pytest.mark.parametrize("name", list(NAMES))
 def test_a_cards_peak_is_read_from_its_name(name):
-    assert dense_bf16_peak(name) == NAMES[name]
+    assert peak_flops_of(name) == NAMES[name]
 
 
 def test_the_planners_gpus_take_their_peaks_from_the_same_table():
     assert {k: v[1]["peak_flops"] for k, v in GPUS.items()} == {"a100": 312e12, "h100": 989e12, "h100-500w": 989e12}
     # A family before its variants would shadow them: every variant's own entry must be reachable.
     for words, peak in DENSE_BF16_PEAKS:
-        assert dense_bf16_peak(" ".join(words)) == peak, words
+        assert peak_flops_of(" ".join(words)) == peak, words
 
 
 def _peak(monkeypatch, name, peak_flops=0.0, measured=612e12):

@@ -97,7 +97,8 @@ class TrainConfig:
                                 "ones of the split (0: the whole split)")
     profile_steps: str = option("", "steps to trace with torch.profiler, e.g. \"20-22\" or \"5\" "
                                     "(into <output.run_dir>/profile; \"\": none)")
-    peak_flops: float = option(0.0, "per-device peak FLOP/s for MFU (0: measure a matmul peak at start-up)")
+    peak_flops: float = option(0.0, "per-device peak FLOP/s for MFU (0: a GPU's dense bf16 peak from its name, "
+                                    "else a matmul rate measured at start-up)")
     # Start-up costs tens of seconds on a CPU, which also needs a C++ compiler; bench/README.md has the gain.
     compile: bool = option(False, "torch.compile each transformer block (fused element-wise kernels)")
 

@@ -96,9 +96,16 @@ def flatten_mesh(mesh, name: str):
     return mesh._flatten(name)
 
 
-def flight_recorder_dump() -> bytes:
-    """This process's flight recorder, pickled: collectives included, C++ stacks left out (slow to collect)."""
-    return torch._C._distributed_c10d._dump_fr_trace(True, False, False)
+def flight_recorder_dumps() -> list[bytes]:
+    """This process's flight recorders, pickled: collectives included, C++ stacks left out (slow to
+    collect). ProcessGroupNCCL records into a recorder of its own, which CUDA builds dump with
+    _dump_nccl_trace; _dump_fr_trace holds the other backends' (gloo's) only."""
+    c10d = torch._C._distributed_c10d
+    dumps = [c10d._dump_fr_trace(True, False, False)]
+    nccl = getattr(c10d, "_dump_nccl_trace", None)
+    if nccl is not None:
+        dumps.append(nccl(True, False, False))
+    return dumps
 
 
 def init_fake_process_group(rank: int, world_size: int) -> None:

@@ -164,11 +164,18 @@ def _short(filename: str) -> str:
 
 
 def dump_flight_recorder() -> dict:
-    """This process's flight recorder: recent collectives of every group (no C++ stacks: slow to collect)."""
-    from ..compat.torch import flight_recorder_dump  # torch only when a dump is asked for
+    """This process's flight recorder: recent collectives of every group (no C++ stacks: slow to
+    collect); NCCL's recorder and the other backends' in one dump."""
+    from ..compat.torch import flight_recorder_dumps  # torch only when a dump is asked for
     from ..safe_pickle import loads, no_globals
 
-    return loads(flight_recorder_dump(), no_globals, "this process's flight recorder", "a flight-recorder dump")
+    dump, *others = [loads(d, no_globals, "this process's flight recorder", "a flight-recorder dump")
+                     for d in flight_recorder_dumps()]
+    for other in others:
+        dump["entries"] = list(dump.get("entries") or []) + list(other.get("entries") or [])
+        for key in ("pg_config", "pg_status"):
+            dump[key] = {**(dump.get(key) or {}), **(other.get(key) or {})}
+    return dump
 
 
 # hybridpar's own dump files: JSON (a format that cannot carry code), naming themselves as dumps.

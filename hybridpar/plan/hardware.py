@@ -5,21 +5,47 @@ the network per GPU) and the fraction of each that kernels sustain. The fraction
 of the kernels on that chip, not of any one model: cuBLAS on large bf16 matrices, FlashAttention-2
 (what scaled_dot_product_attention runs on these GPUs), and elementwise kernels streaming memory.
 Bus bandwidths are what nccl-tests reports for rings of 8 GPUs over NVLink and between nodes.
+
+DENSE_BF16_PEAKS is every card's datasheet peak by what torch.cuda.get_device_name() says: the
+trainer's MFU denominator when train.peak_flops is not set, and the planner's GPUs' peaks.
 """
 
 from __future__ import annotations
 
+import re
+from typing import Optional
+
 from .inputs import Hardware
+
+# (words all found in the device name, dense bf16 FLOP/s without sparsity), the first match wins:
+# a variant before its family. Datasheet figures (torchtitan's get_peak_flops quotes the same).
+DENSE_BF16_PEAKS: tuple[tuple[tuple[str, ...], float], ...] = (
+    (("gb200",), 2.5e15), (("b200",), 2.25e15), (("b100",), 1.8e15),
+    (("h100", "nvl"), 835e12), (("h100", "pcie"), 756e12), (("h100",), 989e12),  # "H100 80GB HBM3": SXM
+    (("h200", "nvl"), 836e12), (("h200",), 989e12), (("gh200",), 989e12),
+    (("h800", "pcie"), 756e12), (("h800",), 989e12),  # the SXM H800 is an H100 with less NVLink
+    (("a100",), 312e12), (("a800",), 312e12), (("a40",), 149.7e12), (("a30",), 165e12), (("a10",), 125e12),
+    (("l40s",), 362e12), (("l40",), 181e12), (("l4",), 121e12),
+    (("mi355x",), 2.5e15), (("mi325x",), 1307.4e12), (("mi300x",), 1307.4e12), (("mi250x",), 191.5e12),  # per GCD
+)
+
+
+def peak_flops_of(device_name: str) -> Optional[float]:
+    """The card's dense bf16 FLOP/s from its name ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"),
+    or None for a card not in DENSE_BF16_PEAKS. Whole words: "L4" is not "L40S", "A10" not "A100"."""
+    words = set(re.split(r"[^a-z0-9]+", device_name.lower()))
+    return next((peak for needed, peak in DENSE_BF16_PEAKS if words.issuperset(needed)), None)
+
 
 # name -> (description, Hardware fields). gpus and gpu_mem_gib's use are filled in by `spec`.
 GPUS: dict[str, tuple[str, dict]] = {
     "a100": ("A100 SXM4 80 GB (400 W): 312 TFLOP/s bfloat16, HBM2e 2.04 TB/s, NVLink3 300 GB/s per "
              "direction, one 200 Gb/s NIC per GPU", dict(
-                 gpu_mem_gib=80, peak_flops=312e12, gemm_efficiency=0.85, attention_efficiency=0.55,
+                 gpu_mem_gib=80, peak_flops=peak_flops_of("A100"), gemm_efficiency=0.85, attention_efficiency=0.55,
                  memory_bw=2.04e12, memory_efficiency=0.8, intra_node_busbw=230e9, inter_node_busbw=23e9)),
     "h100": ("H100 SXM5 80 GB (700 W): 989 TFLOP/s bfloat16, HBM3 3.35 TB/s, NVLink4 450 GB/s per "
              "direction, one 400 Gb/s NIC per GPU", dict(
-                 gpu_mem_gib=80, peak_flops=989e12, gemm_efficiency=0.7, attention_efficiency=0.35,
+                 gpu_mem_gib=80, peak_flops=peak_flops_of("H100 SXM"), gemm_efficiency=0.7, attention_efficiency=0.35,
                  memory_bw=3.35e12, memory_efficiency=0.8, intra_node_busbw=370e9, inter_node_busbw=45e9)),
     # Meta's Grand Teton hosts, where torchtitan measured (docs/performance.md): the same SXM board
     # with 96 GB of HBM2e at 2.4 TB/s, capped at 500 W. torchtitan quotes MFU against 989 but notes
@@ -27,7 +53,7 @@ GPUS: dict[str, tuple[str, dict]] = {
     # midpoint, 912/989 of the SXM's, and the 700 W card's kernel fractions are scaled by it.
     "h100-500w": ("H100 SXM5 96 GB HBM2e capped at 500 W (Grand Teton): 989 TFLOP/s bfloat16 on paper, "
                   "about 912 at its clock; HBM2e 2.4 TB/s, NVLink4, one 400 Gb/s NIC per GPU", dict(
-                      gpu_mem_gib=94, peak_flops=989e12, gemm_efficiency=0.7 * 912 / 989,
+                      gpu_mem_gib=94, peak_flops=peak_flops_of("H100 SXM"), gemm_efficiency=0.7 * 912 / 989,
                       attention_efficiency=0.35 * 912 / 989, memory_bw=2.4e12, memory_efficiency=0.8,
                       intra_node_busbw=370e9, inter_node_busbw=45e9)),
 }

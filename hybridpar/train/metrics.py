@@ -6,6 +6,7 @@ MFU counts the FLOPs of the model's math, not of the hardware's work (ModelArgs.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import json
 import resource
@@ -50,17 +51,21 @@ def board_tag(key: str) -> str:
 
 
 def measure_matmul_peak(seconds: float = 1.0, size: int = 1024, dtype: torch.dtype = torch.float32,
-                        start_together: Callable[[], None] = lambda: None) -> float:
-    """FLOP/s this process reaches on a square matmul with its current thread count: the CPU 'peak'.
-    `start_together` runs after the warm-up, just before the clock starts (a barrier, so that ranks
-    sharing cores measure the same window)."""
-    a = torch.randn(size, size, dtype=dtype)
-    b = torch.randn(size, size, dtype=dtype)
+                        start_together: Callable[[], None] = lambda: None, device: str | torch.device = "cpu") -> float:
+    """FLOP/s this process reaches on a square matmul with its current thread count: the CPU 'peak'
+    (on a GPU `device`, the card's rate for `dtype`). `start_together` runs after the warm-up, just
+    before the clock starts (a barrier, so that ranks sharing cores measure the same window)."""
+    a = torch.randn(size, size, dtype=dtype, device=device)
+    b = torch.randn(size, size, dtype=dtype, device=device)
+    # A GPU runs the matmuls asynchronously: each is waited for, so the clock times the work.
+    wait = functools.partial(torch.cuda.synchronize, device) if torch.device(device).type == "cuda" else lambda: None
     torch.mm(a, b)  # warm-up: first call pays allocation and dispatch set-up
+    wait()
     start_together()
     runs, start = 0, time.perf_counter()
     while True:
         torch.mm(a, b)
+        wait()
         runs += 1
         elapsed = time.perf_counter() - start
         if elapsed >= seconds:

@@ -35,7 +35,9 @@ from ..data.blend import describe_blend
 from ..files import refuse_occupied, write_text_atomic
 from ..mesh import ParallelDims, init_parallel
 from ..model import build_model
+from ..plan.hardware import peak_flops_of
 from ..preflight import init_from_folder, model_args, preflight, world_size_from_env
+from ..progress import note
 from ..ranks import mark_every_rank, wait_for_every_rank
 from . import data_stop, stop as stopping
 from .evaluate import BlendValidator, Validator
@@ -102,7 +104,7 @@ class Trainer:
         # Before the model is built and compiled: the compiler's start-up takes a share of the cores,
         # and a peak measured then comes out low.
         phase("peak flops")
-        self.peak_flops = c.train.peak_flops or self._measure_peak()
+        self.peak_flops = self._peak()
         phase("model")
         self.model = self._build_model()
         self.params = list(self.model.parameters())
@@ -198,12 +200,29 @@ class Trainer:
         return build_model(self.args, p, device=self.device, sequence_parallel=c.parallel.sequence_parallel,
                            load=load, fsdp=c.fsdp, compile=c.train.compile)
 
+    def _peak(self) -> float:
+        """MFU's denominator per device: train.peak_flops; else a GPU's dense bf16 peak from its name
+        (plan/hardware.py); else a matmul rate measured here (a CPU, or a card of unknown name)."""
+        if self.config.train.peak_flops:
+            return self.config.train.peak_flops
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else ""
+        peak = peak_flops_of(name) if name else None
+        if peak is not None:
+            note(f"MFU against {name}'s dense bf16 peak {peak / 1e12:.0f} TFLOP/s (from its name; "
+                 "train.peak_flops sets another)")
+            return peak
+        peak = self._measure_peak()
+        if name:
+            note(f"MFU against the measured bf16 matmul rate {peak / 1e12:.0f} TFLOP/s (card name {name!r} unknown: "
+                 "set train.peak_flops to its datasheet's dense bf16 peak)")
+        return peak
+
     def _measure_peak(self) -> float:
-        if self.device.type == "cuda":
-            raise ConfigError("train.peak_flops must be set on GPUs (the accelerator's dense bfloat16 peak, e.g. 989e12)")
         # Every rank measures the same window, under the same contention as training. Within it the
         # scheduler shares the cores unevenly, so the per-rank peak is the mean over ranks.
-        peak = torch.tensor([measure_matmul_peak(seconds=0.5, start_together=dist.barrier)], dtype=torch.float64)
+        gpu = dict(size=8192, dtype=torch.bfloat16) if self.device.type == "cuda" else {}
+        rate = measure_matmul_peak(seconds=0.5, start_together=dist.barrier, device=self.device, **gpu)
+        peak = torch.tensor([rate], dtype=torch.float64, device=self.device)  # nccl reduces GPU tensors only
         dist.all_reduce(peak)
         return peak.item() / dist.get_world_size()
 

@@ -45,6 +45,26 @@ def _torch_dump(issued: int) -> dict:
             "pg_status": {"0": {"last_completed_collective": issued}}, "entries": entries}
 
 
+def test_the_dump_holds_nccls_own_recorder_beside_the_other_backends(monkeypatch):
+    """ProcessGroupNCCL records into a recorder of its own (_dump_nccl_trace, CUDA builds): without
+    it a hang on GPUs would be reported with no collective at all."""
+    import torch
+
+    from hybridpar.diagnostics.traces import dump_flight_recorder
+
+    c10d = torch._C._distributed_c10d
+    gloo = {"version": "2.10", "pg_config": {"1": {"name": "1", "desc": "mesh_mp", "ranks": "[0, 1]"}},
+            "pg_status": {"1": {"last_completed_collective": 1}},
+            "entries": [{**_torch_dump(1)["entries"][0], "pg_id": 1, "profiling_name": "gloo:broadcast"}]}
+    monkeypatch.setattr(c10d, "_dump_fr_trace", lambda *a: pickle.dumps(gloo, protocol=2))
+    monkeypatch.setattr(c10d, "_dump_nccl_trace", lambda *a: pickle.dumps(_torch_dump(3), protocol=2), raising=False)
+    dump = dump_flight_recorder()
+    assert [e["profiling_name"] for e in dump["entries"]] == ["gloo:broadcast"] + ["nccl:all_reduce"] * 3
+    assert sorted(dump["pg_status"]) == sorted(dump["pg_config"]) == ["0", "1"]
+    monkeypatch.delattr(c10d, "_dump_nccl_trace")  # a CPU build: the other backends' recorder alone
+    assert [e["profiling_name"] for e in dump_flight_recorder()["entries"]] == ["gloo:broadcast"]
+
+
 def test_hang_report_reads_dumps_and_refuses_a_crafted_pickle(tmp_path, capsys):
     from hybridpar.cli import main
 

@@ -27,7 +27,9 @@ def _count_by_hand_case():
     from tests.distributed import parallel_dims
 
     seen = {}
-    originals = (dist.all_reduce, dist.all_gather_single)
+    # torch 2.13 renamed all_gather_into_tensor all_gather_single; torch 2.11 has only the old name.
+    gather_name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    originals = (dist.all_reduce, getattr(dist, gather_name))
     with CollectiveCounter() as counter:
         dist.all_reduce(torch.ones(10))  # 40 bytes
         dist.all_gather([torch.zeros(3), torch.zeros(3)], torch.ones(3))  # gathered 24 bytes
@@ -73,7 +75,7 @@ def _count_by_hand_case():
         x = torch.randn(2, 3, 4, requires_grad=True)
         row(column(x)).sum().backward()
         seen["tp"] = counter.summary()
-    seen["restored"] = (dist.all_reduce, dist.all_gather_single) == originals
+    seen["restored"] = (dist.all_reduce, getattr(dist, gather_name)) == originals
     return seen
 
 

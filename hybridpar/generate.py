@@ -84,6 +84,7 @@ def generate(
     seed: int = 0,
     *,
     use_cache: bool = True,
+    vocab_limit: Optional[int] = None,
 ) -> list[list[int]]:
     """Continue each prompt by up to max_new_tokens tokens; returns the new tokens only, per prompt.
 
@@ -92,6 +93,8 @@ def generate(
     A sequence stops at its first eos_id, which is not included in its output. Every rank of the
     model-parallel group must call this with the same arguments and gets the same result.
     use_cache=False recomputes the whole sequence every step (slow; a reference for tests).
+    vocab_limit: only ids below it are chosen (a tokenizer smaller than the model's embedding: the
+    ids past its end have no text).
     """
     _check_arguments(model, prompt_tokens, max_new_tokens, temperature, top_p)
     batch = len(prompt_tokens)
@@ -118,6 +121,8 @@ def generate(
         else:
             local_logits = model(tokens[:, :cur])
         logits = gather_from_region(local_logits[:, -1], parallel.mp_group)
+        if vocab_limit is not None:
+            logits[:, vocab_limit:] = float("-inf")
         chosen = _agree(_choose(logits, temperature, top_p, generator), parallel)
         chosen = torch.where(in_prompt[:, cur], tokens[:, cur], chosen)
         tokens[:, cur] = chosen
@@ -140,5 +145,6 @@ def _new_tokens(new: list[int], eos_id: Optional[int]) -> list[int]:
 def generate_text(model, parallel: ParallelDims, tokenizer, prompts: Sequence[str], **kwargs) -> list[str]:
     """Encode prompts (with bos), generate, decode the completions. kwargs go to generate()."""
     prompt_tokens = [tokenizer.encode(p, bos=True) for p in prompts]
-    completions = generate(model, parallel, prompt_tokens, eos_id=tokenizer.eos_id, **kwargs)
+    completions = generate(model, parallel, prompt_tokens, eos_id=tokenizer.eos_id,
+                           vocab_limit=tokenizer.vocab_size, **kwargs)
     return [tokenizer.decode(c) for c in completions]

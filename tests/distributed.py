@@ -26,6 +26,13 @@ class WorkerError(AssertionError):
     pass
 
 
+def child_pythonpath() -> str:
+    """PYTHONPATH for a process a test starts: this checkout first, then the PYTHONPATH the tests
+    were given (where torch or a carried wheel may come from: a GPU machine's /tmp/site)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+
+
 def free_port() -> int:
     # hybridpar.mesh's, imported late: a spawned worker sets OMP_NUM_THREADS before torch loads.
     from hybridpar.layout import free_port as port

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.distributed import child_pythonpath
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -189,7 +190,7 @@ def test_train_with_a_bad_params_json_at_world_2_prints_it_once(tmp_path):
 def _hybridpar(cwd: Path, *argv: str, env: dict = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """`python -m hybridpar ...` as a user runs it from `cwd`, this checkout's hybridpar first."""
     return subprocess.run([sys.executable, "-m", "hybridpar", *argv], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env={**_env(), "PYTHONPATH": str(ROOT), **(env or {})})
+                          timeout=timeout, env={**_env(), "PYTHONPATH": child_pythonpath(), **(env or {})})
 
 
 @pytest.mark.parametrize("argv,code", [
@@ -203,7 +204,7 @@ def test_help_mesh_and_a_refused_start_import_no_torch(argv, code, tmp_path):
              "run_name='__main__')\nexcept SystemExit as e:\n    print('exit', e.code or 0)\n"
              "print('torch imported' if 'torch' in sys.modules else 'no torch', file=sys.stderr)")
     result = subprocess.run([sys.executable, "-c", probe, *argv], cwd=tmp_path, capture_output=True, text=True,
-                            timeout=120, env={**_env(), "PYTHONPATH": str(ROOT), "WORLD_SIZE": "2", "RANK": "0"})
+                            timeout=120, env={**_env(), "PYTHONPATH": child_pythonpath(), "WORLD_SIZE": "2", "RANK": "0"})
     assert result.returncode == 0 and result.stdout.strip().splitlines()[-1] == f"exit {code}", result.stderr
     assert result.stderr.strip().splitlines()[-1] == "no torch", result.stderr
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 import pytest
+from tests.distributed import child_pythonpath
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -299,7 +300,7 @@ def test_the_training_and_checkpoint_commands_run_on_tiny_settings(corpus, tmp_p
             "--data.cache_dir", str(cache), "--data.val_fraction", "0", "--train.eval_every", "0",
             "--fsdp.param_dtype", "float32", "--train.peak_flops", "1e12", "--output.tensorboard", "false",
             "--output.plot", "false"]
-    env = {**os.environ, "HOME": str(home), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "HOME": str(home), "OMP_NUM_THREADS": "1", "PYTHONPATH": child_pythonpath()}
     checks = [ch for ch in all_checks([]) if ch.action == "run-slow"]
     trains = [ch for ch in checks if ch.hybridpar[0] == "train"]
     others = [ch for ch in checks if ch.hybridpar[0] != "train"]

@@ -118,6 +118,18 @@ def test_generation_is_the_same_at_every_mp(workers, preset):
     assert sampled != greedy and sampled_other_seed != sampled
 
 
+def test_vocab_limit_keeps_the_choice_to_the_tokenizers_ids(workers):
+    """A tokenizer smaller than the model's embedding (a 4,096-piece tokenizer under Llama 3's 128,256
+    rows, as on the GPU check): ids past its end have no text and must never be chosen."""
+    limit = 8
+    free, greedy, sampled = _same_on_every_rank(workers(2).run(_case_generate, "debug", 2, [
+        dict(SAMPLED, max_new_tokens=24), dict(GREEDY, vocab_limit=limit),
+        dict(SAMPLED, max_new_tokens=24, vocab_limit=limit)]))
+    assert any(t >= limit for c in free for t in c), free  # unlimited, the model picks ids past it
+    assert all(t < limit for c in greedy + sampled for t in c), (greedy, sampled)
+    assert [len(c) for c in greedy] == [12] * len(greedy)
+
+
 @pytest.mark.slow
 def test_cache_top_p_batching_and_eos(workers):
     pool = workers(4)

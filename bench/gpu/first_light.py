@@ -61,7 +61,9 @@ def rows(r: dict) -> list[tuple[str, str]]:
     if s.get("ok"):
         a, b = s["async"], s["blocking"]
         model = f"{s['n_layers']} layers of Llama 3 8B's shape, with AdamW's state: " if s.get("n_layers") else ""
-        out.append(("async save", f"{model}training blocked {a['blocked_s']:.1f} s; {a['bytes'] / 1e9:.1f} GB "
+        again = s.get("async_again") or {}
+        out.append(("async save", f"{model}training blocked {a['blocked_s']:.1f} s at the first save, "
+                                  f"{_num(again.get('blocked_s'), '.1f')} s at the next; {a['bytes'] / 1e9:.1f} GB "
                                   f"written in {a['written_s']:.1f} s"))
         out.append(("blocking save", f"{b['bytes'] / 1e9:.1f} GB in {b['written_s']:.1f} s = {b['gbs']:.2f} GB/s "
                                      f"({_pct(s.get('blocking_over_disk'))} of the disk's)"))

@@ -31,12 +31,13 @@ def save_layers(free_bytes: int) -> int:
     return max((n for n in range(1, SAVE_LAYERS + 1) if needs(n) <= 0.9 * free_bytes), default=0)
 
 
-def _save_run(check: Check, steps: int, async_save: bool) -> tuple[int, str, list[dict]]:
+def _save_run(check: Check, steps: int, async_save: bool, every: int = 0) -> tuple[int, str, list[dict]]:
     run_dir = check.work / "saves"
     shape = TINY if check.tiny else ["--model.n_layers", str(check.results["save layers"])]
     command = [sys.executable, "-m", "hybridpar", "train", "--config", str(CONFIG), *shape, *check.cache,
                "--train.steps", str(steps), "--optim.warmup_steps", "1", "--checkpoint.at_end", "true",
-               "--checkpoint.keep", "1", "--checkpoint.resume", "true", "--checkpoint.async_save",
+               "--checkpoint.keep", "1", "--checkpoint.resume", "true", "--checkpoint.every", str(every),
+               "--checkpoint.async_save",
                str(async_save).lower(), "--output.run_dir", str(run_dir)]
     code, text, _ = check.run(f"{'async' if async_save else 'blocking'} save", command, 300)
     return code, text, read_jsonl(run_dir / "events.jsonl")
@@ -53,23 +54,26 @@ def _save_figures(events: list[dict], step: int) -> dict:
 
 
 def saves(check: Check) -> dict:
-    """An async save at step 2, then a run resumed from it (a load) that trains step 3 and saves it
-    blocking; each save's blocked and written time from the run's events.jsonl."""
+    """Async saves at steps 2 and 4 (the second reuses the first's staging memory), then a run resumed
+    from step 4 (a load) that trains step 5 and saves it blocking; each save's blocked and written
+    time from the run's events.jsonl."""
     shutil.rmtree(check.work / "saves", ignore_errors=True)
     free = shutil.disk_usage(check.work).free
     check.results["save layers"] = layers = save_layers(free)
     if not check.tiny and not layers:
         return {"ok": False, "why": f"skipped: {free / 1e9:.0f} GB free in {check.work}, too little for two checkpoints"}
-    code, text, events = _save_run(check, 2, async_save=True)
-    first = _save_figures(events, 2)
-    if code != 0 or not first:
-        return {"ok": False, "why": f"async save: exit {code}: {last_lines(text)}"}
-    code, text, events = _save_run(check, 3, async_save=False)
-    second = _save_figures(events, 3)
+    code, text, events = _save_run(check, 4, async_save=True, every=2)
+    first, again = _save_figures(events, 2), _save_figures(events, 4)
+    if code != 0 or not first or not again:
+        return {"ok": False, "why": f"async saves: exit {code}: {last_lines(text)}"}
+    code, text, events = _save_run(check, 5, async_save=False)
+    second = _save_figures(events, 5)
     if code != 0 or not second:
-        return {"ok": False, "async": first, "why": f"resume and blocking save: exit {code}: {last_lines(text)}"}
+        return {"ok": False, "async": first, "async_again": again,
+                "why": f"resume and blocking save: exit {code}: {last_lines(text)}"}
     disk = check.results.get("probe", {}).get("disk_gbs")
-    return {"ok": True, "n_layers": None if check.tiny else layers, "free_gb": free / 1e9, "async": first, "blocking": second,
+    return {"ok": True, "n_layers": None if check.tiny else layers, "free_gb": free / 1e9, "async": first,
+            "async_again": again, "blocking": second,
             "resumed": "resumed from" in text, "blocking_over_disk": second["gbs"] / disk if disk else None}
 
 

@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -114,6 +115,9 @@ class Checkpointer:
         self.written: list[dict] = []  # rank 0: {"step", "bytes", "seconds"} of each save completed, for the run's events
         # Background writes run collectives of their own: give them a group apart from training's.
         self._async_group = dist.new_group(backend="gloo") if async_save else None
+        # A GPU's saves stage into one pinned host copy, made by the first and reused (docs/benchmarks.md).
+        cached = async_save and parallel.device.type == "cuda"
+        self._stager = BlockingAsyncStager(cache_staged_state_dict=True) if cached else None
 
     # --- saving ------------------------------------------------------------------------------
 
@@ -159,7 +163,8 @@ class Checkpointer:
             raise_if_any_failed(error, f"write {partial}", error_type=CheckpointError)
             writer = self._writer(partial)
             if self.async_save:
-                future = dcp.async_save(state, storage_writer=writer, process_group=self._async_group)
+                future = dcp.async_save(state, storage_writer=writer, process_group=self._async_group,
+                                        async_stager=self._stager)
                 future.add_done_callback(lambda _: meta.setdefault("written_at", time.perf_counter()))
                 self._pending = (future, partial, meta, writer)
             else:
@@ -244,11 +249,9 @@ class Checkpointer:
             seconds = meta.get("written_at", time.perf_counter()) - meta["begun"]  # async: when the writes ended
             self.written.append({"step": meta["train_state"]["step"], "bytes": size, "seconds": round(seconds, 3)})
             note(f"checkpoint {final.name}: {human_bytes(size)} written in {seconds:.1f} s "
-                 f"({size / max(seconds, 1e-9) / 1e9:.2f} GB/s)")
-            doomed = []
-            for path in past_keep(self.folder, self.keep, final):
-                # Out of the listing at once; freeing the blocks can wait.
-                doomed.append(path.rename(path.with_name(path.name + DELETING)))
+                 f"({size / seconds / 1e9:.2f} GB/s)")
+            # Out of the listing at once; freeing the blocks can wait.
+            doomed = [path.rename(path.with_name(path.name + DELETING)) for path in past_keep(self.folder, self.keep, final)]
             if doomed:
                 fsync_dir(self.folder)  # commit_staged made the new one durable; these renames too
             self._delete_in_background(doomed)

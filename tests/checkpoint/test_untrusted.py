@@ -16,6 +16,7 @@ import pytest
 
 from tests.checkpoint.test_dcp import HALF, _config, _straight_and_half
 from tests.checkpoint.test_verify import _case_resume
+from tests.distributed import child_pythonpath
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -149,7 +150,7 @@ def test_the_refusal_is_marked_for_every_rank():
 
 
 def _hybridpar(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": child_pythonpath()}
     env.pop("HYBRIDPAR_TRACEBACK", None)
     return subprocess.run([sys.executable, "-m", "hybridpar", *args], capture_output=True, text=True, env=env,
                           cwd=cwd, timeout=300)

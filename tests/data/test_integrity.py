@@ -21,6 +21,7 @@ from hybridpar.data.store import MANIFEST, StoreDamagedError, StoreError, TokenS
 from hybridpar.data.store_prepare import prepare_store
 from hybridpar.data.store_verify import verify_store
 from tests.runs import GLOBAL_BATCH, make_config
+from tests.distributed import child_pythonpath
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,7 +59,7 @@ def _edit(store: Path, change) -> None:
 
 def _verify(store: Path) -> tuple[int, str]:
     run = subprocess.run([sys.executable, "-m", "hybridpar", "verify", str(store)], capture_output=True, text=True,
-                         timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+                         timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": child_pythonpath()})
     return run.returncode, run.stdout + run.stderr
 
 

@@ -19,6 +19,7 @@ from hybridpar.data.store_plan import plan_of, preparing
 from hybridpar.data.store_prepare import prepare_store
 from hybridpar.files import file_lock
 from tests.data.stubs import NumberTokenizer, SlowNumberTokenizer
+from tests.distributed import child_pythonpath
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -140,7 +141,7 @@ def test_two_prepares_of_different_input_into_one_out(tmp_path, tokenizer):
         with open(path, "w") as f:
             for i in range(6000):
                 f.write(json.dumps({"text": f"document {i} of {tag}: " + "some words to tokenise " * 10}) + "\n")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": child_pythonpath()}
     procs = {}
     for name in (a, b):
         procs[name] = (time.monotonic(), subprocess.Popen(

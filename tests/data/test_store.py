@@ -19,6 +19,7 @@ from hybridpar.data import default_corpus_documents
 from hybridpar.data.store import MANIFEST, TokenStore
 from hybridpar.data.store_prepare import prepare_store
 from hybridpar.data.store_verify import verify_store
+from tests.distributed import child_pythonpath
 
 ROOT = Path(__file__).resolve().parents[2]
 UNIT = 40_000  # bytes a unit: several units per file
@@ -93,7 +94,7 @@ def test_workers_and_parts_make_the_same_store(formats, reference, tokenizer, tm
 
 
 def _hybridpar(*args: str, **kwargs) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": child_pythonpath()}
     return subprocess.Popen([sys.executable, "-m", "hybridpar", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, **kwargs)
 
@@ -121,13 +122,13 @@ def test_the_command_killed_midway_finishes_the_same_store(formats, tokenizer, t
     print(f"\nkilled with {done_before} units done")
     assert not (tmp_path / "store" / MANIFEST).exists()  # never looks complete
     again = subprocess.run([sys.executable, "-m", "hybridpar", *args], capture_output=True, text=True, timeout=300,
-                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": child_pythonpath()})
     assert again.returncode == 0, again.stderr[-3000:]
     assert "complete" in again.stdout
     store = TokenStore(tmp_path / "store")
     assert json.loads((tmp_path / "store" / MANIFEST).read_text())["parts"] == once.meta["parts"]
     verified = subprocess.run([sys.executable, "-m", "hybridpar", "verify", str(tmp_path / "store")],
-                              capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                              capture_output=True, text=True, env={**os.environ, "PYTHONPATH": child_pythonpath()})
     assert verified.returncode == 0 and "all ok" in verified.stdout, verified.stdout
     shard = tmp_path / "store" / store.shards[1]["name"]
     data = bytearray(shard.read_bytes())
@@ -274,7 +275,7 @@ def test_a_long_preparation_in_the_job_is_not_a_hang(workers, documents, tmp_pat
 def test_the_sbatch_example_as_two_array_tasks(formats, tokenizer, tmp_path):
     """launch/prepare.sh run as tasks 0 and 1 of an array of two (the variables Slurm sets): the
     first leaves the store incomplete, the second completes it, equal to one pass."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "SOURCES": f"{formats['parquet']} {formats['jsonl']}",
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(), "SOURCES": f"{formats['parquet']} {formats['jsonl']}",
            "TOKENIZER": str(tokenizer.path), "OUT": str(tmp_path / "store"), "WORKERS": "1",
            "SLURM_ARRAY_TASK_COUNT": "2", "SLURM_ARRAY_TASK_MIN": "0", "PREPARE_ARGS": "--unit-mb 0.04"}
     script = ROOT / "launch" / "prepare.sh"

@@ -22,6 +22,7 @@ from hybridpar.diagnostics import flight, watchdog
 from hybridpar.diagnostics.flight import analyse, format_report
 from hybridpar.diagnostics.liveness import process_stopped
 from hybridpar.diagnostics.traces import Collective, GroupTrace, RankTrace, trace_from_dump
+from tests.distributed import child_pythonpath
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN_TIMEOUT = 4.0
@@ -420,7 +421,7 @@ def _flags(corpus, run_dir: Path, world: int) -> dict:
 
 def _run_fault(corpus, tmp_path: Path, fault: str, rank: int, world: int = 4,
                **flags) -> tuple[subprocess.CompletedProcess, float]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": child_pythonpath()}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
            str(ROOT / "tests" / "diagnostics" / "fault_job.py"), fault, str(rank), str(FAULT_STEP),
            json.dumps({**_flags(corpus, tmp_path / "run", world), **flags})]

@@ -22,6 +22,7 @@ import torch
 
 from tests.gpu import cases
 from tests.runs import GLOBAL_BATCH
+from tests.distributed import child_pythonpath
 
 ROOT = Path(__file__).resolve().parents[2]
 DEVICE = os.environ.get("HYBRIDPAR_GPU_TESTS_DEVICE", "cuda")
@@ -114,7 +115,7 @@ def _job(corpus, run_dir: Path, mode: str, **overrides) -> tuple[subprocess.Comp
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                             "MASTER_PORT", "NCCL_DEBUG")
            and not k.startswith(("TORCH_FR", "TORCH_NCCL"))}  # the tracing variables: hybridpar's defaults
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=child_pythonpath())
     start = time.time()
     result = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / "job.py"), mode, json.dumps(flags)],
                             capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)

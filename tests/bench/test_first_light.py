@@ -33,6 +33,7 @@ def test_first_light_runs_end_to_end_on_a_cpu(tmp_path):
         assert r[name]["steps_timed"] >= 5 and r[name]["tokens_per_s"] > 0 and r[name]["mfu_measured"] > 0
     saves = r["saves"]
     assert saves["resumed"] and saves["async"]["bytes"] > 0 and saves["blocking"]["gbs"] > 0
+    assert saves["async_again"]["bytes"] == saves["async"]["bytes"]  # the second async save, same state
     assert saves["async"]["bytes"] == pytest.approx(saves["blocking"]["bytes"], rel=0.01)  # the same model
     print(f"HF export against transformers: relative error {r['export hf']['rel_error']:.2e}")
     assert r["export hf"]["rel_error"] < 1e-5

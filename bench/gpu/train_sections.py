@@ -22,11 +22,11 @@ def probe(check: Check) -> dict:
 
 def gpu_tests(check: Check) -> dict:
     code, text, seconds = check.run("gpu tests", [sys.executable, "-m", "pytest", "-m", "gpu", "tests/gpu", "-q",
-                                                  "-rs", "-p", "no:cacheprovider"], 180)
+                                                  "-rfEs", "-p", "no:cacheprovider"], 180)
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors)", text)}
     failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", text, re.M)
     return {"ok": code in (0, 5) and not failed, "counts": counts, "failed": failed, "seconds": seconds,
-            "why": "" if code in (0, 5) else last_lines(text)}
+            "why": "" if code in (0, 5) else f"exit {code}: " + (" ".join(failed) or last_lines(text))}
 
 
 def layers_that_fit(check: Check) -> dict:

@@ -1,4 +1,5 @@
 """What each `hybridpar` command does, given the parsed arguments (hybridpar.cli builds the parser).
+A command returns its exit code; a failure it raises, RunFailed where the run has a folder for tracebacks.
 
 Importing this module imports no torch: each command imports what it needs when it runs, so
 `--help`, `hybridpar mesh` and a refused start stay fast.
@@ -15,6 +16,15 @@ from pathlib import Path
 
 from . import dtypes
 from .layout import MeshCoords, MeshSizeError, group_ranks, resolve_sizes
+
+
+class RunFailed(Exception):
+    """A command failed once its run had a folder: `error`, and `log_dir`, the folder where hybridpar.cli
+    writes each rank's traceback (its one-line message names it). Anything else a command raises has none."""
+
+    def __init__(self, error: Exception, log_dir: Path):
+        super().__init__(f"{type(error).__name__}: {error} (tracebacks: {log_dir})")
+        self.error, self.log_dir = error, log_dir
 
 
 def cmd_mesh(args: argparse.Namespace) -> int:
@@ -61,10 +71,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from .train import Trainer
 
-    args.log_dir = Path(config.output.run_dir) / "logs"  # where main() puts a failing rank's traceback
     try:
         trainer = Trainer(config)
         trainer.run()
+    except Exception as err:  # the run has its folder now: its logs/ takes each rank's traceback
+        raise RunFailed(err, Path(config.output.run_dir) / "logs") from err
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -1,5 +1,6 @@
 """What each `hybridpar` command does, given the parsed arguments (hybridpar.cli builds the parser).
-A command returns its exit code; a failure it raises, RunFailed where the run has a folder for tracebacks.
+A command returns its exit code (0, or 1 where its checks found a fault); a mistake or a failure it raises,
+for hybridpar.cli to report in one line (RunFailed where the run has a folder for the tracebacks).
 
 Importing this module imports no torch: each command imports what it needs when it runs, so
 `--help`, `hybridpar mesh` and a refused start stay fast.
@@ -15,7 +16,7 @@ import sys
 from pathlib import Path
 
 from . import dtypes
-from .layout import MeshCoords, MeshSizeError, group_ranks, resolve_sizes
+from .layout import MeshCoords, group_ranks, resolve_sizes
 
 
 class RunFailed(Exception):
@@ -29,11 +30,7 @@ class RunFailed(Exception):
 
 def cmd_mesh(args: argparse.Namespace) -> int:
     """Print the rank layout a job of this shape would use, without starting any process."""
-    try:
-        dp_replicate, dp_shard, mp = resolve_sizes(args.world, args.mp, args.dp_shard, args.dp_replicate)
-    except MeshSizeError as err:
-        print(f"hybridpar: error: {err}", file=sys.stderr)
-        return 2
+    dp_replicate, dp_shard, mp = resolve_sizes(args.world, args.mp, args.dp_shard, args.dp_replicate)
     per_node = args.procs_per_node
     print(f"world {args.world} = dp_replicate {dp_replicate} x dp_shard {dp_shard} x mp {mp}")
     if per_node and mp > per_node:
@@ -336,9 +333,8 @@ def cmd_hang_report(args: argparse.Namespace) -> int:
     for path in skipped:
         print(f"hybridpar hang-report: skipped {path}: not a flight-recorder dump", file=sys.stderr)
     if not traces:
-        print(f"hybridpar: error: no flight-recorder dumps in {args.dir} (the watchdog's flight_recorder_rank_R.json, "
-              "or torch's TORCH_FR_DUMP_TEMP_FILE dumps, whose names end in the rank number)", file=sys.stderr)
-        return 2
+        raise FileNotFoundError(f"no flight-recorder dumps in {args.dir} (the watchdog's flight_recorder_rank_R.json, "
+                                "or torch's TORCH_FR_DUMP_TEMP_FILE dumps, whose names end in the rank number)")
     world = max(world, args.world, max(traces) + 1)
     missing = sorted(set(range(world)) - set(traces))
     verdict = analyse(traces, dead=missing)

@@ -423,7 +423,20 @@ def test_a_commands_return_value_is_the_exit_code(monkeypatch, tmp_path):
 
     monkeypatch.setattr(cli, "cmd_verify", lambda args: 7)  # the parser registers the handler cli names
     assert cli.main(["verify", str(tmp_path)]) == 7
-    assert cli.main(["mesh", "--world", "4", "--mp", "3"]) == 2  # cmd_mesh's own refusal
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_commands_mistake_is_the_clis_to_say_once(rank, monkeypatch, capsys):
+    """A command raises its mistake; the CLI says it, once, on rank 0 (mesh sizes are wrong on every rank)."""
+    from hybridpar import cli
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setattr(cli, "RANK_0_SPEAKS_S", 0.0)
+    assert cli.main(["mesh", "--world", "4", "--mp", "3"]) == 2
+    said = capsys.readouterr().err.splitlines()
+    assert said == (["hybridpar: error: world size 4 is not divisible by mp * dp_replicate = 3 * 1 = 3; choose mp "
+                     "and dp_replicate whose product divides 4 (divisors: [1, 2, 4])"] if rank == "0" else []), said
 
 
 @pytest.mark.parametrize("error,code,says", [

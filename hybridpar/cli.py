@@ -29,6 +29,7 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def add_argument(self, *args, **kwargs) -> argparse.Action:
+        # (an argument group's add_argument is its own: give the flags to the parser, as every command does)
         action = super().add_argument(*args, **kwargs)
         self.flags.extend(action.option_strings)
         return action

@@ -9,11 +9,11 @@ import difflib
 import os
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 from . import __version__, dtypes
 from .commands import (cmd_convert, cmd_doctor, cmd_generate, cmd_hang_report, cmd_mesh, cmd_plan, cmd_prepare,
-                       cmd_train, cmd_verify)
+                       cmd_train, cmd_verify, RunFailed)
 
 # hybridpar.plan.hardware.GPUS's names (tests/test_plan.py holds them equal): the parser is built
 # without importing the planner, which imports torch.
@@ -21,7 +21,18 @@ GPU_NAMES = ("a100", "h100", "h100-500w")
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse's parser whose errors are one line, naming where the flags are listed (no usage block)."""
+    """argparse's parser whose errors are one line, naming where the flags are listed (no usage block),
+    and which keeps the flags it was given (`flags`: a mistyped one is matched against them)."""
+
+    def __init__(self, *args, **kwargs):
+        self.flags: list[str] = []  # before argparse's own __init__, which adds -h/--help through add_argument
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args, **kwargs) -> argparse.Action:
+        # (an argument group's add_argument is its own: give the flags to the parser, as every command does)
+        action = super().add_argument(*args, **kwargs)
+        self.flags.extend(action.option_strings)
+        return action
 
     def error(self, message: str):
         # Under a launcher every rank parses the same argv: rank 0 alone says what is wrong.
@@ -45,21 +56,45 @@ def _let_rank_0_speak() -> None:
         time.sleep(RANK_0_SPEAKS_S)
 
 
+class _Parsers(NamedTuple):
+    """The `hybridpar` parser, and each command's own by name (in --help's order), whose errors name the command."""
+    main: _Parser
+    commands: dict[str, _Parser]
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The `hybridpar` parser: `parse_known_args(argv)` gives the namespace whose `func` runs the command, and
+    the words left for train's and doctor's config overrides."""
+    return _build().main
+
+
+def command_names() -> tuple[str, ...]:
+    """The commands `hybridpar` takes, in --help's order."""
+    return tuple(_build().commands)
+
+
+def _build() -> _Parsers:
     from .config import describe  # every config key, for `train --help`
     from .data.formats import BAD_RECORD_CHOICES, MAX_DOCUMENT_BYTES  # one list of choices with data.on_bad_record
     parser = _Parser(prog="hybridpar", description=__doc__.split("\n")[0])
     parser.add_argument("--version", action="version", version=f"hybridpar {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    mesh = sub.add_parser("mesh", help="print the rank layout of a (dp_replicate, dp_shard, mp) mesh")
+    commands: dict[str, _Parser] = {}
+
+    def command(name: str, func: Callable[[argparse.Namespace], int], **kwargs) -> _Parser:
+        """A command's parser, registered by name; `func(args)` runs it and returns the exit code."""
+        commands[name] = sub.add_parser(name, **kwargs)
+        commands[name].set_defaults(func=func)
+        return commands[name]
+
+    mesh = command("mesh", cmd_mesh, help="print the rank layout of a (dp_replicate, dp_shard, mp) mesh")
     mesh.add_argument("--world", type=int, required=True, help="number of ranks")
     mesh.add_argument("--mp", type=int, default=1)
     mesh.add_argument("--dp-shard", type=int, default=-1, help="-1: the remaining ranks")
     mesh.add_argument("--dp-replicate", type=int, default=1)
     mesh.add_argument("--procs-per-node", type=int, default=0, help="to show node boundaries")
-    mesh.set_defaults(func=cmd_mesh)
-    train = sub.add_parser(
-        "train", help="train a model (under torchrun or srun; a world of one without)",
+    train = command(
+        "train", cmd_train, help="train a model (under torchrun or srun; a world of one without)",
         epilog="Any config key can be overridden: --train.steps 20 --parallel.mp 2 --fsdp.param_dtype float32.\n"
                "The keys, their types and defaults:\n\n" + describe(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -79,8 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--gpus-per-node", type=int, default=8, help="--dry-run: GPUs per node (default 8)")
     train.add_argument("--gpu", default="a100", choices=GPU_NAMES,
                        help="--dry-run: the GPU of the planner's step-time estimate (default a100)")
-    train.set_defaults(func=cmd_train)
-    convert = sub.add_parser("convert", help="convert a checkpoint: hybridpar (dcp), Meta consolidated, Hugging Face")
+    convert = command("convert", cmd_convert,
+                      help="convert a checkpoint: hybridpar (dcp), Meta consolidated, Hugging Face")
     convert.add_argument("src", help="a hybridpar checkpoint (or a folder of them: the newest), a Meta folder or a Hugging Face folder")
     convert.add_argument("dst", help="the folder to write")
     convert.add_argument("--to", required=True, choices=("dcp", "meta", "hf"))
@@ -109,14 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
                          help="--to hf: the largest safetensors file, as transformers' save_pretrained: 5GB (the "
                               "default; 10^9 bytes a GB), 500MB, 2GiB or a byte count; a larger tensor gets a file "
                               "of its own")
-    convert.set_defaults(func=cmd_convert)
-    verify = sub.add_parser("verify", help="check a checkpoint folder's (or a token store's) files against the "
-                                           "checksums saved with it")
+    verify = command("verify", cmd_verify, help="check a checkpoint folder's (or a token store's) files against "
+                                                "the checksums saved with it")
     verify.add_argument("path", help="one checkpoint folder (checkpoints/step-00000100), a run's checkpoints/ "
                                      "folder (each checkpoint in it), or a token store")
-    verify.set_defaults(func=cmd_verify)
-    prep = sub.add_parser("prepare", help="tokenise corpus files (parquet, datasets folders, jsonl[.gz|.zst], txt) "
-                                          "into a token store that data.source accepts")
+    prep = command("prepare", cmd_prepare, help="tokenise corpus files (parquet, datasets folders, jsonl[.gz|.zst], "
+                                                "txt) into a token store that data.source accepts")
     prep.add_argument("sources", nargs="*", help="files or folders, read in the order given (folders sorted by path)")
     prep.add_argument("--tokenizer", help="a tokenizer.model, tokenizer.json or their folder")
     prep.add_argument("--out", required=True, help="the store folder")
@@ -132,8 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a record whose text is missing, null or not a string: stop naming it, or skip and count it")
     prep.add_argument("--max-document-bytes", type=int, default=MAX_DOCUMENT_BYTES,
                       help="a record longer than this is a bad record (data.max_document_bytes; default 64 MiB)")
-    prep.set_defaults(func=cmd_prepare)
-    gen = sub.add_parser("generate", help="continue prompts with a trained model (greedy or top-p, KV cache)")
+    gen = command("generate", cmd_generate, help="continue prompts with a trained model (greedy or top-p, KV cache)")
     gen.add_argument("--checkpoint", required=True, help="a hybridpar checkpoint (or a folder of them), a Meta folder or a Hugging Face folder")
     gen.add_argument("--tokenizer", required=True,
                      help="the tokenizer the model was trained with: a tokenizer.model (sentencepiece, or Llama 3's "
@@ -146,9 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--mp", type=int, default=1, help="model-parallel size (run under torchrun with that many ranks)")
     gen.add_argument("--dtype", default=None, metavar="{" + ",".join(dtypes.NAMES) + "}",
                      help="the weights' dtype (default float32 on CPU, bfloat16 on GPU)")
-    gen.set_defaults(func=cmd_generate)
-    doctor = sub.add_parser(
-        "doctor", help="check mesh layout, NCCL/gloo environment, bus bandwidth per mesh dim and the data pipeline",
+    doctor = command(
+        "doctor", cmd_doctor,
+        help="check mesh layout, NCCL/gloo environment, bus bandwidth per mesh dim and the data pipeline",
         epilog="Run under the job's launcher (torchrun, srun); exit code 1 when a check finds an error. "
                "Config keys can be overridden as for train: --parallel.mp 2",
     )
@@ -164,14 +196,12 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter", help="collectives to time")
     doctor.add_argument("--no-busbw", action="store_true", help="skip the bandwidth measurement")
     doctor.add_argument("--json", default="", metavar="PATH", help="also write the report as JSON here (rank 0)")
-    doctor.set_defaults(func=cmd_doctor)
-    hang = sub.add_parser("hang-report", help="explain a hang from the flight-recorder dumps of every rank")
+    hang = command("hang-report", cmd_hang_report, help="explain a hang from the flight-recorder dumps of every rank")
     hang.add_argument("dir", help="a folder with one dump per rank (e.g. the run folder's flight_recorder/)")
     hang.add_argument("--world", type=int, default=0, help="number of ranks, if the dumps do not say (nccl dumps)")
     hang.add_argument("--json", default="", metavar="PATH", help="also write the verdict as JSON here")
-    hang.set_defaults(func=cmd_hang_report)
-    plan = sub.add_parser(
-        "plan", help="estimate per-GPU memory and step time of every layout, best first",
+    plan = command(
+        "plan", cmd_plan, help="estimate per-GPU memory and step time of every layout, best first",
         epilog="Example: hybridpar plan --model llama3_70b --gpus 128 --gpu h100 --global-batch 4Mtok. "
                "Measure your bandwidths with `hybridpar doctor`. Exit code 1 when no layout fits.",
     )
@@ -216,30 +246,34 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--top", type=int, default=10, help="layouts to list (default 10)")
     plan.add_argument("--json", default="", metavar="PATH",
                       help="also write every layout's estimate and the best one's config as JSON here")
-    plan.set_defaults(func=cmd_plan)
-    parser.commands = sub.choices  # each command's parser, whose errors name the command
-    return parser
+    return _Parsers(parser, commands)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
+    """Run the command argv names; its exit code (a failure reported as one line: 2 for bad input, 1 internal)."""
+    parsers = _build()
+    args, extra = parsers.main.parse_known_args(argv)
+    command = parsers.commands[args.command]
     if args.command in ("train", "doctor"):
-        command = parser.commands[args.command]
         for flag in (a.split("=")[0] for a in extra if a.startswith("--")):
             if "." not in flag:  # not a config key (section.key): a mistyped flag of the command's own
-                near = difflib.get_close_matches(flag, command._option_string_actions, n=1)
+                near = difflib.get_close_matches(flag, command.flags, n=1)
                 command.error(f"unrecognized argument {flag}" + (f": did you mean {near[0]}?" if near else
                               "; config keys look like --train.steps 20"))
         args.overrides = extra
     elif extra:
-        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+        command.error(f"unrecognized arguments: {' '.join(extra)}")
+    # A command answers with its exit code, or raises: RunFailed once the run has a folder for tracebacks.
     try:
         return args.func(args)
+    except RunFailed as failed:
+        if os.environ.get("HYBRIDPAR_TRACEBACK"):
+            raise failed.error from None  # the error's own traceback, as if not wrapped
+        return _report_error(failed.error, failed.log_dir)
     except Exception as err:  # noqa: BLE001 - reported below, then the exit code says it failed
         if os.environ.get("HYBRIDPAR_TRACEBACK"):
             raise
-        return _report_error(err, getattr(args, "log_dir", None))
+        return _report_error(err, None)
 
 
 def _report_error(error: Exception, log_dir: Optional[Path]) -> int:

@@ -1,4 +1,6 @@
 """What each `hybridpar` command does, given the parsed arguments (hybridpar.cli builds the parser).
+A command returns its exit code (0, or 1 where its checks found a fault); a mistake or a failure it raises,
+for hybridpar.cli to report in one line (RunFailed where the run has a folder for the tracebacks).
 
 Importing this module imports no torch: each command imports what it needs when it runs, so
 `--help`, `hybridpar mesh` and a refused start stay fast.
@@ -14,16 +16,21 @@ import sys
 from pathlib import Path
 
 from . import dtypes
-from .layout import MeshCoords, MeshSizeError, group_ranks, resolve_sizes
+from .layout import MeshCoords, group_ranks, resolve_sizes
+
+
+class RunFailed(Exception):
+    """A command failed once its run had a folder: `error`, and `log_dir`, the folder where hybridpar.cli
+    writes each rank's traceback (its one-line message names it). Anything else a command raises has none."""
+
+    def __init__(self, error: Exception, log_dir: Path):
+        super().__init__(f"{type(error).__name__}: {error} (tracebacks: {log_dir})")
+        self.error, self.log_dir = error, log_dir
 
 
 def cmd_mesh(args: argparse.Namespace) -> int:
     """Print the rank layout a job of this shape would use, without starting any process."""
-    try:
-        dp_replicate, dp_shard, mp = resolve_sizes(args.world, args.mp, args.dp_shard, args.dp_replicate)
-    except MeshSizeError as err:
-        print(f"hybridpar: error: {err}", file=sys.stderr)
-        return 2
+    dp_replicate, dp_shard, mp = resolve_sizes(args.world, args.mp, args.dp_shard, args.dp_replicate)
     per_node = args.procs_per_node
     print(f"world {args.world} = dp_replicate {dp_replicate} x dp_shard {dp_shard} x mp {mp}")
     if per_node and mp > per_node:
@@ -61,10 +68,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     from .train import Trainer
 
-    args.log_dir = Path(config.output.run_dir) / "logs"  # where main() puts a failing rank's traceback
     try:
         trainer = Trainer(config)
         trainer.run()
+    except Exception as err:  # the run has its folder now: its logs/ takes each rank's traceback
+        raise RunFailed(err, Path(config.output.run_dir) / "logs") from err
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -325,9 +333,8 @@ def cmd_hang_report(args: argparse.Namespace) -> int:
     for path in skipped:
         print(f"hybridpar hang-report: skipped {path}: not a flight-recorder dump", file=sys.stderr)
     if not traces:
-        print(f"hybridpar: error: no flight-recorder dumps in {args.dir} (the watchdog's flight_recorder_rank_R.json, "
-              "or torch's TORCH_FR_DUMP_TEMP_FILE dumps, whose names end in the rank number)", file=sys.stderr)
-        return 2
+        raise FileNotFoundError(f"no flight-recorder dumps in {args.dir} (the watchdog's flight_recorder_rank_R.json, "
+                                "or torch's TORCH_FR_DUMP_TEMP_FILE dumps, whose names end in the rank number)")
     world = max(world, args.world, max(traces) + 1)
     missing = sorted(set(range(world)) - set(traces))
     verdict = analyse(traces, dead=missing)

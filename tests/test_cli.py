@@ -403,3 +403,65 @@ def test_the_plans_config_line_trains_what_was_planned(argv, tmp_path, capsys):
     assert c.fsdp.ac_every == (best["ac_every"] if best["ac"] == "selective" else 2)
     assert (c.train.grad_sync, c.train.compile, c.parallel.sequence_parallel) == (
         w["grad_sync"], w["compile"], best["sequence_parallel"])
+
+
+# --- from the parser to a command and back: its exit code, or its failure --------------------------
+
+
+def test_the_public_command_list_is_the_one_the_parser_offers():
+    """hybridpar.cli.command_names() (what tests/test_docs.py checks documented commands against) is the
+    list `hybridpar --help` offers, in its order."""
+    from hybridpar.cli import build_parser, command_names
+
+    offered = re.search(r"\{([^}]*)\}", build_parser().format_usage())  # usage: hybridpar ... {mesh,train,...}
+    assert offered and list(command_names()) == offered[1].split(","), build_parser().format_usage()
+    assert {"mesh", "train", "convert", "plan", "hang-report"} <= set(command_names())
+
+
+def test_a_commands_return_value_is_the_exit_code(monkeypatch, tmp_path):
+    from hybridpar import cli
+
+    monkeypatch.setattr(cli, "cmd_verify", lambda args: 7)  # the parser registers the handler cli names
+    assert cli.main(["verify", str(tmp_path)]) == 7
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_commands_mistake_is_the_clis_to_say_once(rank, monkeypatch, capsys):
+    """A command raises its mistake; the CLI says it, once, on rank 0 (mesh sizes are wrong on every rank)."""
+    from hybridpar import cli
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setattr(cli, "RANK_0_SPEAKS_S", 0.0)
+    assert cli.main(["mesh", "--world", "4", "--mp", "3"]) == 2
+    said = capsys.readouterr().err.splitlines()
+    assert said == (["hybridpar: error: world size 4 is not divisible by mp * dp_replicate = 3 * 1 = 3; choose mp "
+                     "and dp_replicate whose product divides 4 (divisors: [1, 2, 4])"] if rank == "0" else []), said
+
+
+@pytest.mark.parametrize("error,code,says", [
+    (RuntimeError("the unexpected"), 1, "hybridpar: internal error: RuntimeError: the unexpected (traceback: {logs}"
+                                        "/rank-0.log; HYBRIDPAR_TRACEBACK=1 prints it here)"),
+    (ValueError("a bad value"), 2, "hybridpar: error: a bad value (tracebacks: {logs}/rank-*.log)"),
+], ids=["internal error", "bad input"])
+def test_a_run_that_fails_once_it_has_a_folder_leaves_its_traceback_there(error, code, says, monkeypatch,
+                                                                           tmp_path, capsys):
+    """The trainer's failure reaches the command line with the run's logs/ (commands.RunFailed): the
+    one line names the traceback written there; HYBRIDPAR_TRACEBACK=1 raises the error itself."""
+    import hybridpar.train
+    from hybridpar.cli import main
+
+    def trainer(config):
+        raise error
+
+    monkeypatch.setattr(hybridpar.train, "Trainer", trainer)
+    for key in ("WORLD_SIZE", "RANK", "HYBRIDPAR_TRACEBACK"):
+        monkeypatch.delenv(key, raising=False)
+    argv = ["train", "--output.run_dir", str(tmp_path / "run")]
+    assert main(argv) == code
+    assert capsys.readouterr().err.splitlines() == [says.format(logs=tmp_path / "run" / "logs")]
+    assert f"{type(error).__name__}: {error}" in (tmp_path / "run" / "logs" / "rank-0.log").read_text()
+    monkeypatch.setenv("HYBRIDPAR_TRACEBACK", "1")
+    with pytest.raises(type(error)) as raised:
+        main(argv)
+    assert raised.value is error

@@ -128,13 +128,13 @@ def _bash_n(path: str) -> None:
 def _parse_hybridpar(argv: list[str], world: Optional[int], where: str) -> None:
     """The real parser takes the argv; train's and doctor's config loads with the overrides; the
     mesh's sizes tile the world: torchrun's, 1 without a launcher, or the dry run's --world."""
-    from hybridpar.cli import build_parser
+    from hybridpar.cli import build_parser, command_names
     from hybridpar.config import find_config, load_config
     from hybridpar.layout import resolve_sizes
 
     if "--help" in argv:  # argparse prints the help and exits: the subcommand must exist
         argv = [w for w in argv if w != "--help"][:1]
-        assert not argv or argv[0] in build_parser()._subparsers._group_actions[0].choices, f"{where}: {argv}"
+        assert not argv or argv[0] in command_names(), f"{where}: {argv}"
         return
     try:
         args, extra = build_parser().parse_known_args(argv)

@@ -53,6 +53,34 @@ def test_no_file_is_unpickled_without_a_restriction():
     assert not offenders, "unrestricted unpickling (use hybridpar.safe_pickle): " + ", ".join(offenders)
 
 
+
+# argparse's own attributes, which change between Python versions: the CLI keeps registries of its own
+# (hybridpar.cli: each parser's flags, the commands by name, command_names()).
+ARGPARSE_PRIVATES = {"_option_string_actions", "_subparsers", "_group_actions", "_actions", "_defaults",
+                     "_registries", "_positionals", "_optionals", "_action_groups", "_name_parser_map",
+                     "_choices_actions", "_mutually_exclusive_groups", "_get_formatter", "_get_values"}
+
+
+def _argparse_privates(source: str, where: str) -> list[str]:
+    return [f"{where}:{node.lineno} .{node.attr}" for node in ast.walk(ast.parse(source, where))
+            if isinstance(node, ast.Attribute) and node.attr in ARGPARSE_PRIVATES]
+
+
+def test_nothing_reaches_into_argparse_privates():
+    """hybridpar/, models/, bench/, tests/ and launch/'s scripts use argparse's public API only."""
+    planted = _argparse_privates("build_parser()._subparsers._group_actions[0].choices", "x.py")
+    assert sorted(planted) == ["x.py:1 ._group_actions", "x.py:1 ._subparsers"], planted
+    offenders, parsers = [], 0
+    for path in _python_files():
+        text = path.read_text()
+        parsers += text.count(".add_argument(")
+        offenders += _argparse_privates(text, path.relative_to(ROOT).as_posix())
+    for path in sorted((ROOT / "launch").glob("*.sh")):  # their embedded Python, as text
+        offenders += [f"launch/{path.name}: .{name}" for name in sorted(ARGPARSE_PRIVATES)
+                      if f".{name}" in path.read_text()]
+    assert parsers > 100, f"the check found {parsers} add_argument calls: it is not looking where the CLI is"
+    assert not offenders, f"argparse's private attributes (keep a registry of your own): {offenders}"
+
 # --- the house's structure: imports of hybridpar/ and models/, read with ast ---------------------
 
 MAX_LINES = 450

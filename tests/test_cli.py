@@ -193,18 +193,38 @@ def _hybridpar(cwd: Path, *argv: str, env: dict = None, timeout: float = 300) ->
                           timeout=timeout, env={**_env(), "PYTHONPATH": child_pythonpath(), **(env or {})})
 
 
-@pytest.mark.parametrize("argv,code", [
-    (["--help"], 0), (["train", "--help"], 0), (["plan", "--help"], 0), (["mesh", "--world", "8", "--mp", "2"], 0),
-    (["train", "--optim.lr", "-1"], 2), (["train", "--data.seq_len", "127", "--parallel.mp", "2"], 2),
+# A start refused by its checks answers in seconds (torch is not even imported). Without the check the
+# run starts, and under a launcher's variables waits for ranks that never come: the test says so by
+# the missing refusal within this limit, not by a subprocess timeout minutes later.
+REFUSAL_S = 30
+
+
+def _answers_at_once(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd) that must be done within REFUSAL_S; otherwise fails with what it printed."""
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=REFUSAL_S, **kwargs)
+    except subprocess.TimeoutExpired as late:
+        printed = "".join(o.decode(errors="replace") if isinstance(o, bytes) else o or ""
+                          for o in (late.stdout, late.stderr))
+        pytest.fail(f"no answer within {REFUSAL_S} s: no refusal, the start went on; it printed: {printed[-2000:]!r}")
+
+
+@pytest.mark.parametrize("argv,code,refusal", [
+    (["--help"], 0, None), (["train", "--help"], 0, None), (["plan", "--help"], 0, None),
+    (["mesh", "--world", "8", "--mp", "2"], 0, None),
+    (["train", "--optim.lr", "-1"], 2, "optim.lr must be > 0"),
+    (["train", "--data.seq_len", "127", "--parallel.mp", "2"], 2, "data.seq_len = 127 is not divisible by parallel.mp = 2"),
 ])
-def test_help_mesh_and_a_refused_start_import_no_torch(argv, code, tmp_path):
+def test_help_mesh_and_a_refused_start_import_no_torch(argv, code, refusal, tmp_path):
     """The parser, the config's dataclasses and the checks before the start are torch-free: `--help`
     answers at once, and so does a mistake."""
     probe = ("import runpy, sys\nsys.argv = ['hybridpar', *sys.argv[1:]]\ntry:\n    runpy.run_module('hybridpar', "
              "run_name='__main__')\nexcept SystemExit as e:\n    print('exit', e.code or 0)\n"
              "print('torch imported' if 'torch' in sys.modules else 'no torch', file=sys.stderr)")
-    result = subprocess.run([sys.executable, "-c", probe, *argv], cwd=tmp_path, capture_output=True, text=True,
-                            timeout=120, env={**_env(), "PYTHONPATH": child_pythonpath(), "WORLD_SIZE": "2", "RANK": "0"})
+    result = _answers_at_once([sys.executable, "-c", probe, *argv], cwd=tmp_path,
+                              env={**_env(), "PYTHONPATH": child_pythonpath(), "WORLD_SIZE": "2", "RANK": "0"})
+    if refusal:  # the refusal's own line, not only its exit code
+        assert f"hybridpar: error: {refusal}" in result.stderr, result.stderr
     assert result.returncode == 0 and result.stdout.strip().splitlines()[-1] == f"exit {code}", result.stderr
     assert result.stderr.strip().splitlines()[-1] == "no torch", result.stderr
 
@@ -281,7 +301,12 @@ def test_a_mistake_is_one_line_before_anything_starts(name, tmp_path):
     (tmp_path / "a_folder").mkdir()
     (tmp_path / "empty").mkdir()
     before = {p.relative_to(tmp_path) for p in tmp_path.rglob("*")}
-    line = _one_line_refusal(_hybridpar(tmp_path, *argv, env=env), tmp_path, before, *expected)
+    if argv[0] == "train":  # checked before the start, torch-free: at once
+        result = _answers_at_once([sys.executable, "-m", "hybridpar", *argv], cwd=tmp_path,
+                                  env={**_env(), "PYTHONPATH": child_pythonpath(), **env})
+    else:
+        result = _hybridpar(tmp_path, *argv, env=env)
+    line = _one_line_refusal(result, tmp_path, before, *expected)
     assert "train one" not in line or argv[0] == "train", line  # generate's advice is not training's
 
 

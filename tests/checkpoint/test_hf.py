@@ -305,3 +305,37 @@ def test_token_ids_follow_the_vocabulary_unless_given(tmp_path, vocab, given, ex
     assert (config["bos_token_id"], config["eos_token_id"]) == expected
     generation = json.loads((out / "generation_config.json").read_text())
     assert (generation["bos_token_id"], generation["eos_token_id"]) == expected
+
+
+class _FullModel(torch.nn.Module):
+    """What export_hf reads of a model, in one process without a process group: `.args` and a state
+    dict of full tensors under Meta's names."""
+
+    def __init__(self, args: ModelArgs, state: dict) -> None:
+        super().__init__()
+        self.args, self._state = args, state
+
+    def state_dict(self, *a, **k):
+        return dict(self._state)
+
+
+def test_the_library_exports_bfloat16_unless_told(tmp_path):
+    """docs/api.md: export_hf and write_hf_folder default to bfloat16 (the CLI's default is tested
+    apart). The files and config.json say so; a float32 state is cast."""
+    from safetensors import safe_open
+
+    from hybridpar.checkpoint.hf import write_hf_folder
+
+    args = _args("debug")
+    state = _debug_state(args)
+    assert all(t.dtype == torch.float32 for t in state.values())
+    for folder in (export_hf(_FullModel(args, state), tmp_path / "export"),
+                   write_hf_folder(state, args, tmp_path / "write")):
+        files = sorted(folder.glob("*.safetensors"))
+        assert files, list(folder.iterdir())
+        dtypes = set()
+        for path in files:
+            with safe_open(str(path), "pt") as f:
+                dtypes |= {f.get_slice(name).get_dtype() for name in f.keys()}
+        assert dtypes == {"BF16"}, (folder.name, dtypes)
+        assert json.loads((folder / "config.json").read_text())["torch_dtype"] == "bfloat16"

@@ -125,19 +125,20 @@ def test_lost_zip_directory_is_named(broken):
     assert "every tensor's bytes are there, but the zip directory torch.save writes last is cut off" in message, message
 
 
-class _RunsCode:
-    def __reduce__(self):
-        return print, ("this pickle ran code",)
+def test_unsafe_pickle_is_refused_as_such(broken, tmp_path):
+    """A tensor replaced by a call that makes a marker and returns the tensor: run, the file would
+    load as a well-formed {name: tensor}; neither the pre-check's skeleton unpickler nor the load may run it."""
+    from hybridpar.checkpoint.meta import MetaCheckpointError, read_meta_params
+    from tests.untrusted import TOUCH_THEN, RunsCode, never_ran
 
-
-def test_unsafe_pickle_is_refused_as_such(broken):
-    folder = broken()
+    folder, marker = broken(), tmp_path / "marker"
     path = folder / "consolidated.00.pth"
     state = torch.load(path, weights_only=True)
-    state["extra"] = _RunsCode()
+    name = next(iter(state))
+    state[name] = RunsCode(marker, state[name])
     torch.save(state, path)
-    message = _read_error(folder)
-    assert f"{path}: unsafe pickle refused: loading it would import and run " in message and "print" in message, message
+    message = str(never_ran(marker, lambda: read_meta_params(folder), MetaCheckpointError))
+    assert f"{path}: unsafe pickle refused: loading it would import and run {TOUCH_THEN}" in message, message
     assert "truncated" not in message, message
 
 

@@ -120,16 +120,23 @@ class _NotPlainData:
     x: int
 
 
-def test_values_that_are_not_plain_data_are_refused(tmp_path):
+@pytest.mark.parametrize("case", ["a dataclass", "a call"])
+def test_values_that_are_not_plain_data_are_refused(tmp_path, case):
     from torch.distributed.checkpoint.api import CheckpointException
 
     from hybridpar.checkpoint.reader import SafeLoadPlanner
     from hybridpar.fastpaths.dcp_reader import FastFileSystemReader
+    from tests.untrusted import RunsCode, never_ran
 
-    _save_single(tmp_path, {"a": torch.ones(2), "obj": _NotPlainData(3)})
+    marker = tmp_path / "marker"
+    # a call: run, it makes the marker and gives 3, plain data, and the load would go on
+    _save_single(tmp_path / "ckpt", {"a": torch.ones(2), "obj": _NotPlainData(3) if case == "a dataclass"
+                                     else RunsCode(marker, 3)})
     # torch's default planner would unpickle it (running whatever the pickle names); this one refuses
-    with pytest.raises(CheckpointException, match="obj: the checkpoint stores a value that is not plain data"):
-        _load_single(tmp_path, {"a": torch.zeros(2), "obj": None}, FastFileSystemReader(tmp_path), SafeLoadPlanner())
+    refused = never_ran(marker, lambda: _load_single(tmp_path / "ckpt", {"a": torch.zeros(2), "obj": None},
+                                                     FastFileSystemReader(tmp_path / "ckpt"), SafeLoadPlanner()),
+                        CheckpointException)
+    assert "obj: the checkpoint stores a value that is not plain data" in str(refused), refused
 
 
 def _distcp_file(folder):

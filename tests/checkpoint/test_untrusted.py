@@ -17,53 +17,52 @@ import pytest
 from tests.checkpoint.test_dcp import HALF, _config, _straight_and_half
 from tests.checkpoint.test_verify import _case_resume
 from tests.distributed import child_pythonpath
+from tests.untrusted import TOUCH_THEN, RunsCode, never_ran, payloads
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def reduce_pickle(module: str, name: str, *args: str) -> bytes:
-    """A pickle that imports `module`.`name` (dotted names too: protocol 4) and calls it with `args`."""
-    def text(s: str) -> bytes:
-        data = s.encode()
-        return pickle.SHORT_BINUNICODE + bytes([len(data)]) + data
+def _genuine(checkpoint: Path):
+    """The checkpoint's own Metadata: what a crafted `.metadata` gives once its payload has run."""
+    from hybridpar.safe_pickle import read_dcp_metadata
 
-    return (b"\x80\x04" + text(module) + text(name) + pickle.STACK_GLOBAL + pickle.MARK
-            + b"".join(text(a) for a in args) + pickle.TUPLE + pickle.REDUCE + pickle.STOP)
+    return read_dcp_metadata(checkpoint / ".metadata")
 
 
-def payloads(marker: Path) -> dict[str, tuple[str, bytes]]:
-    """{case: (the global it names, a pickle that creates `marker` when unpickled)}."""
-    return {
-        "os.system": ("posix.system", reduce_pickle("posix", "system", f"touch {marker}")),
-        "exec": ("builtins.exec", reduce_pickle("builtins", "exec", f"open({str(marker)!r}, 'w').close()")),
-        # a dotted name reaching os through a module the metadata's own classes live in
-        "through-dcp-module": ("torch.distributed.checkpoint.metadata.os.system",
-                               reduce_pickle("torch.distributed.checkpoint.metadata", "os.system", f"touch {marker}")),
-        # torch is an allowed module (dtypes); its other attributes are not
-        "torch-attribute": ("torch.os.system", reduce_pickle("torch", "os.system", f"touch {marker}")),
-    }
+def _live(data: bytes, marker: Path) -> object:
+    """`data` unpickled without restriction in a process of its own: what it gave (the marker is left)."""
+    code = ("import pickle, sys; sys.stdout.buffer.write(pickle.dumps(pickle.loads(sys.stdin.buffer.read()), "
+            "protocol=2))")
+    done = subprocess.run([sys.executable, "-c", code], input=data, check=True, capture_output=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": child_pythonpath()})
+    return pickle.loads(done.stdout)
 
 
 def test_the_payloads_are_live(tmp_path):
-    """Unpickled without restriction, each payload creates its marker: the tests below can fail."""
-    for case, (_, data) in payloads(tmp_path / "marker").items():
-        code = "import pickle, sys; pickle.loads(sys.stdin.buffer.read())"
-        subprocess.run([sys.executable, "-c", code], input=data, check=True, capture_output=True)
-        assert (tmp_path / "marker").exists(), case
-        (tmp_path / "marker").unlink()
+    """Unpickled without restriction, each payload creates its marker and still gives the genuine
+    object: the tests below can fail, and fail on the marker, not on a broken result."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    marker = tmp_path / "marker"
+    genuine = Metadata(state_dict_metadata={})
+    cases = {**payloads(marker, genuine), "RunsCode": (TOUCH_THEN, pickle.dumps(RunsCode(marker, genuine)))}
+    for case, (_, data) in cases.items():
+        assert _live(data, marker) == genuine, case
+        assert marker.exists(), case
+        marker.unlink()
 
 
 def test_refused_naming_the_global(tmp_path):
+    from torch.distributed.checkpoint.metadata import Metadata
+
     from hybridpar.safe_pickle import UnsafePickleError, read_dcp_metadata
 
-    marker = tmp_path / "marker"
-    for case, (name, data) in payloads(marker).items():
-        (tmp_path / ".metadata").write_bytes(data)
-        with pytest.raises(UnsafePickleError) as refused:
-            read_dcp_metadata(tmp_path / ".metadata")
-        print(f"\n{case}: {refused.value}")
-        assert refused.value.global_name == name and f"import {name}," in str(refused.value)
-        assert not marker.exists(), case
+    marker, path = tmp_path / "marker", tmp_path / ".metadata"
+    for case, (name, data) in payloads(marker, Metadata(state_dict_metadata={})).items():
+        path.write_bytes(data)
+        refused = never_ran(marker, lambda: read_dcp_metadata(path), UnsafePickleError)
+        print(f"\n{case}: {refused}")
+        assert refused.global_name == name and f"import {name}," in str(refused)
 
 
 # --- checkpoints ----------------------------------------------------------------------------------
@@ -123,9 +122,10 @@ def test_resume_never_runs_a_crafted_metadata(runs, workers, corpus, tmp_path, m
     and nothing is set aside; with the manifest as saved, its bytes are damaged: set aside unread and
     the genuine checkpoint before it resumes the run, bit-equal to the straight run."""
     marker = tmp_path / "marker"
-    name, data = payloads(marker)["os.system"]
+    genuine = runs["folder"] / f"step-{HALF:08d}"
+    name, data = payloads(marker, _genuine(genuine))["os.system"]  # run, it would resume as the genuine one
     folder = tmp_path / "ckpt"
-    _newest_crafted(runs["folder"] / f"step-{HALF:08d}", folder, data, manifest)
+    _newest_crafted(genuine, folder, data, manifest)
     results = workers(4).run(_case_resume, _config(corpus, folder, tmp_path / "run", (2, 2, 1)), True)
     assert not marker.exists()
     if manifest:
@@ -176,8 +176,8 @@ def test_init_from_convert_generate_and_verify_refuse(runs, corpus, tmp_path):
     from tests.runs import make_config  # noqa: F401 - the flags below are make_config's
 
     marker = tmp_path / "marker"
-    name, data = payloads(marker)["os.system"]
     genuine = runs["folder"] / f"step-{HALF:08d}"
+    name, data = payloads(marker, _genuine(genuine))["os.system"]
     crafted = tmp_path / "crafted"
     shutil.copytree(genuine, crafted)
     craft(crafted, data, manifest=True)
@@ -228,7 +228,8 @@ def _case_load_weights(folder: str) -> dict:
 
 def test_a_genuine_checkpoint_beside_a_crafted_one_loads_bit_exact(runs, workers, tmp_path):
     marker = tmp_path / "marker"
-    _newest_crafted(runs["folder"] / f"step-{HALF:08d}", tmp_path / "ckpt", payloads(marker)["exec"][1], True)
+    genuine = runs["folder"] / f"step-{HALF:08d}"
+    _newest_crafted(genuine, tmp_path / "ckpt", payloads(marker, _genuine(genuine))["exec"][1], True)
     loaded = workers(1).run(_case_load_weights, str(tmp_path / "ckpt" / "step-00000005"))[0]
     saved = runs["half"]["params"]
     assert loaded.keys() == saved.keys()

@@ -31,6 +31,48 @@ def test_the_rule_keeps_every_source_within_one_sequence_of_its_weight():
     assert next_sources(weights, [0, 0, 0], 100) == next_sources(weights, [0, 0, 0], 100)
 
 
+# The documented rule (docs/data.md, blend.py): sequence g = 1, 2, ... comes from the source with the
+# largest weight x g - its count so far, the first on a tie. Written out by hand from exact fractions:
+# one character per sequence, the source's index.
+PINNED = {
+    (0.5, 0.3, 0.2): "0120010210012001021001200102100120010210",
+    (0.7, 0.3): "0100010010010001001001000100100100010010",
+    (2.0, 1.0): "0100100100100100100100100100100100100100",  # 2/3 and 1/3: a tie at every third, the first wins
+}
+
+
+def _documented_rule(weights, n: int) -> str:
+    """The rule in exact arithmetic, independent of the code under test."""
+    from fractions import Fraction
+
+    total = sum(Fraction(str(w)) for w in weights)
+    shares = [Fraction(str(w)) / total for w in weights]
+    counts, chosen = [0] * len(weights), []
+    for g in range(1, n + 1):
+        deficits = [w * g - c for w, c in zip(shares, counts)]
+        s = deficits.index(max(deficits))
+        counts[s] += 1
+        chosen.append(str(s))
+    return "".join(chosen)
+
+
+@pytest.mark.parametrize("weights", list(PINNED), ids=lambda w: "-".join(map(str, w)))
+def test_the_first_choices_follow_the_documented_rule(weights):
+    """Pinned choices, not the within-one bound: a rule off by one sequence keeps every count within
+    one of its weight and still chooses differently."""
+    expected = PINNED[weights]
+    assert _documented_rule(weights, len(expected)) == expected
+    shares = [w / sum(weights) for w in weights]
+    assert "".join(map(str, next_sources(shares, [0] * len(weights), len(expected)))) == expected
+    # Through the loader, as training reads it: the group's sequences in order, rank r taking r, r + dp, ...
+    n = len(expected)
+    sources = [(f"s{i}", w, _Windows(i, 1000)) for i, w in enumerate(weights)]
+    loaders = [blend_loader(sources, dp_rank=r, dp_size=2, micro_batch_size=5, seed=0) for r in range(2)]
+    read = [[row[0] for _ in range(n // 10) for row in next(loader)[0].tolist()] for loader in loaders]
+    group = [read[g % 2][g // 2] for g in range(n)]
+    assert "".join(map(str, group)) == expected
+
+
 class _Windows:
     """n windows whose first token says which source and which window."""
 

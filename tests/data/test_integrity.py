@@ -381,3 +381,25 @@ def test_a_damage_met_in_a_dataloader_worker_is_one_line(store):
     assert batches == [] and isinstance(error, StoreDamagedError) and loader.state_dict() == before
     text = str(data_stop.agreed_error(error))
     assert text.startswith("token store ") and "\n" not in text and "bytes 0..65535: its bytes do not match" in text
+
+
+def test_a_damage_met_through_a_blend_is_one_line_and_keeps_its_place(store):
+    """The blend's loader meets the flipped chunk like the single source's: the file and the chunk named,
+    its position (the counts a checkpoint saves) back where it was."""
+    from hybridpar.data.blend import blend_loader
+    from hybridpar.data.loader import PackedDataset
+    from hybridpar.train import data_stop
+
+    path = store / TokenStore(store).shards[0]["name"]
+    _flip(path, CHUNK_BYTES + 11)  # the second chunk: the first windows read, then the damage
+    dataset = PackedDataset(TokenStore(store), 32)
+    loader = blend_loader([("a", 0.5, dataset), ("b", 0.5, dataset)], dp_rank=0, dp_size=1, micro_batch_size=64, seed=0)
+    error, steps = None, 0
+    while error is None and steps * 64 <= 2 * len(dataset):  # one pass through both sources at most
+        before = loader.state_dict()
+        batches, error = data_stop.fetch(loader, 1)
+        steps += 1
+    print(f"\nmet at batch {steps}: {error}")
+    assert isinstance(error, StoreDamagedError), f"read {steps} batches without meeting the damage"
+    assert batches == [] and loader.state_dict() == before
+    assert f"{path}, bytes {CHUNK_BYTES}..{2 * CHUNK_BYTES - 1}: its bytes do not match" in str(error), error

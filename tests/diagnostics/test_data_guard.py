@@ -1,4 +1,5 @@
-"""The data guard catches the two classic data-parallel mistakes at step 1 and lets a correct setup pass."""
+"""The data guard catches the two classic data-parallel mistakes at step 1 (and every data_guard_every steps
+after) and lets a correct setup pass."""
 
 import pytest
 
@@ -86,6 +87,54 @@ def test_mistakes_are_caught_at_step_1(workers, corpus, tmp_path, mistake, expec
     results = workers(4).run(_case_first_step, config, mistake)
     print(f"\n{mistake}: {results[0]['error']}")
     assert all(r["error"].startswith("data guard, step 1: ") and expected in r["error"] for r in results)
+
+
+class _SameBatchFrom:
+    """The trainer's loader until `step` (one micro-batch per step), then the same batch on every
+    rank: a sampler that breaks after the first step's check."""
+
+    def __init__(self, loader, step: int) -> None:
+        self.loader, self.step, self.calls = loader, step, 0
+
+    def __next__(self):
+        import torch
+
+        inputs, targets = next(self.loader)
+        self.calls += 1
+        if self.calls < self.step:
+            return inputs, targets
+        return torch.full_like(inputs, 5), torch.full_like(targets, 5)
+
+    def __getattr__(self, name):  # state_dict, load_state_dict, ...
+        return getattr(self.loader, name)
+
+
+def _case_broken_later(config, step):
+    from hybridpar.diagnostics.data_guard import DataGuardError
+    from hybridpar.train import Trainer
+
+    trainer = Trainer(config)
+    trainer.loader = _SameBatchFrom(trainer.loader, step)
+    try:
+        trainer.run()
+    except DataGuardError as err:
+        return {"error": str(err), "step": trainer.step}
+    return {"step": trainer.step}
+
+
+@pytest.mark.parametrize("every", [2, 0])
+def test_data_guard_every_catches_a_sampler_broken_after_step_1(workers, corpus, tmp_path, every):
+    """From step 3 on every data-parallel rank reads the same batch. diagnostics.data_guard_every 2
+    checks step 4 and stops the run there, on every rank; 0 (step 1 only) lets it train on."""
+    config = make_config(corpus, tmp_path, mp=2, dp_shard=2, dp=2, steps=5,
+                         **{"diagnostics.data_guard_every": every})
+    results = workers(4).run(_case_broken_later, config, 3)
+    if every:
+        print(f"\n{results[0].get('error')}")
+        assert all(r.get("error", "").startswith("data guard, step 4: ") and r["step"] == 3 for r in results), results
+        assert all("every data-parallel rank reads the same data" in r["error"] for r in results)
+    else:
+        assert all(r == {"step": 5} for r in results), results
 
 
 @pytest.mark.slow

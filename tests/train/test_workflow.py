@@ -94,6 +94,17 @@ def test_eval_steps_reads_the_first_global_batches(workers, corpus, tmp_path):
     assert result["before"]["val_tokens"] == 2 * 8 * 32  # 2 global batches of 8 windows of seq_len 32
 
 
+def test_the_last_step_validates_when_the_steps_are_no_multiple_of_eval_every(workers, corpus, tmp_path):
+    """train.steps 7, eval_every 3: validations at 3 and 6, and at 7, the end of the run (log_every 2:
+    a validation on a logged step and on one between)."""
+    from tests.train.test_trainer import _case_train
+
+    config = make_config(corpus, tmp_path, steps=7, **{**VAL, "train.eval_every": 3, "train.eval_steps": 1,
+                                                       "train.log_every": 2})
+    workers(1).run(_case_train, config, False)
+    assert [s for s, _ in _val_rows(tmp_path)] == [3, 6, 7]
+
+
 # --- the profiler ----------------------------------------------------------------------------
 
 

@@ -57,7 +57,7 @@ COLLECTIVES: dict[str, tuple[str, int]] = {
 WAIT = "wait"  # the kind (and name) of Work.wait: where an async collective is waited for
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Call:
     """One call of a wrapped function, as the listeners see it."""
 
@@ -150,8 +150,8 @@ class _Layer:
         call.outer = getattr(local, "inner", None)
         local.inner = call  # set first: a collective a listener issues is inside this call
         try:
-            hooks = [hook for hook in (listener.around(call) for listener in self.listeners) if hook is not None]
-            if not hooks:
+            hooks = [hook for listener in self.listeners if (hook := listener.around(call)) is not None]
+            if not hooks:  # the common case (the timer between its measured steps): kept cheap
                 return original(*call.args, **call.kwargs)
             with contextlib.ExitStack() as stack:
                 for hook in hooks:

@@ -1,9 +1,9 @@
 """Straggler detection: the rank the others wait for, told apart from a slow link.
 
 On measured steps every rank times its step and the time it spends blocked inside the collectives
-of torch.distributed (diagnostics.wrap's, listened to while training runs): wait = time inside them, compute = step time -
-wait. A slow rank shows as compute on itself and as wait on its peers; a slow link shows as wait
-on every member of its group, so it blames nobody. Every `every` steps one all-gather of (compute,
+of torch.distributed (a listener of diagnostics.wrap while training runs): wait = time inside them,
+compute = step time - wait. A slow rank shows as compute on itself and as wait on its peers; a slow
+link shows as wait on every member of its group, so it blames nobody. Every `every` steps one all-gather of (compute,
 wait) per rank; rank 0 names the rank with the most compute and compares it with the median of
 the others. A rank over the threshold in two reports in a row is a straggler: one report can be
 a hiccup (a GC pause, the OS scheduler), a straggler worth naming is slow step after step.

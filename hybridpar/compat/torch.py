@@ -32,7 +32,7 @@ except ImportError:
 
 # all_gather_into_tensor was renamed all_gather_single (torch 2.13 warns on the old name), and
 # reduce_scatter_tensor reduce_scatter_single. Looked up at each call, not bound at import, so a
-# wrapper installed on torch.distributed later (diagnostics.stragglers, bench/comm.py) sees them.
+# wrapper installed on torch.distributed later (diagnostics.wrap, under its listeners) sees them.
 def all_gather_single(*args, **kwargs):
     return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)
 

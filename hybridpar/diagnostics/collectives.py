@@ -1,4 +1,4 @@
-"""The collectives a rank issues, counted as they happen: a counter that wraps torch.distributed.
+"""The collectives a rank issues, counted as they happen: a listener of diagnostics.wrap.
 
     with CollectiveCounter(label=mesh_dims(parallel)) as counter:
         train_step()
@@ -9,10 +9,9 @@
 bench/comm.py sets them against the analytic minimum; the trainer's profiler labels each call in the
 trace with its mesh dimension.
 
-FSDP2 (`_fsdp_collectives`), FSDP1 (`_flat_param`, `_runtime_utils`), fairscale's mappings and
-hybridpar's all call the module functions of torch.distributed at call time (`dist.all_reduce(...)`),
-so replacing those attributes sees every collective they issue. Aliases that call another wrapped
-function (all_gather_into_tensor -> all_gather_single) are counted once: only the outermost call.
+The calls are those of diagnostics.wrap.COLLECTIVES, the same the straggler timer sees. Aliases that
+call another wrapped function (all_gather_into_tensor -> all_gather_single) are counted once: only
+the outermost call; a barrier is a call that moves nothing.
 
 Units. `payload` is the tensor a rank hands to the collective: the buffer for all_reduce and
 broadcast, the gathered output for all_gather, the input for reduce_scatter. `wire` is what a
@@ -25,35 +24,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import threading
 import time
 from collections import defaultdict
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
-from torch.compiler import is_compiling
 
-# name -> (kind, which argument holds the payload). Kinds decide the wire factor.
-_WRAPPED = {
-    "all_reduce": ("all_reduce", "tensor"),
-    "all_reduce_coalesced": ("all_reduce", "tensors"),
-    "broadcast": ("broadcast", "tensor"),
-    "reduce": ("reduce", "tensor"),
-    "all_gather": ("all_gather", "tensor_list"),
-    "all_gather_single": ("all_gather", "output"),
-    "all_gather_into_tensor": ("all_gather", "output"),
-    "_all_gather_base": ("all_gather", "output"),
-    "all_gather_coalesced": ("all_gather", "tensor_lists"),
-    "reduce_scatter": ("reduce_scatter", "input_list"),
-    "reduce_scatter_single": ("reduce_scatter", "input"),
-    "reduce_scatter_tensor": ("reduce_scatter", "input"),
-    "_reduce_scatter_base": ("reduce_scatter", "input"),
-    "all_to_all_single": ("all_to_all", "input"),
-    "all_to_all": ("all_to_all", "input_list"),
-}
-
+from .wrap import WAIT, Call, Listener
 
 def wire_factor(kind: str, n: int) -> float:
     """Bytes each rank sends per payload byte with a ring algorithm over n ranks."""
@@ -70,9 +48,9 @@ def _nbytes(obj) -> int:
     return 0
 
 
-def _payload(name: str, args: tuple, kwargs: dict) -> int:
-    """The payload argument of a call, by position or keyword, per `_WRAPPED`."""
-    kind, _ = _WRAPPED[name]
+def _payload(call: Call) -> int:
+    """The bytes of the payload argument of a call, by position or keyword (see Units above)."""
+    name, args, kwargs = call.name, call.args, call.kwargs
     if name in ("all_gather_single", "all_gather_into_tensor", "_all_gather_base"):
         obj = kwargs.get("output_tensor", args[0] if args else None)
     elif name in ("reduce_scatter_single", "reduce_scatter_tensor", "_reduce_scatter_base"):
@@ -83,32 +61,22 @@ def _payload(name: str, args: tuple, kwargs: dict) -> int:
         obj = kwargs.get("tensor_list", kwargs.get("output_tensor_lists", args[0] if args else None))
     elif name in ("reduce_scatter", "all_to_all"):
         obj = kwargs.get("input_list", args[1] if len(args) > 1 else None)
+    elif name == "barrier":
+        obj = None
     else:  # all_reduce, all_reduce_coalesced, broadcast, reduce: the first argument is the buffer
         obj = kwargs.get("tensor", kwargs.get("tensors", args[0] if args else None))
     return _nbytes(obj)
 
 
-def _sent(name: str, args: tuple, kwargs: dict, group) -> Optional[float]:
+def _sent(call: Call, group) -> Optional[float]:
     """Bytes an all_to_all_single with input split sizes sends to other ranks (its own chunk stays)."""
-    if name != "all_to_all_single":
+    if call.name != "all_to_all_single":
         return None
-    splits = kwargs.get("input_split_sizes", args[3] if len(args) > 3 else None)
+    splits = call.kwargs.get("input_split_sizes", call.args[3] if len(call.args) > 3 else None)
     if not splits:
         return None
     own = splits[dist.get_rank(group) if group is not None else dist.get_rank()]
-    return _payload(name, args, kwargs) * (sum(splits) - own) / sum(splits)
-
-
-def _group_of(args: tuple, kwargs: dict, name: str):
-    if "group" in kwargs:
-        return kwargs["group"]
-    # Positional group: its index per signature (rarely used positionally by the callers we count).
-    index = {"all_reduce": 2, "all_reduce_coalesced": 2, "broadcast": 2, "reduce": 3, "all_gather": 2,
-             "all_gather_single": 2, "all_gather_into_tensor": 2, "_all_gather_base": 2,
-             "all_gather_coalesced": 2, "reduce_scatter": 3, "reduce_scatter_single": 3,
-             "reduce_scatter_tensor": 3, "_reduce_scatter_base": 3, "all_to_all_single": 4,
-             "all_to_all": 2}[name]
-    return args[index] if len(args) > index else None
+    return _payload(call) * (sum(splits) - own) / sum(splits)
 
 
 def mesh_dims(parallel) -> Callable[[object], str]:
@@ -143,17 +111,18 @@ class Record:
         return self.sent if self.sent is not None else self.payload * wire_factor(self.kind, self.group_size)
 
 
-class CollectiveCounter:
-    """Counts collectives issued through torch.distributed while active (a context manager).
+class CollectiveCounter(Listener):
+    """Counts collectives issued through torch.distributed while active (`with counter:`, a
+    listener of diagnostics.wrap). Each call of a collective that moves tensors is one record; an
+    alias calling torch's new name counts once, and the object collectives (all_gather_object,
+    broadcast_object_list) count as the tensor collectives they issue, whose bytes are known.
 
-    Only one counter may be active at a time. `enabled` can be toggled to count selected steps.
-    `label(group)` names each call's mesh dimension (mesh_dims); with `profile`, each counted call
-    is also a torch.profiler range, "collective <kind> [<dim>]", so that a trace shows which
-    dimension's traffic a step waits for. With `waits`, an async call's Work.wait counts too (its
-    seconds in wait_seconds, its range in the trace): where FSDP's prefetched gathers are waited for.
+    `enabled` can be toggled to count selected steps. `label(group)` names each call's mesh
+    dimension (mesh_dims); with `profile`, each counted call is also a torch.profiler range,
+    "collective <kind> [<dim>]", so that a trace shows which dimension's traffic a step waits for.
+    With `waits`, an async call's Work.wait counts too (its seconds in wait_seconds, its range in
+    the trace): where FSDP's prefetched gathers are waited for.
     """
-
-    _active: Optional["CollectiveCounter"] = None
 
     def __init__(self, enabled: bool = True, label: Optional[Callable[[object], str]] = None,
                  profile: bool = False, waits: bool = False) -> None:
@@ -162,90 +131,50 @@ class CollectiveCounter:
         self.label = label
         self.profile = profile
         self.waits = waits
-        self._originals: dict[tuple[object, str], object] = {}
-        self._depth = threading.local()
         self._pending: dict[int, tuple[object, Record]] = {}  # id(work) -> (work, its call's record)
 
-    def _span(self, record: Optional[Record], what: str):
-        if record is None or not self.profile:
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        self._pending.clear()
+
+    def around(self, call: Call):
+        if call.kind == WAIT:
+            work, record = self._pending.pop(id(call.work), (None, None))
+            return self._waiting(record) if work is not None and work is call.work else None
+        # The outermost call of those that move tensors: an object collective's tensor calls are its bytes.
+        counted = call.kind != "object" and (call.outer is None or call.outer.kind == "object")
+        return self._counting(call) if counted and self.enabled else None
+
+    def _span(self, record: Record, what: str):
+        if not self.profile:
             return contextlib.nullcontext()
         return torch.profiler.record_function(f"{what} {record.kind} [{record.dim or f'n{record.group_size}'}]")
 
-    def _wrap(self, name: str, fn):
-        counter = self
+    @contextlib.contextmanager
+    def _counting(self, call: Call) -> Iterator[None]:
+        group = call.group
+        n = dist.get_world_size(group) if group is not None else dist.get_world_size()
+        record = Record(call.kind, n, _payload(call), dim=self.label(group) if self.label is not None else "",
+                        sent=_sent(call, group))
+        self.records.append(record)
+        start, cpu_start = time.perf_counter(), time.process_time()
+        try:
+            with self._span(record, "collective"):
+                yield
+            if self.waits and call.result is not None and call.async_op:
+                self._pending[id(call.result)] = (call.result, record)
+        finally:
+            record.seconds = time.perf_counter() - start
+            record.cpu_seconds = time.process_time() - cpu_start
 
-        def wrapper(*args, **kwargs):
-            if is_compiling():  # traced by torch.compile: stay transparent, nothing for dynamo to guard on
-                return fn(*args, **kwargs)
-            depth = getattr(counter._depth, "n", 0)
-            record = None
-            if depth == 0 and counter.enabled:
-                group = _group_of(args, kwargs, name)
-                n = dist.get_world_size(group) if group is not None else dist.get_world_size()
-                record = Record(_WRAPPED[name][0], n, _payload(name, args, kwargs),
-                                dim=counter.label(group) if counter.label is not None else "",
-                                sent=_sent(name, args, kwargs, group))
-                counter.records.append(record)
-            counter._depth.n = depth + 1
-            start, cpu_start = time.perf_counter(), time.process_time()
-            try:
-                with counter._span(record, "collective"):
-                    result = fn(*args, **kwargs)
-                if record is not None and counter.waits and result is not None and kwargs.get("async_op"):
-                    counter._pending[id(result)] = (result, record)
-                return result
-            finally:
-                counter._depth.n = depth
-                if record is not None:
-                    record.seconds = time.perf_counter() - start
-                    record.cpu_seconds = time.process_time() - cpu_start
-
-        wrapper.__wrapped__ = fn
-        wrapper.__name__ = name
-        return wrapper
-
-    def _wrap_wait(self, original):
-        counter = self
-
-        def wait(work, *args, **kwargs):
-            entry = counter._pending.pop(id(work), None)
-            if entry is None or entry[0] is not work:
-                return original(work, *args, **kwargs)
-            record, start = entry[1], time.perf_counter()
-            try:
-                with counter._span(record, "wait"):
-                    return original(work, *args, **kwargs)
-            finally:
-                record.wait_seconds += time.perf_counter() - start
-
-        wait.__wrapped__ = original
-        return wait
-
-    def __enter__(self) -> "CollectiveCounter":
-        if CollectiveCounter._active is not None:
-            raise RuntimeError("another CollectiveCounter is already active")
-        CollectiveCounter._active = self
-        for module in (dist, c10d):
-            for name in _WRAPPED:
-                fn = getattr(module, name, None)
-                if fn is None:
-                    continue
-                self._originals[(module, name)] = fn
-        # One wrapper per original function, installed wherever that function is reachable.
-        wrappers: dict[int, object] = {}
-        for (module, name), fn in self._originals.items():
-            wrapper = wrappers.setdefault(id(fn), self._wrap(name, fn))
-            setattr(module, name, wrapper)
-        if self.waits:
-            self._originals[(dist.Work, "wait")] = dist.Work.wait
-            dist.Work.wait = self._wrap_wait(dist.Work.wait)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for (module, name), fn in self._originals.items():
-            setattr(module, name, fn)
-        self._originals.clear()
-        CollectiveCounter._active = None
+    @contextlib.contextmanager
+    def _waiting(self, record: Record) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            with self._span(record, "wait"):
+                yield
+        finally:
+            record.wait_seconds += time.perf_counter() - start
 
     def reset(self) -> None:
         self.records.clear()

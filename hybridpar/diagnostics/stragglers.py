@@ -1,9 +1,9 @@
 """Straggler detection: the rank the others wait for, told apart from a slow link.
 
 On measured steps every rank times its step and the time it spends blocked inside the collectives
-of torch.distributed (wrapped while training runs): wait = time inside them, compute = step time -
-wait. A slow rank shows as compute on itself and as wait on its peers; a slow link shows as wait
-on every member of its group, so it blames nobody. Every `every` steps one all-gather of (compute,
+of torch.distributed (a listener of diagnostics.wrap while training runs): wait = time inside them,
+compute = step time - wait. A slow rank shows as compute on itself and as wait on its peers; a slow
+link shows as wait on every member of its group, so it blames nobody. Every `every` steps one all-gather of (compute,
 wait) per rank; rank 0 names the rank with the most compute and compares it with the median of
 the others. A rank over the threshold in two reports in a row is a straggler: one report can be
 a hiccup (a GC pause, the OS scheduler), a straggler worth naming is slow step after step.
@@ -18,94 +18,47 @@ from __future__ import annotations
 import dataclasses
 import functools
 import statistics
-import threading
 import time
 from contextlib import contextmanager
 from typing import Callable, Iterator, Optional, Sequence
 
 import torch
-import torch.distributed as dist
-from torch.compiler import is_compiling
 
 from ..compat.torch import all_gather_single
 from ..layout import MeshCoords
 from ..mesh import ParallelDims
 from ..ranks import gather_objects
 from .node_fault import place
+from .wrap import WAIT, Call, Listener
 
-# The collectives a training step can block in; names missing from this torch are skipped.
-COLLECTIVES = (
-    "all_reduce", "all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor",
-    "all_to_all_single", "all_to_all", "all_gather", "reduce_scatter", "broadcast", "barrier",
-    "all_gather_object", "broadcast_object_list",
-)
 CPU_SAMPLES = 3  # steps measured at the end of each window on the CPU (a GPU: one)
 
 
-class CollectiveTimer:
-    """Within `with`, torch.distributed's collectives and Work.wait are wrapped (whatever is installed
-    on entry: another wrapper's time inside the call counts as wait) and restored on exit. While
-    `measuring`, the seconds spent inside them add up in `wait`. `sync` (a GPU's synchronize) runs
-    before a collective, so work queued earlier counts as compute, and after it, until it is done."""
+class CollectiveTimer(Listener):
+    """Within `with` (a listener of diagnostics.wrap: the collectives of wrap.COLLECTIVES and
+    Work.wait), while `measuring`, the seconds spent inside them add up in `wait`; a call inside
+    another (an alias, a collective's own Work.wait) counts once, in the outer one. A wrapper
+    installed on torch.distributed before the layer is inside the call: its time counts as wait.
+    `sync` (a GPU's synchronize) runs before a collective, so work queued earlier counts as compute,
+    and after it, until it is done."""
 
     def __init__(self, sync: Optional[Callable[[], None]] = None) -> None:
         self.sync = sync
         self.measuring = False
         self.wait = 0.0
-        self._local = threading.local()  # per thread: is a timed call already running on it
-        self._saved: list[tuple[object, str, object, bool]] = []
 
-    def __enter__(self) -> "CollectiveTimer":
-        targets = [(dist, name) for name in COLLECTIVES if hasattr(dist, name)] + [(dist.Work, "wait")]
-        try:
-            for owner, name in targets:
-                original = getattr(owner, name)
-                self._saved.append((owner, name, original, name in vars(owner)))
-                setattr(owner, name, self._wrap(original, after_only=owner is dist.Work))
-        except BaseException:
-            self._restore()
-            raise
-        return self
+    def around(self, call: Call):
+        return self._timing(call) if self.measuring and call.outer is None else None
 
-    def __exit__(self, *exc) -> None:
-        self._restore()
-
-    def _restore(self) -> None:
-        while self._saved:
-            owner, name, original, own = self._saved.pop()
-            if own:
-                setattr(owner, name, original)
-            else:  # inherited: drop the wrapper and the base's shows through again
-                delattr(owner, name)
-
-    def _wrap(self, original: Callable, after_only: bool) -> Callable:
-        timer = self
-
-        @functools.wraps(original)
-        def timed(*args, **kwargs):
-            # Inside torch.compile the wrapper stays transparent: nothing for dynamo to guard on.
-            if is_compiling() or not timer.measuring:
-                return original(*args, **kwargs)
-            return timer._time(original, args, kwargs, after_only)
-
-        return timed
-
-    def _time(self, original: Callable, args: tuple, kwargs: dict, after_only: bool):
-        local = self._local
-        if getattr(local, "inside", False):  # nested (all_reduce calls Work.wait): the outer call counts
-            return original(*args, **kwargs)
-        local.inside = True
-        try:
-            if self.sync is not None and not after_only:
-                self.sync()
-            start = time.perf_counter()
-            result = original(*args, **kwargs)
-            if self.sync is not None and not kwargs.get("async_op", False):
-                self.sync()  # an async collective is waited for in its Work.wait
-            self.wait += time.perf_counter() - start
-            return result
-        finally:
-            local.inside = False
+    @contextmanager
+    def _timing(self, call: Call) -> Iterator[None]:
+        if self.sync is not None and call.kind != WAIT:
+            self.sync()
+        start = time.perf_counter()
+        yield
+        if self.sync is not None and not call.async_op:
+            self.sync()  # an async collective is waited for in its Work.wait
+        self.wait += time.perf_counter() - start
 
 
 @dataclasses.dataclass(frozen=True)

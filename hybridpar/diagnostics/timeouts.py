@@ -41,6 +41,13 @@ def apply_env_defaults(trace_dir: Optional[Path] = None,
     return applied
 
 
+def restore_env(applied: dict[str, str], environ: MutableMapping[str, str] = os.environ) -> None:
+    """Undo apply_env_defaults: unset the variables it set (one changed since is someone else's: kept)."""
+    for key, value in applied.items():
+        if environ.get(key) == value:
+            del environ[key]
+
+
 def set_train_timeout(parallel: ParallelDims, seconds: float) -> None:
     """Give every group of the mesh the (shorter) timeout used once training runs."""
     timeout = timedelta(seconds=seconds)

@@ -100,15 +100,18 @@ def where(stack: list[str]) -> str:
 # waiting in a collective is at their caller's line, not in them.
 _PASS_THROUGH = {
     os.path.join("hybridpar", "compat", "torch.py"): None,
-    os.path.join("hybridpar", "diagnostics", "stragglers.py"): ("timed", "_time"),  # the collective timer
+    os.path.join("hybridpar", "diagnostics", "wrap.py"): None,  # the one layer over torch.distributed
+    os.path.join("hybridpar", "diagnostics", "stragglers.py"): ("_timing",),  # its timer's sync around a call
 }
 
 
 def _is_library(frame: str) -> bool:
-    """Frames of torch itself, the threading machinery and pass-throughs: not where a user's code waits."""
+    """Frames of torch itself, the threading and context machinery and pass-throughs: not where a
+    user's code waits."""
     path = frame.split(":", 1)[0]
     torch_or_threads = path.startswith("torch" + os.sep) or (os.sep + "torch" + os.sep) in path
-    return torch_or_threads or path.endswith("threading.py") or _is_pass_through(frame)
+    machinery = path.endswith("threading.py") or path.endswith("contextlib.py")
+    return torch_or_threads or machinery or _is_pass_through(frame)
 
 
 def _is_pass_through(frame: str) -> bool:

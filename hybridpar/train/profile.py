@@ -37,6 +37,7 @@ class StepProfiler:
         self.rows: list[dict] = []
         self._profiler: Optional[torch.profiler.profile] = None
         self._counter: Optional[CollectiveCounter] = None
+        self._held = contextlib.ExitStack()  # the profiler and the counter, from the first profiled step to the last
         self.trace: Optional[Path] = None
 
     def _start(self) -> None:
@@ -45,17 +46,15 @@ class StepProfiler:
         if self.parallel.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
             torch.cuda.memory._record_memory_history(max_entries=100_000)
-        self._profiler = torch.profiler.profile(activities=activities, record_shapes=True)
-        self._profiler.__enter__()
-        self._counter = CollectiveCounter(label=mesh_dims(self.parallel), profile=True, waits=True).__enter__()
+        self._profiler = self._held.enter_context(torch.profiler.profile(activities=activities, record_shapes=True))
+        self._counter = self._held.enter_context(CollectiveCounter(label=mesh_dims(self.parallel), profile=True,
+                                                                   waits=True))
 
     def _stop(self) -> None:
-        counter, profiler, self._counter, self._profiler = self._counter, self._profiler, None, None
-        if counter is not None:
-            counter.__exit__(None, None, None)
+        profiler, self._counter, self._profiler = self._profiler, None, None
+        self._held.close()  # the counter, then the profiler
         if profiler is None:
             return
-        profiler.__exit__(None, None, None)
         handler = torch.profiler.tensorboard_trace_handler(str(self.folder), worker_name=f"rank{self.rank}")
         before = set(self.folder.glob(f"rank{self.rank}.*.pt.trace.json"))
         handler(profiler)

@@ -3,8 +3,9 @@ monitor, the data guard, the replica check and the stop signals.
 
 The trainer tells it where it is (`phase`), that a step ran (`step`, around it), that a checkpoint
 is written (`checkpointing`) and how the run ended (`close`); the lifecycle in between is
-`start(parallel)` once the mesh exists, `set_up(start_step, model)` when set-up is done and
-`running()` when run() begins.
+`open()` before the process group is made, `start(parallel)` once the mesh exists,
+`set_up(start_step, model)` when set-up is done and `running()` when run() begins; `close()` undoes
+what open() and running() did to the process (`with Supervisor(config) as s:` is open() and close()).
 
 One watchdog watches set-up and run alike: its keys in the job's store are the same throughout, so
 a verdict given while one rank still sets up and another already trains reaches both. Between
@@ -16,7 +17,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
@@ -30,7 +31,7 @@ from ..diagnostics.monitor import save_report, verdict_time
 from ..diagnostics.node_fault import place
 from ..diagnostics.replicas import check_replicas
 from ..diagnostics.stragglers import StragglerMonitor
-from ..diagnostics.timeouts import Deadlines, apply_env_defaults
+from ..diagnostics.timeouts import Deadlines, apply_env_defaults, restore_env
 from ..diagnostics.watchdog import Watchdog
 from ..mesh import ParallelDims
 from ..ranks import gather_objects
@@ -38,16 +39,18 @@ from . import stop as stopping
 
 
 class Supervisor:
-    """Made before the process group: it sets the tracing variables torch reads when a group is made
-    (a group made earlier by the caller gets them only in part), and a stop signal from here on ends
-    the run at a step boundary with a checkpoint (stop.py).
+    """Made (with no effect on the process) and opened before the process group: open() sets the
+    tracing variables torch reads when a group is made (a group made earlier by the caller gets them
+    only in part), and a stop signal from then on ends the run at a step boundary with a checkpoint
+    (stop.py). close() unsets those variables and gives the signals back to their previous handlers.
     `checkpoint_folder`: where the run's checkpoints are, once known (for a stop that runs out of time)."""
 
     def __init__(self, config: Config, *, checkpoint_folder: Callable[[], Optional[Path]] = lambda: None) -> None:
         self.config = config
         self.run_dir = Path(config.output.run_dir)
         self.trace_dir = self.run_dir / "flight_recorder"
-        apply_env_defaults(self.trace_dir)
+        self.env_set: Optional[dict[str, str]] = None  # the variables open() set, while open
+        self._running = ExitStack()  # what running() entered until close(): the straggler monitor
         self.parallel: Optional[ParallelDims] = None
         self.watchdog: Optional[Watchdog] = None
         self.deadlines: Optional[Deadlines] = None
@@ -57,9 +60,23 @@ class Supervisor:
         self.start_step = 0
         self._checkpoint_folder = checkpoint_folder
         self.stop = stopping.StopRequest(config.checkpoint.exit_save_timeout, on_signal=self._on_stop_signal,
-                                         on_expire=self._on_stop_expired).install()
+                                         on_expire=self._on_stop_expired)
 
     # --- the lifecycle --------------------------------------------------------------------------
+
+    def open(self) -> "Supervisor":
+        """Before the process group is made: the tracing variables the user has not set, and the stop
+        signals caught (again, after set_up gave them back)."""
+        if self.env_set is None:
+            self.env_set = apply_env_defaults(self.trace_dir)
+        self.stop.install()
+        return self
+
+    def __enter__(self) -> "Supervisor":
+        return self.open()
+
+    def __exit__(self, kind, error, traceback) -> None:
+        self.close(error)
 
     def start(self, parallel: ParallelDims) -> None:
         """The mesh exists: from here on a rank that dies or hangs is reported, set-up included."""
@@ -91,7 +108,7 @@ class Supervisor:
     def running(self, step: int) -> None:
         """run() begins at `step`: the stop signals and the watchdog again (set-up's, resumed; a new
         one for a Trainer run once more), and the straggler monitor."""
-        self.stop.install()
+        self.open()  # a Trainer run once more: closed after its first run
         d, watchdog, limit = self.config.diagnostics, self.watchdog, self.deadlines.no_progress_limit()
         if not d.watchdog:
             self.watchdog = None
@@ -107,19 +124,22 @@ class Supervisor:
         self.stragglers = StragglerMonitor(self.parallel, d.straggler_every, d.straggler_threshold, step,
                                            exclude=d.straggler_exclude, exclude_reports=d.straggler_exclude_reports,
                                            places=self.places)
-        self.stragglers.__enter__()  # collectives timed on measured steps; torch.distributed's own back at close
+        self._running.enter_context(self.stragglers)  # collectives timed on measured steps; torch's own back at close
 
     def close(self, error: Optional[BaseException] = None) -> None:
         """Set-up failed, or run() ended (`error`: what it raised). The watchdog first: a rank whose
         peer died waits in its close() for the verdict, and the launcher's SIGTERM must not end it
-        meanwhile (the stop's handlers are still in place)."""
-        if self.stragglers is not None:
-            self.stragglers.__exit__(None, None, None)
-            self.stragglers = None
+        meanwhile (the stop's handlers are still in place). Then the signals' previous handlers and
+        the environment as open() found it."""
+        self._running.close()
+        self.stragglers = None
         if self.watchdog is not None:
             self.watchdog.close(error)
         self.stop.finish()
         self.stop.uninstall()
+        if self.env_set is not None:
+            restore_env(self.env_set)
+            self.env_set = None
 
     # --- what the trainer tells it --------------------------------------------------------------
 

@@ -66,7 +66,7 @@ class Trainer:
         # Before init_parallel makes the process group: NCCL reads some tracing variables when a
         # group is created, and a stop signal from here on ends the run with a checkpoint.
         self.supervisor = Supervisor(c, checkpoint_folder=lambda: getattr(getattr(self, "checkpointer", None),
-                                                                          "folder", None))
+                                                                          "folder", None)).open()
         self.stop = self.supervisor.stop
         self.stop_signal = ""  # the stop signal every rank agreed on (at the end of a step), if any
         self.data_stopped: Optional[Exception] = None  # what stopped the data, agreed by every rank (data_stop.py)

@@ -1,6 +1,8 @@
 """Straggler detection: a slow rank is named with its place in the mesh and its host, a healthy run
 and a slow collective blame nobody; the analysis and the collective timer on their own."""
 
+import re
+
 import pytest
 
 from hybridpar.diagnostics.stragglers import CollectiveTimer, analyse, describe
@@ -112,17 +114,40 @@ def test_timer_restores_on_error():
     assert (dist.all_reduce, dist.Work.wait) == originals
 
 
-def test_hang_report_looks_through_the_timer_and_the_compat_names():
-    """A rank blocked in a collective is at the line that called it, not in a pass-through."""
-    from hybridpar.diagnostics.traces import where
+def test_hang_report_looks_through_the_layer_and_the_compat_names(monkeypatch):
+    """A rank blocked in a collective (or in the timer's sync before it) is at the line that called
+    it, not in a pass-through: the stacks are taken inside a collective with the timer and a counter
+    listening, the torch function at their end put in by hand (no process group here)."""
+    import threading
 
-    stack = ["hybridpar/train/trainer.py:300 in train_step", "models/llama.py:400 in forward",
-             "torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py:119 in foreach_all_gather",
-             "hybridpar/diagnostics/stragglers.py:90 in timed", "hybridpar/compat/torch.py:38 in all_gather_single",
-             "hybridpar/diagnostics/stragglers.py:90 in timed",
-             "torch/distributed/distributed_c10d.py:3900 in all_gather_single",
-             "hybridpar/diagnostics/stragglers.py:90 in timed"]  # Work.wait, wrapped too
-    assert where(stack) == "models/llama.py:400 in forward  ->  all_gather_single()"
+    import torch
+    import torch.distributed as dist
+
+    from hybridpar.compat.torch import all_gather_single
+    from hybridpar.diagnostics.collectives import CollectiveCounter
+    from hybridpar.diagnostics.traces import python_stack, where
+
+    def stack_here(torch_frame: str) -> list[str]:
+        return python_stack(threading.get_ident())[:-3] + [torch_frame]  # less python_stack, this and the fake
+
+    stacks = {}
+
+    def gather(output, input, group=None, async_op=False):
+        stacks["collective"] = stack_here("torch/distributed/distributed_c10d.py:3900 in all_gather_single")
+
+    def sync():
+        stacks.setdefault("sync", stack_here("torch/cuda/__init__.py:1000 in synchronize"))
+
+    name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    monkeypatch.setattr(dist, name, gather)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    with CollectiveTimer(sync=sync) as timer, CollectiveCounter():
+        timer.measuring = True
+        all_gather_single(torch.zeros(2), torch.zeros(1))
+    assert any("wrap.py" in frame for frame in stacks["collective"]), stacks  # the layer was on the stack
+    here = r"tests/diagnostics/test_stragglers.py:\d+ in test_hang_report_looks_through_the_layer_and_the_compat_names"
+    assert re.fullmatch(f"{here}  ->  all_gather_single\\(\\)", where(stacks["collective"])), stacks
+    assert re.fullmatch(f"{here}  ->  synchronize\\(\\)", where(stacks["sync"])), stacks
     # The monitor's own report is a place of its own.
     assert where(["hybridpar/diagnostics/stragglers.py:210 in report", "hybridpar/compat/torch.py:38 in "
                   "all_gather_single", "torch/distributed/distributed_c10d.py:3900 in all_gather_single"]) == \

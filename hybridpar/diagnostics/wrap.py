@@ -1,0 +1,194 @@
+"""One layer over torch.distributed: the collectives hybridpar watches, each wrapped once, and the
+listeners that watch them (the collective counter, the straggler timer, the profiler's ranges).
+
+    with counter, timer:      # any number of listeners, nested or side by side
+        train_step()
+
+A listener is entered and left as a context (`with listener:`, the Listener base class). The first
+listener in installs one wrapper per function of COLLECTIVES (on torch.distributed and on
+distributed_c10d, where torch's own aliases find them) and on Work.wait; the last one out puts the
+original objects back, exceptions included. Nothing is kept between: a process with no listener has
+torch.distributed exactly as torch made it.
+
+Every call reaches every listener's `around(call)`, which returns a context to run around the call
+or None. `call.outer` is the wrapped call it runs inside (an alias calling torch's new name,
+all_gather_object's tensor all_gather, a collective's own Work.wait), None at the top. FSDP2, FSDP1,
+fairscale's mappings and hybridpar all call the module functions at call time
+(`dist.all_reduce(...)`), so these wrappers see every collective they issue. Inside torch.compile
+the wrappers are transparent: nothing for dynamo to guard on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import threading
+from typing import Any, Callable, ContextManager, Optional
+
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+from torch.compiler import is_compiling
+
+# THE collectives hybridpar wraps: name -> (kind, position of the group argument). Both torch 2.13's
+# names and the older ones (all_gather_into_tensor before its rename to all_gather_single,
+# reduce_scatter_tensor before reduce_scatter_single); a name this torch lacks is skipped. Kinds:
+# what the call does with its tensors ("object": pickled objects, through tensor collectives inside).
+COLLECTIVES: dict[str, tuple[str, int]] = {
+    "all_reduce": ("all_reduce", 2),
+    "all_reduce_coalesced": ("all_reduce", 2),
+    "broadcast": ("broadcast", 2),
+    "reduce": ("reduce", 3),
+    "all_gather": ("all_gather", 2),
+    "all_gather_single": ("all_gather", 2),
+    "all_gather_into_tensor": ("all_gather", 2),
+    "_all_gather_base": ("all_gather", 2),
+    "all_gather_coalesced": ("all_gather", 2),
+    "reduce_scatter": ("reduce_scatter", 3),
+    "reduce_scatter_single": ("reduce_scatter", 3),
+    "reduce_scatter_tensor": ("reduce_scatter", 3),
+    "_reduce_scatter_base": ("reduce_scatter", 3),
+    "all_to_all_single": ("all_to_all", 4),
+    "all_to_all": ("all_to_all", 2),
+    "barrier": ("barrier", 0),
+    "all_gather_object": ("object", 2),
+    "broadcast_object_list": ("object", 2),
+}
+WAIT = "wait"  # the kind (and name) of Work.wait: where an async collective is waited for
+
+
+@dataclasses.dataclass(slots=True)
+class Call:
+    """One call of a wrapped function, as the listeners see it."""
+
+    name: str
+    kind: str
+    args: tuple
+    kwargs: dict
+    outer: Optional["Call"] = None  # the wrapped call this one runs inside; None at the top
+    result: Any = None  # what the call returned, once it has
+
+    @property
+    def group(self):
+        """The process group argument, by keyword or position (None: the default group)."""
+        if "group" in self.kwargs:
+            return self.kwargs["group"]
+        index = COLLECTIVES[self.name][1] if self.kind != WAIT else -1
+        return self.args[index] if 0 <= index < len(self.args) else None
+
+    @property
+    def async_op(self) -> bool:
+        return bool(self.kwargs.get("async_op", False))
+
+    @property
+    def work(self):
+        """Work.wait's Work."""
+        return self.args[0] if self.kind == WAIT and self.args else None
+
+
+class Listener:
+    """Base of the listeners: `with listener:` listens to every wrapped call until the block ends.
+    Subclasses implement `around(call)`: a context to run around the call, or None (nothing to do)."""
+
+    def around(self, call: Call) -> Optional[ContextManager]:
+        raise NotImplementedError
+
+    def __enter__(self):
+        _attach(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _detach(self)
+
+
+class _Layer:
+    """The wrappers in place while at least one listener listens."""
+
+    def __init__(self) -> None:
+        self.listeners: tuple[Listener, ...] = ()  # replaced, never mutated: calls on other threads read it
+        self.local = threading.local()  # per thread: the innermost wrapped call running
+        self.saved: list[tuple[object, str, object, bool]] = []  # (owner, name, original, own attribute)
+
+    def install(self) -> None:
+        wrappers: dict[int, Callable] = {}  # one wrapper per original function, wherever it is reachable
+        try:
+            for module in (dist, c10d):
+                for name, (kind, _) in COLLECTIVES.items():
+                    original = getattr(module, name, None)
+                    if original is not None:
+                        self._replace(module, name, wrappers.setdefault(id(original), self._wrap(name, kind, original)))
+            self._replace(dist.Work, "wait", self._wrap(WAIT, WAIT, dist.Work.wait))
+        except BaseException:
+            self.restore()
+            raise
+
+    def _replace(self, owner, name: str, wrapper: Callable) -> None:
+        self.saved.append((owner, name, getattr(owner, name), name in vars(owner)))
+        setattr(owner, name, wrapper)
+
+    def restore(self) -> None:
+        while self.saved:
+            owner, name, original, own = self.saved.pop()
+            if own:
+                setattr(owner, name, original)
+            else:  # inherited: drop the wrapper and the base's shows through again
+                delattr(owner, name)
+
+    def _wrap(self, name: str, kind: str, original: Callable) -> Callable:
+        layer = self
+
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            if is_compiling():
+                return original(*args, **kwargs)
+            return layer.call(original, Call(name, kind, args, kwargs))
+
+        return wrapper
+
+    def call(self, original: Callable, call: Call):
+        local = self.local
+        call.outer = getattr(local, "inner", None)
+        local.inner = call  # set first: a collective a listener issues is inside this call
+        try:
+            hooks = [hook for listener in self.listeners if (hook := listener.around(call)) is not None]
+            if not hooks:  # the common case (the timer between its measured steps): kept cheap
+                return original(*call.args, **call.kwargs)
+            with contextlib.ExitStack() as stack:
+                for hook in hooks:
+                    stack.enter_context(hook)
+                call.result = original(*call.args, **call.kwargs)
+            return call.result
+        finally:
+            local.inner = call.outer
+
+
+_layer: Optional[_Layer] = None  # exists only while a listener listens
+_lock = threading.Lock()
+
+
+def _attach(listener: Listener) -> None:
+    global _layer
+    with _lock:
+        if _layer is not None and listener in _layer.listeners:
+            raise RuntimeError(f"{type(listener).__name__} is already listening: enter it once")
+        if _layer is None:
+            layer = _Layer()
+            layer.install()
+            _layer = layer
+        _layer.listeners = _layer.listeners + (listener,)
+
+
+def _detach(listener: Listener) -> None:
+    global _layer
+    with _lock:
+        if _layer is None or listener not in _layer.listeners:
+            return
+        _layer.listeners = tuple(x for x in _layer.listeners if x is not listener)
+        if not _layer.listeners:
+            _layer.restore()
+            _layer = None
+
+
+def listeners() -> tuple[Listener, ...]:
+    """The listeners listening now (none: torch.distributed is torch's own)."""
+    return _layer.listeners if _layer is not None else ()

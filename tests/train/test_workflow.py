@@ -174,7 +174,10 @@ def test_the_run_ends_with_a_summary_whose_commands_work_and_a_dashboard(workers
     block = out[out.rindex("=== run summary"):]
     print("\n" + block)
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    assert [(e["step"], e["event"]) for e in events] == [(2, "skipped"), (4, "resumed")], events
+    # The dashboard's marks, and each save's cost (the first run's at the end, step 4; the second's, step 6).
+    assert [(e["step"], e["event"]) for e in events] == [
+        (2, "skipped"), (4, "checkpoint"), (4, "checkpoint_written"), (4, "resumed"), (6, "checkpoint"),
+        (6, "checkpoint_written")], events
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all("loss" in r or "val_loss" in r for r in rows)  # step rows only: events have their own file
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -14,26 +14,7 @@ from pathlib import Path
 
 import torch
 
-
-def matmul_tflops(device: torch.device, n: int, repeats: int = 10) -> float:
-    """Dense bf16 n x n x n products on random data (zeros run faster than real data), timed after
-    three warm-ups; TFLOP/s of the mean."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    for _ in range(3):
-        a @ b
-    sync(device)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        a @ b
-    sync(device)
-    return 2 * n ** 3 * repeats / (time.perf_counter() - start) / 1e12
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from hybridpar.train.metrics import measure_matmul_peak
 
 
 def disk_write_gbs(folder: Path, nbytes: int) -> float:
@@ -78,7 +59,10 @@ def main() -> None:
                    nccl=".".join(map(str, torch.cuda.nccl.version())), capability=f"{props.major}.{props.minor}")
     else:
         out.update(card=f"CPU ({os.cpu_count()} cores)", memory_gib=0.0, nccl=None)
-    out["matmul_tflops"] = matmul_tflops(device, 512 if args.tiny else 8192)
+    # The trainer's own measurement: dense bf16 on a GPU (random data: zeros run faster), waited for.
+    gpu = device.type == "cuda"
+    out["matmul_tflops"] = measure_matmul_peak(seconds=1.0, size=512 if args.tiny else 8192, device=device,
+                                               dtype=torch.bfloat16 if gpu else torch.float32) / 1e12
     out["nominal_tflops"], out["nominal_note"] = (x / 1e12 if isinstance(x, float) else x
                                                   for x in nominal_peak(out["card"]))
     out["disk_gbs"] = disk_write_gbs(args.work, (64 << 20) if args.tiny else (4 << 30))

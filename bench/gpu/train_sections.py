@@ -35,14 +35,12 @@ def layers_that_fit(check: Check) -> dict:
     if check.tiny:
         return {"ok": True, "n_layers": 4, "why": "tiny shape"}
     from models.args import ModelArgs
-    from hybridpar.plan import Workload, make_plan
 
     memory = check.results.get("probe", {}).get("memory_gib") or 80.0
     hardware = planner_hardware(check, memory)
     best = None
     for n in range(1, 33):
-        est = plan_estimate(ModelArgs.from_preset("llama3_8b", n_layers=n), hardware, compile=False,
-                            Workload=Workload, make_plan=make_plan)
+        est = plan_estimate(ModelArgs.from_preset("llama3_8b", n_layers=n), hardware, compile=False)
         if est is None or est.memory.total > 0.85 * est.usable_bytes:
             break
         best = n
@@ -61,7 +59,9 @@ def planner_hardware(check: Check, memory_gib: float):
     return spec(name, 1, **overrides)
 
 
-def plan_estimate(args, hardware, *, compile: bool, Workload, make_plan):
+def plan_estimate(args, hardware, *, compile: bool):
+    from hybridpar.plan import Workload, make_plan
+
     plan = make_plan(args, Workload(seq_len=8192, micro_batch=1, compile=compile), hardware, ac_every=2)
     found = plan.find(1, 1, 1, "selective")
     return found[0] if found else None
@@ -121,11 +121,9 @@ def mfu_figures(check: Check, tokens_per_s: float, n_layers: int) -> dict:
 
 def planner_prediction(check: Check, n_layers: int, compile: bool) -> dict:
     from models.args import ModelArgs
-    from hybridpar.plan import Workload, make_plan
 
     hardware = planner_hardware(check, check.results.get("probe", {}).get("memory_gib") or 80.0)
-    est = plan_estimate(ModelArgs.from_preset("llama3_8b", n_layers=n_layers), hardware, compile=compile,
-                        Workload=Workload, make_plan=make_plan)
+    est = plan_estimate(ModelArgs.from_preset("llama3_8b", n_layers=n_layers), hardware, compile=compile)
     if est is None:
         return {"why": "the planner has no selective-AC layout"}
     return {"tokens_per_s": est.tokens_per_s_per_gpu, "mfu": est.mfu(hardware.peak_flops),

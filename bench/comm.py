@@ -16,7 +16,7 @@ from hybridpar.diagnostics.collectives import CollectiveCounter, Record, wire_fa
 
 
 def mp_local_units(args, mp: int) -> dict[str, int]:
-    """Elements per model-parallel rank of each FSDP unit of models.llama.Transformer.
+    """Elements per model-parallel rank of each FSDP unit of hybridpar.models.llama.Transformer.
 
     Split weights count 1/mp; norms (and k/v weights replicated when mp > n_kv_heads) count whole.
     """

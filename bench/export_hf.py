@@ -79,8 +79,8 @@ def build(dim: int, layers: int, vocab: int):
     from hybridpar.fsdp_config import FSDPConfig
     from hybridpar.mesh import init_parallel
     from hybridpar.parallel.fsdp import apply_fsdp
-    from models.args import ModelArgs
-    from models.llama import Transformer
+    from hybridpar.models.args import ModelArgs
+    from hybridpar.models.llama import Transformer
 
     args = ModelArgs(dim=dim, n_layers=layers, n_heads=dim // 64, n_kv_heads=dim // 128, vocab_size=vocab,
                      max_seq_len=256)

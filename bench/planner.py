@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     from hybridpar.plan import Layout, Workload, estimate
     from hybridpar.plan.cpu import measure_cpu
     from hybridpar.plan.published import compare, format_table
-    from models.args import ModelArgs
+    from hybridpar.models.args import ModelArgs
 
     measured = Path(opts.measured) if opts.measured else Path(tempfile.mkdtemp(prefix="planner-bench-")) / "train.json"
     if not opts.measured:

@@ -69,7 +69,7 @@ DEFAULT_LAYOUTS = "1:4:1,2:2:1,2:2:2,4:1:1"
 def shape_dict(name: str) -> dict:
     if name in SHAPES:
         return dict(SHAPES[name])
-    from models.args import PRESETS_DIR
+    from hybridpar.models.args import PRESETS_DIR
 
     path = PRESETS_DIR / f"{name}.json"
     if not path.exists():
@@ -257,7 +257,7 @@ def main(argv=None) -> int:
     # A SIGTERM unwinds like Ctrl-C, so launch() still stops the ranks it started.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
-    from models.args import ModelArgs
+    from hybridpar.models.args import ModelArgs
 
     from hybridpar.files import write_text_atomic
 

@@ -59,7 +59,7 @@ def saved_activation_bytes(model, loss_fn) -> int:
 def measure(args, parallel, sp: bool, micro_batch: int, seq_len: int) -> dict:
     from hybridpar import fastpaths
     from hybridpar.parallel import vocab_parallel_cross_entropy
-    from models.llama import Transformer
+    from hybridpar.models.llama import Transformer
 
     torch.manual_seed(0)
     model = Transformer(args, parallel, sequence_parallel=sp)
@@ -107,7 +107,7 @@ def main() -> None:
     opts = parser.parse_args()
 
     import hybridpar
-    from models.args import ModelArgs
+    from hybridpar.models.args import ModelArgs
 
     torch.set_num_threads(1)
     args = ModelArgs.from_dict(shape_dict(opts.shape))

@@ -116,7 +116,7 @@ def _build_model(args, parallel, case: dict):
     except ImportError:
         build_model = None
         from hybridpar.parallel.fsdp import FSDPConfig, apply_fsdp
-        from models.llama import Transformer
+        from hybridpar.models.llama import Transformer
 
     sp = {"sequence_parallel": case["sequence_parallel"]} if "sequence_parallel" in case else {}
     fsdp = FSDPConfig(sharding_strategy=case["strategy"], param_dtype=case.get("precision", "float32"),
@@ -139,7 +139,7 @@ def state_tensors(engine):
 def _local_shards(args, parallel, seed: int) -> dict[str, torch.Tensor]:
     """hybridpar's seeded model, unsharded over dp: this rank's mp slices by Meta's names."""
     from hybridpar.parallel.layers import local_tensor
-    from models.llama import Transformer
+    from hybridpar.models.llama import Transformer
 
     torch.manual_seed(seed)
     model = Transformer(args, parallel)
@@ -174,7 +174,7 @@ def run_case(case: dict) -> dict:
     between them (A B, B A, ...), so both see the same machine load, step by step."""
     import hybridpar
     from hybridpar.train.metrics import measure_matmul_peak
-    from models.args import ModelArgs
+    from hybridpar.models.args import ModelArgs
 
     from bench.comm import CollectiveCounter
 

@@ -207,8 +207,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def _model_from_json(path: Path, overrides: dict):
     """Meta's params.json, or a Hugging Face config.json (told by its model_type)."""
-    from models.args import ModelArgs, ModelArgsError
-    from models.fields import read_json_object
+    from hybridpar.models.args import ModelArgs, ModelArgsError
+    from hybridpar.models.fields import read_json_object
 
     fields = read_json_object(path, ModelArgsError, "correct it (or point at another file)")
     if "model_type" in fields:
@@ -239,7 +239,7 @@ def _plan_hardware(args: argparse.Namespace):
 
 def _plan_model(args: argparse.Namespace):
     """(ModelArgs, the train flags that build that model) for --model."""
-    from models.args import ModelArgs
+    from hybridpar.models.args import ModelArgs
 
     overrides = {"vocab_size": args.vocab_size} if args.vocab_size else {}
     vocab = f" --model.vocab_size {args.vocab_size}" if args.vocab_size else ""

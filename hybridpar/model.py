@@ -12,8 +12,8 @@ from typing import Callable, Optional
 
 import torch
 
-from models.args import ModelArgs
-from models.llama import Transformer
+from hybridpar.models.args import ModelArgs
+from hybridpar.models.llama import Transformer
 
 from .fsdp_config import FSDPConfig
 from .mesh import ParallelDims

@@ -29,7 +29,7 @@ def preflight(config: Config, world_size: int) -> None:
 
 def check_values(config: Config, world_size: int):
     """The checks that read no data: the values' ranges, the mesh, the model's shape against
-    data.seq_len and parallel.mp. Returns the model's args (models.args.ModelArgs)."""
+    data.seq_len and parallel.mp. Returns the model's args (hybridpar.models.args.ModelArgs)."""
     config.validate()
     p = config.parallel
     try:
@@ -123,7 +123,7 @@ def model_args(c: Config, mp: int, tokenizer_vocab: int = 0):
     """The model's shape for config `c` at model-parallel size mp, checked against data.seq_len and
     mp. A vocab_size of -1 (Llama 2's params.json) becomes `tokenizer_vocab` when given, else it waits
     for the tokenizer (the trainer's _fit_vocab)."""
-    from models.args import ModelArgs
+    from hybridpar.models.args import ModelArgs
 
     found = init_from_folder(c)
     if found is not None:

@@ -1,5 +1,5 @@
 """ModelArgs: the fields of Meta's params.json plus hybridpar's own, the presets, and Meta's
-feed-forward rule. models.llama builds the network from them (and re-exports every name here)."""
+feed-forward rule. hybridpar.models.llama builds the network from them (and re-exports every name here)."""
 
 from __future__ import annotations
 

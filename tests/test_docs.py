@@ -394,7 +394,7 @@ def test_quoted_bounds_are_the_ones_the_tests_hold(page, sentence, test_file, pa
 
 
 def test_the_readme_preset_table_is_the_preset_files():
-    from models.args import ModelArgs
+    from hybridpar.models.args import ModelArgs
 
     rows = {}
     for line in (ROOT / "README.md").read_text().splitlines():
@@ -468,7 +468,7 @@ def test_the_api_page_names_what_exists_with_those_arguments():
         for name, arguments in re.findall(r"`([A-Za-z_][\w.]*)\(([^`]*?)\)(?:\s*->[^`]*)?`", line):
             if name in NOT_API or name.split(".")[-1] in NOT_API:
                 continue
-            prefixes = [*reversed(context), *sections, "hybridpar", "models.args", "models.llama"]
+            prefixes = [*reversed(context), *sections, "hybridpar", "hybridpar.models.args", "hybridpar.models.llama"]
             obj = next((o for o in map(_resolve, [*(f"{m}.{name}" for m in prefixes), name]) if o is not None), None)
             if obj is None:
                 failures.append(f"{name}: not found in {sections} or {context}")

@@ -1,6 +1,7 @@
 """Project-wide rules that a reviewer would otherwise have to check by eye."""
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -90,8 +91,10 @@ def _module_files() -> dict[str, Path]:
     """Every module of hybridpar/ and models/ by its dotted name (a package by its __init__.py)."""
     files = {}
     for folder in ("hybridpar", "models"):
+        # models/ installs as hybridpar.models (hybridpar/models links to it; rglob does not follow links)
         for path in sorted((ROOT / folder).rglob("*.py")):
             parts = path.relative_to(ROOT).with_suffix("").parts
+            parts = ("hybridpar",) + parts if folder == "models" else parts
             files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return files
 
@@ -179,17 +182,28 @@ def _closure(graph: dict[str, set[str]], start) -> set[str]:
 
 
 def test_models_import_nothing_above_parallel_and_mesh():
-    """models/ is a top-level folder, but the model stands on hybridpar.parallel and hybridpar.mesh: it
+    """models/ is a folder at the top of the checkout (installed as hybridpar.models), but the model stands on hybridpar.parallel and hybridpar.mesh: it
     may import them, what they import, and a module that needs nothing besides (hybridpar.ranks, say);
     not one that brings more under the model (config, data, checkpoint, train)."""
     graph = _imports(_module_files())
     base = _closure(graph, [m for m in graph if m.startswith("hybridpar.parallel")] + ["hybridpar.mesh"])
-    models = [m for m in graph if m == "models" or m.startswith("models.")]
-    assert "models.llama" in models and graph["models.llama"], "the check found no models/ imports"
+    models = [m for m in graph if m == "hybridpar.models" or m.startswith("hybridpar.models.")]
+    assert "hybridpar.models.llama" in models and graph["hybridpar.models.llama"], "the check found no models/ imports"
     above = {f"{m} -> {t} (which brings {sorted(_closure(graph, [t]) - base - {t})})"
              for m in models for t in graph[m]
-             if t.startswith("hybridpar") and t not in base and not _closure(graph, [t]) - {t} <= base}
+             if t.startswith("hybridpar") and t not in models and t not in base
+             and not _closure(graph, [t]) - {t} - set(models) <= base}
     assert not above, f"models/ imports above hybridpar.parallel and hybridpar.mesh: {sorted(above)}"
+
+
+def test_nothing_imports_models_by_its_folder_name():
+    """models/ installs as hybridpar.models only: an `import models` works in a checkout and nowhere
+    else (and would load the model a second time, as other classes)."""
+    pattern = re.compile(r"^\s*(from|import)\s+models\b", re.M)
+    files = [p for folder in ("hybridpar", "models", "bench", "tests") for p in (ROOT / folder).rglob("*.py")]
+    assert len(files) > 150, "the check found few files"
+    offenders = sorted(str(p.relative_to(ROOT)) for p in files if pattern.search(p.read_text()))
+    assert not offenders, f"import hybridpar.models, not models: {offenders}"
 
 
 def test_the_fast_paths_import_no_checkpoint_module():

@@ -41,7 +41,7 @@ def _sharded_model(overrides: dict, mp: int, dp_shard: int, dp_replicate: int, a
                    sp: bool = False):
     from hybridpar.fsdp_config import FSDPConfig
     from hybridpar.model import build_model
-    from models.args import ModelArgs
+    from hybridpar.models.args import ModelArgs
 
     parallel = parallel_dims(mp=mp, dp_shard=dp_shard, dp_replicate=dp_replicate)
     args = ModelArgs.from_preset("tiny", **overrides)
@@ -212,7 +212,7 @@ CASES = [  # (model overrides, mp, dp_shard, micro_batch, seq_len, FSDP param_dt
 def test_memory_estimate_matches_measured(workers, check_close, overrides, mp, dp_shard, micro_batch, seq_len,
                                          param_dtype, sp, ac):
     from hybridpar.plan import Hardware, Layout, estimate
-    from models.args import ModelArgs
+    from hybridpar.models.args import ModelArgs
 
     measured_per_rank = workers(4).run(_case_measure, overrides, mp, dp_shard, ac, micro_batch, seq_len, param_dtype,
                                        sp)
@@ -244,7 +244,7 @@ def test_memory_estimate_matches_measured(workers, check_close, overrides, mp, d
 ])
 def test_communication_bytes_match_the_collectives_issued(workers, overrides, mp, dp_shard, dp_replicate, ac, sp):
     from hybridpar.plan import Layout, collective_bytes
-    from models.args import ModelArgs
+    from hybridpar.models.args import ModelArgs
 
     micro_batch, seq_len = 2, 64
     counted = workers(4).run(_case_count_collectives, overrides, mp, dp_shard, dp_replicate, ac, micro_batch, seq_len,
@@ -302,7 +302,7 @@ def test_op_counts_match_the_code(workers, mp, dp_shard, sp):
     """The host's cost per op matters on a CPU: the planner's count of ops against the real step's."""
     from hybridpar.plan import Layout, Workload, collective_bytes
     from hybridpar.plan.compute import micro_batch_work, step_work
-    from models.args import ModelArgs
+    from hybridpar.models.args import ModelArgs
 
     counted = max(workers(2).run(_case_count_ops, mp, dp_shard, sp))
     args, layout = ModelArgs.from_preset("tiny"), Layout(mp, dp_shard, 1, "none", sequence_parallel=sp)
@@ -317,7 +317,7 @@ def test_op_counts_match_the_code(workers, mp, dp_shard, sp):
 def test_flops_match_the_trainers_mfu_count():
     from hybridpar.plan import flops_per_token
     from hybridpar.train.metrics import flops_per_token as trainer_flops
-    from models.args import ModelArgs
+    from hybridpar.models.args import ModelArgs
 
     for preset in ("tiny", "llama2_7b", "llama3_70b"):
         args = ModelArgs.from_preset(preset)
@@ -326,7 +326,7 @@ def test_flops_match_the_trainers_mfu_count():
 
 def test_tied_model_plans_its_parameters_once():
     from hybridpar.plan import MASTER_BYTES, Hardware, Layout, Workload, estimate, param_counts
-    from models.args import ModelArgs
+    from hybridpar.models.args import ModelArgs
 
     args = ModelArgs.from_preset("llama3.2_1b")  # the output head reads the embedding's weight
     assert args.num_params() == 1_235_814_400
@@ -346,7 +346,7 @@ def test_tied_model_plans_its_parameters_once():
 
 def _plan(preset: str, gpus: int, gib: float, **workload):
     from hybridpar.plan import Hardware, Workload, make_plan
-    from models.args import ModelArgs
+    from hybridpar.models.args import ModelArgs
 
     args = ModelArgs.from_preset(preset)
     return make_plan(args, Workload(**{"seq_len": min(args.max_seq_len, 8192), **workload}),
@@ -387,7 +387,7 @@ def test_step_time_arithmetic_by_hand():
     """mp 8 x dp 16 for Llama 3 70B, one micro-batch, no AC: the terms recomputed from the formulas."""
     from hybridpar.plan import Hardware, Layout, Workload, estimate
     from hybridpar.plan.compute import micro_batch_work, step_work
-    from models.args import ModelArgs
+    from hybridpar.models.args import ModelArgs
 
     args = ModelArgs.from_preset("llama3_70b")
     hw = Hardware(gpus=128, gpu_mem_gib=80, intra_node_busbw=100e9, inter_node_busbw=10e9, peak_flops=1e15,
@@ -423,7 +423,7 @@ def test_recomputation_and_compilation_change_the_work_as_they_should():
     attention kernels execute 7/12 of what the MFU formula counts (causal half, backward 2.5x)."""
     from hybridpar.plan import Layout, Workload, flops_per_token
     from hybridpar.plan.compute import block_work, micro_batch_work
-    from models.args import ModelArgs
+    from hybridpar.models.args import ModelArgs
 
     args = ModelArgs.from_preset("llama3.1_8b")
     w = Workload(seq_len=8192, micro_batch=2)
@@ -449,7 +449,7 @@ def test_planner_against_published_runs():
     from hybridpar.plan import make_plan
     from hybridpar.plan.hardware import spec
     from hybridpar.plan.published import CASES, compare, format_table
-    from models.args import ModelArgs
+    from hybridpar.models.args import ModelArgs
 
     rows = compare()
     print("\n" + format_table(rows))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hybridpar import dtypes
-from models.args import ModelArgs
+from hybridpar.models.args import ModelArgs
 
 
 def test_dtype_names_and_bytes():

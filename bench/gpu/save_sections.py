@@ -23,7 +23,7 @@ def save_layers(free_bytes: int) -> int:
     """The most blocks (up to SAVE_LAYERS) whose two checkpoints (float32 weights and AdamW's two
     moments: 12 bytes a parameter) and float32 Hugging Face export fit in 90% of the free space;
     0 when not even one does."""
-    from models.args import ModelArgs
+    from hybridpar.models.args import ModelArgs
 
     def needs(n: int) -> float:
         return 28 * ModelArgs.from_preset("llama3_8b", n_layers=n).num_params()

@@ -34,7 +34,7 @@ def layers_that_fit(check: Check) -> dict:
     every 2nd block) stays under 85% of the card's usable memory."""
     if check.tiny:
         return {"ok": True, "n_layers": 4, "why": "tiny shape"}
-    from models.args import ModelArgs
+    from hybridpar.models.args import ModelArgs
 
     memory = check.results.get("probe", {}).get("memory_gib") or 80.0
     hardware = planner_hardware(check, memory)
@@ -108,7 +108,7 @@ def _train(check: Check, compile: bool) -> dict:
 def mfu_figures(check: Check, tokens_per_s: float, n_layers: int) -> dict:
     """MFU of `tokens_per_s` against the measured matmul rate and the card's nominal peak, with the
     trainer's own FLOPs per token (the same numerator for hybridpar and torchtitan)."""
-    from models.args import ModelArgs
+    from hybridpar.models.args import ModelArgs
     from hybridpar.train.metrics import flops_per_token
 
     args = ModelArgs.from_preset("tiny") if check.tiny else ModelArgs.from_preset("llama3_8b", n_layers=n_layers)
@@ -120,7 +120,7 @@ def mfu_figures(check: Check, tokens_per_s: float, n_layers: int) -> dict:
 
 
 def planner_prediction(check: Check, n_layers: int, compile: bool) -> dict:
-    from models.args import ModelArgs
+    from hybridpar.models.args import ModelArgs
 
     hardware = planner_hardware(check, check.results.get("probe", {}).get("memory_gib") or 80.0)
     est = plan_estimate(ModelArgs.from_preset("llama3_8b", n_layers=n_layers), hardware, compile=compile)

@@ -18,8 +18,8 @@ from typing import Optional, Union
 
 import torch
 
-from models.args import ModelArgs
-from models.llama import Transformer
+from hybridpar.models.args import ModelArgs
+from hybridpar.models.llama import Transformer
 
 from ..files import OCCUPIED_ADVICE, begin_staging, commit_staged, refuse_occupied, staging_path
 from ..mesh import ParallelDims

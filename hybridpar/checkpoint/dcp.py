@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from models.args import ModelArgs
+from hybridpar.models.args import ModelArgs
 
 from .. import fastpaths
 from ..fastpaths.dcp_reader import FastFileSystemReader

@@ -1,7 +1,7 @@
 """Foreign checkpoint formats (Meta's consolidated files, Hugging Face folders) behind one interface.
 
 In: a format's adapter opens and checks a folder into a ForeignSource: its ModelArgs (which fix every
-tensor's name and full shape: model_shapes) and a block of a named tensor in models.llama's layout.
+tensor's name and full shape: model_shapes) and a block of a named tensor in hybridpar.models.llama's layout.
 load_foreign checks a model against any source and plans every rank's blocks before copying one,
 each rank reading only its own. Out: a ForeignTarget says what file j holds of a parameter and how
 a file is written; export_foreign stages, gathers and completes the folder.
@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from models.llama import ModelArgs
+from hybridpar.models.llama import ModelArgs
 
 from ..files import OCCUPIED_ADVICE, begin_staging, commit_staged, refuse_occupied, staging_path
 from ..parallel.state import block, gather_to, local_box
@@ -36,7 +36,7 @@ class ForeignCheckpointError(ValueError):
 
 
 def model_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    """Every parameter of models.llama's Transformer of `args` (Meta's names), with its full shape; a
+    """Every parameter of hybridpar.models.llama's Transformer of `args` (Meta's names), with its full shape; a
     tied model has no output head."""
     d, q, kv, hidden = args.dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim, args.ffn_hidden_dim
     shapes = {"tok_embeddings.weight": (args.vocab_size, d)}
@@ -78,7 +78,7 @@ class ForeignSource:
         """Refuse (self.error) a block of `name` this source cannot give; any block by default."""
 
     def read_into(self, name: str, offset: Sequence[int], out: torch.Tensor) -> None:
-        """Copy block [offset, offset + out.shape) of tensor `name` (models.llama's layout) into `out`."""
+        """Copy block [offset, offset + out.shape) of tensor `name` (hybridpar.models.llama's layout) into `out`."""
         raise NotImplementedError
 
 
@@ -124,7 +124,7 @@ def _plan(source: ForeignSource, model: nn.Module) -> list[tuple[str, torch.Tens
 
 @torch.no_grad()
 def load_foreign(source: ForeignSource, model: nn.Module) -> ModelArgs:
-    """Fill `model` (a models.llama.Transformer at any mp, before FSDP) from `source`. Collective: one
+    """Fill `model` (a hybridpar.models.llama.Transformer at any mp, before FSDP) from `source`. Collective: one
     flag after the checks of each rank's blocks. Returns the source's ModelArgs."""
     check_model(source, model)
     plan, failed = [], None
@@ -152,7 +152,7 @@ def refuse_target(folder: Path, overwrite: bool, error_type: type[Exception] = F
 def model_args(model: nn.Module, error: type[Exception], what: str) -> ModelArgs:
     args = getattr(model, "args", None)
     if not isinstance(args, ModelArgs):
-        raise error(f"{what} needs a models.llama.Transformer (a model with .args)")
+        raise error(f"{what} needs a hybridpar.models.llama.Transformer (a model with .args)")
     return args
 
 
@@ -169,7 +169,7 @@ class ForeignTarget:
         refuse_target(folder, overwrite, self.error)
 
     def order(self) -> list[str]:
-        """The parameters (models.llama's names) in the order every rank gathers them."""
+        """The parameters (hybridpar.models.llama's names) in the order every rank gathers them."""
         return list(model_shapes(self.args))
 
     def last_piece(self, j: int) -> str:
@@ -182,7 +182,7 @@ class ForeignTarget:
         return None
 
     def pieces(self, name: str, full: torch.Tensor, j: int) -> dict[str, torch.Tensor]:
-        """{stored name: tensor} that file j holds of parameter `name` (models.llama's), given whole."""
+        """{stored name: tensor} that file j holds of parameter `name` (hybridpar.models.llama's), given whole."""
         raise NotImplementedError
 
     def write_file(self, staged: Path, j: int, tensors: dict[str, torch.Tensor]) -> None:
@@ -206,7 +206,7 @@ def _check_state(target: ForeignTarget, state: Mapping[str, torch.Tensor]) -> No
                    if wrong else f"the model has no {lacking[0]} (tie_embeddings = {args.tie_embeddings})"
                    if lacking else None)
     if problem:
-        raise target.error(f"{problem}: save a models.llama.Transformer built from its own ModelArgs")
+        raise target.error(f"{problem}: save a hybridpar.models.llama.Transformer built from its own ModelArgs")
 
 
 def write_files(target: ForeignTarget, state: Mapping[str, torch.Tensor], staged: Path, mine: Sequence[int]) -> None:

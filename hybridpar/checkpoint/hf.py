@@ -27,7 +27,7 @@ from typing import Any, Mapping, Optional, Union
 import torch
 from torch import nn
 
-from models.args import ModelArgs
+from hybridpar.models.args import ModelArgs
 
 from ..dtypes import CANONICAL_NAMES as _DTYPE_NAMES
 from ..files import human_bytes, staged_folder, write_text_atomic
@@ -72,7 +72,7 @@ def rope_permutation(n_heads: int, head_dim: int) -> torch.Tensor:
 
 
 def hf_name(name: str) -> str:
-    """HF's name for one of Meta's (= models.llama's) parameter names."""
+    """HF's name for one of Meta's (= hybridpar.models.llama's) parameter names."""
     if name in _TOP_NAMES:
         return _TOP_NAMES[name]
     parts = name.split(".", 2)
@@ -149,7 +149,7 @@ def _check_target(out_dir: Path, overwrite: bool) -> None:
 
 
 def hf_order(args: ModelArgs) -> list[str]:
-    """models.llama's parameter names in the order of transformers' state_dict (so of its shards):
+    """hybridpar.models.llama's parameter names in the order of transformers' state_dict (so of its shards):
     embeddings, each layer's q k v o, gate up down and norms, the final norm, the head."""
     shapes = model_shapes(args)
     layers = [f"layers.{i}.{key}" for i in range(args.n_layers) for key in _LAYER_NAMES]  # _LAYER_NAMES: HF's order
@@ -266,7 +266,7 @@ def export_hf(
     eos_token_id: Optional[int] = None,
     extra_files: Optional[Mapping[str, Path]] = None,
 ) -> Path:
-    """Write `model` (a models.llama.Transformer at any mp, plain or FSDP2-wrapped) as an HF Llama
+    """Write `model` (a hybridpar.models.llama.Transformer at any mp, plain or FSDP2-wrapped) as an HF Llama
     folder. Collective: every rank calls it. The weights go in `dtype` (bfloat16 by default, as Meta
     and Hugging Face publish Llama) into shards of at most max_shard_size (5GB = 5 * 10^9 bytes, or
     500MB, 2GiB, a byte count; a larger tensor alone gets its own shard), named and indexed as

@@ -17,8 +17,8 @@ from typing import Any, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from models.fields import check_field, read_json_object
-from models.args import ModelArgs
+from hybridpar.models.fields import check_field, read_json_object
+from hybridpar.models.args import ModelArgs
 
 from ..ranks import mark_every_rank
 from .foreign import ForeignCheckpointError, ForeignSource, load_foreign, model_shapes
@@ -295,7 +295,7 @@ class _HFSource(ForeignSource):
 
 
 def load_hf_checkpoint(folder: Union[str, Path], model: nn.Module, parallel: Any = None) -> ModelArgs:
-    """Fill `model` (a models.llama.Transformer built from read_hf_config(folder), at any mp, before
+    """Fill `model` (a hybridpar.models.llama.Transformer built from read_hf_config(folder), at any mp, before
     FSDP) from a Hugging Face folder: every rank reads its own blocks (collective: one flag after
     the checks). Everything is checked before anything is copied, so an error leaves the model
     untouched. `parallel` is accepted for symmetry (the layout comes from the parameters'

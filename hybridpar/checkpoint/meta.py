@@ -1,7 +1,7 @@
 """Meta's consolidated Llama checkpoints: the format, imported from and exported to any model-parallel size.
 
 A folder of params.json (Meta's ModelArgs fields) and consolidated.00.pth ... consolidated.{MP-1:02d}.pth,
-each a flat {name: tensor} dict of every parameter under Meta's name (= models.llama's), split evenly
+each a flat {name: tensor} dict of every parameter under Meta's name (= hybridpar.models.llama's), split evenly
 across the files along split_dim(): dim 0 for wq/wk/wv, w1/w3 and output (column-parallel), dim 1
 for wo and w2 (row-parallel), tok_embeddings on dim 1 in the Llama 2 layout and dim 0 in the Llama 3
 layout; norms whole in every file; Llama 2 files also hold `rope.freqs` (unused). params.json has
@@ -25,7 +25,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from models.args import ModelArgs, meta_ffn_rule
+from hybridpar.models.args import ModelArgs, meta_ffn_rule
 
 from .foreign import ForeignCheckpointError
 from .pth_check import cut_short, unsafe_global

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from models.args import check_fields, field_types
-from models.fields import check_field, read_json_object
+from hybridpar.models.args import check_fields, field_types
+from hybridpar.models.fields import check_field, read_json_object
 
 from .meta import PARAMS_JSON, SIDECAR_FIELDS, SIDECAR_JSON, MetaCheckpointError
 

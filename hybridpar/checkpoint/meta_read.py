@@ -14,7 +14,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from models.args import ModelArgs
+from hybridpar.models.args import ModelArgs
 
 from ..ranks import mark_every_rank
 from .foreign import ForeignSource, load_foreign, model_shapes, natural
@@ -296,7 +296,7 @@ def _same_block(offset: Sequence[int], shape: Sequence[int], a: list[torch.Tenso
 def load_meta_checkpoint(
     folder: Union[str, Path], model: nn.Module, parallel: Any = None, *, verify_checksums: bool = False
 ) -> ModelArgs:
-    """Fill `model` (a models.llama.Transformer built from `read_meta_params(folder)`, at any mp,
+    """Fill `model` (a hybridpar.models.llama.Transformer built from `read_meta_params(folder)`, at any mp,
     before FSDP wrapping) from a Meta checkpoint written at any MP.
 
     Every rank memory-maps all source files and copies only its own slice of each parameter from

@@ -10,7 +10,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from models.args import ModelArgs
+from hybridpar.models.args import ModelArgs
 
 from ..files import atomic_output, write_text_atomic
 from .foreign import ForeignTarget, export_foreign, model_args
@@ -73,7 +73,7 @@ def save_meta_checkpoint(
     dtype: Optional[torch.dtype] = None,
     overwrite: bool = False,
 ) -> Path:
-    """Write `model` (a models.llama.Transformer, plain or FSDP2-wrapped) as Meta's consolidated
+    """Write `model` (a hybridpar.models.llama.Transformer, plain or FSDP2-wrapped) as Meta's consolidated
     checkpoint with mp_out files. Collective: every rank calls it with the same arguments.
 
     File j is written by rank j % world_size, each rank keeping only the slices of its own files.

@@ -59,7 +59,7 @@ def apply_activation_checkpointing(blocks: nn.ModuleList, mode: str, every: int 
 
 
 def apply_fsdp(model: nn.Module, parallel: ParallelDims, config: Optional[FSDPConfig] = None) -> nn.Module:
-    """Shard `model` (a models.llama.Transformer) in place over the data-parallel dims and return it.
+    """Shard `model` (a hybridpar.models.llama.Transformer) in place over the data-parallel dims and return it.
     config's activation checkpointing is not applied here: build_model applies it, before this."""
     config = config or FSDPConfig()
     config.validate()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from models.args import ModelArgs
+from hybridpar.models.args import ModelArgs
 
 from ..dtypes import dtype_bytes
 from ..parallel.cost import collective_seconds

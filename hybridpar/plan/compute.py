@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from models.args import ModelArgs
+from hybridpar.models.args import ModelArgs
 
 from ..dtypes import dtype_bytes
 from .inputs import Hardware, Layout, Workload

@@ -41,7 +41,7 @@ def _kernel_rates(seconds: float) -> tuple[float, float, float]:
     import torch
     import torch.nn.functional as F
 
-    from models.llama import RMSNorm, apply_rope, rope_frequencies
+    from hybridpar.models.llama import RMSNorm, apply_rope, rope_frequencies
 
     from .compute import elementwise_bytes, loss_bytes
 
@@ -108,7 +108,7 @@ def _op_seconds() -> float:
     from hybridpar.mesh import init_parallel
     from hybridpar.fsdp_config import FSDPConfig
     from hybridpar.model import build_model
-    from models.args import ModelArgs
+    from hybridpar.models.args import ModelArgs
 
     class Count(TorchDispatchMode):
         ops = 0

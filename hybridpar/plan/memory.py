@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from models.args import ModelArgs
+from hybridpar.models.args import ModelArgs
 
 
 def kv_heads_per_rank(args: ModelArgs, mp: int) -> int:
@@ -22,7 +22,7 @@ def local_param_shapes(args: ModelArgs, mp: int) -> dict[str, list[tuple[int, ..
     kv = args.kv_heads * hd // mp if args.kv_heads % mp == 0 else args.kv_heads * hd
     embedding = (v // mp, d) if args.resolved_embedding_split == "vocab" else (v, d // mp)
     block = [(q, d), (kv, d), (kv, d), (d, q), (f // mp, d), (f // mp, d), (d, f // mp), (d,), (d,)]
-    # Tied: the head reads the embedding's weight (models.llama.TiedOutput) and has none of its own.
+    # Tied: the head reads the embedding's weight (hybridpar.models.llama.TiedOutput) and has none of its own.
     output = [] if args.tie_embeddings else [(v // mp, d)]
     return {"embedding": [embedding], "block": block, "output": output, "root": [(d,)]}
 
@@ -90,7 +90,7 @@ class Activations:
 
 def activation_bytes(args: ModelArgs, mp: int, micro_batch: int, seq_len: int, compute_bytes: int,
                      n_checkpointed: int = 0, sequence_parallel: bool = False) -> Activations:
-    """Saved tensors of models.llama.Transformer + vocab_parallel_cross_entropy, derived from the code."""
+    """Saved tensors of hybridpar.models.llama.Transformer + vocab_parallel_cross_entropy, derived from the code."""
     a, t = compute_bytes, micro_batch * seq_len
     d, hd = args.dim, args.head_dim
     heads, kv = args.n_heads // mp, kv_heads_per_rank(args, mp)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from models.args import ModelArgs
+from hybridpar.models.args import ModelArgs
 
 from .hardware import spec
 from .inputs import Layout, Workload

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterable, Optional
 
-from models.args import ModelArgs
+from hybridpar.models.args import ModelArgs
 
 from ..dtypes import dtype_bytes
 from ..fsdp_config import AC_MODES

@@ -18,7 +18,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from models.args import ModelArgs
+from hybridpar.models.args import ModelArgs
 
 from ..files import DiskFullError, full_disk_said, out_of_space, write_text_atomic
 from ..progress import hms

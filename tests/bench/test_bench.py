@@ -97,7 +97,7 @@ def test_counter_matches_hand_counts(workers):
 
 def test_analytic_minimum_by_hand():
     from bench.comm import analytic_bytes
-    from models.args import ModelArgs
+    from hybridpar.models.args import ModelArgs
 
     args = ModelArgs.from_preset("debug")  # dim 64, 2 layers, vocab 128, ffn 192, 8 heads = kv heads
     # mp 2, dp_shard 2, one replica, 1 x 4 tokens: the numbers written out.

@@ -127,8 +127,8 @@ def _case_convert_options(root: str) -> tuple:
     from hybridpar.checkpoint.convert import convert
     from hybridpar.checkpoint.dcp import CheckpointError
     from hybridpar.checkpoint.meta import save_meta_checkpoint
-    from models.args import ModelArgs
-    from models.llama import Transformer
+    from hybridpar.models.args import ModelArgs
+    from hybridpar.models.llama import Transformer
     from tests.distributed import parallel_dims
 
     root = Path(root)

@@ -289,8 +289,8 @@ def _case_tie_mismatch(folder: str) -> list:
     import torch.distributed as dist
 
     from hybridpar.checkpoint.dcp import Checkpointer, CheckpointError, params_dict
-    from models.args import ModelArgs
-    from models.llama import Transformer
+    from hybridpar.models.args import ModelArgs
+    from hybridpar.models.llama import Transformer
     from tests.distributed import parallel_dims
 
     parallel = parallel_dims(mp=2)

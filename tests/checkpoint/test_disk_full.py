@@ -47,8 +47,8 @@ def _case_estimate(folder: str, layout: tuple) -> tuple:
     from hybridpar.checkpoint import dcp as dcp_module
     from hybridpar.fsdp_config import FSDPConfig
     from hybridpar.parallel.fsdp import apply_fsdp
-    from models.args import ModelArgs
-    from models.llama import Transformer
+    from hybridpar.models.args import ModelArgs
+    from hybridpar.models.llama import Transformer
     from tests.distributed import parallel_dims
 
     mp, dp_shard, dp_replicate = layout
@@ -256,7 +256,7 @@ def _case_resume_step(config) -> int:
 
 
 def _checkpoint_bytes_of_debug_model() -> int:
-    from models.args import ModelArgs
+    from hybridpar.models.args import ModelArgs
 
     return 12 * ModelArgs.from_preset("debug", vocab_size=512).num_params()  # fp32 weights + AdamW's two moments
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from hybridpar.checkpoint.hf import HFExportError, export_hf, hf_state_dict, rope_permutation
-from models.args import ModelArgs
-from models.llama import Transformer, apply_rope, rope_frequencies
+from hybridpar.models.args import ModelArgs
+from hybridpar.models.llama import Transformer, apply_rope, rope_frequencies
 from tests.distributed import parallel_dims, rel_err
 
 BOUND = 1e-4

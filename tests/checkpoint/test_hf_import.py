@@ -67,7 +67,7 @@ def test_logits_equal_transformers(workers, check_close, folders, shape, tied, d
 def test_llama3_rope_rescaling_matches_transformers(folders):
     """The rescaled frequencies themselves (factor 32, original context 64), not only through logits."""
     from hybridpar.checkpoint.hf_read import read_hf_config
-    from models.llama import rope_frequencies
+    from hybridpar.models.llama import rope_frequencies
 
     folder = folders()
     args = read_hf_config(folder)
@@ -161,7 +161,7 @@ def _case_import_memory(folder: str, mp: int) -> dict:
 
     from hybridpar.checkpoint.hf_read import load_hf_checkpoint, read_hf_config
     from hybridpar.parallel.state import local_box
-    from models.llama import Transformer
+    from hybridpar.models.llama import Transformer
 
     parallel = parallel_dims(mp=mp)
     args = read_hf_config(folder)
@@ -242,7 +242,7 @@ def test_transformers_4_spelling_reads_like_5(folders, tmp_path):
 
 def _case_load_error(folder: str, **model_fields):
     from hybridpar.checkpoint.hf_read import HFImportError, load_hf_checkpoint, read_hf_config
-    from models.llama import Transformer
+    from hybridpar.models.llama import Transformer
 
     parallel = parallel_dims(mp=2)
     args = read_hf_config(folder, **model_fields)

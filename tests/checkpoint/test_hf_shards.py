@@ -62,7 +62,7 @@ def test_plan_is_huggingface_hubs(sizes, limit):
 
 def _case_rounded_logits(name: str, mp: int) -> torch.Tensor:
     """Full logits of the seeded model of _case_export with every weight rounded to bf16 (computed in fp32)."""
-    from models.llama import Transformer
+    from hybridpar.models.llama import Transformer
     from tests.distributed import parallel_dims
 
     args, parallel = _args(name), parallel_dims(mp=mp)
@@ -250,8 +250,8 @@ def _case_export_memory(root: str) -> dict:
     from hybridpar.checkpoint.hf import export_hf
     from hybridpar.fsdp_config import FSDPConfig
     from hybridpar.parallel.fsdp import apply_fsdp
-    from models.args import ModelArgs
-    from models.llama import Transformer
+    from hybridpar.models.args import ModelArgs
+    from hybridpar.models.llama import Transformer
     from tests.distributed import parallel_dims
 
     parallel = parallel_dims(mp=2)
@@ -267,7 +267,7 @@ def _case_export_memory(root: str) -> dict:
 @pytest.mark.slow
 def test_a_rank_holds_its_shard_and_one_tensor_not_the_model(workers, tmp_path):
     from bench.export_hf import expected_holdings
-    from models.args import ModelArgs
+    from hybridpar.models.args import ModelArgs
 
     args = ModelArgs(**MEMORY_ARGS)
     model_bytes = sum(math.prod(s) for s in model_shapes(args).values()) * 2

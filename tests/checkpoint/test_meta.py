@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.args import ModelArgs
-from models.llama import Transformer
+from hybridpar.models.args import ModelArgs
+from hybridpar.models.llama import Transformer
 from tests.distributed import parallel_dims, rel_err
 
 BOUND = 1e-5

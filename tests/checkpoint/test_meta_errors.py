@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.args import ModelArgs
-from models.llama import Transformer
+from hybridpar.models.args import ModelArgs
+from hybridpar.models.llama import Transformer
 from tests.distributed import parallel_dims
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.args import ModelArgs, preset_names
-from models.llama import Transformer
+from hybridpar.models.args import ModelArgs, preset_names
+from hybridpar.models.llama import Transformer
 from tests.distributed import parallel_dims, rel_err
 
 BOUND = 1e-5

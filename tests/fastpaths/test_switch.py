@@ -42,8 +42,8 @@ def _fast_paths(on: bool):
 def _sharded_model(seed: int, parallel, fast: bool = True):
     from hybridpar.fsdp_config import FSDPConfig
     from hybridpar.parallel.fsdp import apply_fsdp
-    from models.args import ModelArgs
-    from models.llama import Transformer
+    from hybridpar.models.args import ModelArgs
+    from hybridpar.models.llama import Transformer
 
     args = ModelArgs.from_preset("debug")
     torch.manual_seed(seed)

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from models.args import ModelArgs
+from hybridpar.models.args import ModelArgs
 
 # Small, but the shapes the fused kernels take: head_dim 64, GQA 4/2 (enable_gqa), bf16.
 ARGS = dict(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, multiple_of=32, max_seq_len=256)

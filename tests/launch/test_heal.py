@@ -225,7 +225,7 @@ SLOW_RANK = """
 import os
 if os.environ.get("RANK") == "3" and os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
     import time
-    import models.llama as llama
+    import hybridpar.models.llama as llama
     forward = llama.Transformer.forward
 
     def slow(self, *args, **kwargs):  # a slow node: this rank computes 0.2 s longer per step

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.args import ModelArgs, preset_names
-from models.llama import Transformer
+from hybridpar.models.args import ModelArgs, preset_names
+from hybridpar.models.llama import Transformer
 from tests.distributed import parallel_dims, rel_err
 from tests.models.meta_files import PUBLISHED_PARAMS
 

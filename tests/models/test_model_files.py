@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hybridpar.ranks import raised_by_every_rank
-from models.args import ModelArgs
+from hybridpar.models.args import ModelArgs
 from tests.models.meta_files import PUBLISHED_PARAMS
 
 SMALL = {"dim": 64, "n_layers": 2, "n_heads": 8, "vocab_size": 128}  # the shape fields, nothing else
@@ -187,7 +187,7 @@ def test_config_json_null_where_transformers_allows_it(tmp_path):
 
 @pytest.fixture
 def no_model(monkeypatch):
-    from models.llama import Transformer
+    from hybridpar.models.llama import Transformer
 
     def refuse(*args, **kwargs):
         raise AssertionError("a Transformer was built from a model file that should have been refused")

@@ -10,8 +10,8 @@ from tests.distributed import parallel_dims
 
 def _case_recompute_counts(mode: str, every: int) -> tuple:
     from hybridpar.parallel.fsdp import apply_activation_checkpointing
-    from models.args import ModelArgs
-    from models.llama import Transformer
+    from hybridpar.models.args import ModelArgs
+    from hybridpar.models.llama import Transformer
 
     args = ModelArgs.from_preset("debug", n_layers=4)
     model = Transformer(args, parallel_dims())
@@ -64,7 +64,7 @@ def _case_compile_without_compiler() -> tuple:
     from hybridpar import model as model_module
     from hybridpar.fsdp_config import FSDPConfig
     from hybridpar.parallel import fsdp
-    from models.args import ModelArgs
+    from hybridpar.models.args import ModelArgs
 
     with mock.patch.object(fsdp.shutil, "which", return_value=None), \
             mock.patch.object(model_module, "Transformer", wraps=model_module.Transformer) as built:

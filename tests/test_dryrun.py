@@ -32,7 +32,7 @@ def _case_real_step(config):
     import torch.distributed as dist
 
     from hybridpar.diagnostics.collectives import CollectiveCounter, mesh_dims
-    from hybridpar.dryrun import state_bytes
+    from hybridpar.cli.dryrun import state_bytes
     from hybridpar.train import Trainer
 
     trainer = Trainer(config)

@@ -213,7 +213,7 @@ def test_sample_top_p_keeps_the_nucleus():
 
 
 def _case_main_generate(folder: str, tokenizer: str, prompts: list) -> tuple:
-    from hybridpar.commands import cmd_generate
+    from hybridpar.cli.commands import cmd_generate
 
     args = types.SimpleNamespace(checkpoint=folder, tokenizer=tokenizer, prompts=prompts, max_new_tokens=6,
                                  temperature=0.0, top_p=0.9, mp=2)

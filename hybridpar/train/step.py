@@ -1,5 +1,5 @@
 """The collectives and math of one optimizer step, in pieces that never read a value back to the
-host: the trainer converts what it logs, and the dry run (hybridpar.dryrun) runs the same pieces on
+host: the trainer converts what it logs, and the dry run (hybridpar.cli.dryrun) runs the same pieces on
 fake tensors, where there is no value to read.
 
     counts = count_targets(batches, parallel, device, also_sum=[data_stop])   # all-reduce over dp

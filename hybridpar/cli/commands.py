@@ -15,8 +15,8 @@ import os
 import sys
 from pathlib import Path
 
-from . import dtypes
-from .layout import MeshCoords, group_ranks, resolve_sizes
+from .. import dtypes
+from ..layout import MeshCoords, group_ranks, resolve_sizes
 
 
 class RunFailed(Exception):
@@ -47,14 +47,14 @@ def cmd_mesh(args: argparse.Namespace) -> int:
 
 
 def _load_config(args: argparse.Namespace):
-    from .config import find_config, load_config
+    from ..config import find_config, load_config
 
     return load_config(find_config(args.config) if args.config else None, args.overrides)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
     """Train under torchrun/srun (or as a world of one): hybridpar train --config local --train.steps 20."""
-    from .preflight import preflight, world_size_from_env
+    from ..preflight import preflight, world_size_from_env
 
     config = _load_config(args)
     if args.dry_run:
@@ -66,7 +66,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     preflight(config, world_size_from_env())
     import torch.distributed as dist
 
-    from .train import Trainer
+    from ..train import Trainer
 
     try:
         trainer = Trainer(config)
@@ -87,10 +87,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _dry_run(args: argparse.Namespace, config) -> int:
-    """hybridpar train --dry-run: one process plays one rank of the whole world (hybridpar.dryrun)."""
-    from .config import ConfigError
+    """hybridpar train --dry-run: one process plays one rank of the whole world (hybridpar.cli.dryrun)."""
+    from ..config import ConfigError
     from .dryrun import dry_run
-    from .files import write_text_atomic
+    from ..files import write_text_atomic
 
     world = args.world or int(os.environ.get("WORLD_SIZE", 0))
     p = config.parallel
@@ -113,13 +113,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if args.dtype is not None:
         dtypes.check(args.dtype, "--dtype")
     if args.max_shard_size is not None:
-        from .checkpoint.hf_shards import parse_shard_size
+        from ..checkpoint.hf_shards import parse_shard_size
 
         parse_shard_size(args.max_shard_size, "--max-shard-size")
     import torch.distributed as dist
 
-    from .checkpoint.convert import convert
-    from .mesh import init_parallel
+    from ..checkpoint.convert import convert
+    from ..mesh import init_parallel
 
     parallel = init_parallel(mp=args.mp)
     try:
@@ -139,23 +139,23 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     """Check a checkpoint folder's (a folder of checkpoints', or a token store's) files against its
     checksums, offline."""
-    from .data.store import is_store
+    from ..data.store import is_store
 
     if not Path(args.path).exists():
         raise FileNotFoundError(f"hybridpar verify {args.path}: no such file or folder; give a checkpoint folder "
                                 "(checkpoints/step-00000100), a run's checkpoints/ folder or a token store")
     if is_store(args.path):
-        from .data.store_verify import verify_store
+        from ..data.store_verify import verify_store
 
         return verify_store(Path(args.path))
-    from .checkpoint.verify import verify_path
+    from ..checkpoint.verify import verify_path
 
     return verify_path(Path(args.path))
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
     """Tokenise corpus files into a token store (on every core; a share of it with --part)."""
-    from .data.store_prepare import prepare_command
+    from ..data.store_prepare import prepare_command
 
     return prepare_command(args)
 
@@ -169,7 +169,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompts (list of str), max_new_tokens, temperature, top_p, mp; optional seed (0) and dtype
     ("float32" on CPU, "bfloat16" on GPU when absent).
     """
-    from .preflight import tokenizer_file
+    from ..preflight import tokenizer_file
 
     # The user's mistakes before any process group: one line naming the flag.
     tokenizer_path = tokenizer_file(args.tokenizer, "--tokenizer", "the model's: a run's summary names it")
@@ -177,10 +177,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         dtypes.check(args.dtype, "--dtype")
     import torch.distributed as dist
 
-    from .checkpoint.convert import load_model
-    from .data import Tokenizer, check_vocab
-    from .generate import generate_text
-    from .mesh import init_parallel
+    from ..checkpoint.convert import load_model
+    from ..data import Tokenizer, check_vocab
+    from ..generate import generate_text
+    from ..mesh import init_parallel
 
     made_group = not dist.is_initialized()  # a caller's own process group is left to the caller
     try:
@@ -212,7 +212,7 @@ def _model_from_json(path: Path, overrides: dict):
 
     fields = read_json_object(path, ModelArgsError, "correct it (or point at another file)")
     if "model_type" in fields:
-        from .checkpoint.hf_read import args_from_hf_config
+        from ..checkpoint.hf_read import args_from_hf_config
 
         return args_from_hf_config(fields, path, **overrides)
     return ModelArgs.from_params_json(path, **overrides)
@@ -220,8 +220,8 @@ def _model_from_json(path: Path, overrides: dict):
 
 def _plan_hardware(args: argparse.Namespace):
     """--gpu's spec (or this CPU, measured), with any figure given on the command line instead."""
-    from .plan.cpu import measure_cpu
-    from .plan.hardware import spec
+    from ..plan.cpu import measure_cpu
+    from ..plan.hardware import spec
 
     given = {"gpu_mem_gib": args.gpu_mem_gb, "gpus_per_node": args.gpus_per_node,
              "reserve_gib": args.reserve_gb, "gemm_efficiency": args.gemm_efficiency,
@@ -244,7 +244,7 @@ def _plan_model(args: argparse.Namespace):
     overrides = {"vocab_size": args.vocab_size} if args.vocab_size else {}
     vocab = f" --model.vocab_size {args.vocab_size}" if args.vocab_size else ""
     if Path(args.model).is_dir():  # a checkpoint, Meta or Hugging Face folder: its shape (and weights)
-        from .checkpoint.convert import detect_format, read_args
+        from ..checkpoint.convert import detect_format, read_args
 
         kind, path = detect_format(Path(args.model))
         model = dataclasses.replace(read_args(kind, path), **overrides)
@@ -261,10 +261,10 @@ def _plan_model(args: argparse.Namespace):
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Per-GPU memory and step time of every (mp, dp_shard, dp_replicate, AC) layout; 1 when none fits."""
-    from .plan import Workload, format_plan, make_plan, parse_global_batch, plan_json
+    from ..plan import Workload, format_plan, make_plan, parse_global_batch, plan_json
 
     if args.published:
-        from .plan.published import compare, format_table
+        from ..plan.published import compare, format_table
 
         print(format_table(compare()))
         return 0
@@ -287,7 +287,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                      zero2=args.zero2, ac_every=args.ac_every, sequence_parallel=not args.no_sequence_parallel)
     print(format_plan(plan, top=args.top, model_name=Path(args.model).name, model_flags=model_flags))
     if args.json:
-        from .files import write_text_atomic
+        from ..files import write_text_atomic
 
         write_text_atomic(args.json, json.dumps(plan_json(plan, Path(args.model).name, model_flags), indent=1) + "\n")
     return 0 if plan.fitting else 1
@@ -295,7 +295,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     """Check layout, environment, bandwidth per mesh dim and (with --config) the data pipeline; 1 on errors."""
-    from .preflight import check_values, world_size_from_env
+    from ..preflight import check_values, world_size_from_env
 
     config = _load_config(args)
     for key in ("mp", "dp_shard", "dp_replicate"):
@@ -304,9 +304,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     check_values(config, world_size_from_env())  # the config's own mistakes, one line, before any group
     import torch.distributed as dist
 
-    from .diagnostics.doctor import DoctorOptions, parse_sizes, run_doctor
-    from .diagnostics.timeouts import apply_env_defaults
-    from .mesh import init_parallel
+    from ..diagnostics.doctor import DoctorOptions, parse_sizes, run_doctor
+    from ..diagnostics.timeouts import apply_env_defaults
+    from ..mesh import init_parallel
 
     options = DoctorOptions(sizes=parse_sizes(args.sizes), iters=args.iters, warmup=args.warmup,
                             ops=[op for op in args.ops.split(",") if op], busbw=not args.no_busbw,
@@ -325,9 +325,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 def cmd_hang_report(args: argparse.Namespace) -> int:
     """The watchdog's analysis, offline, over flight-recorder dumps collected from every node."""
-    from .diagnostics.flight import analyse, format_report
-    from .diagnostics.traces import load_dumps
-    from .files import write_text_atomic
+    from ..diagnostics.flight import analyse, format_report
+    from ..diagnostics.traces import load_dumps
+    from ..files import write_text_atomic
 
     traces, world, skipped = load_dumps(Path(args.dir))
     for path in skipped:

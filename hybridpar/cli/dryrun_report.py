@@ -1,10 +1,10 @@
-"""What `hybridpar train --dry-run` found (hybridpar.dryrun runs the rehearsal), and its report."""
+"""What `hybridpar train --dry-run` found (hybridpar.cli.dryrun runs the rehearsal), and its report."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from .files import human_bytes
+from ..files import human_bytes
 
 
 @dataclasses.dataclass

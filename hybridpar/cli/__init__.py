@@ -1,6 +1,6 @@
 """The `hybridpar` command (also `python -m hybridpar`): the parser, and one way of reporting a failure.
 
-Parsing imports no torch (`--help` stays fast); hybridpar.commands holds what each command does."""
+Parsing imports no torch (`--help` stays fast); hybridpar.cli.commands holds what each command does."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Callable, NamedTuple, Optional, Sequence
 
-from . import __version__, dtypes
+from .. import __version__, dtypes
 from .commands import (cmd_convert, cmd_doctor, cmd_generate, cmd_hang_report, cmd_mesh, cmd_plan, cmd_prepare,
                        cmd_train, cmd_verify, RunFailed)
 
@@ -74,8 +74,8 @@ def command_names() -> tuple[str, ...]:
 
 
 def _build() -> _Parsers:
-    from .config import describe  # every config key, for `train --help`
-    from .data.formats import BAD_RECORD_CHOICES, MAX_DOCUMENT_BYTES  # one list of choices with data.on_bad_record
+    from ..config import describe  # every config key, for `train --help`
+    from ..data.formats import BAD_RECORD_CHOICES, MAX_DOCUMENT_BYTES  # one list of choices with data.on_bad_record
     parser = _Parser(prog="hybridpar", description=__doc__.split("\n")[0])
     parser.add_argument("--version", action="version", version=f"hybridpar {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -282,7 +282,7 @@ def _report_error(error: Exception, log_dir: Optional[Path]) -> int:
     ValueError, or an OSError about a path), with the rank. Anything else is an internal error: its
     traceback is shown, or named where it was logged. Every rank's traceback goes to
     `<run_dir>/logs/rank-R.log` once the run has a folder, which the message names."""
-    from .ranks import raised_by_every_rank
+    from ..ranks import raised_by_every_rank
 
     rank = os.environ.get("RANK")
     log = _log_traceback(error, log_dir, rank or "0")
@@ -329,7 +329,7 @@ def _one_line(error: Exception) -> str:
 def _log_traceback(error: Exception, log_dir: Optional[Path], rank: str) -> Optional[Path]:
     import traceback
 
-    from .files import write_text_atomic
+    from ..files import write_text_atomic
 
     if log_dir is None:
         return None

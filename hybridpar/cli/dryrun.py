@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .config import Config, ConfigError
+from ..config import Config, ConfigError
 from .dryrun_report import Check, DryRun
-from .files import human_bytes
+from ..files import human_bytes
 
 PARAM_BYTES = 4  # the trainer keeps fp32 master parameters (plan.MASTER_BYTES)
 
@@ -54,8 +54,8 @@ def dry_run(config: Config, world: int, rank: int = 0, *, gpu_mem_gib: float = 8
     """Rehearse `config` as rank `rank` of `world` ranks. Needs a process with no process group
     (it makes a fake one and destroys it at the end). `gpu` names the planner's hardware for the
     step-time estimate of a GPU job (hybridpar.plan.hardware)."""
-    from .compat.torch import init_fake_process_group
-    from .layout import resolve_sizes
+    from ..compat.torch import init_fake_process_group
+    from ..layout import resolve_sizes
 
     started = time.perf_counter()
     c = config
@@ -97,12 +97,12 @@ def dry_run(config: Config, world: int, rank: int = 0, *, gpu_mem_gib: float = 8
 def _rehearse(run: DryRun, c: Config, world: int, sizes: list[int], target: str, gpu_mem_gib: float,
               gpus_per_node: int, gpu: str, say: Callable[[str], None]) -> None:
     """The part on the fake process group: model, sharding, one step, and what they show."""
-    from .compat.torch import fake_tensors
-    from .diagnostics.collectives import CollectiveCounter, mesh_dims
-    from .mesh import init_parallel
-    from .model import build_model
-    from .parallel.fsdp import dp_mesh_for
-    from .preflight import model_args
+    from ..compat.torch import fake_tensors
+    from ..diagnostics.collectives import CollectiveCounter, mesh_dims
+    from ..mesh import init_parallel
+    from ..model import build_model
+    from ..parallel.fsdp import dp_mesh_for
+    from ..preflight import model_args
 
     dr, ds, mp = sizes
     say(f"mesh of {world} ranks on a fake process group")
@@ -139,7 +139,7 @@ def _rehearse(run: DryRun, c: Config, world: int, sizes: list[int], target: str,
 @contextlib.contextmanager
 def _fast_paths(on: bool) -> Iterator[None]:
     """The CPU fast paths for a CPU job; off for a GPU job, whose collectives are nccl's."""
-    from . import fastpaths
+    from .. import fastpaths
 
     before = os.environ.get(fastpaths.ENV)
     os.environ[fastpaths.ENV] = "1" if on and before != "0" else "0"
@@ -179,9 +179,9 @@ def _batch_detail(c: Config, dp: int) -> str:
 
 def _data_detail(c: Config) -> str:
     """The sources and tokenizer the config names, found (not read: no tokenizing here)."""
-    from .data.sources import resolve_sources, source_name
-    from .data.store import is_store
-    from .preflight import check_paths
+    from ..data.sources import resolve_sources, source_name
+    from ..data.store import is_store
+    from ..preflight import check_paths
 
     def named(source: str) -> str:
         return f"the token store {source}" if is_store(source) else source_name(resolve_sources(source))
@@ -200,7 +200,7 @@ def _data_detail(c: Config) -> str:
 def _vocab(c: Config) -> int:
     """The tokenizer's vocabulary, for a model whose vocab_size comes from it (Llama 2's -1)."""
     if c.data.tokenizer and Path(c.data.tokenizer).exists():
-        from .data import Tokenizer
+        from ..data import Tokenizer
 
         return Tokenizer(c.data.tokenizer).vocab_size
     return c.data.tokenizer_vocab_size  # the trainer trains one of this size
@@ -218,9 +218,9 @@ def _strategy_detail(mesh) -> str:
 def _step(c: Config, model: torch.nn.Module, parallel) -> tuple[torch.optim.Optimizer, list]:
     """The trainer's step (hybridpar.train.step) on fake tensors; (optimizer, the gradients after
     backward). The batch has no ignored targets, so its target count is known without reading it."""
-    from .train import stop
-    from .train.optim import build_optimizer, clip_gradients
-    from .train.step import count_targets, forward_backward
+    from ..train import stop
+    from ..train.optim import build_optimizer, clip_gradients
+    from ..train.step import count_targets, forward_backward
 
     d, t = c.data, c.train
     optimizer = build_optimizer(model, c.optim)
@@ -302,7 +302,7 @@ def _checkpoint_files(c: Config, model, optimizer, world: int) -> dict:
     share of the state DCP saves, the folder's total from every rank's (taken as this rank's)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from .checkpoint.space import BYTES_PER_RANK, BYTES_PER_TENSOR, MARGIN, local_share
+    from ..checkpoint.space import BYTES_PER_RANK, BYTES_PER_TENSOR, MARGIN, local_share
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
     share, tensors = local_share({"model": model_sd, "optimizer": optim_sd}, world)
@@ -317,8 +317,8 @@ def _checkpoint_files(c: Config, model, optimizer, world: int) -> dict:
 def _memory(c: Config, args, parallel, gpu_mem_gib: float, gpus_per_node: int, gpu: str) -> dict:
     """The planner's per-rank estimate for this layout: the state above, plus what a step holds;
     for a GPU job, also its step time on `gpu`."""
-    from .plan import GIB, Layout, Workload, estimate
-    from .plan.hardware import spec
+    from ..plan import GIB, Layout, Workload, estimate
+    from ..plan.hardware import spec
 
     layout = Layout(mp=parallel.mp, dp_shard=parallel.dp_shard, dp_replicate=parallel.dp_replicate,
                     ac=c.fsdp.activation_checkpointing, ac_every=c.fsdp.ac_every,

@@ -77,7 +77,7 @@ def expected_holdings(args, dtype: torch.dtype, max_bytes: int, world: int) -> l
 
 def build(dim: int, layers: int, vocab: int):
     from hybridpar.fsdp_config import FSDPConfig
-    from hybridpar.mesh import init_parallel
+    from hybridpar.mesh.device import init_parallel
     from hybridpar.parallel.fsdp import apply_fsdp
     from hybridpar.models.args import ModelArgs
     from hybridpar.models.llama import Transformer

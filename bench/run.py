@@ -109,7 +109,7 @@ def launch(case: dict, world: int, timeout: float) -> list[dict]:
     procs = []
     try:
         (work / "case.json").write_text(json.dumps(case))
-        from hybridpar.layout import free_port
+        from hybridpar.mesh.layout import free_port
 
         port = free_port()
         for rank in range(world):

@@ -7,11 +7,11 @@ __all__ = ["init_parallel", "ParallelDims", "MeshSizeError", "__version__"]
 def __getattr__(name: str):
     # On first use: importing the package must not import torch (a data-preparation worker, --help).
     if name in ("init_parallel", "ParallelDims"):
-        from . import mesh
+        from .mesh import device
 
-        return getattr(mesh, name)
+        return getattr(device, name)
     if name == "MeshSizeError":
-        from .layout import MeshSizeError
+        from .mesh.layout import MeshSizeError
 
         return MeshSizeError
     raise AttributeError(f"module 'hybridpar' has no attribute {name!r}")

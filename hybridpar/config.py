@@ -21,7 +21,7 @@ from .fsdp_config import FSDPConfig
 
 
 class ConfigError(ValueError):
-    every_rank = True  # raised alike on every rank: hybridpar.ranks.raised_by_every_rank
+    every_rank = True  # raised alike on every rank: hybridpar.mesh.ranks.raised_by_every_rank
 
 
 @dataclasses.dataclass

@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from hybridpar.mesh import ParallelDims
+from hybridpar.mesh.device import ParallelDims
 from hybridpar.parallel import gather_from_region
 
 

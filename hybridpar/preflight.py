@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from .config import Config, ConfigError
-from .layout import MeshSizeError, resolve_sizes
+from .mesh.layout import MeshSizeError, resolve_sizes
 
 _TOKENIZER_KINDS = "a tokenizer.model (sentencepiece, or Meta's Llama 3 tiktoken file), a Hugging Face tokenizer.json"
 

@@ -103,7 +103,7 @@ def _rank() -> int:
     and a preparation worker or --help need not pay for importing torch)."""
     if "torch.distributed" not in sys.modules:
         return 0
-    from .ranks import rank_and_world
+    from .mesh.ranks import rank_and_world
 
     return rank_and_world()[0]
 

@@ -155,7 +155,7 @@ if [[ -z ${RDZV_HOST:-} ]]; then
     if command -v scontrol >/dev/null; then
       mapfile -t hosts < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
     else
-      mapfile -t hosts < <("$PYTHON" -c 'import sys; from hybridpar.layout import expand_nodelist
+      mapfile -t hosts < <("$PYTHON" -c 'import sys; from hybridpar.mesh.layout import expand_nodelist
 print("\n".join(expand_nodelist(sys.argv[1])))' "$SLURM_JOB_NODELIST")
     fi
     RDZV_HOST=${hosts[0]:?could not expand SLURM_JOB_NODELIST=$SLURM_JOB_NODELIST}
@@ -212,8 +212,8 @@ read -r -d '' PREFLIGHT_PY <<'PY' || true
 import os, socket
 import torch.distributed as dist
 from hybridpar.files import write_text_atomic
-from hybridpar.layout import group_ranks
-from hybridpar.mesh import init_parallel
+from hybridpar.mesh.layout import group_ranks
+from hybridpar.mesh.device import init_parallel
 p = init_parallel(mp=int(os.environ["MP"]), dp_shard=int(os.environ["DP_SHARD"]),
                   dp_replicate=int(os.environ["DP_REPLICATE"]))
 node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()

@@ -8,8 +8,8 @@ import typing
 from pathlib import Path
 from typing import Any, NamedTuple, Optional, Union
 
-from hybridpar.layout import divide
-from hybridpar.ranks import mark_every_rank
+from hybridpar.mesh.layout import divide
+from hybridpar.mesh.ranks import mark_every_rank
 
 from .fields import check_field, read_json_object
 
@@ -21,7 +21,7 @@ REQUIRED_FIELDS = ("dim", "n_layers", "n_heads", "vocab_size")
 class ModelArgsError(ValueError):
     """Model fields (a model file's, or the values given) that describe no model."""
 
-    every_rank = True  # every rank reads the same fields: hybridpar.ranks.raised_by_every_rank
+    every_rank = True  # every rank reads the same fields: hybridpar.mesh.ranks.raised_by_every_rank
 
 
 @dataclasses.dataclass

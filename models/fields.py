@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any, Union
 
-from hybridpar.ranks import mark_every_rank
+from hybridpar.mesh.ranks import mark_every_rank
 
 _EXPECTED = {int: "an integer", float: "a number", bool: "true or false", str: "a string", dict: "an object"}
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Replicate
 
-from hybridpar.mesh import ParallelDims
+from hybridpar.mesh.device import ParallelDims
 from hybridpar.parallel import (
     ColumnParallelLinear,
     ParallelEmbedding,

@@ -34,8 +34,8 @@ def child_pythonpath() -> str:
 
 
 def free_port() -> int:
-    # hybridpar.mesh's, imported late: a spawned worker sets OMP_NUM_THREADS before torch loads.
-    from hybridpar.layout import free_port as port
+    # hybridpar.mesh.device's, imported late: a spawned worker sets OMP_NUM_THREADS before torch loads.
+    from hybridpar.mesh.layout import free_port as port
 
     return port()
 
@@ -144,7 +144,7 @@ def parallel_dims(mp: int = 1, dp_shard: int = -1, dp_replicate: int = 1):
     """One ParallelDims per layout per worker: building a mesh creates process groups, so reuse it."""
     import torch.distributed as dist
 
-    from hybridpar.layout import resolve_sizes
+    from hybridpar.mesh.layout import resolve_sizes
 
     # Cache on the resolved sizes, so (mp=2) and (mp=2, dp_shard=2) at world 4 share one mesh.
     return _parallel_dims(*resolve_sizes(dist.get_world_size(), mp, dp_shard, dp_replicate))

@@ -356,7 +356,7 @@ def test_only_an_internal_error_suggests_the_traceback(tmp_path, capsys):
 
 def test_the_local_config_runs_alone_at_mp_1_and_as_mp2_x_dp2_at_four(tmp_path):
     from hybridpar.config import find_config, load_config
-    from hybridpar.layout import resolve_sizes
+    from hybridpar.mesh.layout import resolve_sizes
     from hybridpar.preflight import check_values
 
     alone = load_config(find_config("local"), ["--parallel.mp", "1"])

@@ -130,7 +130,7 @@ def _parse_hybridpar(argv: list[str], world: Optional[int], where: str) -> None:
     mesh's sizes tile the world: torchrun's, 1 without a launcher, or the dry run's --world."""
     from hybridpar.cli import build_parser, command_names
     from hybridpar.config import find_config, load_config
-    from hybridpar.layout import resolve_sizes
+    from hybridpar.mesh.layout import resolve_sizes
 
     if "--help" in argv:  # argparse prints the help and exits: the subcommand must exist
         argv = [w for w in argv if w != "--help"][:1]

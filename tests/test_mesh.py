@@ -1,6 +1,6 @@
 """The mesh: size resolution, the documented rank layout, launcher environments and the `mesh` CLI.
 
-The layout every module relies on (hybridpar/mesh.py): a (dp_replicate, dp_shard, mp) grid with mp
+The layout every module relies on (hybridpar/mesh/device.py): a (dp_replicate, dp_shard, mp) grid with mp
 innermost, rank = (replicate_idx * dp_shard + shard_idx) * mp + mp_rank, which is fairscale's
 `arange(world).reshape(dp, mp)`. The expected tables below are written out by hand on purpose.
 """
@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from hybridpar.layout import (LaunchEnv, MeshCoords, MeshSizeError, expand_nodelist, group_ranks, launch_env,
+from hybridpar.mesh.layout import (LaunchEnv, MeshCoords, MeshSizeError, expand_nodelist, group_ranks, launch_env,
                               resolve_sizes)
 from tests.distributed import free_port, parallel_dims
 
@@ -230,7 +230,7 @@ WORKER_SCRIPT = """
 import json, os, sys
 import torch, torch.distributed as dist
 import hybridpar
-from hybridpar.mesh import launch_env
+from hybridpar.mesh.device import launch_env
 
 mp, out_dir = int(sys.argv[1]), sys.argv[2]
 source = launch_env(os.environ).source

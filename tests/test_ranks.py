@@ -1,4 +1,4 @@
-"""hybridpar.ranks: rank 0 acts and every rank learns the outcome; any rank fails and all fail together."""
+"""hybridpar.mesh.ranks: rank 0 acts and every rank learns the outcome; any rank fails and all fail together."""
 
 import pytest
 
@@ -20,7 +20,7 @@ def _outcome(fn, *args, **kwargs) -> str:
 def _case_on_rank0_value():
     import torch.distributed as dist
 
-    from hybridpar.ranks import on_rank0
+    from hybridpar.mesh.ranks import on_rank0
 
     calls = []
 
@@ -39,7 +39,7 @@ def test_on_rank0_runs_once_and_every_rank_returns_its_value(workers, world):
 
 
 def _case_on_rank0_error(kind: str):
-    from hybridpar.ranks import on_rank0
+    from hybridpar.mesh.ranks import on_rank0
 
     def work():
         if kind == "refusal":
@@ -66,7 +66,7 @@ def test_another_error_on_rank0_is_reraised_there_and_named_on_the_others(worker
 def _case_any_failed(failing: list, refusal: bool):
     import torch.distributed as dist
 
-    from hybridpar.ranks import raise_if_any_failed
+    from hybridpar.mesh.ranks import raise_if_any_failed
 
     rank = dist.get_rank()
     error = None
@@ -101,7 +101,7 @@ def test_raise_if_any_failed_names_the_first_failing_rank(workers):
 def test_a_world_of_one_without_a_process_group_runs_locally(monkeypatch):
     import torch.distributed as dist
 
-    from hybridpar import ranks
+    from hybridpar.mesh import ranks
 
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     assert ranks.rank_and_world() == (0, 1)

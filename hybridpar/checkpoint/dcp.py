@@ -54,9 +54,9 @@ from ..fastpaths.dcp_writer import UncheckedWriter
 from ..fastpaths.optimizer_state import allocate_optimizer_state
 from ..files import (STAGING_SUFFIX, DiskFullError, atomic_output, begin_staging, commit_staged, disk_full_message,
                      free_bytes, fsync_dir, human_bytes, staging_path, write_text_atomic)
-from ..mesh import ParallelDims
+from ..mesh.device import ParallelDims
 from ..progress import note
-from ..ranks import broadcast_from_rank0, gather_objects, on_rank0, raise_if_any_failed
+from ..mesh.ranks import broadcast_from_rank0, gather_objects, on_rank0, raise_if_any_failed
 from . import checksums
 from ..safe_pickle import CheckpointReadError, SafeFileSystemReader, UnsafePickleError, read_dcp_metadata
 from .reader import CheckpointDamagedError, CheckpointError, SafeLoadPlanner, UnsafeCheckpointError
@@ -71,7 +71,7 @@ class CheckpointDiskFullError(CheckpointError, DiskFullError):
     """The checkpoint folder's file system has no room for a checkpoint: refused before the save,
     or a save that ran out of space (its partial folder removed). The previous checkpoint is intact."""
 
-    every_rank = True  # raised alike on every rank: hybridpar.ranks.raised_by_every_rank
+    every_rank = True  # raised alike on every rank: hybridpar.mesh.ranks.raised_by_every_rank
 
 
 def step_dir_name(step: int) -> str:

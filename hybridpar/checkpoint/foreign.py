@@ -24,7 +24,7 @@ from hybridpar.models.llama import ModelArgs
 from ..files import OCCUPIED_ADVICE, begin_staging, commit_staged, refuse_occupied, staging_path
 from ..parallel.state import block, gather_to, local_box
 from ..progress import Progress
-from ..ranks import gather_objects, on_rank0, raise_if_any_failed, rank_and_world
+from ..mesh.ranks import gather_objects, on_rank0, raise_if_any_failed, rank_and_world
 
 # Fields that change the numbers but not the shapes: a model built with other values would load
 # without a shape error and compute something else, so the loader compares them.

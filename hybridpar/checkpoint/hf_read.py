@@ -20,7 +20,7 @@ from torch import nn
 from hybridpar.models.fields import check_field, read_json_object
 from hybridpar.models.args import ModelArgs
 
-from ..ranks import mark_every_rank
+from ..mesh.ranks import mark_every_rank
 from .foreign import ForeignCheckpointError, ForeignSource, load_foreign, model_shapes
 from .hf import CONFIG_JSON, hf_name, rope_permutation
 from .hf_shards import INDEX_FILE, WEIGHTS_FILE

@@ -16,7 +16,7 @@ from torch import nn
 
 from hybridpar.models.args import ModelArgs
 
-from ..ranks import mark_every_rank
+from ..mesh.ranks import mark_every_rank
 from .foreign import ForeignSource, load_foreign, model_shapes, natural
 from .meta import (PARAMS_JSON, ROPE_FREQS, SHARD_FILE, SIDECAR_JSON, MetaCheckpointError, _load_file,
                    rope_inverse_frequencies, shard_name, split_dim)

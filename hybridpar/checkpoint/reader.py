@@ -23,7 +23,7 @@ class UnsafeCheckpointError(CheckpointError):
     """A checkpoint whose `.metadata` names a global DCP's metadata never holds (safe_pickle refused
     it before importing anything). Every rank reads `.metadata`, so every rank raises it alike."""
 
-    every_rank = True  # hybridpar.ranks.raised_by_every_rank
+    every_rank = True  # hybridpar.mesh.ranks.raised_by_every_rank
 
 
 class CheckpointDamagedError(CheckpointError):

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from ..files import out_of_space
-from ..ranks import gather_objects
+from ..mesh.ranks import gather_objects
 
 # What DCP writes besides the tensors' bytes, measured on tmpfs (tests/checkpoint/test_disk_full.py
 # prints the estimate against the folder's size): torch.save's zip records around every tensor, and

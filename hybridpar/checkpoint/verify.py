@@ -21,7 +21,7 @@ from typing import Callable, Optional, TextIO
 
 from ..progress import Progress, note
 from ..safe_pickle import UnsafePickleError, read_dcp_metadata
-from ..ranks import gather_objects, mark_every_rank, raise_if_any_failed
+from ..mesh.ranks import gather_objects, mark_every_rank, raise_if_any_failed
 from .checksums import (MANIFEST, enabled as checksums_enabled, file_checksum, first_difference, intervals,
                         read_manifest, same, sum_range)
 from .reader import CheckpointDamagedError, CheckpointError

@@ -282,7 +282,7 @@ def _report_error(error: Exception, log_dir: Optional[Path]) -> int:
     ValueError, or an OSError about a path), with the rank. Anything else is an internal error: its
     traceback is shown, or named where it was logged. Every rank's traceback goes to
     `<run_dir>/logs/rank-R.log` once the run has a folder, which the message names."""
-    from ..ranks import raised_by_every_rank
+    from ..mesh.ranks import raised_by_every_rank
 
     rank = os.environ.get("RANK")
     log = _log_traceback(error, log_dir, rank or "0")

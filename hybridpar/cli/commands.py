@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from .. import dtypes
-from ..layout import MeshCoords, group_ranks, resolve_sizes
+from ..mesh.layout import MeshCoords, group_ranks, resolve_sizes
 
 
 class RunFailed(Exception):
@@ -119,7 +119,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from ..checkpoint.convert import convert
-    from ..mesh import init_parallel
+    from ..mesh.device import init_parallel
 
     parallel = init_parallel(mp=args.mp)
     try:
@@ -180,7 +180,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ..checkpoint.convert import load_model
     from ..data import Tokenizer, check_vocab
     from ..generate import generate_text
-    from ..mesh import init_parallel
+    from ..mesh.device import init_parallel
 
     made_group = not dist.is_initialized()  # a caller's own process group is left to the caller
     try:
@@ -306,7 +306,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
     from ..diagnostics.doctor import DoctorOptions, parse_sizes, run_doctor
     from ..diagnostics.timeouts import apply_env_defaults
-    from ..mesh import init_parallel
+    from ..mesh.device import init_parallel
 
     options = DoctorOptions(sizes=parse_sizes(args.sizes), iters=args.iters, warmup=args.warmup,
                             ops=[op for op in args.ops.split(",") if op], busbw=not args.no_busbw,

@@ -55,7 +55,7 @@ def dry_run(config: Config, world: int, rank: int = 0, *, gpu_mem_gib: float = 8
     (it makes a fake one and destroys it at the end). `gpu` names the planner's hardware for the
     step-time estimate of a GPU job (hybridpar.plan.hardware)."""
     from ..compat.torch import init_fake_process_group
-    from ..layout import resolve_sizes
+    from ..mesh.layout import resolve_sizes
 
     started = time.perf_counter()
     c = config
@@ -99,7 +99,7 @@ def _rehearse(run: DryRun, c: Config, world: int, sizes: list[int], target: str,
     """The part on the fake process group: model, sharding, one step, and what they show."""
     from ..compat.torch import fake_tensors
     from ..diagnostics.collectives import CollectiveCounter, mesh_dims
-    from ..mesh import init_parallel
+    from ..mesh.device import init_parallel
     from ..model import build_model
     from ..parallel.fsdp import dp_mesh_for
     from ..preflight import model_args

@@ -27,7 +27,7 @@ class SourceExhaustedError(ValueError):
     """The data ran out with data.on_exhausted = "stop" (a single source's or a blend's source).
     Every rank reaches it at the same step: the trainer saves the last step that trained and stops."""
 
-    every_rank = True  # hybridpar.ranks.raised_by_every_rank
+    every_rank = True  # hybridpar.mesh.ranks.raised_by_every_rank
 
 
 def exhausted(name: str, sequences: int, blend: bool = False) -> SourceExhaustedError:

@@ -38,7 +38,7 @@ class StoreError(ValueError):
     """A store that is incomplete, damaged or made for something else, with what to do. Every rank
     of a job reads the same store and meets the same error: said once."""
 
-    every_rank = True  # hybridpar.ranks.raised_by_every_rank
+    every_rank = True  # hybridpar.mesh.ranks.raised_by_every_rank
 
 
 class StoreDamagedError(StoreError):

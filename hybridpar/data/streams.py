@@ -29,7 +29,7 @@ class DataFormatError(ValueError):
     """Input that cannot be read as documents: names the file, the row or line, and what to change.
     In a job every rank meets it (the unit is never done, so each takes it in turn): said once."""
 
-    every_rank = True  # hybridpar.ranks.raised_by_every_rank
+    every_rank = True  # hybridpar.mesh.ranks.raised_by_every_rank
 
 
 @dataclasses.dataclass(frozen=True)

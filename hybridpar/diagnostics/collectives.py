@@ -82,7 +82,7 @@ def _sent(call: Call, group) -> Optional[float]:
 def mesh_dims(parallel) -> Callable[[object], str]:
     """group -> the mesh dimension it belongs to ("mp", "dp_shard", "dp_replicate", "dp", "world"),
     for labelling a collective; a group of no dimension (made by someone else) is "other"."""
-    from ..mesh import mesh_groups
+    from ..mesh.device import mesh_groups
 
     names = {group.group_name: dim for dim, group in mesh_groups(parallel)}
     world = dist.group.WORLD.group_name if dist.group.WORLD is not None else None

@@ -15,13 +15,13 @@ import hashlib
 
 import torch
 
-from ..layout import MeshCoords
-from ..mesh import ParallelDims
+from ..mesh.layout import MeshCoords
+from ..mesh.device import ParallelDims
 from ..compat.torch import all_gather_single
 
 
 class DataGuardError(RuntimeError):
-    every_rank = True  # raised alike on every rank: hybridpar.ranks.raised_by_every_rank
+    every_rank = True  # raised alike on every rank: hybridpar.mesh.ranks.raised_by_every_rank
 
 
 def batch_fingerprint(*tensors: torch.Tensor) -> int:

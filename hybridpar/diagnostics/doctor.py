@@ -28,12 +28,12 @@ import torch.distributed as dist
 
 from ..config import Config
 from ..files import write_text_atomic
-from ..layout import MeshCoords, group_ranks, launch_env
-from ..mesh import ParallelDims
+from ..mesh.layout import MeshCoords, group_ranks, launch_env
+from ..mesh.device import ParallelDims
 from ..parallel.cost import COLLECTIVES as OPS
 from ..parallel.cost import bus_factor
 from ..compat.torch import all_gather_single, reduce_scatter_single
-from ..ranks import gather_objects
+from ..mesh.ranks import gather_objects
 from .data_guard import DataGuardError, check_data, step_fingerprint
 from .env import (ERROR, OK, WARNING, Finding, allowed_cpus, check_env, check_rank_envs, check_threads, merge_findings, relevant_env,
                   sort_findings)

@@ -24,9 +24,9 @@ from typing import Optional
 import torch.distributed as dist
 
 from ..compat.torch import default_store, sequence_number
-from ..layout import MeshCoords
-from ..mesh import ParallelDims, mesh_groups
-from ..ranks import attempt_id
+from ..mesh.layout import MeshCoords
+from ..mesh.device import ParallelDims, mesh_groups
+from ..mesh.ranks import attempt_id
 from . import traces
 from .liveness import process_alive
 from .node_fault import node_name

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..files import write_text_atomic
-from ..layout import MeshCoords
-from ..ranks import restart_count
+from ..mesh.layout import MeshCoords
+from ..mesh.ranks import restart_count
 from . import flight
 from .heartbeat import HANG_EXIT_CODE, Heartbeat
 from .liveness import is_peer_loss, process_stopped

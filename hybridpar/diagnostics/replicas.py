@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..layout import MeshCoords
-from ..mesh import ParallelDims
+from ..mesh.layout import MeshCoords
+from ..mesh.device import ParallelDims
 from ..compat.torch import all_gather_single
 
 
@@ -22,7 +22,7 @@ _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class ReplicaMismatchError(RuntimeError):
-    every_rank = True  # raised alike on every rank: hybridpar.ranks.raised_by_every_rank
+    every_rank = True  # raised alike on every rank: hybridpar.mesh.ranks.raised_by_every_rank
 
 
 def _checksums(model: torch.nn.Module) -> tuple[list[str], list[bool], torch.Tensor]:

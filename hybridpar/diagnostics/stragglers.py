@@ -25,9 +25,9 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 
 from ..compat.torch import all_gather_single
-from ..layout import MeshCoords
-from ..mesh import ParallelDims
-from ..ranks import gather_objects
+from ..mesh.layout import MeshCoords
+from ..mesh.device import ParallelDims
+from ..mesh.ranks import gather_objects
 from .node_fault import place
 from .wrap import WAIT, Call, Listener
 

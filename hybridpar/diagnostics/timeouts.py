@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Iterator, MutableMapping, Optional
 
 from ..compat.torch import set_pg_timeout
-from ..mesh import ParallelDims, mesh_groups
+from ..mesh.device import ParallelDims, mesh_groups
 
 # Read by torch when the process group is created: set them before init_parallel.
 ENV_DEFAULTS = {

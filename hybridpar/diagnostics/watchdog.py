@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from ..mesh import ParallelDims
+from ..mesh.device import ParallelDims
 from .heartbeat import HANG_EXIT_CODE, Heartbeat, default_interval
 from .liveness import is_peer_loss
 from .monitor import Monitor

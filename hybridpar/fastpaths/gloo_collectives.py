@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..compat.torch import AllGather, ReduceScatter, reduce_scatter_single, storage_use_count
-from ..mesh import ParallelDims
+from ..mesh.device import ParallelDims
 
 class _Scratch:
     """One buffer reused by the gloo collectives below: they run synchronously, one at a time."""

@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from ..mesh import ParallelDims
+from ..mesh.device import ParallelDims
 
 # fairscale.nn.model_parallel.initialize's globals, in the order this module reads and writes them.
 _STATE = ("_MODEL_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP", "_PIPELINE_PARALLEL_GROUP", "_PIPELINE_PARALLEL_RANKS")

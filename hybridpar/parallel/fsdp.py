@@ -27,7 +27,7 @@ from .. import dtypes, fastpaths
 from ..compat.torch import checkpoint_module
 from ..fastpaths.gloo_collectives import use_gloo_collectives
 from ..fsdp_config import FSDPConfig
-from ..mesh import ParallelDims
+from ..mesh.device import ParallelDims
 
 
 def dp_mesh_for(strategy: str, parallel: ParallelDims):

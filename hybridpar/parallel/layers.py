@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from ..layout import divide
-from ..mesh import ParallelDims
+from ..mesh.layout import divide
+from ..mesh.device import ParallelDims
 from .mappings import (copy_to_region, enter_region, gather_from_region, leave_region, scatter_to_region,
                        scatter_to_sequence_region)
 

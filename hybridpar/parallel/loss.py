@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 
-from ..mesh import ParallelDims
+from ..mesh.device import ParallelDims
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -105,7 +105,7 @@ def _op_seconds() -> float:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from hybridpar.compat.torch import init_fake_process_group
-    from hybridpar.mesh import init_parallel
+    from hybridpar.mesh.device import init_parallel
     from hybridpar.fsdp_config import FSDPConfig
     from hybridpar.model import build_model
     from hybridpar.models.args import ModelArgs
@@ -179,7 +179,7 @@ def measure_ranks(world: int, timeout: float = 120.0) -> dict:
     rank's wall time beyond its share of the cores, between spells of work)."""
     import json
 
-    from ..layout import free_port
+    from ..mesh.layout import free_port
 
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -16,7 +16,7 @@ from typing import Optional
 
 from ..data.loader import SourceExhaustedError
 from ..data.store import StoreDamagedError
-from ..ranks import gather_objects, mark_every_rank
+from ..mesh.ranks import gather_objects, mark_every_rank
 
 DATA_ERRORS = (StoreDamagedError, SourceExhaustedError)
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ..data.loader import PackedDataset
 from ..data.store import StoreDamagedError
-from ..mesh import ParallelDims
+from ..mesh.device import ParallelDims
 from ..parallel import vocab_parallel_cross_entropy
 from ..parallel.loss import IGNORE_INDEX
 from .data_stop import agreed_error

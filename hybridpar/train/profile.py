@@ -24,7 +24,7 @@ import torch
 
 from ..diagnostics.collectives import CollectiveCounter, mesh_dims
 from ..files import write_text_atomic
-from ..mesh import ParallelDims
+from ..mesh.device import ParallelDims
 
 
 class StepProfiler:

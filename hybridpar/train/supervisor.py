@@ -33,8 +33,8 @@ from ..diagnostics.replicas import check_replicas
 from ..diagnostics.stragglers import StragglerMonitor
 from ..diagnostics.timeouts import Deadlines, apply_env_defaults, restore_env
 from ..diagnostics.watchdog import Watchdog
-from ..mesh import ParallelDims
-from ..ranks import gather_objects
+from ..mesh.device import ParallelDims
+from ..mesh.ranks import gather_objects
 from . import stop as stopping
 
 

@@ -33,12 +33,12 @@ from ..config import Config, ConfigError, dump_toml, profile_range
 from ..data import build_training_data, check_vocab
 from ..data.blend import describe_blend
 from ..files import refuse_occupied, write_text_atomic
-from ..mesh import ParallelDims, init_parallel
+from ..mesh.device import ParallelDims, init_parallel
 from ..model import build_model
 from ..plan.hardware import peak_flops_of
 from ..preflight import init_from_folder, model_args, preflight, world_size_from_env
 from ..progress import note
-from ..ranks import mark_every_rank, wait_for_every_rank
+from ..mesh.ranks import mark_every_rank, wait_for_every_rank
 from . import data_stop, stop as stopping
 from .evaluate import BlendValidator, Validator
 from .clock import StepClock
@@ -53,7 +53,7 @@ from .supervisor import Supervisor
 
 
 class NonFiniteLossError(FloatingPointError):
-    every_rank = True  # raised alike on every rank: hybridpar.ranks.raised_by_every_rank
+    every_rank = True  # raised alike on every rank: hybridpar.mesh.ranks.raised_by_every_rank
 
 
 class Trainer:

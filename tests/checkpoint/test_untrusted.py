@@ -144,7 +144,7 @@ def test_resume_never_runs_a_crafted_metadata(runs, workers, corpus, tmp_path, m
 def test_the_refusal_is_marked_for_every_rank():
     """Every rank reads .metadata itself and raises alike: the CLI prints the error once."""
     from hybridpar.checkpoint.reader import UnsafeCheckpointError
-    from hybridpar.ranks import raised_by_every_rank
+    from hybridpar.mesh.ranks import raised_by_every_rank
 
     assert raised_by_every_rank(UnsafeCheckpointError("x"))
 
@@ -218,7 +218,7 @@ def _case_load_weights(folder: str) -> dict:
     import torch.distributed as dist
 
     from hybridpar.checkpoint.convert import load_model
-    from hybridpar.mesh import init_parallel
+    from hybridpar.mesh.device import init_parallel
     from hybridpar.parallel.state import full_state_dict
 
     model, _ = load_model(Path(folder), init_parallel(mp=1))

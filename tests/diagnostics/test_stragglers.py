@@ -6,7 +6,7 @@ import re
 import pytest
 
 from hybridpar.diagnostics.stragglers import CollectiveTimer, analyse, describe
-from hybridpar.layout import MeshCoords
+from hybridpar.mesh.layout import MeshCoords
 from tests.runs import make_config
 
 SLEEP_S = 0.2

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from hybridpar.layout import free_port  # noqa: F401 - the launch tests take it from here
+from hybridpar.mesh.layout import free_port  # noqa: F401 - the launch tests take it from here
 
 ROOT = Path(__file__).resolve().parents[2]
 SLURM_SH = ROOT / "launch" / "slurm.sh"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridpar.ranks import raised_by_every_rank
+from hybridpar.mesh.ranks import raised_by_every_rank
 from hybridpar.models.args import ModelArgs
 from tests.models.meta_files import PUBLISHED_PARAMS
 

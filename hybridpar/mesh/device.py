@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .compat.torch import flatten_mesh
+from ..compat.torch import flatten_mesh
 # The arithmetic lives in the torch-free layout module.
 from .layout import MESH_DIM_NAMES, MeshCoords, launch_env, resolve_sizes
 

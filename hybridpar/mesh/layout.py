@@ -1,6 +1,6 @@
 """The mesh's arithmetic, without torch: which rank sits where in a (dp_replicate, dp_shard, mp) mesh,
 its groups, and the launcher's environment. `hybridpar mesh`, `--help` and the config checks use it
-before (or without) importing torch; hybridpar.mesh builds the process groups on it.
+before (or without) importing torch; hybridpar.mesh.device builds the process groups on it.
 
     rank = (replicate_idx * dp_shard + shard_idx) * mp + mp_rank
 """
@@ -17,7 +17,7 @@ MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "mp")
 
 class MeshSizeError(ValueError):
     """Parallel sizes that cannot tile the world."""
-    every_rank = True  # raised alike on every rank: hybridpar.ranks.raised_by_every_rank
+    every_rank = True  # raised alike on every rank: hybridpar.mesh.ranks.raised_by_every_rank
 
 
 def resolve_sizes(world_size: int, mp: int = 1, dp_shard: int = -1, dp_replicate: int = 1) -> tuple[int, int, int]:

@@ -164,7 +164,7 @@ def wait_for_every_rank(name: str, poll: float = 0.2) -> None:
     watchdog's to report."""
     import time
 
-    from .compat.torch import default_store
+    from ..compat.torch import default_store
 
     rank, world = rank_and_world()
     if world == 1:

@@ -111,7 +111,7 @@ def _build_model(args, parallel, case: dict):
     """hybridpar.model.build_model, as the trainer calls it; a baseline checkout from before it
     (bench/run.py --baseline) assembled the same steps by hand."""
     try:
-        from hybridpar.fsdp_config import FSDPConfig
+        from hybridpar.config.fsdp import FSDPConfig
         from hybridpar.model import build_model
     except ImportError:
         build_model = None

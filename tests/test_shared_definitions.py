@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hybridpar import dtypes
+from hybridpar.config import dtypes
 from hybridpar.models.args import ModelArgs
 
 
@@ -36,7 +36,8 @@ def test_config_plan_and_export_read_the_one_dtype_table():
 
 
 def test_one_flops_per_token_and_one_list_of_ac_modes():
-    from hybridpar import fsdp_config, plan
+    from hybridpar import plan
+    from hybridpar.config import fsdp as fsdp_config
     from hybridpar.train import metrics
 
     assert plan.flops_per_token is metrics.flops_per_token is ModelArgs.flops_per_token

@@ -29,7 +29,7 @@ from torch import nn
 
 from hybridpar.models.args import ModelArgs
 
-from ..dtypes import CANONICAL_NAMES as _DTYPE_NAMES
+from ..config.dtypes import CANONICAL_NAMES as _DTYPE_NAMES
 from ..files import human_bytes, staged_folder, write_text_atomic
 from ..progress import note
 from .foreign import (ForeignCheckpointError, ForeignTarget, export_foreign, model_args, model_shapes, refuse_target,

@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 from typing import Callable, NamedTuple, Optional, Sequence
 
-from .. import __version__, dtypes
+from .. import __version__
+from ..config import dtypes
 from .commands import (cmd_convert, cmd_doctor, cmd_generate, cmd_hang_report, cmd_mesh, cmd_plan, cmd_prepare,
                        cmd_train, cmd_verify, RunFailed)
 
@@ -75,7 +76,7 @@ def command_names() -> tuple[str, ...]:
 
 def _build() -> _Parsers:
     from ..config import describe  # every config key, for `train --help`
-    from ..data.formats import BAD_RECORD_CHOICES, MAX_DOCUMENT_BYTES  # one list of choices with data.on_bad_record
+    from ..config import BAD_RECORD_CHOICES, MAX_DOCUMENT_BYTES  # one list of choices with data.on_bad_record
     parser = _Parser(prog="hybridpar", description=__doc__.split("\n")[0])
     parser.add_argument("--version", action="version", version=f"hybridpar {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from .. import dtypes
+from ..config import dtypes
 from ..mesh.layout import MeshCoords, group_ranks, resolve_sizes
 
 

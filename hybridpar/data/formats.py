@@ -23,13 +23,12 @@ import re
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional, Sequence
 
+from hybridpar.config import MAX_DOCUMENT_BYTES  # the config's default, defined with it
 from hybridpar.data.corpus import default_corpus_documents
 from hybridpar.data.sources import Source, SourceFile, resolve_sources
 from hybridpar.data.streams import DataFormatError, OnBytes, TooLong, first_line, lines, lines_before
 
 UNIT_BYTES = 64 << 20  # input bytes per unit of work (a parquet row group or arrow batch may be more)
-# A record (a .jsonl line, a table's text) longer than this is refused, or skipped: data.max_document_bytes.
-MAX_DOCUMENT_BYTES = 64 << 20
 # A document longer than this is handed on in pieces, each cut right after a newline.
 PIECE_CHARS = 1 << 16
 # Pieces end after a newline whose next line holds a non-space character: split patterns such as
@@ -41,7 +40,6 @@ _CUT_AFTER = re.compile(r"\n(?=[^\S\r\n]*\S)")
 _WORD_START = re.compile(r"(?<=\S)\s")
 _LONGEST_PIECE = 16
 MAX_PIECE_CHARS = (_LONGEST_PIECE + 1) * PIECE_CHARS
-BAD_RECORD_CHOICES = ("error", "skip")
 _TOO_LONG_FIX = "raise data.max_document_bytes (hybridpar prepare --max-document-bytes)"
 
 

@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Optional, Sequence, Union
 
 from hybridpar.data.corpus import default_corpus_bytes, default_corpus_id
+from hybridpar.config.sources import DEFAULT_SOURCE, SourceNames
 from hybridpar.files import PathLike, sha256_text
 from hybridpar.progress import note
 
-DEFAULT_SOURCE = "default"
 # The name's ending -> the kind of file, longest first.
 DATA_FILE_KINDS = {".jsonl.zst": "jsonl.zst", ".jsonl.zstd": "jsonl.zst", ".jsonl.gz": "jsonl.gz", ".jsonl": "jsonl",
                    ".txt": "txt", ".parquet": "parquet", ".arrow": "arrow"}
@@ -50,33 +50,6 @@ def resolve_sources(source: Source) -> list[SourceFile]:
     files = walk.source(source)
     walk.tell()
     return files
-
-
-class SourceNames:
-    """Sources as written, each checked against those before it: the same file or folder however
-    spelled (a trailing '/', './', a link, relative or absolute), or one inside another."""
-
-    def __init__(self) -> None:
-        self._named: dict = {}  # real path (or "default") -> the source as first written
-
-    def clash(self, source: PathLike) -> Optional[tuple[str, str]]:
-        """(the earlier source as written, how the two overlap) if `source` names data an earlier
-        one named; else None, and `source` is remembered."""
-        real = DEFAULT_SOURCE if source == DEFAULT_SOURCE else Path(source).resolve()
-        if real in self._named:
-            what = "embedded corpus" if real == DEFAULT_SOURCE else "folder" if real.is_dir() else "file"
-            return self._named[real], f"are the same {what}" + ("" if real == DEFAULT_SOURCE else f" ({real})")
-        if real != DEFAULT_SOURCE:
-            inside = [(p, real) for p in real.parents if p in self._named]
-            if real.is_dir():  # a folder holding an earlier source (a scan of them all: lists of folders are short)
-                inside += [(real, other) for other in self._named if other != DEFAULT_SOURCE and
-                           other.is_relative_to(real)]
-            if inside:
-                outer, inner = inside[0]
-                earlier = self._named[outer if outer != real else inner]
-                return earlier, f"overlap ({inner} lies inside {outer})"
-        self._named[real] = str(source)
-        return None
 
 
 class _Walk:

@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 from typing import Iterator, Optional
 
-from hybridpar.data.formats import BAD_RECORD_CHOICES, MAX_DOCUMENT_BYTES, UNIT_BYTES, Unit, plan_units
+from hybridpar.config import BAD_RECORD_CHOICES, MAX_DOCUMENT_BYTES
+from hybridpar.data.formats import UNIT_BYTES, Unit, plan_units
 from hybridpar.data.sources import Source, describe_sources, resolve_sources
 from hybridpar.data.store import FORMAT, MANIFEST, PLAN, UNITS, VERSION, StoreError
 from hybridpar.data.tokenise import token_dtype

@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from hybridpar.data.formats import MAX_DOCUMENT_BYTES, UNIT_BYTES
+from hybridpar.config import MAX_DOCUMENT_BYTES
+from hybridpar.data.formats import UNIT_BYTES
 from hybridpar.data.sources import Source, describe_sources, resolve_sources, source_name
 from hybridpar.data.store import MANIFEST, PLAN, VERSION, StoreError, TokenStore
 from hybridpar.data.store_build import _claim_and_build, _record, merge_store, report_skipped, unit_holder

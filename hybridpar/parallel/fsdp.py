@@ -23,10 +23,11 @@ from typing import Optional
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from .. import dtypes, fastpaths
+from .. import fastpaths
+from ..config import dtypes
 from ..compat.torch import checkpoint_module
 from ..fastpaths.gloo_collectives import use_gloo_collectives
-from ..fsdp_config import FSDPConfig
+from ..config.fsdp import FSDPConfig
 from ..mesh.device import ParallelDims
 
 

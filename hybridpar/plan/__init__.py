@@ -17,8 +17,8 @@ parameters, activations, Memory. compute: the kernels' work. comm: collective by
 times. search: estimate, candidate_layouts, make_plan. report: the text. published: the check.
 """
 
-from ..dtypes import dtype_bytes
-from ..fsdp_config import AC_MODES
+from ..config.dtypes import dtype_bytes
+from ..config.fsdp import AC_MODES
 from .comm import (CommBytes, StepTime, all_gather_seconds, all_reduce_seconds, collective_bytes, flops_per_token,
                    group_busbw)
 from .inputs import GIB, MASTER_BYTES, Hardware, Layout, Workload

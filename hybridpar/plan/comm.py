@@ -6,7 +6,7 @@ import dataclasses
 
 from hybridpar.models.args import ModelArgs
 
-from ..dtypes import dtype_bytes
+from ..config.dtypes import dtype_bytes
 from ..parallel.cost import collective_seconds
 from .inputs import Hardware, Layout, Workload
 from .memory import local_param_shapes, param_counts, sharded_numel

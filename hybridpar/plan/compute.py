@@ -16,7 +16,7 @@ import dataclasses
 
 from hybridpar.models.args import ModelArgs
 
-from ..dtypes import dtype_bytes
+from ..config.dtypes import dtype_bytes
 from .inputs import Hardware, Layout, Workload
 from .memory import kv_heads_per_rank, param_counts
 

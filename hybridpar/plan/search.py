@@ -7,8 +7,8 @@ from typing import Iterable, Optional
 
 from hybridpar.models.args import ModelArgs
 
-from ..dtypes import dtype_bytes
-from ..fsdp_config import AC_MODES
+from ..config.dtypes import dtype_bytes
+from ..config.fsdp import AC_MODES
 from .comm import (StepTime, all_gather_seconds, all_reduce_seconds, collective_bytes,
                    flops_per_token, group_busbw)
 from .compute import micro_batch_work, step_work

@@ -7,6 +7,12 @@ import dataclasses
 from typing import Any
 
 
+class ConfigError(ValueError):
+    """A mistake in the config: one line naming the key and what to change."""
+
+    every_rank = True  # raised alike on every rank: hybridpar.mesh.ranks.raised_by_every_rank
+
+
 def option(default: Any, help: str) -> Any:
     """A dataclass field with `default` (`list`: an empty list each) and a one-line description."""
     if default is list:

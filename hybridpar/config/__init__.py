@@ -14,14 +14,13 @@ import tomllib
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
-from .data.formats import BAD_RECORD_CHOICES, MAX_DOCUMENT_BYTES
-from .data.sources import SourceNames
-from .options import description, option
-from .fsdp_config import FSDPConfig
+from .fsdp import FSDPConfig
+from .options import ConfigError, description, option
+from .sources import blend_sources
 
-
-class ConfigError(ValueError):
-    every_rank = True  # raised alike on every rank: hybridpar.mesh.ranks.raised_by_every_rank
+# A record (a .jsonl line, a table's text) longer than this is refused, or skipped: data.max_document_bytes.
+MAX_DOCUMENT_BYTES = 64 << 20
+BAD_RECORD_CHOICES = ("error", "skip")  # data.on_bad_record
 
 
 @dataclasses.dataclass
@@ -224,57 +223,6 @@ _RANGES = tuple((key, 1, None) for key in ("train.steps", "train.grad_accum", "t
     ("train.peak_flops", 0, None), ("parallel.init_timeout", 0.0, None), ("diagnostics.train_timeout", 0, None),
     ("diagnostics.data_guard_every", 0, None), ("diagnostics.replica_check_every", 0, None))
 
-_BLEND_KEYS = ("name", "source", "weight", "text_field")
-
-
-def blend_sources(value: Any) -> list[dict]:
-    """data.sources as a list of {"name", "source", "weight"[, "text_field"]}, checked: TOML tables,
-    or the command line's "name=path@weight,..." (or a JSON list of tables). Errors name the entry
-    and what to change."""
-    if isinstance(value, str) and value.strip().startswith("["):
-        try:
-            value = json.loads(value)
-        except ValueError as err:
-            raise ConfigError(f"data.sources: {value!r} is not a JSON list of tables ({err})") from None
-    if isinstance(value, str):
-        entries = []
-        for item in (part.strip() for part in value.split(",") if part.strip()):
-            name, eq, rest = item.partition("=")
-            path, at, weight = rest.rpartition("@")
-            if not (eq and at and name.strip() and path.strip()):
-                raise ConfigError(f"data.sources: {item!r} is not name=path@weight (e.g. web=/data/web@0.7)")
-            entries.append({"name": name.strip(), "source": path.strip(), "weight": weight.strip()})
-        value = entries
-    if not isinstance(value, list) or not all(isinstance(e, dict) for e in value):
-        raise ConfigError("data.sources must be [[data.sources]] tables, or \"name=path@weight,...\"")
-    out, names, paths = [], {}, SourceNames()  # names: each source as written -> its name
-    for i, entry in enumerate(value):
-        where = f"data.sources entry {i + 1}" + (f" ({entry['name']!r})" if "name" in entry else "")
-        unknown = sorted(set(entry) - set(_BLEND_KEYS))
-        if unknown:
-            raise ConfigError(f"{where}: unknown key {', '.join(map(repr, unknown))}; a source has {', '.join(_BLEND_KEYS)}")
-        missing = [k for k in ("name", "source", "weight") if k not in entry]
-        if missing:
-            raise ConfigError(f"{where}: no {', '.join(missing)}; every source needs a name, a source and a weight")
-        try:
-            weight = float(entry["weight"])
-        except (TypeError, ValueError):
-            raise ConfigError(f"{where}: weight {entry['weight']!r} is not a number") from None
-        if not weight > 0 or weight != weight or weight == float("inf"):
-            raise ConfigError(f"{where}: weight {entry['weight']!r} must be above 0 (drop the source to leave it out)")
-        name, source = str(entry["name"]), str(entry["source"])
-        if name in names.values():
-            raise ConfigError(f"{where}: the name {name!r} is used twice; give every source its own")
-        clash = paths.clash(source)
-        if clash:
-            raise ConfigError(f"{where}: the source {source!r} and {clash[0]!r} (source {names[clash[0]]!r}) "
-                              f"{clash[1]}: list it once, with the sum of the weights")
-        names[source] = name
-        out.append({"name": name, "source": source, "weight": weight,
-                    **({"text_field": str(entry["text_field"])} if "text_field" in entry else {})})
-    return out
-
-
 def profile_range(text: str) -> Optional[range]:
     """train.profile_steps as the steps it names: "20-22" -> 20, 21, 22; "5" -> 5; "" -> None."""
     text = text.strip()
@@ -427,7 +375,7 @@ def find_config(name_or_path: str, search: Optional[Path] = None) -> Path:
     path = Path(name_or_path)
     if path.exists():
         return path
-    folder = search or Path(__file__).resolve().parent / "configs"
+    folder = search or Path(__file__).resolve().parents[1] / "configs"
     candidate = folder / f"{name_or_path}.toml"
     if candidate.exists():
         return candidate

@@ -41,7 +41,7 @@ def __getattr__(name: str) -> Any:
     elif name == "CANONICAL_NAMES":  # torch dtype -> torch's name for it
         value = {d.torch: d.name for d in TABLE}
     else:
-        raise AttributeError(f"module 'hybridpar.dtypes' has no attribute {name!r}")
+        raise AttributeError(f"module 'hybridpar.config.dtypes' has no attribute {name!r}")
     globals()[name] = value
     return value
 

@@ -108,11 +108,11 @@ class HybridparEngine:
 
 
 def _build_model(args, parallel, case: dict):
-    """hybridpar.model.build_model, as the trainer calls it; a baseline checkout from before it
+    """hybridpar.build.build_model, as the trainer calls it; a baseline checkout from before it
     (bench/run.py --baseline) assembled the same steps by hand."""
     try:
         from hybridpar.config.fsdp import FSDPConfig
-        from hybridpar.model import build_model
+        from hybridpar.build import build_model
     except ImportError:
         build_model = None
         from hybridpar.parallel.fsdp import FSDPConfig, apply_fsdp

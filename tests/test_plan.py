@@ -1,7 +1,7 @@
 """`hybridpar plan`: its memory and communication model against the real code on CPU, and its
 choices at scale.
 
-The measured side runs models/llama.py as hybridpar.model.build_model builds it, on 4 gloo ranks
+The measured side runs models/llama.py as hybridpar.build.build_model builds it, on 4 gloo ranks
 and counts, per rank:
   - parameters, gradients and AdamW moments: the bytes of the local shards (as bench/memory.py);
   - activations: the unique storages autograd saves during one forward + loss (a saved-tensors
@@ -40,7 +40,7 @@ def _local_bytes(t) -> int:
 def _sharded_model(overrides: dict, mp: int, dp_shard: int, dp_replicate: int, ac: str, param_dtype: str,
                    sp: bool = False):
     from hybridpar.config.fsdp import FSDPConfig
-    from hybridpar.model import build_model
+    from hybridpar.build import build_model
     from hybridpar.models.args import ModelArgs
 
     parallel = parallel_dims(mp=mp, dp_shard=dp_shard, dp_replicate=dp_replicate)

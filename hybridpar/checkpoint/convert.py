@@ -23,7 +23,7 @@ from hybridpar.models.llama import Transformer
 
 from ..files import OCCUPIED_ADVICE, begin_staging, commit_staged, refuse_occupied, staging_path
 from ..mesh.device import ParallelDims
-from ..model import build_model
+from ..build import build_model
 from ..mesh.ranks import on_rank0
 from .dcp import Checkpointer, CheckpointError, latest_checkpoint, params_dict
 from .hf_shards import DEFAULT_MAX_SHARD_SIZE, parse_shard_size

@@ -100,7 +100,7 @@ def _rehearse(run: DryRun, c: Config, world: int, sizes: list[int], target: str,
     from ..compat.torch import fake_tensors
     from ..diagnostics.collectives import CollectiveCounter, mesh_dims
     from ..mesh.device import init_parallel
-    from ..model import build_model
+    from ..build import build_model
     from ..parallel.fsdp import dp_mesh_for
     from ..preflight import model_args
 

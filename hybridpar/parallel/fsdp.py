@@ -11,7 +11,7 @@ and no silent NO_SHARD fallback (FSDP1's HYBRID_SHARD with a one-rank shard grou
 all-reducing across replicas; a 2-D FSDP2 mesh with dp_shard = 1 still all-reduces over
 dp_replicate). `apply_fsdp` is the sharding, one named step after another; on gloo its last step
 hands FSDP's collectives to hybridpar.fastpaths.gloo_collectives. Activation checkpointing and
-compile come before it: hybridpar.model.build_model applies all of them, in order.
+compile come before it: hybridpar.build.build_model applies all of them, in order.
 """
 
 from __future__ import annotations

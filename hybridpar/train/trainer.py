@@ -34,7 +34,7 @@ from ..data import build_training_data, check_vocab
 from ..data.blend import describe_blend
 from ..files import refuse_occupied, write_text_atomic
 from ..mesh.device import ParallelDims, init_parallel
-from ..model import build_model
+from ..build import build_model
 from ..plan.hardware import peak_flops_of
 from ..preflight import init_from_folder, model_args, preflight, world_size_from_env
 from ..progress import note

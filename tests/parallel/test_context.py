@@ -69,6 +69,11 @@ def test_attention_and_its_gradients_match_full_causal_attention(workers, check_
 def test_cp1_is_plain_causal_attention(workers, check_close):
     # A group of one rank: the model's own SDPA call, bit for bit.
     check_close("cp1", workers(4).run(_case_attention, 1, (2, 64)), 0.0)
+    # No cp group at all, in this process (no process group exists: a collective would raise).
+    from hybridpar.parallel.context import context_attention
+
+    q, k, v, _ = _full_problem(16, seed=3)
+    assert torch.equal(context_attention(q, k, v, None), _full_causal(q, k, v))
 
 
 def _case_layout(cp: int, seq_len: int) -> list:

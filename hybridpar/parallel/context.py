@@ -11,9 +11,9 @@ one collective and put in global order; each local query chunk j attends to the 
 end, (j + 1) c of them, under a lower-right causal mask: one SDPA call per chunk, no score matrix
 of the whole sequence. The backward of the all-gather reduce-scatters dK/dV (summed over ranks,
 each rank keeps its own chunks'). At cp = 1 it is the model's plain causal SDPA call, no collective.
-`torch.nn.attention.bias.causal_lower_right` goes to CUDA's flash kernel (which takes GQA) or
-efficient kernel without any mask; where neither applies (the CPU, fp32 GQA on CUDA) it
-materialises a boolean c x (j + 1) c mask for the math kernel, exact as well. torch's own ring
+`torch.nn.attention.bias.causal_lower_right` goes, on CUDA, to the flash or efficient kernel
+(lower-right causal, no mask) where SDPA's checks allow them; elsewhere (the CPU) it materialises
+a boolean c x (j + 1) c mask for SDPA, exact as well (checked here on the CPU only so far). torch's own ring
 attention (torchtitan's CP) has no CPU strategy; this runs and is tested on gloo.
 
 How it plugs in (issue 37; not wired in yet):

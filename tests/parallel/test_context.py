@@ -1,0 +1,166 @@
+"""Context parallelism's attention (hybridpar.parallel.context) against single-process causal attention.
+
+Every rank of a cp group draws the same whole-sequence q, k, v and upstream gradient (seeded by its
+group, so each group has its own problem), computes full causal attention and its gradients
+locally, and compares its own chunks of them with what context_attention gives it. The cp groups
+are the mesh's mp groups (cp contiguous ranks, two groups at cp 2): a collective over the wrong
+group shows up.
+"""
+
+import pytest
+import torch
+
+from hybridpar.parallel.context import ContextParallelError, chunk_size, local_positions, shard_sequence
+from tests.distributed import parallel_dims, rel_err
+
+BATCH, HEADS, KV_HEADS, HEAD_DIM = 2, 4, 2, 8  # GQA: two q heads per kv head
+
+
+def _group(cp: int):
+    """A process group of cp contiguous ranks, standing in for the mesh's cp group."""
+    return parallel_dims(mp=cp).mp_group
+
+
+def _full_problem(seq_len: int, seed: int) -> tuple:
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(BATCH, seq_len, HEADS, HEAD_DIM, generator=gen)
+    k = torch.randn(BATCH, seq_len, KV_HEADS, HEAD_DIM, generator=gen)
+    v = torch.randn(BATCH, seq_len, KV_HEADS, HEAD_DIM, generator=gen)
+    upstream = torch.randn(BATCH, seq_len, HEADS, HEAD_DIM, generator=gen)
+    return q, k, v, upstream
+
+
+def _full_causal(q, k, v):
+    """The model's call: models/llama.py's Attention without a kv cache."""
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+def _case_attention(cp: int, seq_lens: tuple) -> dict:
+    import torch.distributed as dist
+
+    from hybridpar.parallel.context import context_attention
+
+    group = _group(cp)
+    me = dist.get_rank(group)
+    errors = {}
+    for seq_len in seq_lens:
+        full = _full_problem(seq_len, seed=1000 * seq_len + dist.get_rank() // cp)
+        leaves = [t.clone().requires_grad_() for t in full[:3]]
+        want = _full_causal(*leaves)
+        want.backward(full[3])
+
+        local = [shard_sequence(t, cp, me).requires_grad_() for t in full[:3]]
+        out = context_attention(*local, group)
+        out.backward(shard_sequence(full[3], cp, me))
+        errors[f"S{seq_len} out"] = rel_err(out, shard_sequence(want, cp, me))
+        for name, mine, ref in zip("qkv", local, leaves):
+            errors[f"S{seq_len} d{name}"] = rel_err(mine.grad, shard_sequence(ref.grad, cp, me))
+    return errors
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_attention_and_its_gradients_match_full_causal_attention(workers, check_close, cp):
+    # S = 2 cp: every chunk is one token; 64 and 256: longer chunks. fp32 throughout.
+    check_close(f"cp{cp}", workers(4).run(_case_attention, cp, (2 * cp, 64, 256)), 1e-6)
+
+
+def test_cp1_is_plain_causal_attention(workers, check_close):
+    # A group of one rank: the model's own SDPA call, bit for bit.
+    check_close("cp1", workers(4).run(_case_attention, 1, (2, 64)), 0.0)
+    # No cp group at all, in this process (no process group exists: a collective would raise).
+    from hybridpar.parallel.context import context_attention
+
+    q, k, v, _ = _full_problem(16, seed=3)
+    assert torch.equal(context_attention(q, k, v, None), _full_causal(q, k, v))
+
+
+def _case_layout(cp: int, seq_len: int) -> list:
+    import torch.distributed as dist
+
+    from hybridpar.parallel.context import gather_sequence
+
+    group = _group(cp)
+    me = dist.get_rank(group)
+    x = torch.arange(seq_len).view(1, seq_len, 1).expand(2, seq_len, 3) + 1000 * torch.arange(2).view(2, 1, 1)
+    part = shard_sequence(x, cp, me)
+    # The positions name the tokens the rank holds: token t of the sequence carries the value t.
+    assert torch.equal(part[0, :, 0], local_positions(seq_len, cp, me)), (part[0, :, 0], local_positions(seq_len, cp, me))
+    assert torch.equal(gather_sequence(part, group), x)  # the inverse, along dim 1
+    assert torch.equal(gather_sequence(part.transpose(0, 1), group, dim=0), x.transpose(0, 1))
+    with pytest.raises(ContextParallelError, match="odd number"):  # raised before the collective, on every rank
+        gather_sequence(part[:, :-1], group)
+    return local_positions(seq_len, cp, me).tolist()
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_positions_agree_with_the_sharding_and_gather_inverts_it(workers, cp):
+    for seq_len in (2 * cp, 24 * cp):
+        per_rank = workers(4).run(_case_layout, cp, seq_len)
+        c = seq_len // (2 * cp)
+        for rank, positions in enumerate(per_rank[:cp]):
+            # chunks rank and 2cp-1-rank, in that order
+            want = [*range(rank * c, (rank + 1) * c), *range((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)]
+            assert positions == want, (rank, positions, want)
+        assert sorted(sum(per_rank[:cp], [])) == list(range(seq_len))
+
+
+def _case_work(cp: int, seq_len: int) -> int:
+    """(query, key) pairs this rank's context_attention hands to SDPA, per batch row and head."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.attention.bias import CausalBias
+    from torch.overrides import TorchFunctionMode
+
+    from hybridpar.parallel.context import context_attention
+
+    counted = []
+
+    class CountPairs(TorchFunctionMode):
+        # Sees the calls context_attention makes; not CausalBias's own SDPA call inside them (a mode
+        # is off while its handler runs).
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is F.scaled_dot_product_attention:
+                query, key = args[0], args[1]
+                mask, causal = kwargs.get("attn_mask"), kwargs.get("is_causal", False)
+                lq, lk = query.shape[-2], key.shape[-2]
+                if isinstance(mask, CausalBias):
+                    counted.append(int(mask._materialize().sum()))
+                elif causal:
+                    assert lq == lk and mask is None, (lq, lk)
+                    counted.append(lq * (lq + 1) // 2)
+                else:
+                    counted.append(lq * lk if mask is None else int(mask.sum()))
+            return func(*args, **kwargs)
+
+    group = _group(cp)
+    me = dist.get_rank(group)
+    q, k, v, _ = _full_problem(seq_len, seed=7)
+    with CountPairs():
+        context_attention(*(shard_sequence(t, cp, me) for t in (q, k, v)), group)
+    assert counted, "context_attention made no SDPA call"
+    return sum(counted)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_every_rank_does_the_same_causal_work(workers, cp):
+    seq_len = 64
+    pairs = workers(4).run(_case_work, cp, seq_len)
+    print(f"cp {cp}: (query, key) pairs per rank {pairs}")
+    assert len(set(pairs)) == 1, f"unbalanced causal work across ranks: {pairs}"
+    # ... and together exactly the causal triangle: no pair twice, none left out
+    assert sum(pairs[:cp]) == seq_len * (seq_len + 1) // 2, pairs
+
+
+def test_a_sequence_2cp_does_not_divide_is_one_clear_error():
+    for call in (lambda: chunk_size(10, 4), lambda: local_positions(10, 4, 0),
+                 lambda: shard_sequence(torch.zeros(2, 10, 3), 4, 1)):
+        with pytest.raises(ContextParallelError) as info:
+            call()
+        message = str(info.value)
+        assert "\n" not in message and isinstance(info.value, ValueError)
+        assert "sequence length 10 is not divisible by 2 x cp = 8" in message, message
+        assert "use a seq_len that is a multiple of 8" in message, message
+    assert chunk_size(16, 4) == 2

@@ -9,7 +9,7 @@ from hybridpar.models.args import ModelArgs
 from ..config.dtypes import dtype_bytes
 from ..parallel.cost import collective_seconds
 from .inputs import Hardware, Layout, Workload
-from .memory import local_param_shapes, param_counts, sharded_numel
+from .memory import gathered_kv_bytes, local_param_shapes, param_counts, sharded_numel
 
 LOSS_CALLS = 2  # vocab_parallel_cross_entropy: the logits' max, then the exp-sum and target logit together
 flops_per_token = ModelArgs.flops_per_token  # the trainer's MFU count, as a function of (args, seq_len)
@@ -23,10 +23,13 @@ class StepTime:
     tp_comm: float  # tensor-parallel collectives (on the critical path)
     dp_comm: float  # FSDP all-gathers, reduce-scatters and replica all-reduces
     dp_exposed: float  # the part of dp_comm that compute does not hide
+    # Context parallelism's K/V all-gathers and dK/dV reduce-scatters, and the part compute does not hide.
+    cp_comm: float = 0.0
+    cp_exposed: float = 0.0
 
     @property
     def step(self) -> float:
-        return self.compute + self.tp_comm + self.dp_exposed
+        return self.compute + self.tp_comm + self.cp_exposed + self.dp_exposed
 
 
 def group_busbw(stride: int, size: int, hw: Hardware) -> float:
@@ -55,21 +58,24 @@ class CommBytes:
     tp_all_reduce: float  # over the mp group, per micro-batch
     tp_all_gather: float  # over the mp group, per micro-batch (ParallelEmbedding's output; sequence parallelism)
     tp_reduce_scatter: float  # over the mp group, per micro-batch (sequence parallelism)
-    fsdp_all_gather: float  # over dp_shard, per micro-batch (forward, and backward when resharding)
-    fsdp_reduce_scatter: float  # over dp_shard, per step
+    fsdp_all_gather: float  # over dp_shard x cp, per micro-batch (forward, and backward when resharding)
+    fsdp_reduce_scatter: float  # over dp_shard x cp, per step
     replica_all_reduce: float  # over dp_replicate, per step (hybrid sharding)
     # How many calls those are: what latency and per-call costs scale with.
     tp_calls: int = 0  # per micro-batch
     fsdp_gather_calls: int = 0  # per micro-batch
     fsdp_reduce_calls: int = 0  # per step (per micro-batch with grad_sync "every")
     replica_calls: int = 0  # per step
+    cp_all_gather: float = 0.0  # over the cp group, per micro-batch: each block's K|V (and again when recomputed)
+    cp_reduce_scatter: float = 0.0  # over the cp group, per micro-batch: each block's dK|dV
+    cp_calls: int = 0  # per micro-batch
 
 
 def collective_bytes(args: ModelArgs, layout: Layout, workload: Workload) -> CommBytes:
     """What models/llama.py, vocab_parallel_cross_entropy and apply_fsdp issue (tests count them)."""
-    mp, ds, dr, L = layout.mp, layout.dp_shard, layout.dp_replicate, args.n_layers
+    mp, ds, dr, L = layout.mp, layout.fsdp_shard, layout.dp_replicate, args.n_layers
     a, r = dtype_bytes(workload.param_dtype), dtype_bytes(workload.reduce_dtype)
-    t = workload.micro_batch * workload.seq_len
+    t = workload.micro_batch * workload.seq_len // layout.cp  # this rank's tokens
     counts = param_counts(args, mp, ds)
     tp_ar = tp_ag = tp_rs = 0.0
     n_ar = n_ag = n_rs = 0
@@ -119,5 +125,14 @@ def collective_bytes(args: ModelArgs, layout: Layout, workload: Workload) -> Com
     rs = every_unit * r if ds > 1 else 0.0
     ar = counts.sharded * r if dr > 1 else 0.0
     gathers = units + (L if layout.reshard_after_forward else 0) if ds > 1 else 0
+    cp_ag = cp_rs = 0.0
+    n_cp = 0
+    if layout.cp > 1:
+        # hybridpar.parallel.context: one all-gather of K|V per block's forward (recomputation repeats
+        # it), one reduce-scatter of dK|dV per block's backward.
+        kv = gathered_kv_bytes(args, mp, workload.micro_batch, workload.seq_len, a)
+        n_gather = L + layout.checkpointed_blocks(L)
+        cp_ag, cp_rs, n_cp = kv * n_gather, kv * L, n_gather + L
     return CommBytes(tp_ar, tp_ag, tp_rs, ag, rs, ar, tp_calls=n_ar + n_ag + n_rs, fsdp_gather_calls=gathers,
-                     fsdp_reduce_calls=units if ds > 1 else 0, replica_calls=units if dr > 1 else 0)
+                     fsdp_reduce_calls=units if ds > 1 else 0, replica_calls=units if dr > 1 else 0,
+                     cp_all_gather=cp_ag, cp_reduce_scatter=cp_rs, cp_calls=n_cp)

@@ -99,13 +99,28 @@ def block_work(args: ModelArgs, mp: int, tokens: int, seq_len: int, a: int, sequ
     return forward, backward
 
 
+def context_parallel_work(args: ModelArgs, mp: int, cp: int, micro_batch: int, seq_len: int, a: int) -> tuple[Work, Work]:
+    """(forward, backward) copies context parallelism adds to a block (hybridpar.parallel.context): K|V
+    concatenated for the all-gather, the gathered parts put in global order, the chunks' outputs
+    concatenated; the backward's copies mirror them. Its attention FLOPs are block_work's at seq_len / cp
+    tokens: the chunks balance the causal work."""
+    if cp == 1:
+        return Work(), Work()
+    t = micro_batch * seq_len // cp
+    kv = kv_heads_per_rank(args, mp) * args.head_dim * 2
+    copies = 2 * a * (t * kv + micro_batch * seq_len * kv + t * args.n_heads // mp * args.head_dim)
+    return Work(memory_bytes=copies), Work(memory_bytes=copies)
+
+
 def micro_batch_work(args: ModelArgs, layout: Layout, workload: Workload, tp_calls: int = 0) -> Work:
     """One rank's forward and backward of one micro-batch, recomputation included; of its `tp_calls`
-    tensor-parallel collectives only the ops around them (their time is the planner's comm)."""
-    mp, a = layout.mp, dtype_bytes(workload.param_dtype)
+    tensor-parallel and context-parallel collectives only the ops around them (their time is the planner's comm)."""
+    mp, cp, a = layout.mp, layout.cp, dtype_bytes(workload.param_dtype)
     s = workload.seq_len
-    t = workload.micro_batch * s
+    t = workload.micro_batch * s // cp  # this rank's tokens; attention still reaches back over all s
     forward, backward = block_work(args, mp, t, s, a, layout.sequence_parallel, workload.compile)
+    cp_forward, cp_backward = context_parallel_work(args, mp, cp, workload.micro_batch, s, a)
+    forward, backward = forward + cp_forward, backward + cp_backward
     recomputed = layout.checkpointed_blocks(args.n_layers)
     blocks = args.n_layers * (forward + backward) + recomputed * forward
     vocab = args.vocab_size // mp
@@ -119,10 +134,10 @@ def step_work(args: ModelArgs, layout: Layout, workload: Workload, gathers: int,
     all-gathers and `reductions` reduce-scatters of the mp slice (`fsdp_calls` collectives in all),
     and the optimizer with gradient clipping on the shard."""
     a, r = dtype_bytes(workload.param_dtype), dtype_bytes(workload.reduce_dtype)
-    counts = param_counts(args, layout.mp, layout.dp_shard)
+    counts = param_counts(args, layout.mp, layout.fsdp_shard)
     # A gather casts the shard to `a` bytes and copies the gathered buffer out into the parameters; a
     # reduction casts the gradient to the reduce dtype and copies it into the collective's buffer.
-    copies = counts.total * (gathers * 2 * a + reductions * (a + 2 * r)) if layout.dp_shard > 1 else 0.0
+    copies = counts.total * (gathers * 2 * a + reductions * (a + 2 * r)) if layout.fsdp_shard > 1 else 0.0
     fsdp = Work(memory_bytes=copies, ops=fsdp_calls * FSDP_OPS_PER_CALL)
     tensors = 9 * args.n_layers + 3 - (1 if args.tie_embeddings else 0)
     optimizer = Work(memory_bytes=counts.sharded * OPTIMIZER_BYTES, ops=OPTIMIZER_OPS[0] + OPTIMIZER_OPS[1] * tensors)

@@ -10,7 +10,9 @@ MASTER_BYTES = 4  # the trainer builds the model in fp32: master params, grads a
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """A mesh (dp_replicate, dp_shard, mp) plus activation checkpointing and the resharding choice."""
+    """A mesh (dp_replicate, dp_shard, cp, mp) plus activation checkpointing and the resharding choice.
+    cp (context parallelism, hybridpar.parallel.context) cuts every sequence over cp ranks that hold
+    the same parameters: FSDP shards over dp_shard x cp, the batch per dp coordinate is unchanged."""
 
     mp: int
     dp_shard: int
@@ -19,21 +21,27 @@ class Layout:
     ac_every: int = 2
     reshard_after_forward: bool = True  # False: ZeRO-2 (shard_grad_op / hybrid_shard_zero2)
     sequence_parallel: bool = True  # parallel.sequence_parallel (acts only when mp > 1)
+    cp: int = 1  # parallel.cp: ranks that share each sequence (last: positional callers predate it)
 
     @property
     def dp(self) -> int:
         return self.dp_shard * self.dp_replicate
 
     @property
+    def fsdp_shard(self) -> int:
+        """Ranks one FSDP shard group spans: the cp ranks of a dp coordinate hold the same parameters."""
+        return self.dp_shard * self.cp
+
+    @property
     def world(self) -> int:
-        return self.mp * self.dp
+        return self.mp * self.cp * self.dp
 
     @property
     def strategy(self) -> str:
         """The fsdp.sharding_strategy to put in the config for this layout."""
         if self.dp_replicate == 1:
             return "full_shard" if self.reshard_after_forward else "shard_grad_op"
-        if self.dp_shard == 1:
+        if self.fsdp_shard == 1:
             return "no_shard"
         return "hybrid_shard" if self.reshard_after_forward else "hybrid_shard_zero2"
 
@@ -47,12 +55,14 @@ class Layout:
 
     @property
     def name(self) -> str:
-        return f"mp{self.mp}_dp{self.dp}"
+        cp = f"_cp{self.cp}" if self.cp > 1 else ""
+        return f"mp{self.mp}{cp}_dp{self.dp}"
 
     def describe(self) -> str:
         ac = {"none": "no AC", "full": "full AC", "selective": f"AC every {self.ac_every}"}[self.ac]
         sp = ", sequence parallel" if self.sequence_parallel and self.mp > 1 else ""
-        return (f"mp {self.mp} x dp_shard {self.dp_shard} x dp_replicate {self.dp_replicate} "
+        cp = f" x cp {self.cp}" if self.cp > 1 else ""
+        return (f"mp {self.mp}{cp} x dp_shard {self.dp_shard} x dp_replicate {self.dp_replicate} "
                 f"({self.strategy}, {ac}{sp})")
 
 

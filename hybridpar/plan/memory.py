@@ -88,10 +88,18 @@ class Activations:
         return self.per_block if self.n_checkpointed else 0.0
 
 
+def gathered_kv_bytes(args: ModelArgs, mp: int, micro_batch: int, seq_len: int, compute_bytes: int) -> int:
+    """One layer's K and V of the whole sequence (this mp rank's kv heads), as context parallelism's
+    all-gather delivers them (hybridpar.parallel.context): what its attention keeps, and the size of
+    its all-gather and of the dK/dV reduce-scatter."""
+    return compute_bytes * micro_batch * seq_len * kv_heads_per_rank(args, mp) * 2 * args.head_dim
+
+
 def activation_bytes(args: ModelArgs, mp: int, micro_batch: int, seq_len: int, compute_bytes: int,
-                     n_checkpointed: int = 0, sequence_parallel: bool = False) -> Activations:
-    """Saved tensors of hybridpar.models.llama.Transformer + vocab_parallel_cross_entropy, derived from the code."""
-    a, t = compute_bytes, micro_batch * seq_len
+                     n_checkpointed: int = 0, sequence_parallel: bool = False, cp: int = 1) -> Activations:
+    """Saved tensors of hybridpar.models.llama.Transformer + vocab_parallel_cross_entropy, derived from
+    the code; with context parallelism each rank holds seq_len / cp tokens of every sequence."""
+    a, t = compute_bytes, micro_batch * seq_len // cp
     d, hd = args.dim, args.head_dim
     heads, kv = args.n_heads // mp, kv_heads_per_rank(args, mp)
     ffn, vocab = args.ffn_hidden_dim // mp, args.vocab_size // mp
@@ -103,12 +111,16 @@ def activation_bytes(args: ModelArgs, mp: int, micro_batch: int, seq_len: int, c
     # wq/wk/wv outputs are not saved (RoPE's complex mul saves only the rotations); SDPA saves the
     # rotated q, k, the v projection, its output (also wo's input) and the fp32 logsumexp.
     attention = a * t * hd * (2 * heads + 2 * kv) + 4 * t * heads
+    if cp > 1:
+        # Its SDPA calls keep views of the all-gathered K|V of the whole sequence instead of the local k, v.
+        attention += gathered_kv_bytes(args, mp, micro_batch, seq_len, a) - a * t * hd * 2 * kv
     # SwiGLU: w1 x (silu's input), silu(w1 x) and w3 x (the product's inputs), the product (w2's input).
     feed_forward = 4 * a * t * ffn
     per_block = 2 * norm + attention + feed_forward
     vocab_split = args.resolved_embedding_split == "vocab"
     embedding = 8 * t + (t if vocab_split else 0)  # int64 ids; the bool mask of out-of-shard ids
-    rope = seq_len * (hd // 2) * 8  # complex64
+    # complex64: the table's first seq_len rows (a view), or the rows of this cp rank's positions (a copy).
+    rope = (seq_len // cp) * (hd // 2) * 8
     cast = 0 if a == 4 else a  # .float() of fp32 logits and .to(fp32) of an fp32 gradient copy nothing
     if mp > 1:
         # Saved: the fp32 softmax, int64 local targets, two bool masks. Forward also holds the

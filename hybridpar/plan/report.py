@@ -7,8 +7,15 @@ import dataclasses
 import math
 import re
 
+from ..config.dtypes import dtype_bytes
+from .comm import group_busbw
 from .inputs import GIB, Hardware, Workload
-from .search import Estimate, Plan
+from .memory import gathered_kv_bytes
+from .search import Estimate, Plan, larger_cp
+
+# The one line the report states when it considered context parallelism (plan.search prices it so).
+CP_ASSUMED = ("context parallelism: each block's K|V all-gather and dK|dV reduce-scatter wait for their result "
+              "(hybridpar.parallel.context gathers before the attention that needs it): compute hides none of them")
 
 _BATCH = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*(tok|tokens|t)?\s*$")
 
@@ -38,36 +45,46 @@ def _seconds(x: float) -> str:
     return f"{x:.3f}" if x < 10 else f"{x:.1f}"
 
 
-def breakdown(e: Estimate, hw: Hardware) -> list[str]:
+def breakdown(e: Estimate, hw: Hardware, plan: "Plan | None" = None) -> list[str]:
     m, t = e.memory, e.time
+    cp = f" + context-parallel {_seconds(t.cp_exposed)}" if e.layout.cp > 1 else ""
     lines = [
         f"{e.layout.describe()}: {e.grad_accum} micro-batch(es) per step",
         f"  memory per GPU {_gib(m.total)} GiB of {_gib(e.usable_bytes)} usable: "
         f"params {_gib(m.params)} + grads {_gib(m.grads)} + AdamW {_gib(m.optimizer)}"
         f" + accumulated grads {_gib(m.accumulated_grads)} + gathered params {_gib(m.gathered_params)}"
         f" + grad buffers {_gib(m.grad_buffers)} + activations {_gib(m.activations)} + transient {_gib(m.transient)}",
-        f"  step {_seconds(t.step)} s: compute {_seconds(t.compute)} + tensor-parallel {_seconds(t.tp_comm)}"
+        f"  step {_seconds(t.step)} s: compute {_seconds(t.compute)} + tensor-parallel {_seconds(t.tp_comm)}{cp}"
         f" + exposed FSDP {_seconds(t.dp_exposed)} (of {_seconds(t.dp_comm)}); "
         f"{e.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, MFU {100 * e.mfu(hw.peak_flops):.0f}%",
     ]
+    if e.layout.cp > 1 and plan is not None:
+        lay, w = e.layout, plan.workload
+        kv = gathered_kv_bytes(plan.args, lay.mp, w.micro_batch, w.seq_len, dtype_bytes(w.param_dtype))
+        link = "inside a node" if group_busbw(lay.mp, lay.cp, hw) == hw.intra_node_busbw else "between nodes"
+        lines.append(f"  context parallelism: each GPU holds {w.seq_len // lay.cp} tokens of every sequence "
+                     f"(2 chunks of {w.seq_len // (2 * lay.cp)}); per block {kv / 2**20:,.1f} MiB of K|V all-gathered "
+                     f"over {lay.cp} GPUs {link}, and dK|dV reduce-scattered: {_seconds(t.cp_comm)} s per step")
     return lines
 
 
-_HEADER = (f"{'#':>3} {'layout':<10} {'mp':>3} {'shard':>5} {'repl':>5} {'AC':<9} {'micro':>5} "
-           f"{'state':>6} {'accum':>6} {'act':>6} {'other':>6} {'total':>6} {'step s':>7} {'tok/s/GPU':>10} "
-           f"{'MFU':>5} {'tp s':>6} {'fsdp s':>7}")
+def _header(width: int, cp: bool) -> str:
+    return (f"{'#':>3} {'layout':<{width}} {'mp':>3} {'shard':>5} {'repl':>5} {'AC':<9} {'micro':>5} "
+            f"{'state':>6} {'accum':>6} {'act':>6} {'other':>6} {'total':>6} {'step s':>7} {'tok/s/GPU':>10} "
+            f"{'MFU':>5} {'tp s':>6}" + (f" {'cp s':>6}" if cp else "") + f" {'fsdp s':>7}")
 
 
-def _row(i: int, e: Estimate, hw: Hardware) -> str:
+def _row(i: int, e: Estimate, hw: Hardware, width: int = 10, cp: bool = False) -> str:
     lay, m, t = e.layout, e.memory, e.time
     ac = {"none": "none", "full": "full", "selective": f"every {lay.ac_every}"}[lay.ac]
     ac += "" if lay.reshard_after_forward else " z2"
     other = m.total - m.state - m.accumulated_grads - m.activations
-    return (f"{i:>3} {lay.name:<10} {lay.mp:>3} {lay.dp_shard:>5} {lay.dp_replicate:>5} {ac:<9} {e.grad_accum:>5} "
+    return (f"{i:>3} {lay.name:<{width}} {lay.mp:>3} {lay.dp_shard:>5} {lay.dp_replicate:>5} {ac:<9} {e.grad_accum:>5} "
             f"{_gib(m.state):>6} {_gib(m.accumulated_grads):>6} {_gib(m.activations):>6} {_gib(other):>6} "
             f"{_gib(m.total):>6} "
             f"{_seconds(t.step):>7} {e.tokens_per_s_per_gpu:>10,.0f} {100 * e.mfu(hw.peak_flops):>4.0f}% "
-            f"{_seconds(t.tp_comm):>6} {_seconds(t.dp_exposed):>7}")
+            f"{_seconds(t.tp_comm):>6}" + (f" {_seconds(t.cp_exposed):>6}" if cp else "")
+            + f" {_seconds(t.dp_exposed):>7}")
 
 
 def format_plan(plan: Plan, top: int = 10, model_name: str = "", model_flags: str = "") -> str:
@@ -85,6 +102,7 @@ def format_plan(plan: Plan, top: int = 10, model_name: str = "", model_flags: st
         f"assumed: {hw.describe()}; busbw {hw.intra_node_busbw / 1e9:.3g} GB/s inside a node, "
         f"{hw.inter_node_busbw / 1e9:.3g} GB/s per GPU between nodes; float32 master weights, "
         f"{w.param_dtype} compute, {w.reduce_dtype} gradient reduction" + (", compiled blocks" if w.compile else ""),
+        *([f"assumed: {CP_ASSUMED}"] if plan.context_parallel else []),
         "",
     ]
     fitting = plan.fitting
@@ -93,12 +111,14 @@ def format_plan(plan: Plan, top: int = 10, model_name: str = "", model_flags: st
                    "params + grads + AdamW, accum = unsharded grads kept between micro-batches,")
         out.append("act = saved activations, other = gathered params, buffers, peaks; "
                    "fsdp s = FSDP time compute does not hide; micro = micro-batches per step.")
-        out.append(_HEADER)
-        out.extend(_row(i + 1, e, hw) for i, e in enumerate(fitting[:top]))
+        shown = fitting[:top]
+        width, cp = max(10, *(len(e.layout.name) for e in shown)), any(e.layout.cp > 1 for e in shown)
+        out.append(_header(width, cp))
+        out.extend(_row(i + 1, e, hw, width, cp) for i, e in enumerate(shown))
         if len(fitting) > top:
             out.append(f"    ... {len(fitting) - top} more (--top N)")
         out.append("")
-        out.append("best: " + "\n".join(breakdown(fitting[0], hw)))
+        out.append("best: " + "\n".join(breakdown(fitting[0], hw, plan)))
         out.append("  config: " + config_flags(fitting[0], w, model_flags))
     else:
         out.append(no_fit_message(plan))
@@ -123,6 +143,7 @@ def config_flags(e: Estimate, w: Workload, model_flags: str = "") -> str:
     flags = [model_flags, f"--data.seq_len {w.seq_len}",
              f"--data.micro_batch_size {w.micro_batch} --train.grad_accum {e.grad_accum}",
              f"--parallel.mp {lay.mp} --parallel.dp_shard {lay.dp_shard} --parallel.dp_replicate {lay.dp_replicate}",
+             f"--parallel.cp {lay.cp}" if lay.cp > 1 else "",
              f"--parallel.sequence_parallel {'true' if lay.sequence_parallel else 'false'}",
              f"--fsdp.sharding_strategy {lay.strategy} --fsdp.activation_checkpointing {lay.ac}",
              f"--fsdp.ac_every {lay.ac_every}" if lay.ac == "selective" else "",
@@ -139,7 +160,7 @@ def plan_json(plan: Plan, model_name: str = "", model_flags: str = "") -> dict:
         return {**dataclasses.asdict(e.layout), "strategy": e.layout.strategy, "grad_accum": e.grad_accum,
                 "global_batch": e.global_batch, "fits": e.fits,
                 "memory_gib": {k: getattr(m, k) / GIB for k in ("state", "accumulated_grads", "activations", "total")},
-                "step_s": t.step, "tp_comm_s": t.tp_comm, "fsdp_exposed_s": t.dp_exposed,
+                "step_s": t.step, "tp_comm_s": t.tp_comm, "cp_comm_s": t.cp_exposed, "fsdp_exposed_s": t.dp_exposed,
                 "tokens_per_s_per_gpu": e.tokens_per_s_per_gpu, "mfu": e.mfu(plan.hardware.peak_flops),
                 "config": config_flags(e, plan.workload, model_flags)}
 
@@ -164,7 +185,14 @@ def no_fit_message(plan: Plan) -> str:
         gpus = hw.gpus_per_node * math.ceil(gpus / hw.gpus_per_node)
         hints.append(f"more GPUs (about {gpus}: the sharded state, {_gib(m.state)} GiB here, divides by mp x dp_shard)")
     else:
-        hints.append(f"more GPUs will not do: activations and buffers alone need {_gib(other)} GiB")
+        remedy = larger_cp(plan, least)
+        if remedy:
+            cp, bigger = remedy
+            hints.append(f"context parallelism: activations and buffers alone need {_gib(other)} GiB at cp "
+                         f"{least.layout.cp}; --cp {cp} on {bigger.layout.world} GPUs cuts each sequence over {cp} "
+                         f"GPUs ({_gib(bigger.memory.total - bigger.memory.state)} GiB)")
+        else:
+            hints.append(f"more GPUs will not do: activations and buffers alone need {_gib(other)} GiB")
     if least.grad_accum > 1:
         hints.append(f"fewer accumulation steps ({least.grad_accum} keep {_gib(m.accumulated_grads)} GiB of unsharded "
                      "gradients: a smaller --global-batch or a larger --micro-batch)")

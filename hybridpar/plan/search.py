@@ -13,9 +13,10 @@ from .comm import (StepTime, all_gather_seconds, all_reduce_seconds, collective_
                    flops_per_token, group_busbw)
 from .compute import micro_batch_work, step_work
 from .inputs import MASTER_BYTES, Hardware, Layout, Workload
-from .memory import Memory, ParamCounts, activation_bytes, param_counts
+from .memory import Memory, ParamCounts, activation_bytes, gathered_kv_bytes, param_counts
 
 STEP_SCALARS = 3  # the trainer's all-reduces per step: target tokens, the loss, the gradient norm
+CP_NEEDED = 1 / 3  # context_parallel_needed: the share of memory one sequence's activations may take at cp 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,15 +56,17 @@ def estimate(args: ModelArgs, layout: Layout, workload: Workload, hw: Hardware) 
     """Memory per rank and time per step of one layout. ValueError if the batch does not divide."""
     if layout.ac not in AC_MODES:
         raise ValueError(f"ac must be one of {AC_MODES}, got {layout.ac!r}")
-    mp, ds, dr = layout.mp, layout.dp_shard, layout.dp_replicate
+    mp, ds, dr, cp = layout.mp, layout.dp_shard, layout.dp_replicate, layout.cp
+    if cp < 1 or (cp > 1 and workload.seq_len % (2 * cp)):
+        raise ValueError(f"seq_len = {workload.seq_len} is not divisible by 2 x cp = {2 * cp}")
     a, r = dtype_bytes(workload.param_dtype), dtype_bytes(workload.reduce_dtype)
     grad_accum = workload.grad_accum(layout.dp)
     global_batch = layout.dp * workload.micro_batch * grad_accum
     b, s, L = workload.micro_batch, workload.seq_len, args.n_layers
 
-    counts = param_counts(args, mp, ds)
+    counts = param_counts(args, mp, layout.fsdp_shard)
     n_ac = layout.checkpointed_blocks(L)
-    acts = activation_bytes(args, mp, b, s, a, n_ac, layout.sequence_parallel)
+    acts = activation_bytes(args, mp, b, s, a, n_ac, layout.sequence_parallel, cp)
 
     kept_blocks = L if not layout.reshard_after_forward else min(2, L)  # current + prefetched
     gathered = (counts.embedding + counts.output + counts.root + kept_blocks * counts.block) * a
@@ -71,9 +74,12 @@ def estimate(args: ModelArgs, layout: Layout, workload: Workload, hw: Hardware) 
     sync_every = workload.grad_sync == "every"
     accumulated = counts.total * r if grad_accum > 1 and not sync_every else 0.0
     # Backward of a block: its recomputation (AC) plus gradient temporaries of a few [T, D] and
-    # [T, ffn/mp] tensors (dL/dh, and the three SwiGLU input gradients).
-    t = b * s
+    # [T, ffn/mp] tensors (dL/dh, and the three SwiGLU input gradients); with context parallelism
+    # also the gradient of the block's gathered K|V before its reduce-scatter.
+    t = b * s // cp
     backward_work = acts.recompute + a * t * (2 * args.dim + 3 * args.ffn_hidden_dim // mp)
+    if cp > 1:
+        backward_work += gathered_kv_bytes(args, mp, b, s, a)
     memory = Memory(
         params=counts.sharded * MASTER_BYTES, grads=counts.sharded * MASTER_BYTES,
         optimizer=2 * counts.sharded * MASTER_BYTES, accumulated_grads=accumulated,
@@ -87,22 +93,29 @@ def estimate(args: ModelArgs, layout: Layout, workload: Workload, hw: Hardware) 
     reductions = grad_accum if sync_every else 1
     gathers = (2 if layout.reshard_after_forward else 1) * grad_accum
     dp_calls = grad_accum * comm.fsdp_gather_calls + reductions * comm.fsdp_reduce_calls + comm.replica_calls
-    compute_mb = micro_batch_work(args, layout, workload, comm.tp_calls).seconds(hw)
+    compute_mb = micro_batch_work(args, layout, workload, comm.tp_calls + comm.cp_calls).seconds(hw)
     step_extra = step_work(args, layout, workload, gathers, reductions, dp_calls).seconds(hw)
-    mp_bw, ds_bw, dr_bw = group_busbw(1, mp, hw), group_busbw(mp, ds, hw), group_busbw(mp * ds, dr, hw)
+    # The mesh (dp_replicate, dp_shard, cp, mp), mp innermost: FSDP's group is the dp_shard x cp
+    # ranks mp apart, the cp group the cp ranks mp apart, the replicas mp x cp x dp_shard apart.
+    fs = layout.fsdp_shard
+    mp_bw, cp_bw = group_busbw(1, mp, hw), group_busbw(mp, cp, hw)
+    fs_bw, dr_bw = group_busbw(mp, fs, hw), group_busbw(mp * fs, dr, hw)
     tp_mb = (all_reduce_seconds(comm.tp_all_reduce, mp, mp_bw) + all_gather_seconds(comm.tp_all_gather, mp, mp_bw)
              + all_gather_seconds(comm.tp_reduce_scatter, mp, mp_bw))
-    ag = all_gather_seconds(comm.fsdp_all_gather, ds, ds_bw)
-    rs = all_gather_seconds(comm.fsdp_reduce_scatter, ds, ds_bw)
+    # Context parallelism's collectives wait for their result: hybridpar.parallel.context gathers K|V
+    # before the attention that needs it, and the block's backward goes on from the reduced dK|dV.
+    cp_mb = all_gather_seconds(comm.cp_all_gather, cp, cp_bw) + all_gather_seconds(comm.cp_reduce_scatter, cp, cp_bw)
+    ag = all_gather_seconds(comm.fsdp_all_gather, fs, fs_bw)
+    rs = all_gather_seconds(comm.fsdp_reduce_scatter, fs, fs_bw)
     ar = all_reduce_seconds(comm.replica_all_reduce, dr, dr_bw)
-    busy = compute_mb + tp_mb
+    busy = compute_mb + tp_mb + cp_mb
     if sync_every:  # every micro-batch gathers and reduces: sharded accumulation, more traffic
         exposed = grad_accum * max(0.0, ag + rs + ar - busy)
         dp_comm = grad_accum * (ag + rs + ar)
     else:
         exposed = (grad_accum - 1) * max(0.0, ag - busy) + max(0.0, ag + rs + ar - busy)
         dp_comm = grad_accum * ag + rs + ar
-    compute, tp = grad_accum * compute_mb + step_extra, grad_accum * tp_mb
+    compute, tp, cp_time = grad_accum * compute_mb + step_extra, grad_accum * tp_mb, grad_accum * cp_mb
     if hw.cores:
         # CPU ranks: communication is core time too (gloo copies), so nothing hides it, and ranks
         # beyond the node's cores queue for them; each synchronising call also waits for peers
@@ -111,8 +124,10 @@ def estimate(args: ModelArgs, layout: Layout, workload: Workload, hw: Hardware) 
         tp_calls, dp_calls = grad_accum * comm.tp_calls, dp_calls + STEP_SCALARS
         compute = share * compute
         tp = share * tp + tp_calls * hw.sync_wait
+        cp_time = share * cp_time + grad_accum * comm.cp_calls * hw.sync_wait
         dp_comm = exposed = share * dp_comm + dp_calls * hw.sync_wait
-    time = StepTime(compute=compute, tp_comm=tp, dp_comm=dp_comm, dp_exposed=exposed)
+    time = StepTime(compute=compute, tp_comm=tp, dp_comm=dp_comm, dp_exposed=exposed, cp_comm=cp_time,
+                    cp_exposed=cp_time)
     tokens = global_batch * s
     return Estimate(
         layout=layout, grad_accum=grad_accum, global_batch=global_batch, memory=memory, time=time,
@@ -124,10 +139,23 @@ def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
+def context_parallel_sizes(world: int, seq_len: int, split: int = 1) -> list[int]:
+    """The cp sizes a sequence can be cut over: powers of two dividing `world` with seq_len a multiple
+    of 2 x cp x `split` (mp, under sequence parallelism); 1 always."""
+    sizes, cp = [1], 2
+    while cp <= world:
+        if world % cp == 0 and seq_len % (2 * cp * split) == 0:
+            sizes.append(cp)
+        cp *= 2
+    return sizes
+
+
 def candidate_layouts(args: ModelArgs, hw: Hardware, *, allow_cross_node_mp: bool = False,
                       ac_modes: Iterable[str] = AC_MODES, zero2: bool = False, ac_every: int = 2,
-                      sequence_parallel: bool = True, seq_len: int = 0) -> tuple[list[Layout], dict[int, str]]:
-    """Every layout of hw.gpus ranks the model can run; and the rejected mp sizes with the reason."""
+                      sequence_parallel: bool = True, seq_len: int = 0,
+                      cp: int = 0) -> tuple[list[Layout], dict[int, str]]:
+    """Every layout of hw.gpus ranks the model can run; and the rejected mp sizes with the reason.
+    cp 0 considers every context-parallel size (context_parallel_sizes), cp N only N."""
     layouts: list[Layout] = []
     rejected: dict[int, str] = {}
     for mp in divisors(hw.gpus):
@@ -144,13 +172,19 @@ def candidate_layouts(args: ModelArgs, hw: Hardware, *, allow_cross_node_mp: boo
             rejected[mp] = (f"seq_len = {seq_len} is not divisible by mp = {mp}, as sequence parallelism needs "
                             "(--no-sequence-parallel to consider it without)")
             continue
-        dp = hw.gpus // mp
-        for ds in divisors(dp):
-            for ac in ac_modes:
-                for reshard in (True, False) if zero2 else (True,):
-                    if not reshard and ds == 1:
-                        continue  # nothing is sharded: ZeRO-2 is the same layout
-                    layouts.append(Layout(mp, ds, dp // ds, ac, ac_every, reshard, sequence_parallel))
+        split = mp if sequence_parallel else 1
+        if cp:
+            sizes = [cp] if (hw.gpus // mp) % cp == 0 and (cp == 1 or seq_len % (2 * cp * split) == 0) else []
+        else:
+            sizes = context_parallel_sizes(hw.gpus // mp, seq_len, split)
+        for n_cp in sizes:
+            dp = hw.gpus // (mp * n_cp)
+            for ds in divisors(dp):
+                for ac in ac_modes:
+                    for reshard in (True, False) if zero2 else (True,):
+                        if not reshard and ds * n_cp == 1:
+                            continue  # nothing is sharded: ZeRO-2 is the same layout
+                        layouts.append(Layout(mp, ds, dp // ds, ac, ac_every, reshard, sequence_parallel, n_cp))
     return layouts, rejected
 
 
@@ -162,6 +196,7 @@ class Plan:
     estimates: list[Estimate]  # fitting ones first, fastest first; then the rest by memory
     rejected: dict[int, str]  # mp -> why no layout with it was considered
     skipped: list[tuple[Layout, str]]  # layouts the global batch does not divide
+    context_parallel: bool = False  # layouts with cp > 1 were considered
 
     @property
     def fitting(self) -> list[Estimate]:
@@ -185,17 +220,58 @@ def make_plan(args: ModelArgs, workload: Workload, hw: Hardware, **candidate_opt
             raise ValueError(f"{name} must be in (0, 1], got {getattr(hw, name)}")
     if hw.usable_bytes <= 0:
         raise ValueError(f"gpu memory {hw.gpu_mem_gib} GiB leaves nothing after the {hw.reserve_gib} GiB reserve")
-    layouts, rejected = candidate_layouts(args, hw, seq_len=workload.seq_len, **candidate_options)
+    cp = candidate_options.pop("cp", 0)
+    if cp < 0:
+        raise ValueError(f"cp must be 1 or more (0: the planner chooses), got {cp}")
+    layouts, rejected = candidate_layouts(args, hw, seq_len=workload.seq_len, cp=cp, **candidate_options)
+    if cp > 1 and not layouts:
+        raise ValueError(f"cp = {cp} fits no layout of {hw.gpus} GPUs: cp must divide gpus / mp and seq_len "
+                         f"{workload.seq_len} be a multiple of 2 x cp (x mp with sequence parallelism)")
     estimates, skipped = [], []
-    for layout in layouts:
-        try:
-            estimates.append(estimate(args, layout, workload, hw))
-        except ValueError as err:
-            skipped.append((layout, str(err)))
+
+    def add(candidates: list[Layout]) -> None:
+        for layout in candidates:
+            try:
+                estimates.append(estimate(args, layout, workload, hw))
+            except ValueError as err:
+                skipped.append((layout, str(err)))
+
+    add([lay for lay in layouts if lay.cp == 1 or cp])
+    if not cp and context_parallel_needed(estimates, hw):
+        add([lay for lay in layouts if lay.cp > 1])
     if skipped and not estimates:
         dps = sorted({lay.dp for lay, _ in skipped})
         raise ValueError(f"global batch {workload.global_batch} is not a multiple of dp x micro-batch "
                          f"({workload.micro_batch}) for any data-parallel size of {hw.gpus} GPUs ({dps}): "
                          "choose a global batch divisible by one of them")
     estimates.sort(key=lambda e: (not e.fits, -e.tokens_per_s_per_gpu if e.fits else e.memory.total, e.memory.total))
-    return Plan(args, workload, hw, estimates, rejected, skipped)
+    considered = any(e.layout.cp > 1 for e in estimates) or any(lay.cp > 1 for lay, _ in skipped)
+    return Plan(args, workload, hw, estimates, rejected, skipped, considered)
+
+
+def context_parallel_needed(estimates: list[Estimate], hw: Hardware) -> bool:
+    """Whether the sequence is long enough for context parallelism: no layout without it fits, or in
+    the one needing least memory the activations and the peaks on top of them (what only cutting the
+    sequence shrinks) take more than CP_NEEDED of the memory. Shorter sequences keep cp 1, as Meta
+    trained Llama 3 up to 8192 tokens; `--cp N` prices a cp the planner would not consider."""
+    if not estimates:
+        return True
+    if not any(e.fits for e in estimates):
+        return True
+    least = min(estimates, key=lambda e: e.memory.total).memory
+    return least.activations + least.transient > CP_NEEDED * hw.usable_bytes
+
+
+def larger_cp(plan: "Plan", e: Estimate) -> Optional[tuple[int, Estimate]]:
+    """The smallest cp above e's (and its GPU count, the data-parallel sizes kept) whose activations
+    and buffers fit, when e's alone do not; None when no cp the sequence allows gets there."""
+    lay, w, hw = e.layout, plan.workload, plan.hardware
+    split = lay.mp if lay.sequence_parallel else 1
+    cp = 2 * lay.cp
+    while w.seq_len % (2 * cp * split) == 0:
+        gpus = hw.gpus * cp // lay.cp
+        bigger = estimate(plan.args, dataclasses.replace(lay, cp=cp), w, dataclasses.replace(hw, gpus=gpus))
+        if bigger.memory.total - bigger.memory.state < hw.usable_bytes:
+            return cp, bigger
+        cp *= 2
+    return None

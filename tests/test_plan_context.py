@@ -1,0 +1,139 @@
+"""`hybridpar plan` with context parallelism (parallel.cp, hybridpar.parallel.context): the terms it
+prices by hand, the long-context plans it finds, the short-context plans it leaves as they were.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridpar.models.args import ModelArgs
+from hybridpar.plan import Hardware, Layout, Workload, activation_bytes, collective_bytes, estimate, make_plan
+from hybridpar.plan.compute import micro_batch_work
+from hybridpar.plan.hardware import spec
+from hybridpar.plan.memory import gathered_kv_bytes, param_counts
+from hybridpar.plan.report import config_flags
+
+S = 131072
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    from hybridpar.cli import main
+
+    code = main(["plan", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_the_layout_counts_cp_in_its_world_its_shard_group_and_its_name():
+    lay = Layout(8, 1, 2, "full", cp=4)
+    assert (lay.world, lay.dp, lay.fsdp_shard) == (64, 2, 4)
+    # The cp ranks of a dp coordinate share parameters: FSDP shards over them even at dp_shard 1.
+    assert lay.strategy == "hybrid_shard" and Layout(8, 1, 1, cp=4).strategy == "full_shard"
+    assert lay.name == "mp8_cp4_dp2" and Layout(8, 1, 2).name == "mp8_dp2"
+    assert lay.describe().startswith("mp 8 x cp 4 x dp_shard 1 x dp_replicate 2")
+
+
+def test_context_parallel_terms_by_hand():
+    """Llama 3.1 70B at 131,072 tokens, mp 8 x cp 4 x dp_shard 2, no AC: each term from its formula."""
+    args = ModelArgs.from_preset("llama3.1_70b")
+    hw = Hardware(gpus=64, gpu_mem_gib=80, intra_node_busbw=100e9, inter_node_busbw=10e9)
+    w = Workload(seq_len=S, global_batch=8)
+    lay, L, cp = Layout(8, 2, 1, "none", cp=4), args.n_layers, 4
+    e = estimate(args, lay, w, hw)
+    # One layer's K|V of the whole sequence: 8 kv heads / mp 8 = 1 head of 128, K and V, bfloat16.
+    kv = gathered_kv_bytes(args, 8, 1, S, 2)
+    assert kv == S * 1 * 2 * 128 * 2
+    # Activations: the cp 1 ones of S / cp tokens, but the attention keeps the gathered K|V, not the local k, v.
+    local = activation_bytes(args, 8, 1, S // cp, 2, 0, True)
+    mine = activation_bytes(args, 8, 1, S, 2, 0, True, cp)
+    assert mine.per_block == local.per_block - 2 * (S // cp) * 2 * 128 + kv
+    assert mine.saved == pytest.approx(local.saved + L * (kv - 2 * (S // cp) * 2 * 128))
+    assert e.memory.activations == mine.saved
+    # Parameters and optimizer state: sharded over dp_shard x cp = 8 ranks.
+    assert e.memory.params == param_counts(args, 8, 8).sharded * 4
+    # The collectives: a K|V all-gather and a dK|dV reduce-scatter per block, over 4 ranks 8 apart
+    # (a 32-rank cp x mp block: between nodes), (n - 1) / n of the gathered bytes each.
+    comm = collective_bytes(args, lay, w)
+    assert (comm.cp_all_gather, comm.cp_reduce_scatter, comm.cp_calls) == (L * kv, L * kv, 2 * L)
+    assert e.grad_accum == 4 and e.global_batch == 8  # the batch counts dp coordinates, not cp ranks
+    assert e.time.cp_comm == pytest.approx(e.grad_accum * 2 * L * kv * 3 / 4 / 10e9)
+    assert e.time.cp_exposed == e.time.cp_comm  # hybridpar.parallel.context waits for each
+    # mp 2 x cp 4 fits a node of 8: NVLink.
+    inside = estimate(args, Layout(2, 8, 1, "none", cp=4), w, hw)
+    assert inside.time.cp_comm == pytest.approx(inside.grad_accum * 2 * L * gathered_kv_bytes(args, 2, 1, S, 2)
+                                                * 3 / 4 / 100e9)
+    # The kernels: matmuls and attention are the cp 1 ones divided by cp (the chunks balance the causal work).
+    plain, split = micro_batch_work(args, Layout(8, 2, 1, "none"), w), micro_batch_work(args, lay, w)
+    assert split.attention_flops == pytest.approx(plain.attention_flops / cp)
+    assert split.gemm_flops == pytest.approx(plain.gemm_flops / cp)
+    assert e.time.step == pytest.approx(e.time.compute + e.time.tp_comm + e.time.cp_exposed + e.time.dp_exposed)
+    # Tokens per GPU count every GPU, the cp ones too.
+    assert e.tokens_per_s_per_gpu == pytest.approx(8 * S / e.time.step / 64)
+    # A recomputed block gathers K|V again; its backward reduce-scatters once.
+    full = collective_bytes(args, Layout(8, 2, 1, "full", cp=4), w)
+    assert (full.cp_all_gather, full.cp_reduce_scatter) == (2 * L * kv, L * kv)
+
+
+def test_llama31_70b_at_128k_tokens_on_256_h100_finds_layouts_with_cp(capsys):
+    """The issue's failure on main: 'no layout fits ... more GPUs will not do'."""
+    code, out, err = _run(capsys, "--model", "llama3.1_70b", "--gpus", "256", "--gpu", "h100", "--seq-len", str(S),
+                          "--global-batch", "16Mtok")
+    assert code == 0, err
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["#", "layout"])
+    assert "cp s" in lines[header]
+    first = lines[header + 1].split()
+    assert first[1].startswith("mp8_cp"), out
+    assert any(line.startswith("best: mp 8 x cp ") for line in lines)
+    assert "  context parallelism: each GPU holds " in out and "--parallel.cp " in out
+    assert "assumed: context parallelism:" in out
+    plan = make_plan(ModelArgs.from_preset("llama3.1_70b"), Workload(seq_len=S, global_batch=128), spec("h100", 256))
+    assert plan.fitting and all(e.layout.cp > 1 for e in plan.fitting)
+    best = plan.fitting[0]
+    assert best.tokens_per_step == 16 * 2**20 and best.memory.total <= best.usable_bytes
+
+
+def test_llama31_8b_at_128k_tokens_on_8_h100_finds_several_layouts():
+    """On main 1 of 30 layouts fits (mp 8, full AC) at 48.5 GiB; cp is faster, and gives more."""
+    plan = make_plan(ModelArgs.from_preset("llama3.1_8b"), Workload(seq_len=S), spec("h100", 8))
+    assert plan.context_parallel and len(plan.fitting) > 1
+    no_cp = [e for e in plan.fitting if e.layout.cp == 1]
+    assert plan.fitting[0].layout.cp > 1
+    assert plan.fitting[0].tokens_per_s_per_gpu > max(e.tokens_per_s_per_gpu for e in no_cp)
+
+
+@pytest.mark.parametrize("preset, gpus, gpu, batch, fitting, layouts, tokens, gib", [
+    ("llama3_70b", 128, "h100", 512, 4, 78, 820, 69.1),  # README.md's and docs/planner.md's example
+    ("llama3_8b", 16, "a100", 0, 32, 42, 3608, 51.3),  # docs/development.md's
+])
+def test_short_context_plans_stay_without_cp(preset, gpus, gpu, batch, fitting, layouts, tokens, gib):
+    args = ModelArgs.from_preset(preset)
+    plan = make_plan(args, Workload(seq_len=8192, global_batch=batch), spec(gpu, gpus))
+    assert not plan.context_parallel and all(e.layout.cp == 1 for e in plan.estimates)
+    assert (len(plan.fitting), len(plan.estimates)) == (fitting, layouts)
+    best = plan.fitting[0]
+    assert round(best.tokens_per_s_per_gpu) == pytest.approx(tokens, abs=1)
+    assert round(best.memory.total / 2**30, 1) == gib
+    assert "--parallel.cp" not in config_flags(best, plan.workload)
+    # --cp N prices it anyway: cp 2 costs its collectives here.
+    forced = make_plan(args, Workload(seq_len=8192, global_batch=batch), spec(gpu, gpus), cp=2)
+    assert forced.context_parallel and all(e.layout.cp == 2 for e in forced.estimates)
+    assert "--parallel.cp 2" in config_flags(forced.fitting[0], forced.workload)
+
+
+def test_when_activations_alone_do_not_fit_the_remedy_is_cp_until_it_cannot_grow(capsys):
+    code, out, _ = _run(capsys, "--model", "llama3.1_70b", "--gpus", "256", "--gpu", "h100", "--seq-len", str(S),
+                        "--global-batch", "16Mtok", "--cp", "1")
+    assert code == 1 and "no layout fits" in out, out
+    assert "context parallelism: activations and buffers alone need" in out and "more GPUs will not do" not in out
+    assert "--cp 2 on 512 GPUs" in out or "--cp 4 on 1024 GPUs" in out, out
+    # A sequence 2 x cp never divides (odd): nothing cuts it, more GPUs will not do.
+    code, out, _ = _run(capsys, "--model", "llama3.1_70b", "--gpus", "256", "--gpu", "h100", "--seq-len", "131071",
+                        "--no-sequence-parallel")
+    assert code == 1 and "more GPUs will not do: activations and buffers alone need" in out, out
+
+
+def test_a_cp_no_layout_can_take_is_one_line(capsys):
+    code, _, err = _run(capsys, "--model", "llama3.1_8b", "--gpus", "8", "--gpu", "h100", "--seq-len", str(S),
+                        "--cp", "3")
+    assert code == 2 and "cp = 3 fits no layout of 8 GPUs" in err and len(err.strip().splitlines()) == 1, err

@@ -137,3 +137,49 @@ def test_a_cp_no_layout_can_take_is_one_line(capsys):
     code, _, err = _run(capsys, "--model", "llama3.1_8b", "--gpus", "8", "--gpu", "h100", "--seq-len", str(S),
                         "--cp", "3")
     assert code == 2 and "cp = 3 fits no layout of 8 GPUs" in err and len(err.strip().splitlines()) == 1, err
+
+
+# --- measured: what hybridpar.parallel.context keeps for backward ------------------------------
+
+
+def _case_saved_attention(cp: int, seq_len: int) -> dict:
+    """Bytes autograd keeps from context_attention's forward on this rank, by dtype (unique storages)."""
+    import torch
+    from torch.autograd.graph import saved_tensors_hooks
+
+    from hybridpar.parallel.context import context_attention
+    from tests.distributed import parallel_dims
+
+    group = parallel_dims(mp=cp).mp_group  # cp contiguous ranks stand in for the mesh's cp group
+    gen = torch.Generator().manual_seed(0)
+    local = seq_len // cp
+    q = torch.randn(1, local, 4, 16, generator=gen, requires_grad=True)
+    k, v = (torch.randn(1, local, 2, 16, generator=gen, requires_grad=True) for _ in range(2))
+    saved: dict = {}
+
+    def pack(t):
+        # The CPU materialises the lower-right causal bias as a [c, end] mask (the only 2-D tensor
+        # saved); on CUDA it goes to the flash/efficient kernels without one, as the planner counts.
+        if t.dim() != 2:
+            saved[t.untyped_storage().data_ptr()] = (t.untyped_storage().nbytes(), t.dtype)
+        return t
+
+    with saved_tensors_hooks(pack, lambda t: t):
+        context_attention(q, k, v, group).sum()
+    by_dtype: dict = {}
+    for nbytes, dtype in saved.values():
+        by_dtype[str(dtype)] = by_dtype.get(str(dtype), 0) + nbytes
+    return by_dtype
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_the_planners_attention_bytes_are_what_context_attention_keeps(workers, cp):
+    """q, the gathered K|V, each chunk's output and logsumexp, as the planner counts them for a block's
+    attention (4 heads, 2 kv heads of 16, float32), on every rank; the CPU's masks left out."""
+    seq_len = 64
+    args = ModelArgs.from_preset("tiny", n_heads=4, n_kv_heads=2, dim=64)
+    assert args.head_dim == 16
+    local = seq_len // cp
+    planned = 4 * local * 16 * 2 * 4 + gathered_kv_bytes(args, 1, 1, seq_len, 4) + 4 * local * 4
+    for measured in workers(4).run(_case_saved_attention, cp, seq_len):
+        assert measured == {"torch.float32": planned}, measured

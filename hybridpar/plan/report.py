@@ -185,12 +185,12 @@ def no_fit_message(plan: Plan) -> str:
         gpus = hw.gpus_per_node * math.ceil(gpus / hw.gpus_per_node)
         hints.append(f"more GPUs (about {gpus}: the sharded state, {_gib(m.state)} GiB here, divides by mp x dp_shard)")
     else:
-        remedy = larger_cp(plan, least)
-        if remedy:
-            cp, bigger = remedy
+        bigger = larger_cp(plan, least)
+        if bigger:
             hints.append(f"context parallelism: activations and buffers alone need {_gib(other)} GiB at cp "
-                         f"{least.layout.cp}; --cp {cp} on {bigger.layout.world} GPUs cuts each sequence over {cp} "
-                         f"GPUs ({_gib(bigger.memory.total - bigger.memory.state)} GiB)")
+                         f"{least.layout.cp}; cp {bigger.layout.cp} on {bigger.layout.world} GPUs cuts each sequence "
+                         f"over {bigger.layout.cp} GPUs ({_gib(bigger.memory.total - bigger.memory.state)} GiB of "
+                         "them)")
         else:
             hints.append(f"more GPUs will not do: activations and buffers alone need {_gib(other)} GiB")
     if least.grad_accum > 1:

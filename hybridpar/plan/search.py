@@ -262,16 +262,23 @@ def context_parallel_needed(estimates: list[Estimate], hw: Hardware) -> bool:
     return least.activations + least.transient > CP_NEEDED * hw.usable_bytes
 
 
-def larger_cp(plan: "Plan", e: Estimate) -> Optional[tuple[int, Estimate]]:
-    """The smallest cp above e's (and its GPU count, the data-parallel sizes kept) whose activations
-    and buffers fit, when e's alone do not; None when no cp the sequence allows gets there."""
+def larger_cp(plan: "Plan", e: Estimate) -> Optional[Estimate]:
+    """When e's activations and buffers alone do not fit: e's layout at the smallest larger cp whose
+    do, on the same GPUs (fewer data-parallel ranks) where the batch allows, else on more (the same
+    data-parallel sizes); None when no cp the sequence allows gets there."""
     lay, w, hw = e.layout, plan.workload, plan.hardware
     split = lay.mp if lay.sequence_parallel else 1
     cp = 2 * lay.cp
     while w.seq_len % (2 * cp * split) == 0:
-        gpus = hw.gpus * cp // lay.cp
-        bigger = estimate(plan.args, dataclasses.replace(lay, cp=cp), w, dataclasses.replace(hw, gpus=gpus))
-        if bigger.memory.total - bigger.memory.state < hw.usable_bytes:
-            return cp, bigger
+        grow = cp // lay.cp
+        tries = [(dataclasses.replace(lay, cp=cp, dp_shard=lay.dp_shard // grow), hw)] if lay.dp_shard % grow == 0 else []
+        tries += [(dataclasses.replace(lay, cp=cp), dataclasses.replace(hw, gpus=hw.gpus * grow))]
+        for layout, gpus in tries:
+            try:
+                bigger = estimate(plan.args, layout, w, gpus)
+            except ValueError:  # the global batch does not divide the fewer data-parallel ranks
+                continue
+            if bigger.memory.total - bigger.memory.state < hw.usable_bytes:
+                return bigger
         cp *= 2
     return None

@@ -4,6 +4,8 @@ prices by hand, the long-context plans it finds, the short-context plans it leav
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from hybridpar.models.args import ModelArgs
@@ -87,6 +89,10 @@ def test_llama31_70b_at_128k_tokens_on_256_h100_finds_layouts_with_cp(capsys):
     assert any(line.startswith("best: mp 8 x cp ") for line in lines)
     assert "  context parallelism: each GPU holds " in out and "--parallel.cp " in out
     assert "assumed: context parallelism:" in out
+    # docs/planner.md shows this plan's first rows: they must be today's.
+    page = (Path(__file__).resolve().parent.parent / "docs" / "planner.md").read_text().splitlines()
+    stale = [line for line in lines[header:header + 3] if line not in page]
+    assert not stale, f"docs/planner.md's long-context example differs from the output: {stale}"
     plan = make_plan(ModelArgs.from_preset("llama3.1_70b"), Workload(seq_len=S, global_batch=128), spec("h100", 256))
     assert plan.fitting and all(e.layout.cp > 1 for e in plan.fitting)
     best = plan.fitting[0]

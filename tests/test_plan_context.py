@@ -13,7 +13,7 @@ from hybridpar.plan import Hardware, Layout, Workload, activation_bytes, collect
 from hybridpar.plan.compute import micro_batch_work
 from hybridpar.plan.hardware import spec
 from hybridpar.plan.memory import gathered_kv_bytes, param_counts
-from hybridpar.plan.report import config_flags
+from hybridpar.plan.report import config_flags, plan_json
 
 S = 131072
 
@@ -97,6 +97,11 @@ def test_llama31_70b_at_128k_tokens_on_256_h100_finds_layouts_with_cp(capsys):
     assert plan.fitting and all(e.layout.cp > 1 for e in plan.fitting)
     best = plan.fitting[0]
     assert best.tokens_per_step == 16 * 2**20 and best.memory.total <= best.usable_bytes
+    assert plan_json(plan)["layouts"][0]["cp"] == best.layout.cp and "--parallel.cp" in plan_json(plan)["best"]
+    # The cp line weighs the collectives against the attention they could hide behind.
+    attention = best.grad_accum * micro_batch_work(plan.args, best.layout, plan.workload).attention_flops / (
+        plan.hardware.peak_flops * plan.hardware.attention_efficiency)
+    assert f"{100 * best.time.cp_comm / attention:.0f}% of the attention's" in out
 
 
 def test_llama31_8b_at_128k_tokens_on_8_h100_finds_several_layouts():

@@ -9,6 +9,7 @@ import re
 
 from ..config.dtypes import dtype_bytes
 from .comm import group_busbw
+from .compute import micro_batch_work
 from .inputs import GIB, Hardware, Workload
 from .memory import gathered_kv_bytes
 from .search import Estimate, Plan, larger_cp
@@ -62,9 +63,12 @@ def breakdown(e: Estimate, hw: Hardware, plan: "Plan | None" = None) -> list[str
         lay, w = e.layout, plan.workload
         kv = gathered_kv_bytes(plan.args, lay.mp, w.micro_batch, w.seq_len, dtype_bytes(w.param_dtype))
         link = "inside a node" if group_busbw(lay.mp, lay.cp, hw) == hw.intra_node_busbw else "between nodes"
+        attention = e.grad_accum * micro_batch_work(plan.args, lay, w).attention_flops / (
+            hw.peak_flops * hw.attention_efficiency)
         lines.append(f"  context parallelism: each GPU holds {w.seq_len // lay.cp} tokens of every sequence "
                      f"(2 chunks of {w.seq_len // (2 * lay.cp)}); per block {kv / 2**20:,.1f} MiB of K|V all-gathered "
-                     f"over {lay.cp} GPUs {link}, and dK|dV reduce-scattered: {_seconds(t.cp_comm)} s per step")
+                     f"over {lay.cp} GPUs {link}, and dK|dV reduce-scattered: {_seconds(t.cp_comm)} s per step, "
+                     f"{100 * t.cp_comm / attention:.0f}% of the attention's {_seconds(attention)} s")
     return lines
 
 

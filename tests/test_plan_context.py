@@ -108,6 +108,9 @@ def test_llama31_8b_at_128k_tokens_on_8_h100_finds_several_layouts():
     """On main 1 of 30 layouts fits (mp 8, full AC) at 48.5 GiB; cp is faster, and gives more."""
     plan = make_plan(ModelArgs.from_preset("llama3.1_8b"), Workload(seq_len=S), spec("h100", 8))
     assert plan.context_parallel and len(plan.fitting) > 1
+    # find names a cp: mp 1 over 8 GPUs without cp needs more than the card, at cp 4 x dp_shard 2 it fits.
+    without = plan.find(1, 8, 1)
+    assert without and not any(e.fits for e in without) and plan.find(1, 2, 1, "full", cp=4)[0].fits
     no_cp = [e for e in plan.fitting if e.layout.cp == 1]
     assert plan.fitting[0].layout.cp > 1
     assert plan.fitting[0].tokens_per_s_per_gpu > max(e.tokens_per_s_per_gpu for e in no_cp)
@@ -149,6 +152,8 @@ def test_a_cp_no_layout_can_take_is_one_line(capsys):
     code, _, err = _run(capsys, "--model", "llama3.1_8b", "--gpus", "8", "--gpu", "h100", "--seq-len", str(S),
                         "--cp", "3")
     assert code == 2 and "cp = 3 fits no layout of 8 GPUs" in err and len(err.strip().splitlines()) == 1, err
+    code, _, err = _run(capsys, "--model", "llama3.1_8b", "--gpus", "8", "--cp", "-1")
+    assert code == 2 and "cp must be 1 or more" in err and len(err.strip().splitlines()) == 1, err
 
 
 # --- measured: what hybridpar.parallel.context keeps for backward ------------------------------

@@ -202,9 +202,9 @@ class Plan:
     def fitting(self) -> list[Estimate]:
         return [e for e in self.estimates if e.fits]
 
-    def find(self, mp: int, dp_shard: int, dp_replicate: int, ac: Optional[str] = None) -> list[Estimate]:
-        return [e for e in self.estimates if (e.layout.mp, e.layout.dp_shard, e.layout.dp_replicate) ==
-                (mp, dp_shard, dp_replicate) and (ac is None or e.layout.ac == ac)]
+    def find(self, mp: int, dp_shard: int, dp_replicate: int, ac: Optional[str] = None, cp: int = 1) -> list[Estimate]:
+        return [e for e in self.estimates if (e.layout.mp, e.layout.cp, e.layout.dp_shard, e.layout.dp_replicate) ==
+                (mp, cp, dp_shard, dp_replicate) and (ac is None or e.layout.ac == ac)]
 
 
 def make_plan(args: ModelArgs, workload: Workload, hw: Hardware, **candidate_options) -> Plan:

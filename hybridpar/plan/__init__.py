@@ -1,5 +1,6 @@
-"""Plan a layout before asking for GPUs: per-rank memory and step time of every (mp, dp_shard,
-dp_replicate, AC) layout, best first (`hybridpar plan`; docs/planner.md).
+"""Plan a layout before asking for GPUs: per-rank memory and step time of every (mp, cp, dp_shard,
+dp_replicate, AC) layout, best first (`hybridpar plan`; docs/planner.md). Context parallelism (cp)
+is considered when a sequence's activations need it (search.context_parallel_needed).
 
 Arithmetic on the model's shape, derived from what hybridpar's code keeps, runs and sends: the
 fp32 state FSDP2 shards, gathered compute-dtype parameters, gradient buffers and the unsharded
@@ -8,7 +9,8 @@ matmul, attention and memory-bound work of a step, each at the hardware's sustai
 collectives (tensor-parallel ones on the critical path, FSDP's overlapping compute).
 tests/test_plan.py checks the state, activation, accumulated-gradient and collective bytes and
 calls, the FLOPs and the op counts against the real model on CPU, and the step time against
-published GPU runs (published.py); bench/planner.py checks it against bench/run.py on this CPU.
+published GPU runs (published.py); bench/planner.py checks it against bench/run.py on this CPU;
+tests/test_plan_context.py checks context parallelism's terms and the attention bytes it keeps.
 Not modelled: allocator fragmentation (keep a reserve), NCCL's latency, the slowdown of kernels
 sharing a GPU with NCCL's, pipeline parallelism and Float8 (hybridpar has neither).
 

@@ -21,7 +21,7 @@ import re
 import socket
 import time
 from pathlib import Path
-from typing import Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,9 @@ from ..ranks import gather_objects
 from .data_guard import DataGuardError, check_data, step_fingerprint
 from .env import (ERROR, OK, WARNING, Finding, allowed_cpus, check_env, check_rank_envs, check_threads, merge_findings, relevant_env,
                   sort_findings)
+
+if TYPE_CHECKING:
+    from ..preflight import Job
 
 DEFAULT_SIZES = "4K:64M"
 
@@ -266,12 +269,16 @@ def format_busbw(rows: Sequence[Mapping]) -> str:
 # --- 4. data guard ----------------------------------------------------------------------------------
 
 
-def build_loader(config: Config, parallel: ParallelDims):
+def build_loader(job: Union[Job, Config], parallel: ParallelDims):
     """The loader the trainer builds, by the trainer's code (hybridpar.data.build_training_data):
-    keyed by the data-parallel coordinates."""
+    keyed by the data-parallel coordinates; a Job's sources as it resolved them (not walked again)."""
     from ..data import build_training_data
+    from ..data.sources import resolved
 
-    return build_training_data(config, parallel)[2]
+    if isinstance(job, Config):
+        return build_training_data(job, parallel)[2]
+    with resolved(job.sources):
+        return build_training_data(job.config, parallel)[2]
 
 
 def first_step_batches(loader, grad_accum: int) -> list:
@@ -297,9 +304,10 @@ def guard_batches(parallel: ParallelDims, batches: Optional[list], problem: str 
                    "all differ")
 
 
-def run_data_guard(config: Config, parallel: ParallelDims) -> Finding:
+def run_data_guard(job: Union[Job, Config], parallel: ParallelDims) -> Finding:
+    config = job if isinstance(job, Config) else job.config
     try:
-        batches, problem = first_step_batches(build_loader(config, parallel), config.train.grad_accum), ""
+        batches, problem = first_step_batches(build_loader(job, parallel), config.train.grad_accum), ""
     except Exception as err:  # noqa: BLE001 - reported as a finding on every rank, not a hang
         batches, problem = None, f"{type(err).__name__}: {err}"
     return guard_batches(parallel, batches, problem)
@@ -327,10 +335,12 @@ def _print(text: str) -> None:
     print(text, flush=True)
 
 
-def run_doctor(config: Config, parallel: ParallelDims, options: DoctorOptions,
+def run_doctor(job: Union[Job, Config], parallel: ParallelDims, options: DoctorOptions,
                environ: Optional[Mapping[str, str]] = None, echo=_print) -> int:
     """Collective: run every check, rank 0 prints the report (and writes --json); 1 on errors, else 0
-    on every rank. `environ` is the environment as launched (before hybridpar's defaults)."""
+    on every rank. `job`: hybridpar.preflight.resolve_job's (or a config). `environ` is the
+    environment as launched (before hybridpar's defaults)."""
+    config = job if isinstance(job, Config) else job.config
     environ = dict(os.environ if environ is None else environ)
     for op in options.ops:
         bus_factor(op, 2)  # unknown names fail here, before any collective
@@ -345,7 +355,7 @@ def run_doctor(config: Config, parallel: ParallelDims, options: DoctorOptions,
         timings = gather_objects(measure_busbw(p, options.sizes, options.iters, options.warmup, options.ops))
         rows = summarise_busbw(timings, *sizes)
     if options.data_guard:
-        findings.append(run_data_guard(config, p))
+        findings.append(run_data_guard(job, p))
     findings = sort_findings(findings)
     errors = sum(f.level == ERROR for f in findings)
     if p.rank == 0:

@@ -21,7 +21,7 @@ import re
 import socket
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping, Optional, Sequence, Union
+from typing import Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -37,9 +37,6 @@ from ..ranks import gather_objects
 from .data_guard import DataGuardError, check_data, step_fingerprint
 from .env import (ERROR, OK, WARNING, Finding, allowed_cpus, check_env, check_rank_envs, check_threads, merge_findings, relevant_env,
                   sort_findings)
-
-if TYPE_CHECKING:
-    from ..preflight import Job
 
 DEFAULT_SIZES = "4K:64M"
 
@@ -269,9 +266,10 @@ def format_busbw(rows: Sequence[Mapping]) -> str:
 # --- 4. data guard ----------------------------------------------------------------------------------
 
 
-def build_loader(job: Union[Job, Config], parallel: ParallelDims):
+def build_loader(job, parallel: ParallelDims):
     """The loader the trainer builds, by the trainer's code (hybridpar.data.build_training_data):
-    keyed by the data-parallel coordinates; a Job's sources as it resolved them (not walked again)."""
+    keyed by the data-parallel coordinates. `job`: a hybridpar.preflight.Job (its sources as it
+    resolved them, not walked again) or a Config."""
     from ..data import build_training_data
     from ..data.sources import resolved
 
@@ -304,7 +302,8 @@ def guard_batches(parallel: ParallelDims, batches: Optional[list], problem: str 
                    "all differ")
 
 
-def run_data_guard(job: Union[Job, Config], parallel: ParallelDims) -> Finding:
+def run_data_guard(job, parallel: ParallelDims) -> Finding:
+    """The data guard on the loader build_loader(job, parallel) gives."""
     config = job if isinstance(job, Config) else job.config
     try:
         batches, problem = first_step_batches(build_loader(job, parallel), config.train.grad_accum), ""
@@ -335,7 +334,7 @@ def _print(text: str) -> None:
     print(text, flush=True)
 
 
-def run_doctor(job: Union[Job, Config], parallel: ParallelDims, options: DoctorOptions,
+def run_doctor(job, parallel: ParallelDims, options: DoctorOptions,
                environ: Optional[Mapping[str, str]] = None, echo=_print) -> int:
     """Collective: run every check, rank 0 prints the report (and writes --json); 1 on errors, else 0
     on every rank. `job`: hybridpar.preflight.resolve_job's (or a config). `environ` is the

@@ -121,3 +121,31 @@ def test_a_meta_init_from_params_json_is_read_once(workers, corpus, tmp_path):
     config = make_config(corpus, tmp_path / "run", steps=1, **{"checkpoint.init_from": str(folder)})
     counted = workers(1).run(_case_counted_start, config, watched)[0]["opened"]
     assert counted[watched[0]] == 1 and counted[watched[1]] <= 1, counted
+
+
+def test_the_dry_run_takes_the_job_and_its_complete_store(workers, corpus, tmp_path):
+    """dry_run(job) reads no init_from file again, and names the complete store resolve_job found
+    (after a start made it; none in an empty cache)."""
+    pytest.importorskip("transformers")
+    from hybridpar.data.sources import source_key
+    from hybridpar.dryrun import dry_run
+    from hybridpar.preflight import resolve_job
+    from tests.checkpoint.hf_folders import make_hf_folder
+    from tests.opens import CountedOpens
+
+    folder = make_hf_folder(tmp_path / "hf", vocab_size=512, tied=True)
+    flags = {"checkpoint.init_from": str(folder), "parallel.backend": "gloo"}
+    config = make_config(corpus, tmp_path / "run", steps=1, **flags)
+    workers(1).run(_case_counted_start, config, [])  # a start: the tokenizer and the store are made
+    empty = make_config({**corpus, "cache_dir": str(tmp_path / "empty")}, tmp_path / "run", **flags)
+    assert resolve_job(empty, 2).stores == {source_key(corpus["source"]): None}
+
+    job = resolve_job(config, 2)
+    store = job.stores[source_key(corpus["source"])]
+    assert store is not None and (store / "store.json").is_file()
+    with CountedOpens() as opened:
+        run = dry_run(job, progress=None)
+    assert opened.count(folder / "config.json") == 0 and opened.count(corpus["source"]) == 0
+    checks = {c.name: c for c in run.checks}
+    assert checks["model shape"].ok and f"its token store {store} complete" in checks["data"].detail
+    assert run.world == 2

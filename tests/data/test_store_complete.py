@@ -72,3 +72,20 @@ def test_a_store_of_a_source_changed_since_is_not_finished(tmp_path, tokenizer):
     assert finished_store(store.folder, files, tokenizer.sha256, **{**OPTIONS, "on_bad_record": "skip"}) is None
     (store.folder / "store.json").rename(store.folder / "store.json.gone")  # not complete
     assert finished_store(store.folder, files, tokenizer.sha256, **OPTIONS) is None
+
+
+def test_tokenizer_sha256_is_the_tokenizers_without_loading_it(tmp_path, tokenizer, bpe_files):
+    """What resolve_job tells a cached store by: the sha256 a loaded Tokenizer records, of every kind
+    (a tokenizer.json's with its tokenizer_config.json beside it)."""
+    import shutil
+
+    from hybridpar.data import Tokenizer
+    from hybridpar.data.tokenizer import tokenizer_sha256
+
+    hf, tiktoken_file, _ = bpe_files
+    configured = tmp_path / "hf"
+    shutil.copytree(hf.parent, configured)
+    (configured / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<unk>"}))
+    for path in (tokenizer.path, hf, tiktoken_file, configured / "tokenizer.json", configured):
+        assert tokenizer_sha256(path) == Tokenizer(path).sha256, path
+    assert tokenizer_sha256(configured) != tokenizer_sha256(hf)

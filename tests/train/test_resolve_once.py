@@ -149,3 +149,17 @@ def test_the_dry_run_takes_the_job_and_its_complete_store(workers, corpus, tmp_p
     checks = {c.name: c for c in run.checks}
     assert checks["model shape"].ok and f"its token store {store} complete" in checks["data"].detail
     assert run.world == 2
+
+
+def test_a_job_resolved_for_another_world_is_refused(corpus, tmp_path):
+    from hybridpar.config import ConfigError
+    from hybridpar.data.sources import source_key
+    from hybridpar.preflight import as_job, resolve_job
+
+    config = make_config(corpus, tmp_path / "run", **{"parallel.mp": 2})
+    job = resolve_job(config, 4)
+    assert (job.sizes, job.init_from, job.args.vocab_size) == ((1, 2, 2), None, 512)
+    assert [f.path.name for f in job.sources[source_key(corpus["source"])]] == ["docs.jsonl"]
+    assert as_job(job, 4) is job and as_job(config, 2).sizes == (1, 1, 2)
+    with pytest.raises(ConfigError, match=r"resolved for 4 rank\(s\), but this process group has 2"):
+        as_job(job, 2)

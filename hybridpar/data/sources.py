@@ -47,18 +47,20 @@ def resolve_sources(source: Source) -> list[SourceFile]:
     """Every input in reading order, each real file once; errors name the path and what is accepted.
     Links that lead to a folder or file already read are skipped (a folder holding `again -> .`
     would be walked again and again), and so are files of no known kind: one note says which.
-    Inside `resolved(table)`, a source the table holds is taken from it (no walk)."""
-    if _RESOLVED and source_key(source) in _RESOLVED[-1]:
-        return list(_RESOLVED[-1][source_key(source)])
+    Inside `resolved(table)`, sources the table holds are taken from it (no walk)."""
+    table = _RESOLVED[-1] if _RESOLVED else {}
+    items = source if isinstance(source, (list, tuple)) else [source]
+    if items and all(source_key(item) in table for item in items):  # (a job's sources never overlap: config.py)
+        return [f for item in items for f in table[source_key(item)]]
     walk = _Walk()
     files = walk.source(source)
     walk.tell()
     return files
 
 
-def source_key(source: Source):
-    """`source` as a key of a `resolved` table (a list becomes a tuple)."""
-    return tuple(str(s) for s in source) if isinstance(source, (list, tuple)) else str(source)
+def source_key(source: PathLike) -> str:
+    """One source (a path or "default", as written) as a key of a `resolved` table."""
+    return str(source)
 
 
 _RESOLVED: list[Mapping] = []  # the tables of the `resolved` blocks open in this process, innermost last

@@ -78,6 +78,20 @@ def test_a_complete_store_is_used_without_opening_a_source(workers, corpus, tmp_
     assert again == {"opened": {corpus["source"]: 0}, "walks": 1, "plans": 0, "steps": 1}
 
 
+def test_a_blend_walks_each_source_once_and_opens_none_once_stored(workers, corpus, tmp_path):
+    import shutil
+
+    parts = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]
+    for part in parts:
+        shutil.copy(corpus["source"], part)
+    flags = {"data.source": "default", "data.sources": f"a={parts[0]}@0.5,b={parts[1]}@0.5",
+             "data.cache_dir": str(tmp_path / "cache")}  # its own cache: the blend's tokenizer is trained here
+    workers(1).run(_case_counted_start, make_config(corpus, tmp_path / "first", steps=1, **flags), [])
+    again = workers(1).run(_case_counted_start, make_config(corpus, tmp_path / "again", steps=1, **flags),
+                           [str(p) for p in parts])[0]
+    assert again == {"opened": {str(p): 0 for p in parts}, "walks": 2, "plans": 0, "steps": 1}
+
+
 def test_a_changed_source_is_prepared_again(workers, corpus, tmp_path):
     """The counting can fail: a source edited since its store was made is read and planned again."""
     import shutil

@@ -1,11 +1,14 @@
 """The checks a training job makes before it starts anything: before any process group, thread or
 run folder exists, so that a mistake costs one line and leaves nothing behind.
 
-    preflight(config, world_size)   # ConfigError naming the key and what to change
+    job = resolve_job(config, world_size)   # ConfigError naming the key and what to change
 
 Every rank makes the same checks on the same config and raises the same error (ConfigError is
-marked `every_rank`), so rank 0 alone prints it. `hybridpar train` calls it before the Trainer
-(which calls it again when used as a library), `train --dry-run` and `doctor` use its parts.
+marked `every_rank`), so rank 0 alone prints it. resolve_job checks and resolves a config once into
+a Job (the model's shape, the init_from folder read once, the mesh sizes, the data sources walked
+once and whether their token stores are complete): `hybridpar train` makes it before the Trainer,
+which takes it (or makes it from a config, for a library user); the dry run and doctor take one too.
+`preflight(config, world_size)` is its checks alone.
 """
 
 from __future__ import annotations
@@ -13,12 +16,57 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Mapping, Optional, Union
 
 from .config import Config, ConfigError
 from .mesh.layout import MeshSizeError, resolve_sizes
 
 _TOKENIZER_KINDS = "a tokenizer.model (sentencepiece, or Meta's Llama 3 tiktoken file), a Hugging Face tokenizer.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """A config resolved once, before any process group: what a start reads instead of the files
+    the config names. Made by resolve_job."""
+
+    config: Config
+    world_size: int
+    sizes: tuple[int, int, int]  # (dp_replicate, dp_shard, mp), layout.resolve_sizes'
+    args: object  # hybridpar.models.args.ModelArgs; a vocab_size of -1 (Llama 2's) waits for the tokenizer
+    init_from: Optional[tuple[str, Path]] = None  # (kind, folder) of a Meta or Hugging Face checkpoint.init_from
+    init_config: Optional[dict] = None  # that folder's JSON, read once (checkpoint.convert.read_config)
+    # Each raw data source (data.source, data.sources' and data.val_source; data.sources.source_key) ->
+    # its files in reading order (data.sources.resolved answers from it)...
+    sources: Mapping = dataclasses.field(default_factory=dict)
+    # ...and -> the folder of its complete token store (a store given as the source, or the cache's),
+    # None when it is still to be prepared or cannot be told yet (a tokenizer not trained yet).
+    stores: Mapping = dataclasses.field(default_factory=dict)
+
+
+def resolve_job(config: Config, world_size: int) -> Job:
+    """Every check of preflight, and what the start needs from the files the config names, each
+    read once: raises ConfigError (or a ValueError naming the source) in one line."""
+    check_paths(config)  # first: the model's shape reads model.params_json and checkpoint.init_from
+    sizes = _checked_sizes(config, world_size)
+    found = init_from_folder(config)
+    parsed = None
+    if found is not None:
+        from .checkpoint.convert import read_config
+
+        parsed = read_config(*found)
+    args = model_args(config, sizes[2], init_from=found, parsed=parsed)
+    sources, stores = _data_sources(config)
+    return Job(config, world_size, sizes, args, found, parsed, sources, stores)
+
+
+def as_job(job: Union[Job, Config], world_size: int) -> Job:
+    """`job` as it is, or a config resolved (resolve_job) for `world_size` ranks."""
+    if isinstance(job, Config):
+        return resolve_job(job, world_size)
+    if job.world_size != world_size:
+        raise ConfigError(f"the job was resolved for {job.world_size} rank(s), but this process group has "
+                          f"{world_size}: resolve it again (resolve_job(config, {world_size}))")
+    return job
 
 
 def preflight(config: Config, world_size: int) -> None:
@@ -30,14 +78,80 @@ def preflight(config: Config, world_size: int) -> None:
 def check_values(config: Config, world_size: int):
     """The checks that read no data: the values' ranges, the mesh, the model's shape against
     data.seq_len and parallel.mp. Returns the model's args (hybridpar.models.args.ModelArgs)."""
+    return model_args(config, _checked_sizes(config, world_size)[2])
+
+
+def _checked_sizes(config: Config, world_size: int) -> tuple[int, int, int]:
     config.validate()
     p = config.parallel
     try:
-        resolve_sizes(world_size, p.mp, p.dp_shard, p.dp_replicate)
+        return resolve_sizes(world_size, p.mp, p.dp_shard, p.dp_replicate)
     except MeshSizeError as err:
         raise MeshSizeError(f"parallel.mp / parallel.dp_shard / parallel.dp_replicate at {world_size} rank(s) "
                             f"(the launcher's): {err}") from None
-    return model_args(config, p.mp)
+
+
+def _data_sources(config: Config) -> tuple[dict, dict]:
+    """Job.sources and Job.stores: each raw source walked once, and each store's completeness told
+    from its manifest and plan.json and a stat of each source file (none is opened)."""
+    from .data.sources import resolve_sources, source_key
+    from .data.store import is_store
+
+    d = config.data
+    train = [(d.source, d.text_field)] if not d.sources else [(e["source"], e.get("text_field", d.text_field))
+                                                               for e in d.sources]
+    named = [(source, field, d.val_fraction) for source, field in train]
+    if d.val_source:
+        named.append((d.val_source, d.text_field, 0.0))
+    sources = {source_key(s): tuple(resolve_sources(s)) for s, _, _ in named if not is_store(s)}
+    stores = {source_key(s): _store_of(d, s, field, fraction, sources, [t for t, _ in train])
+              for s, field, fraction in named}
+    return sources, stores
+
+
+def _store_of(d, source: str, text_field: str, val_fraction: float, sources: dict, train: list) -> Optional[Path]:
+    """The complete store `source` is read from (data.pipeline's choice), or None."""
+    from .data.sources import source_key
+    from .data.store import MANIFEST, StoreError
+    from .data.store_prepare import cache_folder, finished_store
+
+    if source_key(source) not in sources:  # a store itself
+        return Path(source) if (Path(source) / MANIFEST).is_file() else None
+    try:
+        sha = _tokenizer_sha256(d, train, sources)
+        if sha is None:
+            return None
+        options = dict(text_field=text_field, val_fraction=val_fraction, on_bad_record=d.on_bad_record,
+                       max_document_bytes=d.max_document_bytes)
+        files = sources[source_key(source)]
+        cache = _cache_dir(d)
+        store = finished_store(cache_folder(files, sha, cache, **options), files, sha, **options)
+    except (OSError, ValueError, StoreError):  # the data's own errors are the pipeline's to report
+        return None
+    return None if store is None else store.folder
+
+
+def _tokenizer_sha256(d, train: list, sources: dict) -> Optional[str]:
+    """The sha256 of the tokenizer the pipeline will use (data.pipeline._tokenizer_for), if it exists yet."""
+    from .data.sources import resolved, source_id, source_key
+    from .data.store import TokenStore
+    from .data.tokenizer import cached_tokenizer_path, tokenizer_sha256
+
+    if d.tokenizer:
+        return tokenizer_sha256(d.tokenizer)
+    stores = [s for s in train if source_key(s) not in sources]
+    if stores:
+        return TokenStore(stores[0]).tokenizer_sha256
+    with resolved(sources):
+        corpus = source_id(train[0] if len(train) == 1 else train, d.text_field)
+    path = cached_tokenizer_path(_cache_dir(d), corpus_id=corpus, vocab_size=d.tokenizer_vocab_size)
+    return tokenizer_sha256(path) if path.exists() else None
+
+
+def _cache_dir(d) -> Path:
+    from .data.pipeline import default_cache_dir
+
+    return Path(d.cache_dir) if d.cache_dir else default_cache_dir()
 
 
 def check_paths(config: Config) -> None:
@@ -119,17 +233,21 @@ def init_from_folder(config: Config) -> Optional[tuple[str, Path]]:
     return (kind, path) if kind in ("meta", "hf") else None
 
 
-def model_args(c: Config, mp: int, tokenizer_vocab: int = 0):
+_FIND = object()  # model_args' init_from not given: found from the config
+
+
+def model_args(c: Config, mp: int, tokenizer_vocab: int = 0, *, init_from=_FIND, parsed: Optional[dict] = None):
     """The model's shape for config `c` at model-parallel size mp, checked against data.seq_len and
     mp. A vocab_size of -1 (Llama 2's params.json) becomes `tokenizer_vocab` when given, else it waits
-    for the tokenizer (the trainer's _fit_vocab)."""
+    for the tokenizer (the trainer's _fit_vocab). `init_from` and `parsed`: init_from_folder(c) and
+    its JSON, when already read (resolve_job)."""
     from hybridpar.models.args import ModelArgs
 
-    found = init_from_folder(c)
+    found = init_from_folder(c) if init_from is _FIND else init_from
     if found is not None:
         from .checkpoint.convert import read_args
 
-        args = read_args(*found)
+        args = read_args(*found, parsed=parsed)
     else:
         m = c.model
         overrides = {}

@@ -55,29 +55,45 @@ def detect_format(path: Path) -> tuple[str, Path]:
     )
 
 
-def read_args(kind: str, path: Path) -> ModelArgs:
-    """The ModelArgs a checkpoint of this kind (detect_format's) records."""
+def read_config(kind: str, path: Path) -> Optional[dict]:
+    """The JSON a Meta ({"params.json", "hybridpar.json"}) or Hugging Face ({"config.json"}) folder
+    describes its model with, read once: read_args and load_into take it instead of reading again
+    (a job's every rank reads it, on a shared file system). None for a hybridpar checkpoint."""
+    if kind == "meta":
+        from .meta_read import read_meta_json
+
+        return read_meta_json(path)
+    if kind == "hf":
+        from .hf_read import CONFIG_JSON, read_hf_json
+
+        return {CONFIG_JSON: read_hf_json(path)}
+    return None
+
+
+def read_args(kind: str, path: Path, parsed: Optional[dict] = None) -> ModelArgs:
+    """The ModelArgs a checkpoint of this kind (detect_format's) records; `parsed`: read_config's."""
     if kind == "meta":
         from .meta import read_meta_params
 
-        return read_meta_params(path)
+        return read_meta_params(path, parsed=parsed)
     if kind == "hf":
-        from .hf_read import read_hf_config
+        from .hf_read import CONFIG_JSON, args_from_hf_config, read_hf_config
 
-        return read_hf_config(path)
+        return read_hf_config(path) if parsed is None else args_from_hf_config(parsed[CONFIG_JSON], path / CONFIG_JSON)
     return ModelArgs.from_params_json(path / "params.json")  # hybridpar's: every field, checked alike
 
 
-def load_into(kind: str, path: Path, model: Transformer, parallel: ParallelDims) -> None:
-    """Fill a model built (before FSDP) from read_args(kind, path) with the checkpoint's weights."""
+def load_into(kind: str, path: Path, model: Transformer, parallel: ParallelDims, parsed: Optional[dict] = None) -> None:
+    """Fill a model built (before FSDP) from read_args(kind, path) with the checkpoint's weights;
+    `parsed`: read_config's."""
     if kind == "meta":
         from .meta import load_meta_checkpoint
 
-        load_meta_checkpoint(path, model, parallel)
+        load_meta_checkpoint(path, model, parallel, parsed=parsed)
     elif kind == "hf":
-        from .hf_read import load_hf_checkpoint
+        from .hf_read import CONFIG_JSON, load_hf_checkpoint
 
-        load_hf_checkpoint(path, model, parallel)
+        load_hf_checkpoint(path, model, parallel, config=None if parsed is None else parsed[CONFIG_JSON])
     else:
         Checkpointer(path.parent, parallel).load(path, model, None, params_dict(model.args))
 

@@ -149,7 +149,12 @@ def args_from_hf_config(config: dict, where: Path = Path(CONFIG_JSON), **overrid
 def read_hf_config(folder: Union[str, Path], **overrides: Any) -> ModelArgs:
     """The ModelArgs of a Hugging Face Llama folder's config.json (its weights are checked on load)."""
     folder = Path(folder)
-    return args_from_hf_config(_read_json(folder / CONFIG_JSON), folder / CONFIG_JSON, **overrides)
+    return args_from_hf_config(read_hf_json(folder), folder / CONFIG_JSON, **overrides)
+
+
+def read_hf_json(folder: Path) -> dict:
+    """config.json of a Hugging Face folder, as a dict (args_from_hf_config reads it)."""
+    return _read_json(Path(folder) / CONFIG_JSON)
 
 
 # --- the weights ----------------------------------------------------------------------------------
@@ -261,8 +266,8 @@ class _HFSource(ForeignSource):
 
     error = HFImportError
 
-    def __init__(self, folder: Path) -> None:
-        args = read_hf_config(folder)
+    def __init__(self, folder: Path, config: Optional[dict] = None) -> None:
+        args = read_hf_config(folder) if config is None else args_from_hf_config(config, folder / CONFIG_JSON)
         super().__init__(folder, args, folder / CONFIG_JSON, "read_hf_config(folder)", CONFIG_JSON)
         self.files = _Files(folder, _weight_map(folder))
         try:
@@ -294,10 +299,12 @@ class _HFSource(ForeignSource):
         out.copy_(block)
 
 
-def load_hf_checkpoint(folder: Union[str, Path], model: nn.Module, parallel: Any = None) -> ModelArgs:
+def load_hf_checkpoint(folder: Union[str, Path], model: nn.Module, parallel: Any = None, *,
+                       config: Optional[dict] = None) -> ModelArgs:
     """Fill `model` (a hybridpar.models.llama.Transformer built from read_hf_config(folder), at any mp, before
     FSDP) from a Hugging Face folder: every rank reads its own blocks (collective: one flag after
     the checks). Everything is checked before anything is copied, so an error leaves the model
     untouched. `parallel` is accepted for symmetry (the layout comes from the parameters'
-    placements). Returns the folder's ModelArgs."""
-    return load_foreign(_HFSource(Path(folder)), model)
+    placements). `config`: config.json as already read (hybridpar.checkpoint.convert.read_config),
+    not read again. Returns the folder's ModelArgs."""
+    return load_foreign(_HFSource(Path(folder), config), model)

@@ -190,11 +190,18 @@ def _check_rope_freqs(freqs: torch.Tensor, args: ModelArgs, path: Path) -> None:
         )
 
 
-def _open(folder: Union[str, Path], overrides: Mapping[str, Any], verify_checksums: bool = False) -> _MetaSource:
+def read_meta_json(folder: Path) -> dict[str, dict]:
+    """{"params.json": ..., "hybridpar.json": ...} of a Meta folder, each checked ({} without a hybridpar.json)."""
+    params = read_params(Path(folder))
+    return {PARAMS_JSON: params, SIDECAR_JSON: read_sidecar(Path(folder), params)}
+
+
+def _open(folder: Union[str, Path], overrides: Mapping[str, Any], verify_checksums: bool = False,
+          parsed: Optional[Mapping[str, dict]] = None) -> _MetaSource:
     folder = Path(folder)
     paths = _shard_paths(folder)
-    params = read_params(folder)
-    sidecar = read_sidecar(folder, params)
+    parsed = read_meta_json(folder) if parsed is None else parsed
+    params, sidecar = parsed[PARAMS_JSON], parsed[SIDECAR_JSON]
     shards = [_load_file(p, verify_checksums) for p in paths]
     _check_shard_count(paths, shards, params)
     embedding_split, vocab = _resolve_layout(paths, shards, params)
@@ -247,7 +254,8 @@ def _resolve_tie(source: _MetaSource, sidecar: Mapping[str, Any]) -> None:
         source.tied_by = "the consolidated files (output.weight differs from tok_embeddings.weight)"
 
 
-def read_meta_params(folder: Union[str, Path], *, verify_checksums: bool = False, **overrides: Any) -> ModelArgs:
+def read_meta_params(folder: Union[str, Path], *, verify_checksums: bool = False,
+                     parsed: Optional[Mapping[str, dict]] = None, **overrides: Any) -> ModelArgs:
     """The ModelArgs of a Meta checkpoint folder, checked against its consolidated files.
 
     A vocab_size of -1 (Llama 2) is replaced by the size the tok_embeddings shards hold, and
@@ -263,9 +271,10 @@ def read_meta_params(folder: Union[str, Path], *, verify_checksums: bool = False
     max_seq_len=4096, which Meta's params.json does not hold). The files are memory-mapped, not
     read, so bytes damaged inside a tensor go unnoticed unless verify_checksums=True (reads every
     byte to check the zip CRC-32s).
+    `parsed`: the folder's JSON files as read_meta_json read them, not read again.
     Raises MetaCheckpointError naming the file, key and shapes when anything does not fit.
     """
-    return _open(folder, overrides, verify_checksums).args
+    return _open(folder, overrides, verify_checksums, parsed).args
 
 
 # --- import -----------------------------------------------------------------------------------
@@ -294,7 +303,8 @@ def _same_block(offset: Sequence[int], shape: Sequence[int], a: list[torch.Tenso
 
 
 def load_meta_checkpoint(
-    folder: Union[str, Path], model: nn.Module, parallel: Any = None, *, verify_checksums: bool = False
+    folder: Union[str, Path], model: nn.Module, parallel: Any = None, *, verify_checksums: bool = False,
+    parsed: Optional[Mapping[str, dict]] = None,
 ) -> ModelArgs:
     """Fill `model` (a hybridpar.models.llama.Transformer built from `read_meta_params(folder)`, at any mp,
     before FSDP wrapping) from a Meta checkpoint written at any MP.
@@ -306,6 +316,7 @@ def load_meta_checkpoint(
     comes from the parameters' DTensor placements). verify_checksums: as in read_meta_params.
     A tied model (tie_embeddings, as read_meta_params tells) takes tok_embeddings only, after
     checking that the files' output.weight equals it on this rank's rows; the model's
-    tie_embeddings must be the checkpoint's. Returns the checkpoint's ModelArgs.
+    tie_embeddings must be the checkpoint's. `parsed`: as in read_meta_params. Returns the
+    checkpoint's ModelArgs.
     """
-    return load_foreign(_open(folder, {}, verify_checksums), model)
+    return load_foreign(_open(folder, {}, verify_checksums, parsed), model)

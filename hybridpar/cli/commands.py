@@ -54,7 +54,7 @@ def _load_config(args: argparse.Namespace):
 
 def cmd_train(args: argparse.Namespace) -> int:
     """Train under torchrun/srun (or as a world of one): hybridpar train --config local --train.steps 20."""
-    from ..preflight import preflight, world_size_from_env
+    from ..preflight import resolve_job, world_size_from_env
 
     config = _load_config(args)
     if args.dry_run:
@@ -63,13 +63,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise ValueError("--json goes with --dry-run (the rehearsal's report); a training run writes "
                          "<output.run_dir>/summary.json")
     # Before any process group, thread or folder: a mistake leaves nothing behind.
-    preflight(config, world_size_from_env())
+    job = resolve_job(config, world_size_from_env())
     import torch.distributed as dist
 
     from ..train import Trainer
 
     try:
-        trainer = Trainer(config)
+        trainer = Trainer(job)
         trainer.run()
     except Exception as err:  # the run has its folder now: its logs/ takes each rank's traceback
         raise RunFailed(err, Path(config.output.run_dir) / "logs") from err
@@ -296,13 +296,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     """Check layout, environment, bandwidth per mesh dim and (with --config) the data pipeline; 1 on errors."""
-    from ..preflight import check_values, world_size_from_env
+    from ..preflight import resolve_job, world_size_from_env
 
     config = _load_config(args)
     for key in ("mp", "dp_shard", "dp_replicate"):
         if getattr(args, key) is not None:
             setattr(config.parallel, key, getattr(args, key))
-    check_values(config, world_size_from_env())  # the config's own mistakes, one line, before any group
+    job = resolve_job(config, world_size_from_env())  # the config's own mistakes, one line, before any group
     import torch.distributed as dist
 
     from ..diagnostics.doctor import DoctorOptions, parse_sizes, run_doctor
@@ -318,7 +318,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     parallel = init_parallel(mp=c.mp, dp_shard=c.dp_shard, dp_replicate=c.dp_replicate, timeout=c.init_timeout,
                              backend=c.backend or None)
     try:
-        return run_doctor(config, parallel, options, environ=launched)
+        return run_doctor(job, parallel, options, environ=launched)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -18,6 +18,7 @@ not rehearsed (it compiles kernels, not layouts).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import contextlib
 import os
 import re
@@ -25,7 +26,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Callable, Iterator, Optional, TextIO
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, TextIO, Union
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,9 @@ from torch.distributed.tensor import DTensor
 from ..config import Config, ConfigError
 from .dryrun_report import Check, DryRun
 from ..files import human_bytes
+
+if TYPE_CHECKING:
+    from ..preflight import Job
 
 PARAM_BYTES = 4  # the trainer keeps fp32 master parameters (plan.MASTER_BYTES)
 
@@ -49,16 +53,20 @@ def _check(run: DryRun, name: str, fn: Callable[[], str], warn_only: bool = Fals
         return warn_only
 
 
-def dry_run(config: Config, world: int, rank: int = 0, *, gpu_mem_gib: float = 80.0, gpus_per_node: int = 8,
-            gpu: str = "a100", progress: Optional[TextIO] = sys.stderr) -> DryRun:
+def dry_run(config: Union[Config, "Job"], world: Optional[int] = None, rank: int = 0, *, gpu_mem_gib: float = 80.0,
+            gpus_per_node: int = 8, gpu: str = "a100", progress: Optional[TextIO] = sys.stderr) -> DryRun:
     """Rehearse `config` as rank `rank` of `world` ranks. Needs a process with no process group
     (it makes a fake one and destroys it at the end). `gpu` names the planner's hardware for the
-    step-time estimate of a GPU job (hybridpar.plan.hardware)."""
+    step-time estimate of a GPU job (hybridpar.plan.hardware). `config` may be a Job
+    (hybridpar.preflight.resolve_job's): its model shape and data sources are taken as resolved,
+    and `world` defaults to its world size. A config's mistakes are checks of the report."""
     from ..compat.torch import init_fake_process_group
     from ..mesh.layout import resolve_sizes
 
     started = time.perf_counter()
-    c = config
+    job = None if isinstance(config, Config) else config
+    c = config if job is None else job.config
+    world = world or (job.world_size if job is not None else 0)
     target = "cpu" if c.parallel.backend == "gloo" else "gpu"
     run = DryRun(world=world, rank=rank, target=target)
 
@@ -83,32 +91,31 @@ def dry_run(config: Config, world: int, rank: int = 0, *, gpu_mem_gib: float = 8
            lambda: _inside_node(mp, gpus_per_node) if target == "gpu" else "CPU run: not applicable")
     _check(run, "batch", lambda: _batch_detail(c, ds * dr))
     # The job's nodes may see paths this machine does not: a missing one is a warning here.
-    _check(run, "data", lambda: _data_detail(c), warn_only=True)
+    _check(run, "data", lambda: _data_detail(c, job), warn_only=True)
 
     init_fake_process_group(rank, world)
     try:
         with _fast_paths(target == "cpu"):
-            _rehearse(run, c, world, sizes, target, gpu_mem_gib, gpus_per_node, gpu, say)
+            _rehearse(run, c, world, sizes, target, gpu_mem_gib, gpus_per_node, gpu, say, job)
     finally:
         dist.destroy_process_group()
     return _finish(run, started)
 
 
 def _rehearse(run: DryRun, c: Config, world: int, sizes: list[int], target: str, gpu_mem_gib: float,
-              gpus_per_node: int, gpu: str, say: Callable[[str], None]) -> None:
+              gpus_per_node: int, gpu: str, say: Callable[[str], None], job: Optional["Job"] = None) -> None:
     """The part on the fake process group: model, sharding, one step, and what they show."""
     from ..compat.torch import fake_tensors
     from ..diagnostics.collectives import CollectiveCounter, mesh_dims
     from ..mesh.device import init_parallel
     from ..build import build_model
     from ..parallel.fsdp import dp_mesh_for
-    from ..preflight import model_args
 
     dr, ds, mp = sizes
     say(f"mesh of {world} ranks on a fake process group")
     parallel = init_parallel(mp=mp, dp_shard=ds, dp_replicate=dr)
     args_box: list = []
-    if not _check(run, "model shape", lambda: _model_detail(args_box, model_args(c, mp, tokenizer_vocab=_vocab(c)))):
+    if not _check(run, "model shape", lambda: _model_detail(args_box, _args(c, mp, job))):
         return
     args = args_box[0]
     run.model = f"{args.num_params() / 1e9:.2f}B parameters ({args.n_layers} layers, dim {args.dim})"
@@ -177,16 +184,35 @@ def _batch_detail(c: Config, dp: int) -> str:
             f"x dp {dp}, {sequences * d.seq_len:,} tokens per step")
 
 
-def _data_detail(c: Config) -> str:
-    """The sources and tokenizer the config names, found (not read: no tokenizing here)."""
-    from ..data.sources import resolve_sources, source_name
+def _args(c: Config, mp: int, job: Optional["Job"]):
+    """The model's shape at mp: the job's (read once, by resolve_job), else from the config."""
+    from ..preflight import model_args
+
+    if job is None or job.sizes[2] != mp:
+        return model_args(c, mp, tokenizer_vocab=_vocab(c))
+    if job.args.vocab_size > 0:
+        return job.args
+    args = dataclasses.replace(job.args, vocab_size=_vocab(c))
+    args.check(mp)
+    return args
+
+
+def _data_detail(c: Config, job: Optional["Job"] = None) -> str:
+    """The sources and tokenizer the config names, found (not read: no tokenizing here); with a
+    job, the complete token stores it found."""
+    from ..data.sources import resolve_sources, source_key, source_name
     from ..data.store import is_store
     from ..preflight import check_paths
 
     def named(source: str) -> str:
-        return f"the token store {source}" if is_store(source) else source_name(resolve_sources(source))
+        if is_store(source):
+            return f"the token store {source}"
+        files = job.sources[source_key(source)] if job is not None else resolve_sources(source)
+        store = job.stores.get(source_key(source)) if job is not None else None
+        return source_name(files) + (f", its token store {store} complete" if store else "")
 
-    check_paths(c)  # the paths the job names, as the trainer checks them first
+    if job is None:
+        check_paths(c)  # the paths the job names, as the trainer checks them first (resolve_job did)
     d = c.data
     blend = ", ".join(f"{e['name']} {e['weight']:g} ({named(e['source'])})" for e in d.sources)
     found = [f"a blend of {blend}" if d.sources else named(d.source)]

@@ -164,10 +164,7 @@ class HuggingFaceBPE:
         self.bos_id, self.eos_id, self.pad_id = hf_special_ids(self._tok, spec, config)
         unk = (spec.get("model") or {}).get("unk_token")
         self.unk_id = self._id(unk)
-        # tokenizer_config.json can change bos/eos, and eos goes into prepared token files.
-        self.sha256 = sha256_file(path)
-        if config:
-            self.sha256 = sha256_text(self.sha256 + sha256_file(config_path))
+        self.sha256 = hf_sha256(path, config)
 
     def _id(self, token: Optional[str]) -> int:
         found = self._tok.token_to_id(token) if token else None
@@ -233,6 +230,16 @@ def _template_ends(processor: Optional[dict]) -> tuple[Optional[str], Optional[s
         names = [item["SpecialToken"]["id"] if "SpecialToken" in item else None for item in single]
         return (names[0], names[-1]) if names else (None, None)
     return None, None
+
+
+def hf_sha256(path: Path, config: Optional[dict] = None) -> str:
+    """A tokenizer.json's sha256, with its tokenizer_config.json's when that holds anything (`config`:
+    that file as read, else it is read here): it can change bos/eos, and eos goes into token stores."""
+    config_path = path.with_name("tokenizer_config.json")
+    if config is None:
+        config = _read_json(config_path) if config_path.is_file() else {}
+    sha = sha256_file(path)
+    return sha256_text(sha + sha256_file(config_path)) if config else sha
 
 
 def _read_json(path: Path) -> dict:

@@ -11,11 +11,12 @@ list of any of these.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import platform
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Iterator, Mapping, Optional, Sequence, Union
 
 from hybridpar.data.corpus import default_corpus_bytes, default_corpus_id
 from hybridpar.config.sources import DEFAULT_SOURCE, SourceNames
@@ -45,11 +46,35 @@ class SourceFile:
 def resolve_sources(source: Source) -> list[SourceFile]:
     """Every input in reading order, each real file once; errors name the path and what is accepted.
     Links that lead to a folder or file already read are skipped (a folder holding `again -> .`
-    would be walked again and again), and so are files of no known kind: one note says which."""
+    would be walked again and again), and so are files of no known kind: one note says which.
+    Inside `resolved(table)`, sources the table holds are taken from it (no walk)."""
+    table = _RESOLVED[-1] if _RESOLVED else {}
+    items = source if isinstance(source, (list, tuple)) else [source]
+    if items and all(source_key(item) in table for item in items):  # (a job's sources never overlap: config.py)
+        return [f for item in items for f in table[source_key(item)]]
     walk = _Walk()
     files = walk.source(source)
     walk.tell()
     return files
+
+
+def source_key(source: PathLike) -> str:
+    """One source (a path or "default", as written) as a key of a `resolved` table."""
+    return str(source)
+
+
+_RESOLVED: list[Mapping] = []  # the tables of the `resolved` blocks open in this process, innermost last
+
+
+@contextlib.contextmanager
+def resolved(table: Mapping) -> Iterator[None]:
+    """Within the block, resolve_sources answers from `table` ({source_key(source): files}, walked
+    once when a job was resolved: hybridpar.preflight.resolve_job) instead of walking again."""
+    _RESOLVED.append(table)
+    try:
+        yield
+    finally:
+        _RESOLVED.pop()
 
 
 class _Walk:

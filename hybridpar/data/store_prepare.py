@@ -14,7 +14,7 @@ from typing import Callable, Optional, Sequence
 
 from hybridpar.config import MAX_DOCUMENT_BYTES
 from hybridpar.data.formats import UNIT_BYTES
-from hybridpar.data.sources import Source, describe_sources, resolve_sources, source_name
+from hybridpar.data.sources import Source, SourceFile, describe_sources, resolve_sources, source_name
 from hybridpar.data.store import MANIFEST, PLAN, VERSION, StoreError, TokenStore
 from hybridpar.data.store_build import _claim_and_build, _record, merge_store, report_skipped, unit_holder
 from hybridpar.data.store_plan import Plan, check_part, part_of, plan_of, preparing, read_plan
@@ -273,13 +273,40 @@ def cached_store(source: Source, tokenizer, cache_dir: PathLike, *, text_field: 
                  ) -> tuple[TokenStore, Optional[TokenStore]]:
     """The store of `source` in `cache_dir` (named by a hash of the input, the tokenizer and the
     options), prepared here if it is not complete: every process that asks at once (the ranks of a
-    job) takes units of it, and later jobs reuse it. (training part, validation part or None)."""
+    job) takes units of it, and later jobs reuse it. (training part, validation part or None).
+    A complete one is used as it is, no source file opened (finished_store)."""
     files = resolve_sources(source)
-    key = {"source": describe_sources(files, text_field), "tokenizer": tokenizer.sha256, "version": VERSION,
-           "val_fraction": val_fraction, "on_bad_record": on_bad_record, "max_document_bytes": max_document_bytes}
-    folder = Path(cache_dir) / f"store-{sha256_text(json.dumps(key, sort_keys=True))[:16]}"
-    store = prepare_store(source, tokenizer, folder, text_field=text_field, val_fraction=val_fraction,
-                          on_bad_record=on_bad_record, workers=1, report=report, progress_every=progress_every,
-                          on_progress=on_progress, max_document_bytes=max_document_bytes)
+    options = dict(text_field=text_field, val_fraction=val_fraction, on_bad_record=on_bad_record,
+                   max_document_bytes=max_document_bytes)
+    folder = cache_folder(files, tokenizer.sha256, cache_dir, **options)
+    store = finished_store(folder, files, tokenizer.sha256, **options)
+    if store is None:
+        store = prepare_store(source, tokenizer, folder, workers=1, report=report, progress_every=progress_every,
+                              on_progress=on_progress, **options)
     return store, TokenStore(folder, "validation") if val_fraction else None
 
+
+def cache_folder(files: Sequence[SourceFile], tokenizer_sha256: str, cache_dir: PathLike, *, text_field: str,
+                 val_fraction: float, on_bad_record: str, max_document_bytes: int) -> Path:
+    """Where cached_store keeps the store of `files` (resolve_sources'): named by a hash of their
+    description (paths, sizes, mtimes), the tokenizer and the options, so an edited file makes a new one."""
+    key = {"source": describe_sources(files, text_field), "tokenizer": tokenizer_sha256, "version": VERSION,
+           "val_fraction": val_fraction, "on_bad_record": on_bad_record, "max_document_bytes": max_document_bytes}
+    return Path(cache_dir) / f"store-{sha256_text(json.dumps(key, sort_keys=True))[:16]}"
+
+
+def finished_store(folder: PathLike, files: Sequence[SourceFile], tokenizer_sha256: str, *, text_field: str,
+                   val_fraction: float, on_bad_record: str, max_document_bytes: int) -> Optional[TokenStore]:
+    """The complete store in `folder` if its plan.json records exactly this input: each of `files`
+    with the path, size and mtime a stat gives now (no source file is opened, and no plan is made),
+    this tokenizer and these options. Else None: prepare_store then makes, finishes or refuses it."""
+    folder = Path(folder)
+    if not (folder / MANIFEST).is_file():
+        return None
+    made = read_plan(folder) or {}
+    wanted = {"version": VERSION, "sources": describe_sources(files, text_field), "tokenizer_sha256": tokenizer_sha256,
+              "text_field": text_field, "val_fraction": val_fraction, "on_bad_record": on_bad_record,
+              "max_document_bytes": max_document_bytes}
+    if any(made.get(key) != value for key, value in wanted.items()):
+        return None
+    return TokenStore(folder)

@@ -18,7 +18,7 @@ from typing import Callable, Iterable, Iterator, Optional, Sequence
 import numpy as np
 import sentencepiece as spm
 
-from hybridpar.data.bpe import HuggingFaceBPE, TiktokenBPE, detect_kind, find_tokenizer_file
+from hybridpar.data.bpe import HuggingFaceBPE, TiktokenBPE, detect_kind, find_tokenizer_file, hf_sha256
 from hybridpar.files import PathLike, file_lock, sha256_file, sha256_text, write_bytes_atomic
 from hybridpar.progress import note
 
@@ -149,6 +149,14 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer({str(self.path)!r}, kind={self.kind}, vocab_size={self.vocab_size})"
+
+
+def tokenizer_sha256(model_path: PathLike) -> str:
+    """The sha256 `Tokenizer(model_path).sha256` gives, without loading the tokenizer (what a token
+    store records of the tokenizer that made it)."""
+    path = Path(model_path)
+    path = find_tokenizer_file(path) if path.is_dir() else path
+    return hf_sha256(path) if detect_kind(path) == "huggingface" else sha256_file(path)
 
 
 def _load(path: Path):

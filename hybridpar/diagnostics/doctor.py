@@ -266,12 +266,17 @@ def format_busbw(rows: Sequence[Mapping]) -> str:
 # --- 4. data guard ----------------------------------------------------------------------------------
 
 
-def build_loader(config: Config, parallel: ParallelDims):
+def build_loader(job, parallel: ParallelDims):
     """The loader the trainer builds, by the trainer's code (hybridpar.data.build_training_data):
-    keyed by the data-parallel coordinates."""
+    keyed by the data-parallel coordinates. `job`: a hybridpar.preflight.Job (its sources as it
+    resolved them, not walked again) or a Config."""
     from ..data import build_training_data
+    from ..data.sources import resolved
 
-    return build_training_data(config, parallel)[2]
+    if isinstance(job, Config):
+        return build_training_data(job, parallel)[2]
+    with resolved(job.sources):
+        return build_training_data(job.config, parallel)[2]
 
 
 def first_step_batches(loader, grad_accum: int) -> list:
@@ -297,9 +302,11 @@ def guard_batches(parallel: ParallelDims, batches: Optional[list], problem: str 
                    "all differ")
 
 
-def run_data_guard(config: Config, parallel: ParallelDims) -> Finding:
+def run_data_guard(job, parallel: ParallelDims) -> Finding:
+    """The data guard on the loader build_loader(job, parallel) gives."""
+    config = job if isinstance(job, Config) else job.config
     try:
-        batches, problem = first_step_batches(build_loader(config, parallel), config.train.grad_accum), ""
+        batches, problem = first_step_batches(build_loader(job, parallel), config.train.grad_accum), ""
     except Exception as err:  # noqa: BLE001 - reported as a finding on every rank, not a hang
         batches, problem = None, f"{type(err).__name__}: {err}"
     return guard_batches(parallel, batches, problem)
@@ -327,10 +334,12 @@ def _print(text: str) -> None:
     print(text, flush=True)
 
 
-def run_doctor(config: Config, parallel: ParallelDims, options: DoctorOptions,
+def run_doctor(job, parallel: ParallelDims, options: DoctorOptions,
                environ: Optional[Mapping[str, str]] = None, echo=_print) -> int:
     """Collective: run every check, rank 0 prints the report (and writes --json); 1 on errors, else 0
-    on every rank. `environ` is the environment as launched (before hybridpar's defaults)."""
+    on every rank. `job`: hybridpar.preflight.resolve_job's (or a config). `environ` is the
+    environment as launched (before hybridpar's defaults)."""
+    config = job if isinstance(job, Config) else job.config
     environ = dict(os.environ if environ is None else environ)
     for op in options.ops:
         bus_factor(op, 2)  # unknown names fail here, before any collective
@@ -345,7 +354,7 @@ def run_doctor(config: Config, parallel: ParallelDims, options: DoctorOptions,
         timings = gather_objects(measure_busbw(p, options.sizes, options.iters, options.warmup, options.ops))
         rows = summarise_busbw(timings, *sizes)
     if options.data_guard:
-        findings.append(run_data_guard(config, p))
+        findings.append(run_data_guard(job, p))
     findings = sort_findings(findings)
     errors = sum(f.level == ERROR for f in findings)
     if p.rank == 0:

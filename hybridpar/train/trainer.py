@@ -22,7 +22,7 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -32,11 +32,12 @@ from ..checkpoint.dcp import Checkpointer, complete_checkpoints, latest_checkpoi
 from ..config import Config, ConfigError, dump_toml, profile_range
 from ..data import build_training_data, check_vocab
 from ..data.blend import describe_blend
+from ..data.sources import resolved
 from ..files import refuse_occupied, write_text_atomic
 from ..mesh.device import ParallelDims, init_parallel
 from ..build import build_model
 from ..plan.hardware import peak_flops_of
-from ..preflight import init_from_folder, model_args, preflight, world_size_from_env
+from ..preflight import Job, as_job, world_size_from_env
 from ..progress import note
 from ..mesh.ranks import mark_every_rank, wait_for_every_rank
 from . import data_stop, stop as stopping
@@ -57,11 +58,12 @@ class NonFiniteLossError(FloatingPointError):
 
 
 class Trainer:
-    def __init__(self, config: Config, parallel: Optional[ParallelDims] = None) -> None:
-        self.config = c = config
-        # Every mistake the config can show without a process group, before anything is made.
+    def __init__(self, job: Union[Job, Config], parallel: Optional[ParallelDims] = None) -> None:
+        # Every mistake the config can show without a process group, before anything is made; the
+        # files the config names are read here, once (hybridpar.preflight.resolve_job).
         world = parallel.world_size if parallel else dist.get_world_size() if dist.is_initialized() else None
-        preflight(c, world or world_size_from_env())
+        self.job = as_job(job, world or world_size_from_env())
+        self.config = c = self.job.config
         self.started = time.perf_counter()  # the summary's wall time counts set-up too
         # Before init_parallel makes the process group: NCCL reads some tracing variables when a
         # group is created, and a stop signal from here on ends the run with a checkpoint.
@@ -90,15 +92,16 @@ class Trainer:
         def phase(name: str) -> None:
             self.supervisor.phase(f"set-up: {name}")
 
-        phase("model args")
-        # Checked before any data work; a vocab_size of -1 (Llama 2's) waits for the tokenizer: _fit_vocab.
-        self.args = model_args(c, p.mp)
+        # Checked by resolve_job; a vocab_size of -1 (Llama 2's) waits for the tokenizer: _fit_vocab.
+        self.args = self.job.args
         if c.output.wandb:
             require_wandb()
         phase("data")
-        # A preparation's progress changes the phase: the watchdog sees progress, not a hang.
-        self.tokenizer, self.dataset, self.loader, self.val_dataset = build_training_data(
-            c, p, on_tokenizer=self._fit_vocab, on_progress=lambda text: phase(f"data: {text}"))
+        # A preparation's progress changes the phase: the watchdog sees progress, not a hang. The
+        # sources were walked by resolve_job: the data answers from its table.
+        with resolved(self.job.sources):
+            self.tokenizer, self.dataset, self.loader, self.val_dataset = build_training_data(
+                c, p, on_tokenizer=self._fit_vocab, on_progress=lambda text: phase(f"data: {text}"))
         phase("data: waiting for every rank's data")
         wait_for_every_rank("data")  # nodes preparing into caches of their own may finish minutes apart
         # Before the model is built and compiled: the compiler's start-up takes a share of the cores,
@@ -137,9 +140,9 @@ class Trainer:
 
     # --- set-up ---------------------------------------------------------------------------------
 
-    @functools.cached_property
+    @property
     def init_from_folder(self) -> Optional[tuple[str, Path]]:
-        return init_from_folder(self.config)
+        return self.job.init_from
 
     def _restore(self) -> Optional[Path]:
         """Resume from the newest complete checkpoint, or take the weights of checkpoint.init_from."""
@@ -196,7 +199,7 @@ class Trainer:
         load = None
         if self.init_from_folder is not None:
             kind, folder = self.init_from_folder
-            load = functools.partial(load_into, kind, folder, parallel=p)
+            load = functools.partial(load_into, kind, folder, parallel=p, parsed=self.job.init_config)
         return build_model(self.args, p, device=self.device, sequence_parallel=c.parallel.sequence_parallel,
                            load=load, fsdp=c.fsdp, compile=c.train.compile)
 

@@ -1,0 +1,91 @@
+"""A complete token store is used as it is: told complete from its manifest, its plan.json and a stat
+of each source file, with no source file opened and no plan made; a source changed since is not."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from hybridpar.data import cached_store
+from hybridpar.data.formats import MAX_DOCUMENT_BYTES
+from hybridpar.data.sources import resolve_sources
+from hybridpar.data.store_prepare import finished_store
+from tests.opens import CountedOpens
+
+OPTIONS = dict(text_field="text", val_fraction=0.0, on_bad_record="error", max_document_bytes=MAX_DOCUMENT_BYTES)
+
+
+def _source(tmp_path, kind: str):
+    docs = [f"document {i}: the quick brown fox jumps over the lazy dog" for i in range(40)]
+    if kind == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        path = tmp_path / "docs.parquet"
+        pq.write_table(pa.table({"text": docs}), path, row_group_size=10)
+    else:
+        path = tmp_path / "docs.jsonl"
+        path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return path
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet"])
+def test_a_complete_store_opens_no_source_file_and_makes_no_plan(tmp_path, tokenizer, monkeypatch, kind):
+    import hybridpar.data.store_plan as store_plan
+    import hybridpar.data.store_prepare as store_prepare
+
+    source = _source(tmp_path, kind)
+    first, _ = cached_store(str(source), tokenizer, tmp_path / "cache", report=False)
+    planned = []
+    for module in (store_plan, store_prepare):
+        real = module.plan_of
+        monkeypatch.setattr(module, "plan_of", lambda *a, real=real, **k: planned.append(a) or real(*a, **k))
+    with CountedOpens() as opened:
+        again, _ = cached_store(str(source), tokenizer, tmp_path / "cache", report=False)
+    assert again.folder == first.folder and again.array().tolist() == first.array().tolist()
+    assert opened.count(source) == 0 and planned == []
+    assert opened.count(first.folder / "plan.json") == 1  # what tells it complete, read once
+
+
+def test_counting_sees_a_source_opened(tmp_path, tokenizer):
+    """The counter itself: planning a new store opens the source (else the test above proves nothing)."""
+    for kind in ("jsonl", "parquet"):
+        (tmp_path / kind).mkdir()
+        source = _source(tmp_path / kind, kind)
+        with CountedOpens() as opened:
+            cached_store(str(source), tokenizer, tmp_path / "cache", report=False)
+        assert opened.count(source) > 0, kind
+
+
+def test_a_store_of_a_source_changed_since_is_not_finished(tmp_path, tokenizer):
+    source = _source(tmp_path, "jsonl")
+    store, _ = cached_store(str(source), tokenizer, tmp_path / "cache", report=False)
+    files = resolve_sources(str(source))
+    assert finished_store(store.folder, files, tokenizer.sha256, **OPTIONS).folder == store.folder
+    st = source.stat()
+    os.utime(source, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # same size, another mtime
+    assert finished_store(store.folder, files, tokenizer.sha256, **OPTIONS) is None
+    os.utime(source, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert finished_store(store.folder, files, "another-tokenizer", **OPTIONS) is None
+    assert finished_store(store.folder, files, tokenizer.sha256, **{**OPTIONS, "on_bad_record": "skip"}) is None
+    (store.folder / "store.json").rename(store.folder / "store.json.gone")  # not complete
+    assert finished_store(store.folder, files, tokenizer.sha256, **OPTIONS) is None
+
+
+def test_tokenizer_sha256_is_the_tokenizers_without_loading_it(tmp_path, tokenizer, bpe_files):
+    """What resolve_job tells a cached store by: the sha256 a loaded Tokenizer records, of every kind
+    (a tokenizer.json's with its tokenizer_config.json beside it)."""
+    import shutil
+
+    from hybridpar.data import Tokenizer
+    from hybridpar.data.tokenizer import tokenizer_sha256
+
+    hf, tiktoken_file, _ = bpe_files
+    configured = tmp_path / "hf"
+    shutil.copytree(hf.parent, configured)
+    (configured / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<unk>"}))
+    for path in (tokenizer.path, hf, tiktoken_file, configured / "tokenizer.json", configured):
+        assert tokenizer_sha256(path) == Tokenizer(path).sha256, path
+    assert tokenizer_sha256(configured) != tokenizer_sha256(hf)

@@ -56,7 +56,7 @@ def estimate(args: ModelArgs, layout: Layout, workload: Workload, hw: Hardware) 
     """Memory per rank and time per step of one layout. ValueError if the batch does not divide."""
     if layout.ac not in AC_MODES:
         raise ValueError(f"ac must be one of {AC_MODES}, got {layout.ac!r}")
-    mp, ds, dr, cp = layout.mp, layout.dp_shard, layout.dp_replicate, layout.cp
+    mp, dr, cp = layout.mp, layout.dp_replicate, layout.cp
     if cp < 1 or (cp > 1 and workload.seq_len % (2 * cp)):
         raise ValueError(f"seq_len = {workload.seq_len} is not divisible by 2 x cp = {2 * cp}")
     a, r = dtype_bytes(workload.param_dtype), dtype_bytes(workload.reduce_dtype)

@@ -61,7 +61,7 @@ def test_buffer_pool_reuses_only_buffers_nothing_else_holds():
 def _case_compile_without_compiler() -> tuple:
     from unittest import mock
 
-    from hybridpar import model as model_module
+    from hybridpar import build as model_module
     from hybridpar.config.fsdp import FSDPConfig
     from hybridpar.parallel import fsdp
     from hybridpar.models.args import ModelArgs

@@ -21,11 +21,10 @@ import collections
 import contextlib
 import os
 import re
-import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Callable, Iterator, Optional, TextIO
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -34,6 +33,7 @@ from torch.distributed.tensor import DTensor
 from .config import Config, ConfigError
 from .dryrun_report import Check, DryRun
 from .files import human_bytes
+from .progress import note
 
 PARAM_BYTES = 4  # the trainer keeps fp32 master parameters (plan.MASTER_BYTES)
 
@@ -50,10 +50,11 @@ def _check(run: DryRun, name: str, fn: Callable[[], str], warn_only: bool = Fals
 
 
 def dry_run(config: Config, world: int, rank: int = 0, *, gpu_mem_gib: float = 80.0, gpus_per_node: int = 8,
-            gpu: str = "a100", progress: Optional[TextIO] = sys.stderr) -> DryRun:
+            gpu: str = "a100", progress: bool = True) -> DryRun:
     """Rehearse `config` as rank `rank` of `world` ranks. Needs a process with no process group
     (it makes a fake one and destroys it at the end). `gpu` names the planner's hardware for the
-    step-time estimate of a GPU job (hybridpar.plan.hardware)."""
+    step-time estimate of a GPU job (hybridpar.plan.hardware). `progress`: notes of what it does
+    (hybridpar.progress.note, whatever rank it plays)."""
     from .compat.torch import init_fake_process_group
     from .layout import resolve_sizes
 
@@ -63,8 +64,7 @@ def dry_run(config: Config, world: int, rank: int = 0, *, gpu_mem_gib: float = 8
     run = DryRun(world=world, rank=rank, target=target)
 
     def say(text: str) -> None:
-        if progress is not None:
-            print(f"dry run: {text} [{time.perf_counter() - started:.0f} s]", file=progress, flush=True)
+        note(f"dry run: {text} [{time.perf_counter() - started:.0f} s]", enabled=progress)
 
     if not 0 <= rank < world:
         raise ConfigError(f"--dry-run-rank {rank} is outside the world of {world} ranks (0 to {world - 1})")

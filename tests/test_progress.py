@@ -108,3 +108,13 @@ def test_a_program_that_sets_up_no_logging_sees_warnings_only():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
                           env={"PYTHONPATH": child_pythonpath(), "PATH": "/usr/bin:/bin"})
     assert (done.returncode, done.stdout, done.stderr) == (0, "", "a warning\n")
+
+
+def test_each_line_is_flushed_at_once_as_a_dying_rank_leaves_with_os_exit(monkeypatch):
+    """A watchdog's verdict is logged, then the process ends with os._exit, which flushes nothing."""
+    calls = []
+    stream = types.SimpleNamespace(write=lambda text: calls.append(("write", text)),
+                                   flush=lambda: calls.append(("flush",)))
+    monkeypatch.setattr(sys, "stderr", stream)
+    logging.getLogger("hybridpar.diagnostics.monitor").error("hybridpar watchdog: rank 3 died")
+    assert calls == [("write", "hybridpar watchdog: rank 3 died\n"), ("flush",)]

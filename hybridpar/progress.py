@@ -10,7 +10,7 @@ what comes next (always, from that process); `summary`, when set, ends the closi
 
 Which rank speaks is decided where a line is logged (rank 0 for information, as `note` does;
 every rank for its own warnings and errors); each record carries `record.rank` once it passed
-`RankFilter`. A notes and progress line is a record marked `progress` (extra={"progress": True}).
+`RankFilter`. A progress note or line is a record marked `progress` (extra={"progress": True}).
 The command line calls `log_to_terminal()`: the message alone, flushed at once, warnings, errors
 and progress notes on stderr, the rest (a run's report lines) on stdout. A program that embeds
 hybridpar and sets up no logging gets Python's default: warnings and errors on stderr.
@@ -64,7 +64,10 @@ class RankFilter(logging.Filter):
     """Sets `record.rank`, this process's rank (0 without a process group); lets every record through."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        record.rank = _rank()
+        try:
+            record.rank = _rank()
+        except Exception:  # noqa: BLE001 - a group torn down under a dying rank: its verdict still goes out
+            record.rank = None
         return True
 
 

@@ -118,3 +118,12 @@ def test_each_line_is_flushed_at_once_as_a_dying_rank_leaves_with_os_exit(monkey
     monkeypatch.setattr(sys, "stderr", stream)
     logging.getLogger("hybridpar.diagnostics.monitor").error("hybridpar watchdog: rank 3 died")
     assert calls == [("write", "hybridpar watchdog: rank 3 died\n"), ("flush",)]
+
+
+def test_a_verdict_goes_out_even_when_the_rank_cannot_be_read(monkeypatch, capsys):
+    def torn_down():
+        raise RuntimeError("the process group was destroyed")
+
+    monkeypatch.setattr("hybridpar.progress._rank", torn_down)
+    logging.getLogger("hybridpar.diagnostics.watchdog").error("hybridpar watchdog (rank 2): exiting")
+    assert capsys.readouterr().err == "hybridpar watchdog (rank 2): exiting\n"

@@ -34,6 +34,7 @@ if str(ROOT) not in sys.path:
 
 from hybridpar.config import load_config  # noqa: E402
 from hybridpar.diagnostics.stragglers import CPU_SAMPLES, CollectiveTimer, StragglerMonitor  # noqa: E402
+from hybridpar.progress import log_to_terminal  # noqa: E402
 from hybridpar.train import Trainer  # noqa: E402
 from hybridpar.train.metrics import read_metrics  # noqa: E402
 
@@ -144,6 +145,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "stragglers.json"))
     args = parser.parse_args()
 
+    log_to_terminal()  # the straggler lines block() reads from stdout are the library's records
     trainer = bench_trainer()
     load_before = os.getloadavg()
     block(trainer, 10, 0)  # warm-up

@@ -1,18 +1,27 @@
-"""Progress lines for long work (loading a model, converting, preparing data), so that nobody
-waits long without a word: one line at most every `every` seconds, and one at the end if any
-was printed, from one process (rank 0 by default) to stderr. `note` says what starts or what
-comes next (always, from that process); `summary`, when set, ends the closing line.
+"""How hybridpar speaks: through `logging`, one logger per module (`logging.getLogger(__name__)`,
+all under "hybridpar"), and progress lines for long work (loading a model, converting, preparing
+data), so that nobody waits long without a word: one line at most every `every` seconds, and one
+at the end if any was printed, from one process (rank 0 by default). `note` says what starts or
+what comes next (always, from that process); `summary`, when set, ends the closing line.
 
     with Progress("loading model.safetensors", total=n_bytes, unit="B") as progress:
         for ...:
             progress.update(len(chunk))
+
+Which rank speaks is decided where a line is logged (rank 0 for information, as `note` does;
+every rank for its own warnings and errors); each record carries `record.rank` once it passed
+`RankFilter`. A progress note or line is a record marked `progress` (extra={"progress": True}).
+The command line calls `log_to_terminal()`: the message alone, flushed at once, warnings, errors
+and progress notes on stderr, the rest (a run's report lines) on stdout. A program that embeds
+hybridpar and sets up no logging gets Python's default: warnings and errors on stderr.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
-from typing import Optional, TextIO
+from typing import Optional
 
 from .files import human_bytes
 
@@ -32,22 +41,77 @@ def _amount(n: float, unit: str) -> str:
     return human_bytes(n)
 
 
-def note(text: str, *, enabled: Optional[bool] = None, stream: Optional[TextIO] = None) -> None:
-    """One line from the reporting process (rank 0 when `enabled` is None), to stderr."""
+PROGRESS = {"progress": True}  # extra= of a progress note: log_to_terminal's handler writes it to stderr
+
+
+def note(text: str, *, enabled: Optional[bool] = None) -> None:
+    """One progress note from the reporting process (rank 0 when `enabled` is None), logged at INFO
+    by the calling module's logger."""
     if enabled is None:
         enabled = _rank() == 0
     if enabled:
-        print(text, file=stream or sys.stderr, flush=True)
+        logging.getLogger(_caller()).info(text, extra=PROGRESS)
+
+
+def _caller(depth: int = 2) -> str:
+    """The logger of the module `depth` frames up (the one that called note or Progress): a module of
+    hybridpar's own, else this one's (every record of hybridpar stays under "hybridpar")."""
+    name = sys._getframe(depth).f_globals.get("__name__", "")
+    return name if name.startswith("hybridpar.") else __name__
+
+
+class RankFilter(logging.Filter):
+    """Sets `record.rank`, this process's rank (0 without a process group); lets every record through."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            record.rank = _rank()
+        except Exception:  # noqa: BLE001 - a group torn down under a dying rank: its verdict still goes out
+            record.rank = None
+        return True
+
+
+class TerminalHandler(logging.Handler):
+    """The command line's handler: each record as its message alone, flushed at once (a dying
+    process's verdict must reach the terminal); warnings, errors and progress notes on stderr,
+    other information on stdout. The streams are looked up at each record, so a redirected
+    sys.stdout (contextlib.redirect_stdout, pytest's capture) gets the lines."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.addFilter(RankFilter())
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            to_stderr = record.levelno >= logging.WARNING or getattr(record, "progress", False)
+            stream = sys.stderr if to_stderr else sys.stdout
+            stream.write(self.format(record) + "\n")
+            stream.flush()
+        except Exception:  # noqa: BLE001 - logging's own way: report and go on
+            self.handleError(record)
+
+
+def log_to_terminal() -> None:
+    """What the command line (and each process it starts) calls once: hybridpar's records from INFO
+    up go to a TerminalHandler, as the commands printed them before they logged. Calling it again
+    changes nothing. The "hybridpar" logger then does not pass its records on to the root logger,
+    which a library may have configured too (each line would show twice)."""
+    logger = logging.getLogger("hybridpar")
+    if not any(isinstance(h, TerminalHandler) for h in logger.handlers):
+        logger.addHandler(TerminalHandler())
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+    logger.propagate = False
 
 
 class Progress:
     """Counts work done towards an optional total and reports it now and then (see the module)."""
 
     def __init__(self, what: str, total: Optional[float] = None, unit: str = "", *, every: float = 5.0,
-                 enabled: Optional[bool] = None, stream: Optional[TextIO] = None) -> None:
+                 enabled: Optional[bool] = None) -> None:
         self.what, self.total, self.unit, self.every = what, total, unit, every
         self.enabled = _rank() == 0 if enabled is None else enabled
-        self.stream = stream
+        self.log = logging.getLogger(_caller())  # the module that does the work speaks
         self.done = 0.0
         self.start = self.last = time.monotonic()
         self.printed = False
@@ -64,14 +128,15 @@ class Progress:
     def note(self, text: str) -> None:
         """One line from the reporting process whatever the timing (what starts, what comes next);
         it does not count as having spoken, so short work still ends without a closing line."""
-        note(text, enabled=self.enabled, stream=self.stream)
+        if self.enabled:
+            self.log.info(text, extra=PROGRESS)
 
     def update(self, amount: float = 1) -> None:
         self.done += amount
         now = time.monotonic()
         if self.enabled and now - self.last >= self.every:
             self.last = now
-            self._print(self.line(now))
+            self._say(self.line(now))
 
     def line(self, now: Optional[float] = None) -> str:
         elapsed = (now or time.monotonic()) - self.start
@@ -91,11 +156,11 @@ class Progress:
         if self.enabled and self.printed:
             seconds = time.monotonic() - self.start
             summary = f": {self.summary}" if self.summary else ""
-            self._print(f"{self.what}: done, {_amount(self.done, self.unit)} in {seconds:.0f} s{summary}")
+            self._say(f"{self.what}: done, {_amount(self.done, self.unit)} in {seconds:.0f} s{summary}")
 
-    def _print(self, text: str) -> None:
+    def _say(self, text: str) -> None:
         self.printed = True
-        print(text, file=self.stream or sys.stderr, flush=True)
+        self.log.info(text, extra=PROGRESS)
 
 
 def _rank() -> int:

@@ -9,7 +9,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 
+from hybridpar.progress import log_to_terminal  # noqa: E402
 from tests.distributed import WorkerPool  # noqa: E402
+
+# The library logs; tests read its lines where the command line shows them (stdout, stderr).
+log_to_terminal()
 
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory):

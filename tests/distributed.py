@@ -50,6 +50,9 @@ def _worker_main(rank: int, world_size: int, port: int, conn) -> None:
     import torch
     import torch.distributed as dist
 
+    from hybridpar.progress import log_to_terminal
+
+    log_to_terminal()  # as the command line does: the library's lines on stdout and stderr
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
     conn.send(("ready", None))

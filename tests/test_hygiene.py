@@ -219,3 +219,50 @@ def test_every_name_the_package_face_lists_resolves():
     import hybridpar
 
     assert [name for name in hybridpar.__all__ if getattr(hybridpar, name, None) is None] == []
+
+
+# docs/development.md, "Speaking": print() is for what a command was asked to print. The command layer prints;
+# so do these command bodies (their output is the command's answer), and a report written to the stream
+# its caller passes (print(..., file=out)). Everything else logs (hybridpar.progress).
+COMMAND_LAYER = {"hybridpar/cli/__init__.py", "hybridpar/cli/commands.py"}  # the parser, what each command does
+COMMAND_OUTPUT = {("hybridpar/data/store_prepare.py", "prepare_command"), ("hybridpar/incidents.py", "main"),
+                  ("hybridpar/plan/cpu.py", "<module>")}
+TERMINAL = {"hybridpar/progress.py"}  # the handler that writes the records of the command line (log_to_terminal)
+
+
+def _speakers(path: Path) -> list[tuple[str, int, str]]:
+    """(enclosing function, line, what) of each print() and sys.stdout/sys.stderr write in `path`."""
+    found = []
+
+    def walk(node, function):
+        for child in ast.iter_child_nodes(node):
+            inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else function
+            if isinstance(child, ast.Call):
+                f = child.func
+                if isinstance(f, ast.Name) and f.id == "print":
+                    to = next((k.value for k in child.keywords if k.arg == "file"), None)
+                    if not isinstance(to, ast.Name):  # print(..., file=out): the caller's stream
+                        found.append((function, child.lineno, "print()"))
+                elif (isinstance(f, ast.Attribute) and f.attr == "write" and isinstance(f.value, ast.Attribute)
+                      and f.value.attr in ("stdout", "stderr") and isinstance(f.value.value, ast.Name)
+                      and f.value.value.id == "sys"):
+                    found.append((function, child.lineno, f"sys.{f.value.attr}.write()"))
+            walk(child, inner)
+
+    walk(ast.parse(path.read_text(), str(path)), "<module>")
+    return found
+
+
+def test_library_code_logs_instead_of_printing():
+    offenders, allowed = [], 0
+    for folder in ("hybridpar", "models"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for function, line, what in _speakers(path):
+                where = path.relative_to(ROOT).as_posix()
+                if where in COMMAND_LAYER | TERMINAL or (where, function) in COMMAND_OUTPUT:
+                    allowed += 1
+                else:
+                    offenders.append(f"{path.relative_to(ROOT)}:{line} {what} in {function}")
+    assert allowed >= 10, "the check found no print() in the command layer: it is not looking where the code is"
+    assert not offenders, ("library code speaks through logging (log = logging.getLogger(__name__), or "
+                           f"hybridpar.progress.note), not print: {offenders}")

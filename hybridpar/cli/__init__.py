@@ -255,6 +255,9 @@ def _build() -> _Parsers:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the command argv names; its exit code (a failure reported as one line: 2 for bad input, 1 internal)."""
+    from ..progress import log_to_terminal
+
+    log_to_terminal()  # the library logs; the command line shows its lines as they were always printed
     parsers = _build()
     args, extra = parsers.main.parse_known_args(argv)
     command = parsers.commands[args.command]

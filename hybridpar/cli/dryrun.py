@@ -22,11 +22,10 @@ import dataclasses
 import contextlib
 import os
 import re
-import sys
 import time
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator, Optional, TextIO, Union
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -35,6 +34,7 @@ from torch.distributed.tensor import DTensor
 from ..config import Config, ConfigError
 from .dryrun_report import Check, DryRun
 from ..files import human_bytes
+from ..progress import note
 
 if TYPE_CHECKING:
     from ..preflight import Job
@@ -54,12 +54,13 @@ def _check(run: DryRun, name: str, fn: Callable[[], str], warn_only: bool = Fals
 
 
 def dry_run(config: Union[Config, "Job"], world: Optional[int] = None, rank: int = 0, *, gpu_mem_gib: float = 80.0,
-            gpus_per_node: int = 8, gpu: str = "a100", progress: Optional[TextIO] = sys.stderr) -> DryRun:
+            gpus_per_node: int = 8, gpu: str = "a100", progress: bool = True) -> DryRun:
     """Rehearse `config` as rank `rank` of `world` ranks. Needs a process with no process group
     (it makes a fake one and destroys it at the end). `gpu` names the planner's hardware for the
     step-time estimate of a GPU job (hybridpar.plan.hardware). `config` may be a Job
     (hybridpar.preflight.resolve_job's): its model shape and data sources are taken as resolved,
-    and `world` defaults to its world size. A config's mistakes are checks of the report."""
+    and `world` defaults to its world size. A config's mistakes are checks of the report. `progress`:
+    notes of what it does (hybridpar.progress.note, whatever rank it plays)."""
     from ..compat.torch import init_fake_process_group
     from ..mesh.layout import resolve_sizes
 
@@ -71,8 +72,7 @@ def dry_run(config: Union[Config, "Job"], world: Optional[int] = None, rank: int
     run = DryRun(world=world, rank=rank, target=target)
 
     def say(text: str) -> None:
-        if progress is not None:
-            print(f"dry run: {text} [{time.perf_counter() - started:.0f} s]", file=progress, flush=True)
+        note(f"dry run: {text} [{time.perf_counter() - started:.0f} s]", enabled=progress)
 
     if not 0 <= rank < world:
         raise ConfigError(f"--dry-run-rank {rank} is outside the world of {world} ranks (0 to {world - 1})")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
 import socket
@@ -37,6 +38,8 @@ from ..mesh.ranks import gather_objects
 from .data_guard import DataGuardError, check_data, step_fingerprint
 from .env import (ERROR, OK, WARNING, Finding, allowed_cpus, check_env, check_rank_envs, check_threads, merge_findings, relevant_env,
                   sort_findings)
+
+log = logging.getLogger(__name__)
 
 DEFAULT_SIZES = "4K:64M"
 
@@ -330,12 +333,8 @@ def _section(title: str) -> str:
     return f"\n== {title} " + "=" * max(0, 72 - len(title))
 
 
-def _print(text: str) -> None:
-    print(text, flush=True)
-
-
 def run_doctor(job, parallel: ParallelDims, options: DoctorOptions,
-               environ: Optional[Mapping[str, str]] = None, echo=_print) -> int:
+               environ: Optional[Mapping[str, str]] = None, echo=log.info) -> int:
     """Collective: run every check, rank 0 prints the report (and writes --json); 1 on errors, else 0
     on every rank. `job`: hybridpar.preflight.resolve_job's (or a config). `environ` is the
     environment as launched (before hybridpar's defaults)."""

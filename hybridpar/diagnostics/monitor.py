@@ -15,8 +15,8 @@ Then it asks every live rank for its trace, runs `flight.analyse`, prints one re
 from __future__ import annotations
 
 import json
+import logging
 import os
-import sys
 import time
 import traceback
 from pathlib import Path
@@ -31,6 +31,8 @@ from .liveness import is_peer_loss, process_stopped
 from .node_fault import describe as describe_fault, node_fault
 from .traces import RankTrace
 
+log = logging.getLogger(__name__)
+
 
 LEFT = ("done", "stopped", "paused")  # the states of a rank that ended (or paused) on purpose: not watched
 
@@ -44,11 +46,11 @@ def save_report(run_dir: Path, text: Optional[str], report: dict) -> None:
     """Print `text` (if any) and write `report` as the run's hang_report.json (the verdict launch/slurm.sh reads)."""
     report_path = Path(run_dir) / "hang_report.json"
     if text:
-        print("\n" + text + f"\nreport: {report_path}\n", file=sys.stderr, flush=True)
+        log.error("\n" + text + f"\nreport: {report_path}\n")
     try:
         write_text_atomic(report_path, json.dumps(report, indent=1))
     except OSError as err:
-        print(f"hybridpar watchdog: could not write {report_path}: {err}", file=sys.stderr, flush=True)
+        log.error(f"hybridpar watchdog: could not write {report_path}: {err}")
 
 
 class Monitor:
@@ -213,7 +215,7 @@ class Monitor:
         report_path = self.run_dir / "hang_report.json"
         text += (f"\nreport: {report_path}; per-rank traces: {self.beat.trace_dir} on each node "
                  f"(`hybridpar hang-report DIR` after collecting them)\nthe ranks exit with code {HANG_EXIT_CODE}")
-        print("\n" + text + "\n", file=sys.stderr, flush=True)
+        log.error("\n" + text + "\n")
         self._save(None, report)
         return text
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import statistics
 import time
 from contextlib import contextmanager
@@ -30,6 +31,8 @@ from ..mesh.device import ParallelDims
 from ..mesh.ranks import gather_objects
 from .node_fault import place
 from .wrap import WAIT, Call, Listener
+
+log = logging.getLogger(__name__)
 
 CPU_SAMPLES = 3  # steps measured at the end of each window on the CPU (a GPU: one)
 
@@ -196,7 +199,7 @@ class StragglerMonitor:
         coords = MeshCoords.of(verdict.rank, p.dp_replicate, p.dp_shard, p.mp)
         host = self.places[verdict.rank][0]
         if verdict.straggler:
-            print(describe(verdict, step, coords, host), flush=True)
+            log.info(describe(verdict, step, coords, host))
         return metrics_row(verdict, coords, host)
 
     def _judge(self, verdict: Verdict, step: int) -> None:

@@ -12,8 +12,8 @@ report, e.g. when the store itself is gone (timeouts.BACKSTOP_GRACE).
 
 from __future__ import annotations
 
+import logging
 import os
-import sys
 import threading
 import time
 from pathlib import Path
@@ -24,6 +24,8 @@ from .heartbeat import HANG_EXIT_CODE, Heartbeat, default_interval
 from .liveness import is_peer_loss
 from .monitor import Monitor
 from .timeouts import BACKSTOP_GRACE
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Watchdog", "HANG_EXIT_CODE", "BACKSTOP_GRACE", "default_interval"]
 
@@ -183,8 +185,8 @@ class Watchdog:
         """The job's store has not answered for `seconds` (`error`): its host, rank 0, is frozen or gone.
         Name its node if this rank is the one to (Monitor.store_lost), say so and exit."""
         said = self.monitor.store_lost(seconds, error)
-        print(f"hybridpar watchdog (rank {self.rank}): the job's store has not answered for {seconds:.0f} s ({error}); "
-              f"the rank hosting it (rank 0) is frozen or gone ({said}). Exiting.", file=sys.stderr, flush=True)
+        log.error(f"hybridpar watchdog (rank {self.rank}): the job's store has not answered for {seconds:.0f} s ({error}); "
+                  f"the rank hosting it (rank 0) is frozen or gone ({said}). Exiting.")
         self._exit(HANG_EXIT_CODE)
 
     def _round(self) -> bool:

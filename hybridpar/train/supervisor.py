@@ -14,8 +14,8 @@ set-up and run it pauses (its last beat says so): a Trainer built and never run 
 
 from __future__ import annotations
 
+import logging
 import os
-import sys
 import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -36,6 +36,8 @@ from ..diagnostics.watchdog import Watchdog
 from ..mesh.device import ParallelDims
 from ..mesh.ranks import gather_objects
 from . import stop as stopping
+
+log = logging.getLogger(__name__)
 
 
 class Supervisor:
@@ -201,7 +203,7 @@ class Supervisor:
         fault = {"kind": "straggler", "nodes": [x["node"]], "ranks": [x["rank"]]}
         save_report(self.run_dir, None, {"reason": line, "step": step, "node_fault": fault, **verdict_time(0.0),
                                          "straggler": x, "checkpoint": str(checkpoint)})
-        print(line, flush=True)
+        log.info(line)
 
     @contextmanager
     def checkpointing(self) -> Iterator[None]:
@@ -221,7 +223,7 @@ class Supervisor:
             incidents.training_again(Path(path), step=step, resumed_from=self.start_step,
                                      job=os.environ.get("SLURM_JOB_ID", ""), nodes=os.environ.get("SLURM_JOB_NODELIST", ""))
         except OSError as err:  # a record, not a reason to stop training
-            print(f"hybridpar: could not note in {path}: {err}", file=sys.stderr, flush=True)
+            log.warning(f"hybridpar: could not note in {path}: {err}")
 
     # --- a stop on request (stop.py) ------------------------------------------------------------
 
@@ -241,7 +243,7 @@ class Supervisor:
             folder = self._checkpoint_folder()
             previous = latest_checkpoint(folder) if folder is not None else None
             where = f"in step {watchdog.step}, {watchdog.phase}" if watchdog is not None else "in set-up"
-            print(stopping.expired_line(stop, where, previous), file=sys.stderr, flush=True)
+            log.error(stopping.expired_line(stop, where, previous))
         os._exit(128 + stop.signum)
 
 

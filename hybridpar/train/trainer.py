@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Optional, Union
@@ -51,6 +51,8 @@ from .profile import StepProfiler
 from .step import count_targets, forward_backward
 from .summary import summarise, write_summary
 from .supervisor import Supervisor
+
+log = logging.getLogger(__name__)
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -295,23 +297,21 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             write_text_atomic(self.run_dir / "config.toml", dump_toml(c))
             (self.run_dir / stopping.MARKER).unlink(missing_ok=True)  # it told of an earlier run's end
-            print(
+            log.info(
                 f"hybridpar: {self.args.num_params() / 1e6:.1f}M parameters, {self.parallel.world_size} ranks = "
                 f"dp_replicate {self.parallel.dp_replicate} x dp_shard {self.parallel.dp_shard} x mp {self.parallel.mp}, "
                 f"{c.fsdp.sharding_strategy}, global batch {self.global_batch} x {c.data.seq_len} tokens, "
-                f"{len(self.dataset)} sequences in the data",
-                flush=True,
-            )
+                f"{len(self.dataset)} sequences in the data")
         if self.validator is None and (c.train.eval_every or c.train.eval_steps) and self.is_main:
-            print("hybridpar: warning: train.eval_every / train.eval_steps are set, but there is no validation data: "
-                  "set data.val_fraction or data.val_source", file=sys.stderr, flush=True)
+            log.warning("hybridpar: warning: train.eval_every / train.eval_steps are set, but there is no validation "
+                        "data: set data.val_fraction or data.val_source")
         if self.resumed_from is not None:
             self.metrics.event(self.step, "resumed", checkpoint=str(self.resumed_from))  # marked on the dashboard
         if self.resumed_from is not None and self.is_main:
-            print(f"resumed from {self.resumed_from} at step {self.step}", flush=True)
+            log.info(f"resumed from {self.resumed_from} at step {self.step}")
             if self.step >= c.train.steps:
-                print(f"already at step {self.step} of {c.train.steps}: nothing to train "
-                      "(raise train.steps to continue)", flush=True)
+                log.info(f"already at step {self.step} of {c.train.steps}: nothing to train "
+                         "(raise train.steps to continue)")
         saved_at = self._train_loop(self.step if self.resumed_from is not None else None)
         if c.checkpoint.at_end and saved_at != self.step and self.data_stopped is None:
             self.save_checkpoint()
@@ -320,7 +320,7 @@ class Trainer:
         self.metrics.close()
         self.profiler.close()
         if self.is_main and self.profiler.rows:
-            print(self.profiler.describe(), flush=True)
+            log.info(self.profiler.describe())
         if self.is_main and c.output.plot and self.metrics.jsonl_path.exists():
             plot_dashboard(self.metrics.jsonl_path, self.run_dir / "loss.png", grad_clip=c.optim.grad_clip)
         if self.stop_signal and self.is_main:
@@ -331,7 +331,7 @@ class Trainer:
                 self.supervisor.straggler_stop(self.step, path)
             else:
                 stopping.write_marker(self.run_dir, self.stop_signal, self.step, path)
-                print(stopping.stopped_line(self.stop_signal, self.step, path, c.checkpoint.resume), flush=True)
+                log.info(stopping.stopped_line(self.stop_signal, self.step, path, c.checkpoint.resume))
         self._summary()
         if self.data_stopped is not None:
             self._data_stopped()
@@ -345,7 +345,7 @@ class Trainer:
         if isinstance(self.data_stopped, data_stop.StoreDamagedError):
             raise mark_every_rank(data_stop.StoreDamagedError(text))
         if self.is_main:
-            print(text, flush=True)
+            log.info(text)
 
     def _source_tokens(self) -> dict:
         """A blend's tokens trained on so far, per source: {"tokens/<name>": n} ({} for one source)."""
@@ -371,7 +371,7 @@ class Trainer:
             train_steps=self.config.train.steps, sources=describe_blend(self.loader),
             data_stop=data_stop.kind(self.data_stopped))
         write_summary(self.run_dir, done)
-        print(text, flush=True)
+        log.info(text)
 
     def validate(self) -> dict:
         """The validation loss now (every rank takes part): {"val_loss", "val_ppl", "val_tokens"}."""
@@ -403,7 +403,7 @@ class Trainer:
             if m["skipped"]:
                 self.metrics.event(m["step"], "skipped", loss=m["loss"], grad_norm=m["grad_norm"])  # on the dashboard
                 if self.is_main:
-                    print(f"step {m['step']}: non-finite loss {m['loss']} or gradient norm: step skipped", flush=True)
+                    log.info(f"step {m['step']}: non-finite loss {m['loss']} or gradient norm: step skipped")
             row = dict(found)  # the straggler report's, when one was due
             if self.supervisor.excluding is not None:  # every rank agrees: save, stop, name the node
                 self.stop_signal = self.stop_signal or "a straggler"
@@ -419,13 +419,13 @@ class Trainer:
                 summary = {**log_row(window), **self._source_tokens()}
                 self.metrics.write(m["step"], {**summary, **row})
                 if self.is_main:
-                    print(progress_line(m["step"], c.train.steps, {**summary, **row}, clock.elapsed(),
-                                        clock.eta(self.step, c.train.steps)), flush=True)
+                    log.info(progress_line(m["step"], c.train.steps, {**summary, **row}, clock.elapsed(),
+                                           clock.eta(self.step, c.train.steps)))
                 window = []
             elif row:
                 self.metrics.write(m["step"], row)
                 if self.is_main and "val_loss" in row:
-                    print(f"step {m['step']:>5}/{c.train.steps}{validation_text(row)}", flush=True)
+                    log.info(f"step {m['step']:>5}/{c.train.steps}{validation_text(row)}")
             if self.stop_signal or (c.checkpoint.every and self.step % c.checkpoint.every == 0):
                 with clock.pause():
                     self.save_checkpoint()

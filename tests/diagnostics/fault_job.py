@@ -23,6 +23,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from hybridpar.config import load_config  # noqa: E402
+from hybridpar.progress import log_to_terminal  # noqa: E402
 from hybridpar.train import Trainer  # noqa: E402
 
 
@@ -135,6 +136,7 @@ def _kill_in_setup(rank: int) -> None:
 
 def main() -> None:
     fault, rank, step, flags = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
+    log_to_terminal()  # a torchrun child, as `hybridpar train`'s: the library's lines as the command line shows them
     if fault == "kill_setup":
         _kill_in_setup(rank)
     trainer = Trainer(load_config(None, [f"--{k}={v}" for k, v in flags.items()]))

@@ -271,7 +271,7 @@ def build_loader(config: Config, parallel: ParallelDims):
     keyed by the data-parallel coordinates."""
     from ..data import build_training_data
 
-    return build_training_data(config, parallel)[2]
+    return build_training_data(config, parallel)[1]
 
 
 def first_step_batches(loader, grad_accum: int) -> list:

@@ -231,7 +231,8 @@ class ResumableDataLoader:
     def __iter__(self) -> "ResumableDataLoader":
         return self
 
-    def __len__(self) -> int:
+    @property
+    def windows(self) -> int:
         """Sequences in all sources together (what the trainer's banner counts)."""
         return sum(len(s.dataset) for s in self.sources)
 

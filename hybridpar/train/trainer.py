@@ -294,7 +294,7 @@ class Trainer:
                 f"hybridpar: {self.args.num_params() / 1e6:.1f}M parameters, {self.parallel.world_size} ranks = "
                 f"dp_replicate {self.parallel.dp_replicate} x dp_shard {self.parallel.dp_shard} x mp {self.parallel.mp}, "
                 f"{c.fsdp.sharding_strategy}, global batch {self.global_batch} x {c.data.seq_len} tokens, "
-                f"{len(self.loader)} sequences in the data",
+                f"{self.loader.windows} sequences in the data",
                 flush=True,
             )
         if self.validator is None and (c.train.eval_every or c.train.eval_steps) and self.is_main:

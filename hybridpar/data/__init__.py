@@ -16,9 +16,9 @@ import importlib
 # modules, as a preparation worker does) must not import torch.
 _WHERE = {
     "default_corpus_documents": "corpus", "default_corpus_id": "corpus",
-    "DistributedSampler": "loader", "PackedDataset": "loader", "ResumableDataLoader": "loader",
+    "PackedDataset": "loader", "ResumableDataLoader": "loader", "Source": "loader",
     "build_dataloader": "loader", "check_dataset_size": "loader", "check_vocab": "loader",
-    "build_data": "pipeline", "build_training_data": "pipeline", "default_cache_dir": "pipeline",
+    "build_data": "pipeline", "build_sources": "pipeline", "build_training_data": "pipeline", "default_cache_dir": "pipeline",
     "TokenStore": "store", "is_store": "store", "verify_store": "store_verify",
     "prepare_store": "store_prepare", "cached_store": "store_prepare", "merge_store": "store_build",
     "source_documents": "formats",

@@ -11,14 +11,17 @@ perm[:offset] exactly.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
-from typing import Iterator, Optional, Union
+from typing import Iterator, Optional, Sequence, Union
 
 import numpy as np
 import torch
 import torch.utils.data
 
+from hybridpar.data.blend import next_sources
 from hybridpar.data.store import TokenStore
+from hybridpar.progress import note
 
 EXHAUSTED_CHOICES = ("repeat", "stop")
 
@@ -63,171 +66,278 @@ class PackedDataset(torch.utils.data.Dataset):
         return torch.from_numpy(window)
 
 
-class DistributedSampler(torch.utils.data.DistributedSampler):
-    """torch's DistributedSampler (shuffle, drop_last) over dp coordinates, starting at a global offset.
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """One source of the run: a single data.source is a blend of one, weight 1."""
 
-    At offset 0 it yields exactly what torch's sampler yields. From offset o, rank r yields
-    perm[o + r :: dp_size], cut so every rank gets the same count. The offset is where the next
-    iteration starts; counting what was consumed is the loader's job (DataLoader workers fetch
-    ahead, so the sampler cannot know).
-    """
+    name: str
+    weight: float  # normalised: the weights sum to 1
+    dataset: PackedDataset
 
-    def __init__(self, dataset, *, dp_rank: int, dp_size: int, seed: int = 0, shuffle: bool = True) -> None:
-        if not isinstance(dp_size, int) or dp_size < 1:
-            raise ValueError(f"dp_size must be a positive integer, got {dp_size!r}")
-        if not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank must be in [0, {dp_size - 1}] for dp_size {dp_size}, got {dp_rank!r}")
-        super().__init__(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=shuffle, seed=seed, drop_last=True)
-        self.global_offset = 0
 
-    def permutation(self) -> torch.Tensor:
-        """This epoch's order of all samples, the same on every rank (torch's seed + epoch rule)."""
-        if not self.shuffle:
-            return torch.arange(len(self.dataset))
-        generator = torch.Generator()
-        generator.manual_seed(self.seed + self.epoch)
-        return torch.randperm(len(self.dataset), generator=generator)
+def torch_permutation(n: int, seed: int) -> np.ndarray:
+    """torch's DistributedSampler order of an epoch (seed + epoch): a single source's, as before blends."""
+    generator = torch.Generator()
+    generator.manual_seed(seed)
+    return torch.randperm(n, generator=generator).numpy()
 
-    def set_epoch(self, epoch: int) -> None:
-        """Move to the start of `epoch`; a position inside that same epoch (just restored) is kept."""
-        if epoch != self.epoch:
-            self.global_offset = 0
-        super().set_epoch(epoch)
 
-    def set_position(self, epoch: int, global_offset: int) -> None:
-        n = len(self.dataset)
-        if not 0 <= global_offset <= n:
-            raise ValueError(f"global_offset {global_offset} is outside an epoch of {n} samples")
-        super().set_epoch(int(epoch))
-        self.global_offset = int(global_offset)
+class Position:
+    """Where the whole data-parallel group is: per source, its epoch and the windows of that epoch
+    consumed. `group(n)` hands out the group's next n (source, window) pairs and moves on.
+
+    Which source gives each sequence: next_sources (blend.py). A single source keeps the order it
+    always had (torch's DistributedSampler, drop_last): the group's sequences are one run of the
+    epoch's permutation, a new epoch when fewer than a group remain. A blend's source s reads its
+    k-th sequence at perm_s,e[k mod n_s], e = k // n_s, seeded by (seed, s, e): one at a time, so
+    its epochs run on across batches."""
+
+    def __init__(self, sources: Sequence[Source], seed: int, on_exhausted: str) -> None:
+        self.sizes = [len(s.dataset) for s in sources]
+        self.names, self.weights = [s.name for s in sources], [s.weight for s in sources]
+        self.seed, self.on_exhausted = seed, on_exhausted
+        self.epochs, self.offsets = [0] * len(sources), [0] * len(sources)
+        self._orders: dict[tuple[int, int], np.ndarray] = {}
+        self.on_repeat = lambda s: None  # told when source s starts a new epoch (the loader's own position)
+
+    def copy(self) -> "Position":
+        """The same place, moving on its own (the sampler's, read ahead of the batches handed out)."""
+        twin = object.__new__(Position)
+        twin.sizes, twin.names, twin.weights = self.sizes, self.names, self.weights
+        twin.seed, twin.on_exhausted, twin.on_repeat = self.seed, self.on_exhausted, lambda s: None
+        twin.epochs, twin.offsets, twin._orders = list(self.epochs), list(self.offsets), dict(self._orders)
+        return twin
+
+    @property
+    def counts(self) -> list[int]:
+        """Sequences the group consumed per source (a blend's: epochs run on, none dropped)."""
+        return [e * n + o for e, n, o in zip(self.epochs, self.sizes, self.offsets)]
+
+    def _order(self, s: int) -> np.ndarray:
+        key = (s, self.epochs[s])
+        if key not in self._orders:
+            if len(self._orders) > 2 * len(self.sizes):  # keep the epochs in use
+                self._orders = {k: v for k, v in self._orders.items() if k[1] >= self.epochs[s] - 1}
+            n = self.sizes[s]
+            self._orders[key] = (torch_permutation(n, self.seed + self.epochs[s]) if len(self.sizes) == 1 else
+                                 np.random.default_rng([self.seed, s, self.epochs[s]]).permutation(n))
+        return self._orders[key]
+
+    def _take(self, s: int, m: int) -> list[tuple[int, int]]:
+        """The next m windows of source s, starting its next epoch when fewer than m remain."""
+        if self.offsets[s] + m > self.sizes[s]:
+            if self.on_exhausted == "stop":
+                raise exhausted(self.names[s], self.offsets[s], blend=len(self.sizes) > 1)
+            self.epochs[s], self.offsets[s] = self.epochs[s] + 1, 0
+            self.on_repeat(s)
+        start, self.offsets[s] = self.offsets[s], self.offsets[s] + m
+        return [(s, int(w)) for w in self._order(s)[start:start + m]]
+
+    def group(self, n: int) -> list[tuple[int, int]]:
+        """The group's next n (source, window); nothing moves when the data stops."""
+        if len(self.sizes) == 1:
+            return self._take(0, n)
+        before = list(self.epochs), list(self.offsets)
+        try:
+            return [pair for s in next_sources(self.weights, self.counts, n) for pair in self._take(s, 1)]
+        except SourceExhaustedError:
+            self.epochs, self.offsets = before
+            raise
+
+    def state(self) -> dict:
+        return {"sources": {name: {"epoch": e, "offset": o, "windows": n, "weight": w} for name, e, o, n, w
+                            in zip(self.names, self.epochs, self.offsets, self.sizes, self.weights)},
+                "seed": self.seed}
+
+
+class WindowSampler(torch.utils.data.Sampler):
+    """The batch sampler of one data-parallel rank: from `start` on, each micro-batch's (source,
+    window) pairs, rank r taking positions r, r + dp_size, ... of the group's next micro_batch x
+    dp_size. It ends where the data stops; DataLoader workers fetch ahead of what the loader hands out."""
+
+    def __init__(self, start: Position, *, dp_rank: int, dp_size: int, micro_batch_size: int) -> None:
+        self.start, self.dp_rank, self.dp_size, self.micro_batch_size = start, dp_rank, dp_size, micro_batch_size
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        position = self.start.copy()
+        while True:
+            try:
+                group = position.group(self.micro_batch_size * self.dp_size)
+            except SourceExhaustedError:
+                return
+            yield group[self.dp_rank::self.dp_size]
+
+
+class SourceWindows(torch.utils.data.Dataset):
+    """(source, window) -> that source's window: what the DataLoader's workers read."""
+
+    def __init__(self, sources: Sequence[Source]) -> None:
+        self.datasets = [s.dataset for s in sources]
 
     def __len__(self) -> int:
-        return (len(self.dataset) - self.global_offset) // self.num_replicas
+        return sum(len(d) for d in self.datasets)
 
-    def __iter__(self) -> Iterator[int]:
-        start = self.global_offset + self.rank
-        stop = self.global_offset + len(self) * self.num_replicas
-        return iter(self.permutation()[start : stop : self.num_replicas].tolist())
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "global_offset": self.global_offset}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.set_position(int(state["epoch"]), int(state["global_offset"]))
+    def __getitem__(self, key: tuple[int, int]) -> torch.Tensor:
+        s, window = key
+        return self.datasets[s][window]
 
 
-def _inputs_and_targets(windows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    # Split in the collate step (inside the workers) so both come out contiguous and get pinned.
+def inputs_and_targets(windows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Windows of seq_len + 1 -> (inputs, targets), each contiguous (split in the collate step,
+    inside the workers, so both come out contiguous and get pinned)."""
     batch = torch.stack(windows)
     return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
 
 
 class ResumableDataLoader:
-    """Endless (inputs [B, S], targets [B, S]) int64 micro-batches for one data-parallel rank.
+    """Endless (inputs [B, S], targets [B, S]) int64 micro-batches of one or several weighted
+    sources for one data-parallel rank, read by torch's DataLoader (num_workers, pinned memory).
 
-    Epochs advance by themselves. The position counts batches handed to the caller (not those
-    the workers fetched ahead), so state_dict() taken after any batch, loaded into a fresh loader,
-    makes it yield exactly the batch the original would have yielded next, at any dp size.
+    The position counts batches handed to the caller (not those the workers fetched ahead), so
+    state_dict() taken after any batch, loaded into a fresh loader, makes it yield exactly the
+    batch the original would have yielded next, at any dp size. `sequences` / `tokens` count what
+    the whole group consumed from each source.
     """
 
-    def __init__(
-        self,
-        dataset: PackedDataset,
-        *,
-        dp_rank: int,
-        dp_size: int,
-        micro_batch_size: int,
-        seed: int,
-        num_workers: int = 0,
-        pin_memory: Optional[bool] = None,
-        on_exhausted: str = "repeat",
-        name: str = "",
-    ) -> None:
+    def __init__(self, sources: Sequence[Source], *, dp_rank: int, dp_size: int, micro_batch_size: int, seed: int,
+                 num_workers: int = 0, pin_memory: Optional[bool] = None, on_exhausted: str = "repeat") -> None:
         if on_exhausted not in EXHAUSTED_CHOICES:
             raise ValueError(f"data.on_exhausted must be one of {', '.join(EXHAUSTED_CHOICES)}, got {on_exhausted!r}")
-        self.on_exhausted, self.name = on_exhausted, name or "data.source"
         if not isinstance(micro_batch_size, int) or micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be a positive integer, got {micro_batch_size!r}")
-        check_dataset_size(dataset, micro_batch_size * dp_size, micro_batch_size=micro_batch_size, dp_size=dp_size)
-        self.dataset = dataset
-        self.micro_batch_size = micro_batch_size
-        self.dp_size = dp_size
-        self.seed = seed
-        self.sampler = DistributedSampler(dataset, dp_rank=dp_rank, dp_size=dp_size, seed=seed)
+        if not isinstance(dp_size, int) or dp_size < 1:
+            raise ValueError(f"dp_size must be a positive integer, got {dp_size!r}")
+        if not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank must be in [0, {dp_size - 1}] for dp_size {dp_size}, got {dp_rank!r}")
+        self.sources = list(sources)
+        if len(self.sources) == 1:  # its epochs are whole groups: one group at least
+            check_dataset_size(self.sources[0].dataset, micro_batch_size * dp_size, micro_batch_size=micro_batch_size,
+                               dp_size=dp_size)
+        for s in self.sources:
+            if len(s.dataset) == 0:
+                raise ValueError(f"data source {s.name!r} has {s.dataset.n_tokens} tokens, fewer than one sequence of "
+                                 f"data.seq_len + 1 = {s.dataset.seq_len + 1}: give it more text or drop it")
+        self.micro_batch_size, self.dp_size, self.seed = micro_batch_size, dp_size, seed
+        self.position = Position(self.sources, seed, on_exhausted)
+        self.position.on_repeat = self._said_repeat
+        self._said = [False] * len(self.sources)
+        self.sampler = WindowSampler(self.position, dp_rank=dp_rank, dp_size=dp_size, micro_batch_size=micro_batch_size)
         self._loader = torch.utils.data.DataLoader(
-            dataset,
-            batch_size=micro_batch_size,
-            sampler=self.sampler,
-            drop_last=True,
-            num_workers=num_workers,
+            SourceWindows(self.sources), batch_sampler=self.sampler, num_workers=num_workers,
             pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory,
-            collate_fn=_inputs_and_targets,
-            persistent_workers=num_workers > 0,
-        )
-        self.epoch = 0
-        self.global_offset = 0  # samples of this epoch consumed by the whole dp group
+            collate_fn=inputs_and_targets, persistent_workers=num_workers > 0)
         self._batches: Optional[Iterator] = None
 
     def __iter__(self) -> "ResumableDataLoader":
         return self
 
+    @property
+    def windows(self) -> int:
+        """Sequences in all sources together (what the trainer's banner counts)."""
+        return sum(len(s.dataset) for s in self.sources)
+
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        started_fresh = False
-        while True:
-            if self._batches is None:
-                self.sampler.set_position(self.epoch, self.global_offset)
-                started_fresh = self.global_offset == 0
-                self._batches = iter(self._loader)
-            try:
-                batch = next(self._batches)
-            except StopIteration:
-                if started_fresh:  # guarded by check_dataset_size; never loop forever
-                    raise RuntimeError("an epoch yielded no batch: the dataset is smaller than one micro-batch per rank")
-                if self.on_exhausted == "stop":  # every rank at the same batch: their epochs are cut alike
-                    self._batches = None
-                    raise exhausted(self.name, self.global_offset)
-                self._batches = None
-                self.epoch += 1
-                self.global_offset = 0
-                continue
-            self.global_offset += self.micro_batch_size * self.dp_size
-            return batch
+        if self._batches is None:
+            self._batches = iter(self._loader)  # the sampler starts from self.position
+        try:
+            batch = next(self._batches)
+        except StopIteration:  # the sampler met the data's end: the same step on every rank
+            self._batches = None
+            self.position.group(self.micro_batch_size * self.dp_size)  # raises SourceExhaustedError
+            raise RuntimeError("the batch sampler ended before the data did") from None
+        self.position.group(self.micro_batch_size * self.dp_size)
+        return batch
+
+    def _said_repeat(self, s: int) -> None:
+        """A blend's source that runs out is said once (its later epochs are counted in summary.json)."""
+        if len(self.sources) > 1 and not self._said[s]:
+            self._said[s] = True
+            note(f"data: source {self.sources[s].name!r} ran out after {len(self.sources[s].dataset):,} sequences; "
+                 "repeating it in a new order (its epochs are counted in summary.json)")
 
     @property
-    def samples_per_epoch(self) -> int:
-        return len(self.dataset)
+    def names(self) -> list[str]:
+        return [s.name for s in self.sources]
+
+    @property
+    def weights(self) -> list[float]:
+        return [s.weight for s in self.sources]
+
+    @property
+    def tokens(self) -> list[int]:
+        """Tokens trained on so far, per source (targets: seq_len per sequence)."""
+        return [c * s.dataset.seq_len for c, s in zip(self.position.counts, self.sources)]
+
+    @property
+    def epochs(self) -> list[float]:
+        """Passes through each source's data so far (1.5: once and a half)."""
+        return [c / len(s.dataset) for c, s in zip(self.position.counts, self.sources)]
 
     def state_dict(self) -> dict:
-        """The same on every rank of the job: the global position, not this rank's."""
-        return {
-            "epoch": self.epoch,
-            "global_offset": self.global_offset,
-            "samples_per_epoch": self.samples_per_epoch,
-            "seed": self.seed,
-        }
+        """The same on every rank of the job: the group's position per source, not this rank's."""
+        return self.position.state()
 
     def load_state_dict(self, state: dict, strict: bool = True) -> None:
-        """Continue from `state`. strict: refuse a position saved for other data or another seed,
-        where the order of samples differs, so the position would not mean the same samples."""
-        epoch, offset = int(state["epoch"]), int(state["global_offset"])
+        """Continue from `state` (this loader's, or one written before the loaders were one: a single
+        source's {epoch, global_offset} or a blend's counts). strict: refuse a position saved for
+        other data, weights or seed, where the order differs and the position would not mean the
+        same samples."""
+        saved = saved_position(state, self.position)
         if strict:
-            for key, mine in (("samples_per_epoch", self.samples_per_epoch), ("seed", self.seed)):
-                if key in state and int(state[key]) != mine:
-                    raise ValueError(
-                        f"the saved data position is for {key} {int(state[key])}, this loader has {mine}: "
-                        f"the data, seq_len or seed changed, so the sample order differs; use the same ones "
-                        f"to resume, or load with strict=False to start at the same offset anyway"
-                    )
-        if not 0 <= offset <= self.samples_per_epoch:
-            offset = 0  # only reachable with strict=False on smaller data: start the epoch over
-        self.epoch, self.global_offset = epoch, offset
+            refuse_other_data(saved, state.get("seed"), self.position)
+        entries = (list(saved.values()) if len(saved) == 1 else
+                   [saved.get(name, {"epoch": 0, "offset": 0}) for name in self.position.names])
+        for s, entry in enumerate(entries):
+            epoch, offset = int(entry["epoch"]), int(entry["offset"])
+            if not 0 <= offset <= self.position.sizes[s]:
+                offset = 0  # only reachable with strict=False on smaller data: start the epoch over
+            self.position.epochs[s], self.position.offsets[s] = epoch, offset
         self._batches = None  # batches the workers fetched from the old position are dropped
 
 
-def build_dataloader(dataset: PackedDataset, **kwargs) -> ResumableDataLoader:
-    """The loader for one data-parallel rank (ResumableDataLoader's keyword arguments): pass
-    ParallelDims.dp_rank / dp_size, never the global rank."""
-    return ResumableDataLoader(dataset, **kwargs)
+def saved_position(state: dict, position: Position) -> dict:
+    """{name: {epoch, offset, windows?, weight?}} of any saved data state."""
+    if "global_offset" in state:  # a single source's, before the loaders were one
+        saved = {position.names[0]: {"epoch": int(state["epoch"]), "offset": int(state["global_offset"]),
+                                     **({"windows": int(state["samples_per_epoch"])} if "samples_per_epoch" in state
+                                        else {})}}
+    elif "blend" in state:  # a blend's counts, before the loaders were one: epochs run on
+        saved = {}
+        for name, count in state["blend"].items():
+            n = position.sizes[position.names.index(name)] if name in position.names else 1
+            epoch, offset = divmod(int(count), n)
+            saved[name] = {"epoch": epoch, "offset": offset, "weight": state.get("weights", {}).get(name)}
+    else:
+        saved = {name: dict(entry) for name, entry in state["sources"].items()}
+    if (len(saved) > 1) != (len(position.names) > 1):
+        raise ValueError(f"the saved data position is for the sources {', '.join(saved)}, this run reads "
+                         f"{', '.join(position.names)}: resume with the same data.source or data.sources")
+    return saved
+
+
+def refuse_other_data(saved: dict, seed, position: Position) -> None:
+    """The clear error when a saved position was for other sources, sizes, weights or seed."""
+    mine = {name: {"windows": n, "weight": w} for name, n, w in zip(position.names, position.sizes, position.weights)}
+    if len(saved) == 1:  # one source: its name (the path) may move; its windows and seed must not
+        saved, mine = {"": next(iter(saved.values()))}, {"": next(iter(mine.values()))}
+    differs = set(saved) != set(mine) or (seed is not None and int(seed) != position.seed) or any(
+        saved[n].get(key) is not None and abs(saved[n][key] - mine[n][key]) > 1e-12
+        for n in mine for key in ("windows", "weight"))
+    if differs:
+        was = {n: {k: v for k, v in e.items() if k in ("windows", "weight") and v is not None} for n, e in saved.items()}
+        raise ValueError(f"the saved data position is for {was} with seed {seed}, this run reads {mine} with seed "
+                         f"{position.seed}: the data, seq_len, weights or seed changed, so the sample order differs; "
+                         "use the same ones to resume, or load with strict=False to start at the same offset anyway")
+
+
+def build_dataloader(data, **kwargs) -> ResumableDataLoader:
+    """The loader for one data-parallel rank (ResumableDataLoader's keyword arguments; pass
+    ParallelDims.dp_rank / dp_size, never the global rank) over one PackedDataset, or over
+    (name, weight, PackedDataset) triples, a blend (the weights are normalised)."""
+    if isinstance(data, PackedDataset):
+        return ResumableDataLoader([Source(kwargs.pop("name", "") or "data.source", 1.0, data)], **kwargs)
+    total = sum(w for _, w, _ in data)
+    return ResumableDataLoader([Source(n, w / total, d) for n, w, d in data], **kwargs)
 
 
 def check_dataset_size(

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from hybridpar.data.loader import PackedDataset, ResumableDataLoader, build_dataloader, check_dataset_size
-from hybridpar.data.blend import blend_loader
 from hybridpar.data.formats import source_documents
 from hybridpar.data.sources import resolve_sources, source_bytes, source_id, source_name
 from hybridpar.data.store import TokenStore, is_store
@@ -20,33 +19,39 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "hybridpar"
 
 
-def build_data(d, on_progress: Optional[Callable[[str], None]] = None
-               ) -> tuple[Tokenizer, PackedDataset, Optional[PackedDataset]]:
-    """From the config's [data] section (one source): the tokenizer (given, the store's, or trained
-    on the source and cached), the token store (data.source itself, or prepared into the cache by
-    every process that asks, each taking units of it) and its seq_len + 1 windows, and the
-    validation windows when the config asks for them (data.val_source, or data.val_fraction of the
-    source's documents). Rank 0 reports the preparation's progress; `on_progress(text)` hears of
-    it in every process."""
-    tokenizer = _tokenizer_for(d, [d.source])
-    train, validation = _stores_for(d, d.source, d.text_field, tokenizer, on_progress)
-    if d.val_source:
-        validation = _stores_for(d, d.val_source, d.text_field, tokenizer, on_progress, split=False)[0]
-    return tokenizer, PackedDataset(train, d.seq_len), _validation_windows(d, validation)
+def source_entries(d) -> list[dict]:
+    """data.sources, or data.source as a blend of one (weight 1, named by its path)."""
+    if d.sources:
+        return d.sources
+    return [{"name": d.source, "source": d.source, "weight": 1.0, "text_field": d.text_field}]
 
 
-def build_blend(d, on_progress: Optional[Callable[[str], None]] = None
-                ) -> tuple[Tokenizer, list[tuple[str, float, PackedDataset]], dict[str, PackedDataset]]:
-    """data.sources: one tokenizer for all, and per source (name, weight, windows) and its validation
-    windows (with data.val_fraction, each source's own held-out documents)."""
-    tokenizer = _tokenizer_for(d, [e["source"] for e in d.sources])
+def build_sources(d, on_progress: Optional[Callable[[str], None]] = None
+                  ) -> tuple[Tokenizer, list[tuple[str, float, PackedDataset]], dict[str, PackedDataset]]:
+    """From the config's [data] section: one tokenizer for every source (given, a store's, or trained
+    on the sources and cached), and per source (name, weight, its seq_len + 1 windows) of its token
+    store (the source itself, or prepared into the cache by every process that asks, each taking
+    units of it), and {name: validation windows} where the config asks for them (data.val_source,
+    or data.val_fraction of each source's own documents). Rank 0 reports the preparation's
+    progress; `on_progress(text)` hears of it in every process."""
+    entries = source_entries(d)
+    tokenizer = _tokenizer_for(d, [e["source"] for e in entries])
     sources, validation = [], {}
-    for entry in d.sources:
+    for entry in entries:
         train, held_out = _stores_for(d, entry["source"], entry.get("text_field", d.text_field), tokenizer, on_progress)
         sources.append((entry["name"], entry["weight"], PackedDataset(train, d.seq_len)))
+        if d.val_source:  # a single source's
+            held_out = _stores_for(d, d.val_source, d.text_field, tokenizer, on_progress, split=False)[0]
         if held_out is not None:
-            validation[entry["name"]] = _validation_windows(d, held_out, entry["name"])
+            validation[entry["name"]] = _validation_windows(d, held_out, entry["name"] if d.sources else "")
     return tokenizer, sources, validation
+
+
+def build_data(d, on_progress: Optional[Callable[[str], None]] = None
+               ) -> tuple[Tokenizer, PackedDataset, Optional[PackedDataset]]:
+    """build_sources of a single data.source: (tokenizer, its windows, its validation windows or None)."""
+    tokenizer, [(name, _, windows)], validation = build_sources(d, on_progress)
+    return tokenizer, windows, validation.get(name)
 
 
 def _tokenizer_for(d, sources: list[str]) -> Tokenizer:
@@ -128,34 +133,20 @@ def _tokenizer_text(d, source) -> Iterator[str]:
 
 def build_training_data(config, parallel, on_tokenizer: Optional[Callable[[Tokenizer], None]] = None,
                         on_progress: Optional[Callable[[str], None]] = None
-                        ) -> tuple[Tokenizer, PackedDataset, ResumableDataLoader, Optional[PackedDataset]]:
+                        ) -> tuple[Tokenizer, ResumableDataLoader, Optional[dict[str, PackedDataset]]]:
     """The training data of a config (its [data] and [train] sections) for this rank of `parallel`:
-    build_data, a dataset large enough for one global batch, the loader keyed by the
-    data-parallel coordinates, and the validation windows (None without a validation split).
-    `on_tokenizer(tokenizer)` runs before the size check and the loader (the trainer fits the
-    model's vocabulary to the tokenizer there)."""
+    build_sources, the loader keyed by the data-parallel coordinates (one source or a blend alike),
+    and the validation windows per source (None without a validation split). `on_tokenizer(tokenizer)`
+    runs before the size check and the loader (the trainer fits the model's vocabulary to the
+    tokenizer there)."""
     d, grad_accum = config.data, config.train.grad_accum
-    if d.sources:
-        return _blend_training_data(config, parallel, on_tokenizer, on_progress)
-    tokenizer, dataset, val_dataset = build_data(d, on_progress)
+    tokenizer, sources, validation = build_sources(d, on_progress)
     if on_tokenizer is not None:
         on_tokenizer(tokenizer)
-    check_dataset_size(dataset, d.micro_batch_size * grad_accum * parallel.dp_size,
-                       micro_batch_size=d.micro_batch_size, grad_accum=grad_accum, dp_size=parallel.dp_size)
-    loader = build_dataloader(dataset, dp_rank=parallel.dp_rank, dp_size=parallel.dp_size,
+    if len(sources) == 1:  # a single source's epochs are whole global batches: one at least
+        check_dataset_size(sources[0][2], d.micro_batch_size * grad_accum * parallel.dp_size,
+                           micro_batch_size=d.micro_batch_size, grad_accum=grad_accum, dp_size=parallel.dp_size)
+    loader = build_dataloader(sources, dp_rank=parallel.dp_rank, dp_size=parallel.dp_size,
                               micro_batch_size=d.micro_batch_size, seed=d.seed, num_workers=d.num_workers,
-                              on_exhausted=d.on_exhausted, name=d.source)
-    return tokenizer, dataset, loader, val_dataset
-
-
-def _blend_training_data(config, parallel, on_tokenizer, on_progress):
-    """build_training_data for data.sources: the loader is a BlendedLoader (it also stands for the
-    dataset: its length is every source's sequences), validation {name: windows} or None."""
-    d = config.data
-    tokenizer, sources, validation = build_blend(d, on_progress)
-    if on_tokenizer is not None:
-        on_tokenizer(tokenizer)
-    loader = blend_loader(sources, dp_rank=parallel.dp_rank, dp_size=parallel.dp_size,
-                          micro_batch_size=d.micro_batch_size, seed=d.seed, on_exhausted=d.on_exhausted)
-    return tokenizer, loader, loader, validation or None
-
+                              on_exhausted=d.on_exhausted)
+    return tokenizer, loader, validation or None

@@ -277,9 +277,9 @@ def build_loader(job, parallel: ParallelDims):
     from ..data.sources import resolved
 
     if isinstance(job, Config):
-        return build_training_data(job, parallel)[2]
+        return build_training_data(job, parallel)[1]
     with resolved(job.sources):
-        return build_training_data(job.config, parallel)[2]
+        return build_training_data(job.config, parallel)[1]
 
 
 def first_step_batches(loader, grad_accum: int) -> list:

@@ -31,25 +31,33 @@ def windows_evaluated(n_windows: int, eval_steps: int, global_batch: int) -> int
 
 
 class Validator:
-    """`validator(model)` -> {"val_loss", "val_ppl", "val_tokens"} on every rank of the mesh."""
+    """`validator(model)` -> {"val_loss", "val_ppl", "val_tokens"} on every rank of the mesh, over
+    each source's held-out windows ({name: PackedDataset}); with several sources (a blend) also
+    "val_loss/<name>" per source, "val_loss" over all of their tokens together."""
 
-    def __init__(self, dataset: PackedDataset, parallel: ParallelDims, *, micro_batch_size: int, eval_steps: int,
-                 global_batch: int, at: Callable[[str], None] = lambda phase: None) -> None:
-        self.dataset, self.parallel, self.micro_batch_size = dataset, parallel, micro_batch_size
-        self.n = windows_evaluated(len(dataset), eval_steps, global_batch)
+    def __init__(self, datasets: dict[str, PackedDataset], parallel: ParallelDims, *, micro_batch_size: int,
+                 eval_steps: int, global_batch: int, at: Callable[[str], None] = lambda phase: None) -> None:
+        self.datasets, self.parallel, self.micro_batch_size = dict(datasets), parallel, micro_batch_size
+        self.n = {name: windows_evaluated(len(d), eval_steps, global_batch) for name, d in self.datasets.items()}
         self.at = at  # told where the evaluation is (the watchdog's phase)
         self._checked = False  # this rank's windows read once before any forward (_check_windows)
 
-    def _micro_batch(self, first: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's windows from `first` on: (inputs, targets), past the end padded and ignored."""
-        windows, real = [], []
+    def _micro_batch(self, name: str, first: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's windows of source `name` from `first` on: (inputs, targets), past the end
+        padded and ignored."""
+        windows, real, n = [], [], self.n[name]
         for i in range(first, first + self.micro_batch_size):
-            windows.append(self.dataset[i if i < self.n else 0])
-            real.append(i < self.n)
+            windows.append(self.datasets[name][i if i < n else 0])
+            real.append(i < n)
         batch = torch.stack(windows)
         inputs, targets = batch[:, :-1].contiguous(), batch[:, 1:].clone()
         targets[~torch.tensor(real)] = IGNORE_INDEX
         return inputs, targets
+
+    def _passes(self):
+        """(source, first window of the pass) of every forward pass, the same on every rank."""
+        per_pass = self.micro_batch_size * self.parallel.dp_size
+        return [(name, start) for name, n in self.n.items() for start in range(0, n, per_pass)]
 
     def _check_windows(self) -> None:
         """The first time: read this rank's windows before any forward, so that a damaged store
@@ -60,8 +68,8 @@ class Validator:
             return
         p, error = self.parallel, None
         try:
-            for start in range(0, self.n, self.micro_batch_size * p.dp_size):
-                self._micro_batch(start + p.dp_rank * self.micro_batch_size)
+            for name, start in self._passes():
+                self._micro_batch(name, start + p.dp_rank * self.micro_batch_size)
         except StoreDamagedError as err:
             error = err
         flag = torch.tensor([float(error is not None)], device=p.device)
@@ -75,38 +83,26 @@ class Validator:
         p, device = self.parallel, self.parallel.device
         per_pass = self.micro_batch_size * p.dp_size
         self._check_windows()
-        totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, target count
+        names = list(self.datasets)
+        totals = torch.zeros(len(names), 2, dtype=torch.float64, device=device)  # per source: loss sum, targets
         was_training = model.training
         model.eval()
         try:
-            for start in range(0, self.n, per_pass):
-                self.at(f"validation: windows {start}-{min(start + per_pass, self.n) - 1} of {self.n}")
-                inputs, targets = self._micro_batch(start + p.dp_rank * self.micro_batch_size)
+            for name, start in self._passes():
+                n, row = self.n[name], names.index(name)
+                self.at(f"validation: windows {start}-{min(start + per_pass, n) - 1} of {n}"
+                        + (f" of {name}" if len(names) > 1 else ""))
+                inputs, targets = self._micro_batch(name, start + p.dp_rank * self.micro_batch_size)
                 inputs, targets = inputs.to(device), targets.to(device)
                 loss = vocab_parallel_cross_entropy(model(inputs), targets, parallel=p, reduction="sum")
-                totals[0] += loss.double()
-                totals[1] += (targets != IGNORE_INDEX).sum()
+                totals[row, 0] += loss.double()
+                totals[row, 1] += (targets != IGNORE_INDEX).sum()
         finally:
             model.train(was_training)
         dist.all_reduce(totals, group=p.dp_group)
-        loss = (totals[0] / totals[1]).item()
-        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)), "val_tokens": int(totals[1].item())}
-
-
-class BlendValidator:
-    """A blend's validation: each source's held-out windows on their own ("val_loss/<name>"), and
-    "val_loss" over all of their tokens together."""
-
-    def __init__(self, datasets: dict, parallel: ParallelDims, **kwargs) -> None:
-        self.validators = {name: Validator(d, parallel, **kwargs) for name, d in datasets.items()}
-
-    def __call__(self, model: torch.nn.Module) -> dict:
-        out, loss_sum, tokens = {}, 0.0, 0
-        for name, validator in self.validators.items():
-            result = validator(model)
-            out[f"val_loss/{name}"] = result["val_loss"]
-            loss_sum += result["val_loss"] * result["val_tokens"]
-            tokens += result["val_tokens"]
-        loss = loss_sum / tokens
-        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)), "val_tokens": tokens, **out}
-
+        whole = totals.sum(0)
+        loss = (whole[0] / whole[1]).item()
+        out = {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)), "val_tokens": int(whole[1].item())}
+        if len(names) > 1:
+            out.update({f"val_loss/{name}": (totals[i, 0] / totals[i, 1]).item() for i, name in enumerate(names)})
+        return out

@@ -41,7 +41,7 @@ from ..preflight import Job, as_job, world_size_from_env
 from ..progress import note
 from ..mesh.ranks import mark_every_rank, wait_for_every_rank
 from . import data_stop, stop as stopping
-from .evaluate import BlendValidator, Validator
+from .evaluate import Validator
 from .clock import StepClock
 from .dashboard import plot_dashboard
 from .metrics import (MetricsWriter, WandbSettings, flops_per_token, measure_matmul_peak, memory_bytes, log_row,
@@ -102,7 +102,7 @@ class Trainer:
         # A preparation's progress changes the phase: the watchdog sees progress, not a hang. The
         # sources were walked by resolve_job: the data answers from its table.
         with resolved(self.job.sources):
-            self.tokenizer, self.dataset, self.loader, self.val_dataset = build_training_data(
+            self.tokenizer, self.loader, self.val_dataset = build_training_data(
                 c, p, on_tokenizer=self._fit_vocab, on_progress=lambda text: phase(f"data: {text}"))
         phase("data: waiting for every rank's data")
         wait_for_every_rank("data")  # nodes preparing into caches of their own may finish minutes apart
@@ -133,9 +133,7 @@ class Trainer:
         self.flops_per_token = flops_per_token(self.args, c.data.seq_len)
         evaluation = dict(micro_batch_size=c.data.micro_batch_size, eval_steps=c.train.eval_steps,
                           global_batch=self.global_batch, at=self.supervisor.phase)
-        self.validator = None if self.val_dataset is None else (
-            BlendValidator(self.val_dataset, p, **evaluation) if isinstance(self.val_dataset, dict)
-            else Validator(self.val_dataset, p, **evaluation))
+        self.validator = None if self.val_dataset is None else Validator(self.val_dataset, p, **evaluation)
         self.validation: Optional[dict] = None  # the last validation result
         self.eval_seconds = 0.0
         self.profiler = StepProfiler(profile_range(c.train.profile_steps), self.run_dir, p)
@@ -301,7 +299,7 @@ class Trainer:
                 f"hybridpar: {self.args.num_params() / 1e6:.1f}M parameters, {self.parallel.world_size} ranks = "
                 f"dp_replicate {self.parallel.dp_replicate} x dp_shard {self.parallel.dp_shard} x mp {self.parallel.mp}, "
                 f"{c.fsdp.sharding_strategy}, global batch {self.global_batch} x {c.data.seq_len} tokens, "
-                f"{len(self.dataset)} sequences in the data")
+                f"{self.loader.windows} sequences in the data")
         if self.validator is None and (c.train.eval_every or c.train.eval_steps) and self.is_main:
             log.warning("hybridpar: warning: train.eval_every / train.eval_steps are set, but there is no validation "
                         "data: set data.val_fraction or data.val_source")

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from hybridpar.config import ConfigError, load_config
-from hybridpar.data.blend import SourceExhaustedError, blend_loader, next_sources
+from hybridpar.data.blend import next_sources
+from hybridpar.data.loader import SourceExhaustedError, build_dataloader as blend_loader
 from tests.runs import make_config
 
 WEIGHTS = {"web": 0.5, "code": 0.3, "math": 0.2}
@@ -96,10 +97,13 @@ def test_a_source_that_runs_out_repeats_said_once_or_stops_the_run(capsys):
         inputs, _ = next(loader)
         for row in inputs.tolist():
             seen[row[0]].append(row[1])
-    assert loader.counts == [32, 8] and loader.epochs[1] == 8 / 3
-    epochs = [[int(loader._window(1, k)[1]) for k in range(e * 3, e * 3 + 3)] for e in range(3)]
-    assert all(sorted(e) == [0, 1, 2] for e in epochs) and len({tuple(e) for e in epochs}) > 1, epochs  # new orders
+    assert loader.position.counts == [32, 8] and loader.epochs[1] == 8 / 3
     err = capsys.readouterr().err
+    whole = blend_loader(sources, dp_rank=0, dp_size=1, micro_batch_size=10, seed=0)  # the group's order
+    small = [row[1] for _ in range(4) for row in next(whole)[0].tolist() if row[0] == 2]
+    assert set(seen[2]) <= set(small) and len(small) == 8
+    epochs = [small[e * 3:e * 3 + 3] for e in range(2)]  # two whole epochs, the third begun
+    assert all(sorted(e) == [0, 1, 2] for e in epochs) and len({tuple(e) for e in epochs}) > 1, epochs  # new orders
     assert err.count("source 'small' ran out after 3 sequences; repeating it") == 1  # said once
     stopping = blend_loader(sources, dp_rank=0, dp_size=2, micro_batch_size=5, seed=0, on_exhausted="stop")
     next(stopping)  # 2 of small's 3
@@ -154,22 +158,21 @@ def _config(sources: str, cache: Path, folder: Path, run_dir: Path, layout: tupl
 
 
 def _case_blend(config) -> dict:
-    """Train; rank 0 returns the losses, each step's (source, sequence number) of the whole global
-    batch, the validation row and the summary's sources."""
+    """Train; rank 0 returns the losses, each micro-batch's (source, window) of the whole group, the validation row and the summary's sources."""
     import torch.distributed as dist
 
     from hybridpar.train import Trainer
 
     trainer = Trainer(config)
     start, batches = trainer.step, []
-    asked = trainer.loader.positions
+    asked = trainer.loader.position.group
 
     def recorded(n: int):
         out = asked(n)
         batches.append(out)
         return out
 
-    trainer.loader.positions = recorded
+    trainer.loader.position.group = recorded
     history = trainer.run()
     if dist.get_rank() != 0:
         return {}

@@ -348,10 +348,10 @@ def test_training_refuses_a_damaged_manifest_in_one_line(workers, corpus, run_to
 
 
 def test_a_single_source_loader_stops_at_the_end_of_its_epoch_where_it_was(store):
-    from hybridpar.data.loader import PackedDataset, ResumableDataLoader, SourceExhaustedError
+    from hybridpar.data.loader import PackedDataset, SourceExhaustedError, build_dataloader
 
     dataset = PackedDataset(TokenStore(store), 32)
-    loaders = [ResumableDataLoader(dataset, dp_rank=r, dp_size=2, micro_batch_size=100, seed=0, on_exhausted="stop",
+    loaders = [build_dataloader(dataset, dp_rank=r, dp_size=2, micro_batch_size=100, seed=0, on_exhausted="stop",
                                    name="corpus") for r in range(2)]
     epoch = len(dataset) // 2 // 100
     for _ in range(epoch):
@@ -362,19 +362,19 @@ def test_a_single_source_loader_stops_at_the_end_of_its_epoch_where_it_was(store
                                                        rf"{epoch * 200:,} sequences"):
             next(loader)
         assert loader.state_dict() == position
-    repeating = ResumableDataLoader(dataset, dp_rank=0, dp_size=2, micro_batch_size=100, seed=0)
+    repeating = build_dataloader(dataset, dp_rank=0, dp_size=2, micro_batch_size=100, seed=0)
     for _ in range(epoch + 1):
         next(repeating)
-    assert repeating.epoch == 1
+    assert repeating.position.epochs == [1]
 
 
 def test_a_damage_met_in_a_dataloader_worker_is_one_line(store):
     """data.num_workers > 0: the worker's error arrives wrapped in its traceback; the stop's line is its last."""
-    from hybridpar.data.loader import PackedDataset, ResumableDataLoader
+    from hybridpar.data.loader import PackedDataset, build_dataloader
     from hybridpar.train import data_stop
 
     _flip(store / TokenStore(store).shards[0]["name"], 10)
-    loader = ResumableDataLoader(PackedDataset(TokenStore(store), 32), dp_rank=0, dp_size=1, micro_batch_size=2000,
+    loader = build_dataloader(PackedDataset(TokenStore(store), 32), dp_rank=0, dp_size=1, micro_batch_size=2000,
                                  seed=0, num_workers=1)
     before = loader.state_dict()
     batches, error = data_stop.fetch(loader, 1)
@@ -386,8 +386,7 @@ def test_a_damage_met_in_a_dataloader_worker_is_one_line(store):
 def test_a_damage_met_through_a_blend_is_one_line_and_keeps_its_place(store):
     """The blend's loader meets the flipped chunk like the single source's: the file and the chunk named,
     its position (the counts a checkpoint saves) back where it was."""
-    from hybridpar.data.blend import blend_loader
-    from hybridpar.data.loader import PackedDataset
+    from hybridpar.data.loader import PackedDataset, build_dataloader as blend_loader
     from hybridpar.train import data_stop
 
     path = store / TokenStore(store).shards[0]["name"]

@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from hybridpar.data import DistributedSampler, PackedDataset, build_dataloader, check_dataset_size, check_vocab
+from hybridpar.data import PackedDataset, build_dataloader, check_dataset_size, check_vocab
 from tests.data.stubs import numbered_token_file
 from tests.distributed import parallel_dims
 
@@ -45,50 +45,41 @@ def test_packed_windows_overlap_by_one_token(tmp_path):
         PackedDataset(tf, 0)
 
 
+def position(loader):
+    """(epoch, windows of it consumed) of a single source's loader, from its saved state."""
+    (entry,) = loader.state_dict()["sources"].values()
+    return entry["epoch"], entry["offset"]
+
+
 @pytest.mark.parametrize("dp_size", [1, 3])
-def test_sampler_equals_torch_at_offset_zero(tmp_path, dp_size):
+def test_one_source_reads_in_torchs_distributed_sampler_order(tmp_path, dp_size):
+    """The order a single source always had: torch's DistributedSampler (shuffle, drop_last) at each epoch."""
     ds = numbered_dataset(tmp_path, 20)
-    for rank, epoch in itertools.product(range(dp_size), (0, 1)):
-        ours = DistributedSampler(ds, dp_rank=rank, dp_size=dp_size, seed=5)
-        theirs = torch.utils.data.DistributedSampler(ds, num_replicas=dp_size, rank=rank, shuffle=True, seed=5, drop_last=True)
-        ours.set_epoch(epoch)
-        theirs.set_epoch(epoch)
-        assert list(ours) == list(theirs) and len(ours) == len(theirs)
+    for rank in range(dp_size):
+        ours = build_dataloader(ds, dp_rank=rank, dp_size=dp_size, micro_batch_size=2, seed=5)
+        theirs = []
+        for epoch in (0, 1):
+            sampler = torch.utils.data.DistributedSampler(ds, num_replicas=dp_size, rank=rank, shuffle=True, seed=5,
+                                                          drop_last=True)
+            sampler.set_epoch(epoch)
+            theirs += [[ds[i][0].item() for i in batch] for batch in
+                       torch.utils.data.BatchSampler(sampler, 2, drop_last=True)]
+        assert [next(ours)[0][:, 0].tolist() for _ in theirs] == theirs
 
 
 @pytest.mark.parametrize("dp_size", [1, 2, 4])
 def test_each_window_seen_once_per_epoch_across_dp_ranks(tmp_path, dp_size):
     n = 37
     ds = numbered_dataset(tmp_path, n)
+    loaders = [build_dataloader(ds, dp_rank=r, dp_size=dp_size, micro_batch_size=1, seed=11) for r in range(dp_size)]
     orders = []
     for epoch in (0, 1):
-        per_rank = []
-        for rank in range(dp_size):
-            sampler = DistributedSampler(ds, dp_rank=rank, dp_size=dp_size, seed=11)
-            sampler.set_epoch(epoch)
-            per_rank.append(list(sampler))
-        assert len({len(r) for r in per_rank}) == 1  # every rank takes the same number of steps
+        per_rank = [[w for x, _ in take(loader, n // dp_size) for w in window_ids(x)] for loader in loaders]
         seen = [i for r in per_rank for i in r]
         assert len(seen) == len(set(seen)) == dp_size * (n // dp_size)  # no repeats, < dp_size dropped
         assert sorted(seen) == sorted(epoch_permutation(n, 11, epoch)[: len(seen)])
         orders.append(per_rank[0])
     assert orders[0] != orders[1]  # reshuffled each epoch
-
-
-def test_sampler_position_state_and_set_epoch(tmp_path):
-    ds = numbered_dataset(tmp_path, 30)
-    sampler = DistributedSampler(ds, dp_rank=1, dp_size=2, seed=0)
-    sampler.load_state_dict({"epoch": 3, "global_offset": 10})
-    assert sampler.state_dict() == {"epoch": 3, "global_offset": 10}
-    sampler.set_epoch(3)  # a training loop's set_epoch right after restoring keeps the position
-    perm = epoch_permutation(30, 0, 3)
-    assert list(sampler) == perm[11:30:2] and len(sampler) == 10
-    sampler.set_epoch(4)
-    assert sampler.state_dict() == {"epoch": 4, "global_offset": 0}
-    with pytest.raises(ValueError, match="global_offset 31 is outside an epoch of 30 samples"):
-        sampler.load_state_dict({"epoch": 0, "global_offset": 31})
-    with pytest.raises(ValueError, match=r"dp_rank must be in \[0, 1\] for dp_size 2, got 2"):
-        DistributedSampler(ds, dp_rank=2, dp_size=2)
 
 
 def test_loader_yields_shifted_int64_batches_forever(tmp_path):
@@ -100,9 +91,9 @@ def test_loader_yields_shifted_int64_batches_forever(tmp_path):
     assert inputs.is_contiguous() and targets.is_contiguous()
     assert window_ids(inputs) == epoch_permutation(10, 1)[:4]
     next(loader)  # 10 windows // 4 = 2 batches per epoch
-    assert loader.state_dict()["epoch"] == 0 and loader.state_dict()["global_offset"] == 8
+    assert position(loader) == (0, 8)
     third, _ = next(loader)
-    assert loader.state_dict()["epoch"] == 1 and loader.state_dict()["global_offset"] == 4
+    assert position(loader) == (1, 4)
     assert window_ids(third) == epoch_permutation(10, 1, epoch=1)[:4]
     assert len(take(loader, 20)) == 20
 
@@ -138,7 +129,7 @@ def test_position_saved_at_dp2_resumes_at_other_dp_sizes(tmp_path, new_dp):
     old = [build_dataloader(ds, dp_rank=r, dp_size=2, micro_batch_size=batch, seed=seed) for r in range(2)]
     seen = [w for loader in old for x, _ in take(loader, 3) for w in window_ids(x)]
     states = [loader.state_dict() for loader in old]
-    assert states[0] == states[1] and states[0]["global_offset"] == 12
+    assert states[0] == states[1] and position(old[0]) == (0, 12)
     assert sorted(seen) == sorted(perm[:12])
 
     new = [build_dataloader(ds, dp_rank=r, dp_size=new_dp, micro_batch_size=batch, seed=seed) for r in range(new_dp)]
@@ -146,27 +137,27 @@ def test_position_saved_at_dp2_resumes_at_other_dp_sizes(tmp_path, new_dp):
     for loader in new:
         loader.load_state_dict(states[0])
         ids = [w for x, _ in take(loader, (n - 12) // new_dp // batch) for w in window_ids(x)]
-        assert loader.state_dict()["epoch"] == 0
+        assert position(loader)[0] == 0
         rest_per_rank.append(ids)
     rest = [w for ids in rest_per_rank for w in ids]
     assert len(rest) == len(set(rest)) and not set(rest) & set(seen)
     assert sorted(rest) == sorted(perm[12:])  # exactly the samples of the epoch not yet seen
     assert rest_per_rank[0][: batch] == perm[12 : 12 + batch * new_dp : new_dp]  # rank r reads perm[offset + r :: D]
     next(new[0])
-    assert new[0].state_dict()["epoch"] == 1
+    assert position(new[0])[0] == 1
 
 
 def test_strict_resume_refuses_other_data_or_seed(tmp_path):
     ds = numbered_dataset(tmp_path, 20)
     state = build_dataloader(ds, dp_rank=0, dp_size=1, micro_batch_size=2, seed=0).state_dict()
     other = build_dataloader(numbered_dataset(tmp_path, 21), dp_rank=0, dp_size=1, micro_batch_size=2, seed=0)
-    with pytest.raises(ValueError, match="saved data position is for samples_per_epoch 20, this loader has 21"):
+    with pytest.raises(ValueError, match=r"saved data position is for .*'windows': 20.* this run reads .*'windows': 21"):
         other.load_state_dict(state)
     reseeded = build_dataloader(ds, dp_rank=0, dp_size=1, micro_batch_size=2, seed=1)
-    with pytest.raises(ValueError, match="for seed 0, this loader has 1"):
+    with pytest.raises(ValueError, match="with seed 0, this run reads .* with seed 1"):
         reseeded.load_state_dict(state)
-    reseeded.load_state_dict({**state, "global_offset": 4}, strict=False)
-    assert reseeded.state_dict()["global_offset"] == 4
+    reseeded.load_state_dict({"epoch": 0, "global_offset": 4, "samples_per_epoch": 20, "seed": 0}, strict=False)
+    assert position(reseeded) == (0, 4)
 
 
 def test_dataset_smaller_than_a_global_batch_is_a_clear_error(tmp_path):

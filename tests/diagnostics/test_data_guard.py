@@ -46,9 +46,9 @@ def _case_first_step(config, mistake):
     trainer = Trainer(config)
     common = dict(micro_batch_size=config.data.micro_batch_size, seed=0)
     if mistake == "global rank":  # the classic: torch's sampler given dist.get_rank() / world size
-        trainer.loader = build_dataloader(trainer.dataset, dp_rank=dist.get_rank(), dp_size=dist.get_world_size(), **common)
+        trainer.loader = build_dataloader(trainer.loader.sources[0].dataset, dp_rank=dist.get_rank(), dp_size=dist.get_world_size(), **common)
     elif mistake == "no sampler":  # every rank reads the whole dataset in the same order
-        trainer.loader = build_dataloader(trainer.dataset, dp_rank=0, dp_size=1, **common)
+        trainer.loader = build_dataloader(trainer.loader.sources[0].dataset, dp_rank=0, dp_size=1, **common)
     try:
         trainer.train_step()  # step 1: the guard runs here
     except DataGuardError as err:

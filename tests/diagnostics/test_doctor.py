@@ -125,7 +125,7 @@ def _case_data_guard(config):
     same_as_trainer = all(torch.equal(a, b) for a, b in zip(batches[0], trainer_batch))
     good = guard_batches(parallel, batches)
     # The classic mistake: the sampler keyed by the global rank splits each model-parallel group.
-    broken = build_dataloader(loader.dataset, dp_rank=dist.get_rank(), dp_size=dist.get_world_size(),
+    broken = build_dataloader(loader.sources[0].dataset, dp_rank=dist.get_rank(), dp_size=dist.get_world_size(),
                               micro_batch_size=config.data.micro_batch_size, seed=config.data.seed)
     bad = guard_batches(parallel, first_step_batches(broken, 1))
     config.data.source = str(Path(config.output.run_dir) / "missing.jsonl")

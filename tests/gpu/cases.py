@@ -133,11 +133,11 @@ def gather_to_matches(parallel, device: str) -> int:
 def loaded_batch(device: str) -> tuple[bool, bool]:
     """(the loader's batch is in pinned memory, the batch on `device` equals it) for hybridpar's
     ResumableDataLoader with its default pin_memory, moved as the training step moves it."""
-    from hybridpar.data.loader import PackedDataset, ResumableDataLoader
+    from hybridpar.data.loader import PackedDataset, build_dataloader
 
     n = 64 * 17 + 1
     store = SimpleNamespace(tokens=np.arange(n, dtype=np.int64) % 500, n_tokens=n)
-    loader = ResumableDataLoader(PackedDataset(store, 16), dp_rank=0, dp_size=1, micro_batch_size=4, seed=0)
+    loader = build_dataloader(PackedDataset(store, 16), dp_rank=0, dp_size=1, micro_batch_size=4, seed=0)
     inputs, targets = next(loader)
     pinned = inputs.is_pinned() and targets.is_pinned()
     moved = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)  # train/step.py's way

@@ -159,10 +159,10 @@ def job_id(submitted: subprocess.CompletedProcess) -> str:
 
 def sbatch_wait(cluster: Cluster, run_dir: Path, output: Path, steps: int, corpus, *, every: int = 2,
                 overrides: Sequence[str] = (), **env) -> tuple[str, Path]:
-    """Submit with `sbatch --wait`; returns the job's output and its job folder."""
+    """Submit and wait until the job ends (exit code 0 asserted); returns its output and its job folder."""
     result = submit(cluster, run_dir, output, steps, corpus, every=every, overrides=overrides, wait=True, **env)
     log = output.read_text() if output.exists() else ""
-    assert result.returncode == 0, f"sbatch --wait exited {result.returncode}\n{result.stderr}\n{log[-6000:]}\n{cluster.logs()}"
+    assert result.returncode == 0, f"the job exited {result.returncode}\n{result.stderr}\n{log[-6000:]}\n{cluster.logs()}"
     return log, run_dir / f"job-{job_id(result)}"
 
 

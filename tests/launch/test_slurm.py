@@ -1,5 +1,5 @@
 """launch/slurm.sh on a real Slurm cluster (tests/launch/cluster.py: slurmd "nodes" on this machine),
-`sbatch --wait`, 2 nodes x 2 CPU ranks (mp 2 x dp 2, gloo)."""
+sbatch, waited for, 2 nodes x 2 CPU ranks (mp 2 x dp 2, gloo)."""
 
 from __future__ import annotations
 

@@ -68,14 +68,19 @@ class Cluster:
         `hurry`: start a requeued job as soon as Slurm's hold allows (StartTime=now), once `scontrol
         show job` contains `hurry` ("ExcNodeList=n": after launch/slurm.sh's update, which sets the
         excluded node and the start time together; before it, the job could start on that node)."""
-        state, hurried, ended_at = "", False, None
+        state, hurried, ended_at, settled_at = "", False, None, None
         while state != "COMPLETED":
             shown = self.run("scontrol", "show", "job", job).stdout
             state = re.search(r"JobState=(\S+)", shown).group(1)
             if (hurry is not None and hurry in shown and state == "PENDING" and "Reason=BeginTime" in shown
                     and not hurried):
-                # Otherwise backfill's next pass (up to 30 s) starts it: only the test's clock.
-                hurried = self.run("scontrol", "update", f"JobId={job}", "StartTime=now").returncode == 0
+                # Otherwise backfill's next pass (up to 30 s) starts it: only the test's clock. Not
+                # before the last start has left every node and 2 s have passed: slurmd refuses a
+                # credential made in the second its job's previous one was revoked ("credential revoked").
+                completing = self.run("sinfo", "-h", "-t", "completing", "-o", "%N").stdout.strip()
+                settled_at = None if completing else (settled_at or time.monotonic())
+                if settled_at is not None and time.monotonic() - settled_at >= 2:
+                    hurried = self.run("scontrol", "update", f"JobId={job}", "StartTime=now").returncode == 0
             # On a busy machine slurmctld may show a start's end (its srun step was cancelled) for a
             # moment before it applies the requeue the batch script asked for: final only when it stays.
             ended = state in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL")

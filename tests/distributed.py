@@ -7,6 +7,8 @@ size and every case is a module-level function sent to all ranks:
 
 A case that raises on any rank fails with every rank's traceback. A case that hangs (a collective
 one rank never joins) fails after `timeout` seconds and the pool is restarted for the next case.
+After a rank's failure the others get `grace` seconds to report theirs (ERROR_GRACE): a case that
+kills a rank on purpose, whose survivors hang in a collective, passes less.
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ class WorkerPool:
             self.procs.append(proc)
         self._collect(start_timeout, "start-up")
 
-    def _collect(self, timeout: float, what: str) -> list[Any]:
+    def _collect(self, timeout: float, what: str, grace: float = ERROR_GRACE) -> list[Any]:
         deadline = time.monotonic() + timeout
         results: dict[int, Any] = {}
         errors: dict[int, str] = {}
@@ -102,7 +104,7 @@ class WorkerPool:
                     pending.discard(rank)
             if errors:
                 # The other ranks are probably blocked in a collective the failed rank never joins.
-                deadline = min(deadline, time.monotonic() + ERROR_GRACE)
+                deadline = min(deadline, time.monotonic() + grace)
         if pending:
             self.close(force=True)  # hung ranks never read another message
         if pending or errors:
@@ -111,12 +113,13 @@ class WorkerPool:
             raise WorkerError(f"{what} failed on ranks {sorted(errors)}{hung}{detail}")
         return [results[r] for r in range(self.world_size)]
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = DEFAULT_CASE_TIMEOUT, **kwargs: Any) -> list[Any]:
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = DEFAULT_CASE_TIMEOUT,
+            grace: float = ERROR_GRACE, **kwargs: Any) -> list[Any]:
         if not self.alive:
             raise WorkerError("the worker pool was closed by an earlier failure")
         for conn in self.conns:
             conn.send((fn, args, kwargs))
-        return self._collect(timeout, f"{fn.__name__}{args}")
+        return self._collect(timeout, f"{fn.__name__}{args}", grace)
 
     @property
     def alive(self) -> bool:

@@ -181,26 +181,22 @@ def _case_die_during_save(config, die_at_step):
 
 
 @pytest.mark.slow
-def test_rank_killed_mid_save_leaves_the_previous_checkpoint(corpus, tmp_path):
+def test_rank_killed_mid_save_leaves_the_previous_checkpoint(workers, corpus, tmp_path):
     from hybridpar.checkpoint.dcp import latest_checkpoint
     from tests.distributed import WorkerError
 
     folder = tmp_path / "ckpt"
     config = _config(corpus, folder, tmp_path / "run", (2, 2, 1), **{"checkpoint.every": 2, "train.steps": 6})
-    pool = WorkerPool(4)
+    # The shared pool: the death ends it (the survivors hang in a collective: 2 s for their errors,
+    # then they are killed too), and workers(4) starts the next one, which the resume below uses.
     with pytest.raises(WorkerError, match="worker died"):
-        pool.run(_case_die_during_save, config, 4, timeout=120)
-    pool.close()
+        workers(4).run(_case_die_during_save, config, 4, timeout=120, grace=2.0)
     names = sorted(p.name for p in folder.iterdir())
     print(f"\nafter the crash: {names}")
     assert "step-00000002" in names and "step-00000004" not in names
     assert (folder / "step-00000004.partial" / ".metadata").exists()  # written, never committed
     assert latest_checkpoint(folder).name == "step-00000002"
-    pool = WorkerPool(4)
-    try:
-        resumed = pool.run(_case_run, config)[0]
-    finally:
-        pool.close()
+    resumed = workers(4).run(_case_run, config)[0]  # new processes: the old ones died with the pool
     assert resumed["start"] == 2 and len(resumed["losses"]) == 4
     # The retried step-4 save replaced the partial folder the crash left.
     assert sorted(p.name for p in folder.iterdir()) == ["step-00000002", "step-00000004", "step-00000006"]

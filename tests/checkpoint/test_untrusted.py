@@ -10,6 +10,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -194,23 +195,27 @@ def test_init_from_convert_generate_and_verify_refuse(runs, corpus, tmp_path):
                      "--prompt", "hello", "--max-new-tokens", "2"],
         "verify": ["verify", str(crafted)],
     }
-    for case, command in commands.items():
-        result = _hybridpar(*command, cwd=tmp_path)
+    # The processes run side by side (each reads the crafted folder, none writes where another reads).
+    with ThreadPoolExecutor(len(commands)) as pool:
+        results = dict(zip(commands, pool.map(lambda command: _hybridpar(*command, cwd=tmp_path), commands.values())))
+    for case, result in results.items():
         if case == "verify":  # a verdict per file: the .metadata line names the global
             lines = [line for line in result.stdout.splitlines() if line.startswith(".metadata: refused")]
             assert result.returncode == 1 and len(lines) == 1 and f"import {name}," in lines[0], result.stdout
             print(f"\n{case}: {lines[0]}")
         else:
             print(f"\n{case}: {_one_refusal(result, name)}")
-        assert not marker.exists(), case
+    assert not marker.exists(), f"one of {list(results)} ran the crafted checkpoint's code"
     # verify without a manifest (saved before checksums): the same refusal, from the structure check
     (crafted / "checksums.json").unlink()
-    result = _hybridpar("verify", str(crafted), cwd=tmp_path)
+    # ... and the genuine checkpoint beside it: verified, and converted (side by side, as above)
+    with ThreadPoolExecutor(3) as pool:
+        result, verified, converted = pool.map(lambda command: _hybridpar(*command, cwd=tmp_path), [
+            ["verify", str(crafted)], ["verify", str(genuine)],
+            ["convert", str(genuine), str(tmp_path / "hf"), "--to", "hf"]])
     assert result.returncode == 1 and f".metadata: refused: unpickling it would import {name}," in result.stdout
     assert not marker.exists()
-    # The genuine checkpoint beside it: verified, and converted
-    assert _hybridpar("verify", str(genuine), cwd=tmp_path).returncode == 0
-    converted = _hybridpar("convert", str(genuine), str(tmp_path / "hf"), "--to", "hf", cwd=tmp_path)
+    assert verified.returncode == 0, verified.stdout[-3000:]
     assert converted.returncode == 0, converted.stderr[-3000:]
 
 

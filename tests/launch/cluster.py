@@ -18,7 +18,7 @@ import subprocess
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator, Optional, Sequence
 
 import pytest
 
@@ -63,15 +63,24 @@ class Cluster:
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((self.folder / "log").glob("*.log")))
 
-    def wait_completed(self, job: str, deadline: float, log: Path, *, hurry: bool = False) -> str:
+    def wait_completed(self, job: str, deadline: float, log: Path, *, hurry: Optional[str] = None) -> str:
         """Wait until job `job` is COMPLETED, through its requeues; its `scontrol show job` then.
-        `hurry`: start a requeued job as soon as Slurm's hold allows (StartTime=now)."""
-        state, hurried, ended_at = "", False, None
+        `hurry`: start a requeued job as soon as Slurm's hold allows (StartTime=now), once `scontrol
+        show job` contains `hurry` ("ExcNodeList=n": after launch/slurm.sh's update, which sets the
+        excluded node and the start time together; before it, the job could start on that node)."""
+        state, hurried, ended_at, settled_at = "", False, None, None
         while state != "COMPLETED":
             shown = self.run("scontrol", "show", "job", job).stdout
             state = re.search(r"JobState=(\S+)", shown).group(1)
-            if hurry and state == "PENDING" and "Reason=BeginTime" in shown and not hurried:
-                hurried = self.run("scontrol", "update", f"JobId={job}", "StartTime=now").returncode == 0
+            if (hurry is not None and hurry in shown and state == "PENDING" and "Reason=BeginTime" in shown
+                    and not hurried):
+                # Otherwise backfill's next pass (up to 30 s) starts it: only the test's clock. Not
+                # before the last start has left every node and 2 s have passed: slurmd refuses a
+                # credential made in the second its job's previous one was revoked ("credential revoked").
+                completing = self.run("sinfo", "-h", "-t", "completing", "-o", "%N").stdout.strip()
+                settled_at = None if completing else (settled_at or time.monotonic())
+                if settled_at is not None and time.monotonic() - settled_at >= 2:
+                    hurried = self.run("scontrol", "update", f"JobId={job}", "StartTime=now").returncode == 0
             # On a busy machine slurmctld may show a start's end (its srun step was cancelled) for a
             # moment before it applies the requeue the batch script asked for: final only when it stays.
             ended = state in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL")
@@ -124,15 +133,27 @@ def job_env(cluster: Cluster, run_dir: Path, **env) -> dict:
 
 def submit(cluster: Cluster, run_dir: Path, output: Path, steps: int, corpus, *, every: int = 2,
            overrides: Sequence[str] = (), wait: bool = False, **env) -> subprocess.CompletedProcess:
-    """sbatch launch/slurm.sh for a 2-node job of the tiny model (`--wait`: until it ends)."""
-    cmd = ["sbatch", *(["--wait"] if wait else []), f"--nodes={NODES}", f"--output={output}", str(SLURM_SH),
+    """sbatch launch/slurm.sh for a 2-node job of the tiny model (`wait`: until it ends; then its
+    returncode is the job's exit code, as `sbatch --wait` returns it)."""
+    cmd = ["sbatch", f"--nodes={NODES}", f"--output={output}", str(SLURM_SH),
            "--", *tiny_overrides(corpus, steps, every=every), *overrides]
-    try:
-        return subprocess.run(cmd, cwd=ROOT, env=job_env(cluster, run_dir, **env), capture_output=True, text=True,
-                              timeout=JOB_TIMEOUT if wait else 60)
-    except subprocess.TimeoutExpired:
-        cluster.cancel_all()
-        pytest.fail(f"the job did not end in {JOB_TIMEOUT} s:\n{output.read_text()[-5000:] if output.exists() else ''}")
+    submitted = subprocess.run(cmd, cwd=ROOT, env=job_env(cluster, run_dir, **env), capture_output=True, text=True,
+                               timeout=60)
+    if not wait or submitted.returncode != 0:
+        return submitted
+    # What `sbatch --wait` does, without its sleeps (2, 8, then 32 s between looks: up to half a
+    # minute after the job ended): the job's exit code once it has ended.
+    job, deadline = job_id(submitted), time.monotonic() + JOB_TIMEOUT
+    while (state := re.search(r"JobState=(\S+)", shown := cluster.run("scontrol", "show", "job", job).stdout)) \
+            and state.group(1) in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "RESIZING"):
+        if time.monotonic() > deadline:
+            cluster.cancel_all()
+            pytest.fail(f"the job did not end in {JOB_TIMEOUT} s:\n{output.read_text()[-5000:] if output.exists() else ''}")
+        time.sleep(0.5)
+    exit_code = re.search(r"\bExitCode=(\d+):(\d+)", shown)
+    assert exit_code, f"no ExitCode for job {job}:\n{shown}"
+    code = int(exit_code.group(1)) or (128 + int(exit_code.group(2)) if int(exit_code.group(2)) else 0)
+    return subprocess.CompletedProcess(cmd, code, submitted.stdout, submitted.stderr + shown)
 
 
 def job_id(submitted: subprocess.CompletedProcess) -> str:
@@ -143,10 +164,10 @@ def job_id(submitted: subprocess.CompletedProcess) -> str:
 
 def sbatch_wait(cluster: Cluster, run_dir: Path, output: Path, steps: int, corpus, *, every: int = 2,
                 overrides: Sequence[str] = (), **env) -> tuple[str, Path]:
-    """Submit with `sbatch --wait`; returns the job's output and its job folder."""
+    """Submit and wait until the job ends (exit code 0 asserted); returns its output and its job folder."""
     result = submit(cluster, run_dir, output, steps, corpus, every=every, overrides=overrides, wait=True, **env)
     log = output.read_text() if output.exists() else ""
-    assert result.returncode == 0, f"sbatch --wait exited {result.returncode}\n{result.stderr}\n{log[-6000:]}\n{cluster.logs()}"
+    assert result.returncode == 0, f"the job exited {result.returncode}\n{result.stderr}\n{log[-6000:]}\n{cluster.logs()}"
     return log, run_dir / f"job-{job_id(result)}"
 
 

@@ -22,9 +22,11 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 STEPS, EVERY = 10, 3
 FAULT_AFTER = 5  # steps logged before the fault (checkpoints every EVERY steps)
-# No progress for 30 s is a hang here, a heartbeat silent for 10 s a stopped or dead rank (by default
-# 300 s and 50 s).
-WATCH = ["--diagnostics.train_timeout=30", "--diagnostics.watchdog_interval=1"]
+# No progress for 30 s is a hang here, a heartbeat silent for 5 s (10 beats) a stopped or dead rank (by
+# default 300 s and 50 s).
+WATCH = ["--diagnostics.train_timeout=30", "--diagnostics.watchdog_interval=0.5"]
+# The requeued job starts once launch/slurm.sh has excluded the node, not at backfill's next pass.
+HURRY = "ExcNodeList=n"
 BOUND = 1e-6  # the same ranks, data and arithmetic on other nodes: equal losses
 
 
@@ -72,7 +74,7 @@ def _completed(slurm_cluster, job: str, run_dir: Path) -> tuple[str, str, list[d
     """Wait until job `job` completes, through its requeues: its `scontrol show job`, log and incidents."""
     log = run_dir / f"job-{job}" / "job.log"
     try:
-        shown = slurm_cluster.wait_completed(job, time.monotonic() + 2 * JOB_TIMEOUT, log)
+        shown = slurm_cluster.wait_completed(job, time.monotonic() + 2 * JOB_TIMEOUT, log, hurry=HURRY)
     finally:
         slurm_cluster.cancel_all()
     return shown, log.read_text(), _events(run_dir)
@@ -105,7 +107,7 @@ def _heal(slurm_cluster, corpus, tmp_path, fault: str, store_host: bool, **env) 
         fault_time = time.time()
         for pid in (hit if fault == "stall" else hit[-1:]):
             os.kill(pid, signal.SIGSTOP if fault == "stall" else signal.SIGKILL)
-        shown = slurm_cluster.wait_completed(job, deadline, job_dir / "job.log")
+        shown = slurm_cluster.wait_completed(job, deadline, job_dir / "job.log", hurry=HURRY)
     finally:
         _release(hit)
         slurm_cluster.cancel_all()

@@ -31,11 +31,11 @@ KILLED_RANK = 3
 TIMEOUT = 600
 
 
-def _launch(corpus, run_dir: Path, max_restarts: int, every: int = EVERY, attempt: str = ""):
+def _launch(corpus, run_dir: Path, max_restarts: int, every: int = EVERY, attempt: str = "", overrides=()):
     """Start the dry run's torchrun command twice, as the agents of two nodes; returns (procs, logs, job_dir)."""
     env = script_env(NODES=NODES, PROCS_PER_NODE=PROCS_PER_NODE, MP=MP, RUN_DIR=run_dir, RDZV_HOST="127.0.0.1",
                      RDZV_PORT=free_port(), MAX_RESTARTS=max_restarts)
-    dry = run_script(SLURM_SH, "--dry-run", "--", *tiny_overrides(corpus, STEPS, every), env=env)
+    dry = run_script(SLURM_SH, "--dry-run", "--", *tiny_overrides(corpus, STEPS, every), *overrides, env=env)
     assert dry.returncode == 0, dry.stdout + dry.stderr
     argv = printed_command(dry.stdout, "torchrun")
     env.update(printed_env(dry.stdout))  # what slurm.sh exports before srun
@@ -96,7 +96,9 @@ def _find_rank(agent_pids: list[int], rank: int) -> int:
 
 def test_killed_rank_restarts_and_ends_bit_exact(uninterrupted, corpus, tmp_path):
     run_dir = tmp_path / "killed"
-    procs, logs, job_dir = _launch(corpus, run_dir, max_restarts=1)
+    # torchrun stops the survivors with SIGTERM; stuck in a collective with the dead rank, their stop
+    # cannot finish its step and gives up after exit_save_timeout (25 s by default) before the restart.
+    procs, logs, job_dir = _launch(corpus, run_dir, max_restarts=1, overrides=["--checkpoint.exit_save_timeout=3"])
     try:
         deadline = time.monotonic() + TIMEOUT
         while not (run_dir / "checkpoints" / KILL_AFTER).is_dir():

@@ -1,5 +1,5 @@
 """launch/slurm.sh on a real Slurm cluster (tests/launch/cluster.py: slurmd "nodes" on this machine),
-`sbatch --wait`, 2 nodes x 2 CPU ranks (mp 2 x dp 2, gloo)."""
+sbatch, waited for, 2 nodes x 2 CPU ranks (mp 2 x dp 2, gloo)."""
 
 from __future__ import annotations
 
@@ -85,7 +85,7 @@ def test_usr1_to_the_job_saves_the_step_requeues_and_the_requeued_job_finishes(s
         assert signalled.returncode == 0, signalled.stderr
         # Slurm holds a requeued job back for a while before it may start again; only the test's
         # clock, not what it checks: let it start now.
-        shown = slurm_cluster.wait_completed(job, deadline, job_dir / "job.log", hurry=True)
+        shown = slurm_cluster.wait_completed(job, deadline, job_dir / "job.log", hurry="")
     finally:
         slurm_cluster.cancel_all()
     log = (job_dir / "job.log").read_text()

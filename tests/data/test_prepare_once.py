@@ -200,7 +200,7 @@ def test_the_store_keeps_its_tokenizer_absolute_and_checked_by_sha256(tmp_path, 
     assert main(["prepare", "a.jsonl", "--tokenizer", "tok.model", "--out", "store", "--workers", "1"]) == 0
     assert TokenStore(work / "store").meta["tokenizer_path"] == str(work / "tok.model")
     monkeypatch.chdir(elsewhere)
-    d = SimpleNamespace(source=str(work / "store"), tokenizer="", val_source="", val_fraction=0.0, seq_len=16,
+    d = SimpleNamespace(sources=[], source=str(work / "store"), tokenizer="", val_source="", val_fraction=0.0, seq_len=16,
                         text_field="text", cache_dir=str(tmp_path / "cache"), tokenizer_vocab_size=600)
     assert build_data(d)[0].sha256 == tokenizer.sha256
     shutil.copy(bpe_files[0], work / "tok.model")  # another tokenizer at the recorded path

@@ -189,7 +189,7 @@ def test_data_source_takes_a_store_made_with_the_run_tokenizer(formats, tokenize
     from hybridpar.data import build_data
 
     store = prepare_store(formats["jsonl"], tokenizer, tmp_path / "s", workers=1, report=False)
-    d = SimpleNamespace(source=str(tmp_path / "s"), tokenizer="", val_source="", val_fraction=0.0, seq_len=16,
+    d = SimpleNamespace(sources=[], source=str(tmp_path / "s"), tokenizer="", val_source="", val_fraction=0.0, seq_len=16,
                         text_field="text", cache_dir=str(tmp_path / "cache"), tokenizer_vocab_size=600)
     found, dataset, validation = build_data(d)
     assert found.sha256 == tokenizer.sha256 and validation is None

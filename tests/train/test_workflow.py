@@ -25,7 +25,7 @@ VAL = {"data.val_fraction": 0.1, "train.eval_every": 2}
 def _plain_validation_loss(trainer) -> float:
     """Single-process math at world 1: the mean token cross-entropy of every validation window,
     one window at a time, by torch's own cross_entropy."""
-    dataset, total, count = trainer.val_dataset, 0.0, 0
+    (dataset,), total, count = trainer.val_dataset.values(), 0.0, 0  # one source: its validation windows
     with torch.no_grad():
         for i in range(len(dataset)):
             window = dataset[i]
@@ -45,7 +45,7 @@ def _case_validation(config):
     before = trainer.validate()
     reference = _plain_validation_loss(trainer) if dist.get_world_size() == 1 else None
     trainer.run()
-    return {"before": before, "reference": reference, "windows": len(trainer.val_dataset)}
+    return {"before": before, "reference": reference, "windows": sum(map(len, trainer.val_dataset.values()))}
 
 
 def _val_rows(run_dir):

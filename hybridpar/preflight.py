@@ -94,12 +94,12 @@ def _checked_sizes(config: Config, world_size: int) -> tuple[int, int, int]:
 def _data_sources(config: Config) -> tuple[dict, dict]:
     """Job.sources and Job.stores: each raw source walked once, and each store's completeness told
     from its manifest and plan.json and a stat of each source file (none is opened)."""
+    from .data.pipeline import source_entries
     from .data.sources import resolve_sources, source_key
     from .data.store import is_store
 
     d = config.data
-    train = [(d.source, d.text_field)] if not d.sources else [(e["source"], e.get("text_field", d.text_field))
-                                                               for e in d.sources]
+    train = [(e["source"], e.get("text_field", d.text_field)) for e in source_entries(d)]
     named = [(source, field, d.val_fraction) for source, field in train]
     if d.val_source:
         named.append((d.val_source, d.text_field, 0.0))
@@ -112,6 +112,7 @@ def _data_sources(config: Config) -> tuple[dict, dict]:
 def _store_of(d, source: str, text_field: str, val_fraction: float, sources: dict, train: list) -> Optional[Path]:
     """The complete store `source` is read from (data.pipeline's choice), or None."""
     from .data.sources import source_key
+    from .data.pipeline import cache_dir
     from .data.store import MANIFEST, StoreError
     from .data.store_prepare import cache_folder, finished_store
 
@@ -124,8 +125,7 @@ def _store_of(d, source: str, text_field: str, val_fraction: float, sources: dic
         options = dict(text_field=text_field, val_fraction=val_fraction, on_bad_record=d.on_bad_record,
                        max_document_bytes=d.max_document_bytes)
         files = sources[source_key(source)]
-        cache = _cache_dir(d)
-        store = finished_store(cache_folder(files, sha, cache, **options), files, sha, **options)
+        store = finished_store(cache_folder(files, sha, cache_dir(d), **options), files, sha, **options)
     except (OSError, ValueError, StoreError):  # the data's own errors are the pipeline's to report
         return None
     return None if store is None else store.folder
@@ -133,6 +133,7 @@ def _store_of(d, source: str, text_field: str, val_fraction: float, sources: dic
 
 def _tokenizer_sha256(d, train: list, sources: dict) -> Optional[str]:
     """The sha256 of the tokenizer the pipeline will use (data.pipeline._tokenizer_for), if it exists yet."""
+    from .data.pipeline import cache_dir
     from .data.sources import resolved, source_id, source_key
     from .data.store import TokenStore
     from .data.tokenizer import cached_tokenizer_path, tokenizer_sha256
@@ -144,14 +145,8 @@ def _tokenizer_sha256(d, train: list, sources: dict) -> Optional[str]:
         return TokenStore(stores[0]).tokenizer_sha256
     with resolved(sources):
         corpus = source_id(train[0] if len(train) == 1 else train, d.text_field)
-    path = cached_tokenizer_path(_cache_dir(d), corpus_id=corpus, vocab_size=d.tokenizer_vocab_size)
+    path = cached_tokenizer_path(cache_dir(d), corpus_id=corpus, vocab_size=d.tokenizer_vocab_size)
     return tokenizer_sha256(path) if path.exists() else None
-
-
-def _cache_dir(d) -> Path:
-    from .data.pipeline import default_cache_dir
-
-    return Path(d.cache_dir) if d.cache_dir else default_cache_dir()
 
 
 def check_paths(config: Config) -> None:

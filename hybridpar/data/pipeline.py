@@ -65,7 +65,7 @@ def _tokenizer_for(d, sources: list[str]) -> Tokenizer:
     return load_or_train_tokenizer(
         None, vocab_size=d.tokenizer_vocab_size, documents_factory=lambda: _tokenizer_text(d, raw),
         corpus_id=source_id(raw, d.text_field), corpus_name=source_name(resolve_sources(raw)),
-        cache_dir=_cache(d))
+        cache_dir=cache_dir(d))
 
 
 def _store_tokenizer(store: TokenStore) -> Tokenizer:
@@ -84,7 +84,8 @@ def _store_tokenizer(store: TokenStore) -> Tokenizer:
     return tokenizer
 
 
-def _cache(d) -> Path:
+def cache_dir(d) -> Path:
+    """The [data] section's cache folder: data.cache_dir, else ~/.cache/hybridpar."""
     return Path(d.cache_dir) if d.cache_dir else default_cache_dir()
 
 
@@ -94,7 +95,7 @@ def _stores_for(d, source: str, text_field: str, tokenizer: Tokenizer, on_progre
     the tokenizer, or one prepared into the cache (with data.val_fraction's split when `split`)."""
     fraction = d.val_fraction if split else 0.0
     if not is_store(source):
-        return cached_store(source, tokenizer, _cache(d), text_field=text_field, val_fraction=fraction,
+        return cached_store(source, tokenizer, cache_dir(d), text_field=text_field, val_fraction=fraction,
                             on_bad_record=d.on_bad_record, on_progress=on_progress,
                             max_document_bytes=d.max_document_bytes)
     store = TokenStore(source)

@@ -274,6 +274,17 @@ def write_text_atomic(path: PathLike, text: str) -> None:
         f.write(text)
 
 
+def made_once(path: PathLike, make: Callable[[], bytes], *, timeout: Optional[float] = None, purpose: str = "") -> Path:
+    """`path`, written atomically with `make()`'s bytes unless it is there: the first of the
+    processes that ask at once makes it under a lock (PATH.lock), the others wait, then find it."""
+    path = Path(path)
+    if not path.exists():
+        with file_lock(path.with_name(path.name + ".lock"), timeout=timeout, purpose=purpose):
+            if not path.exists():  # (another made it while we waited)
+                write_bytes_atomic(path, make())
+    return path
+
+
 def sha256_file(path: PathLike, chunk_bytes: int = 1 << 20) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:

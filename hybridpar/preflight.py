@@ -96,7 +96,7 @@ def _data_sources(config: Config) -> tuple[dict, dict]:
     from its manifest and plan.json and a stat of each source file (none is opened)."""
     from .data.pipeline import source_entries
     from .data.sources import resolve_sources, source_key
-    from .data.store import is_store
+    from .data.sources import is_store
 
     d = config.data
     train = [(e["source"], e.get("text_field", d.text_field)) for e in source_entries(d)]
@@ -111,10 +111,10 @@ def _data_sources(config: Config) -> tuple[dict, dict]:
 
 def _store_of(d, source: str, text_field: str, val_fraction: float, sources: dict, train: list) -> Optional[Path]:
     """The complete store `source` is read from (data.pipeline's choice), or None."""
-    from .data.sources import source_key
+    from .data.sources import describe_input, resolved, source_key
     from .data.pipeline import cache_dir
     from .data.store import MANIFEST, StoreError
-    from .data.store_prepare import cache_folder, finished_store
+    from .data.store_plan import cache_folder, finished_store
 
     if source_key(source) not in sources:  # a store itself
         return Path(source) if (Path(source) / MANIFEST).is_file() else None
@@ -122,17 +122,17 @@ def _store_of(d, source: str, text_field: str, val_fraction: float, sources: dic
         sha = _tokenizer_sha256(d, train, sources)
         if sha is None:
             return None
-        options = dict(text_field=text_field, val_fraction=val_fraction, on_bad_record=d.on_bad_record,
-                       max_document_bytes=d.max_document_bytes)
-        files = sources[source_key(source)]
-        store = finished_store(cache_folder(files, sha, cache_dir(d), **options), files, sha, **options)
+        options = dict(val_fraction=val_fraction, on_bad_record=d.on_bad_record, max_document_bytes=d.max_document_bytes)
+        with resolved(sources):
+            input = describe_input(source, text_field)
+        folder = cache_folder(input, sha, cache_dir(d), **options)
     except (OSError, ValueError, StoreError):  # the data's own errors are the pipeline's to report
         return None
-    return None if store is None else store.folder
+    return folder if finished_store(folder, input, sha, **options) else None
 
 
 def _tokenizer_sha256(d, train: list, sources: dict) -> Optional[str]:
-    """The sha256 of the tokenizer the pipeline will use (data.pipeline._tokenizer_for), if it exists yet."""
+    """The sha256 of the tokenizer the pipeline will use (data.tokenizer.tokenizer_for), if it exists yet."""
     from .data.pipeline import cache_dir
     from .data.sources import resolved, source_id, source_key
     from .data.store import TokenStore

@@ -139,7 +139,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     """Check a checkpoint folder's (a folder of checkpoints', or a token store's) files against its
     checksums, offline."""
-    from ..data.store import is_store
+    from ..data.sources import is_store
 
     if not Path(args.path).exists():
         raise FileNotFoundError(f"hybridpar verify {args.path}: no such file or folder; give a checkpoint folder "

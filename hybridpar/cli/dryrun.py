@@ -201,7 +201,7 @@ def _data_detail(c: Config, job: Optional["Job"] = None) -> str:
     """The sources and tokenizer the config names, found (not read: no tokenizing here); with a
     job, the complete token stores it found."""
     from ..data.sources import resolve_sources, source_key, source_name
-    from ..data.store import is_store
+    from ..data.sources import is_store
     from ..preflight import check_paths
 
     def named(source: str) -> str:

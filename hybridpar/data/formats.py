@@ -25,8 +25,9 @@ from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 from hybridpar.config import MAX_DOCUMENT_BYTES  # the config's default, defined with it
 from hybridpar.data.corpus import default_corpus_documents
-from hybridpar.data.sources import Source, SourceFile, resolve_sources
+from hybridpar.data.sources import Source, SourceFile, resolve_sources, source_bytes
 from hybridpar.data.streams import DataFormatError, OnBytes, TooLong, first_line, lines, lines_before
+from hybridpar.progress import Progress
 
 UNIT_BYTES = 64 << 20  # input bytes per unit of work (a parquet row group or arrow batch may be more)
 # A document longer than this is handed on in pieces, each cut right after a newline.
@@ -166,8 +167,29 @@ def source_documents(source: Source, text_field: str = "text", on_bytes: OnBytes
                      on_bad_record: str = "error", max_document_bytes: int = MAX_DOCUMENT_BYTES) -> Iterator[str]:
     """Every document of a source as one string, in reading order (to train a tokenizer on);
     `on_bytes(n)` hears of the input read as it goes (sources.source_bytes is the total)."""
-    files = resolve_sources(source)
-    for unit in plan_units(files, text_field):
+    return files_documents(resolve_sources(source), text_field, on_bytes, on_bad_record, max_document_bytes)
+
+
+class CorpusText:
+    """The documents of resolved files (sources.resolve_sources), one string each in reading order,
+    read anew at each iteration: the text a tokenizer is trained on. The bytes read are reported
+    as they go by whichever process reads them (only the one that trains does), whatever its rank."""
+
+    def __init__(self, files: Sequence[SourceFile], text_field: str = "text", on_bad_record: str = "error",
+                 max_document_bytes: int = MAX_DOCUMENT_BYTES) -> None:
+        self.files, self.text_field = list(files), text_field
+        self.on_bad_record, self.max_document_bytes = on_bad_record, max_document_bytes
+
+    def __iter__(self) -> Iterator[str]:
+        with Progress("tokenizer: reading the text", total=source_bytes(self.files), unit="B", enabled=True) as progress:
+            yield from files_documents(self.files, self.text_field, progress.update, self.on_bad_record,
+                                       self.max_document_bytes)
+
+
+def files_documents(files: Sequence[SourceFile], text_field: str = "text", on_bytes: OnBytes = None,
+                    on_bad_record: str = "error", max_document_bytes: int = MAX_DOCUMENT_BYTES) -> Iterator[str]:
+    """source_documents of files resolved already (sources.resolve_sources)."""
+    for unit in plan_units(list(files), text_field):
         for parts in unit_documents(unit, text_field, on_bad_record, on_bytes=on_bytes,
                                     max_document_bytes=max_document_bytes):
             yield "".join(parts)

@@ -66,6 +66,16 @@ class PackedDataset(torch.utils.data.Dataset):
         return torch.from_numpy(window)
 
 
+def validation_windows(store: TokenStore, seq_len: int, where: str) -> PackedDataset:
+    """The windows of a validation store, refused in one line when it holds less than one window
+    (`where` says which validation data it is)."""
+    windows = PackedDataset(store, seq_len)
+    if len(windows) == 0:
+        raise ValueError(f"the validation data ({where}) has {store.n_tokens} tokens, fewer than one "
+                         f"sequence of data.seq_len + 1 = {seq_len + 1}: give it more text")
+    return windows
+
+
 @dataclasses.dataclass(frozen=True)
 class Source:
     """One source of the run: a single data.source is a blend of one, weight 1."""

@@ -4,15 +4,14 @@ the same way by the trainer and by `hybridpar doctor` (which checks the very bat
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
-from hybridpar.data.loader import PackedDataset, ResumableDataLoader, build_dataloader, check_dataset_size
-from hybridpar.data.formats import source_documents
-from hybridpar.data.sources import resolve_sources, source_bytes, source_id, source_name
-from hybridpar.data.store import TokenStore, is_store
-from hybridpar.data.store_prepare import cached_store
-from hybridpar.data.tokenizer import Tokenizer, load_or_train_tokenizer
-from hybridpar.progress import Progress
+from hybridpar.data.formats import CorpusText
+from hybridpar.data.loader import (PackedDataset, ResumableDataLoader, build_dataloader, check_dataset_size,
+                                   validation_windows)
+from hybridpar.data.sources import describe_input, input_id, joined_input
+from hybridpar.data.store_prepare import stores_of
+from hybridpar.data.tokenizer import Tokenizer, tokenizer_for
 
 
 def default_cache_dir() -> Path:
@@ -33,17 +32,34 @@ def build_sources(d, on_progress: Optional[Callable[[str], None]] = None
     store (the source itself, or prepared into the cache by every process that asks, each taking
     units of it), and {name: validation windows} where the config asks for them (data.val_source,
     or data.val_fraction of each source's own documents). Rank 0 reports the preparation's
-    progress; `on_progress(text)` hears of it in every process."""
+    progress; `on_progress(text)` hears of it in every process.
+
+    The data go one way: each source looked at once (sources.describe_input: resolved and described,
+    or a token store), the tokenizer, each source's store (store_prepare.stores_of), its windows."""
     entries = source_entries(d)
-    tokenizer = _tokenizer_for(d, [e["source"] for e in entries])
+    named = [(e["source"], e.get("text_field", d.text_field)) for e in entries]
+    fractions = [d.val_fraction] * len(entries)
+    if d.val_source:  # held out for a single source: the last input, whole
+        named, fractions = named + [(d.val_source, d.text_field)], fractions + [0.0]
+    where = [_validation_where(d, e["name"] if d.sources else "") for e in entries]
+    folder = cache_dir(d)
+    inputs = [describe_input(source, text_field) for source, text_field in named]
+    trained = inputs[:len(entries)]  # a held-out data.val_source is not trained on
+    corpus = joined_input(trained, d.text_field)
+    corpus_id = input_id(corpus)
+    text = CorpusText(corpus.files, d.text_field, d.on_bad_record, d.max_document_bytes)  # read only to train
+    tokenizer = tokenizer_for(d.tokenizer, next((i.store for i in trained if i.store is not None), None),
+                              vocab_size=d.tokenizer_vocab_size, corpus_id=corpus_id, corpus_name=corpus.name,
+                              documents_factory=lambda: text, cache_dir=folder)
+    stores = stores_of(inputs, tokenizer, folder, val_fractions=fractions, on_bad_record=d.on_bad_record,
+                       max_document_bytes=d.max_document_bytes, on_progress=on_progress)
+    held_out = stores[len(entries)][0] if d.val_source else None
     sources, validation = [], {}
-    for entry in entries:
-        train, held_out = _stores_for(d, entry["source"], entry.get("text_field", d.text_field), tokenizer, on_progress)
+    for entry, (train, split), said in zip(entries, stores, where):
         sources.append((entry["name"], entry["weight"], PackedDataset(train, d.seq_len)))
-        if d.val_source:  # a single source's
-            held_out = _stores_for(d, d.val_source, d.text_field, tokenizer, on_progress, split=False)[0]
-        if held_out is not None:
-            validation[entry["name"]] = _validation_windows(d, held_out, entry["name"] if d.sources else "")
+        held = split if held_out is None else held_out
+        if held is not None:
+            validation[entry["name"]] = validation_windows(held, d.seq_len, said)
     return tokenizer, sources, validation
 
 
@@ -54,82 +70,15 @@ def build_data(d, on_progress: Optional[Callable[[str], None]] = None
     return tokenizer, windows, validation.get(name)
 
 
-def _tokenizer_for(d, sources: list[str]) -> Tokenizer:
-    """data.tokenizer; else a store's among `sources`; else one trained on the raw sources together."""
-    if d.tokenizer:
-        return Tokenizer(d.tokenizer)
-    stores = [s for s in sources if is_store(s)]
-    if stores:
-        return _store_tokenizer(TokenStore(stores[0]))
-    raw = sources[0] if len(sources) == 1 else sources
-    return load_or_train_tokenizer(
-        None, vocab_size=d.tokenizer_vocab_size, documents_factory=lambda: _tokenizer_text(d, raw),
-        corpus_id=source_id(raw, d.text_field), corpus_name=source_name(resolve_sources(raw)),
-        cache_dir=cache_dir(d))
-
-
-def _store_tokenizer(store: TokenStore) -> Tokenizer:
-    """The tokenizer a store was made with: the file at the path it records, if that file still has
-    the sha256 it records (the sha256 wins)."""
-    made_with, sha = store.meta.get("tokenizer_path", ""), store.tokenizer_sha256
-    if not made_with or not Path(made_with).exists():
-        gone = f" ({made_with} is gone)" if made_with else ""
-        raise ValueError(f"the token store {store.folder} was made with a tokenizer (sha256 {sha[:12]}) that cannot be "
-                         f"found{gone}: set data.tokenizer to it")
-    tokenizer = Tokenizer(made_with)
-    if tokenizer.sha256 != sha:
-        raise ValueError(f"the token store {store.folder} was made with the tokenizer of sha256 {sha[:12]}, but "
-                         f"{made_with} now holds another (sha256 {tokenizer.sha256[:12]}): set data.tokenizer to the "
-                         "store's tokenizer, or prepare the store again with this one")
-    return tokenizer
-
-
 def cache_dir(d) -> Path:
     """The [data] section's cache folder: data.cache_dir, else ~/.cache/hybridpar."""
     return Path(d.cache_dir) if d.cache_dir else default_cache_dir()
 
 
-def _stores_for(d, source: str, text_field: str, tokenizer: Tokenizer, on_progress, split: bool = True
-                ) -> tuple[TokenStore, Optional[TokenStore]]:
-    """(training store, validation store or None) of one source: a store as given, checked against
-    the tokenizer, or one prepared into the cache (with data.val_fraction's split when `split`)."""
-    fraction = d.val_fraction if split else 0.0
-    if not is_store(source):
-        return cached_store(source, tokenizer, cache_dir(d), text_field=text_field, val_fraction=fraction,
-                            on_bad_record=d.on_bad_record, on_progress=on_progress,
-                            max_document_bytes=d.max_document_bytes)
-    store = TokenStore(source)
-    if tokenizer.sha256 != store.tokenizer_sha256:
-        made_with = store.meta.get("tokenizer_path", "") or "unknown"
-        raise ValueError(f"the token store {source} was made with another tokenizer ({made_with}, sha256 "
-                         f"{store.tokenizer_sha256[:12]}) than this run's {tokenizer.path} (sha256 {tokenizer.sha256[:12]}): "
-                         f"set data.tokenizer to the store's, or prepare the store again with this one")
-    if fraction > 0 and store.meta["val_fraction"] != fraction:
-        made = (f"with val_fraction {store.meta['val_fraction']}" if store.meta["val_fraction"]
-                else "without a validation split")
-        raise ValueError(f"data.val_fraction = {fraction}, but the token store {source} was prepared {made}: "
-                         f"prepare it with --val-fraction {fraction}, or name a data.val_source")
-    return store, TokenStore(source, "validation") if fraction > 0 else None
-
-
-def _validation_windows(d, validation: Optional[TokenStore], name: str = "") -> Optional[PackedDataset]:
-    if validation is None:
-        return None
-    windows = PackedDataset(validation, d.seq_len)
-    if len(windows) == 0:
-        where = (f"data.val_source {d.val_source}" if d.val_source else f"data.val_fraction = {d.val_fraction}") + \
-            (f" of source {name!r}" if name else "")
-        raise ValueError(f"the validation data ({where}) has {validation.n_tokens} tokens, fewer than one "
-                         f"sequence of data.seq_len + 1 = {d.seq_len + 1}: give it more text")
-    return windows
-
-
-def _tokenizer_text(d, source) -> Iterator[str]:
-    """The documents of `d.source`, reporting the bytes read: load_or_train_tokenizer asks for them
-    only in the process that trains, so this one reports whatever its rank."""
-    with Progress("tokenizer: reading the text", total=source_bytes(resolve_sources(source)), unit="B",
-                  enabled=True) as progress:
-        yield from source_documents(source, d.text_field, progress.update, d.on_bad_record, d.max_document_bytes)
+def _validation_where(d, name: str) -> str:
+    """Which validation data a source's are, in words (for the error of too few of them)."""
+    where = f"data.val_source {d.val_source}" if d.val_source else f"data.val_fraction = {d.val_fraction}"
+    return where + (f" of source {name!r}" if name else "")
 
 
 def build_training_data(config, parallel, on_tokenizer: Optional[Callable[[Tokenizer], None]] = None,

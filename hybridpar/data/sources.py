@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Iterator, Mapping, Optional, Sequence, Union
 
 from hybridpar.data.corpus import default_corpus_bytes, default_corpus_id
+from hybridpar.data.store import MANIFEST, PLAN
 from hybridpar.config.sources import DEFAULT_SOURCE, SourceNames
 from hybridpar.files import PathLike, sha256_text
 from hybridpar.progress import note
@@ -41,6 +42,56 @@ Source = Union[PathLike, Sequence[PathLike]]
 class SourceFile:
     kind: str  # "default" or a DATA_FILE_KINDS value
     path: Optional[Path] = None
+
+
+def is_store(path: PathLike) -> bool:
+    """Does `path` name a token store (complete or not: hybridpar.data.store), not raw text?"""
+    path = Path(path)
+    return path.is_dir() and ((path / MANIFEST).is_file() or (path / PLAN).is_file())
+
+
+@dataclasses.dataclass(frozen=True)
+class Input:
+    """One data source as a run reads it, looked at once: a token store as given (`store`), or raw
+    files resolved (in reading order) and described (paths, sizes, mtimes). What the tokenizer's
+    cache key, a store's cache folder, its plan and its completeness check take, so that none of
+    them walks or stats the source again."""
+
+    source: Source  # as the config names it
+    text_field: str
+    name: str  # for messages (source_name)
+    files: tuple[SourceFile, ...] = ()
+    description: Optional[dict] = None  # describe_sources(files, text_field); None for a store
+    store: Optional[Path] = None  # the token store the source names
+
+
+def describe_input(source: Source, text_field: str = "text") -> Input:
+    """`source` looked at once: a token store as it is, else resolved and described."""
+    if not isinstance(source, (list, tuple)) and is_store(source):
+        return Input(source, text_field, str(source), store=Path(source))
+    files = tuple(resolve_sources(source))
+    return Input(source, text_field, source_name(files), files, describe_sources(files, text_field))
+
+
+def joined_input(inputs: Sequence[Input], text_field: str) -> Input:
+    """The raw inputs read as one (a blend's tokenizer is trained on them together, read with
+    `text_field`), described from their descriptions: no file is looked at again."""
+    raw = [i for i in inputs if i.store is None]
+    files = tuple(f for i in raw for f in i.files)
+    described = [d for i in raw for d in i.description["files"]]
+    uses_field = any(f.kind not in ("default", "txt") for f in files)
+    source = raw[0].source if len(raw) == 1 else [i.source for i in raw]
+    return Input(source, text_field, source_name(files), files,
+                 {"files": described, "text_field": text_field if uses_field else None})
+
+
+def input_id(corpus: Input) -> str:
+    """A short stable name for raw input (the tokenizer cache's key): the corpus id, or a hash of
+    its description."""
+    described = corpus.description["files"]
+    if all(f["kind"] == "default" for f in described):
+        return described[0]["corpus_id"] if described else default_corpus_id()
+    return "data-" + sha256_text(json.dumps(corpus.description, sort_keys=True))[:16]
 
 
 def resolve_sources(source: Source) -> list[SourceFile]:
@@ -185,11 +236,9 @@ def describe_sources(files: Sequence[SourceFile], text_field: str = "text") -> d
 
 
 def source_id(source: Source, text_field: str = "text") -> str:
-    """A short stable name for a source (tokenizer cache key): the corpus id, or a hash of the files."""
-    files = resolve_sources(source)
-    if all(f.kind == "default" for f in files):
-        return default_corpus_id()
-    return "data-" + sha256_text(json.dumps(describe_sources(files, text_field), sort_keys=True))[:16]
+    """A short stable name for a source (tokenizer cache key): input_id of its files."""
+    files = tuple(resolve_sources(source))
+    return input_id(Input(source, text_field, "", files, describe_sources(files, text_field)))
 
 
 def source_bytes(files: Sequence[SourceFile]) -> int:

@@ -48,12 +48,6 @@ class StoreDamagedError(StoreError):
     every_rank = False
 
 
-def is_store(path: PathLike) -> bool:
-    """Is `path` a token store (complete or not)?"""
-    path = Path(path)
-    return path.is_dir() and ((path / MANIFEST).is_file() or (path / PLAN).is_file())
-
-
 def read_manifest(folder: Path) -> dict:
     folder = Path(folder)
     path = folder / MANIFEST
@@ -212,6 +206,23 @@ class TokenStore:
 
     def __repr__(self) -> str:
         return f"TokenStore({str(self.folder)!r}, part={self.part!r}, n_tokens={self.n_tokens}, dtype={self.dtype})"
+
+
+def given_store(folder: PathLike, tokenizer, val_fraction: float) -> tuple[TokenStore, Optional[TokenStore]]:
+    """(training part, validation part or None) of the store a data source names, refused in one
+    line if another tokenizer made it, or if it was split otherwise than data.val_fraction asks."""
+    store = TokenStore(folder)
+    if tokenizer.sha256 != store.tokenizer_sha256:
+        made_with = store.meta.get("tokenizer_path", "") or "unknown"
+        raise ValueError(f"the token store {folder} was made with another tokenizer ({made_with}, sha256 "
+                         f"{store.tokenizer_sha256[:12]}) than this run's {tokenizer.path} (sha256 {tokenizer.sha256[:12]}): "
+                         f"set data.tokenizer to the store's, or prepare the store again with this one")
+    if val_fraction > 0 and store.meta["val_fraction"] != val_fraction:
+        made = (f"with val_fraction {store.meta['val_fraction']}" if store.meta["val_fraction"]
+                else "without a validation split")
+        raise ValueError(f"data.val_fraction = {val_fraction}, but the token store {folder} was prepared {made}: "
+                         f"prepare it with --val-fraction {val_fraction}, or name a data.val_source")
+    return store, TokenStore(folder, "validation") if val_fraction > 0 else None
 
 
 class _ChunkCheck:

@@ -16,7 +16,7 @@ from typing import Iterator, Optional
 
 from hybridpar.config import BAD_RECORD_CHOICES, MAX_DOCUMENT_BYTES
 from hybridpar.data.formats import UNIT_BYTES, Unit, plan_units
-from hybridpar.data.sources import Source, describe_sources, resolve_sources
+from hybridpar.data.sources import Input, Source, describe_input
 from hybridpar.data.store import FORMAT, MANIFEST, PLAN, UNITS, VERSION, StoreError
 from hybridpar.data.tokenise import token_dtype
 from hybridpar.files import NO_FLOCK_ERRNOS, PathLike, sha256_text, write_text_atomic
@@ -35,10 +35,10 @@ class Plan:
         return self.data["key"]
 
 
-def plan_of(source: Source, tokenizer, out: PathLike, *, text_field: str = "text", val_fraction: float = 0.0,
-            on_bad_record: str = "error", unit_bytes: int = UNIT_BYTES,
-            max_document_bytes: int = MAX_DOCUMENT_BYTES) -> Plan:
-    """The plan of a store of `source` tokenised by `tokenizer` in folder `out` (nothing written)."""
+def plan_of(input: Input, tokenizer, out: PathLike, *, val_fraction: float = 0.0, on_bad_record: str = "error",
+            unit_bytes: int = UNIT_BYTES, max_document_bytes: int = MAX_DOCUMENT_BYTES) -> Plan:
+    """The plan of a store of `input` (sources.describe_input) tokenised by `tokenizer` in folder
+    `out` (nothing written)."""
     if on_bad_record not in BAD_RECORD_CHOICES:
         raise ValueError(f"data.on_bad_record must be one of {', '.join(BAD_RECORD_CHOICES)}, got {on_bad_record!r}")
     if not 0 <= val_fraction < 1:
@@ -50,9 +50,9 @@ def plan_of(source: Source, tokenizer, out: PathLike, *, text_field: str = "text
     eos_id, vocab_size = int(tokenizer.eos_id), int(tokenizer.vocab_size)
     if not 0 <= eos_id < vocab_size:
         raise ValueError(f"the tokenizer has no usable eos piece (eos_id {eos_id}); documents need one between them")
-    files = resolve_sources(source)
+    files, text_field = list(input.files), input.text_field
     units = plan_units(files, text_field, unit_bytes)
-    data = {"format": FORMAT + "-plan", "version": VERSION, "sources": describe_sources(files, text_field),
+    data = {"format": FORMAT + "-plan", "version": VERSION, "sources": input.description,
             "tokenizer_sha256": tokenizer.sha256,
             "vocab_size": vocab_size, "eos_id": eos_id, "dtype": token_dtype(vocab_size).name,
             "text_field": text_field, "val_fraction": val_fraction, "on_bad_record": on_bad_record,
@@ -66,12 +66,37 @@ def plan_of(source: Source, tokenizer, out: PathLike, *, text_field: str = "text
     return Plan(Path(out), data, tuple(units))
 
 
-def make_plan(source: Source, tokenizer, out: PathLike, **options) -> Plan:
-    """plan_of, written to plan.json (or checked against the one there: a store folder holds one store)."""
-    plan = plan_of(source, tokenizer, out, **options)
+def make_plan(source: Source, tokenizer, out: PathLike, *, text_field: str = "text", **options) -> Plan:
+    """plan_of `source`, written to plan.json (or checked against the one there: a store folder
+    holds one store)."""
+    plan = plan_of(describe_input(source, text_field), tokenizer, out, **options)
     with preparing(plan):
         pass
     return plan
+
+
+def cache_folder(input: Input, tokenizer_sha256: str, cache_dir: PathLike, *, val_fraction: float,
+                 on_bad_record: str, max_document_bytes: int) -> Path:
+    """Where a store of `input` is kept in `cache_dir`: named by a hash of its description (paths,
+    sizes, mtimes), the tokenizer and the options, so an edited file makes a new one."""
+    key = {"source": input.description, "tokenizer": tokenizer_sha256, "version": VERSION,
+           "val_fraction": val_fraction, "on_bad_record": on_bad_record, "max_document_bytes": max_document_bytes}
+    return Path(cache_dir) / f"store-{sha256_text(json.dumps(key, sort_keys=True))[:16]}"
+
+
+def finished_store(folder: PathLike, input: Input, tokenizer_sha256: str, *, val_fraction: float,
+                   on_bad_record: str, max_document_bytes: int) -> bool:
+    """Whether `folder` holds the complete store of `input`: its manifest there, and its plan.json
+    recording exactly this input (each file with the path, size and mtime its description took),
+    this tokenizer and these options. No source file is opened, and no plan made."""
+    folder = Path(folder)
+    if not (folder / MANIFEST).is_file():
+        return False
+    made = read_plan(folder) or {}
+    wanted = {"version": VERSION, "sources": input.description, "tokenizer_sha256": tokenizer_sha256,
+              "text_field": input.text_field, "val_fraction": val_fraction, "on_bad_record": on_bad_record,
+              "max_document_bytes": max_document_bytes}
+    return all(made.get(key) == value for key, value in wanted.items())
 
 
 def read_plan(folder: Path) -> Optional[dict]:

@@ -19,7 +19,8 @@ import numpy as np
 import sentencepiece as spm
 
 from hybridpar.data.bpe import HuggingFaceBPE, TiktokenBPE, detect_kind, find_tokenizer_file, hf_sha256
-from hybridpar.files import PathLike, file_lock, sha256_file, sha256_text, write_bytes_atomic
+from hybridpar.data.store import read_manifest
+from hybridpar.files import PathLike, made_once, sha256_file, sha256_text, write_bytes_atomic
 from hybridpar.progress import note
 
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, -1
@@ -225,6 +226,12 @@ def train_tokenizer(
     they are read, a line says that sentencepiece builds the vocabulary (it reports nothing
     itself): on stderr, from rank 0 when `report` is None, else from this process or not at all.
     """
+    write_bytes_atomic(output_path, _trained_model(documents, vocab_size, max_sentences, report))
+    return Tokenizer(output_path)
+
+
+def _trained_model(documents: Iterable[str], vocab_size: int, max_sentences: int, report: Optional[bool]) -> bytes:
+    """train_tokenizer's model file, as bytes."""
     if not isinstance(vocab_size, int) or vocab_size < 1:
         raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}")
     all_read = partial(_say_all_read, vocab_size=vocab_size, max_sentences=max_sentences, report=report)
@@ -260,8 +267,7 @@ def train_tokenizer(
             f"could not train a tokenizer of vocab_size {vocab_size} on {counter.count} lines of text: {e}; "
             f"choose a vocab_size the corpus supports (the message above says the limit) or train on more text"
         ) from e
-    write_bytes_atomic(output_path, model.getvalue())
-    return Tokenizer(output_path)
+    return model.getvalue()
 
 
 def _say_all_read(count: int, vocab_size: int, max_sentences: int, report: Optional[bool]) -> None:
@@ -317,14 +323,43 @@ def load_or_train_tokenizer(
     if path_or_none is not None:
         return Tokenizer(path_or_none)
     path = cached_tokenizer_path(cache_dir, corpus_id=corpus_id, vocab_size=vocab_size)
-    if path.exists():
-        return Tokenizer(path)
-    with file_lock(path.with_name(path.name + ".lock"), timeout=lock_timeout, purpose="training a tokenizer"):
-        if path.exists():  # another rank trained it while we waited
-            return Tokenizer(path)
+
+    def train() -> bytes:
         note(f"training a {vocab_size:,}-token sentencepiece tokenizer on {corpus_name or 'corpus ' + corpus_id}, "
              f"once: later runs reuse {path}", enabled=report)
-        return train_tokenizer(documents_factory(), vocab_size, path, report=report)
+        return _trained_model(documents_factory(), vocab_size, DEFAULT_MAX_TRAINING_SENTENCES, report)
+
+    return Tokenizer(made_once(path, train, timeout=lock_timeout, purpose="training a tokenizer"))
+
+
+def tokenizer_for(given: Optional[PathLike], store: Optional[Path], *, vocab_size: int, corpus_id: str,
+                  corpus_name: str, documents_factory: Callable[[], Iterable[str]], cache_dir: PathLike) -> Tokenizer:
+    """A run's tokenizer: `given` (data.tokenizer); else the one the token store `store` was made
+    with; else load_or_train_tokenizer's on the raw corpus (its id and name as sources.input_id and
+    Input.name give them)."""
+    if given:
+        return Tokenizer(given)
+    if store is not None:
+        return _store_tokenizer(store)
+    return load_or_train_tokenizer(None, vocab_size=vocab_size, documents_factory=documents_factory,
+                                   corpus_id=corpus_id, corpus_name=corpus_name, cache_dir=cache_dir)
+
+
+def _store_tokenizer(folder: Path) -> Tokenizer:
+    """The tokenizer the store `folder` was made with: the file at the path it records, if that file
+    still has the sha256 it records (the sha256 wins)."""
+    meta = read_manifest(folder)
+    made_with, sha = meta.get("tokenizer_path", ""), meta["tokenizer_sha256"]
+    if not made_with or not Path(made_with).exists():
+        gone = f" ({made_with} is gone)" if made_with else ""
+        raise ValueError(f"the token store {folder} was made with a tokenizer (sha256 {sha[:12]}) that cannot be "
+                         f"found{gone}: set data.tokenizer to it")
+    tokenizer = Tokenizer(made_with)
+    if tokenizer.sha256 != sha:
+        raise ValueError(f"the token store {folder} was made with the tokenizer of sha256 {sha[:12]}, but "
+                         f"{made_with} now holds another (sha256 {tokenizer.sha256[:12]}): set data.tokenizer to the "
+                         "store's tokenizer, or prepare the store again with this one")
+    return tokenizer
 
 
 def cached_tokenizer_path(cache_dir: PathLike, *, corpus_id: str, vocab_size: int) -> Path:

@@ -15,6 +15,7 @@ import pytest
 
 from hybridpar.data.store import MANIFEST, PLAN, StoreError, TokenStore
 from hybridpar.data.tokenizer import Tokenizer
+from hybridpar.data.sources import describe_input
 from hybridpar.data.store_plan import plan_of, preparing
 from hybridpar.data.store_prepare import prepare_store
 from hybridpar.files import file_lock
@@ -37,7 +38,7 @@ def _locks(folder: Path) -> list[str]:
 def test_another_input_is_refused_while_a_store_is_prepared_and_the_same_joins(tmp_path):
     a, b = _numbers(tmp_path / "a.jsonl", 200), _numbers(tmp_path / "b.jsonl", 200, offset=3)
     tokenizer, out = NumberTokenizer(), tmp_path / "store"
-    with preparing(plan_of(a, tokenizer, out, unit_bytes=4000)):  # another process preparing a, as it looks
+    with preparing(plan_of(describe_input(a), tokenizer, out, unit_bytes=4000)):  # another process preparing a, as it looks
         started = time.monotonic()
         with pytest.raises(StoreError) as refused:
             prepare_store(b, tokenizer, out, workers=1, unit_bytes=4000, report=False)
@@ -60,7 +61,7 @@ def test_another_input_is_refused_while_a_store_is_prepared_and_the_same_joins(t
 def test_an_unfinished_store_of_other_input_is_refused_not_replaced(tmp_path):
     a, b = _numbers(tmp_path / "a.jsonl", 200), _numbers(tmp_path / "b.jsonl", 200, offset=3)
     tokenizer, out = NumberTokenizer(), tmp_path / "store"
-    plan = plan_of(a, tokenizer, out, unit_bytes=4000)
+    plan = plan_of(describe_input(a), tokenizer, out, unit_bytes=4000)
     with preparing(plan):
         pass  # a plan of a, nothing made of it yet: b may take the folder
     prepare_store(b, tokenizer, out, workers=1, part=(0, 2), unit_bytes=4000, report=False)  # half of b's units done
@@ -73,13 +74,13 @@ def test_an_unfinished_store_of_other_input_is_refused_not_replaced(tmp_path):
 
 
 def test_a_wait_for_a_unit_another_holds_is_said_and_bounded(tmp_path, monkeypatch, capsys):
-    from hybridpar.data import store_prepare
+    from hybridpar.data import store_work
     from hybridpar.data.store import unit_record_name
 
-    monkeypatch.setattr(store_prepare, "WAIT_WITHOUT_PROGRESS", 1.5)
-    monkeypatch.setattr(store_prepare, "SAY_WAITING_EVERY", 0.3)
+    monkeypatch.setattr(store_work, "WAIT_WITHOUT_PROGRESS", 1.5)
+    monkeypatch.setattr(store_work, "SAY_WAITING_EVERY", 0.3)
     source, tokenizer, out = _numbers(tmp_path / "a.jsonl", 200), NumberTokenizer(), tmp_path / "store"
-    plan = plan_of(source, tokenizer, out, unit_bytes=4000)
+    plan = plan_of(describe_input(source), tokenizer, out, unit_bytes=4000)
     with preparing(plan):
         lock = out / (unit_record_name(1) + ".lock")
         with file_lock(lock, purpose="a test holding unit 1"):
@@ -201,7 +202,8 @@ def test_the_store_keeps_its_tokenizer_absolute_and_checked_by_sha256(tmp_path, 
     assert TokenStore(work / "store").meta["tokenizer_path"] == str(work / "tok.model")
     monkeypatch.chdir(elsewhere)
     d = SimpleNamespace(sources=[], source=str(work / "store"), tokenizer="", val_source="", val_fraction=0.0, seq_len=16,
-                        text_field="text", cache_dir=str(tmp_path / "cache"), tokenizer_vocab_size=600)
+                        text_field="text", cache_dir=str(tmp_path / "cache"), tokenizer_vocab_size=600,
+                        on_bad_record="error", max_document_bytes=1 << 20)
     assert build_data(d)[0].sha256 == tokenizer.sha256
     shutil.copy(bpe_files[0], work / "tok.model")  # another tokenizer at the recorded path
     with pytest.raises(ValueError) as other:

@@ -190,7 +190,8 @@ def test_data_source_takes_a_store_made_with_the_run_tokenizer(formats, tokenize
 
     store = prepare_store(formats["jsonl"], tokenizer, tmp_path / "s", workers=1, report=False)
     d = SimpleNamespace(sources=[], source=str(tmp_path / "s"), tokenizer="", val_source="", val_fraction=0.0, seq_len=16,
-                        text_field="text", cache_dir=str(tmp_path / "cache"), tokenizer_vocab_size=600)
+                        text_field="text", cache_dir=str(tmp_path / "cache"), tokenizer_vocab_size=600,
+                        on_bad_record="error", max_document_bytes=1 << 20)
     found, dataset, validation = build_data(d)
     assert found.sha256 == tokenizer.sha256 and validation is None
     assert np.array_equal(dataset[3].numpy(), _tokens(store)[48:65].astype(np.int64))

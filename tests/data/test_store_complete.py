@@ -10,11 +10,11 @@ import pytest
 
 from hybridpar.data import cached_store
 from hybridpar.data.formats import MAX_DOCUMENT_BYTES
-from hybridpar.data.sources import resolve_sources
-from hybridpar.data.store_prepare import finished_store
+from hybridpar.data.sources import describe_input
+from hybridpar.data.store_plan import finished_store
 from tests.opens import CountedOpens
 
-OPTIONS = dict(text_field="text", val_fraction=0.0, on_bad_record="error", max_document_bytes=MAX_DOCUMENT_BYTES)
+OPTIONS = dict(val_fraction=0.0, on_bad_record="error", max_document_bytes=MAX_DOCUMENT_BYTES)
 
 
 def _source(tmp_path, kind: str):
@@ -62,16 +62,18 @@ def test_counting_sees_a_source_opened(tmp_path, tokenizer):
 def test_a_store_of_a_source_changed_since_is_not_finished(tmp_path, tokenizer):
     source = _source(tmp_path, "jsonl")
     store, _ = cached_store(str(source), tokenizer, tmp_path / "cache", report=False)
-    files = resolve_sources(str(source))
-    assert finished_store(store.folder, files, tokenizer.sha256, **OPTIONS).folder == store.folder
+    assert finished_store(store.folder, describe_input(str(source)), tokenizer.sha256, **OPTIONS)
     st = source.stat()
     os.utime(source, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # same size, another mtime
-    assert finished_store(store.folder, files, tokenizer.sha256, **OPTIONS) is None
+    assert not finished_store(store.folder, describe_input(str(source)), tokenizer.sha256, **OPTIONS)
     os.utime(source, ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert finished_store(store.folder, files, "another-tokenizer", **OPTIONS) is None
-    assert finished_store(store.folder, files, tokenizer.sha256, **{**OPTIONS, "on_bad_record": "skip"}) is None
+    now = describe_input(str(source))
+    assert finished_store(store.folder, now, tokenizer.sha256, **OPTIONS)
+    assert not finished_store(store.folder, now, "another-tokenizer", **OPTIONS)
+    assert not finished_store(store.folder, now, tokenizer.sha256, **{**OPTIONS, "on_bad_record": "skip"})
+    assert not finished_store(store.folder, describe_input(str(source), "body"), tokenizer.sha256, **OPTIONS)
     (store.folder / "store.json").rename(store.folder / "store.json.gone")  # not complete
-    assert finished_store(store.folder, files, tokenizer.sha256, **OPTIONS) is None
+    assert not finished_store(store.folder, now, tokenizer.sha256, **OPTIONS)
 
 
 def test_tokenizer_sha256_is_the_tokenizers_without_loading_it(tmp_path, tokenizer, bpe_files):

@@ -60,7 +60,7 @@ from ..mesh.ranks import broadcast_from_rank0, gather_objects, on_rank0, raise_i
 from . import checksums
 from ..safe_pickle import CheckpointReadError, SafeFileSystemReader, UnsafePickleError, read_dcp_metadata
 from .reader import CheckpointDamagedError, CheckpointError, SafeLoadPlanner, UnsafeCheckpointError
-from .space import checkpoint_bytes, join_dcp_writers, no_space_reason, remove_folder
+from .space import checkpoint_bytes, join_dcp_writers, no_space_reasons, remove_folder
 from .verify import STEP_DIR, LoadCheck, share_load_failure
 
 DELETING = ".deleting"
@@ -220,7 +220,7 @@ class Checkpointer:
             writes()
         except (Exception, CheckpointException) as err:  # DCP's is a BaseException
             join_dcp_writers()  # DCP leaves its other writer threads running when one fails
-            reasons = [r for r in gather_objects(no_space_reason(err)) if r is not None]
+            reasons = no_space_reasons(err)  # none after a lost peer: re-raised as it is
             if not reasons:
                 raise
             final = partial.with_name(partial.name[: -len(STAGING_SUFFIX)])

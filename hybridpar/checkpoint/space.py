@@ -17,6 +17,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
+from ..diagnostics.liveness import lost_in_collective
 from ..files import out_of_space
 from ..mesh.ranks import gather_objects
 
@@ -69,6 +70,16 @@ def no_space_reason(error: BaseException) -> Optional[str]:
         if found is not None:
             return found.strerror or os.strerror(found.errno)  # a DiskFullError has the errno alone
     return None
+
+
+def no_space_reasons(error: BaseException) -> list[str]:
+    """Collective, after a failed save: every rank's no_space_reason that is not None. Nothing when a
+    collective of the save lost its peer (liveness.lost_in_collective): this agreement could not
+    complete, and it would meet the surviving peers' next save collective, which the watchdog reads
+    as collectives out of step (the program's fault) rather than the dead rank's node."""
+    if lost_in_collective(error):
+        return []
+    return [r for r in gather_objects(no_space_reason(error)) if r is not None]
 
 
 def join_dcp_writers(timeout: float = 60.0) -> None:

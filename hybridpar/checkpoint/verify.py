@@ -21,6 +21,7 @@ from typing import Callable, Optional, TextIO
 
 from ..progress import Progress, note
 from ..safe_pickle import UnsafePickleError, read_dcp_metadata
+from ..diagnostics.liveness import lost_in_collective
 from ..mesh.ranks import gather_objects, mark_every_rank, raise_if_any_failed
 from .checksums import (MANIFEST, enabled as checksums_enabled, file_checksum, first_difference, intervals,
                         read_manifest, same, sum_range)
@@ -176,6 +177,8 @@ def share_load_failure(error: Optional[BaseException], what: str) -> None:
     try:
         raise_if_any_failed(error, what, error_type=CheckpointError)
     except Exception as raised:
+        if lost_in_collective(raised):  # the agreement itself lost a peer: no further collective can complete
+            raise
         found = gather_objects(str(error) if isinstance(error, CheckpointDamagedError) else None)
         texts = list(dict.fromkeys(t for t in found if t))  # distinct, in rank order
         if not texts:

@@ -16,6 +16,8 @@ import os
 
 import torch.distributed as dist
 
+from ..mesh.ranks import raised_by_every_rank
+
 # Substrings of the errors gloo and nccl raise on the surviving side of a lost connection.
 _PEER_LOSS = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused",
               "remote process exited", "communicator was aborted", "socket timeout", "no route to host")
@@ -52,6 +54,15 @@ def is_peer_loss(error: BaseException) -> bool:
     if isinstance(error, (dist.DistBackendError, dist.DistNetworkError)):
         return True
     return says_peer_loss(str(error))
+
+
+def lost_in_collective(error: BaseException) -> bool:
+    """Did a collective of this rank's fail because a peer went away (is_peer_loss), as opposed to an
+    error the ranks agreed on (hybridpar.mesh.ranks.raised_by_every_rank)? After it, a collective
+    this rank issues cannot complete, and it would meet whatever the surviving peers issue next:
+    error paths that share errors skip their agreement then (the watchdog read such a pair as
+    collectives out of step, the program's own fault, not the dead rank's node)."""
+    return is_peer_loss(error) and not raised_by_every_rank(error)
 
 
 def says_peer_loss(text: str) -> bool:

@@ -17,7 +17,7 @@ from tests.runs import make_config
 
 WEIGHTS = {"web": 0.5, "code": 0.3, "math": 0.2}
 # 40 steps of 8 sequences: every weight x 320 is a whole count, and DOCUMENTS keeps the documents per
-# step of the earlier 200-step run (1500), so the sources run out where they did then.
+# step of the earlier 200-step run (1500 documents): no source runs out in either (web reads 0.28 of it).
 STEPS, HALF, DOCUMENTS = 40, 20, 300
 
 

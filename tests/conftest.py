@@ -46,6 +46,8 @@ def workers():
         return pool
 
     yield get
+    for pool in pools.values():  # every pool leaves at once: the session's end waits for the slowest only
+        pool.stop()
     for pool in pools.values():
         pool.close()
 

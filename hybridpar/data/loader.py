@@ -12,6 +12,7 @@ perm[:offset] exactly.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 from typing import Iterator, Optional, Sequence, Union
 
@@ -229,8 +230,9 @@ class ResumableDataLoader:
                                  f"data.seq_len + 1 = {s.dataset.seq_len + 1}: give it more text or drop it")
         self.micro_batch_size, self.dp_size, self.seed = micro_batch_size, dp_size, seed
         self.position = Position(self.sources, seed, on_exhausted)
-        self.position.on_repeat = self._said_repeat
-        self._said = [False] * len(self.sources)
+        # Not a bound method: a loader in a reference cycle is freed by the garbage collector, whose
+        # order of finalizers leaves torch's DataLoader workers waiting (5 s each) before they are killed.
+        self.position.on_repeat = functools.partial(_said_repeat, self.sources, [False] * len(self.sources))
         self.sampler = WindowSampler(self.position, dp_rank=dp_rank, dp_size=dp_size, micro_batch_size=micro_batch_size)
         self._loader = torch.utils.data.DataLoader(
             SourceWindows(self.sources), batch_sampler=self.sampler, num_workers=num_workers,
@@ -257,13 +259,6 @@ class ResumableDataLoader:
             raise RuntimeError("the batch sampler ended before the data did") from None
         self.position.group(self.micro_batch_size * self.dp_size)
         return batch
-
-    def _said_repeat(self, s: int) -> None:
-        """A blend's source that runs out is said once (its later epochs are counted in summary.json)."""
-        if len(self.sources) > 1 and not self._said[s]:
-            self._said[s] = True
-            note(f"data: source {self.sources[s].name!r} ran out after {len(self.sources[s].dataset):,} sequences; "
-                 "repeating it in a new order (its epochs are counted in summary.json)")
 
     @property
     def names(self) -> list[str]:
@@ -303,6 +298,14 @@ class ResumableDataLoader:
                 offset = 0  # only reachable with strict=False on smaller data: start the epoch over
             self.position.epochs[s], self.position.offsets[s] = epoch, offset
         self._batches = None  # batches the workers fetched from the old position are dropped
+
+
+def _said_repeat(sources: Sequence[Source], said: list[bool], s: int) -> None:
+    """A blend's source that runs out is said once (its later epochs are counted in summary.json)."""
+    if len(sources) > 1 and not said[s]:
+        said[s] = True
+        note(f"data: source {sources[s].name!r} ran out after {len(sources[s].dataset):,} sequences; "
+             "repeating it in a new order (its epochs are counted in summary.json)")
 
 
 def saved_position(state: dict, position: Position) -> dict:

@@ -16,7 +16,9 @@ from hybridpar.data.loader import SourceExhaustedError, build_dataloader as blen
 from tests.runs import make_config
 
 WEIGHTS = {"web": 0.5, "code": 0.3, "math": 0.2}
-STEPS, HALF = 200, 100
+# 40 steps of 8 sequences: every weight x 320 is a whole count, and DOCUMENTS keeps the documents per
+# step of the earlier 200-step run (1500 documents): no source runs out in either (web reads 0.28 of it).
+STEPS, HALF, DOCUMENTS = 40, 20, 300
 
 
 def test_the_rule_keeps_every_source_within_one_sequence_of_its_weight():
@@ -139,7 +141,7 @@ def blend_sources(tmp_path_factory) -> str:
     from hybridpar.data import default_corpus_documents
 
     root = tmp_path_factory.mktemp("blend")
-    documents = list(default_corpus_documents(max_documents=1500))
+    documents = list(default_corpus_documents(max_documents=DOCUMENTS))
     entries = []
     for i, name in enumerate(WEIGHTS):
         path = root / f"{name}.jsonl"
@@ -152,7 +154,7 @@ def _config(sources: str, cache: Path, folder: Path, run_dir: Path, layout: tupl
     mp, dp = layout
     return make_config({"source": "default", "cache_dir": str(cache)}, run_dir, mp=mp, dp_shard=dp, dp=dp,
                        steps=STEPS, **{"data.source": "default", "data.sources": sources, "data.val_fraction": 0.05,
-                                       "train.eval_every": 100, "train.eval_steps": 1,
+                                       "train.eval_every": HALF, "train.eval_steps": 1,
                                        "checkpoint.folder": str(folder), "checkpoint.resume": True,
                                        "checkpoint.every": HALF, "checkpoint.at_end": False, **flags})
 
@@ -228,6 +230,7 @@ def test_a_resume_continues_the_blend_exactly(straight, workers, blend_sources, 
         check_close("blend resumed at mp1 x dp4", errors, 1e-5)
 
 
+@pytest.mark.slow  # it reads the whole run of `straight`
 def test_the_dashboard_draws_each_source(straight, tmp_path):
     from hybridpar.train.dashboard import plot_dashboard
 

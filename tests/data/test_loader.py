@@ -121,6 +121,34 @@ def test_restored_loader_yields_exactly_the_next_batches(tmp_path, num_workers):
     assert torch.equal(next(fresh)[0], next(rewound)[0])
 
 
+def test_a_dropped_loader_frees_its_workers_at_once(tmp_path):
+    """No reference cycle through the loader: dropped, it is freed at once and its DataLoader workers
+    exit. Left to the garbage collector, each worker waited 5 s before it was killed (a run's end,
+    the test after this one)."""
+    import gc
+    import multiprocessing
+    import time
+    import weakref
+
+    others = set(multiprocessing.active_children())
+    loader = build_dataloader(numbered_dataset(tmp_path, 26), dp_rank=0, dp_size=1, micro_batch_size=3, seed=7,
+                              num_workers=2)
+    take(loader, 2)
+    workers = set(multiprocessing.active_children()) - others
+    assert len(workers) == 2
+    freed = weakref.ref(loader)
+    gc.disable()  # what frees it must be its last reference going, not a collection
+    try:
+        del loader
+        assert freed() is None, "the loader is part of a reference cycle"
+    finally:
+        gc.enable()
+    start = time.monotonic()
+    for worker in workers:
+        worker.join(timeout=5)
+    assert not any(w.is_alive() for w in workers) and time.monotonic() - start < 3
+
+
 @pytest.mark.parametrize("new_dp", [4, 1])
 def test_position_saved_at_dp2_resumes_at_other_dp_sizes(tmp_path, new_dp):
     n, batch, seed = 60, 2, 3

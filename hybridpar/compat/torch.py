@@ -96,6 +96,12 @@ def flatten_mesh(mesh, name: str):
     return mesh._flatten(name)
 
 
+def unflatten_mesh(mesh, sizes: tuple[int, ...], names: tuple[str, ...]):
+    """A 1-D mesh split into named dims (FSDP's (dp_replicate, dp_shard_cp) under context parallelism),
+    without slicing flattened dims out of the root mesh, which torch deprecates."""
+    return mesh._unflatten(0, sizes, names)
+
+
 def flight_recorder_dumps() -> list[bytes]:
     """This process's flight recorders, pickled: collectives included, C++ stacks left out (slow to
     collect). ProcessGroupNCCL records into a recorder of its own, which CUDA builds dump with

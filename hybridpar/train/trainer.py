@@ -77,7 +77,7 @@ class Trainer:
         try:
             self.parallel = parallel or init_parallel(
                 mp=c.parallel.mp, dp_shard=c.parallel.dp_shard, dp_replicate=c.parallel.dp_replicate,
-                timeout=c.parallel.init_timeout, backend=c.parallel.backend or None,
+                cp=c.parallel.cp, timeout=c.parallel.init_timeout, backend=c.parallel.backend or None,
             )
             p = self.parallel
             self.is_main = p.rank == 0

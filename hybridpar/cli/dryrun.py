@@ -247,17 +247,17 @@ def _step(c: Config, model: torch.nn.Module, parallel) -> tuple[torch.optim.Opti
     backward). The batch has no ignored targets, so its target count is known without reading it."""
     from ..train import stop
     from ..train.optim import build_optimizer, clip_gradients
-    from ..train.step import count_targets, forward_backward
+    from ..train.step import context_parts, count_targets, forward_backward, gradient_scale
 
     d, t = c.data, c.train
     optimizer = build_optimizer(model, c.optim)
     tokens = torch.zeros(d.micro_batch_size, d.seq_len, dtype=torch.long)
-    batches = [(tokens, tokens)] * t.grad_accum
+    batches = context_parts([(tokens, tokens)] * t.grad_accum, parallel)
     count_targets(batches, parallel, parallel.device, also_sum=[0.0])  # the data stop's flag
     global_targets = d.micro_batch_size * d.seq_len * t.grad_accum * parallel.dp_size
-    loss_sum = forward_backward(model, batches, parallel, scale=parallel.dp_size / global_targets,
+    loss_sum = forward_backward(model, batches, parallel, scale=gradient_scale(parallel, global_targets),
                                 grad_sync=t.grad_sync, device=parallel.device)
-    dist.all_reduce(loss_sum, group=parallel.dp_group)
+    dist.all_reduce(loss_sum, group=parallel.dp_cp_group)
     params = list(model.parameters())
     clip_gradients(params, c.optim.grad_clip, parallel.device, also_sum=[0.0] * len(stop.STOP_SIGNALS))
     grads = [p.grad for p in params if p.grad is not None]

@@ -13,6 +13,11 @@ over the mp group: [batch * seq / mp, dim], each rank a contiguous part of the t
 sequence, of its positions); norms and residual adds run on 1/mp of them. The parameters are the
 same, so any checkpoint loads either way. Generation runs without it.
 
+Context parallelism (parallel.cp > 1): each cp rank feeds its two chunks of every sequence
+(parallel/context.py's layout), RoPE at their global positions, attention against the whole
+sequence's keys and values (`context_attention`, all-gathered over the cp group). Sequence
+parallelism then splits each rank's chunks over mp. The parameters do not depend on cp.
+
 Differences from Meta's code, invisible in the numbers: F.scaled_dot_product_attention (causal),
 RoPE frequencies computed per call, kv heads replicated across ranks when mp > n_kv_heads.
 Generation: `cache = model.new_cache(batch, max_len)`, then `model(tokens, start_pos=p, cache=cache)`

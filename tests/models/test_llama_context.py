@@ -65,3 +65,17 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_cp_model_matches_cp1(workers, check_close, case):
     check_close(f"model {case}", workers(4).run(_case_cp_matches_cp1, *CASES[case]), BOUND)
+
+
+def _case_cache_refused() -> str:
+    model = Transformer(ModelArgs.from_preset("debug_gqa"), parallel_dims(cp=2))
+    try:
+        model(torch.zeros(1, 4, dtype=torch.long), cache=model.new_cache(1, 16))
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_generation_with_a_cache_is_refused_at_cp_above_1(workers):
+    for message in workers(2).run(_case_cache_refused):
+        assert message.startswith("generation with a kv cache runs at cp = 1") and "\n" not in message

@@ -122,6 +122,13 @@ def init_fake_process_group(rank: int, world_size: int) -> None:
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
 
 
+def is_fake(x: torch.Tensor) -> bool:
+    """Whether x is a fake tensor (made under fake_tensors(): the dry run's)."""
+    from torch._subclasses.fake_tensor import is_fake as fake
+
+    return fake(x)
+
+
 def fake_tensors():
     """A mode in which tensors have shapes, dtypes and devices but no memory, and ops only compute
     the shapes of their results: a 405B model's training step runs in seconds (the dry run)."""

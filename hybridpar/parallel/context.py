@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 from torch.nn.attention.bias import causal_lower_right
 
+from ..compat.torch import is_fake
 from .mappings import gather_from_sequence_region
 
 
@@ -117,12 +118,12 @@ def gather_sequence(x: torch.Tensor, group: Optional[ProcessGroup], dim: int = 1
     return _to_global_order(parts, cp).movedim(0, dim)
 
 
-def _lower_right(queries: int, keys: int, device: torch.device):
+def _lower_right(queries: int, keys: int, like: torch.Tensor):
     """The causal mask of the last `queries` of `keys` positions. torch.compile cannot trace the
-    CausalBias subclass (a graph break that drops the whole attention loop to eager): inside
-    compile the same triangle as a boolean tensor."""
-    if torch.compiler.is_compiling():
-        return torch.ones(queries, keys, dtype=torch.bool, device=device).tril(diagonal=keys - queries)
+    CausalBias subclass (a graph break that drops the whole attention loop to eager) and fake
+    tensors (the dry run's) cannot make one: there the same triangle as a boolean tensor."""
+    if torch.compiler.is_compiling() or is_fake(like):
+        return torch.ones(queries, keys, dtype=torch.bool, device=like.device).tril(diagonal=keys - queries)
     return causal_lower_right(queries, keys)
 
 
@@ -153,5 +154,5 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
         end = (chunk + 1) * c  # the keys up to this chunk's end; the last c of them under the triangle
         query = q[:, slot * c:(slot + 1) * c].transpose(1, 2)
         outs.append(F.scaled_dot_product_attention(
-            query, keys[:, :, :end], values[:, :, :end], attn_mask=_lower_right(c, end, q.device), enable_gqa=gqa))
+            query, keys[:, :, :end], values[:, :, :end], attn_mask=_lower_right(c, end, q), enable_gqa=gqa))
     return torch.cat(outs, dim=2).transpose(1, 2)

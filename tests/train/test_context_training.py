@@ -46,6 +46,7 @@ LAYOUTS = {
 def _errors(result, reference) -> dict:
     ref_hist, hist = reference["history"], result["history"]
     assert len(hist) == len(ref_hist) == 5
+    assert [m["tokens"] for m in hist] == [m["tokens"] for m in ref_hist]  # the global batch's targets
     errors = {}
     for a, b in zip(hist, ref_hist):
         errors[f"loss step {a['step']}"] = rel_err(torch.tensor(a["loss"]), torch.tensor(b["loss"]))

@@ -343,9 +343,11 @@ class Transformer(nn.Module):
             )
         mp = dist.get_world_size(self.group)
         if self.sequence_parallel and seq % mp:
-            raise ValueError(f"sequence length {seq} is not divisible by mp = {mp}: sequence parallelism gives each "
-                             f"rank 1/mp of the positions; use a multiple of {mp} or set parallel.sequence_parallel = "
-                             "false")
+            what, fix = (f"sequence length {seq}", f"a multiple of {mp}") if self.cp == 1 else (
+                f"this cp rank's part of the sequence, {seq} tokens,",
+                f"a seq_len that is a multiple of {2 * self.cp * mp}")
+            raise ValueError(f"{what} is not divisible by mp = {mp}: sequence parallelism gives each "
+                             f"rank 1/mp of the positions; use {fix} or set parallel.sequence_parallel = false")
         if self.cp > 1:  # this rank's chunks, at their places in the whole sequence
             positions = local_positions(end, self.cp, self.cp_rank, device=tokens.device)
         else:

@@ -79,3 +79,20 @@ def _case_cache_refused() -> str:
 def test_generation_with_a_cache_is_refused_at_cp_above_1(workers):
     for message in workers(2).run(_case_cache_refused):
         assert message.startswith("generation with a kv cache runs at cp = 1") and "\n" not in message
+
+
+def _case_sp_part_refused() -> str:
+    model = Transformer(ModelArgs.from_preset("debug_gqa"), parallel_dims(mp=4, cp=2), sequence_parallel=True)
+    try:
+        model(torch.zeros(1, 6, dtype=torch.long))  # a whole sequence of 12: 6 tokens per cp rank, over 4 mp ranks
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.slow  # world 8
+def test_a_cp_part_mp_does_not_divide_is_refused_with_sequence_parallelism(workers):
+    for message in workers(8).run(_case_sp_part_refused):
+        assert message == ("this cp rank's part of the sequence, 6 tokens, is not divisible by mp = 4: sequence "
+                           "parallelism gives each rank 1/mp of the positions; use a seq_len that is a multiple of 16 "
+                           "or set parallel.sequence_parallel = false")

@@ -67,18 +67,26 @@ def test_cp_model_matches_cp1(workers, check_close, case):
     check_close(f"model {case}", workers(4).run(_case_cp_matches_cp1, *CASES[case]), BOUND)
 
 
-def _case_cache_refused() -> str:
-    model = Transformer(ModelArgs.from_preset("debug_gqa"), parallel_dims(cp=2))
-    try:
-        model(torch.zeros(1, 4, dtype=torch.long), cache=model.new_cache(1, 16))
-    except ValueError as err:
-        return str(err)
-    return "no error"
+def _case_generation_refused() -> list:
+    from hybridpar.generate import generate
+
+    parallel = parallel_dims(cp=2)
+    model = Transformer(ModelArgs.from_preset("debug_gqa"), parallel)
+    messages = []
+    for call in (lambda: model(torch.zeros(1, 4, dtype=torch.long), cache=model.new_cache(1, 16)),
+                 lambda: generate(model, parallel, [[1, 2, 3]], 2, use_cache=False)):
+        try:
+            call()
+            messages.append("no error")
+        except ValueError as err:
+            messages.append(str(err))
+    return messages
 
 
-def test_generation_with_a_cache_is_refused_at_cp_above_1(workers):
-    for message in workers(2).run(_case_cache_refused):
-        assert message.startswith("generation with a kv cache runs at cp = 1") and "\n" not in message
+def test_generation_is_refused_at_cp_above_1(workers):
+    for cache, plain in workers(2).run(_case_generation_refused):
+        assert cache.startswith("generation with a kv cache runs at cp = 1") and "\n" not in cache
+        assert plain.startswith("generation runs at cp = 1, this model was built with cp = 2") and "\n" not in plain
 
 
 def _case_sp_part_refused() -> str:

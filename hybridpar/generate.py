@@ -50,6 +50,9 @@ def _agree(tokens: torch.Tensor, parallel: ParallelDims) -> torch.Tensor:
 
 def _check_arguments(model, prompt_tokens, max_new_tokens, temperature, top_p) -> None:
     args = model.args
+    if getattr(model, "cp", 1) > 1:  # each rank would read its prompt as two chunks of a longer sequence
+        raise ValueError(f"generation runs at cp = 1, this model was built with cp = {model.cp}: build it with "
+                         "parallel.cp = 1 (the parameters do not depend on cp)")
     if not prompt_tokens:
         raise ValueError("prompt_tokens is empty; pass a list of prompts, each a list of token ids")
     for i, prompt in enumerate(prompt_tokens):

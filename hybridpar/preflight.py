@@ -31,7 +31,7 @@ class Job:
 
     config: Config
     world_size: int
-    sizes: tuple[int, int, int]  # (dp_replicate, dp_shard, mp), layout.resolve_sizes'
+    sizes: tuple[int, int, int, int]  # (dp_replicate, dp_shard, cp, mp), layout.resolve_sizes'
     args: object  # hybridpar.models.args.ModelArgs; a vocab_size of -1 (Llama 2's) waits for the tokenizer
     init_from: Optional[tuple[str, Path]] = None  # (kind, folder) of a Meta or Hugging Face checkpoint.init_from
     init_config: Optional[dict] = None  # that folder's JSON, read once (checkpoint.convert.read_config)
@@ -54,7 +54,7 @@ def resolve_job(config: Config, world_size: int) -> Job:
         from .checkpoint.convert import read_config
 
         parsed = read_config(*found)
-    args = model_args(config, sizes[2], init_from=found, parsed=parsed)
+    args = model_args(config, sizes[3], init_from=found, parsed=parsed, cp=sizes[2])
     sources, stores = _data_sources(config)
     return Job(config, world_size, sizes, args, found, parsed, sources, stores)
 
@@ -78,16 +78,18 @@ def preflight(config: Config, world_size: int) -> None:
 def check_values(config: Config, world_size: int):
     """The checks that read no data: the values' ranges, the mesh, the model's shape against
     data.seq_len and parallel.mp. Returns the model's args (hybridpar.models.args.ModelArgs)."""
-    return model_args(config, _checked_sizes(config, world_size)[2])
+    sizes = _checked_sizes(config, world_size)
+    return model_args(config, sizes[3], cp=sizes[2])
 
 
-def _checked_sizes(config: Config, world_size: int) -> tuple[int, int, int]:
+def _checked_sizes(config: Config, world_size: int) -> tuple[int, int, int, int]:
     config.validate()
     p = config.parallel
     try:
-        return resolve_sizes(world_size, p.mp, p.dp_shard, p.dp_replicate)
+        return resolve_sizes(world_size, p.mp, p.dp_shard, p.dp_replicate, p.cp)
     except MeshSizeError as err:
-        raise MeshSizeError(f"parallel.mp / parallel.dp_shard / parallel.dp_replicate at {world_size} rank(s) "
+        cp = " / parallel.cp" if p.cp != 1 else ""
+        raise MeshSizeError(f"parallel.mp{cp} / parallel.dp_shard / parallel.dp_replicate at {world_size} rank(s) "
                             f"(the launcher's): {err}") from None
 
 
@@ -231,9 +233,10 @@ def init_from_folder(config: Config) -> Optional[tuple[str, Path]]:
 _FIND = object()  # model_args' init_from not given: found from the config
 
 
-def model_args(c: Config, mp: int, tokenizer_vocab: int = 0, *, init_from=_FIND, parsed: Optional[dict] = None):
-    """The model's shape for config `c` at model-parallel size mp, checked against data.seq_len and
-    mp. A vocab_size of -1 (Llama 2's params.json) becomes `tokenizer_vocab` when given, else it waits
+def model_args(c: Config, mp: int, tokenizer_vocab: int = 0, *, init_from=_FIND, parsed: Optional[dict] = None,
+               cp: int = 1):
+    """The model's shape for config `c` at model-parallel size mp, checked against data.seq_len, mp
+    and the context-parallel size cp. A vocab_size of -1 (Llama 2's params.json) becomes `tokenizer_vocab` when given, else it waits
     for the tokenizer (the trainer's _fit_vocab). `init_from` and `parsed`: init_from_folder(c) and
     its JSON, when already read (resolve_job)."""
     from hybridpar.models.args import ModelArgs
@@ -259,8 +262,18 @@ def model_args(c: Config, mp: int, tokenizer_vocab: int = 0, *, init_from=_FIND,
             f"data.seq_len = {c.data.seq_len} is larger than the model's max_seq_len = {args.max_seq_len}: "
             "lower data.seq_len"
         )
+    if cp > 1:
+        # Context parallelism cuts each sequence into 2 x cp chunks; sequence parallelism then splits
+        # each rank's 2 chunks over mp.
+        unit = 2 * cp * (mp if c.parallel.sequence_parallel else 1)
+        if c.data.seq_len % unit:
+            sp = " x mp" if c.parallel.sequence_parallel and mp > 1 else ""
+            raise ConfigError(
+                f"data.seq_len = {c.data.seq_len} is not divisible by 2 x cp{sp} = {unit}: context parallelism cuts "
+                f"each sequence into 2 x cp = {2 * cp} chunks{' split again over mp' if sp else ''}; choose a "
+                f"seq_len that is a multiple of {unit}, or a smaller parallel.cp")
     # Sequence parallelism splits each sequence's seq_len positions over the mp ranks.
-    if c.parallel.sequence_parallel and c.data.seq_len % mp:
+    elif c.parallel.sequence_parallel and c.data.seq_len % mp:
         raise ConfigError(
             f"data.seq_len = {c.data.seq_len} is not divisible by parallel.mp = {mp}: sequence parallelism "
             f"gives each model-parallel rank seq_len / mp positions; choose a seq_len that is a multiple of {mp}, "

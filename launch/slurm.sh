@@ -223,7 +223,7 @@ rows = [None] * p.world_size
 dist.all_gather_object(rows, (p.rank, node, line))
 if p.rank == 0:
     rows.sort()
-    split = [g for g in group_ranks(p.dp_replicate, p.dp_shard, p.mp)["mp"] if len({rows[r][1] for r in g}) > 1]
+    split = [g for g in group_ranks(*p.sizes)["mp"] if len({rows[r][1] for r in g}) > 1]
     text = "\n".join(r[2] for r in rows) + "\n"
     if split:
         text += f"warning: model-parallel groups span nodes: {split}\n"

@@ -13,6 +13,11 @@ over the mp group: [batch * seq / mp, dim], each rank a contiguous part of the t
 sequence, of its positions); norms and residual adds run on 1/mp of them. The parameters are the
 same, so any checkpoint loads either way. Generation runs without it.
 
+Context parallelism (parallel.cp > 1): each cp rank feeds its two chunks of every sequence
+(parallel/context.py's layout), RoPE at their global positions, attention against the whole
+sequence's keys and values (`context_attention`, all-gathered over the cp group). Sequence
+parallelism then splits each rank's chunks over mp. The parameters do not depend on cp.
+
 Differences from Meta's code, invisible in the numbers: F.scaled_dot_product_attention (causal),
 RoPE frequencies computed per call, kv heads replicated across ranks when mp > n_kv_heads.
 Generation: `cache = model.new_cache(batch, max_len)`, then `model(tokens, start_pos=p, cache=cache)`
@@ -40,6 +45,7 @@ from hybridpar.parallel import (
     enter_region,
     gather_from_region,
 )
+from hybridpar.parallel.context import context_attention, local_positions
 from hybridpar.parallel.layers import ReplicatedHeadLinear, local_tensor, mp_parameter
 
 from .args import ModelArgs, RopeScaling
@@ -135,6 +141,7 @@ class Attention(nn.Module):
         super().__init__()
         mp, hd = parallel.mp, args.head_dim
         self.group = parallel.mp_group
+        self.cp_group = parallel.cp_group  # None without context parallelism
         self.sequence_parallel = factory.get("sequence_parallel", False)
         self.head_dim = hd
         self.n_local_heads = args.n_heads // mp
@@ -171,6 +178,8 @@ class Attention(nn.Module):
         k = self.wk(x, copy_input=False).view(batch, seq, self.n_local_kv_heads, self.head_dim)
         v = self.wv(x, copy_input=False).view(batch, seq, self.n_local_kv_heads, self.head_dim)
         q, k = apply_rope(q, freqs_cis), apply_rope(k, freqs_cis)
+        if self.cp_group is not None:  # this rank's two chunks against the whole sequence's keys
+            return self.wo(context_attention(q, k, v, self.cp_group).reshape(batch, seq, -1))
         mask, causal = None, True
         if kv_cache is not None:
             cache_k, cache_v = kv_cache
@@ -254,6 +263,11 @@ class Transformer(nn.Module):
     """Llama decoder. `model(tokens)` -> this rank's vocabulary shard of the logits [B, S, V/mp];
     `model(tokens, gather_logits=True)` -> the full logits [B, S, V] on every rank.
 
+    With context parallelism (parallel.cp > 1) `tokens` is this cp rank's part of each sequence,
+    [B, S / cp], its two chunks as `parallel.context.shard_sequence` cuts them; RoPE turns them by
+    their global positions, attention sees the whole sequence's keys (context_attention) and the
+    logits are those of this rank's tokens. Generation (a cache) runs at cp = 1.
+
     Weights are drawn from the global RNG as full tensors (each rank keeps its slice), so the same
     seed gives the same model at any (mp, dp) layout. Build under `torch.device("meta")` to skip
     allocation when weights will be loaded.
@@ -272,6 +286,8 @@ class Transformer(nn.Module):
         args.check(parallel.mp)
         self.args = args
         self.group = parallel.mp_group
+        # Context parallelism: this rank holds 2 of the 2 x cp chunks of every sequence (parallel.context).
+        self.cp, self.cp_rank = parallel.cp, parallel.cp_rank
         self.sequence_parallel = sequence_parallel = sequence_parallel and parallel.mp > 1
         factory = dict(dtype=dtype, device=device, sequence_parallel=sequence_parallel)
         embedding = VocabParallelEmbedding if args.resolved_embedding_split == "vocab" else ParallelEmbedding
@@ -310,7 +326,10 @@ class Transformer(nn.Module):
         written into it and attention also sees the cached positions before start_pos.
         """
         batch, seq = tokens.shape
-        end = start_pos + seq
+        if self.cp > 1 and cache is not None:
+            raise ValueError(f"generation with a kv cache runs at cp = 1, this model was built with cp = {self.cp}: "
+                             "build it with parallel.cp = 1 (the parameters do not depend on cp)")
+        end = start_pos + seq * self.cp  # the whole sequence's length
         if end > self.args.max_seq_len:
             raise ValueError(f"sequence length {end} exceeds max_seq_len = {self.args.max_seq_len}")
         if cache is None and start_pos != 0:
@@ -324,10 +343,15 @@ class Transformer(nn.Module):
             )
         mp = dist.get_world_size(self.group)
         if self.sequence_parallel and seq % mp:
-            raise ValueError(f"sequence length {seq} is not divisible by mp = {mp}: sequence parallelism gives each "
-                             f"rank 1/mp of the positions; use a multiple of {mp} or set parallel.sequence_parallel = "
-                             "false")
-        positions = torch.arange(start_pos, end, device=tokens.device)
+            what, fix = (f"sequence length {seq}", f"a multiple of {mp}") if self.cp == 1 else (
+                f"this cp rank's part of the sequence, {seq} tokens,",
+                f"a seq_len that is a multiple of {2 * self.cp * mp}")
+            raise ValueError(f"{what} is not divisible by mp = {mp}: sequence parallelism gives each "
+                             f"rank 1/mp of the positions; use {fix} or set parallel.sequence_parallel = false")
+        if self.cp > 1:  # this rank's chunks, at their places in the whole sequence
+            positions = local_positions(end, self.cp, self.cp_rank, device=tokens.device)
+        else:
+            positions = torch.arange(start_pos, end, device=tokens.device)
         freqs_cis = rope_frequencies(self.args.head_dim, positions, self.args.rope_theta, self.args.rope_scaling)
         h = self.tok_embeddings(tokens)
         for i, layer in enumerate(self.layers):

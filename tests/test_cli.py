@@ -364,7 +364,30 @@ def test_the_local_config_runs_alone_at_mp_1_and_as_mp2_x_dp2_at_four(tmp_path):
     four = load_config(find_config("local"))
     check_values(four, 4)
     p = four.parallel
-    assert resolve_sizes(4, p.mp, p.dp_shard, p.dp_replicate) == (1, 2, 2)
+    assert resolve_sizes(4, p.mp, p.dp_shard, p.dp_replicate) == (1, 2, 1, 2)
+
+
+@pytest.mark.parametrize("overrides,world,said", [
+    # 2 x cp = 4 chunks; with sequence parallelism each rank's chunks split again over mp: 2 x 2 x 2.
+    (["--parallel.cp", "2", "--parallel.mp", "2", "--data.seq_len", "36"], 4, "data.seq_len = 36 is not divisible by "
+     "2 x cp x mp = 8"),
+    (["--parallel.cp", "2", "--parallel.mp", "1", "--data.seq_len", "38"], 2, "data.seq_len = 38 is not divisible by "
+     "2 x cp = 4"),
+    (["--parallel.cp", "4", "--parallel.mp", "2"], 12, "world size 12 is not divisible by mp * cp * dp_replicate = "
+     "2 * 4 * 1 = 8"),
+])
+def test_a_context_parallel_job_that_cannot_cut_its_sequences_is_refused_in_one_line(overrides, world, said):
+    from hybridpar.config import ConfigError, find_config, load_config
+    from hybridpar.mesh.layout import MeshSizeError
+    from hybridpar.preflight import check_values
+
+    config = load_config(find_config("local"), overrides)
+    with pytest.raises((ConfigError, MeshSizeError)) as info:
+        check_values(config, world)
+    assert said in str(info.value) and "\n" not in str(info.value), info.value
+    fits = load_config(find_config("local"), overrides[:4] + ["--data.seq_len", "64"])
+    if world != 12:
+        check_values(fits, world)  # a seq_len the chunks divide passes
 
 
 def _fake_checkpoint(folder: Path, damaged: bool = False) -> None:

@@ -52,6 +52,8 @@ def _case_real_step(config):
 
 
 LAYOUTS = {
+    # Context parallelism: the K/V all-gather and the causal masks on fake tensors, sequence parallel.
+    "world4-cp2-mp2": (4, dict(mp=2, dp=1, strategy="full_shard", **{"parallel.cp": 2, "data.seq_len": 64})),
     "world4-mp2-dp2": (4, dict(mp=2, dp_shard=2, dp=2, strategy="hybrid_shard")),
     "world8-mp2-2x2-ac": (8, dict(mp=2, dp_shard=2, dp_replicate=2, dp=4, strategy="hybrid_shard",
                                   **{"fsdp.activation_checkpointing": "full"})),

@@ -19,16 +19,17 @@ from hybridpar.mesh.layout import (LaunchEnv, MeshCoords, MeshSizeError, expand_
                               resolve_sizes)
 from tests.distributed import free_port, parallel_dims
 
-# World 8, (dp_replicate, dp_shard, mp) = (2, 2, 2): (rank, replicate_idx, shard_idx, mp_rank, dp_rank).
+# World 8, (dp_replicate, dp_shard, cp, mp) = (2, 2, 1, 2):
+# (rank, replicate_idx, shard_idx, cp_rank, mp_rank, dp_rank).
 LAYOUT_8 = [
-    (0, 0, 0, 0, 0),
-    (1, 0, 0, 1, 0),
-    (2, 0, 1, 0, 1),
-    (3, 0, 1, 1, 1),
-    (4, 1, 0, 0, 2),
-    (5, 1, 0, 1, 2),
-    (6, 1, 1, 0, 3),
-    (7, 1, 1, 1, 3),
+    (0, 0, 0, 0, 0, 0),
+    (1, 0, 0, 0, 1, 0),
+    (2, 0, 1, 0, 0, 1),
+    (3, 0, 1, 0, 1, 1),
+    (4, 1, 0, 0, 0, 2),
+    (5, 1, 0, 0, 1, 2),
+    (6, 1, 1, 0, 0, 3),
+    (7, 1, 1, 0, 1, 3),
 ]
 GROUPS_8 = {
     "mp": [[0, 1], [2, 3], [4, 5], [6, 7]],
@@ -36,19 +37,41 @@ GROUPS_8 = {
     "dp_shard": [[0, 2], [1, 3], [4, 6], [5, 7]],
     "dp_replicate": [[0, 4], [1, 5], [2, 6], [3, 7]],
 }
-# World 4, mp 2, dp_shard -1 (the rest) -> (1, 2, 2).
-LAYOUT_4 = [(0, 0, 0, 0, 0), (1, 0, 0, 1, 0), (2, 0, 1, 0, 1), (3, 0, 1, 1, 1)]
+# World 4, mp 2, dp_shard -1 (the rest) -> (1, 2, 1, 2).
+LAYOUT_4 = [(0, 0, 0, 0, 0, 0), (1, 0, 0, 0, 1, 0), (2, 0, 1, 0, 0, 1), (3, 0, 1, 0, 1, 1)]
 GROUPS_4 = {
     "mp": [[0, 1], [2, 3]],
     "dp": [[0, 2], [1, 3]],
     "dp_shard": [[0, 2], [1, 3]],
     "dp_replicate": [[0], [1], [2], [3]],
 }
-# world -> ((dp_replicate, dp_shard, mp), init_parallel arguments, layout, groups). The arguments are
-# spelled as elsewhere in the tests so that each worker reuses its memoised mesh.
+# World 8 with context parallelism, (dp_replicate, dp_shard, cp, mp) = (1, 2, 2, 2): cp next to mp,
+# so a cp x mp block is 4 contiguous ranks; the dp coordinate is shared by a block.
+LAYOUT_8_CP = [
+    (0, 0, 0, 0, 0, 0),
+    (1, 0, 0, 0, 1, 0),
+    (2, 0, 0, 1, 0, 0),
+    (3, 0, 0, 1, 1, 0),
+    (4, 0, 1, 0, 0, 1),
+    (5, 0, 1, 0, 1, 1),
+    (6, 0, 1, 1, 0, 1),
+    (7, 0, 1, 1, 1, 1),
+]
+GROUPS_8_CP = {
+    "mp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+    "dp": [[0, 4], [1, 5], [2, 6], [3, 7]],
+    "dp_shard": [[0, 4], [1, 5], [2, 6], [3, 7]],
+    "dp_replicate": [[0], [1], [2], [3], [4], [5], [6], [7]],
+    "cp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+    "dp_shard_cp": [[0, 2, 4, 6], [1, 3, 5, 7]],
+    "dp_cp": [[0, 2, 4, 6], [1, 3, 5, 7]],
+}
+# name -> (world, (dp_replicate, dp_shard, cp, mp), init_parallel arguments, layout, groups). The
+# arguments are spelled as elsewhere in the tests so that each worker reuses its memoised mesh.
 TABLES = {
-    8: ((2, 2, 2), dict(mp=2, dp_shard=2, dp_replicate=2), LAYOUT_8, GROUPS_8),
-    4: ((1, 2, 2), dict(mp=2), LAYOUT_4, GROUPS_4),
+    "world8": (8, (2, 2, 1, 2), dict(mp=2, dp_shard=2, dp_replicate=2), LAYOUT_8, GROUPS_8),
+    "world4": (4, (1, 2, 1, 2), dict(mp=2), LAYOUT_4, GROUPS_4),
+    "world8-cp2": (8, (1, 2, 2, 2), dict(mp=2, cp=2), LAYOUT_8_CP, GROUPS_8_CP),
 }
 
 
@@ -63,12 +86,14 @@ def _groups_of(rank: int, groups: dict) -> dict:
 @pytest.mark.parametrize(
     "world,kwargs,expected",
     [
-        (1, {}, (1, 1, 1)),
-        (8, dict(mp=2), (1, 4, 2)),
-        (8, dict(mp=2, dp_replicate=2), (2, 2, 2)),
-        (8, dict(mp=2, dp_shard=2, dp_replicate=2), (2, 2, 2)),
-        (16, dict(mp=8, dp_shard=-1), (1, 2, 8)),
-        (12, dict(mp=1, dp_shard=3, dp_replicate=4), (4, 3, 1)),
+        (1, {}, (1, 1, 1, 1)),
+        (8, dict(mp=2), (1, 4, 1, 2)),
+        (8, dict(mp=2, dp_replicate=2), (2, 2, 1, 2)),
+        (8, dict(mp=2, dp_shard=2, dp_replicate=2), (2, 2, 1, 2)),
+        (16, dict(mp=8, dp_shard=-1), (1, 2, 1, 8)),
+        (12, dict(mp=1, dp_shard=3, dp_replicate=4), (4, 3, 1, 1)),
+        (16, dict(mp=2, cp=4), (1, 2, 4, 2)),
+        (32, dict(mp=2, cp=2, dp_replicate=2), (2, 4, 2, 2)),
     ],
 )
 def test_resolve_sizes(world, kwargs, expected):
@@ -87,6 +112,9 @@ def test_resolve_sizes(world, kwargs, expected):
         (8, dict(dp_replicate=0), ["dp_replicate", "0"]),
         (8, dict(dp_shard=0), ["dp_shard", "0"]),
         (8, dict(dp_shard=-2), ["dp_shard", "-2"]),
+        (8, dict(cp=0), ["cp", "0"]),
+        (12, dict(mp=2, cp=4), ["12", "8", "cp"]),  # mp * cp does not divide the world
+        (8, dict(mp=2, cp=2, dp_shard=4), ["16", "8", "cp"]),  # product != world
     ],
 )
 def test_resolve_sizes_errors_name_the_numbers(world, kwargs, numbers):
@@ -104,12 +132,26 @@ def _assert_names(text: str, words: list[str]) -> None:
 # --- the layout, as pure arithmetic --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("world", sorted(TABLES))
-def test_coords_and_groups_match_the_documented_table(world):
-    sizes, _, layout, groups = TABLES[world]
+@pytest.mark.parametrize("name", sorted(TABLES))
+def test_coords_and_groups_match_the_documented_table(name):
+    world, sizes, _, layout, groups = TABLES[name]
     coords = [MeshCoords.of(rank, *sizes) for rank in range(world)]
-    assert [(c.rank, c.replicate_idx, c.shard_idx, c.mp_rank, c.dp_rank) for c in coords] == layout
+    assert [(c.rank, c.replicate_idx, c.shard_idx, c.cp_rank, c.mp_rank, c.dp_rank) for c in coords] == layout
     assert group_ranks(*sizes) == groups
+
+
+@pytest.mark.parametrize("sizes", [(1, 2, 2, 2), (2, 2, 4, 1), (2, 1, 2, 4), (1, 4, 2, 2)])
+def test_with_cp_a_rank_is_numbered_cp_next_to_mp(sizes):
+    """rank = ((r * dp_shard + s) * cp + c) * mp + m: torch's row-major mesh of these dims; the
+    groups of every kind partition the world."""
+    grid = torch.arange(sizes[0] * sizes[1] * sizes[2] * sizes[3]).reshape(sizes)
+    for rank in range(grid.numel()):
+        c = MeshCoords.of(rank, *sizes)
+        assert grid[c.replicate_idx, c.shard_idx, c.cp_rank, c.mp_rank] == rank
+        assert c.dp_rank == c.replicate_idx * sizes[1] + c.shard_idx
+    for kind, groups in group_ranks(*sizes).items():
+        assert sorted(r for g in groups for r in g) == list(range(grid.numel())), kind
+    assert "cp 1, dp" in MeshCoords.of(sizes[3], *sizes).describe() or sizes[2] == 1
 
 
 @pytest.mark.parametrize(
@@ -118,14 +160,14 @@ def test_coords_and_groups_match_the_documented_table(world):
 def test_groups_are_fairscales_layout(dp_replicate, dp_shard, mp):
     """mp groups are the rows and dp groups the columns of fairscale's arange(world).reshape(dp, mp)."""
     grid = torch.arange(dp_replicate * dp_shard * mp).reshape(dp_replicate * dp_shard, mp)
-    groups = group_ranks(dp_replicate, dp_shard, mp)
+    groups = group_ranks(dp_replicate, dp_shard, 1, mp)
     assert groups["mp"] == grid.tolist()
     assert groups["dp"] == grid.t().tolist()
 
 
 def test_coords_outside_the_world_are_refused():
     with pytest.raises(ValueError, match="8"):
-        MeshCoords.of(8, 2, 2, 2)
+        MeshCoords.of(8, 2, 2, 1, 2)
 
 
 # --- launcher environments -----------------------------------------------------------------------
@@ -190,14 +232,23 @@ def _case_mesh(dims: dict) -> dict:
     parallel = parallel_dims(**dims)
     ranks = dist.get_process_group_ranks
     seen = {
-        "coords": (dist.get_rank(), parallel.replicate_idx, parallel.shard_idx, parallel.mp_rank, parallel.dp_rank),
+        "coords": (dist.get_rank(), parallel.replicate_idx, parallel.shard_idx, parallel.cp_rank, parallel.mp_rank,
+                   parallel.dp_rank),
         "groups": {
             "mp": ranks(parallel.mp_group),
             "dp": ranks(parallel.dp_group),
             "dp_shard": ranks(parallel.dp_shard_group),
             "dp_replicate": ranks(parallel.dp_replicate_group),
         },
+        # FSDP's meshes: every rank holding the same mp shard (flat), and hybrid sharding's 2-D one.
+        "fsdp_flat": ranks(parallel.fsdp_flat_mesh.get_group()),
+        "fsdp": {n: ranks(parallel.fsdp_mesh.get_group(n)) for n in parallel.fsdp_mesh.mesh_dim_names},
     }
+    if parallel.cp > 1:
+        seen["groups"].update(cp=ranks(parallel.cp_group), dp_cp=ranks(parallel.dp_cp_group),
+                              dp_shard_cp=seen["fsdp"]["dp_shard_cp"])
+    else:
+        assert parallel.cp_group is None
     fs.initialize_model_parallel(parallel.mp)
     try:
         seen["fairscale"] = {"mp": ranks(fs.get_model_parallel_group()), "dp": ranks(fs.get_data_parallel_group())}
@@ -206,14 +257,19 @@ def _case_mesh(dims: dict) -> dict:
     return seen
 
 
-@pytest.mark.parametrize("world", sorted(TABLES))
-def test_init_parallel_builds_the_documented_mesh(workers, world):
-    _, dims, layout, groups = TABLES[world]
+@pytest.mark.parametrize("name", sorted(TABLES))
+def test_init_parallel_builds_the_documented_mesh(workers, name):
+    world, sizes, dims, layout, groups = TABLES[name]
     for rank, seen in enumerate(workers(world).run(_case_mesh, dims)):
         mine = _groups_of(rank, groups)
         assert seen["coords"] == layout[rank]
         assert seen["groups"] == mine, f"rank {rank}"
-        assert seen["fairscale"] == {"mp": mine["mp"], "dp": mine["dp"]}, f"rank {rank}"
+        dp_cp = mine.get("dp_cp", mine["dp"])
+        assert seen["fsdp_flat"] == dp_cp, f"rank {rank}"
+        shard = mine.get("dp_shard_cp", mine["dp_shard"])
+        assert seen["fsdp"] == {"dp_replicate": mine["dp_replicate"], ("dp_shard_cp" if sizes[2] > 1 else "dp_shard"): shard}
+        if sizes[2] == 1:  # fairscale knows no cp
+            assert seen["fairscale"] == {"mp": mine["mp"], "dp": mine["dp"]}, f"rank {rank}"
 
 
 # --- launchers (real subprocesses) ---------------------------------------------------------------
@@ -329,21 +385,29 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_cli_prints_the_documented_table():
-    result = _cli("--world", "8", "--mp", "2", "--dp-shard", "2", "--dp-replicate", "2")
+@pytest.mark.parametrize("name,args", [("world8", ["--dp-shard", "2", "--dp-replicate", "2"]),
+                                       ("world8-cp2", ["--cp", "2", "--procs-per-node", "2"])])
+def test_cli_prints_the_documented_table(name, args):
+    world, sizes, _, layout, expected_groups = TABLES[name]
+    result = _cli("--world", str(world), "--mp", "2", *args)
     out = result.stdout
     assert result.returncode == 0, out + result.stderr
-    # Rows: rank node mp_rank dp_rank replicate shard.
-    rows = [tuple(map(int, line.split())) for line in out.splitlines() if re.fullmatch(r"(\s*\d+){6}\s*", line)]
-    assert [(rank, mp_rank, dp_rank, rep, shard) for rank, _, mp_rank, dp_rank, rep, shard in rows] == [
-        (rank, mp_rank, dp_rank, rep, shard) for rank, rep, shard, mp_rank, dp_rank in LAYOUT_8
+    cp = sizes[2] > 1
+    # Rows: rank node mp_rank [cp_rank] dp_rank replicate shard.
+    rows = [tuple(map(int, line.split())) for line in out.splitlines()
+            if re.fullmatch(r"(\s*\d+){%d}\s*" % (7 if cp else 6), line)]
+    assert [(row[0], row[2], row[3] if cp else 0, *row[-3:]) for row in rows] == [
+        (rank, mp_rank, cp_rank, dp_rank, rep, shard) for rank, rep, shard, cp_rank, mp_rank, dp_rank in layout
     ], out
     groups = {
         m.group(1): [ast.literal_eval(g) for g in re.findall(r"\[[^\]]*\]", m.group(2))]
         for m in re.finditer(r"^(\w+) groups \(\d+\): (.*)$", out, re.MULTILINE)
     }
-    assert groups == GROUPS_8, out
-    assert "world 8 = dp_replicate 2 x dp_shard 2 x mp 2" in out, out
+    assert groups == expected_groups, out
+    shape = "dp_replicate 1 x dp_shard 2 x cp 2 x mp 2" if cp else "dp_replicate 2 x dp_shard 2 x mp 2"
+    assert f"world 8 = {shape}" in out, out
+    # A cp x mp block of 4 ranks on nodes of 2: said, since the key/value all-gathers then leave the node.
+    assert ("a cp x mp block of 4 ranks spans nodes of 2" in out) == cp, out
 
 
 def test_cli_rejects_sizes_that_do_not_divide_the_world():

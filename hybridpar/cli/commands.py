@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from ..config import dtypes
-from ..mesh.layout import MeshCoords, group_ranks, resolve_sizes
+from ..mesh.layout import MeshCoords, group_ranks, resolve_sizes, sizes_text
 
 
 class RunFailed(Exception):
@@ -30,17 +30,23 @@ class RunFailed(Exception):
 
 def cmd_mesh(args: argparse.Namespace) -> int:
     """Print the rank layout a job of this shape would use, without starting any process."""
-    dp_replicate, dp_shard, mp = resolve_sizes(args.world, args.mp, args.dp_shard, args.dp_replicate)
+    sizes = resolve_sizes(args.world, args.mp, args.dp_shard, args.dp_replicate, args.cp)
+    cp, mp = sizes[2:]
     per_node = args.procs_per_node
-    print(f"world {args.world} = dp_replicate {dp_replicate} x dp_shard {dp_shard} x mp {mp}")
+    print(f"world {args.world} = {sizes_text(*sizes)}")
     if per_node and mp > per_node:
         print(f"warning: mp={mp} spans nodes of {per_node} processes: tensor-parallel traffic leaves the node")
-    print(f"{'rank':>5} {'node':>5} {'mp_rank':>8} {'dp_rank':>8} {'replicate':>10} {'shard':>6}")
+    elif per_node and cp * mp > per_node:
+        print(f"note: a cp x mp block of {cp * mp} ranks spans nodes of {per_node} processes: the key/value "
+              "all-gathers of context parallelism leave the node")
+    cp_head = f" {'cp_rank':>8}" if cp > 1 else ""
+    print(f"{'rank':>5} {'node':>5} {'mp_rank':>8}{cp_head} {'dp_rank':>8} {'replicate':>10} {'shard':>6}")
     for rank in range(args.world):
-        c = MeshCoords.of(rank, dp_replicate, dp_shard, mp)
+        c = MeshCoords.of(rank, *sizes)
         node = rank // per_node if per_node else 0
-        print(f"{rank:>5} {node:>5} {c.mp_rank:>8} {c.dp_rank:>8} {c.replicate_idx:>10} {c.shard_idx:>6}")
-    for kind, groups in group_ranks(dp_replicate, dp_shard, mp).items():
+        cp_cell = f" {c.cp_rank:>8}" if cp > 1 else ""
+        print(f"{rank:>5} {node:>5} {c.mp_rank:>8}{cp_cell} {c.dp_rank:>8} {c.replicate_idx:>10} {c.shard_idx:>6}")
+    for kind, groups in group_ranks(*sizes).items():
         shown = groups if len(groups) <= 8 else groups[:4] + ["..."] + groups[-2:]
         print(f"{kind} groups ({len(groups)}): {' '.join(str(g) for g in shown)}")
     return 0
@@ -315,7 +321,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     launched = dict(os.environ)  # checked as the user set it, before hybridpar's defaults
     apply_env_defaults()  # then run the collectives with the settings training would use
     c = config.parallel
-    parallel = init_parallel(mp=c.mp, dp_shard=c.dp_shard, dp_replicate=c.dp_replicate, timeout=c.init_timeout,
+    parallel = init_parallel(mp=c.mp, dp_shard=c.dp_shard, dp_replicate=c.dp_replicate, cp=c.cp, timeout=c.init_timeout,
                              backend=c.backend or None)
     try:
         return run_doctor(job, parallel, options, environ=launched)

@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 from ..config import Config, ConfigError
 from .dryrun_report import Check, DryRun
 from ..files import human_bytes
+from ..mesh.layout import resolve_sizes, sizes_text
 from ..progress import note
 
 if TYPE_CHECKING:
@@ -62,7 +63,6 @@ def dry_run(config: Union[Config, "Job"], world: Optional[int] = None, rank: int
     and `world` defaults to its world size. A config's mistakes are checks of the report. `progress`:
     notes of what it does (hybridpar.progress.note, whatever rank it plays)."""
     from ..compat.torch import init_fake_process_group
-    from ..mesh.layout import resolve_sizes
 
     started = time.perf_counter()
     job = None if isinstance(config, Config) else config
@@ -80,13 +80,15 @@ def dry_run(config: Union[Config, "Job"], world: Optional[int] = None, rank: int
         raise RuntimeError("the dry run makes its own (fake) process group: run it outside torchrun")
     p = c.parallel
     dp_replicate = p.dp_replicate
-    if dp_replicate == -1 and p.dp_shard > 0 and world % (p.mp * p.dp_shard) == 0:  # launch/slurm.sh's "the rest"
-        dp_replicate = world // (p.mp * p.dp_shard)
+    block = p.mp * p.cp * p.dp_shard
+    if dp_replicate == -1 and p.dp_shard > 0 and world % block == 0:  # launch/slurm.sh's "the rest"
+        dp_replicate = world // block
     sizes: list[int] = []
-    if not _check(run, "mesh", lambda: _mesh_detail(sizes, resolve_sizes(world, p.mp, p.dp_shard, dp_replicate))):
+    if not _check(run, "mesh", lambda: _mesh_detail(sizes, resolve_sizes(world, p.mp, p.dp_shard, dp_replicate, p.cp))):
         return _finish(run, started)
-    dr, ds, mp = sizes
-    run.layout = f"mp {mp} x dp_shard {ds} x dp_replicate {dr} = {world} ranks, {c.fsdp.sharding_strategy}"
+    dr, ds, cp, mp = sizes
+    cp_part = f"cp {cp} x " if cp > 1 else ""
+    run.layout = f"mp {mp} x {cp_part}dp_shard {ds} x dp_replicate {dr} = {world} ranks, {c.fsdp.sharding_strategy}"
     _check(run, "model parallelism inside a node",
            lambda: _inside_node(mp, gpus_per_node) if target == "gpu" else "CPU run: not applicable")
     _check(run, "batch", lambda: _batch_detail(c, ds * dr))
@@ -111,11 +113,11 @@ def _rehearse(run: DryRun, c: Config, world: int, sizes: list[int], target: str,
     from ..build import build_model
     from ..parallel.fsdp import dp_mesh_for
 
-    dr, ds, mp = sizes
+    dr, ds, cp, mp = sizes
     say(f"mesh of {world} ranks on a fake process group")
-    parallel = init_parallel(mp=mp, dp_shard=ds, dp_replicate=dr)
+    parallel = init_parallel(mp=mp, dp_shard=ds, dp_replicate=dr, cp=cp)
     args_box: list = []
-    if not _check(run, "model shape", lambda: _model_detail(args_box, _args(c, mp, job))):
+    if not _check(run, "model shape", lambda: _model_detail(args_box, _args(c, mp, cp, job))):
         return
     args = args_box[0]
     run.model = f"{args.num_params() / 1e9:.2f}B parameters ({args.n_layers} layers, dim {args.dim})"
@@ -135,7 +137,7 @@ def _rehearse(run: DryRun, c: Config, world: int, sizes: list[int], target: str,
         run.state_bytes = state_bytes(model, optimizer, grads)
         run.checkpoint = _checkpoint_files(c, model, optimizer, world)
     run.collectives = counter.by_dim_and_op()
-    run.expected_bytes = _expected(args, mp, ds)
+    run.expected_bytes = _expected(args, mp, ds * cp)
     run.memory = _memory(c, args, parallel, gpu_mem_gib, gpus_per_node, gpu if target == "gpu" else "")
     if target == "gpu":
         _check(run, "memory", lambda: _fits(run.memory))
@@ -164,10 +166,9 @@ def _finish(run: DryRun, started: float) -> DryRun:
     return run
 
 
-def _mesh_detail(out: list, sizes: tuple[int, int, int]) -> str:
+def _mesh_detail(out: list, sizes: tuple[int, int, int, int]) -> str:
     out.extend(sizes)
-    dr, ds, mp = sizes
-    return f"dp_replicate {dr} x dp_shard {ds} x mp {mp}"
+    return sizes_text(*sizes)
 
 
 def _inside_node(mp: int, gpus_per_node: int) -> str:
@@ -184,12 +185,12 @@ def _batch_detail(c: Config, dp: int) -> str:
             f"x dp {dp}, {sequences * d.seq_len:,} tokens per step")
 
 
-def _args(c: Config, mp: int, job: Optional["Job"]):
+def _args(c: Config, mp: int, cp: int, job: Optional["Job"]):
     """The model's shape at mp: the job's (read once, by resolve_job), else from the config."""
     from ..preflight import model_args
 
-    if job is None or job.sizes[2] != mp:
-        return model_args(c, mp, tokenizer_vocab=_vocab(c))
+    if job is None or job.sizes[2:] != (cp, mp):
+        return model_args(c, mp, tokenizer_vocab=_vocab(c), cp=cp)
     if job.args.vocab_size > 0:
         return job.args
     args = dataclasses.replace(job.args, vocab_size=_vocab(c))
@@ -246,17 +247,17 @@ def _step(c: Config, model: torch.nn.Module, parallel) -> tuple[torch.optim.Opti
     backward). The batch has no ignored targets, so its target count is known without reading it."""
     from ..train import stop
     from ..train.optim import build_optimizer, clip_gradients
-    from ..train.step import count_targets, forward_backward
+    from ..train.step import context_parts, count_targets, forward_backward, gradient_scale
 
     d, t = c.data, c.train
     optimizer = build_optimizer(model, c.optim)
     tokens = torch.zeros(d.micro_batch_size, d.seq_len, dtype=torch.long)
-    batches = [(tokens, tokens)] * t.grad_accum
+    batches = context_parts([(tokens, tokens)] * t.grad_accum, parallel)
     count_targets(batches, parallel, parallel.device, also_sum=[0.0])  # the data stop's flag
     global_targets = d.micro_batch_size * d.seq_len * t.grad_accum * parallel.dp_size
-    loss_sum = forward_backward(model, batches, parallel, scale=parallel.dp_size / global_targets,
+    loss_sum = forward_backward(model, batches, parallel, scale=gradient_scale(parallel, global_targets),
                                 grad_sync=t.grad_sync, device=parallel.device)
-    dist.all_reduce(loss_sum, group=parallel.dp_group)
+    dist.all_reduce(loss_sum, group=parallel.dp_cp_group)
     params = list(model.parameters())
     clip_gradients(params, c.optim.grad_clip, parallel.device, also_sum=[0.0] * len(stop.STOP_SIGNALS))
     grads = [p.grad for p in params if p.grad is not None]
@@ -282,7 +283,8 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grads:
 
 
 def _expected(args, mp: int, ds: int) -> dict:
-    """The ideal share: the model's fp32 state divided over mp x dp_shard ranks (AdamW: two moments)."""
+    """The ideal share: the model's fp32 state divided over mp x ds ranks, ds = dp_shard x cp (FSDP's
+    shards; AdamW: two moments)."""
     total = args.num_params() * PARAM_BYTES
     share = total / (mp * ds)
     return {"parameters": share, "gradients": share, "optimizer": 2 * share}
@@ -346,7 +348,7 @@ def _memory(c: Config, args, parallel, gpu_mem_gib: float, gpus_per_node: int, g
     from ..plan import GIB, Layout, Workload, estimate
     from ..plan.hardware import spec
 
-    layout = Layout(mp=parallel.mp, dp_shard=parallel.dp_shard, dp_replicate=parallel.dp_replicate,
+    layout = Layout(mp=parallel.mp, dp_shard=parallel.dp_shard, dp_replicate=parallel.dp_replicate, cp=parallel.cp,
                     ac=c.fsdp.activation_checkpointing, ac_every=c.fsdp.ac_every,
                     reshard_after_forward=c.fsdp.sharding_strategy in ("full_shard", "hybrid_shard"),
                     sequence_parallel=c.parallel.sequence_parallel)

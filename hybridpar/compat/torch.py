@@ -96,6 +96,12 @@ def flatten_mesh(mesh, name: str):
     return mesh._flatten(name)
 
 
+def unflatten_mesh(mesh, sizes: tuple[int, ...], names: tuple[str, ...]):
+    """A 1-D mesh split into named dims (FSDP's (dp_replicate, dp_shard_cp) under context parallelism),
+    without slicing flattened dims out of the root mesh, which torch deprecates."""
+    return mesh._unflatten(0, sizes, names)
+
+
 def flight_recorder_dumps() -> list[bytes]:
     """This process's flight recorders, pickled: collectives included, C++ stacks left out (slow to
     collect). ProcessGroupNCCL records into a recorder of its own, which CUDA builds dump with
@@ -114,6 +120,13 @@ def init_fake_process_group(rank: int, world_size: int) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+
+
+def is_fake(x: torch.Tensor) -> bool:
+    """Whether x is a fake tensor (made under fake_tensors(): the dry run's)."""
+    from torch._subclasses.fake_tensor import is_fake as fake
+
+    return fake(x)
 
 
 def fake_tensors():

@@ -36,6 +36,7 @@ class ParallelConfig:
     mp: int = option(1, "model (tensor) parallel size, inside a node")
     dp_shard: int = option(-1, "FSDP sharding ranks (-1: the remaining ranks)")
     dp_replicate: int = option(1, "replicas across nodes (hybrid sharding)")
+    cp: int = option(1, "context-parallel ranks per sequence (long context): each holds 1/cp of every sequence")
     backend: str = option("", "\"\": nccl with GPUs, gloo without")
     init_timeout: float = option(600.0, "seconds a collective may wait before the first step is done")
     # Norm and residual activations / mp; all-gather + reduce-scatter instead of all-reduce.

@@ -1,8 +1,10 @@
 """Data guard: catch broken data parallelism at step 1 instead of after a week of training.
 
-Every rank hashes the batch it is about to train on and one all-gather of those 8-byte hashes
-gives every rank the whole table. Two rules must hold:
-  - the ranks of one model-parallel group see the same batch (they compute one model together);
+Every rank hashes the batch it is about to train on (whole sequences, before context parallelism
+takes its chunks) and one all-gather of those 8-byte hashes gives every rank the whole table. Two
+rules must hold:
+  - the ranks of one data-parallel coordinate (its model-parallel and context-parallel peers) see
+    the same batch (they compute one model on the same sequences together);
   - different data-parallel ranks see different batches (else data parallelism does nothing).
 The classic mistakes break them recognisably: a sampler given the global rank splits the data of
 a model-parallel group; no sampler (or one built with the same rank everywhere) gives every
@@ -45,32 +47,34 @@ def gather_fingerprints(fingerprint: int, parallel: ParallelDims) -> list[int]:
     return table.tolist()
 
 
-def find_problems(fingerprints: list[int], dp_replicate: int, dp_shard: int, mp: int) -> list[str]:
+def find_problems(fingerprints: list[int], dp_replicate: int, dp_shard: int, cp: int, mp: int) -> list[str]:
     """The rule violations in a table of per-rank fingerprints, as sentences naming the ranks."""
-    coords = [MeshCoords.of(r, dp_replicate, dp_shard, mp) for r in range(len(fingerprints))]
+    coords = [MeshCoords.of(r, dp_replicate, dp_shard, cp, mp) for r in range(len(fingerprints))]
     problems = []
     split_groups = []
-    for start in range(0, len(fingerprints), mp):
-        group = list(range(start, start + mp))
+    peers = cp * mp  # the ranks of one data-parallel coordinate are contiguous
+    for start in range(0, len(fingerprints), peers):
+        group = list(range(start, start + peers))
         if len({fingerprints[r] for r in group}) > 1:
             split_groups.append(group)
     if split_groups:
         shown = ", ".join(str(g) for g in split_groups[:4]) + (" ..." if len(split_groups) > 4 else "")
         problems.append(
-            f"ranks of one model-parallel group got different batches: {shown}. They compute one model "
-            "together and must read the same data. Likely cause: the sampler was built with the global rank "
+            f"ranks of one {'model-parallel group' if cp == 1 else 'data-parallel coordinate (its mp and cp peers)'} "
+            f"got different batches: {shown}. They compute one model together and must read the same "
+            "data. Likely cause: the sampler was built with the global rank "
             "and world size; build it with num_replicas=parallel.dp_size, rank=parallel.dp_rank"
         )
-    # One representative per data-parallel rank (mp rank 0 of each group).
+    # One representative per data-parallel rank (mp rank 0 and cp rank 0 of each).
     by_batch: dict[int, list[int]] = {}
     for c in coords:
-        if c.mp_rank == 0:
+        if c.mp_rank == 0 and c.cp_rank == 0:
             by_batch.setdefault(fingerprints[c.rank], []).append(c.dp_rank)
     duplicates = [ranks for ranks in by_batch.values() if len(ranks) > 1]
     if duplicates:
         every = len(duplicates) == 1 and len(duplicates[0]) == dp_replicate * dp_shard
         listed = "; ".join(
-            f"dp ranks {ranks} (global ranks {[d * mp for d in ranks]} and their model-parallel peers)"
+            f"dp ranks {ranks} (global ranks {[d * peers for d in ranks]} and their model-parallel peers)"
             for ranks in duplicates[:4]
         )
         cause = (
@@ -89,6 +93,6 @@ def find_problems(fingerprints: list[int], dp_replicate: int, dp_shard: int, mp:
 def check_data(fingerprint: int, parallel: ParallelDims, step: int) -> None:
     """Collective: raise DataGuardError on every rank if the batches break either rule."""
     table = gather_fingerprints(fingerprint, parallel)
-    problems = find_problems(table, parallel.dp_replicate, parallel.dp_shard, parallel.mp)
+    problems = find_problems(table, *parallel.sizes)
     if problems:
         raise DataGuardError(f"data guard, step {step}: " + " | ".join(problems))

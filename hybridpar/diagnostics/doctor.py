@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from ..config import Config
 from ..files import write_text_atomic
-from ..mesh.layout import MeshCoords, group_ranks, launch_env
+from ..mesh.layout import MeshCoords, group_ranks, launch_env, sizes_text
 from ..mesh.device import ParallelDims
 from ..parallel.cost import COLLECTIVES as OPS
 from ..parallel.cost import bus_factor
@@ -60,12 +60,12 @@ def rank_info(parallel: ParallelDims, environ: Mapping[str, str]) -> dict:
     }
 
 
-def layout_rows(infos: Sequence[Mapping], dp_replicate: int, dp_shard: int, mp: int) -> list[dict]:
+def layout_rows(infos: Sequence[Mapping], dp_replicate: int, dp_shard: int, cp: int, mp: int) -> list[dict]:
     rows = []
     for info in infos:
-        c = MeshCoords.of(info["rank"], dp_replicate, dp_shard, mp)
+        c = MeshCoords.of(info["rank"], dp_replicate, dp_shard, cp, mp)
         rows.append({"rank": c.rank, "host": info["host"], "local_rank": info["local_rank"], "device": info["device"],
-                     "pid": info["pid"], "mp_rank": c.mp_rank, "dp_rank": c.dp_rank,
+                     "pid": info["pid"], "mp_rank": c.mp_rank, "cp_rank": c.cp_rank, "dp_rank": c.dp_rank,
                      "replicate_idx": c.replicate_idx, "shard_idx": c.shard_idx})
     return rows
 
@@ -81,17 +81,19 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence], right: Sequenc
 
 
 def format_layout(rows: Sequence[Mapping]) -> str:
-    keys = ("rank", "host", "local_rank", "device", "pid", "mp_rank", "dp_rank", "replicate_idx", "shard_idx")
-    header = ("rank", "host", "local", "device", "pid", "mp_rank", "dp_rank", "replicate", "shard")
-    right = (True, False, True, False, True, True, True, True, True)
+    keys = ["rank", "host", "local_rank", "device", "pid", "mp_rank", "dp_rank", "replicate_idx", "shard_idx"]
+    header = ["rank", "host", "local", "device", "pid", "mp_rank", "dp_rank", "replicate", "shard"]
+    right = [True, False, True, False, True, True, True, True, True]
+    if any(row.get("cp_rank", 0) for row in rows):  # the column only where context parallelism exists
+        keys.insert(6, "cp_rank"), header.insert(6, "cp_rank"), right.insert(6, True)
     return format_table(header, [[row[k] for k in keys] for row in rows], right)
 
 
-def check_layout(infos: Sequence[Mapping], dp_replicate: int, dp_shard: int, mp: int) -> list[Finding]:
+def check_layout(infos: Sequence[Mapping], dp_replicate: int, dp_shard: int, cp: int, mp: int) -> list[Finding]:
     """Model-parallel groups inside one host; no two ranks of a host on one device or local rank."""
     host = {i["rank"]: i["host"] for i in infos}
     findings = []
-    spanning = [g for g in group_ranks(dp_replicate, dp_shard, mp)["mp"] if len({host[r] for r in g}) > 1]
+    spanning = [g for g in group_ranks(dp_replicate, dp_shard, cp, mp)["mp"] if len({host[r] for r in g}) > 1]
     if spanning:
         shown = "; ".join(f"{g} on {sorted({host[r] for r in g})}" for g in spanning[:4])
         findings.append(Finding(WARNING, "layout",
@@ -161,12 +163,13 @@ def format_bytes(n: int) -> str:
     return f"{n}B" if n < 1 << 10 else f"{n / (1 << 20):.2f}M"
 
 
-def dim_groups(dp_replicate: int, dp_shard: int, mp: int) -> list[tuple[str, list[str], list[list[int]]]]:
+def dim_groups(dp_replicate: int, dp_shard: int, cp: int, mp: int) -> list[tuple[str, list[str], list[list[int]]]]:
     """The mesh dimensions worth measuring: (name, other names of the same groups, groups), in order
-    mp, dp, dp_shard, dp_replicate, world; dimensions of one rank and repeats of an earlier one skipped."""
-    kinds = group_ranks(dp_replicate, dp_shard, mp)
-    candidates = [("mp", kinds["mp"]), ("dp", kinds["dp"]), ("dp_shard", kinds["dp_shard"]),
-                  ("dp_replicate", kinds["dp_replicate"]), ("world", [list(range(dp_replicate * dp_shard * mp))])]
+    mp, cp, dp, dp_shard, dp_replicate, world; dimensions of one rank and repeats of an earlier one skipped."""
+    kinds = group_ranks(dp_replicate, dp_shard, cp, mp)
+    candidates = [("mp", kinds["mp"]), ("cp", kinds.get("cp", [[0]])), ("dp", kinds["dp"]),
+                  ("dp_shard", kinds["dp_shard"]), ("dp_replicate", kinds["dp_replicate"]),
+                  ("world", [list(range(dp_replicate * dp_shard * cp * mp))])]
     dims: list[tuple[str, list[str], list[list[int]]]] = []
     for name, groups in candidates:
         if len(groups[0]) < 2:
@@ -180,8 +183,8 @@ def dim_groups(dp_replicate: int, dp_shard: int, mp: int) -> list[tuple[str, lis
 
 
 def _process_group(parallel: ParallelDims, name: str):
-    return {"mp": parallel.mp_group, "dp": parallel.dp_group, "dp_shard": parallel.dp_shard_group,
-            "dp_replicate": parallel.dp_replicate_group, "world": dist.group.WORLD}[name]
+    return {"mp": parallel.mp_group, "cp": parallel.cp_group, "dp": parallel.dp_group,
+            "dp_shard": parallel.dp_shard_group, "dp_replicate": parallel.dp_replicate_group, "world": dist.group.WORLD}[name]
 
 
 def _sync(device: torch.device) -> None:
@@ -224,7 +227,7 @@ def measure_busbw(parallel: ParallelDims, sizes: Sequence[int], iters: int, warm
     """Collective: every rank times every (dim, op, size) on its own group of that dim (all groups of
     a dim run at once, as in training). Returns this rank's timings."""
     records = []
-    for name, _, groups in dim_groups(parallel.dp_replicate, parallel.dp_shard, parallel.mp):
+    for name, _, groups in dim_groups(*parallel.sizes):
         group, n = _process_group(parallel, name), len(groups[0])
         for op in ops:
             for size in sizes:
@@ -233,10 +236,11 @@ def measure_busbw(parallel: ParallelDims, sizes: Sequence[int], iters: int, warm
     return records
 
 
-def summarise_busbw(per_rank: Sequence[Sequence[Mapping]], dp_replicate: int, dp_shard: int, mp: int) -> list[dict]:
+def summarise_busbw(per_rank: Sequence[Sequence[Mapping]], dp_replicate: int, dp_shard: int, cp: int,
+                    mp: int) -> list[dict]:
     """Rows of the bandwidth table from every rank's timings: a group's time is its slowest rank's
     (the collective ends when the last rank is done), and each row reports the slowest group."""
-    dims = {name: (aliases, groups) for name, aliases, groups in dim_groups(dp_replicate, dp_shard, mp)}
+    dims = {name: (aliases, groups) for name, aliases, groups in dim_groups(dp_replicate, dp_shard, cp, mp)}
     rows = []
     for i, record in enumerate(per_rank[0]):
         aliases, groups = dims[record["dim"]]
@@ -301,7 +305,7 @@ def guard_batches(parallel: ParallelDims, batches: Optional[list], problem: str 
     shape = "x".join(map(str, batches[0][0].shape))
     return Finding(OK, "data-guard",
                    f"step-1 batches ({len(batches)} micro-batch(es) of {shape} tokens per rank): the {parallel.mp} "
-                   f"rank(s) of each model-parallel group share theirs, the {parallel.dp_size} data-parallel ranks "
+                   f"rank(s) of each model-parallel group{' and the ' + str(parallel.cp) + ' of each cp group' if parallel.cp > 1 else ''} share theirs, the {parallel.dp_size} data-parallel ranks "
                    "all differ")
 
 
@@ -345,7 +349,7 @@ def run_doctor(job, parallel: ParallelDims, options: DoctorOptions,
     if options.iters < 1 or options.warmup < 0:
         raise ValueError(f"--iters must be >= 1 and --warmup >= 0, got {options.iters} and {options.warmup}")
     p = parallel
-    sizes = (p.dp_replicate, p.dp_shard, p.mp)
+    sizes = p.sizes
     infos = gather_objects(rank_info(p, environ))
     findings = _environment_findings(config, p, infos)
     rows: list[dict] = []
@@ -366,7 +370,7 @@ def run_doctor(job, parallel: ParallelDims, options: DoctorOptions,
 
 def _environment_findings(config: Config, p: ParallelDims, infos: Sequence[Mapping]) -> list[Finding]:
     n_hosts = len({i["host"] for i in infos})
-    findings = check_layout(infos, p.dp_replicate, p.dp_shard, p.mp)
+    findings = check_layout(infos, *p.sizes)
     per_rank = [check_env(i["env"], n_hosts=n_hosts, backend=p.backend, interfaces=i["interfaces"],
                           init_timeout=config.parallel.init_timeout, train_timeout=config.diagnostics.train_timeout)
                 for i in infos]
@@ -376,12 +380,11 @@ def _environment_findings(config: Config, p: ParallelDims, infos: Sequence[Mappi
 def _report(p: ParallelDims, infos: Sequence[Mapping], rows: list[dict], findings: list[Finding],
             options: DoctorOptions, echo) -> None:
     """Rank 0's printout (and --json)."""
-    sizes = (p.dp_replicate, p.dp_shard, p.mp)
+    sizes = p.sizes
     hosts = sorted({i["host"] for i in infos})
     errors = sum(f.level == ERROR for f in findings)
     warnings = sum(f.level == WARNING for f in findings)
-    echo(f"hybridpar doctor: {p.world_size} ranks = dp_replicate {p.dp_replicate} x dp_shard {p.dp_shard} x "
-         f"mp {p.mp}, {p.backend} on {p.device.type}, {len(hosts)} host(s), torch {torch.__version__}")
+    echo(f"hybridpar doctor: {p.world_size} ranks = {sizes_text(*sizes)}, {p.backend} on {p.device.type}, {len(hosts)} host(s), torch {torch.__version__}")
     echo(_section("mesh layout"))
     echo(format_layout(layout_rows(infos, *sizes)))
     echo(_section("bus bandwidth in GB/s (nccl-tests formulas; slowest group per dim)"))
@@ -398,7 +401,7 @@ def _report(p: ParallelDims, infos: Sequence[Mapping], rows: list[dict], finding
     echo(f"\ndoctor {verdict}: {errors} error(s), {warnings} warning(s)")
     if options.out:
         report = {
-            "world_size": p.world_size, "dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "mp": p.mp,
+            "world_size": p.world_size, "dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "cp": p.cp, "mp": p.mp,
             "backend": p.backend, "torch": torch.__version__, "hosts": hosts,
             "layout": layout_rows(infos, *sizes), "busbw": rows, "iters": options.iters,
             "findings": [f.to_dict() for f in findings], "errors": errors, "warnings": warnings,

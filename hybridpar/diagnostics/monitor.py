@@ -280,7 +280,7 @@ class Monitor:
         for r in gone:
             entry = {}
             try:
-                c = MeshCoords.of(r, p.dp_replicate, p.dp_shard, p.mp)
+                c = MeshCoords.of(r, *p.sizes)
                 entry["coords"] = c.describe()
             except (AttributeError, ValueError):  # a stand-in parallel without the sizes
                 pass

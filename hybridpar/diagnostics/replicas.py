@@ -55,13 +55,15 @@ def check_replicas(model: torch.nn.Module, parallel: ParallelDims, step: int) ->
     table = torch.empty((parallel.world_size * local.shape[0], 2), dtype=local.dtype, device=local.device)
     all_gather_single(table, local.contiguous())
     table = table.view(parallel.world_size, -1, 2).cpu()
-    coords = [MeshCoords.of(r, parallel.dp_replicate, parallel.dp_shard, parallel.mp) for r in range(parallel.world_size)]
+    coords = [MeshCoords.of(r, *parallel.sizes) for r in range(parallel.world_size)]
     problems = []
-    # Copies of one FSDP shard: same shard_idx and mp_rank, every replicate_idx.
+    # Copies of one FSDP shard: same shard_idx, cp_rank and mp_rank, every replicate_idx.
     for shard in range(parallel.dp_shard):
-        for mp_rank in range(parallel.mp):
-            ranks = [c.rank for c in coords if c.shard_idx == shard and c.mp_rank == mp_rank]
-            problems += _differences(table, names, ranks, "data-parallel replicas", range(len(names)))
+        for cp_rank in range(parallel.cp):
+            for mp_rank in range(parallel.mp):
+                ranks = [c.rank for c in coords
+                         if (c.shard_idx, c.cp_rank, c.mp_rank) == (shard, cp_rank, mp_rank)]
+                problems += _differences(table, names, ranks, "data-parallel replicas", range(len(names)))
     # Parameters replicated over mp: every rank of a model-parallel group holds the same shard.
     replicated = [i for i, r in enumerate(mp_replicated) if r]
     for start in range(0, parallel.world_size, parallel.mp):

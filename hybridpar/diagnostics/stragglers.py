@@ -196,7 +196,7 @@ class StragglerMonitor:
         if p.rank != 0:
             return None
         self.over = verdict.rank if verdict.over else None
-        coords = MeshCoords.of(verdict.rank, p.dp_replicate, p.dp_shard, p.mp)
+        coords = MeshCoords.of(verdict.rank, *p.sizes)
         host = self.places[verdict.rank][0]
         if verdict.straggler:
             log.info(describe(verdict, step, coords, host))

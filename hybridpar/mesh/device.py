@@ -1,10 +1,14 @@
 """The device mesh: how ranks split into model-parallel and data-parallel groups.
 
 Layout (the contract every other module relies on): a DeviceMesh of shape
-(dp_replicate, dp_shard, mp) with those dim names, mp innermost, so
+(dp_replicate, dp_shard, cp, mp) with those dim names, mp innermost and cp next to it, so
 
-    rank = (replicate_idx * dp_shard + shard_idx) * mp + mp_rank
+    rank = ((replicate_idx * dp_shard + shard_idx) * cp + cp_rank) * mp + mp_rank
     dp_rank = replicate_idx * dp_shard + shard_idx,  dp_size = dp_replicate * dp_shard
+
+The cp ranks of a data-parallel coordinate hold the same parameters: FSDP shards over dp_shard x cp
+(`fsdp_mesh`, `fsdp_flat_mesh`) and the loss is summed over dp x cp (`dp_cp_group`). With cp = 1
+those are the (dp_replicate, dp_shard) meshes and the dp group themselves.
 
 A model-parallel group is `mp` contiguous ranks (inside one node when mp divides the GPUs per node), exactly
 fairscale's `arange(world).reshape(dp, mp)` layout, and the flattened data-parallel group of a rank
@@ -24,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from ..compat.torch import flatten_mesh
+from ..compat.torch import flatten_mesh, unflatten_mesh
 # The arithmetic lives in the torch-free layout module.
 from .layout import MESH_DIM_NAMES, MeshCoords, launch_env, resolve_sizes
 
@@ -37,21 +41,29 @@ class ParallelDims:
 
     dp_replicate: int
     dp_shard: int
+    cp: int
     mp: int
     mesh: DeviceMesh
-    # The flattened (dp_replicate * dp_shard) mesh, kept here: torch deprecates slicing it back out of `mesh`.
-    dp_flat_mesh: DeviceMesh
+    # Flattened meshes are kept here: torch deprecates slicing them back out of `mesh`.
+    dp_flat_mesh: DeviceMesh  # (dp_replicate * dp_shard): the data-parallel coordinate
+    dp_cp_mesh: DeviceMesh  # (dp_replicate * dp_shard * cp): every rank holding a copy of one mp shard
+    fsdp_mesh: DeviceMesh  # 2-D (dp_replicate, dp_shard * cp): hybrid sharding's
     device: torch.device
     backend: str
     timeout: timedelta
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.mp
+        return self.dp_replicate * self.dp_shard * self.cp * self.mp
+
+    @property
+    def sizes(self) -> tuple[int, int, int, int]:
+        """(dp_replicate, dp_shard, cp, mp), as layout.resolve_sizes returns them."""
+        return self.dp_replicate, self.dp_shard, self.cp, self.mp
 
     @property
     def coords(self) -> MeshCoords:
-        return MeshCoords.of(dist.get_rank(), self.dp_replicate, self.dp_shard, self.mp)
+        return MeshCoords.of(dist.get_rank(), *self.sizes)
 
     @property
     def rank(self) -> int:
@@ -74,6 +86,10 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def cp_rank(self) -> int:
+        return self.coords.cp_rank
+
+    @property
     def replicate_idx(self) -> int:
         return self.coords.replicate_idx
 
@@ -81,15 +97,25 @@ class ParallelDims:
     def shard_idx(self) -> int:
         return self.coords.shard_idx
 
-    # Sub-meshes: DTensor parameters live on mp_mesh; FSDP works over dp_mesh (2D, hybrid sharding)
-    # or dp_flat_mesh (1D).
+    # Sub-meshes: DTensor parameters live on mp_mesh; FSDP works over fsdp_mesh (2D, hybrid sharding)
+    # or fsdp_flat_mesh (1D).
     @property
     def mp_mesh(self) -> DeviceMesh:
         return self.mesh["mp"]
 
     @property
-    def dp_mesh(self) -> DeviceMesh:
-        return self.mesh["dp_replicate", "dp_shard"]
+    def fsdp_flat_mesh(self) -> DeviceMesh:
+        return self.dp_cp_mesh
+
+    @property
+    def cp_group(self) -> Optional[dist.ProcessGroup]:
+        """The context-parallel group, None without context parallelism (attention makes no collective)."""
+        return self.mesh.get_group("cp") if self.cp > 1 else None
+
+    @property
+    def dp_cp_group(self) -> dist.ProcessGroup:
+        """Every rank holding a copy of this rank's mp shard: the loss and token counts are summed over it."""
+        return self.dp_cp_mesh.get_group()
 
     @property
     def mp_group(self) -> dist.ProcessGroup:
@@ -109,8 +135,9 @@ class ParallelDims:
 
     def describe(self) -> str:
         c = self.coords
+        cp = f"cp {c.cp_rank}/{self.cp}, " if self.cp > 1 else ""
         return (
-            f"rank {c.rank}/{self.world_size}: mp {c.mp_rank}/{self.mp}, dp {c.dp_rank}/{self.dp_size} "
+            f"rank {c.rank}/{self.world_size}: mp {c.mp_rank}/{self.mp}, {cp}dp {c.dp_rank}/{self.dp_size} "
             f"(replicate {c.replicate_idx}/{self.dp_replicate}, shard {c.shard_idx}/{self.dp_shard}), "
             f"{self.backend} on {self.device}"
         )
@@ -118,8 +145,10 @@ class ParallelDims:
 
 def mesh_groups(parallel: ParallelDims) -> list[tuple[str, object]]:
     """(dimension name, group) for every process group a training step can use; each group once."""
-    named = [("mp", parallel.mp_group), ("dp_shard", parallel.dp_shard_group),
-             ("dp_replicate", parallel.dp_replicate_group), ("dp", parallel.dp_group), ("world", dist.group.WORLD)]
+    named = [("mp", parallel.mp_group), ("cp", parallel.cp_group), ("dp_shard", parallel.dp_shard_group),
+             ("dp_replicate", parallel.dp_replicate_group), ("dp", parallel.dp_group),
+             ("dp_shard_cp", parallel.fsdp_mesh.get_group("dp_shard_cp") if parallel.cp > 1 else None),
+             ("dp_cp", parallel.dp_cp_group), ("world", dist.group.WORLD)]
     seen, out = set(), []
     for dim, group in named:
         if group is not None and group.group_name not in seen:
@@ -148,10 +177,11 @@ def init_parallel(
     mp: int = 1,
     dp_shard: int = -1,
     dp_replicate: int = 1,
+    cp: int = 1,
     timeout: Union[timedelta, float, None] = None,
     backend: Optional[str] = None,
 ) -> ParallelDims:
-    """Initialise the process group (if needed) and build the (dp_replicate, dp_shard, mp) mesh.
+    """Initialise the process group (if needed) and build the (dp_replicate, dp_shard, cp, mp) mesh.
 
     Works under torchrun, under plain srun (RANK etc. derived from SLURM_*), and with no launcher at
     all (world size 1). nccl + cuda when GPUs are present, gloo + cpu otherwise; `backend` overrides.
@@ -185,7 +215,13 @@ def init_parallel(
         atexit.register(_shutdown)
 
     device = torch.device("cuda", local_rank) if "nccl" in backend else torch.device("cpu")
-    sizes = resolve_sizes(dist.get_world_size(), mp=mp, dp_shard=dp_shard, dp_replicate=dp_replicate)
+    sizes = resolve_sizes(dist.get_world_size(), mp=mp, dp_shard=dp_shard, dp_replicate=dp_replicate, cp=cp)
     mesh = init_device_mesh(device.type, sizes, mesh_dim_names=MESH_DIM_NAMES)
     dp_flat_mesh = flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp")
-    return ParallelDims(*sizes, mesh=mesh, dp_flat_mesh=dp_flat_mesh, device=device, backend=backend, timeout=timeout)
+    if cp == 1:  # no new groups: the cp-inclusive meshes are the data-parallel ones
+        dp_cp_mesh, fsdp_mesh = dp_flat_mesh, mesh["dp_replicate", "dp_shard"]
+    else:
+        dp_cp_mesh = flatten_mesh(mesh["dp_replicate", "dp_shard", "cp"], "dp_cp")
+        fsdp_mesh = unflatten_mesh(dp_cp_mesh, (sizes[0], sizes[1] * cp), ("dp_replicate", "dp_shard_cp"))
+    return ParallelDims(*sizes, mesh=mesh, dp_flat_mesh=dp_flat_mesh, dp_cp_mesh=dp_cp_mesh, fsdp_mesh=fsdp_mesh,
+                        device=device, backend=backend, timeout=timeout)

@@ -1,8 +1,13 @@
-"""The mesh's arithmetic, without torch: which rank sits where in a (dp_replicate, dp_shard, mp) mesh,
-its groups, and the launcher's environment. `hybridpar mesh`, `--help` and the config checks use it
-before (or without) importing torch; hybridpar.mesh.device builds the process groups on it.
+"""The mesh's arithmetic, without torch: which rank sits where in a (dp_replicate, dp_shard, cp, mp)
+mesh, its groups, and the launcher's environment. `hybridpar mesh`, `--help` and the config checks use
+it before (or without) importing torch; hybridpar.mesh.device builds the process groups on it.
 
-    rank = (replicate_idx * dp_shard + shard_idx) * mp + mp_rank
+    rank = ((replicate_idx * dp_shard + shard_idx) * cp + cp_rank) * mp + mp_rank
+
+mp is innermost (fairscale's layout), cp next to it, so a cp x mp block sits inside a node when it
+fits. The cp ranks of a data-parallel coordinate read the same sequences (each its own chunks) and
+hold the same parameters: FSDP shards over dp_shard x cp, gradients and the loss are reduced over
+dp x cp.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import re
 import socket
 from typing import Mapping
 
-MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "mp")
+MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "cp", "mp")
 
 
 class MeshSizeError(ValueError):
@@ -20,32 +25,43 @@ class MeshSizeError(ValueError):
     every_rank = True  # raised alike on every rank: hybridpar.mesh.ranks.raised_by_every_rank
 
 
-def resolve_sizes(world_size: int, mp: int = 1, dp_shard: int = -1, dp_replicate: int = 1) -> tuple[int, int, int]:
-    """Return (dp_replicate, dp_shard, mp) for `world_size` ranks; dp_shard=-1 takes the remaining ranks.
+def resolve_sizes(world_size: int, mp: int = 1, dp_shard: int = -1, dp_replicate: int = 1,
+                  cp: int = 1) -> tuple[int, int, int, int]:
+    """Return (dp_replicate, dp_shard, cp, mp) for `world_size` ranks; dp_shard=-1 takes the remaining ranks.
 
     Raises MeshSizeError naming the numbers and what to change when the sizes do not tile the world.
     """
-    for name, value in (("mp", mp), ("dp_replicate", dp_replicate)):
-        if not isinstance(value, int) or value < 1:
+    for name, value in (("mp", mp), ("dp_replicate", dp_replicate), ("cp", cp)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise MeshSizeError(f"{name} must be a positive integer, got {value!r}")
     if not isinstance(dp_shard, int) or (dp_shard < 1 and dp_shard != -1):
         raise MeshSizeError(f"dp_shard must be a positive integer or -1 (the remaining ranks), got {dp_shard!r}")
-    fixed = mp * dp_replicate
+    fixed = mp * cp * dp_replicate
     if dp_shard == -1:
         if world_size % fixed:
+            shown = [(n, v) for n, v in (("mp", mp), ("cp", cp), ("dp_replicate", dp_replicate)) if n != "cp" or cp > 1]
+            names = [n for n, _ in shown]
             raise MeshSizeError(
-                f"world size {world_size} is not divisible by mp * dp_replicate = {mp} * {dp_replicate} = {fixed}; "
-                f"choose mp and dp_replicate whose product divides {world_size} "
-                f"(divisors: {_divisors(world_size)})"
+                f"world size {world_size} is not divisible by {' * '.join(names)} = "
+                f"{' * '.join(str(v) for _, v in shown)} = {fixed}; choose {', '.join(names[:-1])} and {names[-1]} "
+                f"whose product divides {world_size} (divisors: {_divisors(world_size)})"
             )
         dp_shard = world_size // fixed
-    product = dp_replicate * dp_shard * mp
+    product = fixed * dp_shard
     if product != world_size:
+        sizes = (("dp_replicate", dp_replicate), ("dp_shard", dp_shard), ("cp", cp), ("mp", mp))
+        shown = [(n, v) for n, v in sizes if n != "cp" or cp > 1]
         raise MeshSizeError(
-            f"dp_replicate * dp_shard * mp = {dp_replicate} * {dp_shard} * {mp} = {product}, but the world size "
-            f"is {world_size}; the product must equal the number of ranks (set dp_shard=-1 to use the rest)"
+            f"{' * '.join(n for n, _ in shown)} = {' * '.join(str(v) for _, v in shown)} = {product}, but the "
+            f"world size is {world_size}; the product must equal the number of ranks (set dp_shard=-1 to use the rest)"
         )
-    return dp_replicate, dp_shard, mp
+    return dp_replicate, dp_shard, cp, mp
+
+
+def sizes_text(dp_replicate: int, dp_shard: int, cp: int, mp: int) -> str:
+    """'dp_replicate 1 x dp_shard 2 x mp 2' (cp named only when > 1): how commands and reports state a mesh."""
+    named = [("dp_replicate", dp_replicate), ("dp_shard", dp_shard), ("cp", cp), ("mp", mp)]
+    return " x ".join(f"{n} {v}" for n, v in named if n != "cp" or cp > 1)
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -64,40 +80,53 @@ def _divisors(n: int) -> list[int]:
 
 @dataclasses.dataclass(frozen=True)
 class MeshCoords:
-    """Where one rank sits in the mesh. Pure arithmetic, no process groups: usable for planning."""
+    """Where one rank sits in the mesh. Pure arithmetic, no process groups: usable for planning.
+    dp_rank is the data-parallel coordinate (cp peers share it: they read the same sequences)."""
 
     rank: int
     replicate_idx: int
     shard_idx: int
     mp_rank: int
     dp_rank: int
+    cp_rank: int = 0
+    cp: int = 1  # the cp size, so that reports show the dimension only where it exists
 
     @staticmethod
-    def of(rank: int, dp_replicate: int, dp_shard: int, mp: int) -> "MeshCoords":
-        world = dp_replicate * dp_shard * mp
+    def of(rank: int, dp_replicate: int, dp_shard: int, cp: int, mp: int) -> "MeshCoords":
+        """The sizes in the mesh's order, as resolve_sizes returns them: MeshCoords.of(rank, *sizes)."""
+        world = dp_replicate * dp_shard * cp * mp
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} is outside a world of {world} ranks")
-        dp_rank, mp_rank = divmod(rank, mp)
+        outer, mp_rank = divmod(rank, mp)
+        dp_rank, cp_rank = divmod(outer, cp)
         replicate_idx, shard_idx = divmod(dp_rank, dp_shard)
-        return MeshCoords(rank, replicate_idx, shard_idx, mp_rank, dp_rank)
+        return MeshCoords(rank, replicate_idx, shard_idx, mp_rank, dp_rank, cp_rank, cp)
 
     def describe(self) -> str:
-        """'mp 1, dp 2 (replicate 1, shard 0)': how reports place a rank."""
-        return f"mp {self.mp_rank}, dp {self.dp_rank} (replicate {self.replicate_idx}, shard {self.shard_idx})"
+        """'mp 1, dp 2 (replicate 1, shard 0)' ('mp 1, cp 0, dp 2 (...)' with cp): how reports place a rank."""
+        cp = f"cp {self.cp_rank}, " if self.cp > 1 else ""
+        return f"mp {self.mp_rank}, {cp}dp {self.dp_rank} (replicate {self.replicate_idx}, shard {self.shard_idx})"
 
 
-def group_ranks(dp_replicate: int, dp_shard: int, mp: int) -> dict[str, list[list[int]]]:
-    """Every group of every kind as lists of global ranks, in the mesh's order."""
-    def rank(r: int, s: int, m: int) -> int:
-        return (r * dp_shard + s) * mp + m
+def group_ranks(dp_replicate: int, dp_shard: int, cp: int, mp: int) -> dict[str, list[list[int]]]:
+    """Every group of every kind as lists of global ranks, in the mesh's order (group_ranks(*sizes)). With cp > 1 also the
+    cp groups, dp_shard_cp (FSDP's shards: every rank of a replica holding the same mp shard) and
+    dp_cp (every rank holding a copy of the same mp shard: the loss and replicated gradients)."""
+    def rank(r: int, s: int, c: int, m: int) -> int:
+        return ((r * dp_shard + s) * cp + c) * mp + m
 
-    R, S, M = range(dp_replicate), range(dp_shard), range(mp)
-    return {
-        "mp": [[rank(r, s, m) for m in M] for r in R for s in S],
-        "dp": [[rank(r, s, m) for r in R for s in S] for m in M],
-        "dp_shard": [[rank(r, s, m) for s in S] for r in R for m in M],
-        "dp_replicate": [[rank(r, s, m) for r in R] for s in S for m in M],
+    R, S, C, M = range(dp_replicate), range(dp_shard), range(cp), range(mp)
+    groups = {
+        "mp": [[rank(r, s, c, m) for m in M] for r in R for s in S for c in C],
+        "dp": [[rank(r, s, c, m) for r in R for s in S] for c in C for m in M],
+        "dp_shard": [[rank(r, s, c, m) for s in S] for r in R for c in C for m in M],
+        "dp_replicate": [[rank(r, s, c, m) for r in R] for s in S for c in C for m in M],
     }
+    if cp > 1:
+        groups["cp"] = [[rank(r, s, c, m) for c in C] for r in R for s in S for m in M]
+        groups["dp_shard_cp"] = [[rank(r, s, c, m) for s in S for c in C] for r in R for m in M]
+        groups["dp_cp"] = [[rank(r, s, c, m) for r in R for s in S for c in C] for m in M]
+    return groups
 
 
 

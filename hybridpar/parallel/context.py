@@ -16,18 +16,20 @@ each rank keeps its own chunks'). At cp = 1 it is the model's plain causal SDPA 
 a boolean c x (j + 1) c mask for SDPA, exact as well (checked here on the CPU only so far). torch's own ring
 attention (torchtitan's CP) has no CPU strategy; this runs and is tested on gloo.
 
-How it plugs in (issue 37; not wired in yet):
-- the mesh gains a cp dimension, (dp_replicate, dp_shard, cp, mp), mp innermost and cp next to it;
-  the cp ranks of a data-parallel coordinate hold the same parameters, so FSDP shards over
+Where it is used:
+- the mesh's cp dimension, (dp_replicate, dp_shard, cp, mp), mp innermost and cp next to it; the
+  cp ranks of a data-parallel coordinate hold the same parameters, so FSDP shards over
   dp_shard x cp and gradients are reduced over every rank holding a copy (torchtitan's dp_shard_cp);
 - the data loader gives every cp rank of a dp coordinate the same sequences, keyed by the dp rank;
-  each takes its part of tokens and targets with `shard_sequence` (seq_len % (2 cp) == 0, checked
-  by `chunk_size` before anything starts);
-- RoPE reads the global positions, `local_positions` (freqs_cis[local_positions(...)]);
-- Attention.forward calls `context_attention(q, k, v, parallel.cp_group)` where it now calls SDPA
+  the step (train/step.py context_parts, after the data guard hashed the whole sequences) takes
+  this rank's part of inputs and targets with `shard_sequence`; preflight checks seq_len % (2 cp);
+- models/llama.py: the Transformer feeds RoPE the global positions (`local_positions`) and
+  Attention calls `context_attention(q, k, v, parallel.cp_group)` where it calls SDPA at cp = 1
   (generation with a kv cache runs at cp = 1);
 - the loss is the mean over every token of the global batch: each cp rank sums its tokens' losses
-  and the sum and the token count are reduced over cp (and mp) before dividing.
+  and the sum and the token count are reduced over dp x cp before dividing (train/step.py).
+Under torch.compile the whole function traces into one graph (the mask as a boolean tensor:
+`_lower_right`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 from torch.nn.attention.bias import causal_lower_right
 
+from ..compat.torch import is_fake
 from .mappings import gather_from_sequence_region
 
 
@@ -115,6 +118,15 @@ def gather_sequence(x: torch.Tensor, group: Optional[ProcessGroup], dim: int = 1
     return _to_global_order(parts, cp).movedim(0, dim)
 
 
+def _lower_right(queries: int, keys: int, like: torch.Tensor):
+    """The causal mask of the last `queries` of `keys` positions. torch.compile cannot trace the
+    CausalBias subclass (a graph break that drops the whole attention loop to eager) and fake
+    tensors (the dry run's) cannot make one: there the same triangle as a boolean tensor."""
+    if torch.compiler.is_compiling() or is_fake(like):
+        return torch.ones(queries, keys, dtype=torch.bool, device=like.device).tril(diagonal=keys - queries)
+    return causal_lower_right(queries, keys)
+
+
 def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Optional[ProcessGroup]) -> torch.Tensor:
     """Causal attention of this cp rank's tokens against the whole sequence's keys.
 
@@ -142,5 +154,5 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
         end = (chunk + 1) * c  # the keys up to this chunk's end; the last c of them under the triangle
         query = q[:, slot * c:(slot + 1) * c].transpose(1, 2)
         outs.append(F.scaled_dot_product_attention(
-            query, keys[:, :, :end], values[:, :, :end], attn_mask=causal_lower_right(c, end), enable_gqa=gqa))
+            query, keys[:, :, :end], values[:, :, :end], attn_mask=_lower_right(c, end, q), enable_gqa=gqa))
     return torch.cat(outs, dim=2).transpose(1, 2)

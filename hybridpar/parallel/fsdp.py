@@ -39,13 +39,18 @@ def dp_mesh_for(strategy: str, parallel: ParallelDims):
                 f"{strategy} shards over every data-parallel rank, but dp_replicate = {parallel.dp_replicate}: "
                 "use hybrid_shard (or hybrid_shard_zero2), or set dp_replicate = 1"
             )
-        return parallel.dp_flat_mesh
+        return parallel.fsdp_flat_mesh
+    if strategy == "no_shard" and parallel.cp != 1:
+        raise ValueError(
+            f"no_shard keeps a whole copy per data-parallel rank, but cp = {parallel.cp} ranks share each copy: "
+            "with context parallelism use full_shard, shard_grad_op or a hybrid strategy (they shard over dp_shard x cp)"
+        )
     if strategy == "no_shard" and parallel.dp_shard != 1:
         raise ValueError(
             f"no_shard replicates over every data-parallel rank, but dp_shard = {parallel.dp_shard}: "
             f"set dp_shard = 1 and dp_replicate = {parallel.dp_size}"
         )
-    return parallel.dp_mesh  # 2-D (dp_replicate, dp_shard); no_shard is the case dp_shard = 1
+    return parallel.fsdp_mesh  # 2-D (dp_replicate, dp_shard x cp); no_shard is the case dp_shard x cp = 1
 
 
 def apply_activation_checkpointing(blocks: nn.ModuleList, mode: str, every: int = 2) -> list[int]:

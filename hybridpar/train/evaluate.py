@@ -4,9 +4,9 @@ The windows evaluated are the first `n` of the validation split (`eval_steps` gl
 all of them), read in order, never shuffled. Each forward pass takes `micro_batch_size` windows per
 data-parallel rank, rank r the r-th share of the next micro_batch_size x dp_size windows. The loss
 is the sum of token losses over every window divided by the count of targets, both summed over the
-dp group: the same number whatever the mesh. Every rank runs the same number of forward passes
-(FSDP gathers parameters collectively); a rank whose share runs out past the end reads window 0
-with every target ignored.
+dp x cp group (a cp rank sums its chunks' tokens): the same number whatever the mesh. Every rank
+runs the same number of forward passes (FSDP gathers parameters collectively); a rank whose share
+runs out past the end reads window 0 with every target ignored.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from ..mesh.device import ParallelDims
 from ..parallel import vocab_parallel_cross_entropy
 from ..parallel.loss import IGNORE_INDEX
 from .data_stop import agreed_error
+from .step import context_parts
 
 
 def windows_evaluated(n_windows: int, eval_steps: int, global_batch: int) -> int:
@@ -92,14 +93,16 @@ class Validator:
                 n, row = self.n[name], names.index(name)
                 self.at(f"validation: windows {start}-{min(start + per_pass, n) - 1} of {n}"
                         + (f" of {name}" if len(names) > 1 else ""))
-                inputs, targets = self._micro_batch(name, start + p.dp_rank * self.micro_batch_size)
+                # Context parallelism: this cp rank's chunks of the windows its dp coordinate reads.
+                windows = self._micro_batch(name, start + p.dp_rank * self.micro_batch_size)
+                [(inputs, targets)] = context_parts([windows], p)
                 inputs, targets = inputs.to(device), targets.to(device)
                 loss = vocab_parallel_cross_entropy(model(inputs), targets, parallel=p, reduction="sum")
                 totals[row, 0] += loss.double()
                 totals[row, 1] += (targets != IGNORE_INDEX).sum()
         finally:
             model.train(was_training)
-        dist.all_reduce(totals, group=p.dp_group)
+        dist.all_reduce(totals, group=p.dp_cp_group)
         whole = totals.sum(0)
         loss = (whole[0] / whole[1]).item()
         out = {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)), "val_tokens": int(whole[1].item())}

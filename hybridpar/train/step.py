@@ -2,9 +2,10 @@
 host: the trainer converts what it logs, and the dry run (hybridpar.cli.dryrun) runs the same pieces on
 fake tensors, where there is no value to read.
 
-    counts = count_targets(batches, parallel, device, also_sum=[data_stop])   # all-reduce over dp
-    loss_sum = forward_backward(model, batches, parallel, scale=dp_size / global_targets, grad_sync=...)
-    dist.all_reduce(loss_sum, group=parallel.dp_group)
+    local = context_parts(batches, parallel)   # this cp rank's chunks of each sequence (all of it at cp 1)
+    counts = count_targets(local, parallel, device, also_sum=[data_stop])   # all-reduce over dp x cp
+    loss_sum = forward_backward(model, local, parallel, scale=gradient_scale(parallel, global_targets), ...)
+    dist.all_reduce(loss_sum, group=parallel.dp_cp_group)
     norm_and_votes = clip_gradients(params, max_norm, device, also_sum=votes)   # all-reduce over the world
     optimizer.step()
 """
@@ -18,22 +19,41 @@ import torch.distributed as dist
 
 from ..mesh.device import ParallelDims
 from ..parallel import vocab_parallel_cross_entropy
+from ..parallel.context import shard_sequence
 from ..parallel.loss import IGNORE_INDEX
 
 Batches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 
+def context_parts(batches: Batches, parallel: ParallelDims) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This cp rank's part of every (inputs, targets) micro-batch: its two chunks of each sequence
+    (parallel.context.shard_sequence); the batches themselves at cp = 1. Every cp rank of a
+    data-parallel coordinate reads the same whole sequences (the loader is keyed by the dp rank)."""
+    if parallel.cp == 1:
+        return list(batches)
+    return [(shard_sequence(x, parallel.cp, parallel.cp_rank), shard_sequence(t, parallel.cp, parallel.cp_rank))
+            for x, t in batches]
+
+
 def count_targets(batches: Batches, parallel: ParallelDims, device: torch.device,
                   also_sum: Sequence[float] = ()) -> torch.Tensor:
-    """[the targets of the whole global batch, *also_sum], summed over the dp group: the loss is
-    normalised by the count, so every layout computes the gradient of the same mean loss. The data
-    stop's flag rides on it (trainer.train_step): every dp group holds one rank of each dp
-    coordinate, and the ranks of one coordinate read the same windows, so every rank sums the same."""
+    """[the targets of the whole global batch, *also_sum], this rank's targets (its context_parts)
+    summed over dp x cp: the loss is normalised by the count, so every layout computes the gradient
+    of the same mean loss. The data stop's flag rides on it (trainer.train_step): every dp x cp
+    group holds one rank of each dp coordinate, and the ranks of one coordinate read the same
+    windows, so every rank sums the same."""
     counts = torch.stack([(t != IGNORE_INDEX).sum() for _, t in batches]).sum().reshape(1) if batches \
         else torch.zeros(1)
     counts = torch.cat([counts.to(torch.float32), torch.tensor(also_sum, dtype=torch.float32)]).to(device)
-    dist.all_reduce(counts, group=parallel.dp_group)
+    dist.all_reduce(counts, group=parallel.dp_cp_group)
     return counts
+
+
+def gradient_scale(parallel: ParallelDims, global_targets: float) -> float:
+    """The factor on each rank's summed token loss so that the gradients are those of the global
+    mean loss: FSDP averages the gradients over the dp x cp ranks holding a copy of the parameters,
+    and undoing that average makes their sum (each rank's share, its tokens') the gradient."""
+    return parallel.dp_size * parallel.cp / global_targets
 
 
 def forward_backward(model: torch.nn.Module, batches: Batches, parallel: ParallelDims, *, scale: float,
@@ -41,7 +61,7 @@ def forward_backward(model: torch.nn.Module, batches: Batches, parallel: Paralle
                      ) -> torch.Tensor:
     """Forward and backward of each micro-batch, loss = sum of token losses x scale; gradients are
     synchronised after the last micro-batch ("last") or after each ("every"). This rank's summed
-    token loss (not yet summed over dp)."""
+    token loss (not yet summed over dp x cp)."""
     loss_sum = torch.zeros((), device=device)
     for i, (inputs, targets) in enumerate(batches):
         model.set_requires_gradient_sync(grad_sync == "every" or i == len(batches) - 1)

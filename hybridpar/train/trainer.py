@@ -48,7 +48,7 @@ from .metrics import (MetricsWriter, WandbSettings, flops_per_token, measure_mat
                       progress_line, require_wandb, validation_text)
 from .optim import build_optimizer, grad_norm_and_clip, lr_lambda
 from .profile import StepProfiler
-from .step import count_targets, forward_backward
+from .step import context_parts, count_targets, forward_backward, gradient_scale
 from .summary import summarise, write_summary
 from .supervisor import Supervisor
 
@@ -77,7 +77,7 @@ class Trainer:
         try:
             self.parallel = parallel or init_parallel(
                 mp=c.parallel.mp, dp_shard=c.parallel.dp_shard, dp_replicate=c.parallel.dp_replicate,
-                timeout=c.parallel.init_timeout, backend=c.parallel.backend or None,
+                cp=c.parallel.cp, timeout=c.parallel.init_timeout, backend=c.parallel.backend or None,
             )
             p = self.parallel
             self.is_main = p.rank == 0
@@ -237,17 +237,16 @@ class Trainer:
         self.supervisor.phase("data", step=self.step + 1)  # the step in progress
         batches, data_error = data_stop.fetch(self.loader, c.train.grad_accum)
         # Before the forward: did any rank's data stop (a damaged chunk, a source run out)? Then none trains.
-        global_targets, data_stops = count_targets(batches, p, self.device,
+        local = context_parts(batches, p)  # this cp rank's chunks; the guard hashes the whole sequences
+        global_targets, data_stops = count_targets(local, p, self.device,
                                                    also_sum=[float(data_error is not None)]).tolist()
         if data_stops:
             raise data_stop.DataStopped(data_stop.agreed_error(data_error))
         guard_seconds = self.supervisor.guard(self.step + 1, batches)
-        # FSDP averages gradients over the dp ranks; undo that so the sum over ranks is the global mean.
-        scale = p.dp_size / global_targets
-        loss_sum = forward_backward(self.model, batches, p, scale=scale, grad_sync=c.train.grad_sync,
-                                    device=self.device, at=self.supervisor.phase)
+        loss_sum = forward_backward(self.model, local, p, scale=gradient_scale(p, global_targets),
+                                    grad_sync=c.train.grad_sync, device=self.device, at=self.supervisor.phase)
         self.supervisor.phase("loss")
-        dist.all_reduce(loss_sum, group=p.dp_group)
+        dist.all_reduce(loss_sum, group=p.dp_cp_group)
         mean_loss = loss_sum.item() / global_targets
 
         self.supervisor.phase("optimizer")
@@ -297,7 +296,8 @@ class Trainer:
             (self.run_dir / stopping.MARKER).unlink(missing_ok=True)  # it told of an earlier run's end
             log.info(
                 f"hybridpar: {self.args.num_params() / 1e6:.1f}M parameters, {self.parallel.world_size} ranks = "
-                f"dp_replicate {self.parallel.dp_replicate} x dp_shard {self.parallel.dp_shard} x mp {self.parallel.mp}, "
+                f"dp_replicate {self.parallel.dp_replicate} x dp_shard {self.parallel.dp_shard} x "
+                f"{f'cp {self.parallel.cp} x ' if self.parallel.cp > 1 else ''}mp {self.parallel.mp}, "
                 f"{c.fsdp.sharding_strategy}, global batch {self.global_batch} x {c.data.seq_len} tokens, "
                 f"{self.loader.windows} sequences in the data")
         if self.validator is None and (c.train.eval_every or c.train.eval_steps) and self.is_main:

@@ -37,11 +37,14 @@ def _full_causal(q, k, v):
     return out.transpose(1, 2)
 
 
-def _case_attention(cp: int, seq_lens: tuple) -> dict:
+def _case_attention(cp: int, seq_lens: tuple, compiled: bool = False) -> dict:
     import torch.distributed as dist
 
     from hybridpar.parallel.context import context_attention
 
+    if compiled:  # fullgraph: a graph break (one would drop the attention to eager) is an error
+        torch._dynamo.reset()
+        context_attention = torch.compile(context_attention, fullgraph=True)
     group = _group(cp)
     me = dist.get_rank(group)
     errors = {}
@@ -64,6 +67,12 @@ def _case_attention(cp: int, seq_lens: tuple) -> dict:
 def test_attention_and_its_gradients_match_full_causal_attention(workers, check_close, cp):
     # S = 2 cp: every chunk is one token; 64 and 256: longer chunks. fp32 throughout.
     check_close(f"cp{cp}", workers(4).run(_case_attention, cp, (2 * cp, 64, 256)), 1e-6)
+
+
+@pytest.mark.slow
+def test_compile_traces_the_attention_in_one_graph(workers, check_close):
+    """torch.compile (a compiled block's attention) traces the all-gather and the causal masks whole."""
+    check_close("cp2 compiled", workers(2).run(_case_attention, 2, (4, 64), True), 1e-6)
 
 
 def test_cp1_is_plain_causal_attention(workers, check_close):

@@ -1,6 +1,5 @@
 """Packed windows, the dp-keyed sampler and the resumable loader: coverage, mp groups, exact resume."""
 
-import itertools
 
 import pytest
 import torch

@@ -149,3 +149,23 @@ def test_entry_point_tiny_world2(tmp_path, check_close):
         diffs |= {f"{kind} step {i}": abs(x - y) / abs(y) for i, (x, y) in enumerate(zip(a["losses"], b["losses"]))}
     check_close("hybridpar vs recipe losses", diffs, 1e-5)
     assert ratio["loss_max_rel_diff"] == max(diffs.values())
+
+
+@pytest.mark.slow
+def test_context_parallel_bench_measures_what_cp_saves(tmp_path):
+    """bench/context_parallel.py at world 2 on the debug preset: at cp 1 the measured activations are
+    the planner's (a few scalars aside); at cp 2 each rank holds half the tokens, so well under cp 1's."""
+    out = tmp_path / "cp.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         str(ROOT / "bench" / "context_parallel.py"), "--preset", "debug", "--seq-lens", "256", "--cps", "1,2",
+         "--rounds", "1", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["cp"]: r for r in json.loads(out.read_text())["rows"]}
+    assert abs(rows[1]["activations"] / rows[1]["planned"] - 1) < 1e-4 and rows[1]["cpu_mask"] == 0
+    assert 0.4 < rows[2]["activation_ratio"] < 0.8, rows[2]
+    assert rows[2]["activations"] - rows[2]["cpu_mask"] >= rows[2]["planned"], rows[2]
+    assert all(r["tokens_per_s"] > 0 for r in rows.values())
+    assert "cpu mask" in proc.stdout

@@ -36,7 +36,7 @@ class Job:
     init_from: Optional[tuple[str, Path]] = None  # (kind, folder) of a Meta or Hugging Face checkpoint.init_from
     init_config: Optional[dict] = None  # that folder's JSON, read once (checkpoint.convert.read_config)
     # Each raw data source (data.source, data.sources' and data.val_source; data.sources.source_key) ->
-    # its files in reading order (data.sources.resolved answers from it)...
+    # its files in reading order (the data pipeline takes them: build_training_data's walked_sources)...
     sources: Mapping = dataclasses.field(default_factory=dict)
     # ...and -> the folder of its complete token store (a store given as the source, or the cache's),
     # None when it is still to be prepared or cannot be told yet (a tokenizer not trained yet).
@@ -96,9 +96,8 @@ def _checked_sizes(config: Config, world_size: int) -> tuple[int, int, int, int]
 def _data_sources(config: Config) -> tuple[dict, dict]:
     """Job.sources and Job.stores: each raw source walked once, and each store's completeness told
     from its manifest and plan.json and a stat of each source file (none is opened)."""
-    from .data.pipeline import source_entries
-    from .data.sources import resolve_sources, source_key
-    from .data.sources import is_store
+    from .data.pipeline import source_entries, tokenizer_choice
+    from .data.sources import describe_input, is_store, resolve_sources, source_key
 
     d = config.data
     train = [(e["source"], e.get("text_field", d.text_field)) for e in source_entries(d)]
@@ -106,49 +105,32 @@ def _data_sources(config: Config) -> tuple[dict, dict]:
     if d.val_source:
         named.append((d.val_source, d.text_field, 0.0))
     sources = {source_key(s): tuple(resolve_sources(s)) for s, _, _ in named if not is_store(s)}
-    stores = {source_key(s): _store_of(d, s, field, fraction, sources, [t for t, _ in train])
-              for s, field, fraction in named}
+    try:  # the data's own errors are the pipeline's to report
+        inputs = [describe_input(s, field, sources) for s, field, _ in named]
+    except (OSError, ValueError):
+        return sources, {source_key(s): None for s, _, _ in named}
+    try:
+        sha = tokenizer_choice(d, inputs[:len(train)]).sha256()  # the pipeline's tokenizer, not loaded
+    except (OSError, ValueError):  # (a store's StoreError too)
+        sha = None
+    stores = {source_key(s): _store_of(d, input, fraction, sha) for (s, _, fraction), input in zip(named, inputs)}
     return sources, stores
 
 
-def _store_of(d, source: str, text_field: str, val_fraction: float, sources: dict, train: list) -> Optional[Path]:
-    """The complete store `source` is read from (data.pipeline's choice), or None."""
-    from .data.sources import describe_input, resolved, source_key
+def _store_of(d, input, val_fraction: float, sha: Optional[str]) -> Optional[Path]:
+    """The complete store the input (sources.Input) is read from (data.pipeline's choice), or None;
+    `sha`: the sha256 of the run's tokenizer (None: not trained yet)."""
     from .data.pipeline import cache_dir
-    from .data.store import MANIFEST, StoreError
+    from .data.store import MANIFEST
     from .data.store_plan import cache_folder, finished_store
 
-    if source_key(source) not in sources:  # a store itself
-        return Path(source) if (Path(source) / MANIFEST).is_file() else None
-    try:
-        sha = _tokenizer_sha256(d, train, sources)
-        if sha is None:
-            return None
-        options = dict(val_fraction=val_fraction, on_bad_record=d.on_bad_record, max_document_bytes=d.max_document_bytes)
-        with resolved(sources):
-            input = describe_input(source, text_field)
-        folder = cache_folder(input, sha, cache_dir(d), **options)
-    except (OSError, ValueError, StoreError):  # the data's own errors are the pipeline's to report
+    if input.store is not None:  # a store itself
+        return input.store if (input.store / MANIFEST).is_file() else None
+    if sha is None:
         return None
+    options = dict(val_fraction=val_fraction, on_bad_record=d.on_bad_record, max_document_bytes=d.max_document_bytes)
+    folder = cache_folder(input, sha, cache_dir(d), **options)
     return folder if finished_store(folder, input, sha, **options) else None
-
-
-def _tokenizer_sha256(d, train: list, sources: dict) -> Optional[str]:
-    """The sha256 of the tokenizer the pipeline will use (data.tokenizer.tokenizer_for), if it exists yet."""
-    from .data.pipeline import cache_dir
-    from .data.sources import resolved, source_id, source_key
-    from .data.store import TokenStore
-    from .data.tokenizer import cached_tokenizer_path, tokenizer_sha256
-
-    if d.tokenizer:
-        return tokenizer_sha256(d.tokenizer)
-    stores = [s for s in train if source_key(s) not in sources]
-    if stores:
-        return TokenStore(stores[0]).tokenizer_sha256
-    with resolved(sources):
-        corpus = source_id(train[0] if len(train) == 1 else train, d.text_field)
-    path = cached_tokenizer_path(cache_dir(d), corpus_id=corpus, vocab_size=d.tokenizer_vocab_size)
-    return tokenizer_sha256(path) if path.exists() else None
 
 
 def check_paths(config: Config) -> None:

@@ -11,12 +11,11 @@ list of any of these.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import platform
 from pathlib import Path
-from typing import Iterator, Mapping, Optional, Sequence, Union
+from typing import Mapping, Optional, Sequence, Union
 
 from hybridpar.data.corpus import default_corpus_bytes, default_corpus_id
 from hybridpar.data.store import MANIFEST, PLAN
@@ -65,11 +64,14 @@ class Input:
     store: Optional[Path] = None  # the token store the source names
 
 
-def describe_input(source: Source, text_field: str = "text") -> Input:
-    """`source` looked at once: a token store as it is, else resolved and described."""
+def describe_input(source: Source, text_field: str = "text", walked: Optional[Mapping] = None) -> Input:
+    """`source` looked at once: a token store as it is, else resolved and described. `walked`:
+    {source_key(source): files} of sources walked already (a job's: hybridpar.preflight.Job.sources),
+    whose files are taken from it instead of walking the source again."""
     if not isinstance(source, (list, tuple)) and is_store(source):
         return Input(source, text_field, str(source), store=Path(source))
-    files = tuple(resolve_sources(source))
+    files = walked.get(source_key(source)) if walked else None
+    files = tuple(resolve_sources(source) if files is None else files)
     return Input(source, text_field, source_name(files), files, describe_sources(files, text_field))
 
 
@@ -97,12 +99,7 @@ def input_id(corpus: Input) -> str:
 def resolve_sources(source: Source) -> list[SourceFile]:
     """Every input in reading order, each real file once; errors name the path and what is accepted.
     Links that lead to a folder or file already read are skipped (a folder holding `again -> .`
-    would be walked again and again), and so are files of no known kind: one note says which.
-    Inside `resolved(table)`, sources the table holds are taken from it (no walk)."""
-    table = _RESOLVED[-1] if _RESOLVED else {}
-    items = source if isinstance(source, (list, tuple)) else [source]
-    if items and all(source_key(item) in table for item in items):  # (a job's sources never overlap: config.py)
-        return [f for item in items for f in table[source_key(item)]]
+    would be walked again and again), and so are files of no known kind: one note says which."""
     walk = _Walk()
     files = walk.source(source)
     walk.tell()
@@ -110,22 +107,9 @@ def resolve_sources(source: Source) -> list[SourceFile]:
 
 
 def source_key(source: PathLike) -> str:
-    """One source (a path or "default", as written) as a key of a `resolved` table."""
+    """One source (a path or "default", as written) as a key of a table of walked sources
+    ({source_key(source): files}: hybridpar.preflight.Job.sources, describe_input's `walked`)."""
     return str(source)
-
-
-_RESOLVED: list[Mapping] = []  # the tables of the `resolved` blocks open in this process, innermost last
-
-
-@contextlib.contextmanager
-def resolved(table: Mapping) -> Iterator[None]:
-    """Within the block, resolve_sources answers from `table` ({source_key(source): files}, walked
-    once when a job was resolved: hybridpar.preflight.resolve_job) instead of walking again."""
-    _RESOLVED.append(table)
-    try:
-        yield
-    finally:
-        _RESOLVED.pop()
 
 
 class _Walk:

@@ -7,6 +7,7 @@ whitespace kept as is), so decode(encode(text)) == text.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -332,17 +333,40 @@ def load_or_train_tokenizer(
     return Tokenizer(made_once(path, train, timeout=lock_timeout, purpose="training a tokenizer"))
 
 
-def tokenizer_for(given: Optional[PathLike], store: Optional[Path], *, vocab_size: int, corpus_id: str,
-                  corpus_name: str, documents_factory: Callable[[], Iterable[str]], cache_dir: PathLike) -> Tokenizer:
-    """A run's tokenizer: `given` (data.tokenizer); else the one the token store `store` was made
-    with; else load_or_train_tokenizer's on the raw corpus (its id and name as sources.input_id and
-    Input.name give them)."""
-    if given:
-        return Tokenizer(given)
-    if store is not None:
-        return _store_tokenizer(store)
-    return load_or_train_tokenizer(None, vocab_size=vocab_size, documents_factory=documents_factory,
-                                   corpus_id=corpus_id, corpus_name=corpus_name, cache_dir=cache_dir)
+@dataclasses.dataclass(frozen=True)
+class TokenizerChoice:
+    """Which tokenizer a run uses, chosen before it is loaded (hybridpar.data.pipeline.tokenizer_choice
+    makes it from the config's [data] and its inputs): `given` (data.tokenizer); else the one the
+    token store `store` was made with; else the one trained on the raw corpus `corpus_id` (its
+    documents `text`, read only to train; named `corpus_name` in messages) and cached in
+    `cache_dir`. The pipeline loads it (load); resolve_job tells its sha256 without loading it
+    (sha256), to find a complete store by it."""
+
+    given: Optional[PathLike]
+    store: Optional[Path]
+    vocab_size: int
+    corpus_id: str
+    corpus_name: str
+    cache_dir: Path
+    text: Iterable[str] = dataclasses.field(default=(), compare=False, repr=False)
+
+    def load(self) -> Tokenizer:
+        """The tokenizer; the corpus's is trained and cached by the first process that asks."""
+        if self.given:
+            return Tokenizer(self.given)
+        if self.store is not None:
+            return _store_tokenizer(self.store)
+        return load_or_train_tokenizer(None, vocab_size=self.vocab_size, documents_factory=lambda: self.text,
+                                       corpus_id=self.corpus_id, corpus_name=self.corpus_name, cache_dir=self.cache_dir)
+
+    def sha256(self) -> Optional[str]:
+        """load()'s sha256, read without loading it: None while the corpus's is not trained yet."""
+        if self.given:
+            return tokenizer_sha256(self.given)
+        if self.store is not None:
+            return read_manifest(self.store)["tokenizer_sha256"]
+        path = cached_tokenizer_path(self.cache_dir, corpus_id=self.corpus_id, vocab_size=self.vocab_size)
+        return tokenizer_sha256(path) if path.exists() else None
 
 
 def _store_tokenizer(folder: Path) -> Tokenizer:

@@ -278,12 +278,10 @@ def build_loader(job, parallel: ParallelDims):
     keyed by the data-parallel coordinates. `job`: a hybridpar.preflight.Job (its sources as it
     resolved them, not walked again) or a Config."""
     from ..data import build_training_data
-    from ..data.sources import resolved
 
     if isinstance(job, Config):
         return build_training_data(job, parallel)[1]
-    with resolved(job.sources):
-        return build_training_data(job.config, parallel)[1]
+    return build_training_data(job.config, parallel, walked_sources=job.sources)[1]
 
 
 def first_step_batches(loader, grad_accum: int) -> list:

@@ -32,7 +32,6 @@ from ..checkpoint.dcp import Checkpointer, complete_checkpoints, latest_checkpoi
 from ..config import Config, ConfigError, dump_toml, profile_range
 from ..data import build_training_data, check_vocab
 from ..data.blend import describe_blend
-from ..data.sources import resolved
 from ..files import refuse_occupied, write_text_atomic
 from ..mesh.device import ParallelDims, init_parallel
 from ..build import build_model
@@ -100,10 +99,10 @@ class Trainer:
             require_wandb()
         phase("data")
         # A preparation's progress changes the phase: the watchdog sees progress, not a hang. The
-        # sources were walked by resolve_job: the data answers from its table.
-        with resolved(self.job.sources):
-            self.tokenizer, self.loader, self.val_dataset = build_training_data(
-                c, p, on_tokenizer=self._fit_vocab, on_progress=lambda text: phase(f"data: {text}"))
+        # sources were walked by resolve_job: the data takes them from the job.
+        self.tokenizer, self.loader, self.val_dataset = build_training_data(
+            c, p, on_tokenizer=self._fit_vocab, on_progress=lambda text: phase(f"data: {text}"),
+            walked_sources=self.job.sources)
         phase("data: waiting for every rank's data")
         wait_for_every_rank("data")  # nodes preparing into caches of their own may finish minutes apart
         # Before the model is built and compiled: the compiler's start-up takes a share of the cores,

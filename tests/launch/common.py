@@ -43,7 +43,7 @@ def tiny_overrides(corpus: dict, steps: int, every: int) -> list[str]:
 def script_env(**extra) -> dict:
     """The test's environment outside any Slurm job or launcher, plus `extra`."""
     drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "RUN_DIR",
-            "MP", "DP_SHARD", "DP_REPLICATE", "NODES", "PROCS_PER_NODE", "CONFIG", "RDZV_HOST", "RDZV_PORT",
+            "MP", "CP", "DP_SHARD", "DP_REPLICATE", "NODES", "PROCS_PER_NODE", "CONFIG", "RDZV_HOST", "RDZV_PORT",
             "MAX_RESTARTS", "DRY_RUN", "PREFLIGHT", "REHEARSE", "DRY_RUN_RANK", "DRY_RUN_JSON")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "TORCHELASTIC_")) and k not in drop}
     # The repository, importable from any folder (the CI installs it editable; this also covers a plain checkout).

@@ -97,6 +97,20 @@ def test_generic_script_takes_sizes_from_environment_and_options(tmp_path):
     assert argv[-2:] == ["--train.steps", "7"]  # user overrides come last: they win
 
 
+def test_cp_is_passed_to_training_the_mesh_and_the_dp_shard_arithmetic(tmp_path):
+    """--cp (or CP): in the torchrun command, the mesh command and the layout line; dp_shard's "the rest" leaves it out."""
+    env = script_env(NODES=2, PROCS_PER_NODE=8, MP=2, RUN_DIR=tmp_path / "run")
+    result = run_script(SLURM_SH, "--dry-run", "--cp", "4", "--config", "hybridpar/configs/local.toml", env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "world 16 = dp_replicate 1 x dp_shard 2 x cp 4 x mp 2" in result.stdout
+    assert "mp 2 x cp 4 x dp_shard 2 x dp_replicate 1" in result.stdout
+    argv = printed_command(result.stdout, "torchrun")
+    assert argv[argv.index("--parallel.cp") + 1] == "4" and argv[argv.index("--parallel.dp_shard") + 1] == "2"
+    assert printed_command(result.stdout, "mesh")[6:10] == ["--mp", "2", "--cp", "4"]
+    bad = run_script(SLURM_SH, "--dry-run", "--cp", "3", "--dp-replicate", "-1", "--dp-shard", "1", env=env)
+    assert bad.returncode != 0 and "not divisible by MP x CP x DP_SHARD = 2 x 3 x 1" in bad.stderr, bad.stderr
+
+
 @pytest.mark.parametrize("env, args, message", [
     ({"MP": 3}, ["--dry-run"], "128 ranks (16 nodes x 8) are not divisible by MP x DP_SHARD = 3 x 8"),
     ({}, ["--dry-run", "--dp-shard", "5"], "not divisible by MP x DP_SHARD = 8 x 5"),

@@ -17,6 +17,7 @@ from hybridpar.mesh.layout import free_port  # noqa: F401 - the launch tests tak
 ROOT = Path(__file__).resolve().parents[2]
 SLURM_SH = ROOT / "launch" / "slurm.sh"
 MP8_DP16_SH = ROOT / "launch" / "mp8_dp16.sh"
+LLAMA3_8B_128K_SH = ROOT / "launch" / "llama3_8b_128k.sh"
 
 # One rank's view of the mesh, as the preflight prints it (ParallelDims.describe() after the node).
 LAYOUT_LINE = re.compile(
@@ -43,7 +44,7 @@ def tiny_overrides(corpus: dict, steps: int, every: int) -> list[str]:
 def script_env(**extra) -> dict:
     """The test's environment outside any Slurm job or launcher, plus `extra`."""
     drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "RUN_DIR",
-            "MP", "DP_SHARD", "DP_REPLICATE", "NODES", "PROCS_PER_NODE", "CONFIG", "RDZV_HOST", "RDZV_PORT",
+            "MP", "CP", "DP_SHARD", "DP_REPLICATE", "NODES", "PROCS_PER_NODE", "CONFIG", "RDZV_HOST", "RDZV_PORT",
             "MAX_RESTARTS", "DRY_RUN", "PREFLIGHT", "REHEARSE", "DRY_RUN_RANK", "DRY_RUN_JSON")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "TORCHELASTIC_")) and k not in drop}
     # The repository, importable from any folder (the CI installs it editable; this also covers a plain checkout).

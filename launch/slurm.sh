@@ -18,8 +18,8 @@
 # Settings: the option, else the environment variable, else the default.
 #   --mp / MP                          model-parallel (tensor-parallel) size; contiguous ranks, so a
 #                                      group stays inside a node when MP divides PROCS_PER_NODE (1)
-#   --cp / CP                          context-parallel size: each sequence split over CP ranks,
-#                                      next to mp in the mesh (1)
+#   --cp / CP                          context-parallel ranks per sequence (1); next to mp, and FSDP
+#                                      shards over dp_shard x cp
 #   --dp-shard / DP_SHARD              ranks an FSDP shard group spans (-1: what the others leave)
 #   --dp-replicate / DP_REPLICATE      replicas of each shard group (1; -1: what the others leave)
 #   --nodes / NODES                    the allocation's node count (needed only for --dry-run outside one)
@@ -133,11 +133,16 @@ for name in NODES PROCS_PER_NODE; do
 done
 WORLD=$((NODES * PROCS_PER_NODE))
 
+# cp appears in the commands, the sizes and the messages only when it is set: cp 1 jobs print as before.
+CP_WORD=""; CP_ARGS=(); CP_MESH=""
+if ((CP != 1)); then
+  CP_WORD=" x CP"; CP_ARGS=(--parallel.cp "$CP"); CP_MESH=" --cp $CP"
+fi
 # -1 takes what the other sizes leave (sizes that do not tile are left for hybridpar's error).
 if ((DP_REPLICATE == -1)); then
   ((DP_SHARD > 0)) || die "DP_SHARD and DP_REPLICATE cannot both be -1: give one of them a size"
   ((MP > 0 && CP > 0 && WORLD % (MP * CP * DP_SHARD) == 0)) ||
-    die "$WORLD ranks ($NODES nodes x $PROCS_PER_NODE) are not divisible by MP x $( ((CP == 1)) || echo "CP x ")DP_SHARD = $MP x $( ((CP == 1)) || echo "$CP x ")$DP_SHARD"
+    die "$WORLD ranks ($NODES nodes x $PROCS_PER_NODE) are not divisible by MP$CP_WORD x DP_SHARD = $MP x ${CP_WORD:+$CP x }$DP_SHARD"
   DP_REPLICATE=$((WORLD / (MP * CP * DP_SHARD)))
 elif ((DP_SHARD == -1 && MP > 0 && CP > 0 && DP_REPLICATE > 0 && WORLD % (MP * CP * DP_REPLICATE) == 0)); then
   DP_SHARD=$((WORLD / (MP * CP * DP_REPLICATE)))  # resolved here so the logs show the real size
@@ -203,15 +208,12 @@ srun_cmd=(srun --nodes="$NODES" --ntasks="$NODES" --ntasks-per-node=1 --kill-on-
 [[ -n ${SLURM_CPUS_ON_NODE:-} ]] && srun_cmd+=(--cpus-per-task="$SLURM_CPUS_ON_NODE")
 rdzv=(--nnodes="$NODES" --nproc-per-node="$PROCS_PER_NODE" --rdzv-backend=c10d
   --rdzv-endpoint="$RDZV_HOST:$RDZV_PORT")
-# cp is named only when used, so the commands of a job without it stay as they were.
-cp_override=() cp_mesh="" cp_text=""
-((CP != 1)) && cp_override=(--parallel.cp "$CP") cp_mesh=" --cp $CP" cp_text="cp $CP x "
-train_overrides=(--parallel.mp "$MP" "${cp_override[@]}" --parallel.dp_shard "$DP_SHARD" --parallel.dp_replicate "$DP_REPLICATE"
+train_overrides=(--parallel.mp "$MP" "${CP_ARGS[@]}" --parallel.dp_shard "$DP_SHARD" --parallel.dp_replicate "$DP_REPLICATE"
   --output.run_dir "$JOB_DIR" --checkpoint.folder "$CKPT_DIR" --checkpoint.resume true "${overrides[@]}")
 torchrun_cmd=("$PYTHON" -m torch.distributed.run "${rdzv[@]}" --rdzv-id="$JOB_ID"
   --max-restarts="$MAX_RESTARTS" --log-dir="$JOB_DIR/torchrun" --tee=3
   -m hybridpar train --config "$CONFIG" "${train_overrides[@]}")
-export MESH_ARGS="mesh --world $WORLD --mp $MP$cp_mesh --dp-shard $DP_SHARD --dp-replicate $DP_REPLICATE --procs-per-node $PROCS_PER_NODE"
+export MESH_ARGS="mesh --world $WORLD --mp $MP$CP_MESH --dp-shard $DP_SHARD --dp-replicate $DP_REPLICATE --procs-per-node $PROCS_PER_NODE"
 mesh_cmd=("$PYTHON" -m hybridpar $MESH_ARGS)
 
 # Each rank joins the real mesh once and reports where it landed; rank 0 writes layout.txt.
@@ -221,8 +223,8 @@ import torch.distributed as dist
 from hybridpar.files import write_text_atomic
 from hybridpar.mesh.layout import group_ranks
 from hybridpar.mesh.device import init_parallel
-p = init_parallel(mp=int(os.environ["MP"]), cp=int(os.environ["CP"]), dp_shard=int(os.environ["DP_SHARD"]),
-                  dp_replicate=int(os.environ["DP_REPLICATE"]))
+p = init_parallel(mp=int(os.environ["MP"]), dp_shard=int(os.environ["DP_SHARD"]),
+                  dp_replicate=int(os.environ["DP_REPLICATE"]), cp=int(os.environ["CP"]))
 node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 line = (f"layout: node {node} node_rank {os.environ['GROUP_RANK']} local_rank {os.environ['LOCAL_RANK']} "
         f"{p.describe()}")
@@ -265,7 +267,7 @@ PY
 
 describe() {
   echo "hybridpar on Slurm: $NODES nodes x $PROCS_PER_NODE processes = $WORLD ranks," \
-    "mp $MP x ${cp_text}dp_shard $DP_SHARD x dp_replicate $DP_REPLICATE, config $CONFIG"
+    "mp $MP x${CP_WORD:+ cp $CP x} dp_shard $DP_SHARD x dp_replicate $DP_REPLICATE, config $CONFIG"
   echo "rendezvous: c10d at $RDZV_HOST:$RDZV_PORT; up to $MAX_RESTARTS restarts from the newest checkpoint"
   echo "run folder: $RUN_DIR (checkpoints/ and this job's job-$JOB_ID/)"
   echo "env: $(env_assignments)"

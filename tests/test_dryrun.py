@@ -93,3 +93,21 @@ def test_a_layout_that_cannot_run_fails_the_dry_run_with_the_reason(tmp_path):
     failed = [c for c in report["checks"] if not c["ok"]]
     assert failed and failed[0]["name"] == "mesh" and "world size 128" in failed[0]["detail"]
     assert "FAIL mesh" in result.stdout
+
+
+@pytest.mark.slow
+def test_a_128_rank_context_parallel_job_is_rehearsed(tmp_path):
+    """Llama 2 70B at mp 8 x cp 4 x dp_shard 4 = 128 ranks: rank 0's step runs on fake tensors with the
+    K/V all-gather over cp and FSDP over dp_shard x cp, each rank holding 1/128 of the state."""
+    flags = {"parallel.mp": 8, "parallel.cp": 4, "parallel.dp_shard": 4, "parallel.dp_replicate": 1,
+             "output.run_dir": tmp_path / "run"}
+    result, seconds = _dry_run(flags, 128, 0, tmp_path / "dry.json", config="llama2_70b")
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((tmp_path / "dry.json").read_text())
+    print(f"\n128-rank cp 4 dry run: {seconds:.0f} s; {report['layout']}")
+    assert report["ok"] and report["world"] == 128 and report["layout"].startswith("mp 8 x cp 4 x dp_shard 4")
+    dims = {(c["dim"], c["op"]) for c in report["collectives"]}
+    assert {("cp", "all_gather"), ("cp", "reduce_scatter"), ("dp_shard_cp", "all_gather")} <= dims, dims
+    share = sum(report["state_bytes"].values()) / sum(report["expected_bytes"].values())
+    assert 1.0 <= share < 1.01, share  # sharded over mp x dp_shard x cp = 128 (norms replicated over mp)
+    assert seconds < 120

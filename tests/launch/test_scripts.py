@@ -8,11 +8,11 @@ import time
 import pytest
 
 from tests.launch.common import (
-    MP8_DP16_SH, ROOT, SLURM_SH, documented_coords, mesh_table, printed_command, run_script, script_env,
+    LLAMA3_8B_128K_SH, MP8_DP16_SH, ROOT, SLURM_SH, documented_coords, mesh_table, printed_command, run_script, script_env,
 )
 
 
-@pytest.mark.parametrize("script", [SLURM_SH, MP8_DP16_SH], ids=lambda p: p.name)
+@pytest.mark.parametrize("script", [SLURM_SH, MP8_DP16_SH, LLAMA3_8B_128K_SH], ids=lambda p: p.name)
 def test_scripts_parse(script):
     result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
@@ -97,18 +97,39 @@ def test_generic_script_takes_sizes_from_environment_and_options(tmp_path):
     assert argv[-2:] == ["--train.steps", "7"]  # user overrides come last: they win
 
 
-def test_cp_is_passed_to_training_the_mesh_and_the_dp_shard_arithmetic(tmp_path):
-    """--cp (or CP): in the torchrun command, the mesh command and the layout line; dp_shard's "the rest" leaves it out."""
-    env = script_env(NODES=2, PROCS_PER_NODE=8, MP=2, RUN_DIR=tmp_path / "run")
-    result = run_script(SLURM_SH, "--dry-run", "--cp", "4", "--config", "hybridpar/configs/local.toml", env=env)
+def test_generic_script_takes_cp(tmp_path):
+    """--cp reaches the training command, the mesh command, the summary line and the -1 arithmetic."""
+    env = script_env(NODES=2, PROCS_PER_NODE=4, MP=2, RUN_DIR=tmp_path / "run", REHEARSE=0)
+    result = run_script(SLURM_SH, "--dry-run", "--cp", "2", env=env)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "world 16 = dp_replicate 1 x dp_shard 2 x cp 4 x mp 2" in result.stdout
-    assert "mp 2 x cp 4 x dp_shard 2 x dp_replicate 1" in result.stdout
-    argv = printed_command(result.stdout, "torchrun")
-    assert argv[argv.index("--parallel.cp") + 1] == "4" and argv[argv.index("--parallel.dp_shard") + 1] == "2"
-    assert printed_command(result.stdout, "mesh")[6:10] == ["--mp", "2", "--cp", "4"]
-    bad = run_script(SLURM_SH, "--dry-run", "--cp", "3", "--dp-replicate", "-1", "--dp-shard", "1", env=env)
-    assert bad.returncode != 0 and "not divisible by MP x CP x DP_SHARD = 2 x 3 x 1" in bad.stderr, bad.stderr
+    out = result.stdout
+    assert "8 ranks, mp 2 x cp 2 x dp_shard 2 x dp_replicate 1" in out  # dp_shard = 8 / (mp x cp)
+    assert "world 8 = dp_replicate 1 x dp_shard 2 x cp 2 x mp 2" in out
+    argv = printed_command(out, "torchrun")
+    assert argv[argv.index("--parallel.cp") + 1] == "2" and argv[argv.index("--parallel.dp_shard") + 1] == "2"
+    mesh = printed_command(out, "mesh")
+    assert mesh[mesh.index("--cp") + 1] == "2"
+    assert "cp groups (4): [0, 2] [1, 3] [4, 6] [5, 7]" in out
+    bad = run_script(SLURM_SH, "--dry-run", "--cp", "3", env=env)
+    assert bad.returncode != 0 and "not divisible by mp * cp * dp_replicate = 2 * 3 * 1 = 6" in bad.stderr
+    assert "Traceback" not in bad.stderr, bad.stderr
+
+
+@pytest.mark.slow
+def test_llama3_8b_128k_example_dry_run(tmp_path):
+    """The long-context example (the planner's best layout for 8B at 131,072 tokens on 2 x 8 H100)
+    tiles, its config loads, and rank 0's step is rehearsed on fake tensors."""
+    result = run_script(LLAMA3_8B_128K_SH, "--dry-run", env=script_env(RUN_DIR=tmp_path / "run", REHEARSE=1),
+                        timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "2 nodes x 8 processes = 16 ranks, mp 4 x cp 4 x dp_shard 1 x dp_replicate 1" in out
+    assert "world 16 = dp_replicate 1 x dp_shard 1 x cp 4 x mp 4" in out
+    argv = printed_command(out, "torchrun")
+    assert argv[argv.index("--parallel.cp") + 1] == "4" and argv[argv.index("--data.seq_len") + 1] == "131072"
+    assert argv[argv.index("--parallel.sequence_parallel") + 1] == "true"
+    assert "dry run of rank 0 of 16" in out and "mp 4 x cp 4 x dp_shard 1 x dp_replicate 1 = 16 ranks" in out
+    assert not (tmp_path / "run").exists(), "a dry run must not create the run folder"
 
 
 @pytest.mark.parametrize("env, args, message", [

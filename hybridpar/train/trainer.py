@@ -34,6 +34,7 @@ from ..data import build_training_data, check_vocab
 from ..data.blend import describe_blend
 from ..files import refuse_occupied, write_text_atomic
 from ..mesh.device import ParallelDims, init_parallel
+from ..mesh.layout import sizes_text
 from ..build import build_model
 from ..plan.hardware import peak_flops_of
 from ..preflight import Job, as_job, world_size_from_env
@@ -295,8 +296,7 @@ class Trainer:
             (self.run_dir / stopping.MARKER).unlink(missing_ok=True)  # it told of an earlier run's end
             log.info(
                 f"hybridpar: {self.args.num_params() / 1e6:.1f}M parameters, {self.parallel.world_size} ranks = "
-                f"dp_replicate {self.parallel.dp_replicate} x dp_shard {self.parallel.dp_shard} x "
-                f"{f'cp {self.parallel.cp} x ' if self.parallel.cp > 1 else ''}mp {self.parallel.mp}, "
+                f"{sizes_text(*self.parallel.sizes)}, "
                 f"{c.fsdp.sharding_strategy}, global batch {self.global_batch} x {c.data.seq_len} tokens, "
                 f"{self.loader.windows} sequences in the data")
         if self.validator is None and (c.train.eval_every or c.train.eval_steps) and self.is_main:

@@ -11,7 +11,8 @@ trace with its mesh dimension.
 
 The calls are those of diagnostics.wrap.COLLECTIVES, the same the straggler timer sees. Aliases that
 call another wrapped function (all_gather_into_tensor -> all_gather_single) are counted once: only
-the outermost call; a barrier is a call that moves nothing.
+the outermost call; a barrier is a call that moves nothing. Point-to-point ops (wrap.P2P: a
+pipeline's sends and receives) are not collectives and are not counted.
 
 Units. `payload` is the tensor a rank hands to the collective: the buffer for all_reduce and
 broadcast, the gathered output for all_gather, the input for reduce_scatter. `wire` is what a
@@ -142,7 +143,7 @@ class CollectiveCounter(Listener):
             work, record = self._pending.pop(id(call.work), (None, None))
             return self._waiting(record) if work is not None and work is call.work else None
         # The outermost call of those that move tensors: an object collective's tensor calls are its bytes.
-        counted = call.kind != "object" and (call.outer is None or call.outer.kind == "object")
+        counted = call.kind != "object" and not call.is_p2p and (call.outer is None or call.outer.kind == "object")
         return self._counting(call) if counted and self.enabled else None
 
     def _span(self, record: Record, what: str):

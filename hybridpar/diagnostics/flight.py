@@ -11,6 +11,11 @@ program, so a sequence number also compares across them. Culprits, in order of c
   order       a rank waiting in another collective than the one its peers wait for it in, when no
               other rank issued both to tell which comes first;
   failed      a rank that raised an exception, when nothing above explains the hang.
+Sends and receives (a pipeline's: traces carry them from diagnostics.p2p) are matched per pair of
+ranks: a rank's n-th receive from a peer with the peer's n-th send to it. The peer that has not
+issued its side and waits in nothing is not_arrived; ranks that wait for each other round a
+circle of sends, receives and collectives are order. On a `pp` group each rank is named with its
+stage (its position in the group).
 """
 
 from __future__ import annotations
@@ -20,9 +25,9 @@ from collections import Counter
 from typing import Iterable, Optional
 
 from .liveness import says_peer_loss
-from .traces import Collective, GroupTrace, RankTrace
+from .traces import P2P, Collective, GroupTrace, RankTrace
 
-__all__ = ["Finding", "Wait", "Verdict", "analyse", "format_report"]
+__all__ = ["Finding", "Wait", "P2PWait", "Verdict", "analyse", "format_report"]
 
 
 @dataclasses.dataclass
@@ -47,6 +52,19 @@ class Wait:
 
 
 @dataclasses.dataclass
+class P2PWait:
+    rank: int  # the rank waiting
+    op: P2P  # the send or receive it waits in
+    peer_issued: Optional[int]  # how many matching ops the peer has issued (None: no trace of it)
+    text: str  # 'rank 0 (stage 0) waits in recv #3 from rank 1 (stage 1) on the pp group [0, 1]'
+
+    @property
+    def peer_missing(self) -> bool:
+        """The peer has not issued the op that matches this one (or is not known to have)."""
+        return self.op.peer >= 0 and (self.peer_issued is None or self.peer_issued < self.op.n)
+
+
+@dataclasses.dataclass
 class Verdict:
     findings: list[Finding]
     waits: list[Wait]
@@ -55,6 +73,7 @@ class Verdict:
     # What is known of ranks without a trace (dead): host, pid, coords and the last step and phase
     # their heartbeat gave; filled in by the live monitor.
     gone: dict[int, dict] = dataclasses.field(default_factory=dict)
+    p2p_waits: list[P2PWait] = dataclasses.field(default_factory=list)
 
     @property
     def culprits(self) -> list[int]:
@@ -67,10 +86,11 @@ class Verdict:
             "gone": {str(r): info for r, info in self.gone.items()},
             "findings": [dataclasses.asdict(f) for f in self.findings],
             "waits": [dataclasses.asdict(w) for w in self.waits],
+            "p2p_waits": [dataclasses.asdict(w) for w in self.p2p_waits],
             "ranks": {
                 str(r): {"host": t.host, "pid": t.pid, "coords": t.coords, "step": t.step, "phase": t.phase,
                          "where": t.where, "note": t.note,
-                         "waiting_in": [f"{g.dim} {c.op} #{c.seq}" for g, c in t.pending()]}
+                         "waiting_in": _waiting_in(t)}
                 for r, t in sorted(self.traces.items())
             },
         }
@@ -84,7 +104,8 @@ def analyse(traces: dict[int, RankTrace], dead: Iterable[int] = (),
     last_issued = last_issued or {}
     groups = _all_groups(traces)
     waits = _waits(traces, groups, dead, last_issued)
-    findings = [_dead_finding(d, waits) for d in dead] + _mismatches(traces)
+    p2p_waits = _p2p_waits(traces)
+    findings = [_dead_finding(d, waits, p2p_waits) for d in dead] + _mismatches(traces)
     blamed = {r for f in findings for r in f.ranks}
     for w in waits:
         for r in w.missing:
@@ -94,8 +115,8 @@ def analyse(traces: dict[int, RankTrace], dead: Iterable[int] = (),
             pending = t.pending()
             raised = t.note.startswith("raised")
             if not pending:
-                if raised:
-                    continue  # it failed outside any collective: reported below as 'failed'
+                if raised or t.p2p:
+                    continue  # failed outside any collective ('failed' below), or waits in a send or receive (below)
                 findings.append(Finding("not_arrived", [r], w.dim, w.group, w.op, w.seq,
                                         f"rank {r} has not joined {w.op} #{w.seq} on the {w.dim} group {w.group} "
                                         f"that ranks {w.waiting} wait in; it is not in any collective: {t.where}"))
@@ -117,6 +138,7 @@ def analyse(traces: dict[int, RankTrace], dead: Iterable[int] = (),
                                         f"{w.waiting} wait in, and went on to {c.op} #{c.seq} on the {g.dim} group: "
                                         f"{t.where}"))
                 blamed.add(r)
+    findings += _p2p_findings(traces, waits, p2p_waits, dead, blamed)
     for r, t in sorted(traces.items()):
         if t.note.startswith("raised") and r not in blamed:
             g, c = (t.pending() or [(None, None)])[0]
@@ -126,16 +148,95 @@ def analyse(traces: dict[int, RankTrace], dead: Iterable[int] = (),
     # A mismatch is a definite bug and can kill a peer (gloo aborts on a size mismatch): first.
     order = {"mismatch": 0, "dead": 1, "not_arrived": 2, "skipped": 3, "order": 4, "failed": 5}
     findings.sort(key=lambda f: order[f.kind])
-    return Verdict(findings, waits, traces, dead)
+    return Verdict(findings, waits, traces, dead, p2p_waits=p2p_waits)
 
 
-def _dead_finding(d: int, waits: list[Wait]) -> Finding:
+def _dead_finding(d: int, waits: list[Wait], p2p_waits: list["P2PWait"]) -> Finding:
     blocked = [w for w in waits if d in w.missing]
-    if not blocked:
+    sending = [w for w in p2p_waits if w.op.peer == d]
+    if not blocked and not sending:
         return Finding("dead", [d], "", [], "", 0, f"rank {d} is gone (no heartbeat or no trace)")
+    if not blocked:
+        op = sending[0].op
+        return Finding("dead", [d], op.dim, op.ranks, op.op, op.n, f"{op.who(d)} is gone: {sending[0].text}")
     w = blocked[0]
+    also = f"; {sending[0].text}" if sending else ""
     return Finding("dead", [d], w.dim, w.group, w.op, w.seq,
-                   f"rank {d} is gone: ranks {w.waiting} wait for it in {w.op} #{w.seq} on the {w.dim} group {w.group}")
+                   f"rank {d} is gone: ranks {w.waiting} wait for it in {w.op} #{w.seq} on the {w.dim} group {w.group}{also}")
+
+
+def _p2p_waits(traces: dict[int, RankTrace]) -> list[P2PWait]:
+    """Every send and receive some rank waits in, with how many matching ops its peer has issued."""
+    out = []
+    for r, t in sorted(traces.items()):
+        for op in t.p2p:
+            peer = traces.get(op.peer)
+            issued = peer.p2p_issued.get(op.counterpart(r), 0) if peer is not None else None
+            out.append(P2PWait(r, op, issued, f"{op.who(r)} waits in {op.describe(r)}"))
+    return out
+
+
+def _p2p_findings(traces, waits, p2p_waits, dead, blamed) -> list[Finding]:
+    """The peers that never issued the send or receive a rank waits in: not_arrived when the peer
+    waits in nothing, order when the waits go round a circle back to the rank."""
+    findings = []
+    for w in p2p_waits:
+        op, peer = w.op, w.op.peer
+        if not w.peer_missing or peer in blamed or peer in dead or peer not in traces:
+            continue
+        t = traces[peer]
+        if t.note.startswith("raised"):
+            continue  # reported as 'failed'
+        if not t.pending() and not t.p2p:
+            other = "sent to" if op.op == "recv" else "received from"
+            findings.append(Finding("not_arrived", [peer], op.dim, op.ranks, op.op, op.n,
+                                    f"{op.who(peer)} has not {other} {op.who(w.rank)}, which waits in "
+                                    f"{op.describe(w.rank)}; {op.who(peer)} is in no collective and no send or "
+                                    f"receive: {t.where}"))
+            blamed.add(peer)
+    findings += _circles(traces, waits, p2p_waits, blamed)
+    return findings
+
+
+def _circles(traces, waits, p2p_waits, blamed) -> list[Finding]:
+    """Ranks waiting for each other round a circle with a send or receive in it (a deadlock)."""
+    edges: dict[int, list[tuple[int, str, object]]] = {}  # rank -> [(the rank it waits for, why, its op)]
+    for w in p2p_waits:
+        if w.peer_missing:
+            edges.setdefault(w.rank, []).append((w.op.peer, w.text, w))
+    if not edges:
+        return []
+    for w in waits:
+        for r in w.waiting:
+            for m in w.missing:
+                edges.setdefault(r, []).append((m, f"rank {r} waits in {w.op} #{w.seq} on the {w.dim} group {w.group}", w))
+    findings, seen = [], set()
+    for start in sorted(r for r, out in edges.items() if any(isinstance(x, P2PWait) for _, _, x in out)):
+        path, why, r = [start], [], start
+        while r in edges and edges[r][0][0] in traces:
+            nxt, text, _ = edges[r][0]
+            why.append(text)
+            if nxt in path:
+                circle = path[path.index(nxt):]
+                key = frozenset(circle)
+                if key not in seen and not key & blamed:
+                    seen.add(key)
+                    texts = why[path.index(nxt):]
+                    first = next(x for _, _, x in edges[start] if isinstance(x, P2PWait)).op
+                    findings.append(Finding("order", sorted(circle), first.dim, first.ranks, first.op, first.n,
+                                            "; ".join(texts) + ": each waits for the next (sends, receives or "
+                                            "collectives issued in an order that cannot complete)"))
+                    blamed |= key
+                break
+            path.append(nxt)
+            r = nxt
+    return findings
+
+
+def _waiting_in(t: RankTrace) -> list[str]:
+    """What a rank waits in, shortly: 'mp all_reduce #7', 'pp recv<-1 #3'."""
+    return ([f"{g.dim} {c.op} #{c.seq}" for g, c in t.pending()]
+            + [f"{op.dim} {op.op}{'->' if op.op == 'send' else '<-'}{op.peer} #{op.n}" for op in t.p2p])
 
 
 def _all_groups(traces: dict[int, RankTrace]) -> dict[str, tuple[str, list[int]]]:
@@ -259,15 +360,21 @@ def format_report(verdict: Verdict, headline: str, world_size: int = -1) -> str:
     for f in (own + [f for f in failed if f not in own])[:4]:
         lines.append(("CAUSE  " if not causes and (f in own or not own) else "THEN   ") + f.text)
     if not verdict.findings:
-        lines.append("CAUSE  not found: every rank waits in matching collectives (a network or driver problem? "
-                     "run `hybridpar doctor` on these nodes)")
-    if verdict.waits:
+        lines.append("CAUSE  not found: every rank waits in matching collectives, sends and receives (a network or "
+                     "driver problem? run `hybridpar doctor` on these nodes)")
+    if verdict.waits or verdict.p2p_waits:
         lines.append("WAITING")
         for w in verdict.waits[:8]:
             missing = f", missing {w.missing}" if w.missing else ""
             lines.append(f"  {w.op} #{w.seq} on the {w.dim} group {w.group}: waiting {w.waiting}{missing}")
         if len(verdict.waits) > 8:
             lines.append(f"  ... and {len(verdict.waits) - 8} more groups")
+        for w in verdict.p2p_waits[:8]:
+            matching = "sends" if w.op.op == "recv" else "receives"
+            issued = f" (rank {w.op.peer} has issued {w.peer_issued} matching {matching})" if w.peer_issued is not None else ""
+            lines.append(f"  {w.text}{issued}")
+        if len(verdict.p2p_waits) > 8:
+            lines.append(f"  ... and {len(verdict.p2p_waits) - 8} more sends and receives")
     lines.append("WHERE EACH RANK IS")
     ranks = sorted(set(verdict.traces) | set(verdict.dead))
     shown = ranks if len(ranks) <= 16 else sorted(set(verdict.culprits) | set(ranks[:8]))[:16]
@@ -278,7 +385,7 @@ def format_report(verdict: Verdict, headline: str, world_size: int = -1) -> str:
             last = f"{g.get('host', '?'):<12} step {g.get('step', '?'):<5} {g.get('phase', '?'):<10} " if g else ""
             lines.append(f"  rank {r:>4}  {last}gone")
             continue
-        waiting = ", ".join(f"{g.dim} {c.op} #{c.seq}" for g, c in t.pending()) or "not in a collective"
+        waiting = ", ".join(_waiting_in(t)) or "not in a collective"
         lines.append(f"  rank {r:>4}  {t.host:<12} step {t.step:<5} {t.phase:<10} {waiting:<28} {t.where}")
     if len(shown) < len(ranks):
         lines.append(f"  ... {len(ranks) - len(shown)} more ranks in the JSON report")

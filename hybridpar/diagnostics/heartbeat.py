@@ -3,10 +3,11 @@
 A rank publishes a heartbeat through the job's store (the c10d store every launcher already
 provides; no shared file system needed): a beat counter, the step and phase the trainer is in, and
 the number of collectives issued on each mesh group (cheap counters, read without touching the
-flight recorder). When the monitor asks for it, the rank sends its flight-recorder trace and Python
-stack, and keeps a copy in its own trace folder for `hybridpar hang-report`. A stop signal
-(hybridpar.train.stop) is published at once as the state "stopping": a stop on purpose, which the
-monitor tells apart from a hang and from a death.
+flight recorder). When the monitor asks for it, the rank sends its flight-recorder trace, its
+open sends and receives (diagnostics.p2p, while a P2PLog listens) and its Python stack, and keeps
+a copy in its own trace folder for `hybridpar hang-report`. A stop signal (hybridpar.train.stop)
+is published at once as the state "stopping": a stop on purpose, which the monitor tells apart
+from a hang and from a death.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from ..compat.torch import default_store, sequence_number
 from ..mesh.layout import MeshCoords
 from ..mesh.device import ParallelDims, mesh_groups
 from ..mesh.ranks import attempt_id
-from . import traces
+from . import p2p, traces
 from .liveness import process_alive
 from .node_fault import node_name
 from .traces import write_dump
@@ -196,6 +197,9 @@ class Heartbeat:
         except Exception as err:  # the recorder is off (TORCH_FR_BUFFER_SIZE=0): counts only
             dump = {"entries": [], "pg_status": {}}
             info["note"] = (info["note"] + "; " if info["note"] else "") + f"no flight recorder ({err})"
+        log = p2p.active()
+        if log is not None:  # its sends and receives: torch's recorder has none on gloo
+            info["p2p"] = log.snapshot()
         dump["hybridpar"] = info
         trace = traces.trace_from_dump(dump, info)
         self.put(f"trace/{self.rank}", json.dumps(dataclasses.asdict(trace)))

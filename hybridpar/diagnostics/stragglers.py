@@ -38,8 +38,8 @@ CPU_SAMPLES = 3  # steps measured at the end of each window on the CPU (a GPU: o
 
 
 class CollectiveTimer(Listener):
-    """Within `with` (a listener of diagnostics.wrap: the collectives of wrap.COLLECTIVES and
-    Work.wait), while `measuring`, the seconds spent inside them add up in `wait`; a call inside
+    """Within `with` (a listener of diagnostics.wrap: the collectives of wrap.COLLECTIVES, the
+    point-to-point ops of wrap.P2P and Work.wait), while `measuring`, the seconds spent inside them add up in `wait`; a call inside
     another (an alias, a collective's own Work.wait) counts once, in the outer one. A wrapper
     installed on torch.distributed before the layer is inside the call: its time counts as wait.
     `sync` (a GPU's synchronize) runs before a collective, so work queued earlier counts as compute,

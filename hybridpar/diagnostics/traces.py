@@ -57,6 +57,40 @@ class GroupTrace:
 
 
 @dataclasses.dataclass
+class P2P:
+    """A send or receive of this rank's that has not completed (diagnostics.p2p records them: gloo's
+    flight recorder has no P2P entries). `n` counts this rank's ops of this kind with this peer on
+    this group, from 1: the peer's matching op is its n-th of the other kind with this rank."""
+
+    op: str  # 'send' or 'recv'
+    peer: int  # the peer's global rank; -1: a receive from any rank
+    group: str  # the process group's name
+    dim: str  # its mesh dimension ('pp': the position in `ranks` is the pipeline stage)
+    ranks: list[int]  # the group's global ranks
+    n: int
+    sizes: list
+
+    @staticmethod
+    def key(group: str, op: str, peer: int) -> str:
+        """A rank's count of issued ops is keyed so (the `issued` of its trace)."""
+        return f"{group} {op} {peer}"
+
+    def counterpart(self, rank: int) -> str:
+        """The key under which the peer counts the op that matches this one of `rank`'s."""
+        return P2P.key(self.group, "send" if self.op == "recv" else "recv", rank)
+
+    def who(self, rank: int) -> str:
+        """'rank 3 (stage 1)' on a pipeline group, else 'rank 3'."""
+        stage = f" (stage {self.ranks.index(rank)})" if self.dim == "pp" and rank in self.ranks else ""
+        return f"rank {rank}{stage}"
+
+    def describe(self, rank: int) -> str:
+        """'recv #3 from rank 1 (stage 1) on the pp group [0, 1]', as `rank` issued it."""
+        peer = "any rank" if self.peer < 0 else self.who(self.peer)
+        return f"{self.op} #{self.n} {'to' if self.op == 'send' else 'from'} {peer} on the {self.dim} group {self.ranks}"
+
+
+@dataclasses.dataclass
 class RankTrace:
     rank: int
     host: str = "?"
@@ -67,6 +101,8 @@ class RankTrace:
     stack: list[str] = dataclasses.field(default_factory=list)  # 'file:line in func', outermost first
     groups: dict[str, GroupTrace] = dataclasses.field(default_factory=dict)
     note: str = ""  # e.g. the exception a rank raised
+    p2p: list[P2P] = dataclasses.field(default_factory=list)  # its sends and receives not complete
+    p2p_issued: dict[str, int] = dataclasses.field(default_factory=dict)  # P2P.key -> ops issued
 
     def pending(self) -> list[tuple[GroupTrace, Collective]]:
         return [(g, g.pending) for g in self.groups.values() if g.pending is not None]
@@ -82,7 +118,7 @@ class RankTrace:
             name: GroupTrace(**{**g, "recent": [Collective(**c) for c in g["recent"]]})
             for name, g in data.get("groups", {}).items()
         }
-        return RankTrace(**{**data, "groups": groups})
+        return RankTrace(**{**data, "groups": groups, "p2p": [P2P(**p) for p in data.get("p2p", [])]})
 
 
 def where(stack: list[str]) -> str:
@@ -208,7 +244,7 @@ def trace_from_dump(dump: dict, info: Optional[dict] = None) -> RankTrace:
         name, desc = _group_of(e)
         pg_names[str(e.get("pg_id"))] = name
         by_group.setdefault(name, []).append(e)
-        known.setdefault(name, {"dim": _dim_from_desc(desc), "ranks": _ranks_from_config(dump, name)})
+        known.setdefault(name, {"dim": dim_from_desc(desc), "ranks": _ranks_from_config(dump, name)})
     status = dump.get("pg_status", {})
     groups = {}
     for name, entries in by_group.items():
@@ -220,7 +256,9 @@ def trace_from_dump(dump: dict, info: Optional[dict] = None) -> RankTrace:
         groups[name] = GroupTrace(name, known[name]["dim"], list(known[name]["ranks"]), issued, completed, recent)
     rank = info.get("rank", dump.get("rank", -1))
     fields = {k: info[k] for k in ("host", "pid", "coords", "step", "phase", "stack", "note") if k in info}
-    return RankTrace(rank=int(rank), groups=groups, **fields)
+    p2p = info.get("p2p") or {}
+    pending = [P2P(**{**op, "dim": known.get(op["group"], {}).get("dim", op["dim"])}) for op in p2p.get("pending", [])]
+    return RankTrace(rank=int(rank), groups=groups, p2p=pending, p2p_issued=dict(p2p.get("issued", {})), **fields)
 
 
 def _group_of(entry: dict) -> tuple[str, str]:
@@ -236,7 +274,7 @@ def _plain(sizes: Any) -> list:
     return [list(s) for s in sizes or []]
 
 
-def _dim_from_desc(desc: str) -> str:
+def dim_from_desc(desc: str) -> str:
     if desc in ("default_pg", ""):
         return "world" if desc else "?"
     return desc[len("mesh_"):] if desc.startswith("mesh_") else desc
@@ -248,10 +286,18 @@ def _ranks_from_config(dump: dict, name: str) -> list[int]:
 
 
 def _completed(entries: list[dict], status: dict, pg_names: dict, name: str) -> Optional[int]:
-    """Completed count: the recorder's per-group status (gloo and nccl), else entry states (nccl)."""
+    """Completed count: the recorder's per-group status (gloo and nccl), else entry states (nccl).
+    gloo's status counts every op of the group, sends and receives included (an entry's op_id),
+    while entries are numbered among collectives only (collective_seq_id): on a group that carries
+    P2P ops as well (a pipeline's), the last collective at or before the completed op. (Seen on
+    gloo with torch 2.13; other backends' numbers are taken as they are.)"""
     for pg_id, s in status.items():
         if pg_names.get(str(pg_id)) == name and isinstance(s, dict) and "last_completed_collective" in s:
-            return int(s["last_completed_collective"])
+            last = int(s["last_completed_collective"])
+            if not all("op_id" in e and str(e.get("profiling_name", "")).startswith("gloo:") for e in entries):
+                return last
+            done = [int(e["collective_seq_id"]) for e in entries if int(e["op_id"]) <= last]
+            return max(done) if done else min(int(e["collective_seq_id"]) for e in entries) - 1
     done = [int(e["collective_seq_id"]) for e in entries if e.get("state") == "completed"]
     return max(done) if done else None
 

@@ -5,7 +5,7 @@ listeners that watch them (the collective counter, the straggler timer, the prof
         train_step()
 
 A listener is entered and left as a context (`with listener:`, the Listener base class). The first
-listener in installs one wrapper per function of COLLECTIVES (on torch.distributed and on
+listener in installs one wrapper per function of COLLECTIVES and P2P (on torch.distributed and on
 distributed_c10d, where torch's own aliases find them) and on Work.wait; the last one out puts the
 original objects back, exceptions included. Nothing is kept between: a process with no listener has
 torch.distributed exactly as torch made it.
@@ -14,7 +14,10 @@ Every call reaches every listener's `around(call)`, which returns a context to r
 or None. `call.outer` is the wrapped call it runs inside (an alias calling torch's new name,
 all_gather_object's tensor all_gather, a collective's own Work.wait), None at the top. FSDP2, FSDP1,
 fairscale's mappings and hybridpar all call the module functions at call time
-(`dist.all_reduce(...)`), so these wrappers see every collective they issue. Inside torch.compile
+(`dist.all_reduce(...)`), so these wrappers see every collective they issue; torch.distributed.
+pipelining builds its P2POps from `dist.isend`/`dist.irecv` at each action, so they hold the wrappers
+(a P2POp kept from before the first listener or past the last one holds the other object, which
+batch_isend_irecv's `op is isend` then misreads: build P2POps where they run). Inside torch.compile
 the wrappers are transparent: nothing for dynamo to guard on.
 """
 
@@ -54,6 +57,18 @@ COLLECTIVES: dict[str, tuple[str, int]] = {
     "all_gather_object": ("object", 2),
     "broadcast_object_list": ("object", 2),
 }
+# The point-to-point ops (a pipeline's sends and receives): name -> (kind, position of the group
+# argument). batch_isend_irecv's group is its P2POps'; the isend and irecv it calls run inside it
+# (call.outer), each with its own Work.
+P2P: dict[str, tuple[str, int]] = {
+    "send": ("send", 2),
+    "recv": ("recv", 2),
+    "isend": ("send", 2),
+    "irecv": ("recv", 2),
+    "batch_isend_irecv": ("p2p_batch", -1),
+}
+P2P_KINDS = frozenset(kind for kind, _ in P2P.values())
+WRAPPED = {**COLLECTIVES, **P2P}  # every function the layer replaces
 WAIT = "wait"  # the kind (and name) of Work.wait: where an async collective is waited for
 
 
@@ -73,8 +88,16 @@ class Call:
         """The process group argument, by keyword or position (None: the default group)."""
         if "group" in self.kwargs:
             return self.kwargs["group"]
-        index = COLLECTIVES[self.name][1] if self.kind != WAIT else -1
+        if self.name == "batch_isend_irecv":
+            ops = self.kwargs.get("p2p_op_list", self.args[0] if self.args else None)
+            return ops[0].group if ops else None
+        index = WRAPPED[self.name][1] if self.kind != WAIT else -1
         return self.args[index] if 0 <= index < len(self.args) else None
+
+    @property
+    def is_p2p(self) -> bool:
+        """A send, a receive or a batch of them (not a collective, not a wait)."""
+        return self.kind in P2P_KINDS
 
     @property
     def async_op(self) -> bool:
@@ -113,7 +136,7 @@ class _Layer:
         wrappers: dict[int, Callable] = {}  # one wrapper per original function, wherever it is reachable
         try:
             for module in (dist, c10d):
-                for name, (kind, _) in COLLECTIVES.items():
+                for name, (kind, _) in WRAPPED.items():
                     original = getattr(module, name, None)
                     if original is not None:
                         self._replace(module, name, wrappers.setdefault(id(original), self._wrap(name, kind, original)))

@@ -16,7 +16,7 @@ from hybridpar.diagnostics.stragglers import CollectiveTimer
 def _torch_distributed() -> dict:
     """Every attribute the layer may replace, as the objects they are (and whether Work owns wait)."""
     found = {(module.__name__, name): getattr(module, name, None)
-             for module in (dist, c10d) for name in wrap.COLLECTIVES}
+             for module in (dist, c10d) for name in wrap.WRAPPED}
     found[("Work", "wait")] = dist.Work.wait
     found[("Work", "own wait")] = "wait" in vars(dist.Work)
     return found

@@ -4,7 +4,7 @@ torch's flight recorder has no P2P entries on gloo (torch 2.13: dist.isend/irecv
 batch_isend_irecv leave no entry; they only advance the group's sequence number, once per op), so
 a rank waiting in a pipeline's receive would look, to the hang analysis, like a rank in no
 collective at all. While a P2PLog listens, every send and receive is counted per (group, op, peer)
-and kept until it completes (its Work.wait returns, or its Work says it is done):
+and kept until it completes (a blocking one returns, an async one's Work says it is done):
 
     with P2PLog():
         schedule.step(...)   # torch.distributed.pipelining: isend/irecv through batch_isend_irecv
@@ -24,11 +24,11 @@ from typing import Iterator, Optional
 import torch.distributed as dist
 
 from .traces import P2P, dim_from_desc
-from .wrap import WAIT, Call, Listener, listeners
+from .wrap import Call, Listener, listeners
 
 __all__ = ["P2PLog", "active"]
 
-KEEP = 256  # open ops kept at most (each step's are waited for; more means Work objects never waited)
+KEEP = 256  # ops kept before the done ones are dropped (a step's are done within it)
 
 
 class P2PLog(Listener):
@@ -37,15 +37,11 @@ class P2PLog(Listener):
     def __init__(self) -> None:
         self.issued: dict[str, int] = {}  # P2P.key -> ops issued
         self._open: dict[int, tuple[P2P, object]] = {}  # id -> (the op, its Work once returned)
-        self._by_work: dict[int, int] = {}  # id(work) -> its op's id
         self._ids = itertools.count()
         self._groups: dict[str, tuple[str, list[int]]] = {}  # group name -> (dim, global ranks)
         self._lock = threading.Lock()  # the heartbeat's thread reads while the main thread records
 
     def around(self, call: Call):
-        if call.kind == WAIT:
-            key = self._by_work.get(id(call.work))
-            return self._waiting(key) if key is not None else None
         # The isend/irecv a batch_isend_irecv calls are recorded, each with its Work; the batch is not.
         if call.kind in ("send", "recv") and (call.outer is None or call.outer.kind not in ("send", "recv")):
             return self._recording(call)
@@ -65,25 +61,15 @@ class P2PLog(Listener):
         finally:
             with self._lock:
                 work = call.result if call.name in ("isend", "irecv") else None
-                if work is not None:  # open until waited for, or done
+                if work is not None:  # open until its Work is done (looked at when the log grows, or is read)
                     self._open[key] = (op, work)
-                    self._by_work[id(work)] = key
                 else:  # a blocking send or recv returned (or raised): over
                     self._open.pop(key, None)
-
-    @contextlib.contextmanager
-    def _waiting(self, key: int) -> Iterator[None]:
-        yield
-        with self._lock:  # only once the wait returned: a wait that raised leaves the op open
-            op_work = self._open.pop(key, None)
-            if op_work is not None:
-                self._by_work.pop(id(op_work[1]), None)
 
     def _forget_done(self) -> None:
         for key, (_, work) in list(self._open.items()):
             if work is not None and _done(work):
                 del self._open[key]
-                self._by_work.pop(id(work), None)
 
     def _op(self, call: Call) -> P2P:
         group = call.group if call.group is not None else dist.group.WORLD

@@ -3,6 +3,7 @@ matches a rank's receive with its peer's send, and a live job whose stage 1 stop
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -189,3 +190,15 @@ def test_a_stage_stopped_inside_its_step_is_named_with_the_receive_its_peer_wait
     again = json.loads(offline.read_text())["findings"][0]
     assert {k: again[k] for k in ("kind", "ranks", "op", "seq", "text")} == \
         {k: first[k] for k in ("kind", "ranks", "op", "seq", "text")}
+
+
+def test_the_heartbeats_name_for_a_group_wins_over_its_description():
+    """A pipeline group the mesh shares with another dimension (pp spanning the world is the default
+    group) is named as the heartbeat names the mesh's groups, in the trace of every rank."""
+    info = {"rank": 0, "groups": {"0": {"dim": "pp", "ranks": [0, 1]}},
+            "p2p": {"issued": {"0 recv 1": 1}, "pending": [{**PP, "group": "0", "dim": "world", "op": "recv",
+                                                            "peer": 1, "n": 1, "sizes": [[2]]}]}}
+    trace = trace_from_dump({"entries": []}, info)
+    assert [(op.dim, op.who(1)) for op in trace.p2p] == [("pp", "rank 1 (stage 1)")]
+    assert trace.p2p_issued == {"0 recv 1": 1}
+    assert RankTrace.from_json(json.loads(json.dumps(dataclasses.asdict(trace)))) == trace

@@ -4,7 +4,7 @@ A rank publishes a heartbeat through the job's store (the c10d store every launc
 provides; no shared file system needed): a beat counter, the step and phase the trainer is in, and
 the number of collectives issued on each mesh group (cheap counters, read without touching the
 flight recorder). When the monitor asks for it, the rank sends its flight-recorder trace, its
-open sends and receives (diagnostics.p2p, while a P2PLog listens) and its Python stack, and keeps
+open sends and receives (`p2p`, a diagnostics.p2p log) and its Python stack, and keeps
 a copy in its own trace folder for `hybridpar hang-report`. A stop signal (hybridpar.train.stop)
 is published at once as the state "stopping": a stop on purpose, which the monitor tells apart
 from a hang and from a death.
@@ -28,9 +28,10 @@ from ..compat.torch import default_store, sequence_number
 from ..mesh.layout import MeshCoords
 from ..mesh.device import ParallelDims, mesh_groups
 from ..mesh.ranks import attempt_id
-from . import p2p, traces
+from . import traces
 from .liveness import process_alive
 from .node_fault import node_name
+from .p2p import P2PLog
 from .traces import write_dump
 
 HANG_EXIT_CODE = 124  # as timeout(1): the job was stopped because it stopped making progress
@@ -74,6 +75,7 @@ class Heartbeat:
         self.neighbours: Optional[dict[int, int]] = None  # rank -> pid, of the ranks on this host
         self.nodes: dict[int, str] = {}  # rank -> its node, gathered at set-up (train.supervisor)
         self._seen_gone: set[int] = set()
+        self.p2p = P2PLog()  # this rank's sends and receives, while the watchdog watches
 
     def connect(self) -> None:
         """This rank's own store connection, and what its trace says about it."""
@@ -197,9 +199,7 @@ class Heartbeat:
         except Exception as err:  # the recorder is off (TORCH_FR_BUFFER_SIZE=0): counts only
             dump = {"entries": [], "pg_status": {}}
             info["note"] = (info["note"] + "; " if info["note"] else "") + f"no flight recorder ({err})"
-        log = p2p.active()
-        if log is not None:  # its sends and receives: torch's recorder has none on gloo
-            info["p2p"] = log.snapshot()
+        info["p2p"] = self.p2p.snapshot()  # its sends and receives: torch's recorder has none on gloo
         dump["hybridpar"] = info
         trace = traces.trace_from_dump(dump, info)
         self.put(f"trace/{self.rank}", json.dumps(dataclasses.asdict(trace)))

@@ -6,11 +6,14 @@ a rank waiting in a pipeline's receive would look, to the hang analysis, like a 
 collective at all. While a P2PLog listens, every send and receive is counted per (group, op, peer)
 and kept until it completes (a blocking one returns, an async one's Work says it is done):
 
-    with P2PLog():
+    with P2PLog() as log:
         schedule.step(...)   # torch.distributed.pipelining: isend/irecv through batch_isend_irecv
+    log.snapshot()           # {"issued": {...}, "pending": [...]}
 
-The heartbeat puts `snapshot()` of the log listening now (`active()`) in the rank's trace; the
-analysis (flight.py) matches a rank's n-th receive from a peer with the peer's n-th send to it.
+Each rank's heartbeat holds one, listening while its watchdog watches (set-up and training alike:
+the counts go on across a pause, so that every rank counts the same ops), and puts its snapshot in
+the rank's trace; the analysis (flight.py) matches a rank's n-th receive from a peer with the
+peer's n-th send to it.
 """
 
 from __future__ import annotations
@@ -19,14 +22,14 @@ import contextlib
 import dataclasses
 import itertools
 import threading
-from typing import Iterator, Optional
+from typing import Iterator
 
 import torch.distributed as dist
 
 from .traces import P2P, dim_from_desc
-from .wrap import Call, Listener, listeners
+from .wrap import Call, Listener
 
-__all__ = ["P2PLog", "active"]
+__all__ = ["P2PLog"]
 
 KEEP = 256  # ops kept before the done ones are dropped (a step's are done within it)
 
@@ -101,7 +104,3 @@ def _done(work) -> bool:
     except RuntimeError:  # a Work that failed: its error is the rank's note
         return True
 
-
-def active() -> Optional[P2PLog]:
-    """The P2PLog listening now, if any."""
-    return next((x for x in listeners() if isinstance(x, P2PLog)), None)

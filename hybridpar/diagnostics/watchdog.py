@@ -1,7 +1,7 @@
 """The hang watchdog: when a job stops making progress, say who is to blame, then exit non-zero.
 
 Every rank runs a small thread that publishes its heartbeat through the job's store (heartbeat.py)
-and answers the monitor; rank 0's thread also runs the monitor (monitor.py; rank 1's takes over if
+and answers the monitor (while it watches, the rank's sends and receives are logged: diagnostics.p2p); rank 0's thread also runs the monitor (monitor.py; rank 1's takes over if
 rank 0's heartbeat stops), which reports a hang, a dead rank or a failed rank (a rank stopping on
 request is none of these: hybridpar.train.stop), writes `hang_report.json` in the run folder and
 makes every rank exit with HANG_EXIT_CODE.
@@ -24,6 +24,7 @@ from .heartbeat import HANG_EXIT_CODE, Heartbeat, default_interval
 from .liveness import is_peer_loss
 from .monitor import Monitor
 from .timeouts import BACKSTOP_GRACE
+from .wrap import listeners
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,8 @@ class Watchdog:
             self.beat.connect()
             self.beat.register()
         self.beat.state, self.paused = "running", False
+        if self.beat.p2p not in listeners():  # sends and receives: in the traces (diagnostics.p2p)
+            self.beat.p2p.__enter__()
         self._stop.clear()
         self.beat.publish()
         self._thread = threading.Thread(target=self._run, name="hybridpar-watchdog", daemon=True)
@@ -139,6 +142,7 @@ class Watchdog:
         self._thread.join(timeout=10)
         if self._guarding is not None:
             self._guarding.join(timeout=2)
+        self.beat.p2p.__exit__(None, None, None)
         try:
             self.beat.publish()
         except Exception:  # the store may already be gone at the very end of a job

@@ -1,16 +1,15 @@
 """A pipeline-shaped job with one planted stall, run under torchrun by test_p2p_hang.py.
 
-    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/diagnostics/p2p_job.py RUN_DIR TIMEOUT LOG
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/diagnostics/p2p_job.py RUN_DIR TIMEOUT
 
 Two stages on a pipeline group (described as a DeviceMesh's `pp` dimension), each step two
 micro-batches: stage 0 sends activations forward and receives gradients back, stage 1 the other
 way round, through dist.batch_isend_irecv as torch.distributed.pipelining does; then a pp
 all-reduce (the global gradient norm). In step STALL_STEP, stage 1 stops inside its step (sleeps)
 before sending its first gradient back: stage 0 waits in that receive. The hang watchdog runs as
-in training, with (LOG=1) or without (LOG=0) the P2PLog the trainer's supervisor enters.
+in training.
 """
 
-import contextlib
 import os
 import sys
 import time
@@ -21,7 +20,6 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from hybridpar.diagnostics.p2p import P2PLog  # noqa: E402
 from hybridpar.diagnostics.timeouts import apply_env_defaults  # noqa: E402
 from hybridpar.diagnostics.watchdog import Watchdog  # noqa: E402
 from hybridpar.progress import log_to_terminal  # noqa: E402
@@ -53,7 +51,7 @@ def step(stage: int, peer: int, pp, n: int) -> None:
 
 
 def main() -> None:
-    run_dir, timeout, log = Path(sys.argv[1]), float(sys.argv[2]), sys.argv[3] == "1"
+    run_dir, timeout = Path(sys.argv[1]), float(sys.argv[2])
     log_to_terminal()
     apply_env_defaults(run_dir / "flight_recorder")
 
@@ -68,10 +66,9 @@ def main() -> None:
     peer = dist.get_global_rank(pp, 1 - stage)
     watchdog = Watchdog(parallel, timeout=timeout, run_dir=run_dir, trace_dir=run_dir / "flight_recorder",
                         interval=0.25).start()
-    with P2PLog() if log else contextlib.nullcontext():
-        for n in range(1, STEPS + 1):
-            watchdog.step, watchdog.phase = n, "pipeline"
-            step(stage, peer, pp, n)
+    for n in range(1, STEPS + 1):
+        watchdog.step, watchdog.phase = n, "pipeline"
+        step(stage, peer, pp, n)
     watchdog.close()
 
 

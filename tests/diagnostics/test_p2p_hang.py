@@ -115,7 +115,6 @@ def _p2p_log_case():
     pp = dist.new_group([0, 1], group_desc="mesh_pp")
     x = torch.ones(2, 8)
     with p2p.P2PLog() as log, CollectiveCounter() as counter:
-        assert p2p.active() is log
         op = dist.isend if rank == 0 else dist.irecv
         for work in dist.batch_isend_irecv([dist.P2POp(op, x, 1 - rank, pp)]):
             work.wait()
@@ -150,12 +149,32 @@ def test_the_log_counts_every_send_and_receive_and_keeps_the_open_ones(workers):
     assert sender["listeners"] == 0  # torch.distributed is torch's own again
 
 
+def test_the_log_listens_while_the_watchdog_watches_and_counts_on_across_a_pause(tmp_path, monkeypatch):
+    import torch.distributed as dist
+
+    from hybridpar.diagnostics import wrap
+    from tests.diagnostics.test_watchdog import _watchdog
+
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", dist.HashStore)
+    wd = _watchdog(tmp_path, world=1, timeout=600.0, interval=30.0)
+    log = wd.beat.p2p
+    wd.start()
+    assert wrap.listeners() == (log,)
+    wd.pause()
+    assert wrap.listeners() == ()
+    log.issued["7 send 1"] = 3  # counted before the pause: the same log goes on
+    wd.start()
+    assert wrap.listeners() == (log,) and wd.beat.p2p.issued == {"7 send 1": 3}
+    wd.close()
+    assert wrap.listeners() == ()
+
+
 # --- a live job: stage 1 stops inside its step ---------------------------------------------------
 
-def _run_job(run_dir: Path, log: bool) -> tuple[subprocess.CompletedProcess, float]:
+def _run_job(run_dir: Path) -> tuple[subprocess.CompletedProcess, float]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": child_pythonpath()}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests" / "diagnostics" / "p2p_job.py"), str(run_dir), str(TRAIN_TIMEOUT), "1" if log else "0"]
+           str(ROOT / "tests" / "diagnostics" / "p2p_job.py"), str(run_dir), str(TRAIN_TIMEOUT)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     stalled = re.search(r"STALL on rank 1 at ([\d.]+)", result.stderr)
     assert stalled, f"the stall never came:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
@@ -164,7 +183,7 @@ def _run_job(run_dir: Path, log: bool) -> tuple[subprocess.CompletedProcess, flo
 
 @pytest.mark.slow
 def test_a_stage_stopped_inside_its_step_is_named_with_the_receive_its_peer_waits_in(tmp_path):
-    result, stalled_at = _run_job(tmp_path / "run", log=True)
+    result, stalled_at = _run_job(tmp_path / "run")
     report_path = tmp_path / "run" / "hang_report.json"
     assert result.returncode != 0 and report_path.exists(), result.stderr[-4000:]
     delay = report_path.stat().st_mtime - stalled_at

@@ -80,7 +80,8 @@ class P2P:
         return P2P.key(self.group, "send" if self.op == "recv" else "recv", rank)
 
     def who(self, rank: int) -> str:
-        """'rank 3 (stage 1)' on a pipeline group, else 'rank 3'."""
+        """'rank 3 (stage 1)' on a pipeline group, else 'rank 3'. The stage is the rank's position in
+        the group: under an interleaved schedule its first stage (it also holds stage + pp, ...)."""
         stage = f" (stage {self.ranks.index(rank)})" if self.dim == "pp" and rank in self.ranks else ""
         return f"rank {rank}{stage}"
 

@@ -110,6 +110,7 @@ def _p2p_log_case():
 
     from hybridpar.diagnostics import p2p, wrap
     from hybridpar.diagnostics.collectives import CollectiveCounter
+    from hybridpar.diagnostics.traces import dump_flight_recorder
 
     rank = dist.get_rank()
     pp = dist.new_group([0, 1], group_desc="mesh_pp")
@@ -133,8 +134,11 @@ def _p2p_log_case():
             work.wait()
         done = log.snapshot()
         counted = [r.kind for r in counter.records]
+    dist.all_reduce(torch.ones(1), group=pp)
+    recorded = [(e["profiling_name"], e["collective_seq_id"], e["op_id"], e["is_p2p"])
+                for e in dump_flight_recorder()["entries"] if e["process_group"][0] == pp.group_name]
     return {"open": open_, "done": done, "counted": counted, "listeners": len(wrap.listeners()),
-            "name": pp.group_name}
+            "name": pp.group_name, "recorded": recorded}
 
 
 def test_the_log_counts_every_send_and_receive_and_keeps_the_open_ones(workers):
@@ -147,6 +151,12 @@ def test_the_log_counts_every_send_and_receive_and_keeps_the_open_ones(workers):
                        "sizes": [[2, 8]]}
     assert sender["counted"] == receiver["counted"] == ["barrier", "barrier"]  # P2P ops are no collectives
     assert sender["listeners"] == 0  # torch.distributed is torch's own again
+    # What this log stands in for: gloo's flight recorder has no entry for the 4 sends and 4
+    # receives, and numbers its entries among collectives but its ops (op_id) among all: 3 sends,
+    # barrier, barrier, send, all_reduce on one side; 3 receives, barrier, irecv, barrier on the other.
+    assert sender["recorded"] == [("gloo:barrier", 1, 4, False), ("gloo:barrier", 2, 5, False),
+                                  ("gloo:all_reduce", 3, 7, False)], sender["recorded"]
+    assert [op_id for _, _, op_id, _ in receiver["recorded"]] == [4, 6, 7], receiver["recorded"]
 
 
 def test_the_log_listens_while_the_watchdog_watches_and_counts_on_across_a_pause(tmp_path, monkeypatch):

@@ -159,6 +159,48 @@ def test_the_log_counts_every_send_and_receive_and_keeps_the_open_ones(workers):
     assert [op_id for _, _, op_id, _ in receiver["recorded"]] == [4, 6, 7], receiver["recorded"]
 
 
+def _pipelining_case():
+    """torch.distributed.pipelining's 1F1B and Interleaved1F1B at pp 2, without a listener and under
+    the P2P log: the losses, and the log's counts."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+
+    from hybridpar.diagnostics.p2p import P2PLog
+
+    rank = dist.get_rank()
+    pp = dist.new_group([0, 1], group_desc="mesh_pp")
+
+    def step(interleaved: bool) -> list[float]:
+        torch.manual_seed(0)
+        layers = [torch.nn.Linear(8, 8) for _ in range(4)]
+        x, target, losses = torch.randn(8, 8), torch.randn(8, 8), []
+        loss = lambda y, t: ((y - t) ** 2).mean()  # noqa: E731
+        if interleaved:  # stages 0 and 2 on rank 0, 1 and 3 on rank 1
+            stages = [PipelineStage(layers[s], s, 4, torch.device("cpu"), group=pp) for s in (rank, rank + 2)]
+            schedule = ScheduleInterleaved1F1B(stages, n_microbatches=4, loss_fn=loss, scale_grads=False)
+        else:
+            stage = PipelineStage(torch.nn.Sequential(*layers[2 * rank:2 * rank + 2]), rank, 2, torch.device("cpu"),
+                                  group=pp)
+            schedule = Schedule1F1B(stage, n_microbatches=4, loss_fn=loss, scale_grads=False)
+        schedule.step(x) if rank == 0 else schedule.step(target=target, losses=losses)
+        return [float(x) for x in losses]
+
+    plain = [step(False), step(True)]
+    with P2PLog() as log:
+        logged = [step(False), step(True)]
+    return {"same": plain == logged, "losses": len(logged[0]) + len(logged[1]), "log": log.snapshot()}
+
+
+@pytest.mark.slow
+def test_pipelining_runs_alike_under_the_log_and_every_send_is_counted_by_its_receiver(workers):
+    first, last = workers(2).run(_pipelining_case)
+    assert first["same"] and last["same"] and last["losses"] == 8
+    issued = {rank: {key.split(" ", 1)[1]: n for key, n in r["log"]["issued"].items()} for rank, r in enumerate((first, last))}
+    assert issued[0]["send 1"] == issued[1]["recv 0"] > 8 and issued[1]["send 0"] == issued[0]["recv 1"] > 8
+    assert first["log"]["pending"] == last["log"]["pending"] == []
+
+
 def test_the_log_listens_while_the_watchdog_watches_and_counts_on_across_a_pause(tmp_path, monkeypatch):
     import torch.distributed as dist
 

@@ -151,7 +151,7 @@ def analyse(traces: dict[int, RankTrace], dead: Iterable[int] = (),
     return Verdict(findings, waits, traces, dead, p2p_waits=p2p_waits)
 
 
-def _dead_finding(d: int, waits: list[Wait], p2p_waits: list["P2PWait"]) -> Finding:
+def _dead_finding(d: int, waits: list[Wait], p2p_waits: list[P2PWait]) -> Finding:
     blocked = [w for w in waits if d in w.missing]
     sending = [w for w in p2p_waits if w.op.peer == d]
     if not blocked and not sending:

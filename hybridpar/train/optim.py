@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..compat.torch import foreach_mul_, foreach_norm
+from ..compat.torch import foreach_mul_, tensor_norms
 
 
 def build_optimizer(model: torch.nn.Module, config, fused: bool = True) -> torch.optim.Optimizer:
@@ -72,7 +72,7 @@ def clip_gradients(params: list[torch.nn.Parameter], max_norm: float, device: Op
             copies.append(dist.get_world_size())
         locals_.append(grad)
     if locals_:
-        norms = torch.stack(foreach_norm(locals_, 2.0)).float()
+        norms = tensor_norms(locals_)
         weights = torch.tensor(copies, dtype=torch.float32, device=norms.device)
         total_sq = (norms.square() / weights).sum().to(device or norms.device)
     else:

@@ -15,6 +15,8 @@ from hybridpar.diagnostics.doctor import (
     check_layout,
     dim_groups,
     format_busbw,
+    format_layout,
+    layout_rows,
     parse_sizes,
     summarise_busbw,
 )
@@ -71,6 +73,16 @@ def test_dimensions_are_measured_once_and_only_with_two_ranks_or_more():
     # Context parallelism: the cp groups are measured; dp_shard x cp is what FSDP spans.
     assert names(1, 1, 2, 2, 2) == [("mp", []), ("cp", []), ("dp", ["dp_shard"]), ("world", [])]
     assert dim_groups(1, 2, 2, 1, 2)[3][2] == [[0, 4], [1, 5], [2, 6], [3, 7]]  # dp_replicate groups
+    # Pipeline parallelism: the pp groups (one rank per stage) are measured after the in-stage ones.
+    assert names(2, 1, 2, 1, 1) == [("dp", ["dp_shard"]), ("pp", []), ("world", [])]
+    assert dim_groups(2, 1, 2, 1, 1)[1][2] == [[0, 2], [1, 3]]
+
+
+def test_the_layout_table_shows_the_stage_only_with_pp():
+    infos = [{"rank": r, "host": "h", "local_rank": r, "device": "cpu", "pid": 100 + r} for r in range(4)]
+    with_pp = format_layout(layout_rows(infos, 2, 1, 2, 1, 1)).splitlines()
+    assert with_pp[0].split()[5] == "pp_rank" and [line.split()[5] for line in with_pp[1:]] == ["0", "0", "1", "1"]
+    assert "pp_rank" not in format_layout(layout_rows(infos, 1, 1, 4, 1, 1))
 
 
 def test_sizes_parse_as_ranges_or_lists():

@@ -81,6 +81,8 @@ def test_pp_layers_from_toml_and_the_command_line_are_one_list(tmp_path):
     toml.write_text("[parallel]\npp = 2\npp_layers = [3, 1]\n")
     assert load_config(toml).parallel.pp_layers == [3, 1]
     assert _config("--parallel.pp_layers", "3,1").parallel.pp_layers == [3, 1]
+    assert _config("--parallel.pp_layers", "[3, 1]").parallel.pp_layers == [3, 1]  # a config's dict as flags
+    assert _config("--parallel.pp_layers", "[]").parallel.pp_layers == []
     assert _config().parallel.pp == 1 and _config().parallel.pp_layers == []
 
 

@@ -22,9 +22,9 @@ V_SHAPED = ("ZBVZeroBubble", "DualPipeV")  # exactly 2 stages per rank
 
 
 def stage_layers(value) -> list[int]:
-    """parallel.pp_layers as a list of ints: a TOML list, or a command line's "4,4,3"."""
+    """parallel.pp_layers as a list of ints: a TOML list, or a command line's "4,4,3" (or "[4, 4, 3]")."""
     if isinstance(value, str):
-        value = [v for v in value.replace(" ", "").split(",") if v]
+        value = [v for v in value.replace(" ", "").strip("[]").split(",") if v]
     try:
         layers = [int(v) for v in value]
     except (TypeError, ValueError):

@@ -44,9 +44,10 @@ class Job:
     stores: Mapping = dataclasses.field(default_factory=dict)
 
 
-def resolve_job(config: Config, world_size: int) -> Job:
+def resolve_job(config: Config, world_size: int, *, training: bool = True) -> Job:
     """Every check of preflight, and what the start needs from the files the config names, each
-    read once: raises ConfigError (or a ValueError naming the source) in one line."""
+    read once: raises ConfigError (or a ValueError naming the source) in one line. training=False:
+    a job that runs no step (the doctor), which may use a mesh the trainer cannot run yet."""
     check_paths(config)  # first: the model's shape reads model.params_json and checkpoint.init_from
     sizes = _checked_sizes(config, world_size)
     found = init_from_folder(config)
@@ -57,7 +58,7 @@ def resolve_job(config: Config, world_size: int) -> Job:
         parsed = read_config(*found)
     args = model_args(config, sizes[4], init_from=found, parsed=parsed, cp=sizes[3])
     _check_pipeline(config, sizes[0], args)
-    if sizes[0] > 1:  # the trainer's pipeline step replaces this refusal
+    if training and sizes[0] > 1:  # the trainer's pipeline step replaces this refusal
         raise ConfigError(f"parallel.pp = {sizes[0]}: pipeline parallelism is not wired into training yet; "
                           "set parallel.pp = 1")
     sources, stores = _data_sources(config)

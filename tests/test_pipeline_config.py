@@ -97,6 +97,7 @@ def test_training_at_pp_above_1_is_refused_until_the_pipeline_is_wired():
                                "set parallel.pp = 1")
     assert not dist.is_initialized()
     resolve_job(_config(), 1)
+    assert resolve_job(config, 2, training=False).sizes == (2, 1, 1, 1, 1)  # the doctor runs no step
 
 
 def test_hybridpar_train_at_pp_2_is_one_line_and_makes_nothing(tmp_path):

@@ -310,7 +310,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     for key in ("mp", "dp_shard", "dp_replicate"):
         if getattr(args, key) is not None:
             setattr(config.parallel, key, getattr(args, key))
-    job = resolve_job(config, world_size_from_env())  # the config's own mistakes, one line, before any group
+    job = resolve_job(config, world_size_from_env(), training=False)  # the config's own mistakes, one line, before any group
     import torch.distributed as dist
 
     from ..diagnostics.doctor import DoctorOptions, parse_sizes, run_doctor
@@ -323,8 +323,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     launched = dict(os.environ)  # checked as the user set it, before hybridpar's defaults
     apply_env_defaults()  # then run the collectives with the settings training would use
     c = config.parallel
-    parallel = init_parallel(mp=c.mp, dp_shard=c.dp_shard, dp_replicate=c.dp_replicate, cp=c.cp, timeout=c.init_timeout,
-                             backend=c.backend or None)
+    parallel = init_parallel(mp=c.mp, dp_shard=c.dp_shard, dp_replicate=c.dp_replicate, cp=c.cp, pp=c.pp,
+                             timeout=c.init_timeout, backend=c.backend or None)
     try:
         return run_doctor(job, parallel, options, environ=launched)
     finally:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Mapping, Optional, Union
 
 from .config import Config, ConfigError
+from .config.pipeline import check_pipeline
 from .mesh.layout import MeshSizeError, resolve_sizes
 
 _TOKENIZER_KINDS = "a tokenizer.model (sentencepiece, or Meta's Llama 3 tiktoken file), a Hugging Face tokenizer.json"
@@ -31,7 +32,7 @@ class Job:
 
     config: Config
     world_size: int
-    sizes: tuple[int, int, int, int]  # (dp_replicate, dp_shard, cp, mp), layout.resolve_sizes'
+    sizes: tuple[int, int, int, int, int]  # (pp, dp_replicate, dp_shard, cp, mp), layout.resolve_sizes'
     args: object  # hybridpar.models.args.ModelArgs; a vocab_size of -1 (Llama 2's) waits for the tokenizer
     init_from: Optional[tuple[str, Path]] = None  # (kind, folder) of a Meta or Hugging Face checkpoint.init_from
     init_config: Optional[dict] = None  # that folder's JSON, read once (checkpoint.convert.read_config)
@@ -43,9 +44,10 @@ class Job:
     stores: Mapping = dataclasses.field(default_factory=dict)
 
 
-def resolve_job(config: Config, world_size: int) -> Job:
+def resolve_job(config: Config, world_size: int, *, training: bool = True) -> Job:
     """Every check of preflight, and what the start needs from the files the config names, each
-    read once: raises ConfigError (or a ValueError naming the source) in one line."""
+    read once: raises ConfigError (or a ValueError naming the source) in one line. training=False:
+    a job that runs no step (the doctor), which may use a mesh the trainer cannot run yet."""
     check_paths(config)  # first: the model's shape reads model.params_json and checkpoint.init_from
     sizes = _checked_sizes(config, world_size)
     found = init_from_folder(config)
@@ -54,7 +56,11 @@ def resolve_job(config: Config, world_size: int) -> Job:
         from .checkpoint.convert import read_config
 
         parsed = read_config(*found)
-    args = model_args(config, sizes[3], init_from=found, parsed=parsed, cp=sizes[2])
+    args = model_args(config, sizes[4], init_from=found, parsed=parsed, cp=sizes[3])
+    _check_pipeline(config, sizes[0], args)
+    if training and sizes[0] > 1:  # the trainer's pipeline step replaces this refusal
+        raise ConfigError(f"parallel.pp = {sizes[0]}: pipeline parallelism is not wired into training yet; "
+                          "set parallel.pp = 1")
     sources, stores = _data_sources(config)
     return Job(config, world_size, sizes, args, found, parsed, sources, stores)
 
@@ -79,17 +85,26 @@ def check_values(config: Config, world_size: int):
     """The checks that read no data: the values' ranges, the mesh, the model's shape against
     data.seq_len and parallel.mp. Returns the model's args (hybridpar.models.args.ModelArgs)."""
     sizes = _checked_sizes(config, world_size)
-    return model_args(config, sizes[3], cp=sizes[2])
+    args = model_args(config, sizes[4], cp=sizes[3])
+    _check_pipeline(config, sizes[0], args)
+    return args
 
 
-def _checked_sizes(config: Config, world_size: int) -> tuple[int, int, int, int]:
+def _check_pipeline(config: Config, pp: int, args) -> None:
+    """parallel.pp_* against the model's layers and data.micro_batch_size (config.pipeline.check_pipeline)."""
+    p = config.parallel
+    check_pipeline(pp, p.pp_schedule, p.pp_layers, p.pp_microbatches, args.n_layers, config.data.micro_batch_size)
+
+
+def _checked_sizes(config: Config, world_size: int) -> tuple[int, int, int, int, int]:
     config.validate()
     p = config.parallel
     try:
-        return resolve_sizes(world_size, p.mp, p.dp_shard, p.dp_replicate, p.cp)
+        return resolve_sizes(world_size, p.mp, p.dp_shard, p.dp_replicate, p.cp, p.pp)
     except MeshSizeError as err:
         cp = " / parallel.cp" if p.cp != 1 else ""
-        raise MeshSizeError(f"parallel.mp{cp} / parallel.dp_shard / parallel.dp_replicate at {world_size} rank(s) "
+        pp = "parallel.pp / " if p.pp != 1 else ""
+        raise MeshSizeError(f"{pp}parallel.mp{cp} / parallel.dp_shard / parallel.dp_replicate at {world_size} rank(s) "
                             f"(the launcher's): {err}") from None
 
 

@@ -156,21 +156,21 @@ class WorkerPool:
 # --- helpers for case functions (they run inside the workers) ----------------------------------
 
 
-def parallel_dims(mp: int = 1, dp_shard: int = -1, dp_replicate: int = 1, cp: int = 1):
+def parallel_dims(mp: int = 1, dp_shard: int = -1, dp_replicate: int = 1, cp: int = 1, pp: int = 1):
     """One ParallelDims per layout per worker: building a mesh creates process groups, so reuse it."""
     import torch.distributed as dist
 
     from hybridpar.mesh.layout import resolve_sizes
 
     # Cache on the resolved sizes, so (mp=2) and (mp=2, dp_shard=2) at world 4 share one mesh.
-    return _parallel_dims(*resolve_sizes(dist.get_world_size(), mp, dp_shard, dp_replicate, cp))
+    return _parallel_dims(*resolve_sizes(dist.get_world_size(), mp, dp_shard, dp_replicate, cp, pp))
 
 
 @functools.lru_cache(maxsize=None)
-def _parallel_dims(dp_replicate: int, dp_shard: int, cp: int, mp: int):
+def _parallel_dims(pp: int, dp_replicate: int, dp_shard: int, cp: int, mp: int):
     import hybridpar
 
-    return hybridpar.init_parallel(mp=mp, dp_shard=dp_shard, dp_replicate=dp_replicate, cp=cp)
+    return hybridpar.init_parallel(mp=mp, dp_shard=dp_shard, dp_replicate=dp_replicate, cp=cp, pp=pp)
 
 
 def rel_err(actual, expected) -> float:

@@ -364,7 +364,7 @@ def test_the_local_config_runs_alone_at_mp_1_and_as_mp2_x_dp2_at_four(tmp_path):
     four = load_config(find_config("local"))
     check_values(four, 4)
     p = four.parallel
-    assert resolve_sizes(4, p.mp, p.dp_shard, p.dp_replicate) == (1, 2, 1, 2)
+    assert resolve_sizes(4, p.mp, p.dp_shard, p.dp_replicate) == (1, 1, 2, 1, 2)
 
 
 @pytest.mark.parametrize("overrides,world,said", [

@@ -1,8 +1,8 @@
 """The mesh: size resolution, the documented rank layout, launcher environments and the `mesh` CLI.
 
-The layout every module relies on (hybridpar/mesh/device.py): a (dp_replicate, dp_shard, mp) grid with mp
-innermost, rank = (replicate_idx * dp_shard + shard_idx) * mp + mp_rank, which is fairscale's
-`arange(world).reshape(dp, mp)`. The expected tables below are written out by hand on purpose.
+The layout every module relies on (hybridpar/mesh/device.py): a (pp, dp_replicate, dp_shard, cp, mp) grid with
+mp innermost and pp outermost; without pp and cp, rank = (replicate_idx * dp_shard + shard_idx) * mp + mp_rank,
+which is fairscale's `arange(world).reshape(dp, mp)`. The expected tables below are written out by hand on purpose.
 """
 
 import ast
@@ -19,8 +19,8 @@ from hybridpar.mesh.layout import (LaunchEnv, MeshCoords, MeshSizeError, expand_
                               resolve_sizes)
 from tests.distributed import free_port, parallel_dims
 
-# World 8, (dp_replicate, dp_shard, cp, mp) = (2, 2, 1, 2):
-# (rank, replicate_idx, shard_idx, cp_rank, mp_rank, dp_rank).
+# World 8, (pp, dp_replicate, dp_shard, cp, mp) = (1, 2, 2, 1, 2):
+# (rank, replicate_idx, shard_idx, cp_rank, mp_rank, dp_rank[, pp_rank when not 0]).
 LAYOUT_8 = [
     (0, 0, 0, 0, 0, 0),
     (1, 0, 0, 0, 1, 0),
@@ -37,7 +37,7 @@ GROUPS_8 = {
     "dp_shard": [[0, 2], [1, 3], [4, 6], [5, 7]],
     "dp_replicate": [[0, 4], [1, 5], [2, 6], [3, 7]],
 }
-# World 4, mp 2, dp_shard -1 (the rest) -> (1, 2, 1, 2).
+# World 4, mp 2, dp_shard -1 (the rest) -> (1, 1, 2, 1, 2).
 LAYOUT_4 = [(0, 0, 0, 0, 0, 0), (1, 0, 0, 0, 1, 0), (2, 0, 1, 0, 0, 1), (3, 0, 1, 0, 1, 1)]
 GROUPS_4 = {
     "mp": [[0, 1], [2, 3]],
@@ -45,7 +45,7 @@ GROUPS_4 = {
     "dp_shard": [[0, 2], [1, 3]],
     "dp_replicate": [[0], [1], [2], [3]],
 }
-# World 8 with context parallelism, (dp_replicate, dp_shard, cp, mp) = (1, 2, 2, 2): cp next to mp,
+# World 8 with context parallelism, (pp, dp_replicate, dp_shard, cp, mp) = (1, 1, 2, 2, 2): cp next to mp,
 # so a cp x mp block is 4 contiguous ranks; the dp coordinate is shared by a block.
 LAYOUT_8_CP = [
     (0, 0, 0, 0, 0, 0),
@@ -66,13 +66,41 @@ GROUPS_8_CP = {
     "dp_shard_cp": [[0, 2, 4, 6], [1, 3, 5, 7]],
     "dp_cp": [[0, 2, 4, 6], [1, 3, 5, 7]],
 }
-# name -> (world, (dp_replicate, dp_shard, cp, mp), init_parallel arguments, layout, groups). The
+# World 4 with pipeline parallelism, (pp, dp_replicate, dp_shard, cp, mp) = (2, 1, 2, 1, 1): pp outermost,
+# so stage 0 is ranks 0-1 and stage 1 ranks 2-3; the data-parallel groups stay inside a stage and the
+# stages of one data-parallel coordinate share its dp_rank (they read the same batch).
+LAYOUT_4_PP = [(0, 0, 0, 0, 0, 0, 0), (1, 0, 1, 0, 0, 1, 0), (2, 0, 0, 0, 0, 0, 1), (3, 0, 1, 0, 0, 1, 1)]
+GROUPS_4_PP = {
+    "mp": [[0], [1], [2], [3]],
+    "dp": [[0, 1], [2, 3]],
+    "dp_shard": [[0, 1], [2, 3]],
+    "dp_replicate": [[0], [1], [2], [3]],
+    "pp": [[0, 2], [1, 3]],
+}
+# World 16, (pp, dp_replicate, dp_shard, cp, mp) = (2, 1, 2, 2, 2): every dimension but dp_replicate.
+GROUPS_16_PP_CP = {
+    "mp": [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]],
+    "dp": [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]],
+    "dp_shard": [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]],
+    "dp_replicate": [[r] for r in range(16)],
+    "cp": [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]],
+    "dp_shard_cp": [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]],
+    "dp_cp": [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]],
+    "pp": [[0, 8], [1, 9], [2, 10], [3, 11], [4, 12], [5, 13], [6, 14], [7, 15]],
+}
+# name -> (world, (pp, dp_replicate, dp_shard, cp, mp), init_parallel arguments, layout, groups). The
 # arguments are spelled as elsewhere in the tests so that each worker reuses its memoised mesh.
 TABLES = {
-    "world8": (8, (2, 2, 1, 2), dict(mp=2, dp_shard=2, dp_replicate=2), LAYOUT_8, GROUPS_8),
-    "world4": (4, (1, 2, 1, 2), dict(mp=2), LAYOUT_4, GROUPS_4),
-    "world8-cp2": (8, (1, 2, 2, 2), dict(mp=2, cp=2), LAYOUT_8_CP, GROUPS_8_CP),
+    "world8": (8, (1, 2, 2, 1, 2), dict(mp=2, dp_shard=2, dp_replicate=2), LAYOUT_8, GROUPS_8),
+    "world4": (4, (1, 1, 2, 1, 2), dict(mp=2), LAYOUT_4, GROUPS_4),
+    "world8-cp2": (8, (1, 1, 2, 2, 2), dict(mp=2, cp=2), LAYOUT_8_CP, GROUPS_8_CP),
+    "world4-pp2": (4, (2, 1, 2, 1, 1), dict(pp=2), LAYOUT_4_PP, GROUPS_4_PP),
 }
+
+
+def _layout(rows) -> list[tuple]:
+    """A table's rows with the pp_rank (0 where the table leaves it out)."""
+    return [tuple(row) + (0,) * (7 - len(row)) for row in rows]
 
 
 def _groups_of(rank: int, groups: dict) -> dict:
@@ -86,14 +114,16 @@ def _groups_of(rank: int, groups: dict) -> dict:
 @pytest.mark.parametrize(
     "world,kwargs,expected",
     [
-        (1, {}, (1, 1, 1, 1)),
-        (8, dict(mp=2), (1, 4, 1, 2)),
-        (8, dict(mp=2, dp_replicate=2), (2, 2, 1, 2)),
-        (8, dict(mp=2, dp_shard=2, dp_replicate=2), (2, 2, 1, 2)),
-        (16, dict(mp=8, dp_shard=-1), (1, 2, 1, 8)),
-        (12, dict(mp=1, dp_shard=3, dp_replicate=4), (4, 3, 1, 1)),
-        (16, dict(mp=2, cp=4), (1, 2, 4, 2)),
-        (32, dict(mp=2, cp=2, dp_replicate=2), (2, 4, 2, 2)),
+        (1, {}, (1, 1, 1, 1, 1)),
+        (8, dict(mp=2), (1, 1, 4, 1, 2)),
+        (8, dict(mp=2, dp_replicate=2), (1, 2, 2, 1, 2)),
+        (8, dict(mp=2, dp_shard=2, dp_replicate=2), (1, 2, 2, 1, 2)),
+        (16, dict(mp=8, dp_shard=-1), (1, 1, 2, 1, 8)),
+        (12, dict(mp=1, dp_shard=3, dp_replicate=4), (1, 4, 3, 1, 1)),
+        (16, dict(mp=2, cp=4), (1, 1, 2, 4, 2)),
+        (32, dict(mp=2, cp=2, dp_replicate=2), (1, 2, 4, 2, 2)),
+        (16, dict(mp=2, pp=4), (4, 1, 2, 1, 2)),
+        (32, dict(mp=2, cp=2, pp=2, dp_replicate=2), (2, 2, 2, 2, 2)),
     ],
 )
 def test_resolve_sizes(world, kwargs, expected):
@@ -115,6 +145,9 @@ def test_resolve_sizes(world, kwargs, expected):
         (8, dict(cp=0), ["cp", "0"]),
         (12, dict(mp=2, cp=4), ["12", "8", "cp"]),  # mp * cp does not divide the world
         (8, dict(mp=2, cp=2, dp_shard=4), ["16", "8", "cp"]),  # product != world
+        (8, dict(pp=0), ["pp", "0"]),
+        (12, dict(mp=2, pp=8), ["12", "16", "pp"]),  # mp * pp does not divide the world
+        (8, dict(mp=2, pp=2, dp_shard=4), ["16", "8", "pp"]),  # product != world
     ],
 )
 def test_resolve_sizes_errors_name_the_numbers(world, kwargs, numbers):
@@ -136,22 +169,33 @@ def _assert_names(text: str, words: list[str]) -> None:
 def test_coords_and_groups_match_the_documented_table(name):
     world, sizes, _, layout, groups = TABLES[name]
     coords = [MeshCoords.of(rank, *sizes) for rank in range(world)]
-    assert [(c.rank, c.replicate_idx, c.shard_idx, c.cp_rank, c.mp_rank, c.dp_rank) for c in coords] == layout
+    assert [(c.rank, c.replicate_idx, c.shard_idx, c.cp_rank, c.mp_rank, c.dp_rank, c.pp_rank)
+            for c in coords] == _layout(layout)
     assert group_ranks(*sizes) == groups
 
 
-@pytest.mark.parametrize("sizes", [(1, 2, 2, 2), (2, 2, 4, 1), (2, 1, 2, 4), (1, 4, 2, 2)])
-def test_with_cp_a_rank_is_numbered_cp_next_to_mp(sizes):
-    """rank = ((r * dp_shard + s) * cp + c) * mp + m: torch's row-major mesh of these dims; the
-    groups of every kind partition the world."""
-    grid = torch.arange(sizes[0] * sizes[1] * sizes[2] * sizes[3]).reshape(sizes)
+def test_pp_is_outermost_and_every_other_group_stays_in_a_stage():
+    assert group_ranks(2, 1, 2, 2, 2) == GROUPS_16_PP_CP
+    c = MeshCoords.of(13, 2, 1, 2, 2, 2)  # stage 1, shard 1, cp 0, mp 1
+    assert (c.pp_rank, c.shard_idx, c.cp_rank, c.mp_rank, c.dp_rank) == (1, 1, 0, 1, 1)
+    assert c.describe() == "pp 1, mp 1, cp 0, dp 1 (replicate 0, shard 1)"
+    assert MeshCoords.of(5, 1, 2, 2, 1, 2).describe() == "mp 1, dp 2 (replicate 1, shard 0)"  # no pp, no cp
+
+
+@pytest.mark.parametrize("sizes", [(1, 1, 2, 2, 2), (1, 2, 2, 4, 1), (1, 2, 1, 2, 4), (1, 1, 4, 2, 2),
+                                   (2, 1, 2, 2, 2), (4, 2, 1, 1, 2), (2, 2, 2, 1, 1), (3, 1, 2, 2, 1)])
+def test_a_rank_is_numbered_pp_outermost_cp_next_to_mp(sizes):
+    """rank = (((p * dp_replicate + r) * dp_shard + s) * cp + c) * mp + m: torch's row-major mesh of
+    these dims; the groups of every kind partition the world."""
+    grid = torch.arange(sizes[0] * sizes[1] * sizes[2] * sizes[3] * sizes[4]).reshape(sizes)
     for rank in range(grid.numel()):
         c = MeshCoords.of(rank, *sizes)
-        assert grid[c.replicate_idx, c.shard_idx, c.cp_rank, c.mp_rank] == rank
-        assert c.dp_rank == c.replicate_idx * sizes[1] + c.shard_idx
+        assert grid[c.pp_rank, c.replicate_idx, c.shard_idx, c.cp_rank, c.mp_rank] == rank
+        assert c.dp_rank == c.replicate_idx * sizes[2] + c.shard_idx
     for kind, groups in group_ranks(*sizes).items():
         assert sorted(r for g in groups for r in g) == list(range(grid.numel())), kind
-    assert "cp 1, dp" in MeshCoords.of(sizes[3], *sizes).describe() or sizes[2] == 1
+    assert ("pp" in group_ranks(*sizes)) == (sizes[0] > 1)
+    assert "cp 1, dp" in MeshCoords.of(sizes[4], *sizes).describe() or sizes[3] == 1
 
 
 @pytest.mark.parametrize(
@@ -160,14 +204,14 @@ def test_with_cp_a_rank_is_numbered_cp_next_to_mp(sizes):
 def test_groups_are_fairscales_layout(dp_replicate, dp_shard, mp):
     """mp groups are the rows and dp groups the columns of fairscale's arange(world).reshape(dp, mp)."""
     grid = torch.arange(dp_replicate * dp_shard * mp).reshape(dp_replicate * dp_shard, mp)
-    groups = group_ranks(dp_replicate, dp_shard, 1, mp)
+    groups = group_ranks(1, dp_replicate, dp_shard, 1, mp)
     assert groups["mp"] == grid.tolist()
     assert groups["dp"] == grid.t().tolist()
 
 
 def test_coords_outside_the_world_are_refused():
     with pytest.raises(ValueError, match="8"):
-        MeshCoords.of(8, 2, 2, 1, 2)
+        MeshCoords.of(8, 1, 2, 2, 1, 2)
 
 
 # --- launcher environments -----------------------------------------------------------------------
@@ -233,7 +277,7 @@ def _case_mesh(dims: dict) -> dict:
     ranks = dist.get_process_group_ranks
     seen = {
         "coords": (dist.get_rank(), parallel.replicate_idx, parallel.shard_idx, parallel.cp_rank, parallel.mp_rank,
-                   parallel.dp_rank),
+                   parallel.dp_rank, parallel.pp_rank),
         "groups": {
             "mp": ranks(parallel.mp_group),
             "dp": ranks(parallel.dp_group),
@@ -249,6 +293,11 @@ def _case_mesh(dims: dict) -> dict:
                               dp_shard_cp=seen["fsdp"]["dp_shard_cp"])
     else:
         assert parallel.cp_group is None
+    if parallel.pp > 1:
+        seen["groups"]["pp"] = ranks(parallel.pp_group)
+        assert ranks(parallel.pp_mesh.get_group()) == seen["groups"]["pp"]
+    else:
+        assert parallel.pp_group is None
     fs.initialize_model_parallel(parallel.mp)
     try:
         seen["fairscale"] = {"mp": ranks(fs.get_model_parallel_group()), "dp": ranks(fs.get_data_parallel_group())}
@@ -262,13 +311,13 @@ def test_init_parallel_builds_the_documented_mesh(workers, name):
     world, sizes, dims, layout, groups = TABLES[name]
     for rank, seen in enumerate(workers(world).run(_case_mesh, dims)):
         mine = _groups_of(rank, groups)
-        assert seen["coords"] == layout[rank]
+        assert seen["coords"] == _layout(layout)[rank]
         assert seen["groups"] == mine, f"rank {rank}"
         dp_cp = mine.get("dp_cp", mine["dp"])
         assert seen["fsdp_flat"] == dp_cp, f"rank {rank}"
         shard = mine.get("dp_shard_cp", mine["dp_shard"])
-        assert seen["fsdp"] == {"dp_replicate": mine["dp_replicate"], ("dp_shard_cp" if sizes[2] > 1 else "dp_shard"): shard}
-        if sizes[2] == 1:  # fairscale knows no cp
+        assert seen["fsdp"] == {"dp_replicate": mine["dp_replicate"], ("dp_shard_cp" if sizes[3] > 1 else "dp_shard"): shard}
+        if sizes[0] == sizes[3] == 1:  # fairscale knows no cp, nor this pp
             assert seen["fairscale"] == {"mp": mine["mp"], "dp": mine["dp"]}, f"rank {rank}"
 
 
@@ -392,7 +441,7 @@ def test_cli_prints_the_documented_table(name, args):
     result = _cli("--world", str(world), "--mp", "2", *args)
     out = result.stdout
     assert result.returncode == 0, out + result.stderr
-    cp = sizes[2] > 1
+    cp = sizes[3] > 1
     # Rows: rank node mp_rank [cp_rank] dp_rank replicate shard.
     rows = [tuple(map(int, line.split())) for line in out.splitlines()
             if re.fullmatch(r"(\s*\d+){%d}\s*" % (7 if cp else 6), line)]
@@ -417,3 +466,15 @@ def test_cli_rejects_sizes_that_do_not_divide_the_world():
     assert "error" in out, out
     _assert_names(out, ["8", "3"])
     assert "Traceback" not in out, out
+
+
+def test_cli_shows_the_pipeline_stage():
+    result = _cli("--world", "4", "--pp", "2")
+    out = result.stdout
+    assert result.returncode == 0, out + result.stderr
+    assert "world 4 = pp 2 x dp_replicate 1 x dp_shard 2 x mp 1" in out, out
+    assert "pp groups (2): [0, 2] [1, 3]" in out, out
+    # Rows: rank node pp_rank mp_rank dp_rank replicate shard.
+    rows = [tuple(map(int, line.split())) for line in out.splitlines() if re.fullmatch(r"(\s*\d+){7}\s*", line)]
+    assert [(row[0], row[2], row[4]) for row in rows] == [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)], out
+    assert "pp_rank" in out and "pp" not in _cli("--world", "4").stdout

@@ -88,12 +88,13 @@ def _build() -> _Parsers:
         commands[name].set_defaults(func=func)
         return commands[name]
 
-    mesh = command("mesh", cmd_mesh, help="print the rank layout of a (dp_replicate, dp_shard, cp, mp) mesh")
+    mesh = command("mesh", cmd_mesh, help="print the rank layout of a (pp, dp_replicate, dp_shard, cp, mp) mesh")
     mesh.add_argument("--world", type=int, required=True, help="number of ranks")
     mesh.add_argument("--mp", type=int, default=1)
     mesh.add_argument("--dp-shard", type=int, default=-1, help="-1: the remaining ranks")
     mesh.add_argument("--dp-replicate", type=int, default=1)
     mesh.add_argument("--cp", type=int, default=1, help="context-parallel ranks per sequence")
+    mesh.add_argument("--pp", type=int, default=1, help="pipeline stages (the outermost dimension)")
     mesh.add_argument("--procs-per-node", type=int, default=0, help="to show node boundaries")
     train = command(
         "train", cmd_train, help="train a model (under torchrun or srun; a world of one without)",

@@ -30,8 +30,8 @@ class RunFailed(Exception):
 
 def cmd_mesh(args: argparse.Namespace) -> int:
     """Print the rank layout a job of this shape would use, without starting any process."""
-    sizes = resolve_sizes(args.world, args.mp, args.dp_shard, args.dp_replicate, args.cp)
-    cp, mp = sizes[2:]
+    sizes = resolve_sizes(args.world, args.mp, args.dp_shard, args.dp_replicate, args.cp, args.pp)
+    pp, cp, mp = sizes[0], *sizes[3:]
     per_node = args.procs_per_node
     print(f"world {args.world} = {sizes_text(*sizes)}")
     if per_node and mp > per_node:
@@ -40,12 +40,14 @@ def cmd_mesh(args: argparse.Namespace) -> int:
         print(f"note: a cp x mp block of {cp * mp} ranks spans nodes of {per_node} processes: the key/value "
               "all-gathers of context parallelism leave the node")
     cp_head = f" {'cp_rank':>8}" if cp > 1 else ""
-    print(f"{'rank':>5} {'node':>5} {'mp_rank':>8}{cp_head} {'dp_rank':>8} {'replicate':>10} {'shard':>6}")
+    pp_head = f" {'pp_rank':>8}" if pp > 1 else ""
+    print(f"{'rank':>5} {'node':>5}{pp_head} {'mp_rank':>8}{cp_head} {'dp_rank':>8} {'replicate':>10} {'shard':>6}")
     for rank in range(args.world):
         c = MeshCoords.of(rank, *sizes)
         node = rank // per_node if per_node else 0
         cp_cell = f" {c.cp_rank:>8}" if cp > 1 else ""
-        print(f"{rank:>5} {node:>5} {c.mp_rank:>8}{cp_cell} {c.dp_rank:>8} {c.replicate_idx:>10} {c.shard_idx:>6}")
+        pp_cell = f" {c.pp_rank:>8}" if pp > 1 else ""
+        print(f"{rank:>5} {node:>5}{pp_cell} {c.mp_rank:>8}{cp_cell} {c.dp_rank:>8} {c.replicate_idx:>10} {c.shard_idx:>6}")
     for kind, groups in group_ranks(*sizes).items():
         shown = groups if len(groups) <= 8 else groups[:4] + ["..."] + groups[-2:]
         print(f"{kind} groups ({len(groups)}): {' '.join(str(g) for g in shown)}")
@@ -308,7 +310,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     for key in ("mp", "dp_shard", "dp_replicate"):
         if getattr(args, key) is not None:
             setattr(config.parallel, key, getattr(args, key))
-    job = resolve_job(config, world_size_from_env())  # the config's own mistakes, one line, before any group
+    job = resolve_job(config, world_size_from_env(), training=False)  # the config's own mistakes, one line, before any group
     import torch.distributed as dist
 
     from ..diagnostics.doctor import DoctorOptions, parse_sizes, run_doctor
@@ -321,8 +323,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     launched = dict(os.environ)  # checked as the user set it, before hybridpar's defaults
     apply_env_defaults()  # then run the collectives with the settings training would use
     c = config.parallel
-    parallel = init_parallel(mp=c.mp, dp_shard=c.dp_shard, dp_replicate=c.dp_replicate, cp=c.cp, timeout=c.init_timeout,
-                             backend=c.backend or None)
+    parallel = init_parallel(mp=c.mp, dp_shard=c.dp_shard, dp_replicate=c.dp_replicate, cp=c.cp, pp=c.pp,
+                             timeout=c.init_timeout, backend=c.backend or None)
     try:
         return run_doctor(job, parallel, options, environ=launched)
     finally:

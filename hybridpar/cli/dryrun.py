@@ -84,9 +84,9 @@ def dry_run(config: Union[Config, "Job"], world: Optional[int] = None, rank: int
     if dp_replicate == -1 and p.dp_shard > 0 and world % block == 0:  # launch/slurm.sh's "the rest"
         dp_replicate = world // block
     sizes: list[int] = []
-    if not _check(run, "mesh", lambda: _mesh_detail(sizes, resolve_sizes(world, p.mp, p.dp_shard, dp_replicate, p.cp))):
+    if not _check(run, "mesh", lambda: _mesh_detail(sizes, resolve_sizes(world, p.mp, p.dp_shard, dp_replicate, p.cp, p.pp))):
         return _finish(run, started)
-    dr, ds, cp, mp = sizes
+    pp, dr, ds, cp, mp = sizes
     cp_part = f"cp {cp} x " if cp > 1 else ""
     run.layout = f"mp {mp} x {cp_part}dp_shard {ds} x dp_replicate {dr} = {world} ranks, {c.fsdp.sharding_strategy}"
     _check(run, "model parallelism inside a node",
@@ -113,9 +113,9 @@ def _rehearse(run: DryRun, c: Config, world: int, sizes: list[int], target: str,
     from ..build import build_model
     from ..parallel.fsdp import dp_mesh_for
 
-    dr, ds, cp, mp = sizes
+    pp, dr, ds, cp, mp = sizes
     say(f"mesh of {world} ranks on a fake process group")
-    parallel = init_parallel(mp=mp, dp_shard=ds, dp_replicate=dr, cp=cp)
+    parallel = init_parallel(mp=mp, dp_shard=ds, dp_replicate=dr, cp=cp, pp=pp)
     args_box: list = []
     if not _check(run, "model shape", lambda: _model_detail(args_box, _args(c, mp, cp, job))):
         return
@@ -166,7 +166,10 @@ def _finish(run: DryRun, started: float) -> DryRun:
     return run
 
 
-def _mesh_detail(out: list, sizes: tuple[int, int, int, int]) -> str:
+def _mesh_detail(out: list, sizes: tuple[int, int, int, int, int]) -> str:
+    if sizes[0] > 1:
+        raise ValueError(f"parallel.pp = {sizes[0]}: the dry run rehearses pipeline parallelism later; "
+                         "rehearse at parallel.pp = 1")
     out.extend(sizes)
     return sizes_text(*sizes)
 
@@ -189,7 +192,7 @@ def _args(c: Config, mp: int, cp: int, job: Optional["Job"]):
     """The model's shape at mp: the job's (read once, by resolve_job), else from the config."""
     from ..preflight import model_args
 
-    if job is None or job.sizes[2:] != (cp, mp):
+    if job is None or job.sizes[3:] != (cp, mp):
         return model_args(c, mp, tokenizer_vocab=_vocab(c), cp=cp)
     if job.args.vocab_size > 0:
         return job.args

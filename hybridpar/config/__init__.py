@@ -16,6 +16,7 @@ from typing import Any, Optional, Sequence, Union
 
 from .fsdp import FSDPConfig
 from .options import ConfigError, description, option
+from .pipeline import stage_layers
 from .sources import blend_sources
 
 # A record (a .jsonl line, a table's text) longer than this is refused, or skipped: data.max_document_bytes.
@@ -37,6 +38,12 @@ class ParallelConfig:
     dp_shard: int = option(-1, "FSDP sharding ranks (-1: the remaining ranks)")
     dp_replicate: int = option(1, "replicas across nodes (hybrid sharding)")
     cp: int = option(1, "context-parallel ranks per sequence (long context): each holds 1/cp of every sequence")
+    pp: int = option(1, "pipeline stages' ranks, the outermost dimension: each holds a share of the layers")
+    pp_layers: list = option(list, "each stage's transformer layers, in order, e.g. [4, 4, 3] or \"4,4,3\" "
+                                   "(empty: split evenly, the embedding and the output counted as a layer each)")
+    pp_schedule: str = option("1F1B", "1F1B, GPipe, Interleaved1F1B (2 stages per rank unless pp_layers says), "
+                                      "ZBVZeroBubble or DualPipeV (2 per rank)")
+    pp_microbatches: int = option(0, "micro-batches each data.micro_batch_size is cut into (0: one per stage)")
     backend: str = option("", "\"\": nccl with GPUs, gloo without")
     init_timeout: float = option(600.0, "seconds a collective may wait before the first step is done")
     # Norm and residual activations / mp; all-gather + reduce-scatter instead of all-reduce.
@@ -173,6 +180,7 @@ class Config:
         if self.data.on_exhausted not in ("repeat", "stop"):
             raise ConfigError(f"data.on_exhausted must be 'repeat' or 'stop', got {self.data.on_exhausted!r}")
         self.data.sources = blend_sources(self.data.sources)
+        self.parallel.pp_layers = stage_layers(self.parallel.pp_layers)
         if self.data.sources and self.data.source != DataConfig.source:
             raise ConfigError("data.source and data.sources are both set: data.source is the one-source shorthand; "
                               "list every source in data.sources, or drop data.sources")

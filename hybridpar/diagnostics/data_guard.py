@@ -47,28 +47,29 @@ def gather_fingerprints(fingerprint: int, parallel: ParallelDims) -> list[int]:
     return table.tolist()
 
 
-def find_problems(fingerprints: list[int], dp_replicate: int, dp_shard: int, cp: int, mp: int) -> list[str]:
+def find_problems(fingerprints: list[int], pp: int, dp_replicate: int, dp_shard: int, cp: int,
+                  mp: int) -> list[str]:
     """The rule violations in a table of per-rank fingerprints, as sentences naming the ranks."""
-    coords = [MeshCoords.of(r, dp_replicate, dp_shard, cp, mp) for r in range(len(fingerprints))]
+    coords = [MeshCoords.of(r, pp, dp_replicate, dp_shard, cp, mp) for r in range(len(fingerprints))]
     problems = []
-    split_groups = []
-    peers = cp * mp  # the ranks of one data-parallel coordinate are contiguous
-    for start in range(0, len(fingerprints), peers):
-        group = list(range(start, start + peers))
-        if len({fingerprints[r] for r in group}) > 1:
-            split_groups.append(group)
+    # The ranks of one data-parallel coordinate (its mp and cp peers, contiguous, in every pipeline stage).
+    coordinate: dict[int, list[int]] = {}
+    for c in coords:
+        coordinate.setdefault(c.dp_rank, []).append(c.rank)
+    peers = cp * mp
+    split_groups = [g for g in coordinate.values() if len({fingerprints[r] for r in g}) > 1]
     if split_groups:
         shown = ", ".join(str(g) for g in split_groups[:4]) + (" ..." if len(split_groups) > 4 else "")
         problems.append(
-            f"ranks of one {'model-parallel group' if cp == 1 else 'data-parallel coordinate (its mp and cp peers)'} "
+            f"ranks of one {'model-parallel group' if cp == pp == 1 else 'data-parallel coordinate (its mp, cp and pp peers)'} "
             f"got different batches: {shown}. They compute one model together and must read the same "
             "data. Likely cause: the sampler was built with the global rank "
             "and world size; build it with num_replicas=parallel.dp_size, rank=parallel.dp_rank"
         )
-    # One representative per data-parallel rank (mp rank 0 and cp rank 0 of each).
+    # One representative per data-parallel rank (mp rank 0, cp rank 0 and stage 0 of each).
     by_batch: dict[int, list[int]] = {}
     for c in coords:
-        if c.mp_rank == 0 and c.cp_rank == 0:
+        if c.mp_rank == 0 and c.cp_rank == 0 and c.pp_rank == 0:
             by_batch.setdefault(fingerprints[c.rank], []).append(c.dp_rank)
     duplicates = [ranks for ranks in by_batch.values() if len(ranks) > 1]
     if duplicates:

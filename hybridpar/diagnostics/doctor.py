@@ -60,12 +60,12 @@ def rank_info(parallel: ParallelDims, environ: Mapping[str, str]) -> dict:
     }
 
 
-def layout_rows(infos: Sequence[Mapping], dp_replicate: int, dp_shard: int, cp: int, mp: int) -> list[dict]:
+def layout_rows(infos: Sequence[Mapping], pp: int, dp_replicate: int, dp_shard: int, cp: int, mp: int) -> list[dict]:
     rows = []
     for info in infos:
-        c = MeshCoords.of(info["rank"], dp_replicate, dp_shard, cp, mp)
+        c = MeshCoords.of(info["rank"], pp, dp_replicate, dp_shard, cp, mp)
         rows.append({"rank": c.rank, "host": info["host"], "local_rank": info["local_rank"], "device": info["device"],
-                     "pid": info["pid"], "mp_rank": c.mp_rank, "cp_rank": c.cp_rank, "dp_rank": c.dp_rank,
+                     "pid": info["pid"], "pp_rank": c.pp_rank, "mp_rank": c.mp_rank, "cp_rank": c.cp_rank, "dp_rank": c.dp_rank,
                      "replicate_idx": c.replicate_idx, "shard_idx": c.shard_idx})
     return rows
 
@@ -86,14 +86,17 @@ def format_layout(rows: Sequence[Mapping]) -> str:
     right = [True, False, True, False, True, True, True, True, True]
     if any(row.get("cp_rank", 0) for row in rows):  # the column only where context parallelism exists
         keys.insert(6, "cp_rank"), header.insert(6, "cp_rank"), right.insert(6, True)
+    if any(row.get("pp_rank", 0) for row in rows):  # and pipeline parallelism's
+        keys.insert(5, "pp_rank"), header.insert(5, "pp_rank"), right.insert(5, True)
     return format_table(header, [[row[k] for k in keys] for row in rows], right)
 
 
-def check_layout(infos: Sequence[Mapping], dp_replicate: int, dp_shard: int, cp: int, mp: int) -> list[Finding]:
+def check_layout(infos: Sequence[Mapping], pp: int, dp_replicate: int, dp_shard: int, cp: int,
+                 mp: int) -> list[Finding]:
     """Model-parallel groups inside one host; no two ranks of a host on one device or local rank."""
     host = {i["rank"]: i["host"] for i in infos}
     findings = []
-    spanning = [g for g in group_ranks(dp_replicate, dp_shard, cp, mp)["mp"] if len({host[r] for r in g}) > 1]
+    spanning = [g for g in group_ranks(pp, dp_replicate, dp_shard, cp, mp)["mp"] if len({host[r] for r in g}) > 1]
     if spanning:
         shown = "; ".join(f"{g} on {sorted({host[r] for r in g})}" for g in spanning[:4])
         findings.append(Finding(WARNING, "layout",
@@ -163,13 +166,14 @@ def format_bytes(n: int) -> str:
     return f"{n}B" if n < 1 << 10 else f"{n / (1 << 20):.2f}M"
 
 
-def dim_groups(dp_replicate: int, dp_shard: int, cp: int, mp: int) -> list[tuple[str, list[str], list[list[int]]]]:
+def dim_groups(pp: int, dp_replicate: int, dp_shard: int, cp: int,
+               mp: int) -> list[tuple[str, list[str], list[list[int]]]]:
     """The mesh dimensions worth measuring: (name, other names of the same groups, groups), in order
-    mp, cp, dp, dp_shard, dp_replicate, world; dimensions of one rank and repeats of an earlier one skipped."""
-    kinds = group_ranks(dp_replicate, dp_shard, cp, mp)
+    mp, cp, dp, dp_shard, dp_replicate, pp, world; dimensions of one rank and repeats of an earlier one skipped."""
+    kinds = group_ranks(pp, dp_replicate, dp_shard, cp, mp)
     candidates = [("mp", kinds["mp"]), ("cp", kinds.get("cp", [[0]])), ("dp", kinds["dp"]),
                   ("dp_shard", kinds["dp_shard"]), ("dp_replicate", kinds["dp_replicate"]),
-                  ("world", [list(range(dp_replicate * dp_shard * cp * mp))])]
+                  ("pp", kinds.get("pp", [[0]])), ("world", [list(range(pp * dp_replicate * dp_shard * cp * mp))])]
     dims: list[tuple[str, list[str], list[list[int]]]] = []
     for name, groups in candidates:
         if len(groups[0]) < 2:
@@ -184,7 +188,7 @@ def dim_groups(dp_replicate: int, dp_shard: int, cp: int, mp: int) -> list[tuple
 
 def _process_group(parallel: ParallelDims, name: str):
     return {"mp": parallel.mp_group, "cp": parallel.cp_group, "dp": parallel.dp_group,
-            "dp_shard": parallel.dp_shard_group, "dp_replicate": parallel.dp_replicate_group, "world": dist.group.WORLD}[name]
+            "dp_shard": parallel.dp_shard_group, "dp_replicate": parallel.dp_replicate_group, "pp": parallel.pp_group, "world": dist.group.WORLD}[name]
 
 
 def _sync(device: torch.device) -> None:
@@ -236,11 +240,11 @@ def measure_busbw(parallel: ParallelDims, sizes: Sequence[int], iters: int, warm
     return records
 
 
-def summarise_busbw(per_rank: Sequence[Sequence[Mapping]], dp_replicate: int, dp_shard: int, cp: int,
+def summarise_busbw(per_rank: Sequence[Sequence[Mapping]], pp: int, dp_replicate: int, dp_shard: int, cp: int,
                     mp: int) -> list[dict]:
     """Rows of the bandwidth table from every rank's timings: a group's time is its slowest rank's
     (the collective ends when the last rank is done), and each row reports the slowest group."""
-    dims = {name: (aliases, groups) for name, aliases, groups in dim_groups(dp_replicate, dp_shard, cp, mp)}
+    dims = {name: (aliases, groups) for name, aliases, groups in dim_groups(pp, dp_replicate, dp_shard, cp, mp)}
     rows = []
     for i, record in enumerate(per_rank[0]):
         aliases, groups = dims[record["dim"]]
@@ -399,7 +403,7 @@ def _report(p: ParallelDims, infos: Sequence[Mapping], rows: list[dict], finding
     echo(f"\ndoctor {verdict}: {errors} error(s), {warnings} warning(s)")
     if options.out:
         report = {
-            "world_size": p.world_size, "dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "cp": p.cp, "mp": p.mp,
+            "world_size": p.world_size, "pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "cp": p.cp, "mp": p.mp,
             "backend": p.backend, "torch": torch.__version__, "hosts": hosts,
             "layout": layout_rows(infos, *sizes), "busbw": rows, "iters": options.iters,
             "findings": [f.to_dict() for f in findings], "errors": errors, "warnings": warnings,

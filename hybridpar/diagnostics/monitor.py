@@ -280,8 +280,8 @@ class Monitor:
         for r in gone:
             entry = {}
             try:
-                # A stand-in parallel (tests, tools) may predate cp: one cp rank then.
-                c = MeshCoords.of(r, p.dp_replicate, p.dp_shard, getattr(p, "cp", 1), p.mp)
+                # A stand-in parallel (tests, tools) may predate cp and pp: one cp rank and one stage then.
+                c = MeshCoords.of(r, getattr(p, "pp", 1), p.dp_replicate, p.dp_shard, getattr(p, "cp", 1), p.mp)
                 entry["coords"] = c.describe()
             except (AttributeError, ValueError):  # a stand-in parallel without the sizes
                 pass

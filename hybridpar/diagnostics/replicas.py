@@ -57,13 +57,12 @@ def check_replicas(model: torch.nn.Module, parallel: ParallelDims, step: int) ->
     table = table.view(parallel.world_size, -1, 2).cpu()
     coords = [MeshCoords.of(r, *parallel.sizes) for r in range(parallel.world_size)]
     problems = []
-    # Copies of one FSDP shard: same shard_idx, cp_rank and mp_rank, every replicate_idx.
-    for shard in range(parallel.dp_shard):
-        for cp_rank in range(parallel.cp):
-            for mp_rank in range(parallel.mp):
-                ranks = [c.rank for c in coords
-                         if (c.shard_idx, c.cp_rank, c.mp_rank) == (shard, cp_rank, mp_rank)]
-                problems += _differences(table, names, ranks, "data-parallel replicas", range(len(names)))
+    # Copies of one FSDP shard: same stage, shard_idx, cp_rank and mp_rank, every replicate_idx.
+    copies: dict[tuple, list[int]] = {}
+    for c in coords:
+        copies.setdefault((c.pp_rank, c.shard_idx, c.cp_rank, c.mp_rank), []).append(c.rank)
+    for ranks in copies.values():
+        problems += _differences(table, names, ranks, "data-parallel replicas", range(len(names)))
     # Parameters replicated over mp: every rank of a model-parallel group holds the same shard.
     replicated = [i for i, r in enumerate(mp_replicated) if r]
     for start in range(0, parallel.world_size, parallel.mp):

@@ -1,14 +1,16 @@
 """The device mesh: how ranks split into model-parallel and data-parallel groups.
 
 Layout (the contract every other module relies on): a DeviceMesh of shape
-(dp_replicate, dp_shard, cp, mp) with those dim names, mp innermost and cp next to it, so
+(pp, dp_replicate, dp_shard, cp, mp) with those dim names, mp innermost, cp next to it, pp outermost, so
 
-    rank = ((replicate_idx * dp_shard + shard_idx) * cp + cp_rank) * mp + mp_rank
+    rank = (((pp_rank * dp_replicate + replicate_idx) * dp_shard + shard_idx) * cp + cp_rank) * mp + mp_rank
     dp_rank = replicate_idx * dp_shard + shard_idx,  dp_size = dp_replicate * dp_shard
 
 The cp ranks of a data-parallel coordinate hold the same parameters: FSDP shards over dp_shard x cp
 (`fsdp_mesh`, `fsdp_flat_mesh`) and the loss is summed over dp x cp (`dp_cp_group`). With cp = 1
-those are the (dp_replicate, dp_shard) meshes and the dp group themselves.
+those are the (dp_replicate, dp_shard) meshes and the dp group themselves. Every group but pp's lies
+within one pipeline stage (the stage's layers are all FSDP and the loss know); `pp_group` joins the
+stages of one (dp, cp, mp) coordinate, for the pipeline's sends and receives.
 
 A model-parallel group is `mp` contiguous ranks (inside one node when mp divides the GPUs per node), exactly
 fairscale's `arange(world).reshape(dp, mp)` layout, and the flattened data-parallel group of a rank
@@ -39,6 +41,7 @@ DEFAULT_TIMEOUT = timedelta(minutes=10)
 class ParallelDims:
     """The mesh of one job and this rank's place in it. Pass it explicitly to whatever needs groups."""
 
+    pp: int
     dp_replicate: int
     dp_shard: int
     cp: int
@@ -54,12 +57,12 @@ class ParallelDims:
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.cp * self.mp
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.mp
 
     @property
-    def sizes(self) -> tuple[int, int, int, int]:
-        """(dp_replicate, dp_shard, cp, mp), as layout.resolve_sizes returns them."""
-        return self.dp_replicate, self.dp_shard, self.cp, self.mp
+    def sizes(self) -> tuple[int, int, int, int, int]:
+        """(pp, dp_replicate, dp_shard, cp, mp), as layout.resolve_sizes returns them."""
+        return self.pp, self.dp_replicate, self.dp_shard, self.cp, self.mp
 
     @property
     def coords(self) -> MeshCoords:
@@ -88,6 +91,20 @@ class ParallelDims:
     @property
     def cp_rank(self) -> int:
         return self.coords.cp_rank
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's pipeline stage (0 without pipeline parallelism)."""
+        return self.coords.pp_rank
+
+    @property
+    def pp_mesh(self) -> DeviceMesh:
+        return self.mesh["pp"]
+
+    @property
+    def pp_group(self) -> Optional[dist.ProcessGroup]:
+        """The stages of this rank's (dp, cp, mp) coordinate, None without pipeline parallelism."""
+        return self.mesh.get_group("pp") if self.pp > 1 else None
 
     @property
     def replicate_idx(self) -> int:
@@ -136,8 +153,9 @@ class ParallelDims:
     def describe(self) -> str:
         c = self.coords
         cp = f"cp {c.cp_rank}/{self.cp}, " if self.cp > 1 else ""
+        pp = f"pp {c.pp_rank}/{self.pp}, " if self.pp > 1 else ""
         return (
-            f"rank {c.rank}/{self.world_size}: mp {c.mp_rank}/{self.mp}, {cp}dp {c.dp_rank}/{self.dp_size} "
+            f"rank {c.rank}/{self.world_size}: {pp}mp {c.mp_rank}/{self.mp}, {cp}dp {c.dp_rank}/{self.dp_size} "
             f"(replicate {c.replicate_idx}/{self.dp_replicate}, shard {c.shard_idx}/{self.dp_shard}), "
             f"{self.backend} on {self.device}"
         )
@@ -148,7 +166,7 @@ def mesh_groups(parallel: ParallelDims) -> list[tuple[str, object]]:
     named = [("mp", parallel.mp_group), ("cp", parallel.cp_group), ("dp_shard", parallel.dp_shard_group),
              ("dp_replicate", parallel.dp_replicate_group), ("dp", parallel.dp_group),
              ("dp_shard_cp", parallel.fsdp_mesh.get_group("dp_shard_cp") if parallel.cp > 1 else None),
-             ("dp_cp", parallel.dp_cp_group), ("world", dist.group.WORLD)]
+             ("dp_cp", parallel.dp_cp_group), ("pp", parallel.pp_group), ("world", dist.group.WORLD)]
     seen, out = set(), []
     for dim, group in named:
         if group is not None and group.group_name not in seen:
@@ -178,10 +196,11 @@ def init_parallel(
     dp_shard: int = -1,
     dp_replicate: int = 1,
     cp: int = 1,
+    pp: int = 1,
     timeout: Union[timedelta, float, None] = None,
     backend: Optional[str] = None,
 ) -> ParallelDims:
-    """Initialise the process group (if needed) and build the (dp_replicate, dp_shard, cp, mp) mesh.
+    """Initialise the process group (if needed) and build the (pp, dp_replicate, dp_shard, cp, mp) mesh.
 
     Works under torchrun, under plain srun (RANK etc. derived from SLURM_*), and with no launcher at
     all (world size 1). nccl + cuda when GPUs are present, gloo + cpu otherwise; `backend` overrides.
@@ -215,13 +234,13 @@ def init_parallel(
         atexit.register(_shutdown)
 
     device = torch.device("cuda", local_rank) if "nccl" in backend else torch.device("cpu")
-    sizes = resolve_sizes(dist.get_world_size(), mp=mp, dp_shard=dp_shard, dp_replicate=dp_replicate, cp=cp)
+    sizes = resolve_sizes(dist.get_world_size(), mp=mp, dp_shard=dp_shard, dp_replicate=dp_replicate, cp=cp, pp=pp)
     mesh = init_device_mesh(device.type, sizes, mesh_dim_names=MESH_DIM_NAMES)
     dp_flat_mesh = flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp")
     if cp == 1:  # no new groups: the cp-inclusive meshes are the data-parallel ones
         dp_cp_mesh, fsdp_mesh = dp_flat_mesh, mesh["dp_replicate", "dp_shard"]
     else:
         dp_cp_mesh = flatten_mesh(mesh["dp_replicate", "dp_shard", "cp"], "dp_cp")
-        fsdp_mesh = unflatten_mesh(dp_cp_mesh, (sizes[0], sizes[1] * cp), ("dp_replicate", "dp_shard_cp"))
+        fsdp_mesh = unflatten_mesh(dp_cp_mesh, (sizes[1], sizes[2] * cp), ("dp_replicate", "dp_shard_cp"))
     return ParallelDims(*sizes, mesh=mesh, dp_flat_mesh=dp_flat_mesh, dp_cp_mesh=dp_cp_mesh, fsdp_mesh=fsdp_mesh,
                         device=device, backend=backend, timeout=timeout)

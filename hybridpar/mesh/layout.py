@@ -1,13 +1,16 @@
-"""The mesh's arithmetic, without torch: which rank sits where in a (dp_replicate, dp_shard, cp, mp)
-mesh, its groups, and the launcher's environment. `hybridpar mesh`, `--help` and the config checks use
-it before (or without) importing torch; hybridpar.mesh.device builds the process groups on it.
+"""The mesh's arithmetic, without torch: which rank sits where in a (pp, dp_replicate, dp_shard, cp,
+mp) mesh, its groups, and the launcher's environment. `hybridpar mesh`, `--help` and the config checks
+use it before (or without) importing torch; hybridpar.mesh.device builds the process groups on it.
 
-    rank = ((replicate_idx * dp_shard + shard_idx) * cp + cp_rank) * mp + mp_rank
+    rank = (((pp_rank * dp_replicate + replicate_idx) * dp_shard + shard_idx) * cp + cp_rank) * mp + mp_rank
 
 mp is innermost (fairscale's layout), cp next to it, so a cp x mp block sits inside a node when it
 fits. The cp ranks of a data-parallel coordinate read the same sequences (each its own chunks) and
 hold the same parameters: FSDP shards over dp_shard x cp, gradients and the loss are reduced over
-dp x cp.
+dp x cp. pp is outermost (torchtitan's and Megatron's choice: only point-to-point activations cross
+stages, so stages may sit on different nodes); every group but "pp" lies within one stage, and the
+stages of a data-parallel coordinate read the same batch (the first needs the tokens, the last the
+targets), so dp_rank does not depend on the stage.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import re
 import socket
 from typing import Mapping
 
-MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "cp", "mp")
+MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "mp")
 
 
 class MeshSizeError(ValueError):
@@ -26,20 +29,20 @@ class MeshSizeError(ValueError):
 
 
 def resolve_sizes(world_size: int, mp: int = 1, dp_shard: int = -1, dp_replicate: int = 1,
-                  cp: int = 1) -> tuple[int, int, int, int]:
-    """Return (dp_replicate, dp_shard, cp, mp) for `world_size` ranks; dp_shard=-1 takes the remaining ranks.
+                  cp: int = 1, pp: int = 1) -> tuple[int, int, int, int, int]:
+    """Return (pp, dp_replicate, dp_shard, cp, mp) for `world_size` ranks; dp_shard=-1 takes the remaining ranks.
 
     Raises MeshSizeError naming the numbers and what to change when the sizes do not tile the world.
     """
-    for name, value in (("mp", mp), ("dp_replicate", dp_replicate), ("cp", cp)):
+    for name, value in (("mp", mp), ("dp_replicate", dp_replicate), ("cp", cp), ("pp", pp)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise MeshSizeError(f"{name} must be a positive integer, got {value!r}")
     if not isinstance(dp_shard, int) or (dp_shard < 1 and dp_shard != -1):
         raise MeshSizeError(f"dp_shard must be a positive integer or -1 (the remaining ranks), got {dp_shard!r}")
-    fixed = mp * cp * dp_replicate
+    fixed = mp * cp * dp_replicate * pp
     if dp_shard == -1:
         if world_size % fixed:
-            shown = [(n, v) for n, v in (("mp", mp), ("cp", cp), ("dp_replicate", dp_replicate)) if n != "cp" or cp > 1]
+            shown = _shown((("mp", mp), ("cp", cp), ("dp_replicate", dp_replicate), ("pp", pp)))
             names = [n for n, _ in shown]
             raise MeshSizeError(
                 f"world size {world_size} is not divisible by {' * '.join(names)} = "
@@ -49,19 +52,23 @@ def resolve_sizes(world_size: int, mp: int = 1, dp_shard: int = -1, dp_replicate
         dp_shard = world_size // fixed
     product = fixed * dp_shard
     if product != world_size:
-        sizes = (("dp_replicate", dp_replicate), ("dp_shard", dp_shard), ("cp", cp), ("mp", mp))
-        shown = [(n, v) for n, v in sizes if n != "cp" or cp > 1]
+        shown = _shown((("pp", pp), ("dp_replicate", dp_replicate), ("dp_shard", dp_shard), ("cp", cp), ("mp", mp)))
         raise MeshSizeError(
             f"{' * '.join(n for n, _ in shown)} = {' * '.join(str(v) for _, v in shown)} = {product}, but the "
             f"world size is {world_size}; the product must equal the number of ranks (set dp_shard=-1 to use the rest)"
         )
-    return dp_replicate, dp_shard, cp, mp
+    return pp, dp_replicate, dp_shard, cp, mp
 
 
-def sizes_text(dp_replicate: int, dp_shard: int, cp: int, mp: int) -> str:
-    """'dp_replicate 1 x dp_shard 2 x mp 2' (cp named only when > 1): how commands and reports state a mesh."""
-    named = [("dp_replicate", dp_replicate), ("dp_shard", dp_shard), ("cp", cp), ("mp", mp)]
-    return " x ".join(f"{n} {v}" for n, v in named if n != "cp" or cp > 1)
+def _shown(named):
+    """The (name, size) pairs a message names: cp and pp only where they exist (> 1)."""
+    return [(n, v) for n, v in named if n not in ("cp", "pp") or v > 1]
+
+
+def sizes_text(pp: int, dp_replicate: int, dp_shard: int, cp: int, mp: int) -> str:
+    """'dp_replicate 1 x dp_shard 2 x mp 2' (pp and cp named only when > 1): how commands and reports state a mesh."""
+    named = (("pp", pp), ("dp_replicate", dp_replicate), ("dp_shard", dp_shard), ("cp", cp), ("mp", mp))
+    return " x ".join(f"{n} {v}" for n, v in _shown(named))
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -81,7 +88,7 @@ def _divisors(n: int) -> list[int]:
 @dataclasses.dataclass(frozen=True)
 class MeshCoords:
     """Where one rank sits in the mesh. Pure arithmetic, no process groups: usable for planning.
-    dp_rank is the data-parallel coordinate (cp peers share it: they read the same sequences)."""
+    dp_rank is the data-parallel coordinate (cp peers and pp stages share it: they read the same sequences)."""
 
     rank: int
     replicate_idx: int
@@ -90,44 +97,51 @@ class MeshCoords:
     dp_rank: int
     cp_rank: int = 0
     cp: int = 1  # the cp size, so that reports show the dimension only where it exists
+    pp_rank: int = 0  # the pipeline stage
+    pp: int = 1
 
     @staticmethod
-    def of(rank: int, dp_replicate: int, dp_shard: int, cp: int, mp: int) -> "MeshCoords":
+    def of(rank: int, pp: int, dp_replicate: int, dp_shard: int, cp: int, mp: int) -> "MeshCoords":
         """The sizes in the mesh's order, as resolve_sizes returns them: MeshCoords.of(rank, *sizes)."""
-        world = dp_replicate * dp_shard * cp * mp
+        world = pp * dp_replicate * dp_shard * cp * mp
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} is outside a world of {world} ranks")
-        outer, mp_rank = divmod(rank, mp)
+        pp_rank, in_stage = divmod(rank, world // pp)
+        outer, mp_rank = divmod(in_stage, mp)
         dp_rank, cp_rank = divmod(outer, cp)
         replicate_idx, shard_idx = divmod(dp_rank, dp_shard)
-        return MeshCoords(rank, replicate_idx, shard_idx, mp_rank, dp_rank, cp_rank, cp)
+        return MeshCoords(rank, replicate_idx, shard_idx, mp_rank, dp_rank, cp_rank, cp, pp_rank, pp)
 
     def describe(self) -> str:
-        """'mp 1, dp 2 (replicate 1, shard 0)' ('mp 1, cp 0, dp 2 (...)' with cp): how reports place a rank."""
+        """'mp 1, dp 2 (replicate 1, shard 0)' ('pp 1, mp 1, cp 0, dp 2 (...)' with pp and cp): how reports place a rank."""
+        pp = f"pp {self.pp_rank}, " if self.pp > 1 else ""
         cp = f"cp {self.cp_rank}, " if self.cp > 1 else ""
-        return f"mp {self.mp_rank}, {cp}dp {self.dp_rank} (replicate {self.replicate_idx}, shard {self.shard_idx})"
+        return f"{pp}mp {self.mp_rank}, {cp}dp {self.dp_rank} (replicate {self.replicate_idx}, shard {self.shard_idx})"
 
 
-def group_ranks(dp_replicate: int, dp_shard: int, cp: int, mp: int) -> dict[str, list[list[int]]]:
+def group_ranks(pp: int, dp_replicate: int, dp_shard: int, cp: int, mp: int) -> dict[str, list[list[int]]]:
     """Every group of every kind as lists of global ranks, in the mesh's order (group_ranks(*sizes)). With cp > 1 also the
     cp groups, dp_shard_cp (FSDP's shards: every rank of a replica holding the same mp shard) and
-    dp_cp (every rank holding a copy of the same mp shard: the loss and replicated gradients)."""
-    def rank(r: int, s: int, c: int, m: int) -> int:
-        return ((r * dp_shard + s) * cp + c) * mp + m
+    dp_cp (every rank holding a copy of the same mp shard: the loss and replicated gradients); with pp > 1
+    also the pp groups (one rank per stage: the pipeline's sends and receives). Every other group lies
+    within one stage: the stages hold different layers."""
+    def rank(p: int, r: int, s: int, c: int, m: int) -> int:
+        return (((p * dp_replicate + r) * dp_shard + s) * cp + c) * mp + m
 
-    R, S, C, M = range(dp_replicate), range(dp_shard), range(cp), range(mp)
+    P, R, S, C, M = range(pp), range(dp_replicate), range(dp_shard), range(cp), range(mp)
     groups = {
-        "mp": [[rank(r, s, c, m) for m in M] for r in R for s in S for c in C],
-        "dp": [[rank(r, s, c, m) for r in R for s in S] for c in C for m in M],
-        "dp_shard": [[rank(r, s, c, m) for s in S] for r in R for c in C for m in M],
-        "dp_replicate": [[rank(r, s, c, m) for r in R] for s in S for c in C for m in M],
+        "mp": [[rank(p, r, s, c, m) for m in M] for p in P for r in R for s in S for c in C],
+        "dp": [[rank(p, r, s, c, m) for r in R for s in S] for p in P for c in C for m in M],
+        "dp_shard": [[rank(p, r, s, c, m) for s in S] for p in P for r in R for c in C for m in M],
+        "dp_replicate": [[rank(p, r, s, c, m) for r in R] for p in P for s in S for c in C for m in M],
     }
     if cp > 1:
-        groups["cp"] = [[rank(r, s, c, m) for c in C] for r in R for s in S for m in M]
-        groups["dp_shard_cp"] = [[rank(r, s, c, m) for s in S for c in C] for r in R for m in M]
-        groups["dp_cp"] = [[rank(r, s, c, m) for r in R for s in S for c in C] for m in M]
+        groups["cp"] = [[rank(p, r, s, c, m) for c in C] for p in P for r in R for s in S for m in M]
+        groups["dp_shard_cp"] = [[rank(p, r, s, c, m) for s in S for c in C] for p in P for r in R for m in M]
+        groups["dp_cp"] = [[rank(p, r, s, c, m) for r in R for s in S for c in C] for p in P for m in M]
+    if pp > 1:
+        groups["pp"] = [[rank(p, r, s, c, m) for p in P] for r in R for s in S for c in C for m in M]
     return groups
-
 
 
 # ---------------------------------------------------------------------------------------------

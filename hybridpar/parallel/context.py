@@ -17,7 +17,7 @@ a boolean c x (j + 1) c mask for SDPA, exact as well (checked here on the CPU on
 attention (torchtitan's CP) has no CPU strategy; this runs and is tested on gloo.
 
 Where it is used:
-- the mesh's cp dimension, (dp_replicate, dp_shard, cp, mp), mp innermost and cp next to it; the
+- the mesh's cp dimension, (pp, dp_replicate, dp_shard, cp, mp), mp innermost and cp next to it; the
   cp ranks of a data-parallel coordinate hold the same parameters, so FSDP shards over
   dp_shard x cp and gradients are reduced over every rank holding a copy (torchtitan's dp_shard_cp);
 - the data loader gives every cp rank of a dp coordinate the same sequences, keyed by the dp rank;

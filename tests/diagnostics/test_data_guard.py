@@ -11,25 +11,25 @@ from tests.runs import make_config
 
 def test_correct_table_passes():
     # mp groups [0,1] [2,3] [4,5] [6,7] share a batch; the four dp ranks differ.
-    assert find_problems([10, 10, 11, 11, 12, 12, 13, 13], 2, 2, 1, 2) == []
+    assert find_problems([10, 10, 11, 11, 12, 12, 13, 13], 1, 2, 2, 1, 2) == []
 
 
 def test_global_rank_sampler_splits_model_parallel_groups():
-    problems = find_problems([10, 11, 12, 13, 14, 15, 16, 17], 2, 2, 1, 2)
+    problems = find_problems([10, 11, 12, 13, 14, 15, 16, 17], 1, 2, 2, 1, 2)
     assert len(problems) == 1
     assert "model-parallel group got different batches: [0, 1], [2, 3], [4, 5], [6, 7]" in problems[0]
     assert "sampler was built with the global rank" in problems[0]
 
 
 def test_identical_batches_everywhere_is_no_data_parallelism():
-    problems = find_problems([7] * 8, 2, 2, 1, 2)
+    problems = find_problems([7] * 8, 1, 2, 2, 1, 2)
     assert len(problems) == 1
     assert "dp ranks [0, 1, 2, 3] (global ranks [0, 2, 4, 6]" in problems[0]
     assert "every data-parallel rank reads the same data: no DistributedSampler" in problems[0]
 
 
 def test_some_duplicated_dp_ranks_are_named():
-    problems = find_problems([1, 1, 2, 2, 1, 1, 3, 3], 2, 2, 1, 2)
+    problems = find_problems([1, 1, 2, 2, 1, 1, 3, 3], 1, 2, 2, 1, 2)
     assert len(problems) == 1 and "dp ranks [0, 2] (global ranks [0, 4]" in problems[0]
 
 
@@ -38,18 +38,35 @@ def test_some_duplicated_dp_ranks_are_named():
 
 
 def test_with_cp_the_cp_peers_share_a_batch_and_the_dp_ranks_differ():
-    assert find_problems([10, 10, 10, 10, 11, 11, 11, 11], 1, 2, 2, 2) == []
+    assert find_problems([10, 10, 10, 10, 11, 11, 11, 11], 1, 1, 2, 2, 2) == []
 
 
 def test_with_cp_a_cp_rank_reading_other_sequences_is_caught():
-    problems = find_problems([10, 10, 12, 12, 11, 11, 11, 11], 1, 2, 2, 2)
+    problems = find_problems([10, 10, 12, 12, 11, 11, 11, 11], 1, 1, 2, 2, 2)
     assert len(problems) == 1
-    assert "data-parallel coordinate (its mp and cp peers) got different batches: [0, 1, 2, 3]" in problems[0]
+    assert "data-parallel coordinate (its mp, cp and pp peers) got different batches: [0, 1, 2, 3]" in problems[0]
 
 
 def test_with_cp_identical_dp_ranks_are_named_by_their_blocks():
-    problems = find_problems([7] * 8, 1, 2, 2, 2)
+    problems = find_problems([7] * 8, 1, 1, 2, 2, 2)
     assert len(problems) == 1 and "dp ranks [0, 1] (global ranks [0, 4]" in problems[0]
+
+
+# World 8 = pp 2 x dp_shard 2 x mp 2: stage 0 is ranks 0-3, stage 1 ranks 4-7; the stages of a dp
+# coordinate (ranks 0, 1, 4, 5 and 2, 3, 6, 7) read the same batch: the first needs the tokens, the last the targets.
+
+
+def test_with_pp_the_stages_of_a_dp_coordinate_share_a_batch():
+    assert find_problems([10, 10, 11, 11, 10, 10, 11, 11], 2, 1, 2, 1, 2) == []
+
+
+def test_with_pp_a_stage_reading_another_batch_is_caught():
+    # A sampler built with the global rank: stage 1 reads other batches than stage 0.
+    problems = find_problems([10, 10, 11, 11, 12, 12, 13, 13], 2, 1, 2, 1, 2)
+    assert len(problems) == 1
+    assert "(its mp, cp and pp peers) got different batches: [0, 1, 4, 5], [2, 3, 6, 7]" in problems[0]
+    problems = find_problems([7] * 8, 2, 1, 2, 1, 2)
+    assert len(problems) == 1 and "dp ranks [0, 1] (global ranks [0, 2]" in problems[0]
 
 
 # --- in training, on 4 processes (mp 2 x dp 2) -------------------------------------------------

@@ -15,6 +15,8 @@ from hybridpar.diagnostics.doctor import (
     check_layout,
     dim_groups,
     format_busbw,
+    format_layout,
+    layout_rows,
     parse_sizes,
     summarise_busbw,
 )
@@ -46,7 +48,7 @@ def test_each_row_reports_the_slowest_rank_of_the_slowest_group():
                ("world", 0): 8e-3, ("world", 1): 1e-3, ("world", 2): 1e-3, ("world", 3): 1e-3}
     per_rank = [[{"dim": dim, "op": "all_reduce", "bytes": MiB, "seconds": seconds[dim, r]}
                  for dim in ("mp", "dp", "world")] for r in range(4)]
-    rows = summarise_busbw(per_rank, 1, 2, 1, 2)
+    rows = summarise_busbw(per_rank, 1, 1, 2, 1, 2)
     assert [(r["dim"], r["slowest_group"], r["time_us"]) for r in rows] == [
         ("mp", [2, 3], pytest.approx(4000)), ("dp", [0, 2], pytest.approx(3000)),
         ("world", [0, 1, 2, 3], pytest.approx(8000))]
@@ -63,14 +65,24 @@ def test_dimensions_are_measured_once_and_only_with_two_ranks_or_more():
     def names(*sizes):
         return [(name, same) for name, same, _ in dim_groups(*sizes)]
 
-    assert names(1, 2, 1, 2) == [("mp", []), ("dp", ["dp_shard"]), ("world", [])]
-    assert names(2, 2, 1, 2) == [("mp", []), ("dp", []), ("dp_shard", []), ("dp_replicate", []), ("world", [])]
-    assert names(1, 4, 1, 1) == [("dp", ["dp_shard", "world"])]
-    assert names(2, 1, 1, 2) == [("mp", []), ("dp", ["dp_replicate"]), ("world", [])]
-    assert names(1, 1, 1, 1) == []
+    assert names(1, 1, 2, 1, 2) == [("mp", []), ("dp", ["dp_shard"]), ("world", [])]
+    assert names(1, 2, 2, 1, 2) == [("mp", []), ("dp", []), ("dp_shard", []), ("dp_replicate", []), ("world", [])]
+    assert names(1, 1, 4, 1, 1) == [("dp", ["dp_shard", "world"])]
+    assert names(1, 2, 1, 1, 2) == [("mp", []), ("dp", ["dp_replicate"]), ("world", [])]
+    assert names(1, 1, 1, 1, 1) == []
     # Context parallelism: the cp groups are measured; dp_shard x cp is what FSDP spans.
-    assert names(1, 2, 2, 2) == [("mp", []), ("cp", []), ("dp", ["dp_shard"]), ("world", [])]
-    assert dim_groups(2, 2, 1, 2)[3][2] == [[0, 4], [1, 5], [2, 6], [3, 7]]  # dp_replicate groups
+    assert names(1, 1, 2, 2, 2) == [("mp", []), ("cp", []), ("dp", ["dp_shard"]), ("world", [])]
+    assert dim_groups(1, 2, 2, 1, 2)[3][2] == [[0, 4], [1, 5], [2, 6], [3, 7]]  # dp_replicate groups
+    # Pipeline parallelism: the pp groups (one rank per stage) are measured after the in-stage ones.
+    assert names(2, 1, 2, 1, 1) == [("dp", ["dp_shard"]), ("pp", []), ("world", [])]
+    assert dim_groups(2, 1, 2, 1, 1)[1][2] == [[0, 2], [1, 3]]
+
+
+def test_the_layout_table_shows_the_stage_only_with_pp():
+    infos = [{"rank": r, "host": "h", "local_rank": r, "device": "cpu", "pid": 100 + r} for r in range(4)]
+    with_pp = format_layout(layout_rows(infos, 2, 1, 2, 1, 1)).splitlines()
+    assert with_pp[0].split()[5] == "pp_rank" and [line.split()[5] for line in with_pp[1:]] == ["0", "0", "1", "1"]
+    assert "pp_rank" not in format_layout(layout_rows(infos, 1, 1, 4, 1, 1))
 
 
 def test_sizes_parse_as_ranges_or_lists():
@@ -91,20 +103,20 @@ def _infos(hosts, devices):
 
 def test_model_parallel_groups_spanning_hosts_are_a_warning():
     infos = _infos(["a", "a", "b", "b"], ["cuda:0", "cuda:1"] * 2)
-    assert [f.level for f in check_layout(infos, 1, 2, 1, 2)] == [OK]
-    (finding,) = check_layout(infos, 1, 1, 1, 4)
+    assert [f.level for f in check_layout(infos, 1, 1, 2, 1, 2)] == [OK]
+    (finding,) = check_layout(infos, 1, 1, 1, 1, 4)
     assert finding.level == WARNING and "[0, 1, 2, 3] on ['a', 'b']" in finding.message
 
 
 def test_two_ranks_on_one_gpu_are_an_error():
     infos = _infos(["a", "a", "b", "b"], ["cuda:0", "cuda:0", "cuda:0", "cuda:1"])
     infos[1]["local_rank"] = 1
-    (finding,) = check_layout(infos, 1, 2, 1, 2)
+    (finding,) = check_layout(infos, 1, 1, 2, 1, 2)
     assert finding.level == ERROR and finding.message.startswith("ranks [0, 1] on host a have the same device cuda:0")
     cpu = _infos(["a"] * 4, ["cpu"] * 4)
     for i in cpu:
         i["local_rank"] = i["rank"]
-    assert [f.level for f in check_layout(cpu, 1, 2, 1, 2)] == [OK]  # CPU ranks share the CPU by design
+    assert [f.level for f in check_layout(cpu, 1, 1, 2, 1, 2)] == [OK]  # CPU ranks share the CPU by design
 
 
 # --- the data guard on 4 workers -------------------------------------------------------------------

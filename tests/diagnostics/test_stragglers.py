@@ -68,7 +68,7 @@ def test_analysis_refuses_fewer_than_two_ranks():
 
 def test_warning_names_rank_coordinates_and_host():
     v = analyse([0.20, 0.20, 0.20, 0.41], [0.2, 0.2, 0.2, 0.0], threshold=1.5, previous=3)
-    line = describe(v, 200, MeshCoords.of(3, 1, 2, 1, 2), "node7")
+    line = describe(v, 200, MeshCoords.of(3, 1, 1, 2, 1, 2), "node7")
     assert line == ("straggler at step 200: rank 3 (mp 1, dp 1 (replicate 0, shard 1), host node7) computes "
                     "0.41 s per step against a median of 0.20 s (2.05x); the others wait for it")
 

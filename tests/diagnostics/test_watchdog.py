@@ -181,7 +181,8 @@ def _watchdog(tmp_path, rank=0, world=2, timeout=60.0, interval=1.0) -> watchdog
     timeout 60 s, interval 1 s: a heartbeat silent for 10 s means the process is gone."""
     coords = SimpleNamespace(mp_rank=rank, dp_rank=0, replicate_idx=0, shard_idx=0)
     parallel = SimpleNamespace(rank=rank, world_size=world, coords=coords, cp=1, mp_group=None, cp_group=None,
-                               dp_shard_group=None, dp_replicate_group=None, dp_group=None, dp_cp_group=None)
+                               dp_shard_group=None, dp_replicate_group=None, dp_group=None, dp_cp_group=None,
+                               pp=1, pp_group=None)
     exits = []
     wd = watchdog.Watchdog(parallel, timeout=timeout, run_dir=tmp_path, trace_dir=tmp_path, interval=interval,
                            exit_fn=exits.append)

@@ -172,8 +172,8 @@ def test_a_job_resolved_for_another_world_is_refused(corpus, tmp_path):
 
     config = make_config(corpus, tmp_path / "run", **{"parallel.mp": 2})
     job = resolve_job(config, 4)
-    assert (job.sizes, job.init_from, job.args.vocab_size) == ((1, 2, 1, 2), None, 512)
+    assert (job.sizes, job.init_from, job.args.vocab_size) == ((1, 1, 2, 1, 2), None, 512)
     assert [f.path.name for f in job.sources[source_key(corpus["source"])]] == ["docs.jsonl"]
-    assert as_job(job, 4) is job and as_job(config, 2).sizes == (1, 1, 1, 2)
+    assert as_job(job, 4) is job and as_job(config, 2).sizes == (1, 1, 1, 1, 2)
     with pytest.raises(ConfigError, match=r"resolved for 4 rank\(s\), but this process group has 2"):
         as_job(job, 2)

@@ -70,6 +70,9 @@ def estimate(args: ModelArgs, layout: Layout, workload: Workload, hw: Hardware) 
         # does not reshard between micro-batches (one all-gather per step), so hybridpar's pipeline
         # engine keeps the stage's parameters gathered and its gradients unsharded until the last one.
         v = schedule_stages(layout.pp_schedule, layout.v)
+        if layout.pp_schedule != "GPipe" and grad_accum < pp:  # torch's Schedule1F1B refuses it too
+            raise ValueError(f"{grad_accum} micro-batches per step are fewer than the pp = {pp} stages "
+                             f"{layout.pp_schedule} needs")
         if pp * v > args.n_layers + 2:
             raise ValueError(f"pp x stages per rank = {pp * v} is more than the model's {args.n_layers} layers + 2")
         args = dataclasses.replace(args, n_layers=stage_units(args.n_layers, pp, v))
@@ -88,7 +91,7 @@ def estimate(args: ModelArgs, layout: Layout, workload: Workload, hw: Hardware) 
         ends = acts.head + acts.embedding
         saved = in_flight(layout.pp_schedule, pp, v, grad_accum) * (saved - ends) + ends
 
-    kept_blocks = L if not layout.reshard_after_forward else min(2, L)  # current + prefetched
+    kept_blocks = counts.n_layers if not layout.reshard_after_forward else min(2, L)  # current + prefetched
     gathered = (counts.embedding + counts.output + counts.root + kept_blocks * counts.block) * a
     grad_buffers = _grad_buffers(args, counts, a, r)
     sync_every = workload.grad_sync == "every"
@@ -198,9 +201,19 @@ def context_parallel_sizes(world: int, seq_len: int, split: int = 1) -> list[int
 def candidate_layouts(args: ModelArgs, hw: Hardware, *, allow_cross_node_mp: bool = False,
                       ac_modes: Iterable[str] = AC_MODES, zero2: bool = False, ac_every: int = 2,
                       sequence_parallel: bool = True, seq_len: int = 0,
-                      cp: int = 0) -> tuple[list[Layout], dict[int, str]]:
+                      cp: int = 0, pp: int = 1) -> tuple[list[Layout], dict[int, str]]:
     """Every layout of hw.gpus ranks the model can run; and the rejected mp sizes with the reason.
-    cp 0 considers every context-parallel size (context_parallel_sizes), cp N only N."""
+    cp 0 considers every context-parallel size (context_parallel_sizes), cp N only N. pp > 1: layouts
+    of pp stages (1F1B, and Interleaved1F1B at 2 stages per rank where the layers allow) over the
+    hw.gpus / pp ranks of each."""
+    if pp > 1:
+        inner, rejected = candidate_layouts(args, dataclasses.replace(hw, gpus=hw.gpus // pp),
+                                            allow_cross_node_mp=allow_cross_node_mp, ac_modes=ac_modes, zero2=False,
+                                            ac_every=ac_every, sequence_parallel=sequence_parallel, seq_len=seq_len,
+                                            cp=cp)
+        schedules = [(name, v) for name, v in (("1F1B", 1), ("Interleaved1F1B", 2)) if pp * v <= args.n_layers + 2]
+        return [dataclasses.replace(lay, pp=pp, pp_schedule=name, v=v) for lay in inner for name, v in schedules
+                if lay.reshard_after_forward], rejected
     layouts: list[Layout] = []
     rejected: dict[int, str] = {}
     for mp in divisors(hw.gpus):
@@ -242,14 +255,17 @@ class Plan:
     rejected: dict[int, str]  # mp -> why no layout with it was considered
     skipped: list[tuple[Layout, str]]  # layouts the global batch does not divide
     context_parallel: bool = False  # layouts with cp > 1 were considered
+    pipeline: tuple[int, ...] = ()  # the pp sizes > 1 considered
 
     @property
     def fitting(self) -> list[Estimate]:
         return [e for e in self.estimates if e.fits]
 
-    def find(self, mp: int, dp_shard: int, dp_replicate: int, ac: Optional[str] = None, cp: int = 1) -> list[Estimate]:
-        return [e for e in self.estimates if (e.layout.mp, e.layout.cp, e.layout.dp_shard, e.layout.dp_replicate) ==
-                (mp, cp, dp_shard, dp_replicate) and (ac is None or e.layout.ac == ac)]
+    def find(self, mp: int, dp_shard: int, dp_replicate: int, ac: Optional[str] = None, cp: int = 1,
+             pp: int = 1) -> list[Estimate]:
+        return [e for e in self.estimates if (e.layout.mp, e.layout.cp, e.layout.dp_shard, e.layout.dp_replicate,
+                                              e.layout.pp) == (mp, cp, dp_shard, dp_replicate, pp)
+                and (ac is None or e.layout.ac == ac)]
 
 
 def make_plan(args: ModelArgs, workload: Workload, hw: Hardware, **candidate_options) -> Plan:
@@ -268,7 +284,11 @@ def make_plan(args: ModelArgs, workload: Workload, hw: Hardware, **candidate_opt
     cp = candidate_options.pop("cp", 0)
     if cp < 0:
         raise ValueError(f"cp must be 1 or more (0: the planner chooses), got {cp}")
-    layouts, rejected = candidate_layouts(args, hw, seq_len=workload.seq_len, cp=cp, **candidate_options)
+    pp = candidate_options.pop("pp", 0)
+    if pp < 0 or (pp and hw.gpus % pp):
+        raise ValueError(f"pp must divide the {hw.gpus} GPUs (0: the planner chooses), got {pp}")
+    layouts, rejected = candidate_layouts(args, hw, seq_len=workload.seq_len, cp=cp, pp=max(pp, 1),
+                                          **candidate_options)
     if cp > 1 and not layouts:
         raise ValueError(f"cp = {cp} fits no layout of {hw.gpus} GPUs: cp must divide gpus / mp and seq_len "
                          f"{workload.seq_len} be a multiple of 2 x cp (x mp with sequence parallelism)")
@@ -279,11 +299,19 @@ def make_plan(args: ModelArgs, workload: Workload, hw: Hardware, **candidate_opt
             try:
                 estimates.append(estimate(args, layout, workload, hw))
             except ValueError as err:
-                skipped.append((layout, str(err)))
+                if layout.pp == 1:  # a pipeline the batch cannot fill is not listed
+                    skipped.append((layout, str(err)))
 
     add([lay for lay in layouts if lay.cp == 1 or cp])
     if not cp and context_parallel_needed(estimates, hw):
         add([lay for lay in layouts if lay.cp > 1])
+    # Pipeline stages when nothing fits without them: every power of two dividing the GPUs that the
+    # layers allow (stages divide the state and the activations; the bubble costs time).
+    tried = (pp,) if pp > 1 else ()
+    if not pp and not any(e.fits for e in estimates):
+        tried = tuple(n for n in (2 ** k for k in range(1, 12)) if hw.gpus % n == 0 and n <= args.n_layers + 2)
+        for n in tried:
+            add(candidate_layouts(args, hw, seq_len=workload.seq_len, cp=cp, pp=n, **candidate_options)[0])
     if skipped and not estimates:
         dps = sorted({lay.dp for lay, _ in skipped})
         raise ValueError(f"global batch {workload.global_batch} is not a multiple of dp x micro-batch "
@@ -291,7 +319,7 @@ def make_plan(args: ModelArgs, workload: Workload, hw: Hardware, **candidate_opt
                          "choose a global batch divisible by one of them")
     estimates.sort(key=lambda e: (not e.fits, -e.tokens_per_s_per_gpu if e.fits else e.memory.total, e.memory.total))
     considered = any(e.layout.cp > 1 for e in estimates) or any(lay.cp > 1 for lay, _ in skipped)
-    return Plan(args, workload, hw, estimates, rejected, skipped, considered)
+    return Plan(args, workload, hw, estimates, rejected, skipped, considered, tried)
 
 
 def context_parallel_needed(estimates: list[Estimate], hw: Hardware) -> bool:

@@ -104,7 +104,7 @@ def test_405b_that_needs_pipeline_stages_plans_with_them(capsys):
     assert code == 0 and best.startswith("best: pp 16 (1F1B"), out
     assert "--parallel.pp 16 --parallel.pp_schedule 1F1B --parallel.pp_microbatches 128" in out
     assert "--data.micro_batch_size 128 --train.grad_accum 1" in out
-    assert "pipeline parallelism considered" in out
+    assert "pipeline parallelism considered" in out and "+ bubble " in best.split("\n")[0] + out
 
 
 def test_a_model_that_fits_without_pp_is_told_so(capsys):

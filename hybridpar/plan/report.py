@@ -49,6 +49,8 @@ def _seconds(x: float) -> str:
 def breakdown(e: Estimate, hw: Hardware, plan: "Plan | None" = None) -> list[str]:
     m, t = e.memory, e.time
     cp = f" + context-parallel {_seconds(t.cp_exposed)}" if e.layout.cp > 1 else ""
+    if e.layout.pp > 1:
+        cp += f" + pipeline sends {_seconds(t.pp_comm)} + bubble {_seconds(t.pp_bubble)}"
     lines = [
         f"{e.layout.describe()}: {e.grad_accum} micro-batch(es) per step",
         f"  memory per GPU {_gib(m.total)} GiB of {_gib(e.usable_bytes)} usable: "
@@ -173,7 +175,8 @@ def plan_json(plan: Plan, model_name: str = "", model_flags: str = "") -> dict:
         return {**dataclasses.asdict(e.layout), "strategy": e.layout.strategy, "grad_accum": e.grad_accum,
                 "global_batch": e.global_batch, "fits": e.fits,
                 "memory_gib": {k: getattr(m, k) / GIB for k in ("state", "accumulated_grads", "activations", "total")},
-                "step_s": t.step, "tp_comm_s": t.tp_comm, "cp_comm_s": t.cp_exposed, "fsdp_exposed_s": t.dp_exposed,
+                "step_s": t.step, "tp_comm_s": t.tp_comm, "cp_comm_s": t.cp_exposed,
+                "pp_comm_s": t.pp_comm, "pp_bubble_s": t.pp_bubble, "fsdp_exposed_s": t.dp_exposed,
                 "tokens_per_s_per_gpu": e.tokens_per_s_per_gpu, "mfu": e.mfu(plan.hardware.peak_flops),
                 "config": config_flags(e, plan.workload, model_flags)}
 

@@ -9,7 +9,8 @@ import dataclasses
 import pytest
 
 from hybridpar.models.args import ModelArgs
-from hybridpar.plan import Layout, Workload, activation_bytes, estimate, make_plan
+from hybridpar.plan import (Layout, Workload, activation_bytes, all_gather_seconds, collective_bytes, estimate,
+                            make_plan)
 from hybridpar.plan.hardware import spec
 from hybridpar.plan.memory import param_counts
 from hybridpar.plan.pipeline import bubble_fraction, in_flight, stage_units
@@ -69,8 +70,10 @@ def test_pipeline_terms_of_an_estimate():
     assert t.pp_bubble / (t.step - t.pp_bubble - t.dp_exposed) == pytest.approx(3 / 16, rel=0.02)  # less the optimizer
     assert inter.time.pp_bubble < e.time.pp_bubble < gpipe.time.pp_bubble + 1e-9
     # FSDP gathers the stage once per step, not once per micro-batch.
-    flat = estimate(args, Layout(2, 2, 1, "none"), dataclasses.replace(w, global_batch=32 // 4), spec("h100", 4))
-    assert e.time.dp_comm < 16 * flat.time.dp_comm / 4
+    comm = collective_bytes(dataclasses.replace(args, n_layers=nb), dataclasses.replace(one, reshard_after_forward=False), w)
+    once = (all_gather_seconds(comm.fsdp_all_gather, 2, hw.intra_node_busbw)
+            + all_gather_seconds(comm.fsdp_reduce_scatter, 2, hw.intra_node_busbw))
+    assert e.time.dp_comm == pytest.approx(once)
     with pytest.raises(ValueError, match="two or more stages per rank"):
         estimate(args, dataclasses.replace(one, pp_schedule="Interleaved1F1B"), w, hw)
     with pytest.raises(ValueError, match="more than the model's 32 layers"):

@@ -94,7 +94,7 @@ def main(argv=None) -> int:
         "machine": {"platform": platform.platform(), "python": platform.python_version()},
         "cpu": rows, "hardware": {str(w): hw.name for w, hw in hardware.items()},
         "published": [{"name": r.case.name, "gpu": r.case.gpu, "gpus": r.case.gpus, "published": r.published,
-                       "planned": r.planned, "error": r.error, "hidden": r.hidden, "source": r.case.source,
+                       "planned": r.planned, "error": r.error, "source": r.case.source,
                        "missing": r.case.missing} for r in published],
     }, indent=1))
     print(f"\nwrote {out}")

@@ -444,28 +444,18 @@ def test_recomputation_and_compilation_change_the_work_as_they_should():
 
 def test_planner_against_published_runs():
     """torchtitan's H100 and A100 tables and the Llama 3 paper's 405B run: tokens/s per GPU within
-    25%. The 405B run hid FSDP's traffic with pipeline stages hybridpar does not have: the planned
-    layout is slower, and with that traffic hidden it is within 25%."""
-    from hybridpar.plan import make_plan
-    from hybridpar.plan.hardware import spec
-    from hybridpar.plan.published import CASES, compare, format_table
-    from hybridpar.models.args import ModelArgs
+    25% (the pipelined 405B rows within 15%: tests/test_plan_pipeline.py)."""
+    from hybridpar.plan.published import compare, format_table
 
     rows = compare()
     print("\n" + format_table(rows))
     assert {"h100-500w", "h100", "a100"} <= {r.case.gpu for r in rows}
     for row in rows:
-        if row.case.pipelined:
-            assert row.planned < row.published and abs(row.hidden / row.published - 1) <= 0.25, row
-        else:
-            assert abs(row.error) <= 0.25, row
+        assert abs(row.error) <= 0.25, row
     page = (ROOT / "docs" / "planner.md").read_text()  # its table shows today's figures
     stale = [r.case.name for r in rows
              if f"| {r.published:,.0f} | {r.planned:,.0f} | {100 * r.error:+.0f}% |" not in page]
     assert not stale, f"docs/planner.md's planner-versus-published table is out of date for {stale}"
-    big = next(c for c in CASES if c.pipelined)  # the layout compared is the one the planner picks
-    best = make_plan(ModelArgs.from_preset(big.model), big.workload, spec(big.gpu, big.gpus)).fitting[0]
-    assert best.layout == big.layout
 
 
 def test_gpu_specs_state_their_figures_and_the_cli_names_them_all(capsys):
@@ -483,7 +473,7 @@ def test_gpu_specs_state_their_figures_and_the_cli_names_them_all(capsys):
     with pytest.raises(ValueError, match="unknown --gpu 'v100'"):
         spec("v100", 8)
     code, out, _ = _run(capsys, "--published")
-    assert code == 0 and "Llama 3 405B" in out and "pipeline parallelism" in out
+    assert code == 0 and "Llama 3 405B" in out and "pp16v8 x mp8" in out
 
 
 def test_global_batch_parsing():

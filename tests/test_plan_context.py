@@ -137,7 +137,7 @@ def test_short_context_plans_stay_without_cp(preset, gpus, gpu, batch, fitting, 
 
 def test_when_activations_alone_do_not_fit_the_remedy_is_cp_until_it_cannot_grow(capsys):
     code, out, _ = _run(capsys, "--model", "llama3.1_70b", "--gpus", "256", "--gpu", "h100", "--seq-len", str(S),
-                        "--global-batch", "16Mtok", "--cp", "1")
+                        "--global-batch", "16Mtok", "--cp", "1", "--pp", "1")  # (pipeline stages would fit it)
     assert code == 1 and "no layout fits" in out, out
     assert "context parallelism: activations and buffers alone need" in out and "more GPUs will not do" not in out
     # cp 2 on the same 256 GPUs (dp_shard 32 -> 16) is enough: the plan without --cp finds it.

@@ -1,6 +1,7 @@
-"""Plan a layout before asking for GPUs: per-rank memory and step time of every (mp, cp, dp_shard,
+"""Plan a layout before asking for GPUs: per-rank memory and step time of every (pp, mp, cp, dp_shard,
 dp_replicate, AC) layout, best first (`hybridpar plan`; docs/planner.md). Context parallelism (cp)
-is considered when a sequence's activations need it (search.context_parallel_needed).
+is considered when a sequence's activations need it (search.context_parallel_needed), pipeline
+stages (pp) when nothing fits without them (pipeline: the bubble, micro-batches in flight, P2P).
 
 Arithmetic on the model's shape, derived from what hybridpar's code keeps, runs and sends: the
 fp32 state FSDP2 shards, gathered compute-dtype parameters, gradient buffers and the unsharded
@@ -10,13 +11,14 @@ collectives (tensor-parallel ones on the critical path, FSDP's overlapping compu
 tests/test_plan.py checks the state, activation, accumulated-gradient and collective bytes and
 calls, the FLOPs and the op counts against the real model on CPU, and the step time against
 published GPU runs (published.py); bench/planner.py checks it against bench/run.py on this CPU;
-tests/test_plan_context.py checks context parallelism's terms and the attention bytes it keeps.
+tests/test_plan_context.py checks context parallelism's terms and the attention bytes it keeps;
+tests/test_plan_pipeline.py pipeline parallelism's terms and the published pipelined runs.
 Not modelled: allocator fragmentation (keep a reserve), NCCL's latency, the slowdown of kernels
-sharing a GPU with NCCL's, pipeline parallelism and Float8 (hybridpar has neither).
+sharing a GPU with NCCL's, and Float8 (hybridpar has none).
 
 inputs: Layout, Workload, Hardware. hardware: named GPUs; cpu: this machine, measured. memory:
 parameters, activations, Memory. compute: the kernels' work. comm: collective bytes, calls and
-times. search: estimate, candidate_layouts, make_plan. report: the text. published: the check.
+times. pipeline: pp's stages, bubble and in-flight micro-batches. search: estimate, candidate_layouts, make_plan. report: the text. published: the check.
 """
 
 from ..config.dtypes import dtype_bytes

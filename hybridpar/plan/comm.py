@@ -26,10 +26,13 @@ class StepTime:
     # Context parallelism's K/V all-gathers and dK/dV reduce-scatters, and the part compute does not hide.
     cp_comm: float = 0.0
     cp_exposed: float = 0.0
+    # Pipeline parallelism: the stages' activation and gradient sends, and the bubble (idle seconds).
+    pp_comm: float = 0.0
+    pp_bubble: float = 0.0
 
     @property
     def step(self) -> float:
-        return self.compute + self.tp_comm + self.cp_exposed + self.dp_exposed
+        return self.compute + self.tp_comm + self.cp_exposed + self.dp_exposed + self.pp_comm + self.pp_bubble
 
 
 def group_busbw(stride: int, size: int, hw: Hardware) -> float:

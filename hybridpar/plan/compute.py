@@ -123,9 +123,14 @@ def micro_batch_work(args: ModelArgs, layout: Layout, workload: Workload, tp_cal
     forward, backward = forward + cp_forward, backward + cp_backward
     recomputed = layout.checkpointed_blocks(args.n_layers)
     blocks = args.n_layers * (forward + backward) + recomputed * forward
+    return blocks + head_work(args, mp, t, a) + Work(ops=tp_calls * TP_OPS_PER_CALL)
+
+
+def head_work(args: ModelArgs, mp: int, tokens: int, a: int) -> Work:
+    """The output head's matmul and the loss, forward and backward, for `tokens` on one mp rank."""
     vocab = args.vocab_size // mp
-    head = Work(gemm_flops=6.0 * t * args.dim * vocab, memory_bytes=t * vocab * loss_bytes(a), ops=sum(HEAD_OPS))
-    return blocks + head + Work(ops=tp_calls * TP_OPS_PER_CALL)
+    return Work(gemm_flops=6.0 * tokens * args.dim * vocab, memory_bytes=tokens * vocab * loss_bytes(a),
+                ops=sum(HEAD_OPS))
 
 
 def step_work(args: ModelArgs, layout: Layout, workload: Workload, gathers: int, reductions: int,

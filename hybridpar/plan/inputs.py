@@ -10,7 +10,7 @@ MASTER_BYTES = 4  # the trainer builds the model in fp32: master params, grads a
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """A mesh (dp_replicate, dp_shard, cp, mp) plus activation checkpointing and the resharding choice.
+    """A mesh (pp, dp_replicate, dp_shard, cp, mp) plus activation checkpointing and the resharding choice.
     cp (context parallelism, hybridpar.parallel.context) cuts every sequence over cp ranks that hold
     the same parameters: FSDP shards over dp_shard x cp, the batch per dp coordinate is unchanged."""
 
@@ -22,6 +22,9 @@ class Layout:
     reshard_after_forward: bool = True  # False: ZeRO-2 (shard_grad_op / hybrid_shard_zero2)
     sequence_parallel: bool = True  # parallel.sequence_parallel (acts only when mp > 1)
     cp: int = 1  # parallel.cp: ranks that share each sequence (last: positional callers predate it)
+    pp: int = 1  # parallel.pp: pipeline stages, the outermost dimension (hybridpar.plan.pipeline)
+    pp_schedule: str = "1F1B"  # parallel.pp_schedule (GPipe, 1F1B, Interleaved1F1B, ZBVZeroBubble)
+    v: int = 1  # virtual stages per rank: 1 for GPipe and 1F1B, 2 for ZBV, 2 or more interleaved
 
     @property
     def dp(self) -> int:
@@ -34,7 +37,7 @@ class Layout:
 
     @property
     def world(self) -> int:
-        return self.mp * self.cp * self.dp
+        return self.pp * self.mp * self.cp * self.dp
 
     @property
     def strategy(self) -> str:
@@ -56,13 +59,15 @@ class Layout:
     @property
     def name(self) -> str:
         cp = f"_cp{self.cp}" if self.cp > 1 else ""
-        return f"mp{self.mp}{cp}_dp{self.dp}"
+        pp = f"pp{self.pp}{'v' + str(self.v) if self.v > 1 else ''}_" if self.pp > 1 else ""
+        return f"{pp}mp{self.mp}{cp}_dp{self.dp}"
 
     def describe(self) -> str:
         ac = {"none": "no AC", "full": "full AC", "selective": f"AC every {self.ac_every}"}[self.ac]
         sp = ", sequence parallel" if self.sequence_parallel and self.mp > 1 else ""
         cp = f" x cp {self.cp}" if self.cp > 1 else ""
-        return (f"mp {self.mp}{cp} x dp_shard {self.dp_shard} x dp_replicate {self.dp_replicate} "
+        pp = f"pp {self.pp} ({self.pp_schedule}, {self.v} stage(s) per rank) x " if self.pp > 1 else ""
+        return (f"{pp}mp {self.mp}{cp} x dp_shard {self.dp_shard} x dp_replicate {self.dp_replicate} "
                 f"({self.strategy}, {ac}{sp})")
 
 
@@ -75,6 +80,9 @@ class Workload:
     reduce_dtype: str = "float32"  # FSDP gradient reduction dtype
     grad_sync: str = "last"  # train.grad_sync: reduce-scatter after the last micro-batch, or after "every" one
     compile: bool = False  # train.compile: each block's elementwise chains fused
+    # torch's asynchronous TP (torchtitan's enable_async_tensor_parallel, which hybridpar does not
+    # have): the tensor-parallel collectives overlap the matmuls beside them; priced as hidden.
+    async_tp: bool = False
 
     def grad_accum(self, dp: int) -> int:
         """Micro-batches per step for `dp` data-parallel ranks; ValueError when they do not divide."""

@@ -52,14 +52,21 @@ class ParamCounts:
         return self.embedding + self.n_layers * self.block + self.output + self.root
 
 
-def param_counts(args: ModelArgs, mp: int, dp_shard: int) -> ParamCounts:
+def param_counts(args: ModelArgs, mp: int, dp_shard: int, n_layers: int = -1, embedding: bool = True,
+                 head: bool = True) -> ParamCounts:
+    """The whole model's, or a pipeline stage's: `n_layers` blocks, with or without the embedding and
+    the head (the output projection and the final norm)."""
     shapes = local_param_shapes(args, mp)
     count = {unit: sum(_numel(s) for s in ss) for unit, ss in shapes.items()}
     sharded = {unit: sum(sharded_numel(s, dp_shard) for s in ss) for unit, ss in shapes.items()}
+    kept = {"embedding": embedding, "output": head, "root": head, "block": True}
+    count = {unit: n if kept[unit] else 0 for unit, n in count.items()}
+    sharded = {unit: n if kept[unit] else 0 for unit, n in sharded.items()}
+    n_layers = args.n_layers if n_layers < 0 else n_layers
     return ParamCounts(
         embedding=count["embedding"], block=count["block"], output=count["output"], root=count["root"],
-        n_layers=args.n_layers,
-        sharded=sharded["embedding"] + args.n_layers * sharded["block"] + sharded["output"] + sharded["root"],
+        n_layers=n_layers,
+        sharded=sharded["embedding"] + n_layers * sharded["block"] + sharded["output"] + sharded["root"],
     )
 
 

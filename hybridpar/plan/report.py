@@ -49,6 +49,8 @@ def _seconds(x: float) -> str:
 def breakdown(e: Estimate, hw: Hardware, plan: "Plan | None" = None) -> list[str]:
     m, t = e.memory, e.time
     cp = f" + context-parallel {_seconds(t.cp_exposed)}" if e.layout.cp > 1 else ""
+    if e.layout.pp > 1:
+        cp += f" + pipeline sends {_seconds(t.pp_comm)} + bubble {_seconds(t.pp_bubble)}"
     lines = [
         f"{e.layout.describe()}: {e.grad_accum} micro-batch(es) per step",
         f"  memory per GPU {_gib(m.total)} GiB of {_gib(e.usable_bytes)} usable: "
@@ -131,6 +133,11 @@ def format_plan(plan: Plan, top: int = 10, model_name: str = "", model_flags: st
         smallest = min(too_big, key=lambda e: e.memory.total)
         out.append(f"{len(too_big)} layouts need more than {_gib(hw.usable_bytes)} GiB (smallest of them: "
                    f"{smallest.layout.describe()}, {_gib(smallest.memory.total)} GiB)")
+    if fitting and not plan.pipeline:
+        out.append(f"pipeline parallelism not needed: {len(fitting)} layouts fit without it (--pp N prices one)")
+    elif plan.pipeline:
+        out.append(f"pipeline parallelism considered (pp {', '.join(map(str, plan.pipeline))}): "
+                   "the bubble (p - 1) / (v m + p - 1) is in each step time")
     for mp, reason in sorted(plan.rejected.items()):
         out.append(f"mp {mp} not considered: {reason}")
     if plan.skipped:
@@ -144,10 +151,14 @@ def config_flags(e: Estimate, w: Workload, model_flags: str = "") -> str:
     """Every `hybridpar train` key the estimate assumed, as flags: pasted after `hybridpar train`
     (with the data and output keys) it trains the layout that was planned."""
     lay = e.layout
+    # Under pp the step's micro-batches are the pipeline's: one batch of m x micro-batch sequences.
+    batch, accum = (w.micro_batch, e.grad_accum) if lay.pp == 1 else (w.micro_batch * e.grad_accum, 1)
     flags = [model_flags, f"--data.seq_len {w.seq_len}",
-             f"--data.micro_batch_size {w.micro_batch} --train.grad_accum {e.grad_accum}",
+             f"--data.micro_batch_size {batch} --train.grad_accum {accum}",
              f"--parallel.mp {lay.mp} --parallel.dp_shard {lay.dp_shard} --parallel.dp_replicate {lay.dp_replicate}",
              f"--parallel.cp {lay.cp}" if lay.cp > 1 else "",
+             f"--parallel.pp {lay.pp} --parallel.pp_schedule {lay.pp_schedule} --parallel.pp_microbatches "
+             f"{e.grad_accum}" if lay.pp > 1 else "",
              f"--parallel.sequence_parallel {'true' if lay.sequence_parallel else 'false'}",
              f"--fsdp.sharding_strategy {lay.strategy} --fsdp.activation_checkpointing {lay.ac}",
              f"--fsdp.ac_every {lay.ac_every}" if lay.ac == "selective" else "",
@@ -164,7 +175,8 @@ def plan_json(plan: Plan, model_name: str = "", model_flags: str = "") -> dict:
         return {**dataclasses.asdict(e.layout), "strategy": e.layout.strategy, "grad_accum": e.grad_accum,
                 "global_batch": e.global_batch, "fits": e.fits,
                 "memory_gib": {k: getattr(m, k) / GIB for k in ("state", "accumulated_grads", "activations", "total")},
-                "step_s": t.step, "tp_comm_s": t.tp_comm, "cp_comm_s": t.cp_exposed, "fsdp_exposed_s": t.dp_exposed,
+                "step_s": t.step, "tp_comm_s": t.tp_comm, "cp_comm_s": t.cp_exposed,
+                "pp_comm_s": t.pp_comm, "pp_bubble_s": t.pp_bubble, "fsdp_exposed_s": t.dp_exposed,
                 "tokens_per_s_per_gpu": e.tokens_per_s_per_gpu, "mfu": e.mfu(plan.hardware.peak_flops),
                 "config": config_flags(e, plan.workload, model_flags)}
 
@@ -202,6 +214,8 @@ def no_fit_message(plan: Plan) -> str:
                      "gradients: a smaller --global-batch or a larger --micro-batch)")
     if plan.workload.micro_batch > 1:
         hints.append("--micro-batch 1")
+    if not plan.pipeline:
+        hints.append("pipeline parallelism (--pp N: N stages each hold 1/N of the layers' state)")
     hints.append(f"a shorter --seq-len (activations {_gib(m.activations)} GiB)")
     return (f"no layout fits: the smallest needs {_gib(m.total)} GiB per GPU ({least.layout.name}, "
             f"{least.layout.describe()}), but {hw.gpu_mem_gib:g} GiB less the {hw.reserve_gib:g} GiB reserve "

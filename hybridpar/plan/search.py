@@ -11,9 +11,10 @@ from ..config.dtypes import dtype_bytes
 from ..config.fsdp import AC_MODES
 from .comm import (StepTime, all_gather_seconds, all_reduce_seconds, collective_bytes,
                    flops_per_token, group_busbw)
-from .compute import micro_batch_work, step_work
+from .compute import head_work, micro_batch_work, step_work
 from .inputs import MASTER_BYTES, Hardware, Layout, Workload
 from .memory import Memory, ParamCounts, activation_bytes, gathered_kv_bytes, param_counts
+from .pipeline import bubble_fraction, in_flight, schedule_stages, stage_units
 
 STEP_SCALARS = 3  # the trainer's all-reduces per step: target tokens, the loss, the gradient norm
 CP_NEEDED = 1 / 3  # context_parallel_needed: the share of memory one sequence's activations may take at cp 1
@@ -56,19 +57,41 @@ def estimate(args: ModelArgs, layout: Layout, workload: Workload, hw: Hardware) 
     """Memory per rank and time per step of one layout. ValueError if the batch does not divide."""
     if layout.ac not in AC_MODES:
         raise ValueError(f"ac must be one of {AC_MODES}, got {layout.ac!r}")
-    mp, dr, cp = layout.mp, layout.dp_replicate, layout.cp
+    original, mp, dr, cp = layout, layout.mp, layout.dp_replicate, layout.cp
     if cp < 1 or (cp > 1 and workload.seq_len % (2 * cp)):
         raise ValueError(f"seq_len = {workload.seq_len} is not divisible by 2 x cp = {2 * cp}")
     a, r = dtype_bytes(workload.param_dtype), dtype_bytes(workload.reduce_dtype)
     grad_accum = workload.grad_accum(layout.dp)
     global_batch = layout.dp * workload.micro_batch * grad_accum
-    b, s, L = workload.micro_batch, workload.seq_len, args.n_layers
+    b, s, pp = workload.micro_batch, workload.seq_len, layout.pp
+    whole = args
+    if pp > 1:
+        # A pipeline rank holds its stages' blocks: priced as the rank with most of them, and FSDP
+        # does not reshard between micro-batches (one all-gather per step), so hybridpar's pipeline
+        # engine keeps the stage's parameters gathered and its gradients unsharded until the last one.
+        v = schedule_stages(layout.pp_schedule, layout.v)
+        if layout.pp_schedule != "GPipe" and grad_accum < pp:  # torch's Schedule1F1B refuses it too
+            raise ValueError(f"{grad_accum} micro-batches per step are fewer than the pp = {pp} stages "
+                             f"{layout.pp_schedule} needs")
+        if pp * v > args.n_layers + 2:
+            raise ValueError(f"pp x stages per rank = {pp * v} is more than the model's {args.n_layers} layers + 2")
+        args = dataclasses.replace(args, n_layers=stage_units(args.n_layers, pp, v))
+        layout = dataclasses.replace(layout, reshard_after_forward=False)
+    L = args.n_layers
 
     counts = param_counts(args, mp, layout.fsdp_shard)
+    if pp > 1:  # the middle ranks' blocks, or one fewer with the embedding, or with the head
+        counts = max(param_counts(args, mp, layout.fsdp_shard, L, False, False),
+                     param_counts(args, mp, layout.fsdp_shard, L - 1, True, False),
+                     param_counts(args, mp, layout.fsdp_shard, L - 1, False, True), key=lambda c: c.sharded)
     n_ac = layout.checkpointed_blocks(L)
     acts = activation_bytes(args, mp, b, s, a, n_ac, layout.sequence_parallel, cp)
+    saved = acts.saved
+    if pp > 1:  # the micro-batches in flight on the first rank; the head's of one micro-batch
+        ends = acts.head + acts.embedding
+        saved = in_flight(layout.pp_schedule, pp, v, grad_accum) * (saved - ends) + ends
 
-    kept_blocks = L if not layout.reshard_after_forward else min(2, L)  # current + prefetched
+    kept_blocks = counts.n_layers if not layout.reshard_after_forward else min(2, L)  # current + prefetched
     gathered = (counts.embedding + counts.output + counts.root + kept_blocks * counts.block) * a
     grad_buffers = _grad_buffers(args, counts, a, r)
     sync_every = workload.grad_sync == "every"
@@ -83,7 +106,7 @@ def estimate(args: ModelArgs, layout: Layout, workload: Workload, hw: Hardware) 
     memory = Memory(
         params=counts.sharded * MASTER_BYTES, grads=counts.sharded * MASTER_BYTES,
         optimizer=2 * counts.sharded * MASTER_BYTES, accumulated_grads=accumulated,
-        gathered_params=gathered, grad_buffers=grad_buffers, activations=acts.saved,
+        gathered_params=gathered, grad_buffers=grad_buffers, activations=saved,
         transient=max(acts.loss_transient, backward_work),
     )
 
@@ -91,9 +114,15 @@ def estimate(args: ModelArgs, layout: Layout, workload: Workload, hw: Hardware) 
     # and per step FSDP's copies and the optimizer.
     comm = collective_bytes(args, layout, workload)
     reductions = grad_accum if sync_every else 1
-    gathers = (2 if layout.reshard_after_forward else 1) * grad_accum
-    dp_calls = grad_accum * comm.fsdp_gather_calls + reductions * comm.fsdp_reduce_calls + comm.replica_calls
-    compute_mb = micro_batch_work(args, layout, workload, comm.tp_calls + comm.cp_calls).seconds(hw)
+    gathers = (2 if layout.reshard_after_forward else 1) * (grad_accum if pp == 1 else 1)
+    dp_calls = (grad_accum if pp == 1 else 1) * comm.fsdp_gather_calls + reductions * comm.fsdp_reduce_calls \
+        + comm.replica_calls
+    work = micro_batch_work(args, layout, workload, comm.tp_calls + comm.cp_calls)
+    if pp > 1:  # the middle ranks' blocks, or the last rank's one fewer and the head
+        head = head_work(args, mp, b * s // cp, a)
+        work = max(work + (-1) * head, micro_batch_work(dataclasses.replace(args, n_layers=L - 1), layout, workload,
+                                                       comm.tp_calls + comm.cp_calls), key=lambda w: w.seconds(hw))
+    compute_mb = work.seconds(hw)
     step_extra = step_work(args, layout, workload, gathers, reductions, dp_calls).seconds(hw)
     # The mesh (dp_replicate, dp_shard, cp, mp), mp innermost: FSDP's group is the dp_shard x cp
     # ranks mp apart, the cp group the cp ranks mp apart, the replicas mp x cp x dp_shard apart.
@@ -102,6 +131,8 @@ def estimate(args: ModelArgs, layout: Layout, workload: Workload, hw: Hardware) 
     fs_bw, dr_bw = group_busbw(mp, fs, hw), group_busbw(mp * fs, dr, hw)
     tp_mb = (all_reduce_seconds(comm.tp_all_reduce, mp, mp_bw) + all_gather_seconds(comm.tp_all_gather, mp, mp_bw)
              + all_gather_seconds(comm.tp_reduce_scatter, mp, mp_bw))
+    if workload.async_tp:
+        tp_mb = 0.0
     # Context parallelism's collectives wait for their result: hybridpar.parallel.context gathers K|V
     # before the attention that needs it, and the block's backward goes on from the reduced dK|dV.
     cp_mb = all_gather_seconds(comm.cp_all_gather, cp, cp_bw) + all_gather_seconds(comm.cp_reduce_scatter, cp, cp_bw)
@@ -109,7 +140,18 @@ def estimate(args: ModelArgs, layout: Layout, workload: Workload, hw: Hardware) 
     rs = all_gather_seconds(comm.fsdp_reduce_scatter, fs, fs_bw)
     ar = all_reduce_seconds(comm.replica_all_reduce, dr, dr_bw)
     busy = compute_mb + tp_mb + cp_mb
-    if sync_every:  # every micro-batch gathers and reduces: sharded accumulation, more traffic
+    pp_mb = 0.0
+    if pp > 1:
+        # Each of a rank's v stages receives a micro-batch's hidden state and sends its own, and the
+        # gradients back (the sequence-parallel shard under mp): over the pp link, between nodes
+        # once a stage's ranks fill one.
+        sp = mp if layout.sequence_parallel and mp > 1 else 1
+        hidden = b * s // cp // sp * args.dim * a
+        pp_mb = 2 * v * hidden / group_busbw(layout.world // pp, pp, hw)
+    if pp > 1:  # the stage's parameters gathered once, its gradients reduced once per step
+        exposed = max(0.0, ag + rs + ar - busy)
+        dp_comm = ag + rs + ar
+    elif sync_every:  # every micro-batch gathers and reduces: sharded accumulation, more traffic
         exposed = grad_accum * max(0.0, ag + rs + ar - busy)
         dp_comm = grad_accum * (ag + rs + ar)
     else:
@@ -126,12 +168,18 @@ def estimate(args: ModelArgs, layout: Layout, workload: Workload, hw: Hardware) 
         tp = share * tp + tp_calls * hw.sync_wait
         cp_time = share * cp_time + grad_accum * comm.cp_calls * hw.sync_wait
         dp_comm = exposed = share * dp_comm + dp_calls * hw.sync_wait
+    pp_comm = grad_accum * pp_mb
+    # The bubble: each rank idles (p - 1) / (v m + p - 1) of the pipelined part of the step.
+    bubble = 0.0
+    if pp > 1:
+        share = bubble_fraction(pp, v, grad_accum)
+        bubble = share / (1 - share) * (compute - step_extra + tp + cp_time + pp_comm)
     time = StepTime(compute=compute, tp_comm=tp, dp_comm=dp_comm, dp_exposed=exposed, cp_comm=cp_time,
-                    cp_exposed=cp_time)
+                    cp_exposed=cp_time, pp_comm=pp_comm, pp_bubble=bubble)
     tokens = global_batch * s
     return Estimate(
-        layout=layout, grad_accum=grad_accum, global_batch=global_batch, memory=memory, time=time,
-        tokens_per_step=tokens, model_flops_per_step=flops_per_token(args, s) * tokens, usable_bytes=hw.usable_bytes,
+        layout=original, grad_accum=grad_accum, global_batch=global_batch, memory=memory, time=time,
+        tokens_per_step=tokens, model_flops_per_step=flops_per_token(whole, s) * tokens, usable_bytes=hw.usable_bytes,
     )
 
 
@@ -153,9 +201,19 @@ def context_parallel_sizes(world: int, seq_len: int, split: int = 1) -> list[int
 def candidate_layouts(args: ModelArgs, hw: Hardware, *, allow_cross_node_mp: bool = False,
                       ac_modes: Iterable[str] = AC_MODES, zero2: bool = False, ac_every: int = 2,
                       sequence_parallel: bool = True, seq_len: int = 0,
-                      cp: int = 0) -> tuple[list[Layout], dict[int, str]]:
+                      cp: int = 0, pp: int = 1) -> tuple[list[Layout], dict[int, str]]:
     """Every layout of hw.gpus ranks the model can run; and the rejected mp sizes with the reason.
-    cp 0 considers every context-parallel size (context_parallel_sizes), cp N only N."""
+    cp 0 considers every context-parallel size (context_parallel_sizes), cp N only N. pp > 1: layouts
+    of pp stages (1F1B, and Interleaved1F1B at 2 stages per rank where the layers allow) over the
+    hw.gpus / pp ranks of each."""
+    if pp > 1:
+        inner, rejected = candidate_layouts(args, dataclasses.replace(hw, gpus=hw.gpus // pp),
+                                            allow_cross_node_mp=allow_cross_node_mp, ac_modes=ac_modes, zero2=False,
+                                            ac_every=ac_every, sequence_parallel=sequence_parallel, seq_len=seq_len,
+                                            cp=cp)
+        schedules = [(name, v) for name, v in (("1F1B", 1), ("Interleaved1F1B", 2)) if pp * v <= args.n_layers + 2]
+        return [dataclasses.replace(lay, pp=pp, pp_schedule=name, v=v) for lay in inner for name, v in schedules
+                if lay.reshard_after_forward], rejected
     layouts: list[Layout] = []
     rejected: dict[int, str] = {}
     for mp in divisors(hw.gpus):
@@ -197,14 +255,17 @@ class Plan:
     rejected: dict[int, str]  # mp -> why no layout with it was considered
     skipped: list[tuple[Layout, str]]  # layouts the global batch does not divide
     context_parallel: bool = False  # layouts with cp > 1 were considered
+    pipeline: tuple[int, ...] = ()  # the pp sizes > 1 considered
 
     @property
     def fitting(self) -> list[Estimate]:
         return [e for e in self.estimates if e.fits]
 
-    def find(self, mp: int, dp_shard: int, dp_replicate: int, ac: Optional[str] = None, cp: int = 1) -> list[Estimate]:
-        return [e for e in self.estimates if (e.layout.mp, e.layout.cp, e.layout.dp_shard, e.layout.dp_replicate) ==
-                (mp, cp, dp_shard, dp_replicate) and (ac is None or e.layout.ac == ac)]
+    def find(self, mp: int, dp_shard: int, dp_replicate: int, ac: Optional[str] = None, cp: int = 1,
+             pp: int = 1) -> list[Estimate]:
+        return [e for e in self.estimates if (e.layout.mp, e.layout.cp, e.layout.dp_shard, e.layout.dp_replicate,
+                                              e.layout.pp) == (mp, cp, dp_shard, dp_replicate, pp)
+                and (ac is None or e.layout.ac == ac)]
 
 
 def make_plan(args: ModelArgs, workload: Workload, hw: Hardware, **candidate_options) -> Plan:
@@ -223,7 +284,11 @@ def make_plan(args: ModelArgs, workload: Workload, hw: Hardware, **candidate_opt
     cp = candidate_options.pop("cp", 0)
     if cp < 0:
         raise ValueError(f"cp must be 1 or more (0: the planner chooses), got {cp}")
-    layouts, rejected = candidate_layouts(args, hw, seq_len=workload.seq_len, cp=cp, **candidate_options)
+    pp = candidate_options.pop("pp", 0)
+    if pp < 0 or (pp and hw.gpus % pp):
+        raise ValueError(f"pp must divide the {hw.gpus} GPUs (0: the planner chooses), got {pp}")
+    layouts, rejected = candidate_layouts(args, hw, seq_len=workload.seq_len, cp=cp, pp=max(pp, 1),
+                                          **candidate_options)
     if cp > 1 and not layouts:
         raise ValueError(f"cp = {cp} fits no layout of {hw.gpus} GPUs: cp must divide gpus / mp and seq_len "
                          f"{workload.seq_len} be a multiple of 2 x cp (x mp with sequence parallelism)")
@@ -234,11 +299,19 @@ def make_plan(args: ModelArgs, workload: Workload, hw: Hardware, **candidate_opt
             try:
                 estimates.append(estimate(args, layout, workload, hw))
             except ValueError as err:
-                skipped.append((layout, str(err)))
+                if layout.pp == 1:  # a pipeline the batch cannot fill is not listed
+                    skipped.append((layout, str(err)))
 
     add([lay for lay in layouts if lay.cp == 1 or cp])
     if not cp and context_parallel_needed(estimates, hw):
         add([lay for lay in layouts if lay.cp > 1])
+    # Pipeline stages when nothing fits without them: every power of two dividing the GPUs that the
+    # layers allow (stages divide the state and the activations; the bubble costs time).
+    tried = (pp,) if pp > 1 else ()
+    if not pp and not any(e.fits for e in estimates):
+        tried = tuple(n for n in (2 ** k for k in range(1, 12)) if hw.gpus % n == 0 and n <= args.n_layers + 2)
+        for n in tried:
+            add(candidate_layouts(args, hw, seq_len=workload.seq_len, cp=cp, pp=n, **candidate_options)[0])
     if skipped and not estimates:
         dps = sorted({lay.dp for lay, _ in skipped})
         raise ValueError(f"global batch {workload.global_batch} is not a multiple of dp x micro-batch "
@@ -246,7 +319,7 @@ def make_plan(args: ModelArgs, workload: Workload, hw: Hardware, **candidate_opt
                          "choose a global batch divisible by one of them")
     estimates.sort(key=lambda e: (not e.fits, -e.tokens_per_s_per_gpu if e.fits else e.memory.total, e.memory.total))
     considered = any(e.layout.cp > 1 for e in estimates) or any(lay.cp > 1 for lay, _ in skipped)
-    return Plan(args, workload, hw, estimates, rejected, skipped, considered)
+    return Plan(args, workload, hw, estimates, rejected, skipped, considered, tried)
 
 
 def context_parallel_needed(estimates: list[Estimate], hw: Hardware) -> bool:

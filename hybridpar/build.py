@@ -43,7 +43,7 @@ def build_model(args: ModelArgs, parallel: ParallelDims, *, device: Optional[tor
     if fsdp is None:
         return model
     # 3. Activation checkpointing: inserts no wrapper module, so parameter names stay Meta's.
-    apply_activation_checkpointing(model.layers, fsdp.activation_checkpointing, fsdp.ac_every)
+    apply_activation_checkpointing(list(model.layers.values()), fsdp.activation_checkpointing, fsdp.ac_every)
     # 4. Compile each block: after activation checkpointing, which it then traces; before FSDP, whose
     #    hooks stay outside the compiled code.
     if compile:

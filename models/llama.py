@@ -292,7 +292,8 @@ class Transformer(nn.Module):
         factory = dict(dtype=dtype, device=device, sequence_parallel=sequence_parallel)
         embedding = VocabParallelEmbedding if args.resolved_embedding_split == "vocab" else ParallelEmbedding
         self.tok_embeddings = embedding(args.vocab_size, args.dim, init_method=_normal(0.02), parallel=parallel, **factory)
-        self.layers = nn.ModuleList(TransformerBlock(i, args, parallel, **factory) for i in range(args.n_layers))
+        # Keyed by index, as a ModuleList's state-dict keys: a pipeline stage keeps only its layers, names kept.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args, parallel, **factory) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps, parallel, **factory)
         if args.tie_embeddings:
             self.output = TiedOutput(self.tok_embeddings, parallel, sequence_parallel)
@@ -307,7 +308,7 @@ class Transformer(nn.Module):
         max_len = self.args.max_seq_len if max_len is None else max_len
         if not 0 < max_len <= self.args.max_seq_len:
             raise ValueError(f"cache max_len = {max_len} must be between 1 and max_seq_len = {self.args.max_seq_len}")
-        attention = self.layers[0].attention
+        attention = next(iter(self.layers.values())).attention
         weight = local_tensor(attention.wq.weight)
         return KVCache(self.args.n_layers, batch, max_len, attention.n_local_kv_heads, attention.head_dim,
                        dtype or weight.dtype, weight.device)
@@ -325,7 +326,7 @@ class Transformer(nn.Module):
         Without a cache start_pos must be 0. With one, the keys and values of these positions are
         written into it and attention also sees the cached positions before start_pos.
         """
-        batch, seq = tokens.shape
+        batch, seq = tokens.shape[:2]  # a pipeline stage after the first takes hidden states [B, S, dim]
         if self.cp > 1 and cache is not None:
             raise ValueError(f"generation with a kv cache runs at cp = 1, this model was built with cp = {self.cp}: "
                              "build it with parallel.cp = 1 (the parameters do not depend on cp)")
@@ -353,9 +354,11 @@ class Transformer(nn.Module):
         else:
             positions = torch.arange(start_pos, end, device=tokens.device)
         freqs_cis = rope_frequencies(self.args.head_dim, positions, self.args.rope_theta, self.args.rope_scaling)
-        h = self.tok_embeddings(tokens)
-        for i, layer in enumerate(self.layers):
-            h = layer(h, freqs_cis) if cache is None else layer(h, freqs_cis, cache.layer(i), start_pos)
+        h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
+        for name, layer in self.layers.items():
+            h = layer(h, freqs_cis) if cache is None else layer(h, freqs_cis, cache.layer(int(name)), start_pos)
+        if self.output is None:  # a pipeline stage before the last (parallel.pipeline.keep_stage)
+            return h
         # Into the head's region; sequence parallel: all the tokens, laid out [batch, seq, dim] again.
         h = enter_region(self.norm(h), self.group, self.sequence_parallel).view(batch, seq, -1)
         logits = self.output(h, copy_input=False)

@@ -53,7 +53,7 @@ def dp_mesh_for(strategy: str, parallel: ParallelDims):
     return parallel.fsdp_mesh  # 2-D (dp_replicate, dp_shard x cp); no_shard is the case dp_shard x cp = 1
 
 
-def apply_activation_checkpointing(blocks: nn.ModuleList, mode: str, every: int = 2) -> list[int]:
+def apply_activation_checkpointing(blocks: list[nn.Module], mode: str, every: int = 2) -> list[int]:
     """Recompute the activations of the chosen blocks in backward; returns their indices. The
     composable API inserts no wrapper module, so parameter names stay Meta's."""
     if mode == "none":
@@ -86,7 +86,7 @@ def check_compiler(compile: bool, parallel: ParallelDims) -> None:
 
 def compile_blocks(model: nn.Module) -> None:
     """torch.compile each block in place."""
-    for block in model.layers:
+    for block in model.layers.values():
         block.compile()
 
 
@@ -114,12 +114,12 @@ def _shard_units(model: nn.Module, mesh, strategy: str, policies: dict) -> None:
     # gradient: kept gathered from its forward to its backward (the memory of one unit), it saves an
     # all-gather per step. Tied to the output head, it is used at both ends: the root unit holds it.
     tied = model.args.tie_embeddings
-    if not tied:
+    if not tied and model.tok_embeddings is not None:  # None: a pipeline stage after the first
         fully_shard(model.tok_embeddings, mesh=mesh, reshard_after_forward=False, **policies)
-    for block in model.layers:
+    for block in model.layers.values():
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, **policies)
     # The head runs last in forward and first in backward: resharding it in between only costs a gather.
-    if not tied:
+    if not tied and model.output is not None:
         fully_shard(model.output, mesh=mesh, reshard_after_forward=False, **policies)
     fully_shard(model, mesh=mesh, reshard_after_forward=False, **policies)
 
@@ -127,8 +127,8 @@ def _shard_units(model: nn.Module, mesh, strategy: str, policies: dict) -> None:
 def _units(model: nn.Module) -> list[nn.Module]:
     """The FSDP units below the root, in forward order."""
     if model.args.tie_embeddings:
-        return list(model.layers)
-    return [model.tok_embeddings, *model.layers, model.output]
+        return list(model.layers.values())
+    return [u for u in (model.tok_embeddings, *model.layers.values(), model.output) if u is not None]
 
 
 def _set_prefetch(model: nn.Module, forward: int, backward: int) -> None:

@@ -139,7 +139,7 @@ def _case_fsdp_export(folder: str):
         expected_logits = model(tokens, gather_logits=True)
     apply_fsdp(model, parallel)  # hybrid_shard, bf16 compute: the stored parameters stay fp32
     model(tokens).sum().backward()  # leave FSDP in its after-step state
-    placements = str(model.layers[0].attention.wq.weight.placements)
+    placements = str(model.layers["0"].attention.wq.weight.placements)
     save_meta_checkpoint(model, folder, parallel, 2)
 
     p1 = parallel_dims(mp=1)

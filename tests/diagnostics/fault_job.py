@@ -79,7 +79,7 @@ def _kill_in_forward(trainer: Trainer, rank: int, step: int, fired: list) -> Non
             _announce("kill_forward", rank)
             os.kill(os.getpid(), signal.SIGKILL)
 
-    trainer.model.layers[1].register_forward_pre_hook(hook)
+    trainer.model.layers["1"].register_forward_pre_hook(hook)
 
 
 def _kill_in_save(trainer: Trainer, rank: int, step: int, fired: list) -> None:

@@ -139,7 +139,7 @@ def test_initial_weights_do_not_depend_on_mesh(workers, check_close, mp, dp_shar
 def _case_kv_heads_replicated(mp: int) -> tuple:
     args = ModelArgs.from_preset("debug_gqa")
     model = Transformer(args, parallel_dims(mp=mp))
-    wk = model.layers[0].attention.wk
+    wk = model.layers["0"].attention.wk
     return type(wk).__name__, tuple(wk.weight.to_local().shape)
 
 

@@ -15,9 +15,9 @@ def _case_recompute_counts(mode: str, every: int) -> tuple:
 
     args = ModelArgs.from_preset("debug", n_layers=4)
     model = Transformer(args, parallel_dims())
-    chosen = apply_activation_checkpointing(model.layers, mode, every)
+    chosen = apply_activation_checkpointing(list(model.layers.values()), mode, every)
     calls = [0] * len(model.layers)
-    for i, block in enumerate(model.layers):
+    for i, block in enumerate(model.layers.values()):
         forward = block.feed_forward.forward  # counted in the instance, so recomputation counts too
 
         def counted(x, i=i, forward=forward):

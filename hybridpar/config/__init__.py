@@ -16,7 +16,7 @@ from typing import Any, Optional, Sequence, Union
 
 from .fsdp import FSDPConfig
 from .options import ConfigError, description, option
-from .pipeline import stage_layers
+from .pipeline import parse_pp_layers
 from .sources import blend_sources
 
 # A record (a .jsonl line, a table's text) longer than this is refused, or skipped: data.max_document_bytes.
@@ -180,7 +180,7 @@ class Config:
         if self.data.on_exhausted not in ("repeat", "stop"):
             raise ConfigError(f"data.on_exhausted must be 'repeat' or 'stop', got {self.data.on_exhausted!r}")
         self.data.sources = blend_sources(self.data.sources)
-        self.parallel.pp_layers = stage_layers(self.parallel.pp_layers)
+        self.parallel.pp_layers = parse_pp_layers(self.parallel.pp_layers)
         if self.data.sources and self.data.source != DataConfig.source:
             raise ConfigError("data.source and data.sources are both set: data.source is the one-source shorthand; "
                               "list every source in data.sources, or drop data.sources")

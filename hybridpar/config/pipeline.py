@@ -21,7 +21,7 @@ MULTI_STAGE = ("Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")  # >= 2 stages p
 V_SHAPED = ("ZBVZeroBubble", "DualPipeV")  # exactly 2 stages per rank
 
 
-def stage_layers(value) -> list[int]:
+def parse_pp_layers(value) -> list[int]:
     """parallel.pp_layers as a list of ints: a TOML list, or a command line's "4,4,3" (or "[4, 4, 3]")."""
     if isinstance(value, str):
         value = [v for v in value.replace(" ", "").strip("[]").split(",") if v]

@@ -19,10 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..config.pipeline import SCHEDULES, V_SHAPED
 from .loss import vocab_parallel_cross_entropy
 
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")
-V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")  # rank r holds stages r and 2p-1-r
 
 
 def stage_layer_counts(n_layers: int, n_stages: int, override: Optional[Sequence[int]] = None) -> list[int]:
@@ -52,7 +51,7 @@ def stage_layer_counts(n_layers: int, n_stages: int, override: Optional[Sequence
 
 def stage_ids(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
     """The stage indices rank pp_rank holds: looped (r, r+p, r+2p, ...) or, for the V schedules, r and 2p-1-r."""
-    if schedule in V_SCHEDULES:
+    if schedule in V_SHAPED:  # rank r holds stages r and 2p-1-r
         if virtual != 2:
             raise ValueError(f"{schedule} runs 2 stages per rank, not {virtual}")
         return [pp_rank, 2 * pp - 1 - pp_rank]
@@ -98,12 +97,10 @@ class PipelineEngine:
         self.has_first = 0 in ids
         self._mp_group, self._scale = mp_group, 1.0
         self.stages = [pipelining.PipelineStage(m, s, n_stages, device, group=group) for m, s in zip(stages, ids)]
-        classes = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B", "Interleaved1F1B": "ScheduleInterleaved1F1B",
-                   "ZBVZeroBubble": "ScheduleZBVZeroBubble", "DualPipeV": "ScheduleDualPipeV"}
-        if schedule not in classes or not hasattr(pipelining, classes[schedule]):
+        if schedule not in SCHEDULES or not hasattr(pipelining, SCHEDULES[schedule]):
             raise ValueError(f"parallel.pp_schedule = {schedule!r}: use one of "
-                             f"{[s for s in SCHEDULES if hasattr(pipelining, classes[s])]}")
-        cls = getattr(pipelining, classes[schedule])
+                             f"{[s for s in SCHEDULES if hasattr(pipelining, SCHEDULES[s])]}")
+        cls = getattr(pipelining, SCHEDULES[schedule])
         single = schedule in ("GPipe", "1F1B")
         if single and len(self.stages) != 1:
             raise ValueError(f"{schedule} runs one stage per rank, this rank holds {len(self.stages)}")

@@ -105,7 +105,7 @@ def test_a_128_rank_context_parallel_job_is_rehearsed(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads((tmp_path / "dry.json").read_text())
     print(f"\n128-rank cp 4 dry run: {seconds:.0f} s; {report['layout']}")
-    assert report["ok"] and report["world"] == 128 and report["layout"].startswith("mp 8 x cp 4 x dp_shard 4")
+    assert report["ok"] and report["world"] == 128 and report["layout"].startswith("dp_replicate 1 x dp_shard 4 x cp 4 x mp 8 = 128 ranks")
     dims = {(c["dim"], c["op"]) for c in report["collectives"]}
     assert {("cp", "all_gather"), ("cp", "reduce_scatter"), ("dp_shard_cp", "all_gather")} <= dims, dims
     share = sum(report["state_bytes"].values()) / sum(report["expected_bytes"].values())

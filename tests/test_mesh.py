@@ -285,7 +285,7 @@ def _case_mesh(dims: dict) -> dict:
             "dp_replicate": ranks(parallel.dp_replicate_group),
         },
         # FSDP's meshes: every rank holding the same mp shard (flat), and hybrid sharding's 2-D one.
-        "fsdp_flat": ranks(parallel.fsdp_flat_mesh.get_group()),
+        "fsdp_flat": ranks(parallel.dp_cp_mesh.get_group()),
         "fsdp": {n: ranks(parallel.fsdp_mesh.get_group(n)) for n in parallel.fsdp_mesh.mesh_dim_names},
     }
     if parallel.cp > 1:

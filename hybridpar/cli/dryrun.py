@@ -87,8 +87,7 @@ def dry_run(config: Union[Config, "Job"], world: Optional[int] = None, rank: int
     if not _check(run, "mesh", lambda: _mesh_detail(sizes, resolve_sizes(world, p.mp, p.dp_shard, dp_replicate, p.cp, p.pp))):
         return _finish(run, started)
     pp, dr, ds, cp, mp = sizes
-    cp_part = f"cp {cp} x " if cp > 1 else ""
-    run.layout = f"mp {mp} x {cp_part}dp_shard {ds} x dp_replicate {dr} = {world} ranks, {c.fsdp.sharding_strategy}"
+    run.layout = f"{sizes_text(*sizes)} = {world} ranks, {c.fsdp.sharding_strategy}"
     _check(run, "model parallelism inside a node",
            lambda: _inside_node(mp, gpus_per_node) if target == "gpu" else "CPU run: not applicable")
     _check(run, "batch", lambda: _batch_detail(c, ds * dr))

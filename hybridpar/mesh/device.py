@@ -7,7 +7,7 @@ Layout (the contract every other module relies on): a DeviceMesh of shape
     dp_rank = replicate_idx * dp_shard + shard_idx,  dp_size = dp_replicate * dp_shard
 
 The cp ranks of a data-parallel coordinate hold the same parameters: FSDP shards over dp_shard x cp
-(`fsdp_mesh`, `fsdp_flat_mesh`) and the loss is summed over dp x cp (`dp_cp_group`). With cp = 1
+(`fsdp_mesh`, `dp_cp_mesh`) and the loss is summed over dp x cp (`dp_cp_group`). With cp = 1
 those are the (dp_replicate, dp_shard) meshes and the dp group themselves. Every group but pp's lies
 within one pipeline stage (the stage's layers are all FSDP and the loss know); `pp_group` joins the
 stages of one (dp, cp, mp) coordinate, for the pipeline's sends and receives.
@@ -115,14 +115,10 @@ class ParallelDims:
         return self.coords.shard_idx
 
     # Sub-meshes: DTensor parameters live on mp_mesh; FSDP works over fsdp_mesh (2D, hybrid sharding)
-    # or fsdp_flat_mesh (1D).
+    # or dp_cp_mesh (1D).
     @property
     def mp_mesh(self) -> DeviceMesh:
         return self.mesh["mp"]
-
-    @property
-    def fsdp_flat_mesh(self) -> DeviceMesh:
-        return self.dp_cp_mesh
 
     @property
     def cp_group(self) -> Optional[dist.ProcessGroup]:

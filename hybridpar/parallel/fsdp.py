@@ -39,7 +39,7 @@ def dp_mesh_for(strategy: str, parallel: ParallelDims):
                 f"{strategy} shards over every data-parallel rank, but dp_replicate = {parallel.dp_replicate}: "
                 "use hybrid_shard (or hybrid_shard_zero2), or set dp_replicate = 1"
             )
-        return parallel.fsdp_flat_mesh
+        return parallel.dp_cp_mesh
     if strategy == "no_shard" and parallel.cp != 1:
         raise ValueError(
             f"no_shard keeps a whole copy per data-parallel rank, but cp = {parallel.cp} ranks share each copy: "

@@ -1,6 +1,6 @@
 """Checkpoints do not depend on cp: a run trained at cp 2 and saved mid-run resumes at cp 1 (world 1,
-and dp 2 at world 2) from the saved data position, and every loss after the resume and every final
-parameter equal the uninterrupted cp 2 run's."""
+and dp 2 at world 2) and at cp 4 (world 4) from the saved data position, and every loss after the
+resume and every final parameter equal the uninterrupted cp 2 run's."""
 
 import shutil
 
@@ -29,15 +29,19 @@ def cp2_runs(workers, corpus, tmp_path_factory):
     return {"straight": straight, "half": half, "folder": root / "half"}
 
 
+# target: (world, cp, dp) of the resumed run
+TARGETS = {"cp1-world1": (1, 1, 1), "cp1-dp2": (2, 1, 2), "cp4-world4": (4, 4, 1)}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("target", ["cp1-world1", "cp1-dp2"])
-def test_cp2_checkpoint_resumes_at_cp1(cp2_runs, check_close, workers, corpus, tmp_path, target):
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_cp2_checkpoint_resumes_at_another_cp(cp2_runs, check_close, workers, corpus, tmp_path, target):
     s = cp2_runs
     assert s["half"]["losses"] == s["straight"]["losses"][:HALF]
     folder = tmp_path / "ckpt"  # a copy: each target resumes from step 5, not from another's step 10
     shutil.copytree(s["folder"] / f"step-{HALF:08d}", folder / f"step-{HALF:08d}")
-    world, dp = (1, 1) if target == "cp1-world1" else (2, 2)
-    resumed = workers(world).run(_case_run, _config(corpus, folder, tmp_path / "run", cp=1, dp=dp))[0]
+    world, cp, dp = TARGETS[target]
+    resumed = workers(world).run(_case_run, _config(corpus, folder, tmp_path / "run", cp=cp, dp=dp))[0]
     assert resumed["start"] == HALF
     expected = s["straight"]["losses"][HALF:]
     print(f"\ncp2 straight   {expected}\n{target} resumed {resumed['losses']}")

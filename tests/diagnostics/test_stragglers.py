@@ -199,19 +199,21 @@ def _warnings(out: str) -> list[str]:
 # cores here, so a step's own compute is about twice that at four and varies more: the slow rank's
 # sleep is set well clear of the threshold (1.5x) against both.
 SLOW_LAYOUTS = {
-    4: (dict(mp=2, dp_shard=2, strategy="hybrid_shard", dp=2), 3, "mp 1, dp 1 (replicate 0, shard 1)", 0.2),
-    8: (dict(mp=2, dp_shard=2, dp_replicate=2, strategy="hybrid_shard", dp=4), 5,
-        "mp 1, dp 2 (replicate 1, shard 0)", 0.6),
+    "world4": (4, dict(mp=2, dp_shard=2, strategy="hybrid_shard", dp=2), 3, "mp 1, dp 1 (replicate 0, shard 1)", 0.2),
+    "world8": (8, dict(mp=2, dp_shard=2, dp_replicate=2, strategy="hybrid_shard", dp=4), 5,
+               "mp 1, dp 2 (replicate 1, shard 0)", 0.6),
+    # cp 2 x dp 2: the slow rank is placed by its cp coordinate too
+    "cp2-world4": (4, dict(dp_shard=2, dp=2, **{"parallel.cp": 2}), 3, "mp 0, cp 1, dp 1 (replicate 0, shard 1)", 0.2),
 }
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", list(SLOW_LAYOUTS))
-def test_slow_rank_is_named_within_two_reports(workers, corpus, tmp_path, world):
+@pytest.mark.parametrize("case", list(SLOW_LAYOUTS))
+def test_slow_rank_is_named_within_two_reports(workers, corpus, tmp_path, case):
     """Over the threshold at the first report, named at the second."""
     import socket
 
-    layout, slow, where, sleep_s = SLOW_LAYOUTS[world]
+    world, layout, slow, where, sleep_s = SLOW_LAYOUTS[case]
     config = make_config(corpus, tmp_path, steps=4, **layout, **{"diagnostics.straggler_every": 2})
     result = workers(world).run(_case_stragglers, config, slow_rank=slow, sleep_s=sleep_s)[0]
     warnings, reports = _warnings(result["out"]), result["reports"]

@@ -393,7 +393,11 @@ FAULTS = {
     "shape": ("shape", 4, 1, "mismatch", "dp", "all_reduce"),
     # mp2 x hybrid 2x2: FSDP gathers on dp_shard, so the skipped dp call stays pending behind it
     "skip_dp_world8": ("skip_dp", 8, 5, "skipped", "dp", "all_reduce"),
+    # cp 2 x mp 2: the stalled rank is placed by its cp coordinate too
+    "sleep_mp_cp2": ("sleep_mp", 4, 3, "not_arrived", "mp", "all_reduce"),
 }
+# case: (its layout's flags, where the report places the faulty rank)
+FAULT_LAYOUTS = {"sleep_mp_cp2": ({"parallel.dp_shard": 1, "parallel.cp": 2}, "mp 1, cp 1, dp 0 (replicate 0, shard 0)")}
 FAULT_STEP = 3
 
 # A rank's process ends abruptly: case -> (fault, world, rank). The job must say which, within the bound.
@@ -436,7 +440,8 @@ def _run_fault(corpus, tmp_path: Path, fault: str, rank: int, world: int = 4,
 @pytest.mark.parametrize("case", list(FAULTS))
 def test_planted_fault_is_reported_naming_rank_group_and_collective(corpus, tmp_path, case):
     fault, world, rank, kind, dim, op = FAULTS[case]
-    result, fired_at = _run_fault(corpus, tmp_path, fault, rank, world)
+    flags, where = FAULT_LAYOUTS.get(case, ({}, None))
+    result, fired_at = _run_fault(corpus, tmp_path, fault, rank, world, **flags)
     report_path = tmp_path / "run" / "hang_report.json"
     assert result.returncode != 0, "the job must exit non-zero"
     assert report_path.exists(), f"no report:\n{result.stderr[-4000:]}"
@@ -450,6 +455,7 @@ def test_planted_fault_is_reported_naming_rank_group_and_collective(corpus, tmp_
     assert (first["kind"], first["ranks"], first["dim"], first["op"]) == (kind, [rank], dim, op), first
     assert report["step"] == FAULT_STEP
     assert f"rank {rank}" in text.splitlines()[1]
+    assert where is None or f"rank {rank}: {where} on " in text, text
 
     # The same verdict offline, from the dumps every rank left in the run folder.
     from hybridpar.cli import main

@@ -132,10 +132,11 @@ def job_env(cluster: Cluster, run_dir: Path, **env) -> dict:
 
 
 def submit(cluster: Cluster, run_dir: Path, output: Path, steps: int, corpus, *, every: int = 2,
-           overrides: Sequence[str] = (), wait: bool = False, **env) -> subprocess.CompletedProcess:
+           overrides: Sequence[str] = (), options: Sequence[str] = (), wait: bool = False,
+           **env) -> subprocess.CompletedProcess:
     """sbatch launch/slurm.sh for a 2-node job of the tiny model (`wait`: until it ends; then its
-    returncode is the job's exit code, as `sbatch --wait` returns it)."""
-    cmd = ["sbatch", f"--nodes={NODES}", f"--output={output}", str(SLURM_SH),
+    returncode is the job's exit code, as `sbatch --wait` returns it); `options`: slurm.sh's own, before its --."""
+    cmd = ["sbatch", f"--nodes={NODES}", f"--output={output}", str(SLURM_SH), *options,
            "--", *tiny_overrides(corpus, steps, every=every), *overrides]
     submitted = subprocess.run(cmd, cwd=ROOT, env=job_env(cluster, run_dir, **env), capture_output=True, text=True,
                                timeout=60)

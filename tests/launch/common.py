@@ -22,7 +22,7 @@ LLAMA3_8B_128K_SH = ROOT / "launch" / "llama3_8b_128k.sh"
 # One rank's view of the mesh, as the preflight prints it (ParallelDims.describe() after the node).
 LAYOUT_LINE = re.compile(
     r"layout: node (?P<node>\S+) node_rank (?P<node_rank>\d+) local_rank (?P<local_rank>\d+) "
-    r"rank (?P<rank>\d+)/(?P<world>\d+): mp (?P<mp_rank>\d+)/(?P<mp>\d+), dp (?P<dp_rank>\d+)/(?P<dp>\d+) "
+    r"rank (?P<rank>\d+)/(?P<world>\d+): mp (?P<mp_rank>\d+)/(?P<mp>\d+), (?:cp (?P<cp_rank>\d+)/(?P<cp>\d+), )?dp (?P<dp_rank>\d+)/(?P<dp>\d+) "
     r"\(replicate (?P<replicate>\d+)/(?P<dp_replicate>\d+), shard (?P<shard>\d+)/(?P<dp_shard>\d+)\)"
 )
 MESH_ROW = re.compile(r"^\s*(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s*$")

@@ -60,7 +60,7 @@ def test_mp8_dp16_dry_run_prints_the_exact_commands_and_mesh_and_rehearses_rank_
 def _check_rehearsal(report: dict) -> None:
     """Rank 0 of Llama 2 70B at mp 8 x dp_shard 8 x dp_replicate 2, as hybridpar.cli.dryrun reports it."""
     assert report["ok"] and report["world"] == 128
-    assert report["layout"].startswith("mp 8 x dp_shard 8 x dp_replicate 2")
+    assert report["layout"].startswith("dp_replicate 2 x dp_shard 8 x mp 8 = 128 ranks")
     assert {"mp", "dp_shard", "dp_replicate"} <= {r["dim"] for r in report["collectives"]}
     share = sum(report["state_bytes"].values()) / sum(report["expected_bytes"].values())
     assert 1.0 <= share < 1.01, share  # sharded over mp x dp_shard = 64 (the norms are replicated over mp)

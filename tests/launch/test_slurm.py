@@ -74,9 +74,10 @@ def test_sbatch_two_nodes_trains_checkpoints_and_reports_the_documented_layout(s
 def test_usr1_to_the_job_saves_the_step_requeues_and_the_requeued_job_finishes(slurm_cluster, corpus, tmp_path):
     """`scancel --signal=USR1` (what `#SBATCH --signal=USR1@120` sends ahead of the time limit): the
     torchrun agents pass it to their ranks, which save the step they are in; slurm.sh requeues the
-    job, and the same job id starts again, resumes from that checkpoint and trains to the end."""
+    job, and the same job id starts again, resumes from that checkpoint and trains to the end.
+    The job runs at --cp 2 (mp 2 x cp 2): its preflight and its trainer place every rank by cp too."""
     steps, run_dir = 16, tmp_path / "run"
-    job = job_id(submit(slurm_cluster, run_dir, tmp_path / "slurm.out", steps, corpus, every=100, PREFLIGHT=0))
+    job = job_id(submit(slurm_cluster, run_dir, tmp_path / "slurm.out", steps, corpus, every=100, options=["--cp", "2"]))
     job_dir = run_dir / f"job-{job}"
     deadline = time.monotonic() + 2 * JOB_TIMEOUT  # two starts of the job
     try:
@@ -97,3 +98,7 @@ def test_usr1_to_the_job_saves_the_step_requeues_and_the_requeued_job_finishes(s
     assert f"resumed from {run_dir}/checkpoints/step-{step:08d} at step {step}" in log, log[-6000:]
     assert sorted(metrics_by_step(job_dir)) == list(range(1, steps + 1))
     assert (run_dir / "checkpoints" / f"step-{steps:08d}").is_dir() and "hybridpar watchdog" not in log
+    # cp reached the mesh: the preflight's places (from init_parallel) and the trainer's start line.
+    places = [m.groupdict() for m in map(LAYOUT_LINE.search, log.splitlines()) if m]
+    assert places and {(p["cp_rank"], p["cp"]) for p in places} == {("0", "2"), ("1", "2")}, log[-4000:]
+    assert "dp_replicate 1 x dp_shard 1 x cp 2 x mp 2" in log, log[-4000:]

@@ -6,11 +6,8 @@ measured on the real model and set against `hybridpar plan`'s activation estimat
 For each seq_len and cp in 1, 2, 4 (the other ranks data-parallel, mp 1, one sequence per dp rank):
   activations   the distinct storages autograd saves during one forward + loss (bench/sequence_parallel's
                 saved-tensors hook; parameters excluded): the activation peak. Largest rank; the
-                planner's estimate beside it, and the ratio to cp 1's.
-  cpu mask      what of it is the CPU's own: off CUDA, SDPA takes causal_lower_right as a
-                materialised mask, turned into an fp32 additive mask [c, (j + 1) c] that its flash
-                kernel saves for backward, per chunk j and layer: 4 c^2 (2 cp + 1) bytes per layer
-                and rank (computed; CUDA's flash and efficient kernels take the bias without one).
+                planner's estimate beside it, and the ratio to cp 1's. (On the CPU the attention
+                saves no causal mask: hybridpar/parallel/context.py's _LowerRightCausalCPU.)
   step          seconds of one forward + backward, the median of --rounds, the layouts interleaved
                 (cp 1, 2, 4, cp 1, 2, 4, ...); tokens/s of the whole world.
 The model runs without FSDP (FSDP does not touch activations). Prints a table and writes
@@ -99,9 +96,7 @@ def main() -> None:
             every = [None] * world
             dist.all_gather_object(every, mine)
             step = statistics.median(times[cp])
-            c = seq_len // (2 * cp)
-            mask = 0 if cp == 1 else args.n_layers * 4 * c * c * (2 * cp + 1)
-            rows.append({"seq_len": seq_len, "cp": cp, "dp": world // cp, "activations": max(every), "cpu_mask": mask,
+            rows.append({"seq_len": seq_len, "cp": cp, "dp": world // cp, "activations": max(every),
                          "planned": activation_bytes(args, 1, 1, seq_len, 4, 0, False, cp=cp).saved,
                          "step_seconds": step, "steps": times[cp],
                          "tokens_per_s": (world // cp) * seq_len / step})
@@ -114,16 +109,15 @@ def main() -> None:
 def report(rows: list[dict], preset: str, world: int, out: Path) -> None:
     mib = 2**20
     print(f"context parallelism, preset {preset}, {world} ranks (mp 1, the rest dp), one sequence per dp rank, fp32")
-    print(f"{'seq_len':>8} {'layout':<10} {'activations MiB':>16} {'cpu mask':>9} {'planned':>9} {'vs cp1':>7} "
-          f"{'w/o mask':>9} {'step s':>8} {'tokens/s':>9}")
+    print(f"{'seq_len':>8} {'layout':<10} {'activations MiB':>16} {'planned':>9} {'vs cp1':>7} "
+          f"{'step s':>8} {'tokens/s':>9}")
     base: dict[int, dict] = {}
     for row in rows:
         base.setdefault(row["seq_len"], row)
         row["activation_ratio"] = row["activations"] / base[row["seq_len"]]["activations"]
-        row["ratio_without_mask"] = (row["activations"] - row["cpu_mask"]) / base[row["seq_len"]]["activations"]
         print(f"{row['seq_len']:>8} cp{row['cp']} x dp{row['dp']:<3} {row['activations'] / mib:>16.2f} "
-              f"{row['cpu_mask'] / mib:>9.2f} {row['planned'] / mib:>9.2f} {row['activation_ratio']:>7.3f} "
-              f"{row['ratio_without_mask']:>9.3f} {row['step_seconds']:>8.3f} {row['tokens_per_s']:>9.0f}")
+              f"{row['planned'] / mib:>9.2f} {row['activation_ratio']:>7.3f} "
+              f"{row['step_seconds']:>8.3f} {row['tokens_per_s']:>9.0f}")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"preset": preset, "world": world, "rows": rows}, indent=1) + "\n")
     print(f"wrote {out}")

@@ -175,10 +175,9 @@ def _case_saved_attention(cp: int, seq_len: int) -> dict:
     saved: dict = {}
 
     def pack(t):
-        # The CPU materialises the lower-right causal bias as a [c, end] mask (the only 2-D tensor
-        # saved); on CUDA it goes to the flash/efficient kernels without one, as the planner counts.
-        if t.dim() != 2:
-            saved[t.untyped_storage().data_ptr()] = (t.untyped_storage().nbytes(), t.dtype)
+        # Everything saved: a [c, end] mask of the lower-right causal triangle would show here (SDPA
+        # given causal_lower_right on the CPU saves one; context.py's CPU path makes none).
+        saved[t.untyped_storage().data_ptr()] = (t.untyped_storage().nbytes(), t.dtype)
         return t
 
     with saved_tensors_hooks(pack, lambda t: t):
@@ -192,7 +191,7 @@ def _case_saved_attention(cp: int, seq_len: int) -> dict:
 @pytest.mark.parametrize("cp", [2, 4])
 def test_the_planners_attention_bytes_are_what_context_attention_keeps(workers, cp):
     """q, the gathered K|V, each chunk's output and logsumexp, as the planner counts them for a block's
-    attention (4 heads, 2 kv heads of 16, float32), on every rank; the CPU's masks left out."""
+    attention (4 heads, 2 kv heads of 16, float32), on every rank, and nothing else: no causal mask."""
     seq_len = 64
     args = ModelArgs.from_preset("tiny", n_heads=4, n_kv_heads=2, dim=64)
     assert args.head_dim == 16

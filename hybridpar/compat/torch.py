@@ -70,6 +70,22 @@ def tensor_norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return sums.sqrt().float()
 
 
+# SDPA's CPU flash kernel, called directly: SDPA returns no log-sum-exp, and context parallelism's
+# attention (parallel/context.py) merges two calls by theirs and saves only q, k, v, out and it for
+# backward. Heads may be a multiple of kv heads (GQA: dK/dV come back summed over each group).
+def cpu_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool):
+    """q [b, heads, Lq, d], k and v [b, kv_heads, Lk, d] on the CPU -> (out [b, heads, Lq, d], lse
+    [b, heads, Lq] fp32); is_causal is top-left (query i sees keys 0..i); the default scale."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal)
+
+
+def cpu_flash_attention_backward(grad_out, q, k, v, out, lse, is_causal: bool):
+    """(dq, dk, dv) of cpu_flash_attention given the attention's output and log-sum-exp: with a merged
+    out and lse, each part's gradients of the whole attention."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, q, k, v, out, lse, 0.0, is_causal)
+
+
 def storage_use_count(tensor: torch.Tensor) -> int:
     """References to `tensor`'s storage (tensors and views on it, plus the storage object made
     here): a pooled buffer is free when only the pool holds it. No public API counts these."""

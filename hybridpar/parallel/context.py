@@ -8,13 +8,17 @@ j + 1/2 chunk-squares, so every rank does the same work, (2cp - 1) c^2 + c(c+1) 
 
 The attention. K and V (kv heads only: GQA keeps them small) are all-gathered over the cp group in
 one collective and put in global order; each local query chunk j attends to the keys up to its own
-end, (j + 1) c of them, under a lower-right causal mask: one SDPA call per chunk, no score matrix
-of the whole sequence. The backward of the all-gather reduce-scatters dK/dV (summed over ranks,
-each rank keeps its own chunks'). At cp = 1 it is the model's plain causal SDPA call, no collective.
-`torch.nn.attention.bias.causal_lower_right` goes, on CUDA, to the flash or efficient kernel
-(lower-right causal, no mask) where SDPA's checks allow them; elsewhere (the CPU) it materialises
-a boolean c x (j + 1) c mask for SDPA, exact as well (checked here on the CPU only so far). torch's own ring
-attention (torchtitan's CP) has no CPU strategy; this runs and is tested on gloo.
+end, (j + 1) c of them, under a lower-right causal mask: no score matrix of the whole sequence.
+The backward of the all-gather reduce-scatters dK/dV (summed over ranks, each rank keeps its own
+chunks'). At cp = 1 it is the model's plain causal SDPA call, no collective. Per chunk:
+- off the CPU, one SDPA call with `torch.nn.attention.bias.causal_lower_right`, which CUDA's flash
+  or efficient kernel takes without a mask where SDPA's checks allow them (not yet run on a GPU);
+- on the CPU, where SDPA would materialise that bias as an fp32 c x (j + 1) c mask and save it for
+  backward (more than the rest at long sequences), no mask at all: the keys before the chunk (all
+  visible) and its own c keys (the kernel's causal triangle) in two calls to SDPA's CPU flash
+  kernel, merged by their log-sum-exps; backward keeps q, k, v, out and log-sum-exp, as SDPA's
+  causal call does (`_LowerRightCausalCPU`).
+torch's own ring attention (torchtitan's CP) has no CPU strategy; this runs and is tested on gloo.
 
 Where it is used:
 - the mesh's cp dimension, (pp, dp_replicate, dp_shard, cp, mp), mp innermost and cp next to it; the
@@ -28,8 +32,8 @@ Where it is used:
   (generation with a kv cache runs at cp = 1);
 - the loss is the mean over every token of the global batch: each cp rank sums its tokens' losses
   and the sum and the token count are reduced over dp x cp before dividing (train/step.py).
-Under torch.compile the whole function traces into one graph (the mask as a boolean tensor:
-`_lower_right`).
+Under torch.compile the whole function traces into one graph (the CPU's autograd Function as it
+is; off the CPU the mask as a boolean tensor: `_lower_right`).
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ import torch.nn.functional as F
 from torch.distributed import ProcessGroup
 from torch.nn.attention.bias import causal_lower_right
 
-from ..compat.torch import is_fake
+from ..compat.torch import cpu_flash_attention, cpu_flash_attention_backward, is_fake
 from .mappings import gather_from_sequence_region
 
 
@@ -127,6 +131,52 @@ def _lower_right(queries: int, keys: int, like: torch.Tensor):
     return causal_lower_right(queries, keys)
 
 
+class _LowerRightCausalCPU(torch.autograd.Function):
+    """Causal attention of the last Lq of Lk positions on the CPU, without a mask: the Lk - Lq keys
+    before the queries (all visible, no mask) and the Lq keys beside them (the kernel's own causal
+    triangle, which skips the blocks above it) in two calls to SDPA's CPU flash kernel, merged by
+    their log-sum-exps. Saved for backward: q, k, v, the output and its log-sum-exp, as SDPA's
+    causal call saves. (SDPA given causal_lower_right on the CPU materialises an fp32 Lq x Lk mask
+    and saves it: 4 c^2 (2 cp + 1) bytes per layer and rank, at long sequences more than the rest.)
+    q [b, heads, Lq, d], k and v [b, kv_heads, Lk, d] (GQA: the kernel takes kv heads as they are)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        prefix = k.shape[2] - q.shape[2]
+        out, lse = cpu_flash_attention(q, k[:, :, prefix:], v[:, :, prefix:], True)
+        if prefix:
+            seen, seen_lse = cpu_flash_attention(q, k[:, :, :prefix], v[:, :, :prefix], False)
+            # softmax over both key sets = each part's softmax weighted by its share of the total mass
+            merged = torch.logaddexp(seen_lse, lse)
+            out = (seen.float() * (seen_lse - merged).exp().unsqueeze(-1)
+                   + out.float() * (lse - merged).exp().unsqueeze(-1)).to(q.dtype)
+            lse = merged
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        # Given the whole attention's output and log-sum-exp, each part's backward gives that part's
+        # keys their gradients and its share of dq.
+        q, k, v, out, lse = ctx.saved_tensors
+        prefix = k.shape[2] - q.shape[2]
+        grad = grad.contiguous()
+        dq, dk, dv = cpu_flash_attention_backward(grad, q, k[:, :, prefix:], v[:, :, prefix:], out, lse, True)
+        if prefix:
+            dq_seen, dk_seen, dv_seen = cpu_flash_attention_backward(
+                grad, q, k[:, :, :prefix], v[:, :, :prefix], out, lse, False)
+            dq, dk, dv = dq + dq_seen, torch.cat([dk_seen, dk], dim=2), torch.cat([dv_seen, dv], dim=2)
+        return dq, dk, dv
+
+
+def _lower_right_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Causal attention of the last query.shape[2] of keys.shape[2] positions ([b, heads, L, d])."""
+    if query.device.type == "cpu":
+        return _LowerRightCausalCPU.apply(query, keys, values)
+    return F.scaled_dot_product_attention(query, keys, values, attn_mask=_lower_right(query.shape[2], keys.shape[2], query),
+                                          enable_gqa=query.shape[1] != keys.shape[1])
+
+
 def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Optional[ProcessGroup]) -> torch.Tensor:
     """Causal attention of this cp rank's tokens against the whole sequence's keys.
 
@@ -153,6 +203,5 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     for slot, chunk in enumerate(_local_chunks(cp, dist.get_rank(group))):
         end = (chunk + 1) * c  # the keys up to this chunk's end; the last c of them under the triangle
         query = q[:, slot * c:(slot + 1) * c].transpose(1, 2)
-        outs.append(F.scaled_dot_product_attention(
-            query, keys[:, :, :end], values[:, :, :end], attn_mask=_lower_right(c, end, q), enable_gqa=gqa))
+        outs.append(_lower_right_attention(query, keys[:, :, :end], values[:, :, :end]))
     return torch.cat(outs, dim=2).transpose(1, 2)

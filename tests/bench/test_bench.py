@@ -164,8 +164,8 @@ def test_context_parallel_bench_measures_what_cp_saves(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {r["cp"]: r for r in json.loads(out.read_text())["rows"]}
-    assert abs(rows[1]["activations"] / rows[1]["planned"] - 1) < 1e-4 and rows[1]["cpu_mask"] == 0
+    assert abs(rows[1]["activations"] / rows[1]["planned"] - 1) < 1e-4
     assert 0.4 < rows[2]["activation_ratio"] < 0.8, rows[2]
-    assert rows[2]["activations"] - rows[2]["cpu_mask"] >= rows[2]["planned"], rows[2]
+    assert rows[2]["activations"] >= rows[2]["planned"], rows[2]
     assert all(r["tokens_per_s"] > 0 for r in rows.values())
-    assert "cpu mask" in proc.stdout
+    assert "planned" in proc.stdout

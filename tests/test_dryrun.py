@@ -98,9 +98,10 @@ def test_a_layout_that_cannot_run_fails_the_dry_run_with_the_reason(tmp_path):
 @pytest.mark.slow
 def test_a_128_rank_context_parallel_job_is_rehearsed(tmp_path):
     """Llama 2 70B at mp 8 x cp 4 x dp_shard 4 = 128 ranks: rank 0's step runs on fake tensors with the
-    K/V all-gather over cp and FSDP over dp_shard x cp, each rank holding 1/128 of the state."""
+    K/V all-gather over cp and FSDP over dp_shard x cp, each rank holding 1/128 of the state. Two of the
+    80 identical layers: every size and collective of 70B, at a tenth of the time on fake tensors."""
     flags = {"parallel.mp": 8, "parallel.cp": 4, "parallel.dp_shard": 4, "parallel.dp_replicate": 1,
-             "output.run_dir": tmp_path / "run"}
+             "model.n_layers": 2, "output.run_dir": tmp_path / "run"}
     result, seconds = _dry_run(flags, 128, 0, tmp_path / "dry.json", config="llama2_70b")
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads((tmp_path / "dry.json").read_text())

@@ -86,14 +86,15 @@ def test_published_pipelined_runs_within_15_percent(capsys):
     rows = [r for r in compare() if r.case.layout.pp > 1]
     print("\n" + format_table(rows))
     names = {r.case.name for r in rows}
-    assert names == {"Llama 3 405B, 16,384 GPUs", "Llama 3.1 405B, PP 8 1F1B", "Llama 3.1 405B, PP 8 interleaved"}
+    assert names == {"Llama 3 405B, 16,384 GPUs", "Llama 3 405B, 128k context", "Llama 3.1 405B, PP 8 1F1B",
+                     "Llama 3.1 405B, PP 8 interleaved"}
     for r in rows:
         print(f"{r.case.name}: published {r.published:.0f}, planned {r.planned:.0f}, {100 * r.error:+.1f}%")
         assert abs(r.error) <= 0.15, r
     meta = next(r for r in rows if r.case.name.startswith("Llama 3 405B"))
     assert (meta.case.layout.pp, meta.case.layout.v, meta.case.layout.world) == (16, 8, 16384)
     code, out = _run(capsys, "--published")
-    assert code == 0 and "pp16v8 x mp8 x 128x1" in out
+    assert code == 0 and "pp16v8 x mp8 x 128x1" in out and "pp16v8 x cp16 x mp8 x 8x1" in out
 
 
 def test_405b_that_needs_pipeline_stages_plans_with_them(capsys):

@@ -130,7 +130,7 @@ def test_llama3_8b_128k_example_dry_run(tmp_path):
     argv = printed_command(out, "torchrun")
     assert argv[argv.index("--parallel.cp") + 1] == "4" and argv[argv.index("--data.seq_len") + 1] == "131072"
     assert argv[argv.index("--parallel.sequence_parallel") + 1] == "true"
-    assert "dry run of rank 0 of 16 (GPU job): 1.49B parameters (2 layers, dim 4096)" in out and "mp 4 x cp 4 x dp_shard 1 x dp_replicate 1 = 16 ranks" in out
+    assert "dry run of rank 0 of 16 (GPU job): 1.49B parameters (2 layers, dim 4096)" in out and "dp_replicate 1 x dp_shard 1 x cp 4 x mp 4 = 16 ranks" in out
     assert not (tmp_path / "run").exists(), "a dry run must not create the run folder"
 
 

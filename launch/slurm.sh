@@ -20,6 +20,8 @@
 #                                      group stays inside a node when MP divides PROCS_PER_NODE (1)
 #   --cp / CP                          context-parallel ranks per sequence (1); next to mp, and FSDP
 #                                      shards over dp_shard x cp
+#   --pp / PP                          pipeline stages' ranks (1); the outermost dimension, so a stage's
+#                                      ranks are contiguous and its neighbours one mp x cp x dp block away
 #   --dp-shard / DP_SHARD              ranks an FSDP shard group spans (-1: what the others leave)
 #   --dp-replicate / DP_REPLICATE      replicas of each shard group (1; -1: what the others leave)
 #   --nodes / NODES                    the allocation's node count (needed only for --dry-run outside one)
@@ -60,6 +62,7 @@ die() { echo "slurm.sh: error: $*" >&2; exit 2; }
 
 MP=${MP:-1}
 CP=${CP:-1}
+PP=${PP:-1}
 DP_SHARD=${DP_SHARD:--1}
 DP_REPLICATE=${DP_REPLICATE:-1}
 NODES=${NODES:-}
@@ -82,6 +85,7 @@ set_option() {
   case $1 in
     --mp) MP=$2 ;;
     --cp) CP=$2 ;;
+    --pp) PP=$2 ;;
     --dp-shard) DP_SHARD=$2 ;;
     --dp-replicate) DP_REPLICATE=$2 ;;
     --nodes) NODES=$2 ;;
@@ -92,11 +96,11 @@ set_option() {
 overrides=()
 while (($#)); do
   case $1 in
-    --mp | --cp | --dp-shard | --dp-replicate | --nodes | --procs-per-node | --config)
+    --mp | --cp | --pp | --dp-shard | --dp-replicate | --nodes | --procs-per-node | --config)
       (($# >= 2)) || die "$1 needs a value"
       set_option "$1" "$2"
       shift 2 ;;
-    --mp=* | --cp=* | --dp-shard=* | --dp-replicate=* | --nodes=* | --procs-per-node=* | --config=*)
+    --mp=* | --cp=* | --pp=* | --dp-shard=* | --dp-replicate=* | --nodes=* | --procs-per-node=* | --config=*)
       set_option "${1%%=*}" "${1#*=}"
       shift ;;
     --dry-run) DRY_RUN=1; shift ;;
@@ -106,7 +110,7 @@ while (($#)); do
 done
 
 is_int() { [[ $1 =~ ^-?[0-9]+$ ]]; }
-for name in MP CP DP_SHARD DP_REPLICATE MAX_RESTARTS MAX_REQUEUES REQUEUE_DELAY EXCLUDE_ON_FAULT; do
+for name in MP CP PP DP_SHARD DP_REPLICATE MAX_RESTARTS MAX_REQUEUES REQUEUE_DELAY EXCLUDE_ON_FAULT; do
   is_int "${!name}" || die "$name must be an integer, got '${!name}'"
 done
 
@@ -133,19 +137,24 @@ for name in NODES PROCS_PER_NODE; do
 done
 WORLD=$((NODES * PROCS_PER_NODE))
 
-# cp appears in the commands, the sizes and the messages only when it is set: cp 1 jobs print as before.
-CP_WORD=""; CP_ARGS=(); CP_MESH=""
+# cp and pp appear in the commands, the sizes and the messages only when set: such jobs print as before.
+CP_WORD=""; CP_ARGS=(); CP_MESH=""; PP_WORD=""; PP_ARGS=(); PP_MESH=""
 if ((CP != 1)); then
   CP_WORD=" x CP"; CP_ARGS=(--parallel.cp "$CP"); CP_MESH=" --cp $CP"
 fi
+if ((PP != 1)); then
+  PP_WORD=" x PP"; PP_ARGS=(--parallel.pp "$PP"); PP_MESH=" --pp $PP"
+fi
+# The sizes besides the data-parallel ones, as the messages name them.
+FIXED=$((MP * CP * PP)); FIXED_WORDS="MP$CP_WORD$PP_WORD"; FIXED_SIZES="$MP x ${CP_WORD:+$CP x }${PP_WORD:+$PP x }"
 # -1 takes what the other sizes leave (sizes that do not tile are left for hybridpar's error).
 if ((DP_REPLICATE == -1)); then
   ((DP_SHARD > 0)) || die "DP_SHARD and DP_REPLICATE cannot both be -1: give one of them a size"
-  ((MP > 0 && CP > 0 && WORLD % (MP * CP * DP_SHARD) == 0)) ||
-    die "$WORLD ranks ($NODES nodes x $PROCS_PER_NODE) are not divisible by MP$CP_WORD x DP_SHARD = $MP x ${CP_WORD:+$CP x }$DP_SHARD"
-  DP_REPLICATE=$((WORLD / (MP * CP * DP_SHARD)))
-elif ((DP_SHARD == -1 && MP > 0 && CP > 0 && DP_REPLICATE > 0 && WORLD % (MP * CP * DP_REPLICATE) == 0)); then
-  DP_SHARD=$((WORLD / (MP * CP * DP_REPLICATE)))  # resolved here so the logs show the real size
+  ((MP > 0 && CP > 0 && PP > 0 && WORLD % (FIXED * DP_SHARD) == 0)) ||
+    die "$WORLD ranks ($NODES nodes x $PROCS_PER_NODE) are not divisible by $FIXED_WORDS x DP_SHARD = $FIXED_SIZES$DP_SHARD"
+  DP_REPLICATE=$((WORLD / (FIXED * DP_SHARD)))
+elif ((DP_SHARD == -1 && MP > 0 && CP > 0 && PP > 0 && DP_REPLICATE > 0 && WORLD % (FIXED * DP_REPLICATE) == 0)); then
+  DP_SHARD=$((WORLD / (FIXED * DP_REPLICATE)))  # resolved here so the logs show the real size
 fi
 if ((MP > 0 && PROCS_PER_NODE % MP != 0)); then
   echo "slurm.sh: warning: MP=$MP does not divide PROCS_PER_NODE=$PROCS_PER_NODE: some model-parallel" \
@@ -197,7 +206,7 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-
 # SIGTERM only, which is what scancel and the time limit itself send).
 export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}
 # Cluster-specific network choices (NCCL_SOCKET_IFNAME, NCCL_IB_HCA, ...) are left to the environment.
-export MP CP DP_SHARD DP_REPLICATE
+export MP CP PP DP_SHARD DP_REPLICATE
 export LAYOUT_FILE=$JOB_DIR/layout.txt
 export HYBRIDPAR_INCIDENTS=$INCIDENTS  # the trainer notes there when it trains again after a fault
 
@@ -208,12 +217,12 @@ srun_cmd=(srun --nodes="$NODES" --ntasks="$NODES" --ntasks-per-node=1 --kill-on-
 [[ -n ${SLURM_CPUS_ON_NODE:-} ]] && srun_cmd+=(--cpus-per-task="$SLURM_CPUS_ON_NODE")
 rdzv=(--nnodes="$NODES" --nproc-per-node="$PROCS_PER_NODE" --rdzv-backend=c10d
   --rdzv-endpoint="$RDZV_HOST:$RDZV_PORT")
-train_overrides=(--parallel.mp "$MP" "${CP_ARGS[@]}" --parallel.dp_shard "$DP_SHARD" --parallel.dp_replicate "$DP_REPLICATE"
+train_overrides=(--parallel.mp "$MP" "${CP_ARGS[@]}" "${PP_ARGS[@]}" --parallel.dp_shard "$DP_SHARD" --parallel.dp_replicate "$DP_REPLICATE"
   --output.run_dir "$JOB_DIR" --checkpoint.folder "$CKPT_DIR" --checkpoint.resume true "${overrides[@]}")
 torchrun_cmd=("$PYTHON" -m torch.distributed.run "${rdzv[@]}" --rdzv-id="$JOB_ID"
   --max-restarts="$MAX_RESTARTS" --log-dir="$JOB_DIR/torchrun" --tee=3
   -m hybridpar train --config "$CONFIG" "${train_overrides[@]}")
-export MESH_ARGS="mesh --world $WORLD --mp $MP$CP_MESH --dp-shard $DP_SHARD --dp-replicate $DP_REPLICATE --procs-per-node $PROCS_PER_NODE"
+export MESH_ARGS="mesh --world $WORLD --mp $MP$CP_MESH$PP_MESH --dp-shard $DP_SHARD --dp-replicate $DP_REPLICATE --procs-per-node $PROCS_PER_NODE"
 mesh_cmd=("$PYTHON" -m hybridpar $MESH_ARGS)
 
 # Each rank joins the real mesh once and reports where it landed; rank 0 writes layout.txt.
@@ -224,7 +233,8 @@ from hybridpar.files import write_text_atomic
 from hybridpar.mesh.layout import group_ranks
 from hybridpar.mesh.device import init_parallel
 p = init_parallel(mp=int(os.environ["MP"]), dp_shard=int(os.environ["DP_SHARD"]),
-                  dp_replicate=int(os.environ["DP_REPLICATE"]), cp=int(os.environ["CP"]))
+                  dp_replicate=int(os.environ["DP_REPLICATE"]), cp=int(os.environ["CP"]),
+                  pp=int(os.environ["PP"]))
 node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 line = (f"layout: node {node} node_rank {os.environ['GROUP_RANK']} local_rank {os.environ['LOCAL_RANK']} "
         f"{p.describe()}")
@@ -267,7 +277,7 @@ PY
 
 describe() {
   echo "hybridpar on Slurm: $NODES nodes x $PROCS_PER_NODE processes = $WORLD ranks," \
-    "mp $MP x${CP_WORD:+ cp $CP x} dp_shard $DP_SHARD x dp_replicate $DP_REPLICATE, config $CONFIG"
+    "mp $MP x${CP_WORD:+ cp $CP x}${PP_WORD:+ pp $PP x} dp_shard $DP_SHARD x dp_replicate $DP_REPLICATE, config $CONFIG"
   echo "rendezvous: c10d at $RDZV_HOST:$RDZV_PORT; up to $MAX_RESTARTS restarts from the newest checkpoint"
   echo "run folder: $RUN_DIR (checkpoints/ and this job's job-$JOB_ID/)"
   echo "env: $(env_assignments)"

@@ -115,6 +115,27 @@ def test_generic_script_takes_cp(tmp_path):
     assert "Traceback" not in bad.stderr, bad.stderr
 
 
+def test_generic_script_takes_pp(tmp_path):
+    """--pp reaches the training command, the mesh command, the summary line and the -1 arithmetic;
+    pp is outermost, so each stage's ranks fill a node and a pp group pairs one rank of each."""
+    env = script_env(NODES=2, PROCS_PER_NODE=4, MP=2, RUN_DIR=tmp_path / "run", REHEARSE=0)
+    result = run_script(SLURM_SH, "--dry-run", "--pp", "2", env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "8 ranks, mp 2 x pp 2 x dp_shard 2 x dp_replicate 1" in out  # dp_shard = 8 / (mp x pp)
+    assert "world 8 = pp 2 x dp_replicate 1 x dp_shard 2 x mp 2" in out
+    argv = printed_command(out, "torchrun")
+    assert argv[argv.index("--parallel.pp") + 1] == "2" and argv[argv.index("--parallel.dp_shard") + 1] == "2"
+    mesh = printed_command(out, "mesh")
+    assert mesh[mesh.index("--pp") + 1] == "2"
+    assert "pp groups (4): [0, 4] [1, 5] [2, 6] [3, 7]" in out
+    bad = run_script(SLURM_SH, "--dry-run", "--pp", "3", env=env)
+    assert bad.returncode != 0 and "not divisible by mp * dp_replicate * pp = 2 * 1 * 3 = 6" in bad.stderr
+    assert "Traceback" not in bad.stderr, bad.stderr
+    both = run_script(SLURM_SH, "--dry-run", "--pp=2", "--dp-replicate", "-1", "--dp-shard", "3", env=env)
+    assert both.returncode != 0 and "not divisible by MP x PP x DP_SHARD = 2 x 2 x 3" in both.stderr, both.stderr
+
+
 @pytest.mark.slow
 def test_llama3_8b_128k_example_dry_run(tmp_path):
     """The long-context example (the planner's best layout for 8B at 131,072 tokens on 2 x 8 H100)

@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SLURM_SH = ROOT / "launch" / "slurm.sh"
 MP8_DP16_SH = ROOT / "launch" / "mp8_dp16.sh"
 LLAMA3_8B_128K_SH = ROOT / "launch" / "llama3_8b_128k.sh"
+LLAMA3_405B_SH = ROOT / "launch" / "llama3_405b.sh"
 
 # One rank's view of the mesh, as the preflight prints it (ParallelDims.describe() after the node).
 LAYOUT_LINE = re.compile(

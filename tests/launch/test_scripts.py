@@ -8,11 +8,11 @@ import time
 import pytest
 
 from tests.launch.common import (
-    LLAMA3_8B_128K_SH, MP8_DP16_SH, ROOT, SLURM_SH, documented_coords, mesh_table, printed_command, run_script, script_env,
+    LLAMA3_405B_SH, LLAMA3_8B_128K_SH, MP8_DP16_SH, ROOT, SLURM_SH, documented_coords, mesh_table, printed_command, run_script, script_env,
 )
 
 
-@pytest.mark.parametrize("script", [SLURM_SH, MP8_DP16_SH, LLAMA3_8B_128K_SH], ids=lambda p: p.name)
+@pytest.mark.parametrize("script", [SLURM_SH, MP8_DP16_SH, LLAMA3_8B_128K_SH, LLAMA3_405B_SH], ids=lambda p: p.name)
 def test_scripts_parse(script):
     result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
@@ -134,6 +134,24 @@ def test_generic_script_takes_pp(tmp_path):
     assert "Traceback" not in bad.stderr, bad.stderr
     both = run_script(SLURM_SH, "--dry-run", "--pp=2", "--dp-replicate", "-1", "--dp-shard", "3", env=env)
     assert both.returncode != 0 and "not divisible by MP x PP x DP_SHARD = 2 x 2 x 3" in both.stderr, both.stderr
+
+
+def test_llama3_405b_example_tiles_512_ranks_with_pipeline_stages_across_nodes(tmp_path):
+    """The 405B example (the planner's best layout on 64 x 8 H100: mp 8 x pp 8 x FSDP 8, Interleaved1F1B):
+    its sizes tile 512 ranks, its config loads, each mp group is one node and each pp group one rank
+    of every eighth node (pp outermost), and the planner's settings reach the training command."""
+    result = run_script(LLAMA3_405B_SH, "--dry-run", env=script_env(RUN_DIR=tmp_path / "run", REHEARSE=0))
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "64 nodes x 8 processes = 512 ranks, mp 8 x pp 8 x dp_shard 8 x dp_replicate 1" in out
+    assert "world 512 = pp 8 x dp_replicate 1 x dp_shard 8 x mp 8" in out
+    assert "mp groups (64): [0, 1, 2, 3, 4, 5, 6, 7] [8, 9, 10, 11, 12, 13, 14, 15]" in out
+    assert "pp groups (64): [0, 64, 128, 192, 256, 320, 384, 448] [1, 65," in out
+    argv = printed_command(out, "torchrun")
+    for key, value in [("--parallel.pp", "8"), ("--parallel.mp", "8"), ("--parallel.dp_shard", "8"),
+                       ("--model.preset", "llama3.1_405b"), ("--parallel.pp_schedule", "Interleaved1F1B"),
+                       ("--parallel.pp_microbatches", "256"), ("--data.micro_batch_size", "256")]:
+        assert argv[argv.index(key) + 1] == value, key
 
 
 @pytest.mark.slow

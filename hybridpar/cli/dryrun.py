@@ -88,6 +88,7 @@ def dry_run(config: Union[Config, "Job"], world: Optional[int] = None, rank: int
         return _finish(run, started)
     pp, dr, ds, cp, mp = sizes
     run.layout = f"{sizes_text(*sizes)} = {world} ranks, {c.fsdp.sharding_strategy}"
+    run.pp = pp
     _check(run, "model parallelism inside a node",
            lambda: _inside_node(mp, gpus_per_node) if target == "gpu" else "CPU run: not applicable")
     _check(run, "batch", lambda: _batch_detail(c, ds * dr))
@@ -123,20 +124,31 @@ def _rehearse(run: DryRun, c: Config, world: int, sizes: list[int], target: str,
     if not _check(run, "sharding strategy",
                   lambda: _strategy_detail(dp_mesh_for(c.fsdp.sharding_strategy, parallel))):
         return
-    say(f"building {run.model} on the meta device, tensor parallel {mp}, FSDP over {ds * dr}")
-    model = build_model(args, parallel, device=torch.device("meta"), sequence_parallel=c.parallel.sequence_parallel,
-                        fsdp=c.fsdp)
-    run.parameters = _placements(model)
+    if pp == 1:
+        say(f"building {run.model} on the meta device, tensor parallel {mp}, FSDP over {ds * dr}")
+        model = build_model(args, parallel, device=torch.device("meta"),
+                            sequence_parallel=c.parallel.sequence_parallel, fsdp=c.fsdp)
+        stages = [model]
+    else:
+        from .dryrun_stages import build_stages, pipeline_step, stage_plan
+
+        counts, ids, n_stages = stage_plan(c, args.n_layers, parallel.pp_rank)
+        say(f"building stage(s) {', '.join(map(str, ids))} of {n_stages} ({run.model}, layers per stage {counts}) "
+            f"on the meta device, tensor parallel {mp}, FSDP over {ds * dr}")
+        stages = build_stages(c, args, parallel, counts, ids)
+        model = torch.nn.ModuleList(stages)
+    run.parameters = [row for stage in stages for row in _placements(stage)]
     say("one training step on fake tensors (forward, backward, optimizer)")
     with fake_tensors(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
         model.to_empty(device="cpu")
         with CollectiveCounter(label=mesh_dims(parallel)) as counter:
-            optimizer, grads = _step(c, model, parallel)
+            optimizer, grads = _step(c, model, parallel) if pp == 1 else pipeline_step(c, stages, ids, n_stages,
+                                                                                       parallel)
         run.state_bytes = state_bytes(model, optimizer, grads)
         run.checkpoint = _checkpoint_files(c, model, optimizer, world)
     run.collectives = counter.by_dim_and_op()
-    run.expected_bytes = _expected(args, mp, ds * cp)
+    run.expected_bytes = _expected(args, mp * pp, ds * cp)
     run.memory = _memory(c, args, parallel, gpu_mem_gib, gpus_per_node, gpu if target == "gpu" else "")
     if target == "gpu":
         _check(run, "memory", lambda: _fits(run.memory))
@@ -166,9 +178,6 @@ def _finish(run: DryRun, started: float) -> DryRun:
 
 
 def _mesh_detail(out: list, sizes: tuple[int, int, int, int, int]) -> str:
-    if sizes[0] > 1:
-        raise ValueError(f"parallel.pp = {sizes[0]}: the dry run rehearses pipeline parallelism later; "
-                         "rehearse at parallel.pp = 1")
     out.extend(sizes)
     return sizes_text(*sizes)
 
@@ -286,7 +295,7 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grads:
 
 def _expected(args, mp: int, ds: int) -> dict:
     """The ideal share: the model's fp32 state divided over mp x ds ranks, ds = dp_shard x cp (FSDP's
-    shards; AdamW: two moments)."""
+    shards; AdamW: two moments); at pp > 1 mp is pp x mp (each stage holds its share of the layers)."""
     total = args.num_params() * PARAM_BYTES
     share = total / (mp * ds)
     return {"parameters": share, "gradients": share, "optimizer": 2 * share}
@@ -350,11 +359,16 @@ def _memory(c: Config, args, parallel, gpu_mem_gib: float, gpus_per_node: int, g
     from ..plan import GIB, Layout, Workload, estimate
     from ..plan.hardware import spec
 
+    from ..config.pipeline import microbatches, stage_count
+
+    p = c.parallel
+    stages = stage_count(p.pp, p.pp_schedule, p.pp_layers) if p.pp > 1 else 1
+    m = microbatches(p.pp_microbatches, stages) if p.pp > 1 else 1  # the pipeline's micro-batches: the planner's
     layout = Layout(mp=parallel.mp, dp_shard=parallel.dp_shard, dp_replicate=parallel.dp_replicate, cp=parallel.cp,
                     ac=c.fsdp.activation_checkpointing, ac_every=c.fsdp.ac_every,
                     reshard_after_forward=c.fsdp.sharding_strategy in ("full_shard", "hybrid_shard"),
-                    sequence_parallel=c.parallel.sequence_parallel)
-    workload = Workload(seq_len=c.data.seq_len, micro_batch=c.data.micro_batch_size,
+                    sequence_parallel=p.sequence_parallel, pp=p.pp, pp_schedule=p.pp_schedule, v=stages // p.pp)
+    workload = Workload(seq_len=c.data.seq_len, micro_batch=c.data.micro_batch_size // m,
                         global_batch=c.data.micro_batch_size * c.train.grad_accum * parallel.dp_size,
                         param_dtype=c.fsdp.param_dtype, reduce_dtype=c.fsdp.reduce_dtype,
                         grad_sync=c.train.grad_sync, compile=c.train.compile)

@@ -23,11 +23,12 @@ class DryRun:
     rank: int
     target: str  # "gpu" or "cpu"
     layout: str = ""
+    pp: int = 1  # pipeline stages' ranks: the state's ideal share divides by pp too
     model: str = ""
     checks: list[Check] = dataclasses.field(default_factory=list)
     parameters: list[dict] = dataclasses.field(default_factory=list)  # one row per group of alike parameters
     state_bytes: dict = dataclasses.field(default_factory=dict)  # parameters, gradients, optimizer (this rank)
-    expected_bytes: dict = dataclasses.field(default_factory=dict)  # the same, total / (mp x dp_shard)
+    expected_bytes: dict = dataclasses.field(default_factory=dict)  # the same, total / (pp x mp x dp_shard)
     collectives: list[dict] = dataclasses.field(default_factory=list)  # per (dim, op): calls, payload, wire
     memory: dict = dataclasses.field(default_factory=dict)  # the planner's estimate for this layout
     checkpoint: dict = dataclasses.field(default_factory=dict)
@@ -56,7 +57,7 @@ def report(run: DryRun) -> str:
                          f"  {r['dtype']:<8} {r['placement']}")
     if run.state_bytes:
         lines.append("")
-        lines.append("state on this rank (float32; ideal = the model's state / (mp x dp_shard)):")
+        lines.append(f"state on this rank (float32; ideal = the model's state / ({'pp x ' if run.pp > 1 else ''}mp x dp_shard)):")
         for key in ("parameters", "gradients", "optimizer"):
             have, ideal = run.state_bytes[key], run.expected_bytes[key]
             lines.append(f"  {key:<11} {human_bytes(have):>10}   ideal {human_bytes(ideal):>10}   {have / ideal:.3f}x")

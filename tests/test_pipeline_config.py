@@ -129,3 +129,41 @@ def test_the_dry_run_says_it_does_not_rehearse_pp_yet(tmp_path):
     out = result.stdout + result.stderr
     assert result.returncode != 0, out
     assert "FAIL mesh: parallel.pp = 2: the dry run rehearses pipeline parallelism later" in out, out
+
+
+def test_one_schedule_table_names_torch_s_classes():
+    from torch.distributed import pipelining
+
+    from hybridpar.config.pipeline import MULTI_STAGE, SCHEDULES, V_SHAPED, stages_per_rank
+
+    assert all(hasattr(pipelining, s.torch_class) for s in SCHEDULES.values())  # this torch has all five
+    assert MULTI_STAGE == ("Interleaved1F1B", "ZBVZeroBubble", "DualPipeV") and V_SHAPED == MULTI_STAGE[1:]
+    assert [stages_per_rank(n) for n in SCHEDULES] == [1, 1, 2, 2, 2]
+
+
+def test_one_split_rule_for_the_trainer_and_preflight():
+    """preflight refuses too many stages exactly where the trainer's split (stage_layer_counts)
+    cannot cut them, and the split refuses a pp_layers preflight refuses, with preflight's line."""
+    from hybridpar.config.pipeline import check_pipeline, stage_layer_counts
+    from hybridpar.parallel.pipeline import stage_layer_counts as engines
+
+    assert engines is stage_layer_counts  # pptrain's callers import it from the engine's module
+    for n_layers in range(0, 5):
+        for pp in range(2, 9):
+            try:
+                stage_layer_counts(n_layers, pp)
+                splits = True
+            except ConfigError:
+                splits = False
+            try:
+                check_pipeline(pp, "GPipe", [], 1, n_layers, 1)
+                accepted = True
+            except ConfigError:
+                accepted = False
+            assert splits == accepted, (n_layers, pp)
+    with pytest.raises(ConfigError) as info:
+        stage_layer_counts(4, 3, [2, 0, 2])
+    assert str(info.value) == ("parallel.pp_layers [2, 0, 2] leaves a middle stage without a layer: give every "
+                               "stage but the first and the last at least one")
+    with pytest.raises(ConfigError, match="sums to 5 layers, but the model has 4"):
+        stage_layer_counts(4, 2, [2, 3])

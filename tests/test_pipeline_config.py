@@ -52,6 +52,8 @@ def _config(*overrides: str):
      "parallel.pp_layers [2, 0, 2] leaves a middle stage without a layer"),
     (["--parallel.pp", "2", "--parallel.pp_schedule", "PipeDream"], 2, "parallel.pp_schedule must be one of 1F1B"),
     (["--parallel.pp", "2", "--parallel.pp_layers", "2,x"], 2, "parallel.pp_layers must list each stage's"),
+    (["--parallel.pp", "2", "--model.preset", "llama3.2_1b", "--model.n_layers", "4"], 2,
+     "the model's tie_embeddings puts the embedding at both ends of the pipeline: use parallel.pp = 1"),
 ])
 def test_a_pipeline_that_cannot_run_is_refused_in_one_line(overrides, world, said):
     try:

@@ -169,3 +169,55 @@ def test_one_split_rule_for_the_trainer_and_preflight():
                                "stage but the first and the last at least one")
     with pytest.raises(ConfigError, match="sums to 5 layers, but the model has 4"):
         stage_layer_counts(4, 2, [2, 3])
+
+
+# The configs behind docs/training.md's table of pipeline refusals (the local config's 4-layer model).
+DOCUMENTED_REFUSALS = [
+    (["--parallel.pp", "2", "--parallel.pp_schedule", "PipeDream"], 2),
+    (["--parallel.pp", "3"], 4),
+    (["--parallel.pp", "8", "--data.micro_batch_size", "8"], 8),
+    (["--parallel.pp", "2", "--parallel.pp_microbatches", "-1"], 2),
+    (["--parallel.pp", "2", "--parallel.pp_microbatches", "2", "--data.micro_batch_size", "3"], 2),
+    (["--parallel.pp", "4", "--parallel.pp_microbatches", "2"], 4),
+    (["--parallel.pp", "2", "--parallel.pp_schedule", "Interleaved1F1B", "--parallel.pp_microbatches", "5",
+      "--data.micro_batch_size", "5"], 2),
+    (["--parallel.pp", "2", "--parallel.pp_schedule", "Interleaved1F1B", "--parallel.pp_layers", "2,2"], 2),
+    (["--parallel.pp", "2", "--parallel.pp_schedule", "ZBVZeroBubble", "--parallel.pp_layers", "1,1,0,1,1,0"], 2),
+    (["--parallel.pp", "2", "--parallel.pp_layers", "1,1,1,1"], 2),
+    (["--parallel.pp", "2", "--parallel.pp_layers", "2,1,1"], 2),
+    (["--parallel.pp", "2", "--parallel.pp_layers", "2,3"], 2),
+    (["--parallel.pp", "3", "--parallel.pp_layers", "2,0,2", "--data.micro_batch_size", "3"], 3),
+    (["--parallel.pp", "1", "--parallel.pp_layers", "2,2"], 2),
+    (["--parallel.pp", "2", "--parallel.pp_layers", "2,x"], 2),
+    (["--parallel.pp", "2", "--model.preset", "llama3.2_1b", "--model.n_layers", "4"], 2),
+]
+
+
+def test_training_md_quotes_the_refusals_as_they_are_said(monkeypatch):
+    import re
+    from pathlib import Path
+
+    from hybridpar.cli.dryrun import _mesh_detail
+    from hybridpar.config import pipeline
+    from hybridpar.generate import generate
+
+    messages = []
+    for overrides, world in DOCUMENTED_REFUSALS:
+        with pytest.raises((ConfigError, MeshSizeError)) as info:
+            check_values(_config(*overrides), world)
+        messages.append(str(info.value))
+    for call in (lambda: generate(None, types.SimpleNamespace(pp=2), [[1, 2]], 2),
+                 lambda: _mesh_detail([], (2, 1, 1, 1, 1))):
+        with pytest.raises(ValueError) as info:
+            call()
+        messages.append(str(info.value))
+    monkeypatch.setattr(pipeline, "_torch_has", lambda name: False)  # a torch before DualPipeV
+    with pytest.raises(ConfigError) as info:
+        check_values(_config("--parallel.pp", "2", "--parallel.pp_schedule", "DualPipeV"), 2)
+    messages.append(str(info.value))
+    page = (Path(__file__).resolve().parents[1] / "docs" / "training.md").read_text()
+    section = page.split("\n## Pipeline parallelism\n", 1)[1].split("\n## ", 1)[0]
+    quoted = re.findall(r"^\| `([^`]+)` \|", section.split("| the line says |", 1)[1], re.M)
+    assert len(quoted) == len(messages), quoted
+    for line in quoted:
+        assert any(line.removeprefix("FAIL mesh: ") in m for m in messages), line

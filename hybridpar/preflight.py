@@ -93,8 +93,7 @@ def check_values(config: Config, world_size: int):
 def _check_pipeline(config: Config, pp: int, args) -> None:
     """parallel.pp_* against the model's layers and data.micro_batch_size (config.pipeline.check_pipeline)."""
     p = config.parallel
-    check_pipeline(pp, p.pp_schedule, p.pp_layers, p.pp_microbatches, args.n_layers, config.data.micro_batch_size,
-                   args.tie_embeddings)
+    check_pipeline(pp, p.pp_schedule, p.pp_layers, p.pp_microbatches, args.n_layers, config.data.micro_batch_size)
 
 
 def _checked_sizes(config: Config, world_size: int) -> tuple[int, int, int, int, int]:

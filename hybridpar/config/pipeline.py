@@ -138,10 +138,9 @@ def microbatches(pp_microbatches: int, stages: int) -> int:
 
 
 def check_pipeline(pp: int, schedule: str, pp_layers: Sequence[int], pp_microbatches: int, n_layers: int,
-                   batch: int, tie_embeddings: bool = False) -> None:
+                   batch: int) -> None:
     """ConfigError in one line naming the key to change; `batch` is data.micro_batch_size (the sequences
-    one data-parallel coordinate pushes through the pipeline per forward), n_layers and
-    tie_embeddings the model's."""
+    one data-parallel coordinate pushes through the pipeline per forward), n_layers the model's."""
     if schedule not in SCHEDULES:
         raise ConfigError(f"parallel.pp_schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
     if pp_microbatches < 0:
@@ -151,9 +150,6 @@ def check_pipeline(pp: int, schedule: str, pp_layers: Sequence[int], pp_microbat
             raise ConfigError(f"parallel.pp_layers is set ({list(pp_layers)}) but parallel.pp = 1: set parallel.pp "
                               "to the number of ranks the stages go on, or drop parallel.pp_layers")
         return
-    if tie_embeddings:  # hybridpar.parallel.pipeline.keep_stage could not cut it
-        raise ConfigError("the model's tie_embeddings puts the embedding at both ends of the pipeline: use "
-                          "parallel.pp = 1 or a model with untied embeddings")
     if not _torch_has(SCHEDULES[schedule].torch_class):
         raise ConfigError(f"parallel.pp_schedule = {schedule}: this torch has no {SCHEDULES[schedule].torch_class}; "
                           "choose ZBVZeroBubble or Interleaved1F1B, or a newer torch")

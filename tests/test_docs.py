@@ -3,7 +3,8 @@ command cannot go stale unnoticed: the cheap ones run as written (in this proces
 and checkpoint commands run on tiny settings (the slow test), and the rest (many processes, Slurm,
 your data or downloads, the whole test suite) are at least parsed: the hybridpar argv by the real
 parser and, for train and doctor, the config with its overrides by the real loader; the world
-(torchrun's, 1 without a launcher) against the mesh's sizes; a script by `bash -n` or the compiler. A command this file does not
+(torchrun's, 1 without a launcher) against the mesh's sizes (and, with pipeline stages, preflight's
+checks of them); a script by `bash -n` or the compiler. A command this file does not
 recognise fails. The same checks hold the links between the pages, the bounds the pages quote
 against the tests' constants, and README's preset table against models/presets/."""
 
@@ -148,8 +149,12 @@ def _parse_hybridpar(argv: list[str], world: Optional[int], where: str) -> None:
             mp = getattr(args, "mp", None) or p.mp
             replicate = p.dp_replicate
             if replicate == -1 and p.dp_shard > 0:  # the dry run's (and launch/slurm.sh's) "the rest"
-                replicate = world // (mp * p.dp_shard)
-            resolve_sizes(world, mp, p.dp_shard, replicate)  # raises MeshSizeError naming the sizes
+                replicate = world // (mp * p.dp_shard * p.cp * p.pp)
+            resolve_sizes(world, mp, p.dp_shard, replicate, p.cp, p.pp)  # raises MeshSizeError naming the sizes
+            if p.pp > 1:  # the stages against the model's layers and the batch, as preflight checks them
+                from hybridpar.preflight import check_values
+
+                check_values(config, world)
     else:
         assert not extra, f"{where}: hybridpar {' '.join(argv)}: unrecognised {extra}"
 

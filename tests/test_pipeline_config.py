@@ -129,3 +129,91 @@ def test_the_dry_run_says_it_does_not_rehearse_pp_yet(tmp_path):
     out = result.stdout + result.stderr
     assert result.returncode != 0, out
     assert "FAIL mesh: parallel.pp = 2: the dry run rehearses pipeline parallelism later" in out, out
+
+
+def test_one_schedule_table_names_torch_s_classes():
+    from torch.distributed import pipelining
+
+    from hybridpar.config.pipeline import MULTI_STAGE, SCHEDULES, V_SHAPED, stages_per_rank
+
+    assert all(hasattr(pipelining, s.torch_class) for s in SCHEDULES.values())  # this torch has all five
+    assert MULTI_STAGE == ("Interleaved1F1B", "ZBVZeroBubble", "DualPipeV") and V_SHAPED == MULTI_STAGE[1:]
+    assert [stages_per_rank(n) for n in SCHEDULES] == [1, 1, 2, 2, 2]
+
+
+def test_one_split_rule_for_the_trainer_and_preflight():
+    """preflight refuses too many stages exactly where the trainer's split (stage_layer_counts)
+    cannot cut them, and the split refuses a pp_layers preflight refuses, with preflight's line."""
+    from hybridpar.config.pipeline import check_pipeline, stage_layer_counts
+    from hybridpar.parallel.pipeline import stage_layer_counts as engines
+
+    assert engines is stage_layer_counts  # pptrain's callers import it from the engine's module
+    for n_layers in range(0, 5):
+        for pp in range(2, 9):
+            try:
+                stage_layer_counts(n_layers, pp)
+                splits = True
+            except ConfigError:
+                splits = False
+            try:
+                check_pipeline(pp, "GPipe", [], 1, n_layers, 1)
+                accepted = True
+            except ConfigError:
+                accepted = False
+            assert splits == accepted, (n_layers, pp)
+    with pytest.raises(ConfigError) as info:
+        stage_layer_counts(4, 3, [2, 0, 2])
+    assert str(info.value) == ("parallel.pp_layers [2, 0, 2] leaves a middle stage without a layer: give every "
+                               "stage but the first and the last at least one")
+    with pytest.raises(ConfigError, match="sums to 5 layers, but the model has 4"):
+        stage_layer_counts(4, 2, [2, 3])
+
+
+# The configs behind docs/training.md's table of pipeline refusals (the local config's 4-layer model);
+# the table's last row is generate's.
+DOCUMENTED_REFUSALS = [
+    (["--parallel.pp", "2", "--parallel.pp_schedule", "PipeDream"], 2),
+    (["--parallel.pp", "3"], 4),
+    (["--parallel.pp", "8", "--data.micro_batch_size", "8"], 8),
+    (["--parallel.pp", "2", "--parallel.pp_microbatches", "-1"], 2),
+    (["--parallel.pp", "2", "--parallel.pp_microbatches", "2", "--data.micro_batch_size", "3"], 2),
+    (["--parallel.pp", "4", "--parallel.pp_microbatches", "2"], 4),
+    (["--parallel.pp", "2", "--parallel.pp_schedule", "Interleaved1F1B", "--parallel.pp_microbatches", "5",
+      "--data.micro_batch_size", "5"], 2),
+    (["--parallel.pp", "2", "--parallel.pp_schedule", "Interleaved1F1B", "--parallel.pp_layers", "2,2"], 2),
+    (["--parallel.pp", "2", "--parallel.pp_schedule", "ZBVZeroBubble", "--parallel.pp_layers", "1,1,0,1,1,0"], 2),
+    (["--parallel.pp", "2", "--parallel.pp_layers", "1,1,1,1"], 2),
+    (["--parallel.pp", "2", "--parallel.pp_layers", "2,1,1"], 2),
+    (["--parallel.pp", "2", "--parallel.pp_layers", "2,3"], 2),
+    (["--parallel.pp", "3", "--parallel.pp_layers", "2,0,2", "--data.micro_batch_size", "3"], 3),
+    (["--parallel.pp", "1", "--parallel.pp_layers", "2,2"], 2),
+    (["--parallel.pp", "2", "--parallel.pp_layers", "2,x"], 2),
+]
+
+
+def test_training_md_quotes_the_refusals_as_they_are_said(monkeypatch):
+    """Every line docs/training.md's table quotes is one preflight (or generate) says, and each says one."""
+    import re
+    from pathlib import Path
+
+    from hybridpar.config import pipeline
+    from hybridpar.generate import generate
+
+    messages = []
+    for overrides, world in DOCUMENTED_REFUSALS:
+        with pytest.raises((ConfigError, MeshSizeError)) as info:
+            check_values(_config(*overrides), world)
+        messages.append(str(info.value))
+    with pytest.raises(ValueError) as info:
+        generate(None, types.SimpleNamespace(pp=2), [[1, 2]], 2)
+    messages.append(str(info.value))
+    monkeypatch.setattr(pipeline, "_torch_has", lambda name: False)  # a torch before DualPipeV
+    with pytest.raises(ConfigError) as info:
+        check_values(_config("--parallel.pp", "2", "--parallel.pp_schedule", "DualPipeV"), 2)
+    messages.append(str(info.value))
+    page = (Path(__file__).resolve().parents[1] / "docs" / "training.md").read_text()
+    section = page.split("\n## Pipeline parallelism\n", 1)[1].split("\n## ", 1)[0]
+    quoted = re.findall(r"^\| `([^`]+)` \|", section.split("| the line says |", 1)[1], re.M)
+    assert len(quoted) == len(messages), quoted
+    for line in quoted:
+        assert any(line in m for m in messages), line

@@ -121,3 +121,47 @@ def test_a_model_that_fits_without_pp_is_told_so(capsys):
     assert staged.pipeline == (2,) and {e.layout.pp for e in staged.estimates} == {2}
     with pytest.raises(ValueError, match="pp must divide the 8 GPUs"):
         make_plan(ModelArgs.from_preset("llama3_8b"), Workload(8192), spec("h100", 8), pp=3)
+
+
+def test_the_planner_prices_the_stages_and_micro_batches_the_trainer_runs():
+    """The split is the trainer's (config.pipeline.stage_layer_counts), not a ceiling: Llama 3 8B's
+    34 units over 8 stages are 5, 5, 4, 4, 4, 4, 4, 4, so the busiest rank of pp 4 x 2 holds 9, not 10.
+    And a layout is priced exactly when preflight accepts its micro-batches (torch's rules)."""
+    from hybridpar.config import ConfigError
+    from hybridpar.config.pipeline import SCHEDULES, check_pipeline, stages_per_rank
+
+    assert stage_units(32, 4, 2) == 9 and stage_units(32, 4, 2, "ZBVZeroBubble") == 9
+    assert stage_units(36, 4, 2) == 10 and stage_units(36, 4, 2, "DualPipeV") == 10  # 38 units: 5 x 6, 4 x 2
+    args = ModelArgs.from_preset("tiny")  # 4 layers: at most 6 stages
+    for schedule in SCHEDULES:
+        for pp in (2, 4):
+            for m in range(1, 10):
+                try:
+                    check_pipeline(pp, schedule, [], m, args.n_layers, m)
+                    runs = True
+                except ConfigError:
+                    runs = False
+                layout = Layout(1, 1, 1, "none", pp=pp, pp_schedule=schedule, v=stages_per_rank(schedule))
+                try:
+                    estimate(args, layout, Workload(seq_len=128, global_batch=m), spec("h100", pp))
+                    priced = True
+                except ValueError:
+                    priced = False
+                assert priced == runs, (schedule, pp, m, runs)
+
+
+def test_dual_pipe_v_is_planned_with_its_v_and_one_more_micro_batch_in_flight():
+    args = ModelArgs.from_preset("llama3_8b")
+    w = Workload(seq_len=4096, global_batch=32)
+    dual = estimate(args, Layout(2, 2, 1, "none", pp=4, pp_schedule="DualPipeV", v=2), w, spec("h100", 16))
+    zbv = estimate(args, Layout(2, 2, 1, "none", pp=4, pp_schedule="ZBVZeroBubble", v=2), w, spec("h100", 16))
+    stage = activation_bytes(dataclasses.replace(args, n_layers=stage_units(32, 4, 2, "DualPipeV")), 2, 1, 4096, 2,
+                             0, True)
+    ends = stage.head + stage.embedding
+    assert in_flight("DualPipeV", 4, 2, 16) == 5
+    assert dual.memory.activations == pytest.approx(5 * (stage.saved - ends) + ends)
+    assert zbv.memory.activations == pytest.approx(4 * (stage.saved - ends) + ends)
+    assert dual.time.pp_bubble == pytest.approx(zbv.time.pp_bubble)  # (p - 1) / (2 m + p - 1) both
+    with pytest.raises(ValueError, match="DualPipeV at pp = 4 needs at least 8"):  # one per stage, 2 per rank
+        estimate(args, Layout(2, 2, 1, "none", pp=4, pp_schedule="DualPipeV", v=2),
+                 Workload(seq_len=4096, global_batch=8), spec("h100", 16))

@@ -1,6 +1,10 @@
-"""Pipeline parallelism's settings (parallel.pp, pp_layers, pp_schedule, pp_microbatches), checked
-against the world, the model's layers and the batch in one line each, before anything starts
-(hybridpar.preflight calls check_pipeline). Torch-free, except to ask whether this torch has DualPipeV.
+"""Pipeline parallelism's facts, torch-free, in one place: the schedules (SCHEDULES: torch's class,
+stages per rank, V shape, the micro-batches each needs, the activations it keeps in flight), the
+stage split (stage_layer_counts: torchtitan's rule) and which stages a rank holds (stage_ids); and
+the settings (parallel.pp, pp_layers, pp_schedule, pp_microbatches) checked against the world, the
+model's layers and the batch in one line each, before anything starts (hybridpar.preflight calls
+check_pipeline). hybridpar.parallel.pipeline (the engine) and hybridpar.plan.pipeline (the planner)
+read them from here. Torch-free, except to ask whether this torch has DualPipeV.
 
 Stages: pp ranks, each holding one stage (1F1B, GPipe) or 2 (Interleaved1F1B by default, ZBVZeroBubble
 and DualPipeV always: their V shape). parallel.pp_layers gives every stage's transformer layers
@@ -10,15 +14,103 @@ head as a layer each (torchtitan's rule), a model of n layers fills at most n + 
 
 from __future__ import annotations
 
-from typing import Sequence
+import dataclasses
+from typing import Callable, Optional, Sequence
 
 from .options import ConfigError
 
-# parallel.pp_schedule -> torch.distributed.pipelining.schedules' class name.
-SCHEDULES = {"1F1B": "Schedule1F1B", "GPipe": "ScheduleGPipe", "Interleaved1F1B": "ScheduleInterleaved1F1B",
-             "ZBVZeroBubble": "ScheduleZBVZeroBubble", "DualPipeV": "ScheduleDualPipeV"}
-MULTI_STAGE = ("Interleaved1F1B", "ZBVZeroBubble", "DualPipeV")  # >= 2 stages per rank
-V_SHAPED = ("ZBVZeroBubble", "DualPipeV")  # exactly 2 stages per rank
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """What hybridpar knows of one parallel.pp_schedule."""
+
+    torch_class: str  # torch.distributed.pipelining.schedules' class
+    stages_per_rank: int  # 1 or 2 exactly; 0: two or more (interleaved: the layout's v, 2 by default)
+    v_shape: bool  # rank r holds stages r and 2p-1-r; else looped: r, r + p, r + 2p, ...
+    one_per_stage: bool  # torch refuses fewer micro-batches than stages (all ranks' together)
+    in_rounds: bool  # micro-batches run in rounds of pp: their number a multiple of max(1, m // pp)
+    # The planner's activations: micro-batches whose activations the first rank holds at its peak,
+    # in units of one micro-batch through all of that rank's layers, for pp p, v stages per rank, m
+    # micro-batches.
+    in_flight: Callable[[int, int, int], float]
+
+
+def _interleaved_in_flight(p: int, v: int, m: int) -> float:
+    """Interleaved 1F1B warms up with (v - 1) p + 2 (p - 1) stage-micro-batches of 1/v of the layers
+    each (Megatron-LM's schedules.py); with the one running that is p (1 + (p - 1) / (p v)),
+    Korthikanti et al. 2022, 'Reducing Activation Recomputation in Large Transformer Models', 4.2.3."""
+    return min(float(m), p * (1 + (p - 1) / (p * v)))
+
+
+# parallel.pp_schedule -> its facts. GPipe runs every forward first: all m in flight. 1F1B (and ZBV's
+# V, whose two stages per rank each hold half the layers) warms up with p: min(p, m). DualPipeV keeps
+# one more (DeepSeek-V3's DualPipe: PP + 1 micro-batches of activations).
+SCHEDULES = {
+    "1F1B": Schedule("Schedule1F1B", 1, False, True, False, lambda p, v, m: float(min(p, m))),
+    "GPipe": Schedule("ScheduleGPipe", 1, False, False, False, lambda p, v, m: float(m)),
+    "Interleaved1F1B": Schedule("ScheduleInterleaved1F1B", 0, False, False, True, _interleaved_in_flight),
+    "ZBVZeroBubble": Schedule("ScheduleZBVZeroBubble", 2, True, False, False, lambda p, v, m: float(min(p, m))),
+    "DualPipeV": Schedule("ScheduleDualPipeV", 2, True, True, False, lambda p, v, m: float(min(p + 1, m))),
+}
+MULTI_STAGE = tuple(n for n, s in SCHEDULES.items() if s.stages_per_rank != 1)  # >= 2 stages per rank
+V_SHAPED = tuple(n for n, s in SCHEDULES.items() if s.v_shape)  # exactly 2 stages per rank, as a V
+
+
+def stages_per_rank(schedule: str) -> int:
+    """The stages each rank holds unless parallel.pp_layers says otherwise: 2 for the interleaved."""
+    return SCHEDULES[schedule].stages_per_rank or 2
+
+
+def max_stages(n_layers: int) -> int:
+    """The most stages a model of n_layers fills: the embedding and the head count as a layer each."""
+    return n_layers + 2
+
+
+def stage_layer_counts(n_layers: int, n_stages: int, override: Optional[Sequence[int]] = None) -> list[int]:
+    """Transformer layers per stage (torchtitan's rule). The embedding and the output head each count
+    as a layer: n_layers + 2 units split as evenly as possible, the remainder to the first stages,
+    the first stage giving one to the embedding and the last one to the head. `override`: the counts
+    themselves (parallel.pp_layers), checked. ConfigError (a ValueError) in one line."""
+    if override is not None:
+        counts = list(override)
+        if len(counts) != n_stages or min(counts, default=0) < 0:
+            raise ConfigError(f"parallel.pp_layers = {counts} must give {n_stages} stages non-negative layer "
+                              f"counts summing to n_layers = {n_layers}")
+        if sum(counts) != n_layers:
+            raise ConfigError(f"parallel.pp_layers sums to {sum(counts)} layers, but the model has {n_layers}: "
+                              f"list layers that add up to {n_layers}")
+        if any(n == 0 for n in counts[1:-1]):
+            raise ConfigError(f"parallel.pp_layers {counts} leaves a middle stage without a layer: give "
+                              "every stage but the first and the last at least one")
+        return counts
+    units = max_stages(n_layers)
+    if n_stages > units:
+        raise ConfigError(f"{n_stages} pipeline stages for {n_layers} layers (+ embedding and head): "
+                          f"use at most {units} stages (parallel.pp x virtual stages)")
+    base, extra = divmod(units, n_stages)
+    counts = [base + (1 if s < extra else 0) for s in range(n_stages)]
+    counts[0] -= 1
+    counts[-1] -= 1
+    return counts
+
+
+def stage_ids(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
+    """The stage indices rank pp_rank holds: looped (r, r+p, r+2p, ...) or, for the V schedules, r and 2p-1-r."""
+    if SCHEDULES[schedule].v_shape:
+        if virtual != 2:
+            raise ValueError(f"{schedule} runs 2 stages per rank, not {virtual}")
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(virtual)]
+
+
+def least_microbatches(schedule: str, stages: int) -> int:
+    """The fewest micro-batches torch's schedule takes over `stages` stages (all ranks' together)."""
+    return stages if SCHEDULES[schedule].one_per_stage else 1
+
+
+def rounds_of(schedule: str, pp: int, m: int) -> int:
+    """For a schedule that runs micro-batches in rounds of pp: the rounds, which must divide m; else 1."""
+    return max(1, m // pp) if SCHEDULES[schedule].in_rounds else 1
 
 
 def parse_pp_layers(value) -> list[int]:
@@ -37,7 +129,7 @@ def parse_pp_layers(value) -> list[int]:
 
 def stage_count(pp: int, schedule: str, pp_layers: Sequence[int]) -> int:
     """The pipeline's stages (all ranks' together): len(pp_layers), else pp x the schedule's stages per rank."""
-    return len(pp_layers) if pp_layers else pp * (2 if schedule in MULTI_STAGE else 1)
+    return len(pp_layers) if pp_layers else pp * stages_per_rank(schedule)
 
 
 def microbatches(pp_microbatches: int, stages: int) -> int:
@@ -58,47 +150,42 @@ def check_pipeline(pp: int, schedule: str, pp_layers: Sequence[int], pp_microbat
             raise ConfigError(f"parallel.pp_layers is set ({list(pp_layers)}) but parallel.pp = 1: set parallel.pp "
                               "to the number of ranks the stages go on, or drop parallel.pp_layers")
         return
-    if schedule == "DualPipeV" and not _torch_has(SCHEDULES[schedule]):
-        raise ConfigError("parallel.pp_schedule = DualPipeV: this torch has no ScheduleDualPipeV; choose "
-                          "ZBVZeroBubble or Interleaved1F1B, or a newer torch")
+    if not _torch_has(SCHEDULES[schedule].torch_class):
+        raise ConfigError(f"parallel.pp_schedule = {schedule}: this torch has no {SCHEDULES[schedule].torch_class}; "
+                          "choose ZBVZeroBubble or Interleaved1F1B, or a newer torch")
     stages = stage_count(pp, schedule, pp_layers)
     if stages % pp:
         raise ConfigError(f"parallel.pp_layers lists {stages} stages, not a multiple of parallel.pp = {pp}: give "
                           f"each rank the same number of stages ({pp} or {2 * pp} entries)")
-    per_rank = stages // pp
-    if schedule in MULTI_STAGE and per_rank < 2:
+    per_rank, fixed = stages // pp, SCHEDULES[schedule].stages_per_rank
+    if fixed != 1 and per_rank < 2:
         raise ConfigError(f"parallel.pp_schedule = {schedule} needs at least 2 stages per rank (virtual stages), "
                           f"but parallel.pp_layers gives {per_rank}: list {2 * pp} stages' layers, or choose 1F1B")
-    if schedule in V_SHAPED and per_rank != 2:
+    if fixed == 2 and per_rank != 2:
         raise ConfigError(f"parallel.pp_schedule = {schedule} needs exactly 2 stages per rank (its V), but "
                           f"parallel.pp_layers gives {per_rank}: list {2 * pp} stages' layers")
-    if schedule not in MULTI_STAGE and per_rank != 1:
+    if fixed == 1 and per_rank != 1:
         raise ConfigError(f"parallel.pp_schedule = {schedule} runs one stage per rank, but parallel.pp_layers "
                           f"gives {per_rank}: list {pp} stages' layers, or choose Interleaved1F1B")
     if pp_layers:
-        if sum(pp_layers) != n_layers:
-            raise ConfigError(f"parallel.pp_layers sums to {sum(pp_layers)} layers, but the model has {n_layers}: "
-                              f"list layers that add up to {n_layers}")
-        if any(n == 0 for n in pp_layers[1:-1]):
-            raise ConfigError(f"parallel.pp_layers {list(pp_layers)} leaves a middle stage without a layer: give "
-                              "every stage but the first and the last at least one")
-    elif stages > n_layers + 2:
+        stage_layer_counts(n_layers, stages, pp_layers)  # the layers add up, no middle stage empty
+    elif stages > max_stages(n_layers):
         raise ConfigError(f"{stages} pipeline stages (parallel.pp = {pp}{' x 2 per rank' if per_rank > 1 else ''}) "
-                          f"but the model has {n_layers} layers, {n_layers + 2} counting the embedding and the "
-                          f"output: choose a parallel.pp of at most {(n_layers + 2) // per_rank}")
+                          f"but the model has {n_layers} layers, {max_stages(n_layers)} counting the embedding and "
+                          f"the output: choose a parallel.pp of at most {max_stages(n_layers) // per_rank}")
     m = microbatches(pp_microbatches, stages)
     if batch % m:
         raise ConfigError(f"parallel.pp_microbatches = {m} does not divide data.micro_batch_size = {batch}: each "
                           f"pipeline micro-batch holds micro_batch_size / pp_microbatches sequences; choose a "
                           f"divisor of {batch}, or a data.micro_batch_size that is a multiple of {m}")
-    needed = {"1F1B": pp, "DualPipeV": stages}.get(schedule, 0)
+    needed = least_microbatches(schedule, stages)
     if m < needed:
         raise ConfigError(f"parallel.pp_schedule = {schedule} needs at least {needed} micro-batches "
                           f"(parallel.pp_microbatches = {m}): raise parallel.pp_microbatches (and "
                           f"data.micro_batch_size with it)")
-    rounds = max(1, m // pp)
-    if schedule == "Interleaved1F1B" and m % rounds:
-        raise ConfigError(f"parallel.pp_schedule = Interleaved1F1B runs micro-batches in rounds of pp = {pp}: "
+    rounds = rounds_of(schedule, pp, m)
+    if m % rounds:
+        raise ConfigError(f"parallel.pp_schedule = {schedule} runs micro-batches in rounds of pp = {pp}: "
                           f"parallel.pp_microbatches = {m} must be a multiple of {rounds} ({pp * rounds} works)")
 
 

@@ -19,43 +19,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config.pipeline import SCHEDULES, V_SHAPED
+# The split rule and the rank -> stages map are torch-free facts of config.pipeline, imported here
+# so the engine's callers find them beside it.
+from ..config.pipeline import SCHEDULES, stage_ids, stage_layer_counts  # noqa: F401 (re-exported)
 from .loss import vocab_parallel_cross_entropy
-
-
-
-def stage_layer_counts(n_layers: int, n_stages: int, override: Optional[Sequence[int]] = None) -> list[int]:
-    """Transformer layers per stage. The embedding and the output head each count as a layer:
-    n_layers + 2 units split as evenly as possible, the first stage giving one to the embedding and
-    the last one to the head. `override`: the counts themselves (parallel.pp_layers)."""
-    if override is not None:
-        counts = list(override)
-        if len(counts) != n_stages or sum(counts) != n_layers or min(counts) < 0:
-            raise ValueError(f"parallel.pp_layers = {counts} must give {n_stages} stages non-negative layer "
-                             f"counts summing to n_layers = {n_layers}")
-        return counts
-    units = n_layers + 2
-    if n_stages > units:
-        raise ValueError(f"{n_stages} pipeline stages for {n_layers} layers (+ embedding and head): "
-                         f"use at most {units} stages (parallel.pp x virtual stages)")
-    base, extra = divmod(units, n_stages)
-    # torchtitan gives the remainder's extra units to the first stages.
-    counts = [base + (1 if s < extra else 0) for s in range(n_stages)]
-    counts[0] -= 1
-    counts[-1] -= 1
-    if min(counts) < 0:
-        raise ValueError(f"{n_stages} stages over {n_layers} layers leave a stage with no room: "
-                         "set parallel.pp_layers explicitly")
-    return counts
-
-
-def stage_ids(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
-    """The stage indices rank pp_rank holds: looped (r, r+p, r+2p, ...) or, for the V schedules, r and 2p-1-r."""
-    if schedule in V_SHAPED:  # rank r holds stages r and 2p-1-r
-        if virtual != 2:
-            raise ValueError(f"{schedule} runs 2 stages per rank, not {virtual}")
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + k * pp for k in range(virtual)]
 
 
 def stage_layers(stage: int, counts: Sequence[int]) -> list[int]:
@@ -97,11 +64,11 @@ class PipelineEngine:
         self.has_first = 0 in ids
         self._mp_group, self._scale = mp_group, 1.0
         self.stages = [pipelining.PipelineStage(m, s, n_stages, device, group=group) for m, s in zip(stages, ids)]
-        if schedule not in SCHEDULES or not hasattr(pipelining, SCHEDULES[schedule]):
+        if schedule not in SCHEDULES or not hasattr(pipelining, SCHEDULES[schedule].torch_class):
             raise ValueError(f"parallel.pp_schedule = {schedule!r}: use one of "
-                             f"{[s for s in SCHEDULES if hasattr(pipelining, SCHEDULES[s])]}")
-        cls = getattr(pipelining, SCHEDULES[schedule])
-        single = schedule in ("GPipe", "1F1B")
+                             f"{[s for s in SCHEDULES if hasattr(pipelining, SCHEDULES[s].torch_class)]}")
+        cls = getattr(pipelining, SCHEDULES[schedule].torch_class)
+        single = SCHEDULES[schedule].stages_per_rank == 1
         if single and len(self.stages) != 1:
             raise ValueError(f"{schedule} runs one stage per rank, this rank holds {len(self.stages)}")
         self.schedule = cls(self.stages[0] if single else self.stages, n_microbatches=n_microbatches,

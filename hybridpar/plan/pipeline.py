@@ -1,22 +1,22 @@
 """Pipeline parallelism (parallel.pp) priced: the stage split, the bubble, the micro-batches in flight
 per schedule, and the P2P bytes between stages (torch.distributed.pipelining's schedules).
 
-Stages are cut by layers with the embedding and the output head counted as a layer each
-(torchtitan's rule): pp x v stages of (n_layers + 2) units, v virtual stages per rank.
+The schedules' facts (stages per rank, the micro-batches each needs and keeps in flight) and the
+stage split (torchtitan's rule: the embedding and the output head counted as a layer each) are
+hybridpar.config.pipeline's, the ones the trainer runs: the planner prices the stages it builds.
 """
 
 from __future__ import annotations
 
-import math
-
-# Virtual stages per rank each schedule runs (0: two or more, the layout's v).
-SCHEDULE_STAGES = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 0, "ZBVZeroBubble": 2}
+from ..config.pipeline import SCHEDULES, stage_ids, stage_layer_counts
 
 
-def stage_units(n_layers: int, pp: int, v: int = 1) -> int:
-    """Units (blocks, the embedding, the head) on the rank that holds most: v stages of
-    ceil((n_layers + 2) / (pp x v)) each."""
-    return v * math.ceil((n_layers + 2) / (pp * v))
+def stage_units(n_layers: int, pp: int, v: int = 1, schedule: str = "1F1B") -> int:
+    """Units (blocks, the embedding, the head) on the rank that holds most of the pp x v stages
+    stage_layer_counts cuts (looped ranks, or the V of `schedule`)."""
+    counts = stage_layer_counts(n_layers, pp * v)
+    units = [n + (s == 0) + (s == len(counts) - 1) for s, n in enumerate(counts)]
+    return max(sum(units[s] for s in stage_ids(r, pp, v, schedule)) for r in range(pp))
 
 
 def bubble_fraction(pp: int, v: int, m: int) -> float:
@@ -27,23 +27,15 @@ def bubble_fraction(pp: int, v: int, m: int) -> float:
 
 def in_flight(schedule: str, pp: int, v: int, m: int) -> float:
     """Micro-batches whose activations the first rank holds at its peak, in units of one micro-batch
-    through all of that rank's layers. GPipe runs every forward first: m. 1F1B (and ZBV's V, whose
-    two stages per rank each hold half the layers) warms up with p: min(p, m). Interleaved 1F1B
-    warms up with (v - 1) p + 2 (p - 1) stage-micro-batches of 1/v of the layers each (Megatron-LM's
-    schedules.py); with the one running that is p (1 + (p - 1) / (p v)), Korthikanti et al. 2022,
-    'Reducing Activation Recomputation in Large Transformer Models', section 4.2.3."""
-    if schedule == "GPipe":
-        return float(m)
-    if schedule == "Interleaved1F1B":
-        return min(float(m), pp * (1 + (pp - 1) / (pp * v)))
-    return float(min(pp, m))
+    through all of that rank's layers: the schedule's rule (config.pipeline.SCHEDULES)."""
+    return SCHEDULES[schedule].in_flight(pp, v, m)
 
 
 def schedule_stages(schedule: str, v: int) -> int:
     """The v a schedule runs; ValueError for an unknown one or an interleaved one at v < 2."""
-    if schedule not in SCHEDULE_STAGES:
-        raise ValueError(f"pp schedule must be one of {', '.join(SCHEDULE_STAGES)}, got {schedule!r}")
-    fixed = SCHEDULE_STAGES[schedule]
+    if schedule not in SCHEDULES:
+        raise ValueError(f"pp schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    fixed = SCHEDULES[schedule].stages_per_rank
     if not fixed and v < 2:
         raise ValueError(f"{schedule} runs two or more stages per rank: set v >= 2, got {v}")
     return fixed or v

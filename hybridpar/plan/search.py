@@ -14,6 +14,7 @@ from .comm import (StepTime, all_gather_seconds, all_reduce_seconds, collective_
 from .compute import head_work, micro_batch_work, step_work
 from .inputs import MASTER_BYTES, Hardware, Layout, Workload
 from .memory import Memory, ParamCounts, activation_bytes, gathered_kv_bytes, param_counts
+from ..config.pipeline import least_microbatches, max_stages, rounds_of, stages_per_rank
 from .pipeline import bubble_fraction, in_flight, schedule_stages, stage_units
 
 STEP_SCALARS = 3  # the trainer's all-reduces per step: target tokens, the loss, the gradient norm
@@ -69,13 +70,16 @@ def estimate(args: ModelArgs, layout: Layout, workload: Workload, hw: Hardware) 
         # A pipeline rank holds its stages' blocks: priced as the rank with most of them, and FSDP
         # does not reshard between micro-batches (one all-gather per step), so hybridpar's pipeline
         # engine keeps the stage's parameters gathered and its gradients unsharded until the last one.
-        v = schedule_stages(layout.pp_schedule, layout.v)
-        if layout.pp_schedule != "GPipe" and grad_accum < pp:  # torch's Schedule1F1B refuses it too
-            raise ValueError(f"{grad_accum} micro-batches per step are fewer than the pp = {pp} stages "
-                             f"{layout.pp_schedule} needs")
-        if pp * v > args.n_layers + 2:
+        schedule = layout.pp_schedule
+        v = schedule_stages(schedule, layout.v)
+        if pp * v > max_stages(args.n_layers):
             raise ValueError(f"pp x stages per rank = {pp * v} is more than the model's {args.n_layers} layers + 2")
-        args = dataclasses.replace(args, n_layers=stage_units(args.n_layers, pp, v))
+        # torch's schedule would refuse the micro-batches, as hybridpar's preflight does
+        needed, rounds = least_microbatches(schedule, pp * v), rounds_of(schedule, pp, grad_accum)
+        if grad_accum < needed or grad_accum % rounds:
+            raise ValueError(f"{grad_accum} micro-batches per step: {schedule} at pp = {pp} needs at least "
+                             f"{needed}, in rounds of {pp}")
+        args = dataclasses.replace(args, n_layers=stage_units(args.n_layers, pp, v, schedule))
         layout = dataclasses.replace(layout, reshard_after_forward=False)
     L = args.n_layers
 
@@ -211,7 +215,8 @@ def candidate_layouts(args: ModelArgs, hw: Hardware, *, allow_cross_node_mp: boo
                                             allow_cross_node_mp=allow_cross_node_mp, ac_modes=ac_modes, zero2=False,
                                             ac_every=ac_every, sequence_parallel=sequence_parallel, seq_len=seq_len,
                                             cp=cp)
-        schedules = [(name, v) for name, v in (("1F1B", 1), ("Interleaved1F1B", 2)) if pp * v <= args.n_layers + 2]
+        schedules = [(name, stages_per_rank(name)) for name in ("1F1B", "Interleaved1F1B")
+                     if pp * stages_per_rank(name) <= max_stages(args.n_layers)]
         return [dataclasses.replace(lay, pp=pp, pp_schedule=name, v=v) for lay in inner for name, v in schedules
                 if lay.reshard_after_forward], rejected
     layouts: list[Layout] = []
@@ -309,7 +314,7 @@ def make_plan(args: ModelArgs, workload: Workload, hw: Hardware, **candidate_opt
     # layers allow (stages divide the state and the activations; the bubble costs time).
     tried = (pp,) if pp > 1 else ()
     if not pp and not any(e.fits for e in estimates):
-        tried = tuple(n for n in (2 ** k for k in range(1, 12)) if hw.gpus % n == 0 and n <= args.n_layers + 2)
+        tried = tuple(n for n in (2 ** k for k in range(1, 12)) if hw.gpus % n == 0 and n <= max_stages(args.n_layers))
         for n in tried:
             add(candidate_layouts(args, hw, seq_len=workload.seq_len, cp=cp, pp=n, **candidate_options)[0])
     if skipped and not estimates:

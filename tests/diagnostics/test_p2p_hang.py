@@ -273,3 +273,35 @@ def test_the_heartbeats_name_for_a_group_wins_over_its_description():
     assert [(op.dim, op.who(1)) for op in trace.p2p] == [("pp", "rank 1 (stage 1)")]
     assert trace.p2p_issued == {"0 recv 1": 1}
     assert RankTrace.from_json(json.loads(json.dumps(dataclasses.asdict(trace)))) == trace
+
+
+def _world_pipeline_case(trace_dir: str):
+    """pp 2 and nothing else (world 2): the mesh's pp dimension is the default group, whose description
+    says 'world'; a heartbeat's P2P log names it after the mesh, so an open receive is a stage's."""
+    import torch
+    import torch.distributed as dist
+
+    from hybridpar.diagnostics.heartbeat import Heartbeat
+    from tests.distributed import parallel_dims
+
+    parallel = parallel_dims(pp=2)
+    beat = Heartbeat(parallel, timeout=60.0, trace_dir=Path(trace_dir))
+    x, pending = torch.ones(2, 8), None
+    with beat.p2p as log:
+        if parallel.rank == 1:
+            work = dist.irecv(x, 0, group=parallel.pp_group)
+            pending = log.snapshot()["pending"]
+        dist.barrier()
+        if parallel.rank == 0:
+            dist.send(x, 1, group=parallel.pp_group)
+        else:
+            work.wait()
+    return {"pending": pending, "world": parallel.pp_group is dist.group.WORLD}
+
+
+def test_a_pipeline_spanning_the_world_is_named_pp_with_its_stages(workers, tmp_path):
+    _, receiver = workers(2).run(_world_pipeline_case, str(tmp_path))
+    assert receiver["world"]  # the case this is about: torch gives the pp dimension the default group
+    (op,) = [P2P(**p) for p in receiver["pending"]]
+    assert (op.dim, op.ranks) == ("pp", [0, 1])
+    assert op.describe(1) == "recv #1 from rank 0 (stage 0) on the pp group [0, 1]"

@@ -223,10 +223,10 @@ def test_the_log_listens_while_the_watchdog_watches_and_counts_on_across_a_pause
 
 # --- a live job: stage 1 stops inside its step ---------------------------------------------------
 
-def _run_job(run_dir: Path) -> tuple[subprocess.CompletedProcess, float]:
+def _run_job(run_dir: Path, *mode: str) -> tuple[subprocess.CompletedProcess, float]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": child_pythonpath()}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests" / "diagnostics" / "p2p_job.py"), str(run_dir), str(TRAIN_TIMEOUT)]
+           str(ROOT / "tests" / "diagnostics" / "p2p_job.py"), str(run_dir), str(TRAIN_TIMEOUT), *mode]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     stalled = re.search(r"STALL on rank 1 at ([\d.]+)", result.stderr)
     assert stalled, f"the stall never came:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
@@ -305,3 +305,23 @@ def test_a_pipeline_spanning_the_world_is_named_pp_with_its_stages(workers, tmp_
     (op,) = [P2P(**p) for p in receiver["pending"]]
     assert (op.dim, op.ranks) == ("pp", [0, 1])
     assert op.describe(1) == "recv #1 from rank 0 (stage 0) on the pp group [0, 1]"
+
+
+@pytest.mark.slow
+def test_a_stage_of_torchs_pipeline_stopped_in_its_forward_is_named_with_its_stage(tmp_path):
+    """pp 2 on the mesh's own pp dimension (the default group at world 2), torch's 1F1B through
+    PipelineEngine: the report names rank 1, its stage and coordinates, and the op rank 0 waits in."""
+    result, stalled_at = _run_job(tmp_path / "run", "engine")
+    report_path = tmp_path / "run" / "hang_report.json"
+    assert result.returncode != 0 and report_path.exists(), result.stderr[-4000:]
+    delay = report_path.stat().st_mtime - stalled_at
+    report = json.loads(report_path.read_text())
+    text = result.stderr[result.stderr.index("hybridpar watchdog"):]
+    print(f"\nreport {delay:.1f} s after the stall (bound {REPORT_WITHIN:g} s)\n" + "\n".join(text.splitlines()[:8]))
+    assert delay <= REPORT_WITHIN
+    first = report["findings"][0]
+    assert (first["kind"], first["ranks"], first["dim"]) == ("not_arrived", [1], "pp"), first
+    cause = text.splitlines()[1]
+    assert cause.startswith(f"CAUSE  rank 1 (stage 1) has not "), cause
+    assert f"rank 0 (stage 0), which waits in {first['op']} #" in cause and "on the pp group [0, 1]" in cause, cause
+    assert text.splitlines()[2].startswith("       rank 1: pp 1, mp 0, dp 0 (replicate 0, shard 0) on "), text

@@ -65,8 +65,8 @@ def check_replicas(model: Union[torch.nn.Module, Sequence[torch.nn.Module]], par
     names, mp_replicated, owner, local = _checksums(modules)
     if stages is None or len(stages) != len(modules):
         stages = [parallel.pp_rank] * len(modules)
-    # The stages hold different parameters, so every rank's names come along (rank r's row i is its
-    # parameter names[r][i]) and the tables, of different lengths, are padded to the longest.
+    # The stages hold different parameters, so every rank's (stage, name, mp-replicated) come along
+    # (rank r's row i is held[r][i]) and the tables, of different lengths, are padded to the longest.
     held = gather_objects([(stages[k], name, rep) for k, name, rep in zip(owner, names, mp_replicated)])
     rows = max(len(h) for h in held)
     local = torch.cat([local, local.new_zeros((rows - local.shape[0], 2))]).to(parallel.device)  # nccl needs cuda

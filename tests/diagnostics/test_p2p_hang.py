@@ -223,26 +223,26 @@ def test_the_log_listens_while_the_watchdog_watches_and_counts_on_across_a_pause
 
 # --- a live job: stage 1 stops inside its step ---------------------------------------------------
 
-def _run_job(run_dir: Path, *mode: str) -> tuple[subprocess.CompletedProcess, float]:
+def _run_job(run_dir: Path, *mode: str) -> tuple[dict, str]:
+    """Run p2p_job.py; its hang_report.json and the report's text, checked to come within the bound."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": child_pythonpath()}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "tests" / "diagnostics" / "p2p_job.py"), str(run_dir), str(TRAIN_TIMEOUT), *mode]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     stalled = re.search(r"STALL on rank 1 at ([\d.]+)", result.stderr)
     assert stalled, f"the stall never came:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
-    return result, float(stalled.group(1))
+    report_path = run_dir / "hang_report.json"
+    assert result.returncode != 0 and report_path.exists(), result.stderr[-4000:]
+    delay = report_path.stat().st_mtime - float(stalled.group(1))
+    text = result.stderr[result.stderr.index("hybridpar watchdog"):]
+    print(f"\nreport {delay:.1f} s after the stall (bound {REPORT_WITHIN:g} s)\n" + "\n".join(text.splitlines()[:8]))
+    assert delay <= REPORT_WITHIN
+    return json.loads(report_path.read_text()), text
 
 
 @pytest.mark.slow
 def test_a_stage_stopped_inside_its_step_is_named_with_the_receive_its_peer_waits_in(tmp_path):
-    result, stalled_at = _run_job(tmp_path / "run")
-    report_path = tmp_path / "run" / "hang_report.json"
-    assert result.returncode != 0 and report_path.exists(), result.stderr[-4000:]
-    delay = report_path.stat().st_mtime - stalled_at
-    report = json.loads(report_path.read_text())
-    text = result.stderr[result.stderr.index("hybridpar watchdog"):]
-    print(f"\nreport {delay:.1f} s after the stall (bound {REPORT_WITHIN:g} s)\n" + "\n".join(text.splitlines()[:8]))
-    assert delay <= REPORT_WITHIN
+    report, text = _run_job(tmp_path / "run")
     first = report["findings"][0]
     # Two micro-batches a step: the first gradient of step 3 is rank 0's 5th receive from rank 1.
     assert (first["kind"], first["ranks"], first["dim"], first["op"], first["seq"]) == ("not_arrived", [1], "pp", "recv", 5)
@@ -311,14 +311,7 @@ def test_a_pipeline_spanning_the_world_is_named_pp_with_its_stages(workers, tmp_
 def test_a_stage_of_torchs_pipeline_stopped_in_its_forward_is_named_with_its_stage(tmp_path):
     """pp 2 on the mesh's own pp dimension (the default group at world 2), torch's 1F1B through
     PipelineEngine: the report names rank 1, its stage and coordinates, and the op rank 0 waits in."""
-    result, stalled_at = _run_job(tmp_path / "run", "engine")
-    report_path = tmp_path / "run" / "hang_report.json"
-    assert result.returncode != 0 and report_path.exists(), result.stderr[-4000:]
-    delay = report_path.stat().st_mtime - stalled_at
-    report = json.loads(report_path.read_text())
-    text = result.stderr[result.stderr.index("hybridpar watchdog"):]
-    print(f"\nreport {delay:.1f} s after the stall (bound {REPORT_WITHIN:g} s)\n" + "\n".join(text.splitlines()[:8]))
-    assert delay <= REPORT_WITHIN
+    report, text = _run_job(tmp_path / "run", "engine")
     first = report["findings"][0]
     assert (first["kind"], first["ranks"], first["dim"]) == ("not_arrived", [1], "pp"), first
     cause = text.splitlines()[1]

@@ -117,9 +117,9 @@ def _stop_and_hang(trainer: Trainer, rank: int, step: int, fired: list) -> None:
 
 
 def _stage_modules(trainer: Trainer) -> list:
-    """The model, or under pipeline parallelism this rank's stage modules."""
-    model = trainer.model
-    return [model] if isinstance(model, torch.nn.Module) and not isinstance(model, torch.nn.ModuleList) else list(model)
+    """The model, or under pipeline parallelism this rank's stage modules (the trainer's model_parts)."""
+    parts = getattr(trainer, "model_parts", None)
+    return list(parts) if parts else [trainer.model]
 
 
 def _sleep_in_stage(trainer: Trainer, rank: int, step: int, fired: list) -> None:

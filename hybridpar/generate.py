@@ -99,7 +99,7 @@ def generate(
     vocab_limit: only ids below it are chosen (a tokenizer smaller than the model's embedding: the
     ids past its end have no text).
     """
-    if getattr(parallel, "pp", 1) > 1:  # no stage holds both the embedding and the output head
+    if parallel.pp > 1:  # no stage holds both the embedding and the output head
         raise ValueError(f"generation runs at pp = 1, this mesh has pp = {parallel.pp}: build the model with "
                          "parallel.pp = 1 (a checkpoint loads at any pp)")
     _check_arguments(model, prompt_tokens, max_new_tokens, temperature, top_p)

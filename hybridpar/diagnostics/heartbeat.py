@@ -75,7 +75,8 @@ class Heartbeat:
         self.neighbours: Optional[dict[int, int]] = None  # rank -> pid, of the ranks on this host
         self.nodes: dict[int, str] = {}  # rank -> its node, gathered at set-up (train.supervisor)
         self._seen_gone: set[int] = set()
-        self.p2p = P2PLog()  # this rank's sends and receives, while the watchdog watches
+        # This rank's sends and receives, while the watchdog watches; its groups named as the mesh names them.
+        self.p2p = P2PLog({g.group_name: dim for dim, g in self._groups})
 
     def connect(self) -> None:
         """This rank's own store connection, and what its trace says about it."""

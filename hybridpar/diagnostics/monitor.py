@@ -279,12 +279,7 @@ class Monitor:
         p, info = self.beat.parallel, {}
         for r in gone:
             entry = {}
-            try:
-                # A stand-in parallel (tests, tools) may predate cp and pp: one cp rank and one stage then.
-                c = MeshCoords.of(r, getattr(p, "pp", 1), p.dp_replicate, p.dp_shard, getattr(p, "cp", 1), p.mp)
-                entry["coords"] = c.describe()
-            except (AttributeError, ValueError):  # a stand-in parallel without the sizes
-                pass
+            entry["coords"] = MeshCoords.of(r, *p.sizes).describe()  # its stage too, under pipeline parallelism
             last = self._last.get(r, {})
             entry.update({k: last[k] for k in ("step", "phase") if k in last})
             try:

@@ -22,7 +22,7 @@ import contextlib
 import dataclasses
 import itertools
 import threading
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch.distributed as dist
 
@@ -37,7 +37,10 @@ KEEP = 256  # ops kept before the done ones are dropped (a step's are done withi
 class P2PLog(Listener):
     """Counts this rank's sends and receives and keeps those not yet complete (see the module)."""
 
-    def __init__(self) -> None:
+    def __init__(self, dims: Optional[dict[str, str]] = None) -> None:
+        """`dims`: group name -> the mesh dimension it serves, where its description may not say (a
+        pp dimension spanning the world is the default group: at pp 2 x nothing else, "pp", not "world")."""
+        self._dims = dict(dims or {})
         self.issued: dict[str, int] = {}  # P2P.key -> ops issued
         self._open: dict[int, tuple[P2P, object]] = {}  # id -> (the op, its Work once returned)
         self._ids = itertools.count()
@@ -78,7 +81,7 @@ class P2PLog(Listener):
         group = call.group if call.group is not None else dist.group.WORLD
         name = group.group_name
         if name not in self._groups:
-            self._groups[name] = (dim_from_desc(getattr(group, "group_desc", "")),
+            self._groups[name] = (self._dims.get(name) or dim_from_desc(getattr(group, "group_desc", "")),
                                   dist.get_process_group_ranks(group))
         dim, ranks = self._groups[name]
         kind = call.kind

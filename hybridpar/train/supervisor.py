@@ -19,13 +19,14 @@ import os
 import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
 from .. import incidents
 from ..checkpoint.dcp import latest_checkpoint
 from ..config import Config
+from ..config.pipeline import stage_count
 from ..diagnostics.data_guard import check_data, step_fingerprint
 from ..diagnostics.monitor import save_report, verdict_time
 from ..diagnostics.node_fault import place
@@ -35,6 +36,7 @@ from ..diagnostics.timeouts import Deadlines, apply_env_defaults, restore_env
 from ..diagnostics.watchdog import Watchdog
 from ..mesh.device import ParallelDims
 from ..mesh.ranks import gather_objects
+from ..parallel.pipeline import stage_ids
 from . import stop as stopping
 
 log = logging.getLogger(__name__)
@@ -57,7 +59,7 @@ class Supervisor:
         self.watchdog: Optional[Watchdog] = None
         self.deadlines: Optional[Deadlines] = None
         self.stragglers: Optional[StragglerMonitor] = None
-        self.model: Optional[torch.nn.Module] = None
+        self.model: Union[torch.nn.Module, Sequence[torch.nn.Module], None] = None  # or the stage modules
         self.places: Optional[list] = None  # every rank's (host, node), once the mesh exists
         self.start_step = 0
         self._checkpoint_folder = checkpoint_folder
@@ -97,9 +99,10 @@ class Supervisor:
         watchdog.step, watchdog.phase = step, phase
         return watchdog.start()
 
-    def set_up(self, start_step: int, model: torch.nn.Module) -> None:
-        """Set-up is done; the run starts (or resumes) at `start_step`. Until running(), the watchdog
-        pauses and the signals are left alone."""
+    def set_up(self, start_step: int, model: Union[torch.nn.Module, Sequence[torch.nn.Module]]) -> None:
+        """Set-up is done; the run starts (or resumes) at `start_step`. `model`: the model, or under
+        pipeline parallelism this rank's stage modules in the order of its stages (parallel.pipeline's
+        stage_ids). Until running(), the watchdog pauses and the signals are left alone."""
         self.start_step, self.model = start_step, model
         self.deadlines = Deadlines(self.config.parallel.init_timeout, self.config.diagnostics.train_timeout,
                                    self.parallel, start_step)
@@ -181,11 +184,19 @@ class Supervisor:
             self._training_again(step)
         every = self.config.diagnostics.replica_check_every
         if every and step % every == 0:
-            check_replicas(self.model, self.parallel, step)
+            check_replicas(self.model, self.parallel, step, stages=self._stages())
         if self.stragglers is not None:
             if self.stragglers.due(step):
                 self.phase("straggler report")
             found.update(self.stragglers.report(step) or {})
+
+    def _stages(self) -> Optional[list[int]]:
+        """The stage indices this rank holds (None without pipeline parallelism): the replica check names them."""
+        c, p = self.config.parallel, self.parallel
+        if p.pp == 1:
+            return None
+        per_rank = stage_count(p.pp, c.pp_schedule, c.pp_layers) // p.pp
+        return stage_ids(p.pp_rank, p.pp, per_rank, c.pp_schedule)
 
     @property
     def excluding(self) -> Optional[dict]:

@@ -7,8 +7,9 @@ all-reduce on its dp group), exit (RANK calls os._exit in the middle of the forw
 (RANK all-reduces a tensor of another shape on its dp group), exit_optimizer (os._exit(1) in the
 optimizer step), kill_forward (SIGKILL in the middle of the forward), kill_save (SIGKILL while
 writing a checkpoint: the job saves every step), kill_setup (SIGKILL while the data is set up),
-stop_hang (every rank gets SIGTERM in the forward, and RANK hangs there: the stop cannot finish).
-The fault fires once, in step STEP (kill_setup: before step 1).
+stop_hang (every rank gets SIGTERM in the forward, and RANK hangs there: the stop cannot finish),
+sleep_stage (RANK, of a pipeline stage, stops in its stage's first forward: its peer stages wait in
+their sends and receives). The fault fires once, in step STEP (kill_setup: before step 1).
 """
 
 import json
@@ -33,7 +34,7 @@ def plant(trainer: Trainer, fault: str, rank: int, step: int) -> None:
     fired = []
 
     def due(group) -> bool:
-        if fault in DEATHS:
+        if fault in HOOKED:
             return False
         wanted = p.mp_group if fault in ("sleep_mp", "exit") else p.dp_group
         return not fired and p.rank == rank and trainer.step + 1 == step and group is wanted
@@ -53,8 +54,8 @@ def plant(trainer: Trainer, fault: str, rank: int, step: int) -> None:
         return real_all_reduce(tensor, op=op, group=group, async_op=async_op)
 
     dist.all_reduce = all_reduce
-    if fault in DEATHS:
-        DEATHS[fault](trainer, rank, step, fired)
+    if fault in HOOKED:
+        HOOKED[fault](trainer, rank, step, fired)
 
 
 def _announce(fault: str, rank: int) -> None:
@@ -115,8 +116,25 @@ def _stop_and_hang(trainer: Trainer, rank: int, step: int, fired: list) -> None:
     trainer.model.register_forward_pre_hook(hook)
 
 
-DEATHS = {"exit_optimizer": _exit_in_optimizer, "kill_forward": _kill_in_forward, "kill_save": _kill_in_save,
-          "stop_hang": _stop_and_hang}
+def _stage_modules(trainer: Trainer) -> list:
+    """The model, or under pipeline parallelism this rank's stage modules (the trainer's model_parts)."""
+    parts = getattr(trainer, "model_parts", None)
+    return list(parts) if parts else [trainer.model]
+
+
+def _sleep_in_stage(trainer: Trainer, rank: int, step: int, fired: list) -> None:
+    def hook(module, args):
+        if trainer.parallel.rank == rank and trainer.step + 1 == step and not fired:
+            fired.append("sleep_stage")
+            _announce("sleep_stage", rank)
+            time.sleep(3600)  # the planted stall, inside the step: the other stages wait in sends and receives
+
+    _stage_modules(trainer)[0].register_forward_pre_hook(hook)
+
+
+# Faults planted by a hook of their own (not in all_reduce).
+HOOKED = {"exit_optimizer": _exit_in_optimizer, "kill_forward": _kill_in_forward, "kill_save": _kill_in_save,
+          "stop_hang": _stop_and_hang, "sleep_stage": _sleep_in_stage}
 
 
 def _kill_in_setup(rank: int) -> None:

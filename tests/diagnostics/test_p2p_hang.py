@@ -223,26 +223,26 @@ def test_the_log_listens_while_the_watchdog_watches_and_counts_on_across_a_pause
 
 # --- a live job: stage 1 stops inside its step ---------------------------------------------------
 
-def _run_job(run_dir: Path) -> tuple[subprocess.CompletedProcess, float]:
+def _run_job(run_dir: Path, *mode: str) -> tuple[dict, str]:
+    """Run p2p_job.py; its hang_report.json and the report's text, checked to come within the bound."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": child_pythonpath()}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests" / "diagnostics" / "p2p_job.py"), str(run_dir), str(TRAIN_TIMEOUT)]
+           str(ROOT / "tests" / "diagnostics" / "p2p_job.py"), str(run_dir), str(TRAIN_TIMEOUT), *mode]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     stalled = re.search(r"STALL on rank 1 at ([\d.]+)", result.stderr)
     assert stalled, f"the stall never came:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
-    return result, float(stalled.group(1))
+    report_path = run_dir / "hang_report.json"
+    assert result.returncode != 0 and report_path.exists(), result.stderr[-4000:]
+    delay = report_path.stat().st_mtime - float(stalled.group(1))
+    text = result.stderr[result.stderr.index("hybridpar watchdog"):]
+    print(f"\nreport {delay:.1f} s after the stall (bound {REPORT_WITHIN:g} s)\n" + "\n".join(text.splitlines()[:8]))
+    assert delay <= REPORT_WITHIN
+    return json.loads(report_path.read_text()), text
 
 
 @pytest.mark.slow
 def test_a_stage_stopped_inside_its_step_is_named_with_the_receive_its_peer_waits_in(tmp_path):
-    result, stalled_at = _run_job(tmp_path / "run")
-    report_path = tmp_path / "run" / "hang_report.json"
-    assert result.returncode != 0 and report_path.exists(), result.stderr[-4000:]
-    delay = report_path.stat().st_mtime - stalled_at
-    report = json.loads(report_path.read_text())
-    text = result.stderr[result.stderr.index("hybridpar watchdog"):]
-    print(f"\nreport {delay:.1f} s after the stall (bound {REPORT_WITHIN:g} s)\n" + "\n".join(text.splitlines()[:8]))
-    assert delay <= REPORT_WITHIN
+    report, text = _run_job(tmp_path / "run")
     first = report["findings"][0]
     # Two micro-batches a step: the first gradient of step 3 is rank 0's 5th receive from rank 1.
     assert (first["kind"], first["ranks"], first["dim"], first["op"], first["seq"]) == ("not_arrived", [1], "pp", "recv", 5)
@@ -273,3 +273,48 @@ def test_the_heartbeats_name_for_a_group_wins_over_its_description():
     assert [(op.dim, op.who(1)) for op in trace.p2p] == [("pp", "rank 1 (stage 1)")]
     assert trace.p2p_issued == {"0 recv 1": 1}
     assert RankTrace.from_json(json.loads(json.dumps(dataclasses.asdict(trace)))) == trace
+
+
+def _world_pipeline_case(trace_dir: str):
+    """pp 2 and nothing else (world 2): the mesh's pp dimension is the default group, whose description
+    says 'world'; a heartbeat's P2P log names it after the mesh, so an open receive is a stage's."""
+    import torch
+    import torch.distributed as dist
+
+    from hybridpar.diagnostics.heartbeat import Heartbeat
+    from tests.distributed import parallel_dims
+
+    parallel = parallel_dims(pp=2)
+    beat = Heartbeat(parallel, timeout=60.0, trace_dir=Path(trace_dir))
+    x, pending = torch.ones(2, 8), None
+    with beat.p2p as log:
+        if parallel.rank == 1:
+            work = dist.irecv(x, 0, group=parallel.pp_group)
+            pending = log.snapshot()["pending"]
+        dist.barrier()
+        if parallel.rank == 0:
+            dist.send(x, 1, group=parallel.pp_group)
+        else:
+            work.wait()
+    return {"pending": pending, "world": parallel.pp_group is dist.group.WORLD}
+
+
+def test_a_pipeline_spanning_the_world_is_named_pp_with_its_stages(workers, tmp_path):
+    _, receiver = workers(2).run(_world_pipeline_case, str(tmp_path))
+    assert receiver["world"]  # the case this is about: torch gives the pp dimension the default group
+    (op,) = [P2P(**p) for p in receiver["pending"]]
+    assert (op.dim, op.ranks) == ("pp", [0, 1])
+    assert op.describe(1) == "recv #1 from rank 0 (stage 0) on the pp group [0, 1]"
+
+
+@pytest.mark.slow
+def test_a_stage_of_torchs_pipeline_stopped_in_its_forward_is_named_with_its_stage(tmp_path):
+    """pp 2 on the mesh's own pp dimension (the default group at world 2), torch's 1F1B through
+    PipelineEngine: the report names rank 1, its stage and coordinates, and the op rank 0 waits in."""
+    report, text = _run_job(tmp_path / "run", "engine")
+    first = report["findings"][0]
+    assert (first["kind"], first["ranks"], first["dim"]) == ("not_arrived", [1], "pp"), first
+    cause = text.splitlines()[1]
+    assert cause.startswith(f"CAUSE  rank 1 (stage 1) has not "), cause
+    assert f"rank 0 (stage 0), which waits in {first['op']} #" in cause and "on the pp group [0, 1]" in cause, cause
+    assert text.splitlines()[2].startswith("       rank 1: pp 1, mp 0, dp 0 (replicate 0, shard 0) on "), text

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from hybridpar.diagnostics.stragglers import CollectiveTimer, analyse, describe
+from hybridpar.diagnostics.stragglers import CollectiveTimer, analyse, describe, metrics_row
 from hybridpar.mesh.layout import MeshCoords
 from tests.runs import make_config
 
@@ -71,6 +71,11 @@ def test_warning_names_rank_coordinates_and_host():
     line = describe(v, 200, MeshCoords.of(3, 1, 1, 2, 1, 2), "node7")
     assert line == ("straggler at step 200: rank 3 (mp 1, dp 1 (replicate 0, shard 1), host node7) computes "
                     "0.41 s per step against a median of 0.20 s (2.05x); the others wait for it")
+    # pp 2 x mp 2: the straggler's stage first, in the warning and in the metrics' row
+    pp = MeshCoords.of(3, 2, 1, 1, 1, 2)
+    assert describe(v, 200, pp, "node7").startswith("straggler at step 200: rank 3 (pp 1, mp 1, dp 0 (replicate 0, "
+                                                    "shard 0), host node7)")
+    assert metrics_row(v, pp, "node7")["straggler/coords"] == "pp 1, mp 1, dp 0 (replicate 0, shard 0)"
 
 
 # --- the collective timer, on stand-ins for torch.distributed's functions -------------------------

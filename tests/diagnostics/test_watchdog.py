@@ -22,6 +22,7 @@ from hybridpar.diagnostics import flight, watchdog
 from hybridpar.diagnostics.flight import analyse, format_report
 from hybridpar.diagnostics.liveness import process_stopped
 from hybridpar.diagnostics.traces import Collective, GroupTrace, RankTrace, trace_from_dump
+from hybridpar.mesh.layout import MeshCoords
 from tests.distributed import child_pythonpath
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -179,10 +180,10 @@ class _Clock:
 def _watchdog(tmp_path, rank=0, world=2, timeout=60.0, interval=1.0) -> watchdog.Watchdog:
     """An unstarted watchdog without a process group (no mesh groups); exit codes go to `.exits`.
     timeout 60 s, interval 1 s: a heartbeat silent for 10 s means the process is gone."""
-    coords = SimpleNamespace(mp_rank=rank, dp_rank=0, replicate_idx=0, shard_idx=0)
-    parallel = SimpleNamespace(rank=rank, world_size=world, coords=coords, cp=1, mp_group=None, cp_group=None,
-                               dp_shard_group=None, dp_replicate_group=None, dp_group=None, dp_cp_group=None,
-                               pp=1, pp_group=None)
+    sizes = (1, 1, world, 1, 1)  # (pp, dp_replicate, dp_shard, cp, mp), as ParallelDims.sizes
+    parallel = SimpleNamespace(rank=rank, world_size=world, coords=MeshCoords.of(rank, *sizes), sizes=sizes, cp=1,
+                               mp_group=None, cp_group=None, dp_shard_group=None, dp_replicate_group=None,
+                               dp_group=None, dp_cp_group=None, pp=1, pp_group=None)
     exits = []
     wd = watchdog.Watchdog(parallel, timeout=timeout, run_dir=tmp_path, trace_dir=tmp_path, interval=interval,
                            exit_fn=exits.append)
@@ -222,7 +223,6 @@ def test_a_neighbours_death_is_named_at_once_with_its_place(tmp_path, clock):
     """Rank 1's process is gone: rank 0, on the same host, sees it on its next look; the verdict
     names it with its coordinates and last step, without waiting for its heartbeat to go stale."""
     wd = _watchdog(tmp_path, world=3)
-    wd.beat.parallel.dp_replicate, wd.beat.parallel.dp_shard, wd.beat.parallel.mp = 1, 3, 1
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
@@ -241,6 +241,24 @@ def test_a_neighbours_death_is_named_at_once_with_its_place(tmp_path, clock):
     finally:
         alive.kill()
         alive.wait()
+
+
+def test_a_dead_rank_of_a_pipeline_is_placed_by_its_stage(tmp_path):
+    """pp 2 x mp 2: the death report places the gone rank 3 on stage 1, and its peer's wait in a
+    receive from it names both stages."""
+    from hybridpar.diagnostics.traces import P2P
+
+    wd = _watchdog(tmp_path, world=4)
+    wd.beat.parallel.sizes = (2, 1, 1, 1, 2)
+    gone = wd.monitor._gone_info([3])
+    assert gone[3]["coords"] == "pp 1, mp 1, dp 0 (replicate 0, shard 0)"
+    recv = P2P("recv", 3, "9", "pp", [1, 3], 4, [[2, 8]])
+    verdict = analyse({1: RankTrace(1, coords="pp 0, mp 1, dp 0 (replicate 0, shard 0)", p2p=[recv])}, dead=[3])
+    verdict.gone = gone
+    report = format_report(verdict, "headline")
+    assert "CAUSE  rank 3 (stage 1) is gone: rank 1 (stage 0) waits in recv #4 from rank 3 (stage 1) on the pp " \
+           "group [1, 3]" in report, report
+    assert "       rank 3: pp 1, mp 1, dp 0 (replicate 0, shard 0) on ?" in report, report
 
 
 def test_a_rank_that_raised_and_exited_is_reported_as_failed_not_gone(tmp_path, clock):

@@ -108,3 +108,17 @@ def test_a_trainer_run_leaves_the_process_as_it_found_it(workers, corpus, tmp_pa
     for result in workers(2).run(_case_run_leaves_the_process_alone, config):
         size = ENV_DEFAULTS["TORCH_FR_BUFFER_SIZE"]
         assert result == {"before": True, "functions": True, "during": (size, size, True, True)}, result
+
+
+@pytest.mark.parametrize("schedule, pp_layers, pp_rank, stages", [
+    ("1F1B", [], 0, None),  # pp 1: the replica check names no stage
+    ("1F1B", [], 1, [1]),
+    ("Interleaved1F1B", [], 1, [1, 3]),
+    ("ZBVZeroBubble", [], 0, [0, 3]),
+    ("Interleaved1F1B", [1, 1, 1, 1, 1, 1], 1, [1, 3, 5]),
+])
+def test_the_replica_check_is_told_the_stages_this_rank_holds(tmp_path, schedule, pp_layers, pp_rank, stages):
+    s = Supervisor(_config(tmp_path / "run"))
+    s.config.parallel = SimpleNamespace(pp_schedule=schedule, pp_layers=pp_layers)
+    s.parallel = SimpleNamespace(pp=1 if stages is None else 2, pp_rank=pp_rank)
+    assert s._stages() == stages

@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import math
 import os
+import sys
+import tempfile
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The suite starts hundreds of Python processes (a job's ranks, its launcher, a CLI run), each of which
+# imports hybridpar and test modules. Where the environment forbids bytecode files (PYTHONDONTWRITEBYTECODE,
+# to keep the checkout clean) each of them compiled those sources anew; they are cached outside the
+# checkout instead, in a folder of the temp dir kept between sessions (a stale file is recompiled).
+if os.environ.pop("PYTHONDONTWRITEBYTECODE", None):
+    os.environ.setdefault("PYTHONPYCACHEPREFIX", os.path.join(tempfile.gettempdir(), f"hybridpar-pycache-{os.getuid()}"))
+    sys.pycache_prefix, sys.dont_write_bytecode = os.environ["PYTHONPYCACHEPREFIX"], False
 
 import pytest  # noqa: E402
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 from hybridpar.config import MAX_DOCUMENT_BYTES  # the config's default, defined with it
-from hybridpar.data.corpus import default_corpus_documents
+from hybridpar.data.corpus import default_corpus_bytes, default_corpus_documents
 from hybridpar.data.sources import Source, SourceFile, resolve_sources, source_bytes
 from hybridpar.data.streams import DataFormatError, OnBytes, TooLong, first_line, lines, lines_before
 from hybridpar.progress import Progress
@@ -49,7 +49,13 @@ class Unit:
     file: SourceFile
     start: int = 0  # row group, record batch or byte where the unit starts (its kind says which)
     stop: int = 0  # and where the next unit starts
-    nbytes: int = 0  # the input bytes it reads: what progress counts
+    nbytes: int = 0  # the input bytes it reads (0 for the embedded corpus: progress counts read_bytes)
+
+    @property
+    def read_bytes(self) -> int:
+        """The bytes reading it counts through on_bytes. The embedded corpus's unit records 0 (its
+        plan, and so the key of every store made of it, stay as they were): its sources' size."""
+        return default_corpus_bytes() if self.file.kind == "default" else self.nbytes
 
     def describe(self) -> str:
         if self.file.kind == "default":

@@ -70,7 +70,7 @@ def work_on(plan: Plan, mine: Sequence[int], tokenizer, *, workers: int, wait: b
         return
     todo = [i for i in mine if unit_record(plan, i) is None]
     progress = _StoreProgress(plan, mine, report, progress_every, on_progress)
-    progress.done = sum(plan.units[i].nbytes for i in mine if i not in todo)
+    progress.done = sum(plan.units[i].read_bytes for i in mine if i not in todo)
     if todo:
         done_before = len(mine) - len(todo)
         progress.note(what + (f"; {done_before} units were done before" if done_before else ""))
@@ -89,7 +89,7 @@ class _StoreProgress(Progress):
 
     def __init__(self, plan: Plan, units: Sequence[int], report: Optional[bool], every: float,
                  on_progress: Optional[Callable[[str], None]]) -> None:
-        super().__init__(f"preparing {plan.folder}", total=sum(plan.units[i].nbytes for i in units), unit="B",
+        super().__init__(f"preparing {plan.folder}", total=sum(plan.units[i].read_bytes for i in units), unit="B",
                          enabled=report, every=every)
         self.rates["tokens"] = 0
         self._on_progress, self._told = on_progress, 0.0
@@ -130,7 +130,7 @@ class _Counted:
 
     def done(self, i: int) -> None:
         self.closed.add(i)
-        planned = self.plan.units[i].nbytes - self.seen.pop(i, 0)  # what the reads did not count
+        planned = self.plan.units[i].read_bytes - self.seen.pop(i, 0)  # what the reads did not count
         if planned:
             self.progress.update(planned)
 

@@ -115,3 +115,27 @@ def test_the_trainer_data_speaks_from_the_process_that_prepares(corpus, tmp_path
     pretend_rank(monkeypatch, 0)
     build_data(config.data)  # everything cached: nothing to say
     assert capsys.readouterr().err == ""
+
+
+def test_the_embedded_corpus_is_counted_against_its_own_size(tmp_path, monkeypatch):
+    """A store of the embedded corpus says how far it is as a share of the corpus's source files:
+    its plan's one unit records 0 bytes, which made the first word 1e9% ("1030480300.0% of the
+    input": the bytes read over 1). Reading the unit counts up to exactly the total."""
+    from hybridpar.data import corpus
+    from hybridpar.data.sources import describe_input
+    from hybridpar.data.store_plan import plan_of
+    from hybridpar.data.store_work import _Counted, _StoreProgress
+    from tests.data.stubs import NumberTokenizer
+
+    few = corpus.stdlib_source_files()[:20]  # the corpus cut short: seconds, not a whole standard library
+    monkeypatch.setattr(corpus, "stdlib_source_files", lambda root=None: few)
+    plan = plan_of(describe_input("default"), NumberTokenizer(), tmp_path / "store")
+    heard = []
+    progress = _StoreProgress(plan, range(len(plan.units)), False, 5.0, heard.append)
+    counted = _Counted(plan, progress)
+    for parts in formats.unit_documents(plan.units[0], "text", on_bytes=lambda n: counted.read(0, n)):
+        for _ in parts:
+            pass
+    shares = [float(re.search(r"([\d.]+)% of the input", text).group(1)) for text in heard]
+    assert shares and 0 < shares[0] <= 100, heard
+    assert progress.done == progress.total == sum(path.stat().st_size for path in few)

@@ -25,7 +25,7 @@ LAYOUTS = {
 def small_args(**overrides):
     from hybridpar.models.args import ModelArgs
 
-    fields = dict(dim=64, n_heads=4, n_kv_heads=2, vocab_size=256, n_layers=6, **overrides)
+    fields = {"dim": 64, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 256, "n_layers": 6, **overrides}
     return ModelArgs.from_preset("tiny", **fields)
 
 

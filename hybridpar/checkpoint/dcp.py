@@ -61,7 +61,7 @@ from ..safe_pickle import CheckpointReadError, SafeFileSystemReader
 from .matching import check_checkpoint, refuse_incomplete_save
 from .reader import CheckpointDamagedError, CheckpointError, SafeLoadPlanner
 from .space import checkpoint_bytes, join_dcp_writers, no_space_reasons, remove_folder
-from .stages import Stages, gather_names, one_module
+from .stages import Stages, gather_names, one_module, own_empty_groups
 from .verify import STEP_DIR, LoadCheck, share_load_failure
 
 DELETING = ".deleting"
@@ -322,7 +322,7 @@ class Checkpointer:
         if not _is_parameter_storage(state["model"], model):
             set_model_state_dict(model, state["model"])
         if optimizer is not None:
-            set_optimizer_state_dict(model, optimizer, state["optimizer"])
+            set_optimizer_state_dict(model, optimizer, own_empty_groups(optimizer, state["optimizer"]))
         train_state = json.loads((path / "train_state.json").read_text())
         rng = path / "rng" / f"rank{self.parallel.rank}.pt"
         if train_state.get("world_size") == self.parallel.world_size and rng.exists():

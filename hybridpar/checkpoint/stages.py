@@ -8,6 +8,7 @@ last. Checkpoints store the unsplit model's names, so none depends on pp:
     model = one_module(stages, optimizer)   # one module whose parameter names are the stages' together
     held(model, "layers.5.attention.wq.weight")   # does this model (a stage, or whole) hold it?
     names = gather_names(model_sd, optim_sd)   # every rank's; param groups made to name the whole model's
+    own_empty_groups(optimizer, optim_sd)   # a loaded group empty where this rank's is (torch needs it)
     missing_text(names)                     # "layers 3-5, output.weight": what a set of names lacks
 """
 
@@ -100,6 +101,17 @@ def gather_names(model_sd: dict, optim_sd: Optional[dict]) -> set[str]:
         for i, group in enumerate(optim_sd["param_groups"]):
             group["params"] = list(dict.fromkeys(name for _, g in every for name in g[i]))
     return {name for names, _ in every for name in names}
+
+
+def own_empty_groups(optimizer: torch.optim.Optimizer, optim_sd: dict) -> dict:
+    """The loaded optimizer state `optim_sd` with each param group this rank's optimizer holds no
+    parameter of naming none either (in place; returned). A stage can lack a group's parameters (the
+    first stage holding the embedding alone has no norm), and torch's set_optimizer_state_dict maps
+    an empty group only to a stored group that is empty too; the stored one names other stages'."""
+    for mine, stored in zip(optimizer.param_groups, optim_sd["param_groups"]):
+        if not mine["params"]:
+            stored["params"] = []
+    return optim_sd
 
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")

@@ -19,7 +19,9 @@ LAYOUTS = {
     "pp2-dp2-fsdp": (4, 2, 1, 2, "1F1B", 1, True),
     "pp4": (4, 4, 1, 1, "1F1B", 1, False),
     "pp4-fsdp": (4, 4, 1, 1, "1F1B", 1, True),
+    "pp2-embedding-alone": (2, 2, 1, 1, "1F1B", 1, False),
 }
+PP_LAYERS = {"pp2-embedding-alone": [0, 6]}  # parallel.pp_layers: the first stage the embedding alone, no norm
 
 
 def small_args(**overrides):
@@ -41,7 +43,8 @@ def stage_ids_of(name: str, parallel, n_layers: int) -> tuple[list[int], list[in
     from hybridpar.parallel.pipeline import stage_ids, stage_layer_counts
 
     _, pp, _, _, schedule, virtual, _ = LAYOUTS[name]
-    return stage_ids(parallel.pp_rank, pp, virtual, schedule), stage_layer_counts(n_layers, pp * virtual)
+    return stage_ids(parallel.pp_rank, pp, virtual, schedule), stage_layer_counts(n_layers, pp * virtual,
+                                                                                  PP_LAYERS.get(name))
 
 
 def stage_modules(name: str, args, seed: int, *, device: Optional[str] = None) -> list[nn.Module]:

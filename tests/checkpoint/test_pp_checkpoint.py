@@ -24,7 +24,10 @@ def _case_save(folder: str, layout: str) -> dict:
     take_steps(stages, optimizer)
     for group, lr in zip(optimizer.param_groups, SAVED_LRS):
         group["lr"] = lr
-    Checkpointer(Path(folder), parallel).save(3, stages, optimizer, {"note": layout}, params_dict(args))
+    # The FSDP'd layout (what training saves) asynchronously, as checkpoint.async_save does.
+    checkpointer = Checkpointer(Path(folder), parallel, async_save=LAYOUTS[layout][6])
+    checkpointer.save(3, stages, optimizer, {"note": layout}, params_dict(args))
+    checkpointer.close()
     return values(stages, optimizer)
 
 
@@ -167,3 +170,46 @@ def test_a_save_or_load_that_cannot_be_whole_is_refused_in_one_line(workers, tmp
     assert all(s.startswith("the optimizer holds ") and s.endswith(
         "parameters that are in none of the modules given to the checkpoint: pass every stage module this rank "
         "holds (a list), with the one optimizer over all their parameters") for s in stray), stray
+
+
+def _case_group_counts(folder: str) -> str:
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from hybridpar.checkpoint.dcp import Checkpointer, CheckpointError, params_dict
+
+    args, parallel = small_args(), layout_parallel("pp2")
+    stages = stage_modules("pp2", args, seed=0)
+    # rank 1 builds its AdamW without the trainer's two groups
+    optimizer = optimizer_of(stages) if dist.get_rank() == 0 else torch.optim.AdamW(stages[0].parameters())
+    try:
+        Checkpointer(Path(folder), parallel).save(1, stages, optimizer, {}, params_dict(args))
+        return "saved"
+    except CheckpointError as err:
+        return str(err)
+
+
+def _case_union_refusals() -> list[str]:
+    from hybridpar.checkpoint.dcp import CheckpointError
+    from hybridpar.checkpoint.stages import one_module
+
+    whole = stage_modules("pp1", small_args(), seed=0)[0]
+    said = []
+    for model in ([whole, whole], []):
+        try:
+            one_module(model)
+            said.append("taken")
+        except CheckpointError as err:
+            said.append(str(err))
+    return said
+
+
+@pytest.mark.slow
+def test_stage_lists_that_are_not_one_model_are_refused(workers, tmp_path):
+    said = workers(2).run(_case_group_counts, str(tmp_path))
+    assert said == ["the optimizers of the ranks have different numbers of param groups ([1, 2]): build the same "
+                    "optimizer on every rank"] * 2, said
+    twice, none = workers(1).run(_case_union_refusals)[0]
+    assert twice == "tok_embeddings is in two of the stage modules given: give each stage once", twice
+    assert none.startswith("no model given to the checkpoint: pass every stage module this rank holds"), none

@@ -130,7 +130,7 @@ class Checkpointer:
         self.wait()
         final = self.folder / step_dir_name(step)
         partial = staging_path(final)
-        staged = isinstance(model, (list, tuple)) or self.parallel.pp > 1
+        staged = isinstance(model, (list, tuple)) or getattr(self.parallel, "pp", 1) > 1  # (stubs have no pp)
         model = one_module(model, optimizer)
         if optimizer is None:  # weights only (a converted checkpoint)
             state = {"model": get_model_state_dict(model)}

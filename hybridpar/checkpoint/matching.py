@@ -82,7 +82,8 @@ def check_checkpoint(path: Path, params: dict, model: torch.nn.Module,
 def refuse_incomplete_save(final: Path, names: Iterable[str], params: dict) -> None:
     """Refuse, on every rank alike, a save whose ranks together hold less than the whole model of
     `params` (`names`: the model state's names on every rank together): it could never be loaded."""
-    absent = [name for name in model_shapes(ModelArgs.from_dict(params)) if name not in set(names)]
+    names = set(names)
+    absent = [name for name in model_shapes(ModelArgs.from_dict(params)) if name not in names]
     if absent:
         raise mark_every_rank(CheckpointError(
             f"checkpoint {final.name} not saved: no rank holds {missing_text(absent)} of the model (n_layers = "

@@ -2,7 +2,9 @@
 
 A checkpoint is a folder `step-00000100/` holding:
     .metadata, __*_*.distcp   model and optimizer state, each rank writing its own shards; DCP
-                              records global shapes, so it loads into any (mp, dp_shard, dp_replicate)
+                              records global shapes under the unsplit model's names, so it loads
+                              into any (pp, dp_replicate, dp_shard, cp, mp): under pp a rank passes
+                              its stage modules (checkpoint.stages) and reads only their tensors
     params.json               the model's shape (ModelArgs), checked before anything is loaded
     train_state.json          step, lr schedule, data position (a global sample offset)
     rng/rank{N}.pt            each rank's RNG state (restored when the world size matches)
@@ -36,7 +38,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -45,8 +46,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor
-
-from hybridpar.models.args import ModelArgs
 
 from .. import fastpaths
 from ..fastpaths.dcp_reader import FastFileSystemReader
@@ -58,9 +57,11 @@ from ..mesh.device import ParallelDims
 from ..progress import note
 from ..mesh.ranks import broadcast_from_rank0, gather_objects, on_rank0, raise_if_any_failed
 from . import checksums
-from ..safe_pickle import CheckpointReadError, SafeFileSystemReader, UnsafePickleError, read_dcp_metadata
-from .reader import CheckpointDamagedError, CheckpointError, SafeLoadPlanner, UnsafeCheckpointError
+from ..safe_pickle import CheckpointReadError, SafeFileSystemReader
+from .matching import check_checkpoint, refuse_incomplete_save
+from .reader import CheckpointDamagedError, CheckpointError, SafeLoadPlanner
 from .space import checkpoint_bytes, join_dcp_writers, no_space_reasons, remove_folder
+from .stages import Stages, gather_names, one_module, own_empty_groups
 from .verify import STEP_DIR, LoadCheck, share_load_failure
 
 DELETING = ".deleting"
@@ -121,18 +122,23 @@ class Checkpointer:
 
     # --- saving ------------------------------------------------------------------------------
 
-    def save(self, step: int, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
+    def save(self, step: int, model: Stages, optimizer: Optional[torch.optim.Optimizer],
              train_state: dict, params: dict) -> Path:
         """Write checkpoint `step` (async: start writing and return; it completes at the next save,
-        `wait()`, or `close()`)."""
+        `wait()`, or `close()`). `model`: the model, or under pp the list of this rank's stage
+        modules (stages.one_module); the checkpoint holds the unsplit model's names either way."""
         self.wait()
         final = self.folder / step_dir_name(step)
         partial = staging_path(final)
+        staged = isinstance(model, (list, tuple)) or getattr(self.parallel, "pp", 1) > 1  # (stubs have no pp)
+        model = one_module(model, optimizer)
         if optimizer is None:  # weights only (a converted checkpoint)
             state = {"model": get_model_state_dict(model)}
         else:
             model_sd, optim_sd = get_state_dict(model, optimizer)
             state = {"model": model_sd, "optimizer": optim_sd}
+        if staged:  # each rank holds part of the model: the whole of it, and groups naming all of it
+            refuse_incomplete_save(final, gather_names(state["model"], state.get("optimizer")), params)
         needed = checkpoint_bytes(state, self.parallel.world_size)
 
         def prepare() -> None:
@@ -290,10 +296,12 @@ class Checkpointer:
 
     # --- loading -----------------------------------------------------------------------------
 
-    def load(self, path: Path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
+    def load(self, path: Path, model: Stages, optimizer: Optional[torch.optim.Optimizer],
              params: dict) -> dict:
-        """Load model (and optimizer) state from checkpoint `path` into this layout; returns train_state."""
+        """Load model (and optimizer) state from checkpoint `path` into this layout; returns train_state.
+        `model`: as save's (a checkpoint saved at any pp loads at any other)."""
         path = Path(path)
+        model = one_module(model, optimizer)
         check, error = None, None
         try:  # the shared small files first (.metadata's bytes before it is unpickled), on every rank
             check = LoadCheck(path, self.parallel.rank, self.parallel.world_size)
@@ -314,7 +322,7 @@ class Checkpointer:
         if not _is_parameter_storage(state["model"], model):
             set_model_state_dict(model, state["model"])
         if optimizer is not None:
-            set_optimizer_state_dict(model, optimizer, state["optimizer"])
+            set_optimizer_state_dict(model, optimizer, own_empty_groups(optimizer, state["optimizer"]))
         train_state = json.loads((path / "train_state.json").read_text())
         rng = path / "rng" / f"rank{self.parallel.rank}.pt"
         if train_state.get("world_size") == self.parallel.world_size and rng.exists():
@@ -349,7 +357,7 @@ class Checkpointer:
             refusal.__cause__, error = error, refusal
         share_load_failure(error, f"load {path}")
 
-    def load_newest_intact(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
+    def load_newest_intact(self, model: Stages, optimizer: Optional[torch.optim.Optimizer],
                            params: dict) -> Optional[tuple[Path, dict]]:
         """Load the newest complete checkpoint whose bytes are intact: (its path, train_state), or None
         when there is none. A damaged one is renamed `*.damaged` (kept, never deleted) and the previous
@@ -392,58 +400,6 @@ def _is_parameter_storage(state: dict, model: torch.nn.Module) -> bool:
         local(v).data_ptr() == local(own[k]).data_ptr() and local(v).shape == local(own[k]).shape
         for k, v in state.items()
     )
-
-
-# ModelArgs fields that do not change what the stored tensors mean: batch and sequence limits
-# (RoPE is computed on the fly) and how the embedding is split over mp (DCP stores whole tensors).
-_NOT_IN_THE_WEIGHTS = {"max_batch_size", "max_seq_len", "embedding_split"}
-# A params.json saved before a field existed holds the model that field's default describes.
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelArgs)}
-
-
-def _refuse_other_model(path: Path, saved: dict, params: dict) -> None:
-    """Raise naming every field of the model's params that the checkpoint's params.json differs in."""
-    differ = {k: (saved.get(k, _DEFAULTS.get(k)), v) for k, v in params.items()
-              if k not in _NOT_IN_THE_WEIGHTS and saved.get(k, _DEFAULTS.get(k)) != v}
-    if "tie_embeddings" in differ:
-        tied = bool(differ["tie_embeddings"][0])
-        stored = "no output.weight: its head reads tok_embeddings" if tied else "an output.weight of its own"
-        raise CheckpointError(
-            f"{path} was saved with tie_embeddings = {tied} ({stored}), this model has tie_embeddings = {not tied}: "
-            f"build the model with tie_embeddings = {tied} (\"tie_embeddings\": {str(tied).lower()} in its "
-            "params.json or preset) to load it"
-        )
-    if differ:
-        listed = ", ".join(f"{k}: checkpoint {a!r}, this model {b!r}" for k, (a, b) in differ.items())
-        raise CheckpointError(f"{path} was saved for a different model ({listed}); use the same model settings")
-
-
-def check_checkpoint(path: Path, params: dict, model: torch.nn.Module,
-                     needs_optimizer: bool = False) -> dict:
-    """Refuse, with the differences named, a checkpoint that is incomplete or saved for another model.
-    Returns DCP's metadata of what the checkpoint stores, by key."""
-    if not (path / "train_state.json").exists() or not (path / ".metadata").exists():
-        raise CheckpointError(f"{path} is not a complete hybridpar checkpoint (no train_state.json or .metadata)")
-    _refuse_other_model(path, json.loads((path / "params.json").read_text()), params)
-    try:  # after LoadCheck compared its bytes with the manifest, when there is one
-        metadata = read_dcp_metadata(path / ".metadata").state_dict_metadata
-    except UnsafePickleError as err:
-        raise UnsafeCheckpointError(f"{err}; delete {path} or move it aside (a resumed run then loads the "
-                                    "checkpoint before it)") from err
-    if needs_optimizer and not any(key.startswith("optimizer.") for key in metadata):
-        raise CheckpointError(
-            f"{path} holds weights only (no optimizer state) and cannot be resumed: start a run from it "
-            "with checkpoint.init_from instead"
-        )
-    for name, param in model.named_parameters():
-        stored = metadata.get(f"model.{name}")
-        if not isinstance(stored, TensorStorageMetadata):
-            raise CheckpointError(f"{path} has no tensor for model parameter {name}: saved for a different model")
-        if tuple(stored.size) != tuple(param.shape):
-            raise CheckpointError(
-                f"{path}: {name} has shape {tuple(stored.size)} in the checkpoint, {tuple(param.shape)} in this model"
-            )
-    return metadata
 
 
 def params_dict(args) -> dict:

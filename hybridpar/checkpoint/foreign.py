@@ -3,8 +3,9 @@
 In: a format's adapter opens and checks a folder into a ForeignSource: its ModelArgs (which fix every
 tensor's name and full shape: model_shapes) and a block of a named tensor in hybridpar.models.llama's layout.
 load_foreign checks a model against any source and plans every rank's blocks before copying one,
-each rank reading only its own. Out: a ForeignTarget says what file j holds of a parameter and how
-a file is written; export_foreign stages, gathers and completes the folder.
+each rank reading only its own (a pipeline stage: only its own layers and ends). Out: a
+ForeignTarget says what file j holds of a parameter and how a file is written; export_foreign
+stages, gathers and completes the folder.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ..files import OCCUPIED_ADVICE, begin_staging, commit_staged, refuse_occupi
 from ..parallel.state import block, gather_to, local_box
 from ..progress import Progress
 from ..mesh.ranks import gather_objects, on_rank0, raise_if_any_failed, rank_and_world
+from .stages import held
 
 # Fields that change the numbers but not the shapes: a model built with other values would load
 # without a shape error and compute something else, so the loader compares them.
@@ -96,8 +98,10 @@ def check_model(source: ForeignSource, model: nn.Module) -> None:
 
 
 def _plan(source: ForeignSource, model: nn.Module) -> list[tuple[str, torch.Tensor, tuple[int, ...]]]:
-    """(name, local tensor, offset) for every parameter of the model, all checked."""
-    shapes, own, error = model_shapes(source.args), model.state_dict(), source.error
+    """(name, local tensor, offset) for every parameter of the model, all checked. A pipeline stage
+    (parallel.pipeline.keep_stage) is checked against, and later reads, its own layers and ends only."""
+    own, error = model.state_dict(), source.error
+    shapes = {name: shape for name, shape in model_shapes(source.args).items() if held(model, name)}
     missing, unexpected = sorted(set(shapes) - set(own), key=natural), sorted(set(own) - set(shapes), key=natural)
     if missing or unexpected:
         raise error(

@@ -21,6 +21,7 @@ from .foreign import ForeignSource, load_foreign, model_shapes, natural
 from .meta import (PARAMS_JSON, ROPE_FREQS, SHARD_FILE, SIDECAR_JSON, MetaCheckpointError, _load_file,
                    rope_inverse_frequencies, shard_name, split_dim)
 from .meta_json import read_params, read_sidecar
+from .stages import held
 
 
 def _shard_paths(folder: Path) -> list[Path]:
@@ -316,7 +317,11 @@ def load_meta_checkpoint(
     comes from the parameters' DTensor placements). verify_checksums: as in read_meta_params.
     A tied model (tie_embeddings, as read_meta_params tells) takes tok_embeddings only, after
     checking that the files' output.weight equals it on this rank's rows; the model's
-    tie_embeddings must be the checkpoint's. `parsed`: as in read_meta_params. Returns the
-    checkpoint's ModelArgs.
+    tie_embeddings must be the checkpoint's. A pipeline stage (parallel.pipeline.keep_stage) reads
+    only its layers and ends. `parsed`: as in read_meta_params. Returns the checkpoint's ModelArgs.
     """
-    return load_foreign(_open(folder, {}, verify_checksums, parsed), model)
+    # A pipeline stage lacking the embedding or the head is untied (keep_stage refuses a tied model):
+    # deciding it from the files would read rows of matrices the stage does not hold.
+    whole = held(model, "tok_embeddings.weight") and held(model, "norm.weight")
+    overrides = {} if whole else {"tie_embeddings": False}
+    return load_foreign(_open(folder, overrides, verify_checksums, parsed), model)

@@ -58,9 +58,6 @@ def resolve_job(config: Config, world_size: int, *, training: bool = True) -> Jo
         parsed = read_config(*found)
     args = model_args(config, sizes[4], init_from=found, parsed=parsed, cp=sizes[3])
     _check_pipeline(config, sizes[0], args)
-    if training and sizes[0] > 1:  # the trainer's pipeline step replaces this refusal
-        raise ConfigError(f"parallel.pp = {sizes[0]}: pipeline parallelism is not wired into training yet; "
-                          "set parallel.pp = 1")
     sources, stores = _data_sources(config)
     return Job(config, world_size, sizes, args, found, parsed, sources, stores)
 
@@ -92,8 +89,14 @@ def check_values(config: Config, world_size: int):
 
 def _check_pipeline(config: Config, pp: int, args) -> None:
     """parallel.pp_* against the model's layers and data.micro_batch_size (config.pipeline.check_pipeline)."""
-    p = config.parallel
-    check_pipeline(pp, p.pp_schedule, p.pp_layers, p.pp_microbatches, args.n_layers, config.data.micro_batch_size)
+    p, d = config.parallel, config.data
+    check_pipeline(pp, p.pp_schedule, p.pp_layers, p.pp_microbatches, args.n_layers, d.micro_batch_size)
+    if pp > 1 and args.tie_embeddings:
+        raise ConfigError(f"parallel.pp = {pp} with a model whose output head is its embedding (tie_embeddings): the "
+                          "embedding would be at both ends of the pipeline; set parallel.pp = 1")
+    if pp > 1 and (d.val_fraction or d.val_source):
+        raise ConfigError(f"parallel.pp = {pp}: validation does not run through the pipeline yet; unset "
+                          "data.val_fraction and data.val_source, or set parallel.pp = 1")
 
 
 def _checked_sizes(config: Config, world_size: int) -> tuple[int, int, int, int, int]:

@@ -1,0 +1,89 @@
+"""Training with pipeline parallelism against the same layout without it (issue 38's must-show): the
+tiny preset at seq 512 for 8 steps, pp 2 (1F1B, world 2) against world 1, pp 2 x mp 2 with sequence
+parallelism (Interleaved1F1B, world 4) against mp 2, pp 2 x dp 2 (ZBVZeroBubble, world 4) against
+dp 2: every step's loss (as rank 0, a first-stage rank, logs it) and gradient norm within 1e-5, with
+clipping active. Each stage keeps its FSDP blocks gathered between micro-batches."""
+
+import pytest
+
+from tests.runs import make_config
+
+BOUND = 1e-5
+TINY_512 = {"model.preset": "tiny", "model.vocab_size": 4096, "data.tokenizer_vocab_size": 4096,
+            "data.seq_len": 512, "steps": 8}
+BATCH = 4  # the global batch, in sequences
+LAYOUTS = {
+    # name: (world, make_config keyword arguments, data-parallel degree)
+    "world1": (1, {}, 1),
+    "mp2-sequence_parallel": (2, dict(mp=2, strategy="hybrid_shard"), 1),
+    "dp2": (2, dict(dp_shard=2), 2),
+    # 2 micro-batches of 2 sequences; activation checkpointing of layer 0 and 2 (ac_every 2), on stage 0 and 1
+    "pp2-1F1B": (2, {"parallel.pp": 2, "parallel.pp_schedule": "1F1B", "fsdp.activation_checkpointing": "selective"},
+                 1),
+    # 4 stages (layers 1, 2, 1, 0: the last holds the head alone), 4 micro-batches of 1 sequence
+    "pp2-mp2-Interleaved1F1B": (4, dict(mp=2, strategy="hybrid_shard", **{"parallel.pp": 2,
+                                                                          "parallel.pp_schedule": "Interleaved1F1B"}), 1),
+    # rank 0 holds stages 0 and 3 (the embedding and the head); 2 micro-batches of 1 sequence per dp rank
+    "pp2-dp2-ZBVZeroBubble": (4, dict(dp_shard=2, **{"parallel.pp": 2, "parallel.pp_schedule": "ZBVZeroBubble",
+                                                   "parallel.pp_microbatches": 2}), 2),
+}
+WITHOUT_PP = {"pp2-1F1B": "world1", "pp2-mp2-Interleaved1F1B": "mp2-sequence_parallel",
+              "pp2-dp2-ZBVZeroBubble": "dp2"}
+
+
+def _case_train(config) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from hybridpar.train import Trainer
+
+    trainer = Trainer(config)
+    history = trainer.run()
+    # Under pp every block stays gathered from its first micro-batch's forward to the backward:
+    # FSDP's post-forward reshard would all-gather it again for every micro-batch.
+    resharded = [name for part in trainer.model_parts for name, block in part.layers.items()
+                 if fully_shard.state(block)._fsdp_param_group.post_forward_mesh_info is not None]
+    return {"history": history if dist.get_rank() == 0 else None, "resharded": resharded,
+            "parts": len(trainer.model_parts), "pp": trainer.parallel.pp}
+
+
+@pytest.fixture(scope="module")
+def history(workers, corpus, tmp_path_factory):
+    """history(layout) -> (rank 0's 8 steps' metrics, every rank's blocks resharded after forward);
+    each layout runs once for the module."""
+    runs = {}
+
+    def get(layout: str):
+        if layout not in runs:
+            world, kwargs, dp = LAYOUTS[layout]
+            config = make_config(corpus, tmp_path_factory.mktemp(layout), dp=dp, **kwargs,
+                                 **{**TINY_512, "data.micro_batch_size": BATCH // dp})
+            runs[layout] = workers(world).run(_case_train, config)
+        return runs[layout]
+
+    return get
+
+
+def _step_errors(hist, ref_hist) -> dict:
+    assert len(hist) == len(ref_hist) == 8
+    assert [m["tokens"] for m in hist] == [m["tokens"] for m in ref_hist] == [BATCH * 512] * 8
+    return {f"{key} step {a['step']}": abs(a[key] - b[key]) / abs(b[key])
+            for a, b in zip(hist, ref_hist) for key in ("loss", "grad_norm")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(WITHOUT_PP))
+def test_tiny_seq512_pipeline_matches_the_run_without_pp(history, check_close, layout):
+    """Every step's loss and gradient norm within 1e-5 (relative) of the same layout without pp; the
+    errors of every step are printed."""
+    base = WITHOUT_PP[layout]
+    ranks, ref = history(layout), history(base)
+    hist, ref_hist = ranks[0]["history"], ref[0]["history"]
+    assert ref_hist[0]["grad_norm"] > 0.5, "clipping (optim.grad_clip 0.5) must be active"
+    assert all(r["pp"] == 2 for r in ranks) and {r["parts"] for r in ranks} == {1 if layout == "pp2-1F1B" else 2}
+    assert [r["resharded"] for r in ranks] == [[]] * len(ranks), "a block resharded between micro-batches"
+    assert [r["resharded"] for r in ref] != [[]] * len(ref)  # ...which it does without pp (full_shard)
+    errors = _step_errors(hist, ref_hist)
+    for key in ("loss", "grad_norm"):
+        print(f"\n{layout} vs {base} {key}: " + " ".join(f"{errors[f'{key} step {s}']:.1e}" for s in range(1, 9)))
+    check_close(f"tiny seq 512 {layout} vs {base}", errors, BOUND)

@@ -390,7 +390,7 @@ class Trainer:
     def validate(self) -> dict:
         """The validation loss now (every rank takes part): {"val_loss", "val_ppl", "val_tokens"}."""
         start = time.perf_counter()
-        self.validation = self.validator(self.model)
+        self.validation = self.validator(self.model if self.engine is None else self.engine)
         self.eval_seconds += time.perf_counter() - start
         self.supervisor.phase("validated")
         return self.validation

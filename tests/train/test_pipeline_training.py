@@ -2,7 +2,9 @@
 tiny preset at seq 512 for 8 steps, pp 2 (1F1B, world 2) against world 1, pp 2 x mp 2 with sequence
 parallelism (Interleaved1F1B, world 4) against mp 2, pp 2 x dp 2 (ZBVZeroBubble, world 4) against
 dp 2: every step's loss (as rank 0, a first-stage rank, logs it) and gradient norm within 1e-5, with
-clipping active. Each stage keeps its FSDP blocks gathered between micro-batches."""
+clipping active, and the validation loss through the pipeline (forward only; torch's V schedules run
+none, so ZBVZeroBubble trains without validation). Each stage keeps its FSDP blocks gathered between
+micro-batches."""
 
 import pytest
 
@@ -12,17 +14,18 @@ BOUND = 1e-5
 TINY_512 = {"model.preset": "tiny", "model.vocab_size": 4096, "data.tokenizer_vocab_size": 4096,
             "data.seq_len": 512, "steps": 8}
 BATCH = 4  # the global batch, in sequences
+VAL = {"data.val_fraction": 0.1}  # validated after the last step
 LAYOUTS = {
     # name: (world, make_config keyword arguments, data-parallel degree)
-    "world1": (1, {}, 1),
-    "mp2-sequence_parallel": (2, dict(mp=2, strategy="hybrid_shard"), 1),
+    "world1": (1, VAL, 1),
+    "mp2-sequence_parallel": (2, dict(mp=2, strategy="hybrid_shard", **VAL), 1),
     "dp2": (2, dict(dp_shard=2), 2),
     # 2 micro-batches of 2 sequences; activation checkpointing of layer 0 and 2 (ac_every 2), on stage 0 and 1
-    "pp2-1F1B": (2, {"parallel.pp": 2, "parallel.pp_schedule": "1F1B", "fsdp.activation_checkpointing": "selective"},
-                 1),
+    "pp2-1F1B": (2, {"parallel.pp": 2, "parallel.pp_schedule": "1F1B", "fsdp.activation_checkpointing": "selective",
+                     **VAL}, 1),
     # 4 stages (layers 1, 2, 1, 0: the last holds the head alone), 4 micro-batches of 1 sequence
-    "pp2-mp2-Interleaved1F1B": (4, dict(mp=2, strategy="hybrid_shard", **{"parallel.pp": 2,
-                                                                          "parallel.pp_schedule": "Interleaved1F1B"}), 1),
+    "pp2-mp2-Interleaved1F1B": (4, dict(mp=2, strategy="hybrid_shard", **VAL, **{
+        "parallel.pp": 2, "parallel.pp_schedule": "Interleaved1F1B"}), 1),
     # rank 0 holds stages 0 and 3 (the embedding and the head); 2 micro-batches of 1 sequence per dp rank
     "pp2-dp2-ZBVZeroBubble": (4, dict(dp_shard=2, **{"parallel.pp": 2, "parallel.pp_schedule": "ZBVZeroBubble",
                                                    "parallel.pp_microbatches": 2}), 2),
@@ -44,6 +47,7 @@ def _case_train(config) -> dict:
     resharded = [name for part in trainer.model_parts for name, block in part.layers.items()
                  if fully_shard.state(block)._fsdp_param_group.post_forward_mesh_info is not None]
     return {"history": history if dist.get_rank() == 0 else None, "resharded": resharded,
+            "validation": trainer.validation,
             "parts": len(trainer.model_parts), "pp": trainer.parallel.pp}
 
 
@@ -84,6 +88,11 @@ def test_tiny_seq512_pipeline_matches_the_run_without_pp(history, check_close, l
     assert [r["resharded"] for r in ranks] == [[]] * len(ranks), "a block resharded between micro-batches"
     assert [r["resharded"] for r in ref] != [[]] * len(ref)  # ...which it does without pp (full_shard)
     errors = _step_errors(hist, ref_hist)
+    if "data.val_fraction" in LAYOUTS[layout][1]:  # every rank's, each stage's included
+        assert {r["validation"]["val_tokens"] for r in ranks} == {ref[0]["validation"]["val_tokens"]}
+        want = ref[0]["validation"]["val_loss"]
+        errors.update({f"val_loss rank {i}": abs(r["validation"]["val_loss"] - want) / want
+                       for i, r in enumerate(ranks)})
     for key in ("loss", "grad_norm"):
         print(f"\n{layout} vs {base} {key}: " + " ".join(f"{errors[f'{key} step {s}']:.1e}" for s in range(1, 9)))
     check_close(f"tiny seq 512 {layout} vs {base}", errors, BOUND)

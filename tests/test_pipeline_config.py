@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from hybridpar.config import ConfigError, find_config, load_config
+from hybridpar.config import ConfigError, dump_toml, find_config, load_config
 from hybridpar.mesh.layout import MeshSizeError
 from hybridpar.preflight import check_values, resolve_job
 from tests.distributed import child_pythonpath
@@ -84,6 +84,10 @@ def test_pp_layers_from_toml_and_the_command_line_are_one_list(tmp_path):
     assert _config("--parallel.pp_layers", "[3, 1]").parallel.pp_layers == [3, 1]  # a config's dict as flags
     assert _config("--parallel.pp_layers", "[]").parallel.pp_layers == []
     assert _config().parallel.pp == 1 and _config().parallel.pp_layers == []
+    # The run folder's config.toml (the trainer writes it) keeps the list, and reads back as the same config
+    for config in (_config("--parallel.pp_layers", "3,1"), _config()):
+        (tmp_path / "run.toml").write_text(dump_toml(config))
+        assert load_config(tmp_path / "run.toml").to_dict() == config.to_dict()
 
 
 def test_training_at_pp_above_1_refuses_only_what_the_pipeline_cannot_run():

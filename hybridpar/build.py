@@ -8,7 +8,7 @@ parallelism, where the weights come from) is a parameter.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -16,37 +16,74 @@ from hybridpar.models.args import ModelArgs
 from hybridpar.models.llama import Transformer
 
 from .config.fsdp import FSDPConfig
+from .config.pipeline import stage_count
 from .mesh.device import ParallelDims
 from .parallel.fsdp import apply_activation_checkpointing, apply_fsdp, check_compiler, compile_blocks
+from .parallel.pipeline import stage_ids, stage_layer_counts, stage_layers
 
 
 def build_model(args: ModelArgs, parallel: ParallelDims, *, device: Optional[torch.device] = None,
                 dtype: Optional[torch.dtype] = None, sequence_parallel: bool = False,
                 load: Optional[Callable[[Transformer], None]] = None, fsdp: Optional[FSDPConfig] = None,
-                compile: bool = False) -> Transformer:
+                compile: bool = False, stage: Optional[int] = None, stage_counts: Sequence[int] = ()
+                ) -> Transformer:
     """A Transformer for this rank of `parallel`.
 
     device "meta" builds without memory (the dry run; or weights loaded after `to_empty`). load(model)
     fills the unsharded model (a checkpoint sliced into it). fsdp None: no FSDP, no activation
     checkpointing, no compile (conversion, generation). compile: torch.compile each block.
+    stage: build only pipeline stage `stage` of len(stage_counts) (layers per stage,
+    parallel.pipeline.stage_layer_counts): its layers under their names, the embedding on the first
+    stage, the norm and head on the last, with the whole model's weights for the same seed.
     """
     if fsdp is not None:
         fsdp.validate()  # bad fsdp.* values and a missing compiler refused before anything is built
         check_compiler(compile, parallel)
+    pieces, allocate = {}, None
+    if stage is not None:
+        if args.tie_embeddings and len(stage_counts) > 1:
+            raise ValueError("tie_embeddings puts the embedding at both ends of the pipeline: "
+                             "use parallel.pp = 1 or a model with untied embeddings")
+        pieces = dict(layers=stage_layers(stage, stage_counts), embedding=stage == 0,
+                      head=stage == len(stage_counts) - 1)
+        if load is not None and (device is None or torch.device(device).type != "meta"):
+            # The checkpoint fills every weight: no draws through the layers of the other stages.
+            allocate, device = device if device is not None else parallel.device, torch.device("meta")
     # 1. Tensor parallelism is inside the model: each layer is built as this rank's mp slice, which is
     #    what lets Meta's and fairscale's layouts load one to one. The same seed gives the same weights
     #    at any layout.
-    model = Transformer(args, parallel, device=device, dtype=dtype, sequence_parallel=sequence_parallel)
+    model = Transformer(args, parallel, device=device, dtype=dtype, sequence_parallel=sequence_parallel, **pieces)
+    if allocate is not None:
+        model.to_empty(device=allocate)
     # 2. Weights are sliced into the unsharded model: before FSDP.
     if load is not None:
         load(model)
     if fsdp is None:
         return model
-    # 3. Activation checkpointing: inserts no wrapper module, so parameter names stay Meta's.
-    apply_activation_checkpointing(list(model.layers.values()), fsdp.activation_checkpointing, fsdp.ac_every)
+    # 3. Activation checkpointing: inserts no wrapper module, so parameter names stay Meta's; chosen
+    #    by the layer's index in the whole model.
+    apply_activation_checkpointing(model.layers, fsdp.activation_checkpointing, fsdp.ac_every)
     # 4. Compile each block: after activation checkpointing, which it then traces; before FSDP, whose
     #    hooks stay outside the compiled code.
     if compile:
         compile_blocks(model)
     # 5. FSDP over the data-parallel dims (on gloo, its collectives as all-to-alls).
     return apply_fsdp(model, parallel, fsdp)
+
+
+def build_stages(args: ModelArgs, parallel: ParallelDims, schedule: str, pp_layers: Sequence[int] = (),
+                 **options) -> tuple[list[Transformer], list[int]]:
+    """This rank's pipeline stages (parallel.pp_schedule `schedule`, parallel.pp_layers), each built
+    by build_model with `options` (its keywords): (the stage modules, their stage ids), in the
+    order the schedule runs them. At parallel.pp = 1: ([the whole model], [0])."""
+    if parallel.pp == 1:
+        return [build_model(args, parallel, **options)], [0]
+    n_stages = stage_count(parallel.pp, schedule, pp_layers)
+    counts = stage_layer_counts(args.n_layers, n_stages, list(pp_layers) or None)
+    ids = stage_ids(parallel.pp_rank, parallel.pp, n_stages // parallel.pp, schedule)
+    seeded = torch.random.get_rng_state()  # each stage draws from the same start as the whole model
+    stages = []
+    for s in ids:
+        torch.random.set_rng_state(seeded)
+        stages.append(build_model(args, parallel, stage=s, stage_counts=counts, **options))
+    return stages, ids

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Mapping, Optional, Union
 
 from .config import Config, ConfigError
-from .config.pipeline import check_pipeline
+from .config.pipeline import V_SHAPED, check_pipeline
 from .mesh.layout import MeshSizeError, resolve_sizes
 
 _TOKENIZER_KINDS = "a tokenizer.model (sentencepiece, or Meta's Llama 3 tiktoken file), a Hugging Face tokenizer.json"
@@ -58,9 +58,11 @@ def resolve_job(config: Config, world_size: int, *, training: bool = True) -> Jo
         parsed = read_config(*found)
     args = model_args(config, sizes[4], init_from=found, parsed=parsed, cp=sizes[3])
     _check_pipeline(config, sizes[0], args)
-    if training and sizes[0] > 1:  # the trainer's pipeline step replaces this refusal
-        raise ConfigError(f"parallel.pp = {sizes[0]}: pipeline parallelism is not wired into training yet; "
-                          "set parallel.pp = 1")
+    p, d = config.parallel, config.data
+    if training and sizes[0] > 1 and p.pp_schedule in V_SHAPED and (d.val_fraction or d.val_source):
+        # torch's V schedules run no forward-only pass (a backward is part of every step of theirs).
+        raise ConfigError(f"parallel.pp_schedule = {p.pp_schedule} cannot run the validation forward; choose "
+                          "Interleaved1F1B (or 1F1B), or unset data.val_fraction and data.val_source")
     sources, stores = _data_sources(config)
     return Job(config, world_size, sizes, args, found, parsed, sources, stores)
 
@@ -94,6 +96,9 @@ def _check_pipeline(config: Config, pp: int, args) -> None:
     """parallel.pp_* against the model's layers and data.micro_batch_size (config.pipeline.check_pipeline)."""
     p = config.parallel
     check_pipeline(pp, p.pp_schedule, p.pp_layers, p.pp_microbatches, args.n_layers, config.data.micro_batch_size)
+    if pp > 1 and args.tie_embeddings:
+        raise ConfigError(f"parallel.pp = {pp} with a model whose output head is its embedding (tie_embeddings): the "
+                          "embedding would be at both ends of the pipeline; set parallel.pp = 1")
 
 
 def _checked_sizes(config: Config, world_size: int) -> tuple[int, int, int, int, int]:

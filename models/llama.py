@@ -27,7 +27,7 @@ feeds positions p .. p + seq - 1, attending to the keys and values cached before
 from __future__ import annotations
 
 import math
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -281,6 +281,9 @@ class Transformer(nn.Module):
         dtype: Optional[torch.dtype] = None,
         device: Optional[torch.device] = None,
         sequence_parallel: bool = False,
+        layers: Optional[Sequence[int]] = None,
+        embedding: bool = True,
+        head: bool = True,
     ) -> None:
         super().__init__()
         args.check(parallel.mp)
@@ -290,12 +293,30 @@ class Transformer(nn.Module):
         self.cp, self.cp_rank = parallel.cp, parallel.cp_rank
         self.sequence_parallel = sequence_parallel = sequence_parallel and parallel.mp > 1
         factory = dict(dtype=dtype, device=device, sequence_parallel=sequence_parallel)
-        embedding = VocabParallelEmbedding if args.resolved_embedding_split == "vocab" else ParallelEmbedding
-        self.tok_embeddings = embedding(args.vocab_size, args.dim, init_method=_normal(0.02), parallel=parallel, **factory)
+        # A pipeline stage (layers, embedding, head: the pieces it keeps) draws the pieces it drops too,
+        # in the whole model's order, so its weights are the whole model's; one dropped piece at a
+        # time is alive. On meta nothing is drawn: a dropped piece is not built.
+        kept = set(range(args.n_layers)) if layers is None else {int(i) for i in layers}
+        drawn = device is None or torch.device(device).type != "meta"
+
+        def piece(make, keep: bool):
+            if keep:
+                return make()
+            if drawn:
+                make()  # its weights drawn, then dropped
+            return None
+
+        split = VocabParallelEmbedding if args.resolved_embedding_split == "vocab" else ParallelEmbedding
+        self.tok_embeddings = piece(lambda: split(args.vocab_size, args.dim, init_method=_normal(0.02),
+                                                  parallel=parallel, **factory), embedding)
         # Keyed by index, as a ModuleList's state-dict keys: a pipeline stage keeps only its layers, names kept.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args, parallel, **factory) for i in range(args.n_layers)})
-        self.norm = RMSNorm(args.dim, args.norm_eps, parallel, **factory)
-        if args.tie_embeddings:
+        blocks = {str(i): piece(lambda i=i: TransformerBlock(i, args, parallel, **factory), i in kept)
+                  for i in range(args.n_layers)}
+        self.layers = nn.ModuleDict({name: block for name, block in blocks.items() if block is not None})
+        self.norm = RMSNorm(args.dim, args.norm_eps, parallel, **factory) if head else None
+        if not head:
+            self.output = None
+        elif args.tie_embeddings:
             self.output = TiedOutput(self.tok_embeddings, parallel, sequence_parallel)
         else:
             self.output = ColumnParallelLinear(
@@ -326,7 +347,12 @@ class Transformer(nn.Module):
         Without a cache start_pos must be 0. With one, the keys and values of these positions are
         written into it and attention also sees the cached positions before start_pos.
         """
-        batch, seq = tokens.shape[:2]  # a pipeline stage after the first takes hidden states [B, S, dim]
+        # A pipeline stage after the first takes hidden states [B, S, dim]; with sequence parallelism
+        # this rank's 1/mp of the tokens, [B, S / mp, dim] (as the stage before returns them).
+        batch, seq = tokens.shape[:2]
+        hidden = self.tok_embeddings is None
+        if hidden and self.sequence_parallel:
+            seq *= dist.get_world_size(self.group)
         end = start_pos + seq * self.cp  # the whole sequence's length
         if end > self.args.max_seq_len:
             raise ValueError(f"sequence length {end} exceeds max_seq_len = {self.args.max_seq_len}")
@@ -351,11 +377,15 @@ class Transformer(nn.Module):
         else:
             positions = torch.arange(start_pos, end, device=tokens.device)
         freqs_cis = rope_frequencies(self.args.head_dim, positions, self.args.rope_theta, self.args.rope_scaling)
-        h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
+        if not hidden:
+            h = self.tok_embeddings(tokens)
+        else:  # sequence parallel: the layers take [B * S / mp, dim]
+            h = tokens.reshape(-1, tokens.shape[-1]) if self.sequence_parallel else tokens
         for name, layer in self.layers.items():
             h = layer(h, freqs_cis) if cache is None else layer(h, freqs_cis, cache.layer(int(name)), start_pos)
-        if self.output is None:  # a pipeline stage before the last (parallel.pipeline.keep_stage)
-            return h
+        if self.output is None:  # a pipeline stage before the last: [B, S (/ mp), dim] to the next
+            # A copy, not a view: FSDP's backward hook on a stage's output does not survive a view.
+            return h if h.dim() == 3 else h.view(batch, -1, h.shape[-1]).clone()
         # Into the head's region; sequence parallel: all the tokens, laid out [batch, seq, dim] again.
         h = enter_region(self.norm(h), self.group, self.sequence_parallel).view(batch, seq, -1)
         logits = self.output(h, copy_input=False)

@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from hybridpar.config import ConfigError, find_config, load_config
+from hybridpar.config import ConfigError, dump_toml, find_config, load_config
 from hybridpar.mesh.layout import MeshSizeError
 from hybridpar.preflight import check_values, resolve_job
 from tests.distributed import child_pythonpath
@@ -84,31 +84,38 @@ def test_pp_layers_from_toml_and_the_command_line_are_one_list(tmp_path):
     assert _config("--parallel.pp_layers", "[3, 1]").parallel.pp_layers == [3, 1]  # a config's dict as flags
     assert _config("--parallel.pp_layers", "[]").parallel.pp_layers == []
     assert _config().parallel.pp == 1 and _config().parallel.pp_layers == []
+    # The run folder's config.toml (the trainer writes it) keeps the list, and reads back as the same config
+    for config in (_config("--parallel.pp_layers", "3,1"), _config()):
+        (tmp_path / "run.toml").write_text(dump_toml(config))
+        assert load_config(tmp_path / "run.toml").to_dict() == config.to_dict()
 
 
-def test_training_at_pp_above_1_is_refused_until_the_pipeline_is_wired():
+def test_training_at_pp_above_1_refuses_only_what_the_pipeline_cannot_run():
     import torch.distributed as dist
 
-    config = _config("--parallel.pp", "2")
-    check_values(config, 2)  # the layout itself is fine...
+    assert resolve_job(_config("--parallel.pp", "2"), 2).sizes == (2, 1, 1, 1, 1)  # the local config validates
+    v_shaped = _config("--parallel.pp", "2", "--parallel.pp_schedule", "ZBVZeroBubble", "--parallel.pp_microbatches", "2")
     with pytest.raises(ConfigError) as info:
-        resolve_job(config, 2)  # ...but the trainer would train the whole model on every stage
-    assert str(info.value) == ("parallel.pp = 2: pipeline parallelism is not wired into training yet; "
-                               "set parallel.pp = 1")
+        resolve_job(v_shaped, 2)
+    assert str(info.value) == ("parallel.pp_schedule = ZBVZeroBubble cannot run the validation forward; choose "
+                               "Interleaved1F1B (or 1F1B), or unset data.val_fraction and data.val_source")
+    resolve_job(load_config(find_config("local"), ["--parallel.mp", "1", "--parallel.pp", "2", "--parallel.pp_schedule",
+                                                   "ZBVZeroBubble", "--parallel.pp_microbatches", "2",
+                                                   "--data.val_fraction", "0"]), 2)
+    with pytest.raises(ConfigError, match="tie_embeddings"):
+        resolve_job(_config("--parallel.pp", "2", "--model.preset", "llama3.2_1b"), 2)
     assert not dist.is_initialized()
-    resolve_job(_config(), 1)
-    assert resolve_job(config, 2, training=False).sizes == (2, 1, 1, 1, 1)  # the doctor runs no step
 
 
-def test_hybridpar_train_at_pp_2_is_one_line_and_makes_nothing(tmp_path):
+def test_hybridpar_train_at_pp_2_with_a_v_schedule_and_validation_is_one_line_and_makes_nothing(tmp_path):
     run_dir = tmp_path / "run"
     result = subprocess.run(
         [sys.executable, "-m", "hybridpar", "train", "--config", "local", "--parallel.mp", "1", "--parallel.pp", "2",
-         "--output.run_dir", str(run_dir)], capture_output=True, text=True, timeout=120,
-        env={"PYTHONPATH": child_pythonpath(), "WORLD_SIZE": "2", "RANK": "0", "PATH": "/usr/bin:/bin"})
+         "--parallel.pp_schedule", "ZBVZeroBubble", "--output.run_dir", str(run_dir)], capture_output=True, text=True,
+        timeout=120, env={"PYTHONPATH": child_pythonpath(), "WORLD_SIZE": "2", "RANK": "0", "PATH": "/usr/bin:/bin"})
     ours = [line for line in result.stderr.splitlines() if line.startswith("hybridpar: error")]
     assert result.returncode != 0 and len(ours) == 1, result.stderr[-2000:]
-    assert "pipeline parallelism is not wired into training yet" in ours[0]
+    assert "parallel.pp_schedule = ZBVZeroBubble cannot run the validation forward" in ours[0]
     assert "Traceback" not in result.stderr and not run_dir.exists()
 
 

@@ -359,7 +359,8 @@ def dump_toml(config: Config) -> str:
     lines: list[str] = []
     for section, values in config.to_dict().items():
         lines.append(f"[{section}]")
-        tables = {k: v for k, v in values.items() if isinstance(v, list)}  # [[section.key]] after the plain keys
+        # [[section.key]] after the plain keys; a list of plain values (parallel.pp_layers) is one key.
+        tables = {k: v for k, v in values.items() if isinstance(v, list) and any(isinstance(e, dict) for e in v)}
         for key, value in values.items():
             if key not in tables:
                 lines.append(f"{key} = {_toml_value(value)}")
@@ -371,6 +372,8 @@ def dump_toml(config: Config) -> str:
 
 
 def _toml_value(value: Any) -> str:
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):

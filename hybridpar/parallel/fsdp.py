@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import shutil
 import warnings
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -53,15 +53,20 @@ def dp_mesh_for(strategy: str, parallel: ParallelDims):
     return parallel.fsdp_mesh  # 2-D (dp_replicate, dp_shard x cp); no_shard is the case dp_shard x cp = 1
 
 
-def apply_activation_checkpointing(blocks: list[nn.Module], mode: str, every: int = 2) -> list[int]:
+def apply_activation_checkpointing(blocks: Union[Sequence[nn.Module], nn.ModuleDict], mode: str,
+                                   every: int = 2) -> list[int]:
     """Recompute the activations of the chosen blocks in backward; returns their indices. The
-    composable API inserts no wrapper module, so parameter names stay Meta's."""
+    composable API inserts no wrapper module, so parameter names stay Meta's. `blocks` keyed by
+    layer index (a model's `layers`): "selective" picks by that index, so a pipeline stage holding
+    layers 5..9 checkpoints the same layers as the whole model."""
     if mode == "none":
         return []
-    chosen = [i for i in range(len(blocks)) if mode == "full" or i % every == 0]
-    for i in chosen:
-        checkpoint_module(blocks[i])
-    return chosen
+    indexed = [(int(name), block) for name, block in blocks.items()] if isinstance(blocks, nn.ModuleDict) \
+        else list(enumerate(blocks))
+    chosen = [(i, block) for i, block in indexed if mode == "full" or i % every == 0]
+    for _, block in chosen:
+        checkpoint_module(block)
+    return [i for i, _ in chosen]
 
 
 def apply_fsdp(model: nn.Module, parallel: ParallelDims, config: Optional[FSDPConfig] = None) -> nn.Module:
@@ -71,7 +76,10 @@ def apply_fsdp(model: nn.Module, parallel: ParallelDims, config: Optional[FSDPCo
     config.validate()
     mesh = dp_mesh_for(config.sharding_strategy, parallel)
     policies = _policies(config, parallel)
-    _shard_units(model, mesh, config.sharding_strategy, policies)
+    # Under pipeline parallelism a block runs once per micro-batch: kept gathered through the step,
+    # its parameters are all-gathered once per step, not per micro-batch (torchtitan does the same).
+    reshard = config.sharding_strategy in ("full_shard", "hybrid_shard") and parallel.pp == 1
+    _shard_units(model, mesh, reshard, policies)
     _set_prefetch(model, config.forward_prefetch, config.backward_prefetch)
     _gloo_collectives(model, config, parallel)
     return model
@@ -106,10 +114,9 @@ def _policies(config: FSDPConfig, parallel: ParallelDims) -> dict:
     )
 
 
-def _shard_units(model: nn.Module, mesh, strategy: str, policies: dict) -> None:
-    """One FSDP unit per block, the token embeddings and the output head each their own, then the root
-    (the final norm)."""
-    reshard = strategy in ("full_shard", "hybrid_shard")
+def _shard_units(model: nn.Module, mesh, reshard: bool, policies: dict) -> None:
+    """One FSDP unit per block (resharded after forward when `reshard`), the token embeddings and the
+    output head each their own, then the root (the final norm)."""
     # The embedding's backward reads no weights, yet FSDP needs its unsharded parameter to take the
     # gradient: kept gathered from its forward to its backward (the memory of one unit), it saves an
     # all-gather per step. Tied to the output head, it is used at both ends: the root unit holds it.

@@ -85,3 +85,11 @@ class PipelineEngine:
         args = (tokens,) if self.has_first else ()
         self.schedule.step(*args, target=targets if self.has_last else None, losses=losses)
         return torch.stack([l.detach() for l in losses]).sum() if self.has_last else None
+
+    def forward_only(self, tokens: Optional[torch.Tensor], targets: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """The batch's summed token loss, forward only (validation): on the last stage, else None."""
+        self._scale = 1.0
+        losses: list = []
+        args = (tokens,) if self.has_first else ()
+        self.schedule.eval(*args, target=targets if self.has_last else None, losses=losses)
+        return torch.stack([l.detach() for l in losses]).sum() if self.has_last else None

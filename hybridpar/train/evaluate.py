@@ -12,7 +12,7 @@ runs out past the end reads window 0 with every target ignored.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Union
 
 import torch
 import torch.distributed as dist
@@ -23,7 +23,10 @@ from ..mesh.device import ParallelDims
 from ..parallel import vocab_parallel_cross_entropy
 from ..parallel.loss import IGNORE_INDEX
 from .data_stop import agreed_error
-from .step import context_parts
+from .step import context_parts, sum_loss
+
+if TYPE_CHECKING:
+    from ..parallel.pipeline import PipelineEngine
 
 
 def windows_evaluated(n_windows: int, eval_steps: int, global_batch: int) -> int:
@@ -80,14 +83,17 @@ class Validator:
         self._checked = True
 
     @torch.no_grad()
-    def __call__(self, model: torch.nn.Module) -> dict:
+    def __call__(self, model: Union[torch.nn.Module, "PipelineEngine"]) -> dict:
+        """model: the whole model, or under pipeline parallelism the engine running this rank's stages."""
         p, device = self.parallel, self.parallel.device
+        engine = None if isinstance(model, torch.nn.Module) else model
         per_pass = self.micro_batch_size * p.dp_size
         self._check_windows()
         names = list(self.datasets)
         totals = torch.zeros(len(names), 2, dtype=torch.float64, device=device)  # per source: loss sum, targets
-        was_training = model.training
-        model.eval()
+        was_training = engine is None and model.training
+        if engine is None:
+            model.eval()
         try:
             for name, start in self._passes():
                 n, row = self.n[name], names.index(name)
@@ -97,12 +103,18 @@ class Validator:
                 windows = self._micro_batch(name, start + p.dp_rank * self.micro_batch_size)
                 [(inputs, targets)] = context_parts([windows], p)
                 inputs, targets = inputs.to(device), targets.to(device)
-                loss = vocab_parallel_cross_entropy(model(inputs), targets, parallel=p, reduction="sum")
+                if engine is None:
+                    loss = vocab_parallel_cross_entropy(model(inputs), targets, parallel=p, reduction="sum")
+                else:  # the last stage's loss; sum_loss brings it (and its count) to every stage
+                    loss = engine.forward_only(inputs if engine.has_first else None, targets)
+                    if loss is None:
+                        continue
                 totals[row, 0] += loss.double()
                 totals[row, 1] += (targets != IGNORE_INDEX).sum()
         finally:
-            model.train(was_training)
-        dist.all_reduce(totals, group=p.dp_cp_group)
+            if engine is None:
+                model.train(was_training)
+        sum_loss(totals, p)
         whole = totals.sum(0)
         loss = (whole[0] / whole[1]).item()
         out = {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)), "val_tokens": int(whole[1].item())}

@@ -4,7 +4,7 @@ the global gradient norm with clipping (whose all-reduce also carries the stop v
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -13,15 +13,18 @@ from torch.distributed.tensor import DTensor
 from ..compat.torch import foreach_mul_, tensor_norms
 
 
-def build_optimizer(model: torch.nn.Module, config, fused: bool = True) -> torch.optim.Optimizer:
+def build_optimizer(model: Union[torch.nn.Module, Sequence[torch.nn.Module]], config, fused: bool = True
+                    ) -> torch.optim.Optimizer:
     """AdamW; weight decay on matrices and embeddings only (norm weights are scales, not features).
-    fused=False takes torch's multi-tensor (foreach) AdamW instead."""
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    fused=False takes torch's multi-tensor (foreach) AdamW instead. `model`: a module, or a list of
+    them (a rank's pipeline stages): one optimizer over all their parameters."""
+    params = [p for m in ([model] if isinstance(model, torch.nn.Module) else model) for p in m.parameters()]
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # Fused: one kernel over all local shards. On the CPU too: foreach walks DTensor parameters one
     # at a time (bench/README.md compares the two).
-    fused = fused and next(model.parameters()).device.type in ("cuda", "cpu")
+    fused = fused and params[0].device.type in ("cuda", "cpu")
     return torch.optim.AdamW(
         groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps,
         **({"fused": True} if fused else {"foreach": True}),

@@ -35,7 +35,7 @@ from ..data.blend import describe_blend
 from ..files import refuse_occupied, write_text_atomic
 from ..mesh.device import ParallelDims, init_parallel
 from ..mesh.layout import sizes_text
-from ..build import build_model
+from ..build import build_stages
 from ..plan.hardware import peak_flops_of
 from ..preflight import Job, as_job, world_size_from_env
 from ..progress import note
@@ -48,7 +48,8 @@ from .metrics import (MetricsWriter, WandbSettings, flops_per_token, measure_mat
                       progress_line, require_wandb, validation_text)
 from .optim import build_optimizer, grad_norm_and_clip, lr_lambda
 from .profile import StepProfiler
-from .step import context_parts, count_targets, forward_backward, gradient_scale
+from .step import (context_parts, count_targets, forward_backward, gradient_scale, pipeline_engine,
+                   pipeline_forward_backward, sum_loss)
 from .summary import summarise, write_summary
 from .supervisor import Supervisor
 
@@ -77,7 +78,8 @@ class Trainer:
         try:
             self.parallel = parallel or init_parallel(
                 mp=c.parallel.mp, dp_shard=c.parallel.dp_shard, dp_replicate=c.parallel.dp_replicate,
-                cp=c.parallel.cp, timeout=c.parallel.init_timeout, backend=c.parallel.backend or None,
+                cp=c.parallel.cp, pp=c.parallel.pp, timeout=c.parallel.init_timeout,
+                backend=c.parallel.backend or None,
             )
             p = self.parallel
             self.is_main = p.rank == 0
@@ -88,7 +90,7 @@ class Trainer:
         except BaseException as err:
             self.supervisor.close(err)
             raise
-        self.supervisor.set_up(self.start_step, self.model)
+        self.supervisor.set_up(self.start_step, self.modules)
 
     def _set_up(self, c: Config, p: ParallelDims) -> None:
         def phase(name: str) -> None:
@@ -111,9 +113,13 @@ class Trainer:
         phase("peak flops")
         self.peak_flops = self._peak()
         phase("model")
-        self.model = self._build_model()
-        self.params = list(self.model.parameters())
-        self.optimizer = build_optimizer(self.model, c.optim)
+        # The whole model at parallel.pp = 1; under pipeline parallelism model is None and this rank's
+        # stages (model_parts, in the schedule's order; [model] at pp 1) run by `engine` (None at pp 1).
+        self.model_parts, stage_ids = self._build_model()
+        self.model = self.model_parts[0] if p.pp == 1 else None
+        self.engine = pipeline_engine(self.model_parts, stage_ids, p, c.parallel)
+        self.params = [param for part in self.model_parts for param in part.parameters()]
+        self.optimizer = build_optimizer(self.model_parts, c.optim)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(c.optim.warmup_steps, c.train.steps, c.optim.min_lr_ratio)
         )
@@ -153,7 +159,7 @@ class Trainer:
             refuse_occupied(self.checkpointer.folder, "checkpoint.resume is false; set checkpoint.resume = true to "
                             "continue that run, or give this run its own output.run_dir or checkpoint.folder",
                             error_type=ConfigError, listing=("checkpoints", complete_checkpoints))
-        found = self.checkpointer.load_newest_intact(self.model, self.optimizer, params)  # sets damaged ones aside
+        found = self.checkpointer.load_newest_intact(self.modules, self.optimizer, params)  # sets damaged ones aside
         if found is not None:
             latest, state = found
             self.step = state["step"]
@@ -161,7 +167,7 @@ class Trainer:
             self.loader.load_state_dict(state["data"])
             return latest
         if c.init_from and self.init_from_folder is None:
-            self.checkpointer.load(Path(c.init_from), self.model, None, params)
+            self.checkpointer.load(Path(c.init_from), self.modules, None, params)
         return None
 
     def save_checkpoint(self) -> Path:
@@ -171,7 +177,7 @@ class Trainer:
                                         "sha256": self.tokenizer.sha256}
         begun = time.perf_counter()
         with self.supervisor.checkpointing():  # a large checkpoint's writes are not a hang
-            path = self.checkpointer.save(self.step, self.model, self.optimizer, train_state, params_dict(self.args))
+            path = self.checkpointer.save(self.step, self.modules, self.optimizer, train_state, params_dict(self.args))
         # How long training waited (an async save: only the copy to host memory); the writes' own time follows.
         self.metrics.event(self.step, "checkpoint", blocked_s=round(time.perf_counter() - begun, 3),
                            async_save=self.checkpointer.async_save)
@@ -192,16 +198,22 @@ class Trainer:
             self.args.check(self.parallel.mp)
         check_vocab(tokenizer.vocab_size, self.args.vocab_size)
 
-    def _build_model(self) -> torch.nn.Module:
-        """The same full weights on every rank, whatever the layout, then sharded by FSDP."""
+    @property
+    def modules(self) -> Union[torch.nn.Module, list[torch.nn.Module]]:
+        """What the checkpointer and the supervisor take: the model, or under pp this rank's stages."""
+        return self.model if self.engine is None else self.model_parts
+
+    def _build_model(self) -> tuple[list[torch.nn.Module], list[int]]:
+        """The same full weights on every rank, whatever the layout, then sharded by FSDP: (this rank's
+        pipeline stages of them, their stage ids); ([model], [0]) at pp 1."""
         c, p = self.config, self.parallel
         torch.manual_seed(c.train.seed)
         load = None
         if self.init_from_folder is not None:
             kind, folder = self.init_from_folder
             load = functools.partial(load_into, kind, folder, parallel=p, parsed=self.job.init_config)
-        return build_model(self.args, p, device=self.device, sequence_parallel=c.parallel.sequence_parallel,
-                           load=load, fsdp=c.fsdp, compile=c.train.compile)
+        return build_stages(self.args, p, c.parallel.pp_schedule, c.parallel.pp_layers, device=self.device, load=load,
+                            sequence_parallel=c.parallel.sequence_parallel, fsdp=c.fsdp, compile=c.train.compile)
 
     def _peak(self) -> float:
         """MFU's denominator per device: train.peak_flops; else a GPU's dense bf16 peak from its name
@@ -243,10 +255,15 @@ class Trainer:
         if data_stops:
             raise data_stop.DataStopped(data_stop.agreed_error(data_error))
         guard_seconds = self.supervisor.guard(self.step + 1, batches)
-        loss_sum = forward_backward(self.model, local, p, scale=gradient_scale(p, global_targets),
-                                    grad_sync=c.train.grad_sync, device=self.device, at=self.supervisor.phase)
+        scale = gradient_scale(p, global_targets)
+        if self.engine is None:
+            loss_sum = forward_backward(self.model, local, p, scale=scale, grad_sync=c.train.grad_sync,
+                                        device=self.device, at=self.supervisor.phase)
+        else:
+            loss_sum = pipeline_forward_backward(self.engine, local, scale=scale, device=self.device,
+                                                 at=self.supervisor.phase)
         self.supervisor.phase("loss")
-        dist.all_reduce(loss_sum, group=p.dp_cp_group)
+        sum_loss(loss_sum, p)
         mean_loss = loss_sum.item() / global_targets
 
         self.supervisor.phase("optimizer")
@@ -373,7 +390,7 @@ class Trainer:
     def validate(self) -> dict:
         """The validation loss now (every rank takes part): {"val_loss", "val_ppl", "val_tokens"}."""
         start = time.perf_counter()
-        self.validation = self.validator(self.model)
+        self.validation = self.validator(self.model if self.engine is None else self.engine)
         self.eval_seconds += time.perf_counter() - start
         self.supervisor.phase("validated")
         return self.validation

@@ -485,6 +485,40 @@ def test_planted_fault_is_reported_naming_rank_group_and_collective(corpus, tmp_
         (first["kind"], first["ranks"], first["dim"], first["op"], first["seq"])
 
 
+# A rank of a pipeline's stage 1 stops inside its step (sleep_stage: in its stage's forward): case ->
+# (its layout's flags, world, the stalled rank, where the report places it).
+PIPELINE_STALLS = {
+    "pp2-1F1B": ({"parallel.pp": 2, "parallel.mp": 1, "parallel.dp_shard": 1, "parallel.dp_replicate": 1,
+                  "fsdp.sharding_strategy": "full_shard", "parallel.pp_schedule": "1F1B", "parallel.pp_microbatches": 2},
+                 2, 1, "pp 1, mp 0, dp 0 (replicate 0, shard 0)"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(PIPELINE_STALLS))
+def test_a_stalled_stage_is_named_with_its_stage_and_the_op_its_peer_waits_in(corpus, tmp_path, case):
+    """The issue's must-show: within train_timeout + 15 s the report names the stalled rank, its stage
+    and the send or receive its peer stage waits in."""
+    flags, world, rank, where = PIPELINE_STALLS[case]
+    result, fired_at = _run_fault(corpus, tmp_path, "sleep_stage", rank, world, **flags)
+    report_path = tmp_path / "run" / "hang_report.json"
+    assert result.returncode != 0, "the job must exit non-zero"
+    assert report_path.exists(), f"no report:\n{result.stderr[-4000:]}"
+    delay = report_path.stat().st_mtime - fired_at
+    report = json.loads(report_path.read_text())
+    text = result.stderr[result.stderr.index("hybridpar watchdog"):]
+    print(f"\n{case}: report {delay:.1f} s after the stall (bound {REPORT_WITHIN:g} s)\n" + "\n".join(text.splitlines()[:8]))
+    assert delay <= REPORT_WITHIN
+    first = report["findings"][0]
+    assert (first["kind"], first["ranks"], first["dim"], report["step"]) == ("not_arrived", [rank], "pp", FAULT_STEP), first
+    assert first["op"] in ("send", "recv"), first  # the stage before it waits to send it activations or to receive gradients
+    cause = text.splitlines()[1]
+    assert cause.startswith(f"CAUSE  rank {rank} (stage 1) has not "), cause
+    assert f"rank 0 (stage 0), which waits in {first['op']} #" in cause, cause
+    assert f"rank {rank}: {where} on " in text, text
+    assert "fault_job.py" in cause and "in hook" in cause, cause  # where the stalled rank stands
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(DEATHS))
 def test_a_rank_that_dies_is_named_live(corpus, tmp_path, case):

@@ -106,6 +106,12 @@ def wall_bubble(ranks: dict[int, dict]) -> dict:
                                      for k, r in ranks.items()}}
 
 
+def p2p_bubble(ranks: dict[int, dict]) -> dict:
+    """Each rank's P2P waits alone over the step (without the time outside its own schedule)."""
+    step = max(r["end"] for r in ranks.values()) - min(r["start"] for r in ranks.values())
+    return {k: r["waits"] / step for k, r in ranks.items()}
+
+
 def summarise(values: dict) -> dict:
     return {"mean": statistics.fmean(values.values()), "worst": max(values.values())}
 
@@ -327,6 +333,8 @@ def main() -> None:
     rank0 = dist.get_rank() == 0
     for layout in layouts:  # warm-up: the stages' shapes and buffers are set up on the first step
         run_step(layout, batches[layout.name], recorder)
+        if rank0:
+            print(f"warm-up: {layout.name}, load average {os.getloadavg()[0]:.1f}", flush=True)
     steps: dict[str, list] = {layout.name: [] for layout in layouts}
     loads = []
     for k in range(opts.rounds):
@@ -365,6 +373,7 @@ def analyse(layout: Layout, rounds: list[dict], memory: dict, plan: dict, opts) 
         "tokens_per_s": layout.m * opts.micro_batch * opts.seq_len / step,
         "bubble_formula": plan["bubble"],
         "bubble_wall": {key: med(summarise(w["bubble"])[key] for w in walls) for key in ("mean", "worst")},
+        "bubble_p2p_only": {key: med(summarise(p2p_bubble(r))[key] for r in rounds) for key in ("mean", "worst")},
         "bubble_replay": {key: med(summarise(r["bubble"])[key] for r in replays) for key in ("mean", "worst")},
         "replay_step_seconds": med(r["step"] for r in replays),
         "wall_bubble_per_rank": {k: med(w["bubble"][k] for w in walls) for k in walls[0]["bubble"]},

@@ -24,6 +24,8 @@ ranks share them. Every layout is built once and run once per round, layouts int
              thread CPU time (time.thread_time), and the recorded order of every rank is replayed
              with F(s, i) after F(s-1, i), B(s, i) after B(s+1, i) and P2P free. The critical path
              of the schedule as it ran, without time-sharing.
+  shared     the same replay with the ranks ready to compute sharing --cores cores (default this
+             machine's): what the wall bubble should read here if time-sharing is all that differs.
   slowdown   wall over thread CPU time inside forward/backward: 1 when each rank has a core.
   memory     the distinct non-parameter storages autograd holds saved (a saved-tensors hook whose
              packed handle releases them when backward frees it) over one step: the peak per rank,
@@ -53,6 +55,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -66,34 +69,43 @@ MIB = 2**20
 
 # --- the arithmetic (torch-free, tested by hand in tests/bench/test_pipeline_bench.py) ----------------
 
-def replay(actions: dict[int, list[dict]], n_stages: int) -> dict:
-    """The schedule as it ran on a core per rank: `actions[rank]` in executed order, each {"kind": "F" |
-    "B", "stage", "mb", "cost"}; F(s, i) starts after F(s-1, i), B(s, i) after B(s+1, i) (the last stage's
-    after its F), each rank one action at a time, P2P free. {"step", "bubble": {rank: idle share}}."""
-    finish: dict[tuple, float] = {}
-    clock, at = dict.fromkeys(actions, 0.0), dict.fromkeys(actions, 0)
-    left = sum(len(a) for a in actions.values())
+def replay(actions: dict[int, list[dict]], n_stages: int, cores: Optional[int] = None) -> dict:
+    """The schedule as it ran, replayed: `actions[rank]` in executed order, each {"kind": "F" | "B",
+    "stage", "mb", "cost"}; F(s, i) starts after F(s-1, i), B(s, i) after B(s+1, i) (the last stage's
+    after its F), each rank one action at a time, P2P free. `cores`: None, a core per rank; n, the
+    ranks ready to compute share n cores equally (each at min(1, n / ready) of a core's speed).
+    {"step", "bubble": {rank: the share of the step it was not ready (waiting, or done)}}."""
+    def dep(a: dict) -> Optional[tuple]:
+        s, mb = a["stage"], a["mb"]
+        if a["kind"] == "F":
+            return ("F", s - 1, mb) if s > 0 else None
+        return ("B", s + 1, mb) if s < n_stages - 1 else ("F", s, mb)
+
+    done: set[tuple] = set()
+    at = dict.fromkeys(actions, 0)
+    left = {r: todo[0]["cost"] for r, todo in actions.items() if todo}  # cost left of each rank's current action
+    idle, now = dict.fromkeys(actions, 0.0), 0.0
     while left:
-        moved = False
-        for rank, todo in actions.items():
-            while at[rank] < len(todo):
-                a = todo[at[rank]]
-                s, mb = a["stage"], a["mb"]
-                if a["kind"] == "F":
-                    dep = ("F", s - 1, mb) if s > 0 else None
-                else:
-                    dep = ("B", s + 1, mb) if s < n_stages - 1 else ("F", s, mb)
-                if dep is not None and dep not in finish:
-                    break
-                clock[rank] = max(clock[rank], finish.get(dep, 0.0)) + a["cost"]
-                finish[(a["kind"], s, mb)] = clock[rank]
-                at[rank] += 1
-                left -= 1
-                moved = True
-        if not moved:
+        ready = [r for r in left if dep(actions[r][at[r]]) in done | {None}]
+        if not ready:
             raise ValueError(f"the recorded order cannot run: ranks stop at {at}")
-    step = max(clock.values())
-    return {"step": step, "bubble": {r: 1 - sum(a["cost"] for a in todo) / step for r, todo in actions.items()}}
+        speed = min(1.0, cores / len(ready)) if cores else 1.0
+        dt = min(left[r] for r in ready) / speed
+        now += dt
+        for r in actions:
+            if r not in ready:
+                idle[r] += dt
+        for r in ready:
+            left[r] -= dt * speed
+            if left[r] <= 1e-12 * (1 + now):
+                a = actions[r][at[r]]
+                done.add((a["kind"], a["stage"], a["mb"]))
+                at[r] += 1
+                if at[r] < len(actions[r]):
+                    left[r] = actions[r][at[r]]["cost"]
+                else:
+                    del left[r]
+    return {"step": now, "bubble": {r: idle[r] / now for r in actions}}
 
 
 def wall_bubble(ranks: dict[int, dict]) -> dict:
@@ -302,6 +314,8 @@ def main() -> None:
     parser.add_argument("--schedules", default="1F1B,Interleaved1F1B,GPipe")
     parser.add_argument("--microbatches", default="4,8")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--cores", type=int, default=os.cpu_count(),
+                        help="the cores the shared replay gives the ranks (default: this machine's)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "pipeline.json"))
     opts = parser.parse_args()
 
@@ -363,6 +377,7 @@ def analyse(layout: Layout, rounds: list[dict], memory: dict, plan: dict, opts) 
     n_stages = layout.pp * layout.v
     walls = [wall_bubble(r) for r in rounds]
     replays = [replay({k: v["actions"] for k, v in r.items()}, n_stages) for r in rounds]
+    shared = [replay({k: v["actions"] for k, v in r.items()}, n_stages, opts.cores) for r in rounds]
     med = statistics.median
     step = med(w["step"] for w in walls)
     peak = max(m["peak"] for m in memory.values())
@@ -376,6 +391,8 @@ def analyse(layout: Layout, rounds: list[dict], memory: dict, plan: dict, opts) 
         "bubble_p2p_only": {key: med(summarise(p2p_bubble(r))[key] for r in rounds) for key in ("mean", "worst")},
         "bubble_replay": {key: med(summarise(r["bubble"])[key] for r in replays) for key in ("mean", "worst")},
         "replay_step_seconds": med(r["step"] for r in replays),
+        "bubble_shared": {key: med(summarise(r["bubble"])[key] for r in shared) for key in ("mean", "worst")},
+        "shared_step_seconds": med(r["step"] for r in shared), "cores": opts.cores,
         "wall_bubble_per_rank": {k: med(w["bubble"][k] for w in walls) for k in walls[0]["bubble"]},
         "slowdown": med(sum(v["compute_wall"] for v in r.values()) / sum(v["compute_cpu"] for v in r.values())
                         for r in rounds),
@@ -392,13 +409,15 @@ def report(rows: list[dict], meta: dict, out: Path) -> None:
     print(f"pipeline parallelism, preset {meta['preset']} x {meta['n_layers']} layers, micro-batch "
           f"{meta['micro_batch']} x {meta['seq_len']} tokens, fp32, {meta['world']} ranks on {meta['cores']} cores, "
           f"median of {meta['rounds']} rounds, load average {min(loads):.1f}-{max(loads):.1f}")
+    print(f"bubble: formula; wall (P2P waits + ends), mean and worst rank, mean / formula; shared: the replay on "
+          f"{rows[0]['cores']} cores; replay on a core per rank, mean, worst, mean / formula. slow: compute wall / CPU")
     print(f"{'layout':<28} {'tokens/s':>8} {'step s':>7} {'formula':>7} {'wall':>6} {'worst':>6} {'ratio':>6} "
-          f"{'replay':>6} {'worst':>6} {'ratio':>6} {'slow':>5} {'act MiB':>8} {'plan':>7} {'flight':>6} "
+          f"{'shared':>6} {'replay':>6} {'worst':>6} {'ratio':>6} {'slow':>5} {'act MiB':>8} {'plan':>7} {'flight':>6} "
           f"{'plan':>5} {'held':>6}")
     for r in rows:
         f, w, p = r["bubble_formula"], r["bubble_wall"], r["bubble_replay"]
         print(f"{r['layout']:<28} {r['tokens_per_s']:>8.0f} {r['step_seconds']:>7.3f} {f:>7.3f} {w['mean']:>6.3f} "
-              f"{w['worst']:>6.3f} {w['mean'] / f:>6.2f} {p['mean']:>6.3f} {p['worst']:>6.3f} {p['mean'] / f:>6.2f} "
+              f"{w['worst']:>6.3f} {w['mean'] / f:>6.2f} {r['bubble_shared']['mean']:>6.3f} {p['mean']:>6.3f} {p['worst']:>6.3f} {p['mean'] / f:>6.2f} "
               f"{r['slowdown']:>5.2f} {r['activations'] / MIB:>8.1f} {r['activations_planned'] / MIB:>7.1f} "
               f"{r['in_flight']:>6.2f} {r['in_flight_planned']:>5.2f} {r['held_outputs'] / MIB:>6.1f}")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -104,3 +104,15 @@ def test_tiny_run_at_world_2(tmp_path):
         assert 0 <= row["bubble_wall"]["mean"] <= row["bubble_wall"]["worst"] < 1
         assert 0 < row["activations"] <= row["activations_planned"]
         assert row["held_outputs"] == 4 * 32 * 4096 * 4  # the last stage keeps every micro-batch's fp32 logits
+
+
+def test_replay_on_fewer_cores_than_ranks_by_hand():
+    # pp 2, m 2, f = 1, b = 2 on one core: rank 0's F0 [0,1]; its F1 and rank 1's F0 share the core
+    # [1,3]; rank 1's B0 [3,5]; rank 0's B0 (2) and rank 1's F1 (1) share it: F1 done at 7, B0 half
+    # done; B0 and rank 1's B1 share it: B0 done at 9; B1 alone [9,10]; rank 0's B1 [10,12]. Each
+    # rank is not ready for 3 of the 12 s (the formula: 1/3 on a core each, a 9 s step).
+    got = replay(_one_f_one_b(2, 2, lambda r: 1.0, lambda r: 2.0), 2, cores=1)
+    assert got["step"] == pytest.approx(12)
+    assert got["bubble"] == pytest.approx({0: 0.25, 1: 0.25})
+    assert replay(_one_f_one_b(2, 2, lambda r: 1.0, lambda r: 2.0), 2, cores=2) == replay(
+        _one_f_one_b(2, 2, lambda r: 1.0, lambda r: 2.0), 2)

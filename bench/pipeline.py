@@ -394,6 +394,7 @@ def analyse(layout: Layout, rounds: list[dict], memory: dict, plan: dict, opts) 
         "bubble_shared": {key: med(summarise(r["bubble"])[key] for r in shared) for key in ("mean", "worst")},
         "shared_step_seconds": med(r["step"] for r in shared), "cores": opts.cores,
         "wall_bubble_per_rank": {k: med(w["bubble"][k] for w in walls) for k in walls[0]["bubble"]},
+        "compute_cpu_per_rank": {k: med(r[k]["compute_cpu"] for r in rounds) for k in rounds[0]},
         "slowdown": med(sum(v["compute_wall"] for v in r.values()) / sum(v["compute_cpu"] for v in r.values())
                         for r in rounds),
         "activations_per_rank": {k: m["peak"] for k, m in memory.items()}, "activations": peak,

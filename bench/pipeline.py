@@ -391,6 +391,8 @@ def analyse(layout: Layout, rounds: list[dict], memory: dict, plan: dict, opts) 
         "bubble_p2p_only": {key: med(summarise(p2p_bubble(r))[key] for r in rounds) for key in ("mean", "worst")},
         "bubble_replay": {key: med(summarise(r["bubble"])[key] for r in replays) for key in ("mean", "worst")},
         "replay_step_seconds": med(r["step"] for r in replays),
+        "rounds_mean_bubble": {"wall": [summarise(w["bubble"])["mean"] for w in walls],
+                               "replay": [summarise(r["bubble"])["mean"] for r in replays]},
         "bubble_shared": {key: med(summarise(r["bubble"])[key] for r in shared) for key in ("mean", "worst")},
         "shared_step_seconds": med(r["step"] for r in shared), "cores": opts.cores,
         "wall_bubble_per_rank": {k: med(w["bubble"][k] for w in walls) for k in walls[0]["bubble"]},

@@ -263,7 +263,7 @@ def run_step(layout: Layout, batch, recorder: Recorder, saved: SavedBytes = None
     recorder.reset()
     if layout.engine is None:
         return {}
-    start = time.perf_counter()
+    start = time.perf_counter()  # CLOCK_MONOTONIC on Linux: one clock for every process of the machine
     if saved is None:
         layout.engine.step(tokens, targets, scale)
     else:

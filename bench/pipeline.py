@@ -5,12 +5,13 @@ PipelineEngine (torch.distributed.pipelining), at pp 2 and 4 on this machine.
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 4 bench/pipeline.py [--rounds 5]
 
 Model: the tiny preset (dim 256, vocab 4,096) with --layers 15 (17 units with the embedding and the
-head: stages [8, 7] at pp 2, [4, 4, 4, 3] at pp 4, 2 layers each at pp 4 x v 2), fp32, micro-batches
+head: stages [8, 7] at pp 2, [4, 4, 4, 3] at pp 4 and pp 2 x v 2, [2, ..., 2, 1] at pp 4 x v 2), fp32, micro-batches
 of --micro-batch sequences of --seq-len tokens. At this shape the head and its loss cost about one
 layer and the embedding almost nothing, so torchtitan's split leaves the stages even (the formula
-assumes it), and one stage's forward (~50 ms) is ~100x the P2P of its 256 KiB activation. A layout
+assumes it), and a stage's forward and backward of one micro-batch take 45 ms (pp 4) to 190 ms
+(pp 2) of CPU against the 256 KiB activation (or gradient) each stage boundary sends. A layout
 is (pp, schedule, m): pp x 1 stages (1F1B, GPipe) or pp x 2 (Interleaved1F1B, v 2). At pp 2 one
-pipeline runs (ranks 0 and 2; 1 and 3 wait in a barrier), so it fits the 2 cores; at pp 4 four
+pipeline runs (ranks 0 and 2; 1 and 3 sleep in a collective), so it fits the 2 cores; at pp 4 four
 ranks share them. Every layout is built once and run once per round, layouts interleaved by round.
 
   tokens/s   m x micro-batch x seq_len over the step: first rank's start to last rank's end, all
@@ -137,7 +138,7 @@ class Recorder:
     def __init__(self) -> None:
         from torch.distributed.pipelining import schedules
 
-        self.waits = 0.0
+        self.waits, self.n_waits = 0.0, 0
         self.actions: list[dict] = []
         original = schedules._wait_batch_p2p
 
@@ -147,11 +148,12 @@ class Recorder:
                 return original(work)
             finally:
                 self.waits += time.perf_counter() - began
+                self.n_waits += 1
 
         schedules._wait_batch_p2p = timed_wait
 
     def reset(self) -> None:
-        self.waits, self.actions = 0.0, []
+        self.waits, self.n_waits, self.actions = 0.0, 0, []
 
     def watch(self, engine) -> None:
         for stage in engine.stages:
@@ -273,7 +275,8 @@ def run_step(layout: Layout, batch, recorder: Recorder, saved: SavedBytes = None
     held = sum(sum(o.numel() * o.element_size() for o in _tensors(s.output_chunks)) for s in layout.engine.stages)
     for s in layout.engine.stages:
         s.submod.zero_grad(set_to_none=True)
-    return {"start": start, "end": end, "waits": recorder.waits, "actions": recorder.actions, "held": held,
+    return {"start": start, "end": end, "waits": recorder.waits, "n_waits": recorder.n_waits,
+            "actions": recorder.actions, "held": held,
             "compute_wall": sum(a["wall"] for a in recorder.actions),
             "compute_cpu": sum(a["cost"] for a in recorder.actions)}
 
@@ -396,6 +399,7 @@ def analyse(layout: Layout, rounds: list[dict], memory: dict, plan: dict, opts) 
         "bubble_shared": {key: med(summarise(r["bubble"])[key] for r in shared) for key in ("mean", "worst")},
         "shared_step_seconds": med(r["step"] for r in shared), "cores": opts.cores,
         "wall_bubble_per_rank": {k: med(w["bubble"][k] for w in walls) for k in walls[0]["bubble"]},
+        "p2p_waits_per_rank": {k: med(r[k]["n_waits"] for r in rounds) for k in rounds[0]},
         "compute_cpu_per_rank": {k: med(r[k]["compute_cpu"] for r in rounds) for k in rounds[0]},
         "slowdown": med(sum(v["compute_wall"] for v in r.values()) / sum(v["compute_cpu"] for v in r.values())
                         for r in rounds),

@@ -424,7 +424,8 @@ def report(rows: list[dict], meta: dict, out: Path) -> None:
     for r in rows:
         f, w, p = r["bubble_formula"], r["bubble_wall"], r["bubble_replay"]
         print(f"{r['layout']:<28} {r['tokens_per_s']:>8.0f} {r['step_seconds']:>7.3f} {f:>7.3f} {w['mean']:>6.3f} "
-              f"{w['worst']:>6.3f} {w['mean'] / f:>6.2f} {r['bubble_shared']['mean']:>6.3f} {p['mean']:>6.3f} {p['worst']:>6.3f} {p['mean'] / f:>6.2f} "
+              f"{w['worst']:>6.3f} {w['mean'] / f:>6.2f} {r['bubble_shared']['mean']:>6.3f} "
+              f"{p['mean']:>6.3f} {p['worst']:>6.3f} {p['mean'] / f:>6.2f} "
               f"{r['slowdown']:>5.2f} {r['activations'] / MIB:>8.1f} {r['activations_planned'] / MIB:>7.1f} "
               f"{r['in_flight']:>6.2f} {r['in_flight_planned']:>5.2f} {r['held_outputs'] / MIB:>6.1f}")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -42,7 +42,7 @@ ones run faster (the bubble's time is lent to them), so the wall bubble at pp 4 
 formula's quantity; the replay is, to the accuracy of thread CPU time (cache sharing inflates it a
 little), and at pp 2 (a core per rank) the two can be compared. Each hand-off also costs the
 receiver's wake-up (gloo's thread, then the waiting one, each needing a core): milliseconds per
-wait with a core per rank, tens of them at pp 4 on 2 cores (bench/README). Other jobs on the machine
+wait with a core per rank, 10-20 ms at pp 4 on 2 cores (bench/README). Other jobs on the machine
 inflate the wall figures: the load average is recorded with every round. Prints a table and writes
 bench/results/pipeline.json (--out).
 """

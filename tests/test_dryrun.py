@@ -31,23 +31,28 @@ def _case_real_step(config):
     bytes the dry run reports (gradients as backward left them, the optimizer's after its step)."""
     import torch.distributed as dist
 
+    import torch
+
     from hybridpar.diagnostics.collectives import CollectiveCounter, mesh_dims
     from hybridpar.cli.dryrun import state_bytes
     from hybridpar.train import Trainer
 
     trainer = Trainer(config)
+    model = torch.nn.ModuleList(trainer.model_parts)  # the model, or this rank's pipeline stages
     seen = {}
     step = trainer.optimizer.step
 
     def step_and_measure(*args, **kwargs):
-        seen["grads"] = [p.grad for p in trainer.model.parameters() if p.grad is not None]
+        seen["grads"] = [p.grad for p in model.parameters() if p.grad is not None]
         return step(*args, **kwargs)
 
+    if trainer.parallel.pp > 1:  # torch's pipeline learns its shapes in the first step (one more forward per stage)
+        trainer.train_step()
     trainer.optimizer.step = step_and_measure
     with CollectiveCounter(label=mesh_dims(trainer.parallel)) as counter:
         trainer.train_step()
     trainer.optimizer.step = step
-    return {"rank": dist.get_rank(), "state": state_bytes(trainer.model, trainer.optimizer, seen["grads"]),
+    return {"rank": dist.get_rank(), "state": state_bytes(model, trainer.optimizer, seen["grads"]),
             "collectives": counter.by_dim_and_op()}
 
 
@@ -58,6 +63,11 @@ LAYOUTS = {
     "world8-mp2-2x2-ac": (8, dict(mp=2, dp_shard=2, dp_replicate=2, dp=4, strategy="hybrid_shard",
                                   **{"fsdp.activation_checkpointing": "full"})),
     "world8-mp1-dp8-accum2": (8, dict(mp=1, dp_shard=8, dp=4, grad_accum=2, strategy="full_shard")),
+    # Pipeline stages (two per rank, interleaved) with sequence parallelism between them, FSDP kept
+    # gathered over the micro-batches: everything but the pipeline's own sends.
+    "world8-pp2-mp2-dp2-sp": (8, dict(mp=2, dp_shard=2, dp=2, strategy="full_shard", **{
+        "parallel.pp": 2, "parallel.pp_schedule": "Interleaved1F1B", "parallel.sequence_parallel": True,
+        "data.micro_batch_size": 4, "data.val_fraction": 0.0})),
 }
 
 

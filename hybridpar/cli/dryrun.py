@@ -130,12 +130,11 @@ def _rehearse(run: DryRun, c: Config, world: int, sizes: list[int], target: str,
                             sequence_parallel=c.parallel.sequence_parallel, fsdp=c.fsdp)
         stages = [model]
     else:
-        from .dryrun_stages import build_stages, pipeline_step, stage_plan
+        from .dryrun_stages import build_stages, pipeline_step
 
-        counts, ids, n_stages = stage_plan(c, args.n_layers, parallel.pp_rank)
-        say(f"building stage(s) {', '.join(map(str, ids))} of {n_stages} ({run.model}, layers per stage {counts}) "
-            f"on the meta device, tensor parallel {mp}, FSDP over {ds * dr}")
-        stages = build_stages(c, args, parallel, counts, ids)
+        say(f"building this rank's pipeline stages of {run.model} on the meta device, tensor parallel {mp}, "
+            f"FSDP over {ds * dr}")
+        stages, ids, n_stages = build_stages(c, args, parallel)
         model = torch.nn.ModuleList(stages)
     run.parameters = [row for stage in stages for row in _placements(stage)]
     say("one training step on fake tensors (forward, backward, optimizer)")

@@ -155,6 +155,35 @@ def test_llama3_405b_example_tiles_512_ranks_with_pipeline_stages_across_nodes(t
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("rank", [0, 511])
+def test_llama3_405b_example_dry_run_rehearses_a_stage_pair_of_512_ranks(tmp_path, rank):
+    """The issue's 512-rank rehearsal: 405B's every size at tp 8 x pp 8 x FSDP 8, Interleaved1F1B with 256
+    micro-batches and sequence parallelism, one step of rank 0 (the embedding's stage 0 and stage 8) and
+    of rank 511 (stage 7 and the head's stage 15) on fake tensors. 14 of the 126 identical layers, so the
+    16 stages hold one unit each (all 126 take about 15 times as long and prove nothing more)."""
+    out_json = tmp_path / "dry.json"
+    result = run_script(LLAMA3_405B_SH, "--dry-run", "--", "--model.n_layers", "14",
+                        env=script_env(RUN_DIR=tmp_path / "run", REHEARSE=1, DRY_RUN_RANK=rank,
+                                       DRY_RUN_JSON=out_json, DRY_RUN_GPU="h100"), timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(out_json.read_text())
+    print(f"\n405B dry run, rank {rank}: {report['seconds']:.0f} s; {report['layout']}; state {report['state_bytes']}")
+    assert report["ok"] and report["world"] == 512 and report["rank"] == rank
+    assert report["layout"].startswith("pp 8 x dp_replicate 1 x dp_shard 8 x mp 8 = 512 ranks")
+    held = {row["name"].split(".")[0] for row in report["parameters"]}
+    assert held == ({"tok_embeddings", "layers"} if rank == 0 else {"layers", "norm", "output"}), held
+    calls = {(c["dim"], c["op"]): c["calls"] for c in report["collectives"]}
+    assert calls[("pp", "all_reduce")] == 1  # the last stage's loss to every stage
+    # FSDP keeps each stage gathered over the 256 micro-batches: one all-gather and one reduce-scatter per
+    # FSDP unit of the two stages (a block, the embedding; the head apart from the norm), not per micro-batch.
+    assert calls[("dp", "all_gather")] == calls[("dp", "reduce_scatter")] in (2, 3), calls
+    assert calls[("mp", "reduce_scatter")] % 256 == 0  # sequence parallelism's, every micro-batch alike
+    share = sum(report["state_bytes"].values()) / sum(report["expected_bytes"].values())
+    assert 0.8 < share < 1.25, share  # 1 / (pp x mp x dp_shard) of the model, give or take the stage's units
+    assert report["seconds"] < 150
+
+
+@pytest.mark.slow
 def test_llama3_8b_128k_example_dry_run(tmp_path):
     """The long-context example (the planner's best layout for 8B at 131,072 tokens on 2 x 8 H100)
     tiles, its config loads, and rank 0's step is rehearsed on fake tensors at the example's shape: every

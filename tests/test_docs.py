@@ -201,7 +201,8 @@ def classify(c: Command, known_env: str) -> Check:
         _bash_n(argv[1])
         reason = {"launch/local.sh": "4 processes for minutes", ".ci/run": "installs, then the whole suite",
                   "bench/gpu/first_light.sh": "the GPU check (its CPU path runs in tests/bench/test_first_light.py)",
-                  "launch/llama3_8b_128k.sh": "a 16-rank dry run with a rehearsal (tests/launch/test_scripts.py runs it)"}
+                  "launch/llama3_8b_128k.sh": "a 16-rank dry run with a rehearsal (tests/launch/test_scripts.py runs it)",
+                  "launch/llama3_405b.sh": "a 512-rank dry run with a rehearsal (tests/launch/test_scripts.py runs it)"}
         return Check(c, "parse", reason.get(argv[1], "a Slurm job's dry run: a 128-rank rehearsal") + " (bash -n)")
     elif argv[0] == "sbatch":
         script = next(w for w in argv if w.endswith(".sh"))

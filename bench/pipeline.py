@@ -248,7 +248,8 @@ class Layout:
 
 def build(args, parallel, layout: Layout):
     from hybridpar.models.llama import Transformer
-    from hybridpar.parallel.pipeline import PipelineEngine, keep_stage, stage_ids, stage_layer_counts
+    from hybridpar.config.pipeline import stage_ids, stage_layer_counts
+    from hybridpar.parallel.pipeline import PipelineEngine, keep_stage
 
     counts = stage_layer_counts(args.n_layers, layout.pp * layout.v)
     ids = stage_ids(parallel.pp_rank, layout.pp, layout.v, layout.schedule)

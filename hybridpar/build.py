@@ -19,7 +19,8 @@ from .config.fsdp import FSDPConfig
 from .config.pipeline import stage_count
 from .mesh.device import ParallelDims
 from .parallel.fsdp import apply_activation_checkpointing, apply_fsdp, check_compiler, compile_blocks
-from .parallel.pipeline import stage_ids, stage_layer_counts, stage_layers
+from .config.pipeline import stage_ids, stage_layer_counts
+from .parallel.pipeline import stage_layers
 
 
 def build_model(args: ModelArgs, parallel: ParallelDims, *, device: Optional[torch.device] = None,
@@ -33,7 +34,7 @@ def build_model(args: ModelArgs, parallel: ParallelDims, *, device: Optional[tor
     fills the unsharded model (a checkpoint sliced into it). fsdp None: no FSDP, no activation
     checkpointing, no compile (conversion, generation). compile: torch.compile each block.
     stage: build only pipeline stage `stage` of len(stage_counts) (layers per stage,
-    parallel.pipeline.stage_layer_counts): its layers under their names, the embedding on the first
+    config.pipeline.stage_layer_counts): its layers under their names, the embedding on the first
     stage, the norm and head on the last, with the whole model's weights for the same seed.
     """
     if fsdp is not None:

@@ -1,7 +1,8 @@
 """Pipeline parallelism's model side: which layers each stage holds (torchtitan's rule), cutting a
 built model down to its stages, and the schedule from torch.distributed.pipelining that runs them.
+The split rule and the rank -> stages map are torch-free, in hybridpar.config.pipeline:
 
-    counts = stage_layer_counts(n_layers, pp, v)            # layers per stage, pp x v stages
+    counts = stage_layer_counts(n_layers, pp * v)           # layers per stage, pp x v stages
     ids = stage_ids(rank, pp, v, schedule)                  # the stages this pp rank holds
     model = keep_stage(build_model(...), stage, pp * v, counts)   # one per stage id, names kept
     engine = PipelineEngine(models, ids, pp_group, schedule, n_microbatches, device, parallel.mp_group)
@@ -19,9 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-# The split rule and the rank -> stages map are torch-free facts of config.pipeline, imported here
-# so the engine's callers find them beside it.
-from ..config.pipeline import SCHEDULES, stage_ids, stage_layer_counts  # noqa: F401 (re-exported)
+from ..config.pipeline import SCHEDULES
 from .loss import vocab_parallel_cross_entropy
 
 

@@ -36,7 +36,7 @@ from ..diagnostics.timeouts import Deadlines, apply_env_defaults, restore_env
 from ..diagnostics.watchdog import Watchdog
 from ..mesh.device import ParallelDims
 from ..mesh.ranks import gather_objects
-from ..parallel.pipeline import stage_ids
+from ..config.pipeline import stage_ids
 from . import stop as stopping
 
 log = logging.getLogger(__name__)

@@ -40,7 +40,7 @@ def layout_parallel(name: str):
 
 def stage_ids_of(name: str, parallel, n_layers: int) -> tuple[list[int], list[int]]:
     """(the stage ids this rank holds, the layer counts of every stage) in layout `name`."""
-    from hybridpar.parallel.pipeline import stage_ids, stage_layer_counts
+    from hybridpar.config.pipeline import stage_ids, stage_layer_counts
 
     _, pp, _, _, schedule, virtual, _ = LAYOUTS[name]
     return stage_ids(parallel.pp_rank, pp, virtual, schedule), stage_layer_counts(n_layers, pp * virtual,

@@ -102,7 +102,8 @@ def _case_stage_reads(kind: str, folder: str, mp: int) -> list[dict]:
     from hybridpar.checkpoint.convert import load_into, read_args
     from hybridpar.checkpoint.hf import hf_name
     from hybridpar.models.llama import Transformer
-    from hybridpar.parallel.pipeline import keep_stage, stage_layer_counts
+    from hybridpar.config.pipeline import stage_layer_counts
+    from hybridpar.parallel.pipeline import keep_stage
     from hybridpar.parallel.state import full_state_dict
 
     parallel, folder = parallel_dims(mp=mp), Path(folder)
@@ -176,7 +177,8 @@ def _case_hf_into_pp2(src: str, folder: str) -> list[str]:
     from hybridpar.checkpoint.convert import load_into, read_args
     from hybridpar.checkpoint.dcp import Checkpointer, params_dict
     from hybridpar.models.llama import Transformer
-    from hybridpar.parallel.pipeline import keep_stage, stage_layer_counts
+    from hybridpar.config.pipeline import stage_layer_counts
+    from hybridpar.parallel.pipeline import keep_stage
 
     parallel = parallel_dims(pp=2)
     args = read_args("hf", Path(src))

@@ -59,7 +59,8 @@ def engine_job(watchdog: Watchdog, parallel) -> None:
     """STEPS steps of a two-stage Transformer through PipelineEngine; stage 1 stalls in step STALL_STEP."""
     from hybridpar.models.args import ModelArgs
     from hybridpar.models.llama import Transformer
-    from hybridpar.parallel.pipeline import PipelineEngine, keep_stage, stage_layer_counts
+    from hybridpar.config.pipeline import stage_layer_counts
+    from hybridpar.parallel.pipeline import PipelineEngine, keep_stage
 
     args = ModelArgs.from_preset("tiny", dim=32, n_heads=4, n_kv_heads=2, vocab_size=64, n_layers=2)
     stage = parallel.pp_rank

@@ -99,7 +99,8 @@ def _case_stage_replicas() -> dict:
     from hybridpar.models.args import ModelArgs
     from hybridpar.models.llama import Transformer
     from hybridpar.parallel.fsdp import apply_fsdp
-    from hybridpar.parallel.pipeline import keep_stage, stage_ids, stage_layer_counts
+    from hybridpar.config.pipeline import stage_ids, stage_layer_counts
+    from hybridpar.parallel.pipeline import keep_stage
 
     args = ModelArgs.from_preset("tiny", dim=32, n_heads=4, n_kv_heads=2, vocab_size=64, n_layers=4)
     parallel = parallel_dims(pp=2, dp_replicate=2, dp_shard=1)

@@ -5,7 +5,8 @@ process group, against the unsplit model's (fp32, same seed)."""
 import pytest
 import torch
 
-from hybridpar.parallel.pipeline import keep_stage, stage_ids, stage_layer_counts, stage_layers
+from hybridpar.config.pipeline import stage_ids, stage_layer_counts
+from hybridpar.parallel.pipeline import keep_stage, stage_layers
 from tests.distributed import parallel_dims, rel_err
 
 

@@ -255,9 +255,9 @@ def _strategy_detail(mesh) -> str:
 def _step(c: Config, model: torch.nn.Module, parallel) -> tuple[torch.optim.Optimizer, list]:
     """The trainer's step (hybridpar.train.step) on fake tensors; (optimizer, the gradients after
     backward). The batch has no ignored targets, so its target count is known without reading it."""
-    from ..train import stop
-    from ..train.optim import build_optimizer, clip_gradients
-    from ..train.step import context_parts, count_targets, forward_backward, gradient_scale
+    from ..train.optim import build_optimizer
+    from ..train.step import context_parts, count_targets, forward_backward, gradient_scale, sum_loss
+    from .dryrun_stages import optimizer_step
 
     d, t = c.data, c.train
     optimizer = build_optimizer(model, c.optim)
@@ -267,13 +267,8 @@ def _step(c: Config, model: torch.nn.Module, parallel) -> tuple[torch.optim.Opti
     global_targets = d.micro_batch_size * d.seq_len * t.grad_accum * parallel.dp_size
     loss_sum = forward_backward(model, batches, parallel, scale=gradient_scale(parallel, global_targets),
                                 grad_sync=t.grad_sync, device=parallel.device)
-    dist.all_reduce(loss_sum, group=parallel.dp_cp_group)
-    params = list(model.parameters())
-    clip_gradients(params, c.optim.grad_clip, parallel.device, also_sum=[0.0] * len(stop.STOP_SIGNALS))
-    grads = [p.grad for p in params if p.grad is not None]
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return optimizer, grads
+    sum_loss(loss_sum, parallel)
+    return optimizer, optimizer_step(c, model, optimizer, parallel)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -34,8 +34,7 @@ def pipeline_step(c: Config, stages: list[nn.Module], ids: list[int], n_stages: 
                   ) -> tuple[torch.optim.Optimizer, list]:
     """The trainer's step at pp > 1 on fake tensors; (optimizer, the gradients after backward)."""
     from ..parallel import vocab_parallel_cross_entropy
-    from ..train import stop
-    from ..train.optim import build_optimizer, clip_gradients
+    from ..train.optim import build_optimizer
     from ..train.step import context_parts, count_targets, gradient_scale, sum_loss
 
     d, t = c.data, c.train
@@ -69,9 +68,18 @@ def pipeline_step(c: Config, stages: list[nn.Module], ids: list[int], n_stages: 
                 else:
                     out.backward(torch.zeros_like(out))
     sum_loss(loss_sum, parallel)
-    params = list(whole.parameters())
+    return optimizer, optimizer_step(c, whole, optimizer, parallel)
+
+
+def optimizer_step(c: Config, model: nn.Module, optimizer: torch.optim.Optimizer, parallel) -> list:
+    """The step's end after backward, as the trainer's: clipping over every rank (the stop vote riding
+    on it), the optimizer; the gradients as backward left them."""
+    from ..train import stop
+    from ..train.optim import clip_gradients
+
+    params = list(model.parameters())
     clip_gradients(params, c.optim.grad_clip, parallel.device, also_sum=[0.0] * len(stop.STOP_SIGNALS))
     grads = [p.grad for p in params if p.grad is not None]
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return optimizer, grads
+    return grads

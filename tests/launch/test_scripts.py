@@ -97,43 +97,36 @@ def test_generic_script_takes_sizes_from_environment_and_options(tmp_path):
     assert argv[-2:] == ["--train.steps", "7"]  # user overrides come last: they win
 
 
-def test_generic_script_takes_cp(tmp_path):
-    """--cp reaches the training command, the mesh command, the summary line and the -1 arithmetic."""
-    env = script_env(NODES=2, PROCS_PER_NODE=4, MP=2, RUN_DIR=tmp_path / "run", REHEARSE=0)
-    result = run_script(SLURM_SH, "--dry-run", "--cp", "2", env=env)
-    assert result.returncode == 0, result.stdout + result.stderr
-    out = result.stdout
-    assert "8 ranks, mp 2 x cp 2 x dp_shard 2 x dp_replicate 1" in out  # dp_shard = 8 / (mp x cp)
-    assert "world 8 = dp_replicate 1 x dp_shard 2 x cp 2 x mp 2" in out
-    argv = printed_command(out, "torchrun")
-    assert argv[argv.index("--parallel.cp") + 1] == "2" and argv[argv.index("--parallel.dp_shard") + 1] == "2"
-    mesh = printed_command(out, "mesh")
-    assert mesh[mesh.index("--cp") + 1] == "2"
-    assert "cp groups (4): [0, 2] [1, 3] [4, 6] [5, 7]" in out
-    bad = run_script(SLURM_SH, "--dry-run", "--cp", "3", env=env)
-    assert bad.returncode != 0 and "not divisible by mp * cp * dp_replicate = 2 * 3 * 1 = 6" in bad.stderr
-    assert "Traceback" not in bad.stderr, bad.stderr
+# Each outer dimension slurm.sh takes: its flag, the summary and mesh lines, its groups at 2 nodes x 4
+# with mp 2 (cp next to mp; pp outermost: a stage fills a node), and the refusal at size 3.
+OUTER_DIMS = {
+    "cp": ("mp 2 x cp 2 x dp_shard 2 x dp_replicate 1", "world 8 = dp_replicate 1 x dp_shard 2 x cp 2 x mp 2",
+           "cp groups (4): [0, 2] [1, 3] [4, 6] [5, 7]", "not divisible by mp * cp * dp_replicate = 2 * 3 * 1 = 6",
+           "not divisible by MP x CP x DP_SHARD = 2 x 2 x 3"),
+    "pp": ("mp 2 x pp 2 x dp_shard 2 x dp_replicate 1", "world 8 = pp 2 x dp_replicate 1 x dp_shard 2 x mp 2",
+           "pp groups (4): [0, 4] [1, 5] [2, 6] [3, 7]", "not divisible by mp * dp_replicate * pp = 2 * 1 * 3 = 6",
+           "not divisible by MP x PP x DP_SHARD = 2 x 2 x 3"),
+}
 
 
-def test_generic_script_takes_pp(tmp_path):
-    """--pp reaches the training command, the mesh command, the summary line and the -1 arithmetic;
-    pp is outermost, so each stage's ranks fill a node and a pp group pairs one rank of each."""
+@pytest.mark.parametrize("dim", list(OUTER_DIMS))
+def test_generic_script_takes_cp_and_pp(tmp_path, dim):
+    """--cp / --pp reach the training command, the mesh command, the summary line and the -1 arithmetic."""
+    summary, world, groups, refused, refused_rest = OUTER_DIMS[dim]
     env = script_env(NODES=2, PROCS_PER_NODE=4, MP=2, RUN_DIR=tmp_path / "run", REHEARSE=0)
-    result = run_script(SLURM_SH, "--dry-run", "--pp", "2", env=env)
+    result = run_script(SLURM_SH, "--dry-run", f"--{dim}", "2", env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
-    assert "8 ranks, mp 2 x pp 2 x dp_shard 2 x dp_replicate 1" in out  # dp_shard = 8 / (mp x pp)
-    assert "world 8 = pp 2 x dp_replicate 1 x dp_shard 2 x mp 2" in out
+    assert f"8 ranks, {summary}" in out and world in out and groups in out  # dp_shard = 8 / (mp x 2)
     argv = printed_command(out, "torchrun")
-    assert argv[argv.index("--parallel.pp") + 1] == "2" and argv[argv.index("--parallel.dp_shard") + 1] == "2"
+    assert argv[argv.index(f"--parallel.{dim}") + 1] == "2" and argv[argv.index("--parallel.dp_shard") + 1] == "2"
     mesh = printed_command(out, "mesh")
-    assert mesh[mesh.index("--pp") + 1] == "2"
-    assert "pp groups (4): [0, 4] [1, 5] [2, 6] [3, 7]" in out
-    bad = run_script(SLURM_SH, "--dry-run", "--pp", "3", env=env)
-    assert bad.returncode != 0 and "not divisible by mp * dp_replicate * pp = 2 * 1 * 3 = 6" in bad.stderr
+    assert mesh[mesh.index(f"--{dim}") + 1] == "2"
+    bad = run_script(SLURM_SH, "--dry-run", f"--{dim}", "3", env=env)
+    assert bad.returncode != 0 and refused in bad.stderr
     assert "Traceback" not in bad.stderr, bad.stderr
-    both = run_script(SLURM_SH, "--dry-run", "--pp=2", "--dp-replicate", "-1", "--dp-shard", "3", env=env)
-    assert both.returncode != 0 and "not divisible by MP x PP x DP_SHARD = 2 x 2 x 3" in both.stderr, both.stderr
+    rest = run_script(SLURM_SH, "--dry-run", f"--{dim}=2", "--dp-replicate", "-1", "--dp-shard", "3", env=env)
+    assert rest.returncode != 0 and refused_rest in rest.stderr, rest.stderr
 
 
 def test_llama3_405b_example_tiles_512_ranks_with_pipeline_stages_across_nodes(tmp_path):

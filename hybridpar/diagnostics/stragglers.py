@@ -5,7 +5,7 @@ of torch.distributed (a listener of diagnostics.wrap while training runs): wait 
 compute = step time - wait. A slow rank shows as compute on itself and as wait on its peers; a slow
 link shows as wait on every member of its group, so it blames nobody. Every `every` steps one all-gather of (compute,
 wait) per rank; rank 0 names the rank with the most compute and compares it with the median of
-the others. A rank over the threshold in two reports in a row is a straggler: one report can be
+the others (under pipeline parallelism, the others of its stage: analyse_stages). A rank over the threshold in two reports in a row is a straggler: one report can be
 a hiccup (a GC pause, the OS scheduler), a straggler worth naming is slow step after step.
 
 Only the end of each window is measured: on a GPU the device is synchronised around every
@@ -97,6 +97,23 @@ def analyse(compute: Sequence[float], wait: Sequence[float], threshold: float,
                    median_wait=median_wait, spread=compute[slowest] - min(compute),
                    wait_share=median_wait / step if step > 0 else 0.0, over=over,
                    straggler=over and previous == slowest)
+
+
+def analyse_stages(compute: Sequence[float], wait: Sequence[float], pp: int, threshold: float,
+                   previous: Optional[int] = None) -> Verdict:
+    """`analyse` within each pipeline stage's ranks (pp outermost: stage s holds the s-th block of
+    world / pp ranks), the verdict with the largest ratio, its rank the global one. The stages do
+    different work by design (the embedding, the head, pp_layers): a rank is compared with its own
+    stage's peers. Stages of one rank each have no peers: then all ranks are compared, as at pp 1."""
+    per_stage = len(compute) // pp
+    if pp == 1 or per_stage < 2:
+        return analyse(compute, wait, threshold, previous)
+    verdicts = []
+    for start in range(0, len(compute), per_stage):
+        v = analyse(compute[start:start + per_stage], wait[start:start + per_stage], threshold)
+        rank = start + v.rank
+        verdicts.append(dataclasses.replace(v, rank=rank, straggler=v.over and previous == rank))
+    return max(verdicts, key=lambda v: v.ratio)
 
 
 def _seconds(x: float) -> str:
@@ -191,7 +208,7 @@ class StragglerMonitor:
         all_gather_single(table, mine)
         self.measured = []
         compute, wait = table.view(-1, 2).t().tolist()
-        verdict = analyse(compute, wait, self.threshold, previous=self.over)  # every rank alike
+        verdict = analyse_stages(compute, wait, p.pp, self.threshold, previous=self.over)  # every rank alike
         self._judge(verdict, step)
         if p.rank != 0:
             return None

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from hybridpar.diagnostics.stragglers import CollectiveTimer, analyse, describe, metrics_row
+from hybridpar.diagnostics.stragglers import CollectiveTimer, analyse, analyse_stages, describe, metrics_row
 from hybridpar.mesh.layout import MeshCoords
 from tests.runs import make_config
 
@@ -64,6 +64,23 @@ def test_config_defaults_and_bad_values():
 def test_analysis_refuses_fewer_than_two_ranks():
     with pytest.raises(ValueError, match="two or more ranks"):
         analyse([0.1], [0.0], threshold=1.5)
+
+
+def test_pipeline_stages_are_compared_within_themselves():
+    """pp 2 x dp 2: stage 1 (the head) computes 1.6x stage 0 by design, which is no straggler; a rank
+    1.5x its own stage's peer is, named by its global rank; with one rank per stage, every rank is
+    compared as at pp 1."""
+    even = ([0.20, 0.20, 0.32, 0.32], [0.3, 0.3, 0.18, 0.18])
+    assert analyse(*even, threshold=1.3).over  # compared across stages, the head's stage looks slow
+    v = analyse_stages(*even, pp=2, threshold=1.3)
+    assert not v.over and v.ratio == pytest.approx(1.0)
+    slow = analyse_stages([0.20, 0.20, 0.32, 0.48], [0.3, 0.3, 0.3, 0.14], pp=2, threshold=1.3, previous=3)
+    assert (slow.rank, slow.over, slow.straggler) == (3, True, True) and slow.ratio == pytest.approx(1.5)
+    assert slow.median_compute == pytest.approx(0.32)
+    first = analyse_stages([0.45, 0.20, 0.32, 0.32], [0.0, 0.3, 0.2, 0.2], pp=2, threshold=1.3, previous=3)
+    assert (first.rank, first.over, first.straggler) == (0, True, False)
+    alone = analyse_stages([0.20, 0.41], [0.2, 0.0], pp=2, threshold=1.5, previous=1)
+    assert alone == analyse([0.20, 0.41], [0.2, 0.0], threshold=1.5, previous=1)
 
 
 def test_warning_names_rank_coordinates_and_host():

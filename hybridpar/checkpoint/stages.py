@@ -19,6 +19,7 @@ from typing import Iterable, Optional, Sequence, Union
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from ..mesh.ranks import gather_objects, mark_every_rank
 from .reader import CheckpointError
@@ -63,6 +64,11 @@ def one_module(model: Stages, optimizer: Optional[torch.optim.Optimizer] = None)
             raise CheckpointError(f"no model given to the checkpoint: {_ADVICE}")
         model = model[0] if len(model) == 1 else StageUnion(model)
     if optimizer is not None:
+        # A forward without backward (validation) leaves FSDP's root unit gathered, its registered
+        # parameters the unsharded ones: back to the shards the optimizer holds (and DCP saves).
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
         own = {id(p) for p in model.parameters()}
         strays = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in own)
         if strays:

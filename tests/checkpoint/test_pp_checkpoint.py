@@ -213,3 +213,22 @@ def test_stage_lists_that_are_not_one_model_are_refused(workers, tmp_path):
     twice, none = workers(1).run(_case_union_refusals)[0]
     assert twice == "tok_embeddings is in two of the stage modules given: give each stage once", twice
     assert none.startswith("no model given to the checkpoint: pass every stage module this rank holds"), none
+
+
+def _case_save_after_validation(config) -> list:
+    from hybridpar.train import Trainer
+
+    trainer = Trainer(config)
+    trainer.run()
+    return sorted(p.name for p in trainer.checkpointer.folder.glob("step-*"))
+
+
+@pytest.mark.slow
+def test_a_run_that_validates_at_its_last_step_saves_at_its_end(workers, corpus, tmp_path):
+    """A forward without backward (validation, at the last step) leaves FSDP's root unit gathered, its
+    registered parameters not the shards the optimizer holds: the end-of-run save must still go."""
+    from tests.runs import make_config
+
+    config = make_config(corpus, tmp_path / "run", steps=2, strategy="hybrid_shard", **{
+        "data.val_fraction": 0.1, "checkpoint.at_end": True})
+    assert workers(1).run(_case_save_after_validation, config) == [["step-00000002"]]

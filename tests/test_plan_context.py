@@ -142,9 +142,10 @@ def test_when_activations_alone_do_not_fit_the_remedy_is_cp_until_it_cannot_grow
     assert "context parallelism: activations and buffers alone need" in out and "more GPUs will not do" not in out
     # cp 2 on the same 256 GPUs (dp_shard 32 -> 16) is enough: the plan without --cp finds it.
     assert "at cp 1; cp 2 on 256 GPUs cuts each sequence over 2 GPUs" in out, out
-    # A sequence 2 x cp never divides (odd): nothing cuts it, more GPUs will not do.
+    # A sequence 2 x cp never divides (odd): without pipeline stages (whose layers split the activations
+    # too, even one micro-batch at a time) nothing cuts it, more GPUs will not do.
     code, out, _ = _run(capsys, "--model", "llama3.1_70b", "--gpus", "256", "--gpu", "h100", "--seq-len", "131071",
-                        "--no-sequence-parallel")
+                        "--no-sequence-parallel", "--pp", "1")
     assert code == 1 and "more GPUs will not do: activations and buffers alone need" in out, out
 
 

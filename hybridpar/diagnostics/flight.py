@@ -378,15 +378,21 @@ def format_report(verdict: Verdict, headline: str, world_size: int = -1) -> str:
     lines.append("WHERE EACH RANK IS")
     ranks = sorted(set(verdict.traces) | set(verdict.dead))
     shown = ranks if len(ranks) <= 16 else sorted(set(verdict.culprits) | set(ranks[:8]))[:16]
+
+    def coords(r):  # the rank's place in the mesh (its stage under pp), from its trace or its last heartbeat
+        t = verdict.traces.get(r)
+        return t.coords if t is not None else verdict.gone.get(r, {}).get("coords", "")
+    width = max((len(coords(r)) for r in shown), default=0)
     for r in shown:
         t = verdict.traces.get(r)
+        where = f"{coords(r):<{width}}  " if width else ""
         if t is None:
             g = verdict.gone.get(r)
             last = f"{g.get('host', '?'):<12} step {g.get('step', '?'):<5} {g.get('phase', '?'):<10} " if g else ""
-            lines.append(f"  rank {r:>4}  {last}gone")
+            lines.append(f"  rank {r:>4}  {where}{last}gone")
             continue
         waiting = ", ".join(_waiting_in(t)) or "not in a collective"
-        lines.append(f"  rank {r:>4}  {t.host:<12} step {t.step:<5} {t.phase:<10} {waiting:<28} {t.where}")
+        lines.append(f"  rank {r:>4}  {where}{t.host:<12} step {t.step:<5} {t.phase:<10} {waiting:<28} {t.where}")
     if len(shown) < len(ranks):
         lines.append(f"  ... {len(ranks) - len(shown)} more ranks in the JSON report")
     if world_size > 0:

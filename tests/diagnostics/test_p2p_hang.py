@@ -32,8 +32,9 @@ def _op(op: str, peer: int, n: int, **group) -> P2P:
 def test_the_peer_that_never_sent_is_named_with_its_stage_and_line():
     traces = {
         0: RankTrace(0, stack=["job.py:34 in exchange"], p2p=[_op("recv", 1, 5)],
-                     p2p_issued={"7 send 1": 4, "7 recv 1": 5}),
-        1: RankTrace(1, stack=["job.py:48 in step"], p2p_issued={"7 recv 0": 4, "7 send 0": 4}),
+                     p2p_issued={"7 send 1": 4, "7 recv 1": 5}, coords="pp 0, mp 0, dp 0"),
+        1: RankTrace(1, stack=["job.py:48 in step"], p2p_issued={"7 recv 0": 4, "7 send 0": 4},
+                     coords="pp 1, mp 0, dp 0"),
     }
     verdict = analyse(traces)
     (finding,) = verdict.findings
@@ -45,6 +46,9 @@ def test_the_peer_that_never_sent_is_named_with_its_stage_and_line():
     assert "rank 0 (stage 0) waits in recv #5 from rank 1 (stage 1) on the pp group [0, 1] (rank 1 has issued 4 " \
            "matching sends)" in report
     assert "pp recv<-1 #5" in report
+    table = report.split("WHERE EACH RANK IS\n")[1].splitlines()
+    assert table[0].startswith("  rank    0  pp 0, mp 0, dp 0  ") and "pp recv<-1 #5" in table[0], table
+    assert table[1].startswith("  rank    1  pp 1, mp 0, dp 0  ") and "job.py:48 in step" in table[1], table
 
 
 def test_a_peer_that_sent_is_not_blamed_and_a_group_of_no_pipeline_shows_no_stage():

@@ -272,5 +272,7 @@ def test_a_node_that_runs_slow_is_excluded_without_losing_a_step(slurm_cluster, 
           f"from step {again['resumed_from']}")
     assert fault["ranks"] == [3] and f"ExcNodeList={requeue['excluded']}" in shown
     assert fault["nodes"] == [requeue["excluded"]] and requeue["excluded"] not in again["nodes"]
-    assert again["resumed_from"] == fault["step"] == 8  # reports at 4 and 8; step 8 saved: none lost
+    # reports every 4 steps; two in a row over the bound: step 8 at the earliest, later when a loaded
+    # machine slows the other ranks too. Whichever step it is, that step is saved: none lost.
+    assert fault["step"] in (8, 12, 16, 20) and again["resumed_from"] == fault["step"], (fault, again)
     assert sorted(metrics_by_step(job_dir)) == list(range(1, 25))

@@ -1,0 +1,157 @@
+"""`hybridpar eval` and the harness backend against lm-evaluation-harness's own Hugging Face backend on
+hybridpar's export of the same checkpoint: identical accuracies, per-request log-likelihoods and
+word/byte perplexities within 1e-4, at world 1, mp 2, dp 2 and mp 2 x dp 2; offline, over task files
+the test writes (a multiple-choice task and a rolling-loglikelihood task on local JSON)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.distributed import child_pythonpath
+
+pytest.importorskip("lm_eval", reason="the eval extra (lm-eval) is not installed")
+os.environ["HF_DATASETS_OFFLINE"] = "1"  # no network: every dataset is a local file
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+ROOT = Path(__file__).resolve().parents[2]
+BOUND = 1e-4  # per-request log-likelihoods and perplexities, relative, in float32
+STEP = 7
+TASKS = "tiny_mc,tiny_ppl"
+
+QUESTIONS = [
+    ("Return the sum of", ["a and b.", "the list.", "nothing at all."], 0),
+    ("Open the file and", ["read its lines.", "close the door.", "return None."], 0),
+    ("A list of", ["strings.", "numbers and names.", "the tokens in the text."], 2),
+    ("Raise ValueError if", ["the value is negative.", "it rains.", "x."], 0),
+    ("The default is", ["None.", "zero, or the empty string.", "True"], 1),
+    ("Compare two", ["objects for equality.", "files.", "dates and times"], 1),
+]
+
+
+def _write_tasks(folder: Path, documents: list[str]) -> None:
+    """A multiple-choice task and a perplexity task, each a YAML over a local JSON file."""
+    folder.mkdir()
+    with open(folder / "mc.jsonl", "w") as f:
+        for question, choices, answer in QUESTIONS:
+            f.write(json.dumps({"question": question, "choices": choices, "answer": answer}) + "\n")
+    with open(folder / "ppl.jsonl", "w") as f:
+        for doc in documents:
+            f.write(json.dumps({"text": doc}) + "\n")
+    (folder / "tiny_mc.yaml").write_text(
+        "task: tiny_mc\ndataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {folder / 'mc.jsonl'}\n"
+        "test_split: test\noutput_type: multiple_choice\n"
+        "doc_to_text: \"Question: {{question}}\\nAnswer:\"\ndoc_to_choice: \"{{choices}}\"\ndoc_to_target: answer\n"
+        "metric_list:\n  - metric: acc\n  - metric: acc_norm\nmetadata:\n  version: 1.0\n")
+    (folder / "tiny_ppl.yaml").write_text(
+        "task: tiny_ppl\ndataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {folder / 'ppl.jsonl'}\n"
+        "test_split: test\noutput_type: loglikelihood_rolling\ndoc_to_text: \"\"\ndoc_to_target: \"{{text}}\"\n"
+        "metric_list:\n  - metric: word_perplexity\n  - metric: byte_perplexity\n  - metric: bits_per_byte\n"
+        "metadata:\n  version: 2.0\n")
+
+
+def _case_save(folder: str, tokenizer: str) -> None:
+    """A debug-preset model saved by hybridpar at step STEP (recording its run's tokenizer), and its
+    Hugging Face export with the tokenizer, in float32."""
+    import torch
+
+    from hybridpar.checkpoint.convert import convert
+    from hybridpar.checkpoint.dcp import Checkpointer, params_dict
+    from hybridpar.data import Tokenizer
+    from hybridpar.models.args import ModelArgs
+    from hybridpar.models.llama import Transformer
+    from tests.distributed import parallel_dims
+
+    tok = Tokenizer(tokenizer)
+    args = ModelArgs.from_preset("debug", vocab_size=tok.vocab_size)
+    parallel = parallel_dims(mp=1)
+    torch.manual_seed(0)
+    model = Transformer(args, parallel)
+    with torch.no_grad():  # sharper predictions than the init's near-uniform ones: choices far apart
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(8.0)
+    recorded = {"tokenizer": {"path": str(tok.path), "sha256": tok.sha256}}
+    Checkpointer(Path(folder) / "ckpt", parallel).save(STEP, model, None, recorded, params_dict(args))
+    convert(Path(folder) / "ckpt", Path(folder) / "hf", "hf", parallel, tokenizer=tokenizer, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def saved(workers, tmp_path_factory):
+    from hybridpar.data import default_corpus_documents, train_tokenizer
+
+    root = tmp_path_factory.mktemp("lm_eval")
+    documents = list(default_corpus_documents(max_documents=300))
+    train_tokenizer(documents, 600, root / "tokenizer.model")
+    workers(2).run(_case_save, str(root), str(root / "tokenizer.model"))
+    # Documents of several lengths: the longest spans more than one 64-token window.
+    _write_tasks(root / "tasks", [documents[i] for i in (3, 10, 25, 40)])
+    return root
+
+
+@pytest.fixture(scope="module")
+def reference(saved):
+    """lm-eval's Hugging Face backend on the export, in float32."""
+    from lm_eval.evaluator import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    return simple_evaluate(model="hf", model_args=f"pretrained={saved / 'hf'},dtype=float32", tasks=TASKS.split(","),
+                           task_manager=TaskManager(include_path=str(saved / "tasks")), log_samples=True,
+                           device="cpu", batch_size=4)
+
+
+def _per_request(output: dict) -> dict:
+    """{(task, doc_id, choice): log-likelihood}, and the per-document perplexity inputs."""
+    found = {}
+    for task, samples in output["samples"].items():
+        for sample in samples:
+            for k, resp in enumerate(sample["resps"]):
+                value = resp[0][0] if isinstance(resp[0], (list, tuple)) else resp[0]
+                found[(task, sample["doc_id"], k)] = float(value)
+    return found
+
+
+def _compare(output: dict, reference: dict, check_close, label: str) -> None:
+    import torch
+
+    from tests.distributed import rel_err
+
+    for task in ("tiny_mc", "tiny_ppl"):
+        assert output["results"][task].keys() == reference["results"][task].keys()
+    for metric in ("acc,none", "acc_norm,none"):  # accuracies identical
+        assert output["results"]["tiny_mc"][metric] == reference["results"]["tiny_mc"][metric], metric
+    ours, theirs = _per_request(output), _per_request(reference)
+    assert ours.keys() == theirs.keys() and len(ours) == sum(len(q[1]) for q in QUESTIONS) + 4
+    keys = sorted(theirs)
+    errors = {"loglikelihoods": rel_err(torch.tensor([ours[k] for k in keys]), torch.tensor([theirs[k] for k in keys]))}
+    for k in keys:  # each request on its own, too
+        errors[f"{k[0]}[{k[1]}][{k[2]}]"] = abs(ours[k] - theirs[k]) / abs(theirs[k])
+    for metric in ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"):
+        mine, ref = output["results"]["tiny_ppl"][metric], reference["results"]["tiny_ppl"][metric]
+        errors[metric] = abs(mine - ref) / abs(ref)
+    check_close(label, errors, BOUND)
+
+
+def _case_evaluate(root: str, mp: int, limit) -> dict:
+    from hybridpar.evaluate import evaluate_checkpoint
+    from tests.distributed import parallel_dims
+
+    output = evaluate_checkpoint(Path(root) / "ckpt", TASKS, include_path=str(Path(root) / "tasks"), limit=limit,
+                                 log_samples=True, parallel=parallel_dims(mp=mp), batch_tokens=100)
+    return None if output is None else {k: output[k] for k in ("results", "samples", "step", "versions")}
+
+
+@pytest.mark.parametrize("mp", [2, 1], ids=["mp2", "dp2"])
+def test_eval_at_mp_2_and_dp_2_equals_the_harness_on_the_export(workers, saved, reference, check_close, mp):
+    results = workers(2).run(_case_evaluate, str(saved), mp, None)
+    assert results[1] is None, "only rank 0 returns the harness's output"
+    output = results[0]
+    assert output["step"] == STEP and output["versions"]["tiny_ppl"] == 2.0
+    _compare(output, reference, check_close, f"mp{mp} x dp{2 // mp} vs lm-eval hf")

@@ -76,7 +76,7 @@ def evaluate_checkpoint(checkpoint: str | Path, tasks: str | Sequence[str], *, m
     loads (ConfigError on every rank, one line per task that cannot run)."""
     require_lm_eval()
     names = task_names(tasks)
-    checkpoint_tokenizer(checkpoint, tokenizer)  # a checkpoint without a tokenizer is refused before the work
+    tokenizer = str(checkpoint_tokenizer(checkpoint, tokenizer))  # refused before the work when there is none
     from ..mesh.device import init_parallel
 
     parallel = parallel or init_parallel(mp=mp)
@@ -84,7 +84,7 @@ def evaluate_checkpoint(checkpoint: str | Path, tasks: str | Sequence[str], *, m
 
     def check() -> None:
         nonlocal manager
-        manager = task_manager(include_path)
+        manager = task_manager(include_path, names)
         check_tasks(names, manager)
 
     on_rank0(check, "check the tasks", error_type=ConfigError)

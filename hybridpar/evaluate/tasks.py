@@ -37,12 +37,17 @@ def task_names(tasks: str | Sequence[str]) -> list[str]:
     return names
 
 
-def task_manager(include_path: Optional[str] = None):
-    """lm-eval's TaskManager over its own tasks and the task files under include_path."""
+def task_manager(include_path: Optional[str] = None, names: Sequence[str] = ()):
+    """lm-eval's TaskManager over the task files under include_path, and over lm-eval's own tasks unless
+    every one of `names` is among those files (indexing lm-eval's ~15,000 task files takes seconds)."""
     from lm_eval.tasks import TaskManager
 
     if include_path and not Path(include_path).is_dir():
         raise ConfigError(f"--include-path {include_path} is not a folder; give the folder holding your task files")
+    if include_path and names:
+        local = TaskManager(include_path=include_path, include_defaults=False)
+        if all(name in local.all_tasks for name in names):
+            return local
     return TaskManager(include_path=include_path or None)
 
 

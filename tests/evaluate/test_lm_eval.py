@@ -103,7 +103,8 @@ def reference(saved):
     from lm_eval.tasks import TaskManager
 
     return simple_evaluate(model="hf", model_args=f"pretrained={saved / 'hf'},dtype=float32", tasks=TASKS.split(","),
-                           task_manager=TaskManager(include_path=str(saved / "tasks")), log_samples=True,
+                           task_manager=TaskManager(include_path=str(saved / "tasks"), include_defaults=False),
+                           log_samples=True,
                            device="cpu", batch_size=4)
 
 
@@ -155,3 +156,101 @@ def test_eval_at_mp_2_and_dp_2_equals_the_harness_on_the_export(workers, saved, 
     output = results[0]
     assert output["step"] == STEP and output["versions"]["tiny_ppl"] == 2.0
     _compare(output, reference, check_close, f"mp{mp} x dp{2 // mp} vs lm-eval hf")
+
+
+@pytest.mark.slow
+def test_eval_at_mp_2_x_dp_2_equals_the_harness_on_the_export(workers, saved, reference, check_close):
+    output = workers(4).run(_case_evaluate, str(saved), 2, None)[0]
+    _compare(output, reference, check_close, "mp2 x dp2 vs lm-eval hf")
+
+
+def _env() -> dict:
+    return {"OMP_NUM_THREADS": "1", "PATH": os.environ["PATH"], "PYTHONPATH": child_pythonpath(),
+            "HOME": os.environ.get("HOME", "/tmp"), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def test_the_command_at_world_1_prints_the_table_and_writes_the_json(saved, reference, tmp_path):
+    """`hybridpar eval` alone (a world of one), as a user runs it: the harness's table on stdout, and the
+    JSON with every metric, its stderr, the task versions and the checkpoint's step."""
+    out = subprocess.run([sys.executable, "-m", "hybridpar", "eval", str(saved / "ckpt"), "--tasks", TASKS,
+                          "--include-path", str(saved / "tasks"), "--json", str(tmp_path / "eval.json")],
+                         cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"{saved / 'ckpt'} (step {STEP})" in out.stdout and "|Tasks" in out.stdout.replace(" ", ""), out.stdout
+    for name in ("tiny_mc", "tiny_ppl", "acc_norm", "word_perplexity", "bits_per_byte"):
+        assert name in out.stdout, (name, out.stdout)
+    written = json.loads((tmp_path / "eval.json").read_text())
+    assert written["step"] == STEP and written["checkpoint"] == str(saved / "ckpt")
+    assert written["versions"] == {"tiny_mc": 1.0, "tiny_ppl": 2.0}
+    mine, theirs = written["results"], reference["results"]
+    for metric in ("acc,none", "acc_norm,none", "acc_stderr,none"):
+        assert mine["tiny_mc"][metric] == theirs["tiny_mc"][metric], metric
+    for metric in ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"):
+        assert abs(mine["tiny_ppl"][metric] / theirs["tiny_ppl"][metric] - 1) < BOUND, metric
+
+
+def _hub_task(folder: Path) -> Path:
+    """A task over a Hugging Face dataset this machine has never downloaded."""
+    folder.mkdir()
+    (folder / "tiny_hub.yaml").write_text("task: tiny_hub\ndataset_path: nobody/not_cached_here\ntest_split: test\n"
+                                          "output_type: multiple_choice\ndoc_to_text: q\ndoc_to_choice: \"{{c}}\"\n"
+                                          "doc_to_target: 0\n")
+    return folder
+
+
+def test_a_task_whose_data_is_not_here_is_one_line_before_the_model_loads(saved, tmp_path):
+    import shutil
+
+    # The checkpoint without its weights: loading it would fail otherwise.
+    ckpt = tmp_path / "ckpt" / f"step-{STEP:08d}"
+    shutil.copytree(saved / "ckpt" / ckpt.name, ckpt)
+    for shard in ckpt.glob("*.distcp"):
+        shard.unlink()
+    out = subprocess.run([sys.executable, "-m", "hybridpar", "eval", str(ckpt), "--tasks", "tiny_hub",
+                          "--include-path", str(_hub_task(tmp_path / "tasks"))],
+                         cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 2, out.stderr[-3000:]
+    line = out.stderr.strip().splitlines()[-1]
+    assert line.startswith("hybridpar: error: task tiny_hub: its dataset cannot be loaded (HF_DATASETS_OFFLINE is "
+                           "set) ("), line
+    assert "HF_DATASETS_OFFLINE=1" in line and "Hugging Face cache" in line and "--include-path" in line, line
+
+
+def test_several_tasks_that_cannot_run_are_one_line_each(tmp_path, capsys):
+    from lm_eval.tasks import TaskManager
+
+    from hybridpar.config.options import ConfigError
+    from hybridpar.evaluate.tasks import check_tasks
+
+    manager = TaskManager(include_path=str(_hub_task(tmp_path / "tasks")), include_defaults=False)
+    with pytest.raises(ConfigError) as refused:
+        check_tasks(["no_such_task", "tiny_hub"], manager)
+    assert str(refused.value) == "2 of the tasks cannot be evaluated (one line each above): no_such_task, tiny_hub"
+    unknown, hub = [line for line in capsys.readouterr().err.splitlines() if line.startswith("task ")]
+    assert unknown == ("task no_such_task is not known to lm-eval: check its name (lm-eval ls tasks), or give the "
+                       "folder of its task file with --include-path")
+    assert hub.startswith("task tiny_hub: its dataset cannot be loaded") and "--include-path" in hub
+
+
+def test_without_lm_eval_the_command_says_how_to_install_it(tmp_path):
+    script = ("import sys\nsys.modules['lm_eval'] = None  # as if not installed\n"
+              "from hybridpar.cli import main\n"
+              f"sys.exit(main(['eval', {str(tmp_path)!r}, '--tasks', 'hellaswag']))\n")
+    out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 2
+    assert out.stderr.strip() == ("hybridpar: error: hybridpar eval needs lm-evaluation-harness, which is not "
+                                  "installed: pip install -e '.[eval]' (or pip install lm-eval)"), out.stderr
+
+
+@pytest.mark.slow
+def test_lm_evals_own_command_line_runs_the_hybridpar_model(saved, reference, tmp_path):
+    """`python -m hybridpar.evaluate`: lm-eval's command line with the model registered as `hybridpar`."""
+    out = subprocess.run([sys.executable, "-m", "hybridpar.evaluate", "--model", "hybridpar", "--model_args",
+                          f"checkpoint={saved / 'ckpt'}", "--tasks", "tiny_mc", "--include_path", str(saved / "tasks"),
+                          "--output_path", str(tmp_path / "out")],
+                         cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    written = json.loads(next((tmp_path / "out").rglob("results_*.json")).read_text())
+    for metric in ("acc,none", "acc_norm,none"):
+        assert written["results"]["tiny_mc"][metric] == reference["results"]["tiny_mc"][metric], metric

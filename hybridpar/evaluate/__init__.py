@@ -19,12 +19,16 @@ __all__ = ["HybridparLM", "Loaded", "evaluate_checkpoint", "load", "require_lm_e
 def __getattr__(name: str) -> Any:
     # The backend subclasses lm-eval's LM: imported on first use, so that `hybridpar eval` without lm-eval
     # reaches require_lm_eval's one line.
-    if name in ("HybridparLM", "Loaded"):
+    if name == "HybridparLM":
         require_lm_eval(f"hybridpar.evaluate.{name}")
         from . import backend
 
         return getattr(backend, name)
-    if name in ("evaluate_checkpoint", "load", "results_json", "results_table"):
+    if name in ("Loaded", "load"):
+        from . import loading
+
+        return getattr(loading, name)
+    if name in ("evaluate_checkpoint", "results_json", "results_table"):
         from . import run
 
         return getattr(run, name)

@@ -18,8 +18,7 @@ def main() -> int:
     try:
         require_lm_eval("python -m hybridpar.evaluate")
     except ValueError as err:
-        print(f"hybridpar: error: {err}", file=sys.stderr)
-        return 2
+        raise SystemExit(f"hybridpar: error: {err}") from None
     from lm_eval.__main__ import cli_evaluate
 
     from . import backend  # noqa: F401 - registers the model "hybridpar"

@@ -17,28 +17,20 @@ from __future__ import annotations
 
 import atexit
 import json
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from ..mesh.ranks import broadcast_from_rank0, gather_objects, mark_every_rank
+from .loading import Loaded, load
 from .scoring import DEFAULT_BATCH_TOKENS, score
 
 # lm-evaluation-harness's default for generate_until without max_gen_toks (its Hugging Face backend's).
 DEFAULT_MAX_GEN_TOKS = 256
 # Prompts generated together by one model-parallel group.
 GENERATE_BATCH = 16
-
-
-class Loaded(NamedTuple):
-    """A model ready to evaluate: hybridpar.evaluate.load's result."""
-    model: Any
-    parallel: Any
-    tokenizer: Any
-    args: Any  # the model's ModelArgs
-    step: Optional[int]  # the checkpoint's training step (None for Meta and Hugging Face folders)
 
 
 @register_model("hybridpar")
@@ -58,8 +50,6 @@ class HybridparLM(TemplateLM):
             if checkpoint is None:
                 raise ValueError("the hybridpar model needs --model_args checkpoint=PATH (a hybridpar checkpoint, a "
                                  "run's checkpoints folder, a Meta folder or a Hugging Face folder)")
-            from .run import load
-
             loaded = load(checkpoint, tokenizer=tokenizer, mp=int(mp), dtype=dtype)
         self.loaded = loaded
         self.batch_tokens = int(batch_tokens)

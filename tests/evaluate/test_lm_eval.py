@@ -108,14 +108,17 @@ def reference(saved):
                            device="cpu", batch_size=4)
 
 
-def _per_request(output: dict) -> dict:
-    """{(task, doc_id, choice): log-likelihood}, and the per-document perplexity inputs."""
+def _per_request(output: dict, greedy: bool = False) -> dict:
+    """{(task, doc_id, choice): log-likelihood} of every request (a document's, for perplexity); with
+    greedy, {...: whether the continuation is the greedy one} of the multiple-choice requests."""
     found = {}
     for task, samples in output["samples"].items():
         for sample in samples:
             for k, resp in enumerate(sample["resps"]):
-                value = resp[0][0] if isinstance(resp[0], (list, tuple)) else resp[0]
-                found[(task, sample["doc_id"], k)] = float(value)
+                pair = isinstance(resp[0], (list, tuple))
+                if pair or not greedy:
+                    found[(task, sample["doc_id"], k)] = (bool(resp[0][1]) if greedy else float(resp[0][0])) \
+                        if pair else float(resp[0])
     return found
 
 
@@ -128,6 +131,7 @@ def _compare(output: dict, reference: dict, check_close, label: str) -> None:
         assert output["results"][task].keys() == reference["results"][task].keys()
     for metric in ("acc,none", "acc_norm,none"):  # accuracies identical
         assert output["results"]["tiny_mc"][metric] == reference["results"]["tiny_mc"][metric], metric
+    assert _per_request(output, greedy=True) == _per_request(reference, greedy=True)
     ours, theirs = _per_request(output), _per_request(reference)
     assert ours.keys() == theirs.keys() and len(ours) == sum(len(q[1]) for q in QUESTIONS) + 4
     keys = sorted(theirs)
@@ -149,6 +153,7 @@ def _case_evaluate(root: str, mp: int, limit) -> dict:
     return None if output is None else {k: output[k] for k in ("results", "samples", "step", "versions")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mp", [2, 1], ids=["mp2", "dp2"])
 def test_eval_at_mp_2_and_dp_2_equals_the_harness_on_the_export(workers, saved, reference, check_close, mp):
     results = workers(2).run(_case_evaluate, str(saved), mp, None)
@@ -169,6 +174,7 @@ def _env() -> dict:
             "HOME": os.environ.get("HOME", "/tmp"), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
 
 
+@pytest.mark.slow
 def test_the_command_at_world_1_prints_the_table_and_writes_the_json(saved, reference, tmp_path):
     """`hybridpar eval` alone (a world of one), as a user runs it: the harness's table on stdout, and the
     JSON with every metric, its stderr, the task versions and the checkpoint's step."""
@@ -198,6 +204,7 @@ def _hub_task(folder: Path) -> Path:
     return folder
 
 
+@pytest.mark.slow
 def test_a_task_whose_data_is_not_here_is_one_line_before_the_model_loads(saved, tmp_path):
     import shutil
 
@@ -254,3 +261,50 @@ def test_lm_evals_own_command_line_runs_the_hybridpar_model(saved, reference, tm
     written = json.loads(next((tmp_path / "out").rglob("results_*.json")).read_text())
     for metric in ("acc,none", "acc_norm,none"):
         assert written["results"]["tiny_mc"][metric] == reference["results"]["tiny_mc"][metric], metric
+
+
+def _case_scoring_pieces() -> dict:
+    """The argmax over vocabulary shards against torch's over the whole (ties across the shards
+    included), at mp 2; and score() at dp 2: each rank runs part of the requests, all get every result."""
+    import torch
+    import torch.distributed as dist
+
+    from hybridpar.evaluate.scoring import score, vocab_parallel_argmax
+    from hybridpar.models.args import ModelArgs
+    from hybridpar.models.llama import Transformer
+    from tests.distributed import parallel_dims
+
+    full = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(0))
+    full[0, 0, 3] = full[0, 0, 12] = 9.0  # a tie across the shards: the lower id wins
+    full[0, 1, 9] = full[0, 1, 14] = 9.0  # a tie inside the second shard
+    full[1, 2, :] = 0.0  # all equal: id 0
+    parallel = parallel_dims(mp=2)
+    local = full.chunk(2, dim=-1)[parallel.mp_rank]
+    argmax_same = bool(torch.equal(vocab_parallel_argmax(local, parallel), full.argmax(dim=-1)))
+    dp = parallel_dims(mp=1)
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs.from_preset("debug"), dp)
+    rows = []
+    model.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[0]))
+    requests = [([1 + (i * 7 + j) % 100 for j in range(4 + i % 5)], 1 + i % 3) for i in range(12)]
+    scores = score(model, dp, requests, batch_tokens=16)
+    shared = sum(rows)
+    alone = [score_one for r in requests for score_one in _alone(model, r)]
+    dist.barrier()
+    return {"argmax": argmax_same, "rows": shared, "scores": scores, "alone": alone}
+
+
+def _alone(model, request):
+    from hybridpar.evaluate.scoring import score_batch
+    from tests.distributed import parallel_dims
+
+    return score_batch(model, parallel_dims(mp=1), [request])
+
+
+def test_scoring_takes_the_argmax_from_shards_and_shares_requests_over_dp(workers):
+    results = workers(2).run(_case_scoring_pieces)
+    assert all(r["argmax"] for r in results)
+    assert [r["rows"] for r in results] != [12, 12] and sum(r["rows"] for r in results) == 12, results
+    assert results[0]["scores"] == results[1]["scores"]
+    for (got, greedy), (alone, alone_greedy) in zip(results[0]["scores"], results[0]["alone"]):
+        assert abs(got - alone) <= 1e-5 * abs(alone) and greedy == alone_greedy  # batched with padding, or alone

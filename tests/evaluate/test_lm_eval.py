@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 ROOT = Path(__file__).resolve().parents[2]
 BOUND = 1e-4  # per-request log-likelihoods and perplexities, relative, in float32
 STEP = 7
-TASKS = "tiny_mc,tiny_ppl"
+TASKS = "tiny_mc,tiny_ppl,tiny_gen"
 
 QUESTIONS = [
     ("Return the sum of", ["a and b.", "the list.", "nothing at all."], 0),
@@ -55,6 +56,12 @@ def _write_tasks(folder: Path, documents: list[str]) -> None:
         "test_split: test\noutput_type: loglikelihood_rolling\ndoc_to_text: \"\"\ndoc_to_target: \"{{text}}\"\n"
         "metric_list:\n  - metric: word_perplexity\n  - metric: byte_perplexity\n  - metric: bits_per_byte\n"
         "metadata:\n  version: 2.0\n")
+    (folder / "tiny_gen.yaml").write_text(
+        "task: tiny_gen\ndataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {folder / 'mc.jsonl'}\n"
+        "test_split: test\noutput_type: generate_until\ndoc_to_text: \"{{question}}\"\n"
+        "doc_to_target: \"{{choices[answer]}}\"\ngeneration_kwargs:\n  until: [\" \"]\n  max_gen_toks: 12\n"
+        "  do_sample: false\nmetric_list:\n  - metric: exact_match\nmetadata:\n  version: 1.0\n")
 
 
 def _case_save(folder: str, tokenizer: str) -> None:
@@ -113,7 +120,7 @@ def _per_request(output: dict, greedy: bool = False) -> dict:
     greedy, {...: whether the continuation is the greedy one} of the multiple-choice requests."""
     found = {}
     for task, samples in output["samples"].items():
-        for sample in samples:
+        for sample in samples if task != "tiny_gen" else []:
             for k, resp in enumerate(sample["resps"]):
                 pair = isinstance(resp[0], (list, tuple))
                 if pair or not greedy:
@@ -127,8 +134,15 @@ def _compare(output: dict, reference: dict, check_close, label: str) -> None:
 
     from tests.distributed import rel_err
 
-    for task in ("tiny_mc", "tiny_ppl"):
+    for task in ("tiny_mc", "tiny_ppl", "tiny_gen"):
         assert output["results"][task].keys() == reference["results"][task].keys()
+    # Greedy continuations cut at the stop string, as text up to the first byte that is no UTF-8 (the random
+    # model emits lone byte pieces, which sentencepiece decodes one by one, transformers as one replacement).
+    generated, expected = ([re.match(r"[ -~]*", s["resps"][0][0]).group() for s in sorted(o["samples"]["tiny_gen"],
+                                                                                           key=lambda s: s["doc_id"])]
+                           for o in (output, reference))
+    assert all(g.startswith(e) or e.startswith(g) for g, e in zip(generated, expected, strict=True)), (generated, expected)
+    assert sum(map(len, expected)) > 20 and not any(" " in g for g in generated), (generated, expected)
     for metric in ("acc,none", "acc_norm,none"):  # accuracies identical
         assert output["results"]["tiny_mc"][metric] == reference["results"]["tiny_mc"][metric], metric
     assert _per_request(output, greedy=True) == _per_request(reference, greedy=True)
@@ -187,7 +201,7 @@ def test_the_command_at_world_1_prints_the_table_and_writes_the_json(saved, refe
         assert name in out.stdout, (name, out.stdout)
     written = json.loads((tmp_path / "eval.json").read_text())
     assert written["step"] == STEP and written["checkpoint"] == str(saved / "ckpt")
-    assert written["versions"] == {"tiny_mc": 1.0, "tiny_ppl": 2.0}
+    assert written["versions"] == {"tiny_mc": 1.0, "tiny_ppl": 2.0, "tiny_gen": 1.0}
     mine, theirs = written["results"], reference["results"]
     for metric in ("acc,none", "acc_norm,none", "acc_stderr,none"):
         assert mine["tiny_mc"][metric] == theirs["tiny_mc"][metric], metric

@@ -393,6 +393,7 @@ BOUNDS = [
     ("planner.md", "are within {}% of the", "test_plan.py", r"assert abs\(planned / counted - 1\) < 0\.(\d+)"),
     ("planner.md", "(the test allows {}%)", "test_plan.py", r"^TOLERANCE = 0\.0?(\d+)"),
     ("data.md", "The tests hold a preparation process to {} MB", "data/test_bounded_memory.py", r"^PEAK_MB = (\d+)"),
+    ("evaluation.md", "word and byte perplexities agree within {}", "evaluate/test_lm_eval.py", r"^BOUND = (\S+)"),
 ]
 
 

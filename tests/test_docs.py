@@ -187,6 +187,11 @@ def classify(c: Command, known_env: str) -> Check:
         else:
             compile(_script(rest[k]).read_text(), rest[k], "exec")
             return Check(c, "parse", f"{world} processes for minutes: a benchmark (script exists and compiles)")
+    elif argv[0] in PYTHON and argv[1:3] == ["-m", "hybridpar.evaluate"]:
+        model = argv[argv.index("--model") + 1] if "--model" in argv[:-1] else None
+        assert model == "hybridpar", f"{where}: python -m hybridpar.evaluate runs lm-eval over --model hybridpar"
+        assert (ROOT / "hybridpar" / "evaluate" / "__main__.py").is_file()
+        return Check(c, "parse", "lm-eval's command line over the hybridpar model (tests/evaluate runs it)")
     elif argv[0] in PYTHON and argv[1].endswith(".py"):
         compile(_script(argv[1]).read_text(), argv[1], "exec")
         return Check(c, "parse", "a benchmark: minutes of CPU (script exists and compiles)")
@@ -210,7 +215,7 @@ def classify(c: Command, known_env: str) -> Check:
         return Check(c, "parse", "needs Slurm (bash -n)")
     elif argv[0] == "pip":
         setup = (ROOT / "setup.cfg").read_text()
-        for extra in re.findall(r"\.\[(\w+)\]", " ".join(argv)):
+        for extra in (e for found in re.findall(r"\.\[([\w,]+)\]", " ".join(argv)) for e in found.split(",")):
             assert re.search(rf"^{extra} =", setup, re.M), f"{where}: no extra {extra!r} in setup.cfg"
         return Check(c, "parse", "changes the environment (extras exist in setup.cfg)")
     elif argv[0] == "tensorboard":
@@ -388,6 +393,7 @@ BOUNDS = [
     ("planner.md", "are within {}% of the", "test_plan.py", r"assert abs\(planned / counted - 1\) < 0\.(\d+)"),
     ("planner.md", "(the test allows {}%)", "test_plan.py", r"^TOLERANCE = 0\.0?(\d+)"),
     ("data.md", "The tests hold a preparation process to {} MB", "data/test_bounded_memory.py", r"^PEAK_MB = (\d+)"),
+    ("evaluation.md", "word and byte perplexities agree within {}", "evaluate/test_lm_eval.py", r"^BOUND = (\S+)"),
 ]
 
 

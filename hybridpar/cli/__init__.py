@@ -13,7 +13,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 
 from .. import __version__
 from ..config import dtypes
-from .commands import (cmd_convert, cmd_doctor, cmd_generate, cmd_hang_report, cmd_mesh, cmd_plan, cmd_prepare,
+from .commands import (cmd_convert, cmd_doctor, cmd_eval, cmd_generate, cmd_hang_report, cmd_mesh, cmd_plan, cmd_prepare,
                        cmd_train, cmd_verify, RunFailed)
 
 # hybridpar.plan.hardware.GPUS's names (tests/test_plan.py holds them equal): the parser is built
@@ -181,6 +181,25 @@ def _build() -> _Parsers:
     gen.add_argument("--mp", type=int, default=1, help="model-parallel size (run under torchrun with that many ranks)")
     gen.add_argument("--dtype", default=None, metavar="{" + ",".join(dtypes.NAMES) + "}",
                      help="the weights' dtype (default float32 on CPU, bfloat16 on GPU)")
+    ev = command("eval", cmd_eval, help="score a checkpoint on lm-evaluation-harness tasks (under torchrun with mp x dp "
+                                         "ranks, or alone); needs the eval extra")
+    ev.add_argument("checkpoint", help="a hybridpar checkpoint (or a folder of them: the newest), a Meta folder or a "
+                                       "Hugging Face folder")
+    ev.add_argument("--tasks", required=True, help="lm-eval task names, comma-separated (local ones with --include-path)")
+    ev.add_argument("--mp", type=int, default=1, help="model-parallel size (run under torchrun: the other ranks share "
+                                                     "the requests; default 1)")
+    ev.add_argument("--include-path", default=None, metavar="DIR", help="a folder of lm-eval task files (YAML) of your own")
+    ev.add_argument("--limit", type=float, default=None, metavar="N",
+                    help="at most N examples per task (a fraction below 1: that share of them)")
+    ev.add_argument("--num-fewshot", type=int, default=None, metavar="K", help="examples shown before each question "
+                                                                                "(default: the task's own)")
+    ev.add_argument("--tokenizer", default=None, help="the model's tokenizer (default: the one the run recorded, or "
+                                                      "the one in a Meta or Hugging Face folder)")
+    ev.add_argument("--dtype", default=None, metavar="{" + ",".join(dtypes.NAMES) + "}",
+                    help="the weights' dtype (default float32 on CPU, bfloat16 on GPU)")
+    ev.add_argument("--json", default="", metavar="PATH",
+                    help="also write the harness's results (every metric with its stderr), the task versions and "
+                         "the checkpoint's step here")
     doctor = command(
         "doctor", cmd_doctor,
         help="check mesh layout, NCCL/gloo environment, bus bandwidth per mesh dim and the data pipeline",

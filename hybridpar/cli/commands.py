@@ -213,6 +213,36 @@ def cmd_generate(args: argparse.Namespace) -> int:
             dist.destroy_process_group()
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Score a checkpoint on lm-evaluation-harness tasks; rank 0 prints the harness's table (and writes --json).
+    Without lm-eval, with a task unknown or whose data cannot be read here: one line, before any model loads."""
+    from ..evaluate.tasks import require_lm_eval
+
+    require_lm_eval()
+    if args.dtype:
+        dtypes.check(args.dtype, "--dtype")
+    limit = args.limit if args.limit is None or args.limit < 1 else int(args.limit)
+    import torch.distributed as dist
+
+    from ..evaluate.run import evaluate_checkpoint, results_json, results_table
+    from ..files import write_text_atomic
+
+    made_group = not dist.is_initialized()  # a caller's own process group is left to the caller
+    try:
+        output = evaluate_checkpoint(args.checkpoint, args.tasks, mp=args.mp, tokenizer=args.tokenizer,
+                                     include_path=args.include_path, limit=limit, num_fewshot=args.num_fewshot,
+                                     dtype=args.dtype)
+        if output is not None:
+            step = "" if output["step"] is None else f" (step {output['step']})"
+            print(f"{args.checkpoint}{step}\n{results_table(output)}", flush=True)
+            if args.json:
+                write_text_atomic(args.json, json.dumps(results_json(output), indent=1, default=str) + "\n")
+        return 0
+    finally:
+        if made_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def _model_from_json(path: Path, overrides: dict):
     """Meta's params.json, or a Hugging Face config.json (told by its model_type)."""
     from hybridpar.models.args import ModelArgs, ModelArgsError

@@ -25,6 +25,9 @@ ranks share them. Every layout is built once and run once per round, layouts int
              thread CPU time (time.thread_time), and the recorded order of every rank is replayed
              with F(s, i) after F(s-1, i), B(s, i) after B(s+1, i) and P2P free. The critical path
              of the schedule as it ran, without time-sharing.
+  even       the replay with every forward at the mean forward's cost and every backward at the
+             mean backward's: torch's order on even stages, where the formula's premise holds; the
+             replay's excess over it is the stages' unevenness (each stage's mean costs: stage_costs).
   shared     the same replay with the ranks ready to compute sharing --cores cores (default this
              machine's): what the wall bubble should read here if time-sharing is all that differs.
   slowdown   wall over thread CPU time inside forward/backward: 1 when each rank has a core.
@@ -109,6 +112,22 @@ def replay(actions: dict[int, list[dict]], n_stages: int, cores: Optional[int] =
                 else:
                     del left[r]
     return {"step": now, "bubble": {r: idle[r] / now for r in actions}}
+
+
+def evened(actions: dict[int, list[dict]]) -> dict[int, list[dict]]:
+    """The same order with every forward costing the mean forward and every backward the mean backward:
+    replayed, the schedule's own bubble where the formula's even stages hold (its excess over the
+    replay of the measured costs is the stages' unevenness)."""
+    every = [a for todo in actions.values() for a in todo]
+    mean = {k: statistics.fmean(a["cost"] for a in every if a["kind"] == k) for k in ("F", "B")}
+    return {r: [{**a, "cost": mean[a["kind"]]} for a in todo] for r, todo in actions.items()}
+
+
+def stage_costs(actions: dict[int, list[dict]]) -> dict[int, dict]:
+    """Each stage's mean forward (loss included) and backward cost of one micro-batch, in seconds."""
+    every = [a for todo in actions.values() for a in todo]
+    return {s: {k: statistics.fmean(a["cost"] for a in every if a["stage"] == s and a["kind"] == k)
+                for k in ("F", "B")} for s in sorted({a["stage"] for a in every})}
 
 
 def wall_bubble(ranks: dict[int, dict]) -> dict:
@@ -384,6 +403,8 @@ def analyse(layout: Layout, rounds: list[dict], memory: dict, plan: dict, opts) 
     walls = [wall_bubble(r) for r in rounds]
     replays = [replay({k: v["actions"] for k, v in r.items()}, n_stages) for r in rounds]
     shared = [replay({k: v["actions"] for k, v in r.items()}, n_stages, opts.cores) for r in rounds]
+    even = [replay(evened({k: v["actions"] for k, v in r.items()}), n_stages) for r in rounds]
+    costs = [stage_costs({k: v["actions"] for k, v in r.items()}) for r in rounds]
     med = statistics.median
     step = med(w["step"] for w in walls)
     peak = max(m["peak"] for m in memory.values())
@@ -400,6 +421,8 @@ def analyse(layout: Layout, rounds: list[dict], memory: dict, plan: dict, opts) 
         "rounds_mean_bubble": {"wall": [summarise(w["bubble"])["mean"] for w in walls],
                                "replay": [summarise(r["bubble"])["mean"] for r in replays]},
         "bubble_shared": {key: med(summarise(r["bubble"])[key] for r in shared) for key in ("mean", "worst")},
+        "bubble_even": {key: med(summarise(r["bubble"])[key] for r in even) for key in ("mean", "worst")},
+        "stage_costs": {s: {k: med(c[s][k] for c in costs) for k in ("F", "B")} for s in costs[0]},
         "shared_step_seconds": med(r["step"] for r in shared), "cores": opts.cores,
         "wall_bubble_per_rank": {k: med(w["bubble"][k] for w in walls) for k in walls[0]["bubble"]},
         "p2p_waits_per_rank": {k: med(r[k]["n_waits"] for r in rounds) for k in rounds[0]},
@@ -420,15 +443,16 @@ def report(rows: list[dict], meta: dict, out: Path) -> None:
           f"{meta['micro_batch']} x {meta['seq_len']} tokens, fp32, {meta['world']} ranks on {meta['cores']} cores, "
           f"median of {meta['rounds']} rounds, load average {min(loads):.1f}-{max(loads):.1f}")
     print(f"bubble: formula; wall (P2P waits + ends), mean and worst rank, mean / formula; shared: the replay on "
-          f"{rows[0]['cores']} cores; replay on a core per rank, mean, worst, mean / formula. slow: compute wall / CPU")
+          f"{rows[0]['cores']} cores; replay on a core per rank, mean, worst, mean / formula; even: the replay with every "
+          f"F and every B at their means (the schedule where stages are even). slow: compute wall / CPU")
     print(f"{'layout':<28} {'tokens/s':>8} {'step s':>7} {'formula':>7} {'wall':>6} {'worst':>6} {'ratio':>6} "
-          f"{'shared':>6} {'replay':>6} {'worst':>6} {'ratio':>6} {'slow':>5} {'act MiB':>8} {'plan':>7} {'flight':>6} "
+          f"{'shared':>6} {'replay':>6} {'worst':>6} {'ratio':>6} {'even':>6} {'slow':>5} {'act MiB':>8} {'plan':>7} {'flight':>6} "
           f"{'plan':>5} {'held':>6}")
     for r in rows:
         f, w, p = r["bubble_formula"], r["bubble_wall"], r["bubble_replay"]
         print(f"{r['layout']:<28} {r['tokens_per_s']:>8.0f} {r['step_seconds']:>7.3f} {f:>7.3f} {w['mean']:>6.3f} "
               f"{w['worst']:>6.3f} {w['mean'] / f:>6.2f} {r['bubble_shared']['mean']:>6.3f} "
-              f"{p['mean']:>6.3f} {p['worst']:>6.3f} {p['mean'] / f:>6.2f} "
+              f"{p['mean']:>6.3f} {p['worst']:>6.3f} {p['mean'] / f:>6.2f} {r['bubble_even']['mean']:>6.3f} "
               f"{r['slowdown']:>5.2f} {r['activations'] / MIB:>8.1f} {r['activations_planned'] / MIB:>7.1f} "
               f"{r['in_flight']:>6.2f} {r['in_flight_planned']:>5.2f} {r['held_outputs'] / MIB:>6.1f}")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.pipeline import SavedBytes, _unpack, replay, wall_bubble
+from bench.pipeline import SavedBytes, _unpack, evened, replay, stage_costs, wall_bubble
 from tests.distributed import child_pythonpath
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,6 +51,17 @@ def test_replay_with_a_slow_last_stage_by_hand():
     got = replay(_one_f_one_b(2, 2, lambda r: 1.0 + r, lambda r: 2.0 * (1 + r)), 2)
     assert got["step"] == 15
     assert got["bubble"] == pytest.approx({0: 1 - 6 / 15, 1: 1 - 12 / 15})
+
+
+def test_the_even_replay_removes_the_stages_unevenness_and_keeps_the_order():
+    # The slow last stage above: evened, every F costs 1.5 and every B 3, so the 1F1B order gives the
+    # formula's bubble; the stage costs are the measured ones.
+    orders = _one_f_one_b(2, 4, lambda r: 1.0 + r, lambda r: 2.0 * (1 + r))
+    assert stage_costs(orders) == {0: {"F": 1.0, "B": 2.0}, 1: {"F": 2.0, "B": 4.0}}
+    even = evened(orders)
+    assert [(a["kind"], a["mb"]) for a in even[1]] == [(a["kind"], a["mb"]) for a in orders[1]]
+    assert replay(even, 2)["bubble"] == pytest.approx({0: 1 / 5, 1: 1 / 5})
+    assert replay(orders, 2)["bubble"][0] > 0.5
 
 
 def test_replay_refuses_an_order_that_cannot_run():

@@ -31,6 +31,9 @@ LOST = "rank 3 raised RuntimeError: Read error [127.0.0.1]:6568: Connection rese
      {"kind": "death", "nodes": ["n2"], "ranks": [2]}),
     ([_finding("not_arrived", [1])], [], {"kind": "stall", "nodes": ["n1"], "ranks": [1]}),
     ([_finding("dead", [1]), _finding("dead", [3])], [1], {"kind": "stall", "nodes": ["n1", "n2"], "ranks": [1, 3]}),
+    # a rank killed: the verdict comes at once, while a live rank is still on its way to the next
+    # collective (seen on a loaded machine: rank 0 named beside the killed rank 3, both nodes excluded)
+    ([_finding("dead", [3]), _finding("not_arrived", [0])], [3], {"kind": "death", "nodes": ["n2"], "ranks": [3]}),
 ])
 def test_a_nodes_fault_names_its_nodes(findings, died, expected):
     assert node_fault(findings, died, NODES, 4) == expected

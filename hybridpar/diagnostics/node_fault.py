@@ -36,6 +36,11 @@ def node_fault(findings: Iterable, died: Iterable[int], nodes: Mapping[int, str]
     vanished); `nodes`: rank -> node."""
     findings = list(findings)
     culprits = sorted({r for f in findings if f.kind in NODE_FINDINGS for r in f.ranks})
+    died = set(died)
+    if died & set(culprits):
+        # A death's verdict comes at once: a live rank that has not yet joined a collective its peers
+        # wait in is on its way there (it had no train_timeout to be late by), not its node's stall.
+        culprits = sorted({r for f in findings if f.kind == "dead" for r in f.ranks})
     # A rank that raised because a collective lost its peer is the dead rank's casualty, not a cause.
     causes = [f for f in findings if not (culprits and f.kind == "failed" and says_peer_loss(f.text))]
     if not culprits and not causes:
@@ -50,11 +55,6 @@ def node_fault(findings: Iterable, died: Iterable[int], nodes: Mapping[int, str]
     unknown = [r for r in culprits if r not in nodes]
     if unknown:
         return {"nodes": [], "why": f"the node of rank(s) {unknown} is not known (never registered)"}
-    died = set(died)
-    if died & set(culprits):
-        # A death's verdict comes at once: a live rank that has not yet joined a collective its peers
-        # wait in is on its way there (it had no train_timeout to be late by), not its node's stall.
-        culprits = sorted({r for f in findings if f.kind == "dead" for r in f.ranks})
     kind = "death" if all(r in died for r in culprits) else "stall"
     return {"kind": kind, "nodes": sorted({nodes[r] for r in culprits}), "ranks": culprits}
 

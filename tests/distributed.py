@@ -14,6 +14,7 @@ kills a rank on purpose, whose survivors hang in a collective, passes less.
 from __future__ import annotations
 
 import functools
+import gc
 import multiprocessing as mp
 import os
 import sys
@@ -64,15 +65,44 @@ def _worker_main(rank: int, world_size: int, port: int, conn) -> None:
         if message is None:
             break
         fn, args, kwargs = message
+        before = _groups()
         try:
             conn.send(("ok", fn(*args, **kwargs)))
         except BaseException:  # noqa: BLE001 - every failure goes back to the test
             conn.send(("error", traceback.format_exc()))
+        _destroy_groups_made_since(before)
     dist.destroy_process_group()
     # Nothing is left to run: skip the interpreter's teardown of torch (seconds per worker on 2 cores).
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _groups() -> set:
+    import torch.distributed as dist
+
+    return set(dist.distributed_c10d._world.pg_map)
+
+
+# Groups the cached meshes of parallel_dims() hold: kept for the next case that asks for the layout.
+_KEPT: set = set()
+
+
+def _destroy_groups_made_since(before: set) -> None:
+    """Destroy the process groups a case made (its trainer's mesh, FSDP's, a checkpoint's), once every
+    rank has finished it. Each gloo group keeps three threads polling: left alive, the hundreds of cases
+    a worker runs leave it thousands of them, and the suite slows to a crawl as it goes."""
+    import torch.distributed as dist
+
+    made = _groups() - before - _KEPT
+    if not made:
+        return
+    dist.barrier()  # a peer may still be in the case's last collective on one of them
+    for group in made:
+        dist.destroy_process_group(group)
+    # A group's threads end when the group is freed, and a case's objects (meshes, modules, a trainer)
+    # hold theirs in reference cycles that only the collector frees.
+    gc.collect()
 
 
 class WorkerPool:
@@ -170,7 +200,10 @@ def parallel_dims(mp: int = 1, dp_shard: int = -1, dp_replicate: int = 1, cp: in
 def _parallel_dims(pp: int, dp_replicate: int, dp_shard: int, cp: int, mp: int):
     import hybridpar
 
-    return hybridpar.init_parallel(mp=mp, dp_shard=dp_shard, dp_replicate=dp_replicate, cp=cp, pp=pp)
+    before = _groups()
+    dims = hybridpar.init_parallel(mp=mp, dp_shard=dp_shard, dp_replicate=dp_replicate, cp=cp, pp=pp)
+    _KEPT.update(_groups() - before)
+    return dims
 
 
 def rel_err(actual, expected) -> float:

@@ -13,7 +13,6 @@ kills a rank on purpose, whose survivors hang in a collective, passes less.
 
 from __future__ import annotations
 
-import functools
 import gc
 import multiprocessing as mp
 import os
@@ -24,6 +23,7 @@ from typing import Any, Callable
 
 DEFAULT_CASE_TIMEOUT = 300.0
 ERROR_GRACE = 10.0
+WORKER_TIMEOUT = 120.0  # the workers' collective timeout (a case's trainer sets its own)
 
 
 class WorkerError(AssertionError):
@@ -58,7 +58,9 @@ def _worker_main(rank: int, world_size: int, port: int, conn) -> None:
 
     log_to_terminal()  # as the command line does: the library's lines on stdout and stderr
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=WORKER_TIMEOUT))
+    _share_meshes()
     conn.send(("ready", None))
     while True:
         message = conn.recv()
@@ -70,7 +72,7 @@ def _worker_main(rank: int, world_size: int, port: int, conn) -> None:
             conn.send(("ok", fn(*args, **kwargs)))
         except BaseException:  # noqa: BLE001 - every failure goes back to the test
             conn.send(("error", traceback.format_exc()))
-        _destroy_groups_made_since(before)
+        _after_case(before)
     dist.destroy_process_group()
     # Nothing is left to run: skip the interpreter's teardown of torch (seconds per worker on 2 cores).
     sys.stdout.flush()
@@ -84,24 +86,65 @@ def _groups() -> set:
     return set(dist.distributed_c10d._world.pg_map)
 
 
-# Groups the cached meshes of parallel_dims() hold: kept for the next case that asks for the layout.
-_KEPT: set = set()
+# One DeviceMesh per layout per worker, whichever case asks: every case builds meshes (a trainer, a
+# checkpoint load), and each mesh its own gloo groups, three polling threads each. A world-4 worker
+# held 1,020 such threads by test_trainer (load average 1,000; stop 46's CI ran out of its 90 minutes).
+# Destroying a case's groups is not enough: DTensor's sharding caches hold meshes that compare equal by
+# layout, so a later case's tensors would name the earlier mesh's destroyed groups.
+_MESHES: dict = {}
 
 
-def _destroy_groups_made_since(before: set) -> None:
-    """Destroy the process groups a case made (its trainer's mesh, FSDP's, a checkpoint's), once every
-    rank has finished it. Each gloo group keeps three threads polling: left alive, the hundreds of cases
-    a worker runs leave it thousands of them, and the suite slows to a crawl as it goes."""
+def _share_meshes() -> None:
+    """hybridpar.mesh.device builds its meshes through these two names: give each layout's one back."""
+    import hybridpar.mesh.device as device
+
+    make, split = device.init_device_mesh, device.unflatten_mesh
+
+    def init_device_mesh(device_type, mesh_shape, **kwargs):
+        key = ("init", device_type, tuple(mesh_shape), repr(sorted(kwargs.items())))
+        if key not in _MESHES:
+            _MESHES[key] = make(device_type, mesh_shape, **kwargs)
+        return _MESHES[key]
+
+    def unflatten_mesh(mesh, sizes, names):
+        key = ("unflatten", id(mesh), tuple(sizes), tuple(names))  # mesh: a shared one, alive for good
+        if key not in _MESHES:
+            _MESHES[key] = split(mesh, sizes, names)
+        return _MESHES[key]
+
+    device.init_device_mesh, device.unflatten_mesh = init_device_mesh, unflatten_mesh
+
+
+def _shared_group_names() -> set:
+    names = set()
+    for mesh in _MESHES.values():
+        root = mesh._get_root_mesh()
+        names.update(root._pg_registry)
+        names.update(mesh._dim_group_names)
+        for flat in root._flatten_mapping.values():
+            names.update(flat._dim_group_names)
+    return names
+
+
+def _after_case(before: set) -> None:
+    """Destroy the other process groups a case made (a checkpointer's, fairscale's), once every rank has
+    finished it, and give the shared meshes' groups back their first timeout (a trainer sets its own)."""
+    import datetime
+
     import torch.distributed as dist
 
-    made = _groups() - before - _KEPT
-    if not made:
-        return
-    dist.barrier()  # a peer may still be in the case's last collective on one of them
-    for group in made:
-        dist.destroy_process_group(group)
-    # A group's threads end when the group is freed, and a case's objects (meshes, modules, a trainer)
-    # hold theirs in reference cycles that only the collector frees.
+    from hybridpar.compat.torch import set_pg_timeout
+
+    shared = _shared_group_names()
+    made = [g for g in _groups() - before if g.group_name not in shared]
+    if made:
+        dist.barrier()  # a peer may still be in the case's last collective on one of them
+        for group in made:
+            dist.destroy_process_group(group)
+    for group in _groups():
+        if group.group_name in shared:
+            set_pg_timeout(datetime.timedelta(seconds=WORKER_TIMEOUT), group)
+    # A group's threads end when it is freed, and a case's objects hold theirs in reference cycles.
     gc.collect()
 
 
@@ -187,23 +230,11 @@ class WorkerPool:
 
 
 def parallel_dims(mp: int = 1, dp_shard: int = -1, dp_replicate: int = 1, cp: int = 1, pp: int = 1):
-    """One ParallelDims per layout per worker: building a mesh creates process groups, so reuse it."""
-    import torch.distributed as dist
-
-    from hybridpar.mesh.layout import resolve_sizes
-
-    # Cache on the resolved sizes, so (mp=2) and (mp=2, dp_shard=2) at world 4 share one mesh.
-    return _parallel_dims(*resolve_sizes(dist.get_world_size(), mp, dp_shard, dp_replicate, cp, pp))
-
-
-@functools.lru_cache(maxsize=None)
-def _parallel_dims(pp: int, dp_replicate: int, dp_shard: int, cp: int, mp: int):
+    """A ParallelDims of the layout, inside a case (its groups end with the case: cheap to build, 20 ms at
+    world 8 once the first mesh is made)."""
     import hybridpar
 
-    before = _groups()
-    dims = hybridpar.init_parallel(mp=mp, dp_shard=dp_shard, dp_replicate=dp_replicate, cp=cp, pp=pp)
-    _KEPT.update(_groups() - before)
-    return dims
+    return hybridpar.init_parallel(mp=mp, dp_shard=dp_shard, dp_replicate=dp_replicate, cp=cp, pp=pp)
 
 
 def rel_err(actual, expected) -> float:

@@ -116,3 +116,38 @@ def test_a_world_of_one_without_a_process_group_runs_locally(monkeypatch):
     ranks.raise_if_any_failed(None, "write")
     with pytest.raises(OSError, match="disk full"):
         ranks.raise_if_any_failed(OSError("disk full"), "write", error_type=Refused)
+
+
+def _case_wait_with_restart_counts_that_differ():
+    """torchrun's agents count restarts apart: the one whose rank failed counts one, its peer restarted
+    for that failure does not. Each rank here says a count of its own, as such agents' ranks do."""
+    import os
+    import threading
+
+    import torch.distributed as dist
+
+    import hybridpar
+    from hybridpar.mesh.ranks import attempt_id, wait_for_every_rank
+
+    saved = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = str(dist.get_rank())
+    try:
+        hybridpar.init_parallel()
+        name = attempt_id()
+        done = threading.Event()
+        threading.Thread(target=lambda: (wait_for_every_rank("restart-counts"), done.set()), daemon=True).start()
+        return name, done.wait(20)
+    finally:
+        if saved is None:
+            os.environ.pop("TORCHELASTIC_RESTART_COUNT")
+        else:
+            os.environ["TORCHELASTIC_RESTART_COUNT"] = saved
+
+
+def test_ranks_whose_restart_counts_differ_name_the_attempt_alike_and_meet(workers):
+    """Seen in test_restart: after a rank was killed the agents' ranks said restart counts 1 and 0,
+    and all four waited for ever in wait_for_every_rank on keys the others never wrote."""
+    results = workers(2).run(_case_wait_with_restart_counts_that_differ)
+    print(f"\nattempt names and met: {results}")
+    assert len({name for name, _ in results}) == 1, results
+    assert all(met for _, met in results), results

@@ -33,6 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from ..compat.torch import flatten_mesh, unflatten_mesh
 # The arithmetic lives in the torch-free layout module.
 from .layout import MESH_DIM_NAMES, MeshCoords, launch_env, resolve_sizes
+from .ranks import agree_attempt
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
@@ -238,5 +239,6 @@ def init_parallel(
     else:
         dp_cp_mesh = flatten_mesh(mesh["dp_replicate", "dp_shard", "cp"], "dp_cp")
         fsdp_mesh = unflatten_mesh(dp_cp_mesh, (sizes[1], sizes[2] * cp), ("dp_replicate", "dp_shard_cp"))
+    agree_attempt()  # every rank is here: the name of this start for the store's keys
     return ParallelDims(*sizes, mesh=mesh, dp_flat_mesh=dp_flat_mesh, dp_cp_mesh=dp_cp_mesh, fsdp_mesh=fsdp_mesh,
                         device=device, backend=backend, timeout=timeout)

@@ -149,11 +149,40 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
+# This start of the job's name, as every rank agreed on it (agree_attempt): (the default group, name).
+_AGREED: list = [None, None]
+
+
+def agree_attempt() -> None:
+    """Name this start of the job alike on every rank: rank 0 draws the name, the others receive it.
+    Collective: init_parallel calls it as the mesh is made, every rank there. torchrun's restart count
+    cannot name it: the agent whose rank failed counts a restart, an agent restarted for its peer's
+    failure does not (seen: 0 on one node and 1 on the other, every rank then waiting for ever on keys
+    the others never wrote)."""
+    import uuid
+
+    import torch.distributed as dist
+
+    if dist.get_backend() == "fake":  # the dry run: one process plays its rank, nothing moves
+        return
+    name = broadcast_from_rank0(uuid.uuid4().hex)
+    _AGREED[:] = [dist.distributed_c10d._get_default_group(), name]
+
+
 def attempt_id() -> str:
-    """This start of the job (torchrun's run id and restart count): torchrun's store outlives
-    restarts, so keys of the job's store name the attempt they belong to."""
+    """This start of the job, for keys in the job's store (which may outlive a restart): the name the
+    ranks agreed on (agree_attempt), else torchrun's run id and restart count."""
     import os
 
+    group, name = _AGREED
+    try:
+        import torch.distributed as dist
+
+        current = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+    except (ImportError, RuntimeError):
+        current = None
+    if name and current is not None and group is current:
+        return name
     return f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{restart_count()}"
 
 

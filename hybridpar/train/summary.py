@@ -67,7 +67,8 @@ def summarise(*, run_dir: Path, steps: tuple[int, int], skipped: int, tokens: fl
     by_source = sum(s["tokens"] for s in sources or []) or 1
     rows = [
         ("wall time", f"{_duration(wall_seconds)} ({_duration(train_seconds)} training"
-                      + (f", {_duration(eval_seconds)} validation" if eval_seconds else "") + f"); {trained}"),
+                      + (f", {_duration(eval_seconds)} {'evaluation' if downstream else 'validation'}"
+                         if eval_seconds else "") + f"); {trained}"),
         ("tokens seen", f"{tokens:,.0f} this run" + ("; by source (all runs): " + ", ".join(
             f"{s['name']} {s['tokens']:,} ({s['tokens'] / by_source:.1%}, weight "
             f"{s['weight']:.1%})" for s in sources) if sources else "")),

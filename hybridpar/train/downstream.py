@@ -14,10 +14,10 @@ all-gathers need them all: hybridpar.evaluate.scoring). The scores come to every
 
 from __future__ import annotations
 
-import logging
+import contextlib
 import random
 import time
-from typing import Optional
+from typing import Iterator, Optional
 
 import numpy as np
 import torch
@@ -25,8 +25,6 @@ import torch
 from ..config import Config, ConfigError
 from ..mesh.ranks import broadcast_from_rank0, on_rank0
 from . import data_stop
-
-log = logging.getLogger(__name__)
 
 
 def due(step: int, every: int, steps: int) -> bool:
@@ -77,8 +75,9 @@ class Downstream:
     def _check(self) -> None:
         from ..evaluate.tasks import check_tasks, task_manager
 
-        self.manager = task_manager(self.settings.include_path or None, self.names)
-        kinds = check_tasks(self.names, self.manager)
+        with random_states_kept():  # building the tasks draws from Python's random state
+            self.manager = task_manager(self.settings.include_path or None, self.names)
+            kinds = check_tasks(self.names, self.manager)
         generating = [name for name in self.names if "generate_until" in kinds[name]]
         if generating:
             # Generation stops at its own length on each rank: FSDP's all-gathers need the same forwards.
@@ -92,11 +91,11 @@ class Downstream:
 
         began = time.perf_counter()
         what = f"downstream eval: {','.join(self.names)}"
-        states = _random_states()
         was_training = model.training
         model.eval()
         try:
-            with self.supervisor.checkpointing(what, "downstream evaluated"):  # not a hang, however long
+            # Not a hang, however long; the harness seeds the random states.
+            with self.supervisor.checkpointing(what, "downstream evaluated"), random_states_kept():
                 lm = HybridparLM(loaded=Loaded(model, self.parallel, tokenizer, args, step),
                                  batch_tokens=self.settings.batch_tokens,
                                  on_command=lambda text: self.supervisor.phase(f"{what}: {text}"))
@@ -104,20 +103,20 @@ class Downstream:
                                      num_fewshot=self.settings.harness_fewshot(), log_samples=False)
         finally:
             model.train(was_training)
-            _set_random_states(states)
         self.scores = broadcast_from_rank0(scores_of(output["results"]) if output else None)
         return {**self.scores, "eval_s": round(time.perf_counter() - began, 3)}
 
 
-def _random_states() -> tuple:
+@contextlib.contextmanager
+def random_states_kept() -> Iterator[None]:
+    """Python's, NumPy's and torch's (CPU and CUDA) random states as they were before, however left."""
     cuda: Optional[list] = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda
-
-
-def _set_random_states(states: tuple) -> None:
-    python, numpy, cpu, cuda = states
-    random.setstate(python)
-    np.random.set_state(numpy)
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)
+    python, numpy, cpu = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    try:
+        yield
+    finally:
+        random.setstate(python)
+        np.random.set_state(numpy)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)

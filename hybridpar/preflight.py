@@ -63,6 +63,8 @@ def resolve_job(config: Config, world_size: int, *, training: bool = True) -> Jo
         # torch's V schedules run no forward-only pass (a backward is part of every step of theirs).
         raise ConfigError(f"parallel.pp_schedule = {p.pp_schedule} cannot run the validation forward; choose "
                           "Interleaved1F1B (or 1F1B), or unset data.val_fraction and data.val_source")
+    if training:
+        check_eval(config, sizes)
     sources, stores = _data_sources(config)
     return Job(config, world_size, sizes, args, found, parsed, sources, stores)
 
@@ -81,6 +83,23 @@ def preflight(config: Config, world_size: int) -> None:
     """Values, mesh sizes against the world, the model's shape, and the paths the config names."""
     check_paths(config)  # first: the model's shape reads model.params_json and checkpoint.init_from
     check_values(config, world_size)
+
+
+def check_eval(config: Config, sizes: tuple[int, ...]) -> None:
+    """The [eval] section's refusals that need no process group (its tasks are read at the start:
+    hybridpar.train.downstream)."""
+    e = config.eval
+    if not e.tasks:
+        return
+    from .evaluate.tasks import require_lm_eval
+
+    require_lm_eval("the [eval] section")
+    if e.include_path and not Path(e.include_path).is_dir():
+        raise ConfigError(f"eval.include_path: {e.include_path} is not a folder; give the folder holding your task "
+                          "files")
+    if sizes[0] > 1 or sizes[3] > 1:
+        raise ConfigError(f"evaluation in the loop runs at pp 1 and cp 1, and this job has pp {sizes[0]}, cp "
+                          f"{sizes[3]}; use hybridpar eval on a checkpoint (or empty eval.tasks)")
 
 
 def check_values(config: Config, world_size: int):

@@ -14,6 +14,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
+from .evaluation import EvalConfig
 from .fsdp import FSDPConfig
 from .options import ConfigError, description, option
 from .pipeline import parse_pp_layers
@@ -164,6 +165,7 @@ class Config:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     diagnostics: DiagnosticsConfig = dataclasses.field(default_factory=DiagnosticsConfig)
     output: OutputConfig = dataclasses.field(default_factory=OutputConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)  # downstream tasks in the loop
 
     def validate(self) -> None:
         """The values' own ranges and choices (hybridpar.preflight checks them against the world and the disk)."""
@@ -171,6 +173,7 @@ class Config:
             self.fsdp.validate()
         except ValueError as err:
             raise ConfigError(str(err)) from None
+        self.eval.validate()
         if self.train.grad_sync not in ("last", "every"):
             raise ConfigError(f"train.grad_sync must be 'last' or 'every', got {self.train.grad_sync!r}")
         if self.train.on_nonfinite not in ("stop", "skip"):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import atexit
 import json
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
@@ -43,7 +43,8 @@ class HybridparLM(TemplateLM):
 
     def __init__(self, checkpoint: Optional[str] = None, tokenizer: Optional[str] = None, mp: int = 1,
                  dtype: Optional[str] = None, batch_tokens: int = DEFAULT_BATCH_TOKENS, add_bos_token: bool = False,
-                 *, loaded: Optional[Loaded] = None, **harness_options: Any) -> None:
+                 *, loaded: Optional[Loaded] = None, on_command: Optional[Callable[[str], None]] = None,
+                 **harness_options: Any) -> None:
         super().__init__()
         from_command_line = loaded is None
         if loaded is None:
@@ -58,6 +59,7 @@ class HybridparLM(TemplateLM):
         # here are by tokens (batch_tokens), and the device is the mesh's.
         del harness_options
         self._stopped = False
+        self.on_command = on_command  # told each command on every rank ("score 120 requests"): the trainer's watchdog
         if from_command_line and loaded.parallel.world_size > 1:
             if loaded.parallel.rank == 0:
                 atexit.register(self.stop)  # the harness ends where it likes; the others learn of it then
@@ -158,6 +160,8 @@ class HybridparLM(TemplateLM):
 
     def _run(self, kind: str, payload: list) -> list:
         model, parallel = self.loaded.model, self.loaded.parallel
+        if self.on_command is not None:
+            self.on_command(f"{kind} {len(payload)} requests")
         if kind == "score":
             return score(model, parallel, payload, batch_tokens=self.batch_tokens, what="loglikelihood requests")
         if kind == "generate":

@@ -39,21 +39,28 @@ def evaluate_checkpoint(checkpoint: str | Path, tasks: str | Sequence[str], *, m
 
     loaded = load(checkpoint, tokenizer=tokenizer, dtype=dtype, parallel=parallel)
     lm = HybridparLM(loaded=loaded, add_bos_token=add_bos_token, **({"batch_tokens": batch_tokens} if batch_tokens else {}))
-    if parallel.rank != 0:
+    output = run_harness(lm, names, manager, limit=limit, num_fewshot=num_fewshot, log_samples=log_samples)
+    if output is not None:
+        output.update(checkpoint=str(checkpoint), step=loaded.step)
+    return output
+
+
+def run_harness(lm, names: Sequence[str], manager, **options) -> Optional[dict]:
+    """lm-eval's simple_evaluate(**options) over the HybridparLM `lm`, collective: rank 0 runs the
+    harness while the other ranks serve its commands; rank 0 gets the harness's output, the others
+    None. A failure on rank 0 releases the others, which raise too."""
+    if lm.loaded.parallel.rank != 0:
         lm.serve()
         return None
     from lm_eval.evaluator import simple_evaluate
 
     try:
-        output = simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=limit, num_fewshot=num_fewshot,
-                                 log_samples=log_samples)
+        output = simple_evaluate(model=lm, tasks=list(names), task_manager=manager, **options)
     except BaseException as err:
         lm.stop(err)
         raise
     lm.stop()
-    output = dict(output or {})
-    output.update(checkpoint=str(checkpoint), step=loaded.step)
-    return output
+    return dict(output or {})
 
 
 def results_json(output: dict) -> dict:

@@ -4,11 +4,14 @@ data-parallel ranks and computed by each model-parallel group together.
 A request is (tokens, n_scored): the model reads tokens[:-1] and the last n_scored tokens are scored,
 as lm-evaluation-harness's Hugging Face backend does ((context + continuation)[-(max_len + 1):], the
 continuation's tokens scored). Requests are sorted by length (longest first) and cut into batches of
-about `batch_tokens` tokens; batch b goes to data-parallel rank b % dp. Each log-probability comes
-from the vocabulary shards as they are: hybridpar.parallel.vocab_parallel_cross_entropy takes the
-log-softmax over the mp shards (the max and the sum of exponentials all-reduced, the target's logit
-from the shard that holds it), and the greedy check all-reduces each position's best logit and its
-id, so no rank ever holds a [tokens, vocab] tensor of the whole vocabulary.
+about `batch_tokens` tokens; batch b goes to data-parallel rank b % dp, and every rank runs the same
+number of forwards (a rank short of one repeats the shortest batch and drops its results): under FSDP
+(the model in training) each forward all-gathers the parameters over the data-parallel group, which
+every rank must join. Each log-probability comes from the vocabulary shards as they are:
+hybridpar.parallel.vocab_parallel_cross_entropy takes the log-softmax over the mp shards (the max and
+the sum of exponentials all-reduced, the target's logit from the shard that holds it), and the greedy
+check all-reduces each position's best logit and its id, so no rank ever holds a [tokens, vocab]
+tensor of the whole vocabulary.
 """
 
 from __future__ import annotations
@@ -18,13 +21,13 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from ..config.evaluation import DEFAULT_BATCH_TOKENS
 from ..mesh.device import ParallelDims
 from ..mesh.ranks import gather_objects, raise_if_any_failed
 from ..parallel.loss import IGNORE_INDEX, vocab_parallel_cross_entropy
 from ..progress import Progress
 
-# Tokens per forward (batch x padded length): a batch of short requests holds many of them.
-DEFAULT_BATCH_TOKENS = 8192
+__all__ = ["DEFAULT_BATCH_TOKENS", "batches_by_length", "score", "score_batch", "vocab_parallel_argmax"]
 
 
 def batches_by_length(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
@@ -61,6 +64,8 @@ def score_batch(model, parallel: ParallelDims, requests: Sequence[tuple[Sequence
     """(sum of the scored tokens' log-probabilities, whether each is the greedy choice) per request,
     on every rank of the model-parallel group (which all call this with the same requests)."""
     length = max(len(tokens) for tokens, _ in requests) - 1
+    if getattr(model, "sequence_parallel", False):  # the sequence is split over the mp ranks: a multiple of mp
+        length = -(-length // parallel.mp) * parallel.mp
     device = parallel.device
     inputs = torch.zeros(len(requests), length, dtype=torch.long, device=device)
     targets = torch.full((len(requests), length), IGNORE_INDEX, dtype=torch.long, device=device)
@@ -89,13 +94,17 @@ def score(model, parallel: ParallelDims, requests: Sequence[tuple[Sequence[int],
                              "and give at least one token before them")
     batches = batches_by_length([len(t) for t, _ in requests], batch_tokens)
     mine = batches[parallel.dp_rank::parallel.dp_size]
+    rounds = -(-len(batches) // parallel.dp_size)  # forwards per rank, the same on every rank
     found: dict[int, tuple[float, bool]] = {}
     error = None
     with Progress(what, total=len(requests), unit="requests", every=10.0) as progress:
         try:
-            for batch in mine:
-                found.update(zip(batch, score_batch(model, parallel, [requests[i] for i in batch])))
-                progress.update(len(batch) * parallel.dp_size)  # rank 0's share stands for everyone's
+            for k in range(rounds):
+                batch = mine[k] if k < len(mine) else batches[-1]
+                scores = score_batch(model, parallel, [requests[i] for i in batch])
+                if k < len(mine):  # else a repeat, so that this rank joins its peers' forward
+                    found.update(zip(batch, scores))
+                    progress.update(len(batch) * parallel.dp_size)  # rank 0's share stands for everyone's
         except Exception as err:  # noqa: BLE001 - shared below, so no rank waits for another in vain
             error = err
     raise_if_any_failed(error, what, error_type=RuntimeError)

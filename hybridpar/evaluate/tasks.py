@@ -51,16 +51,18 @@ def task_manager(include_path: Optional[str] = None, names: Sequence[str] = ()):
     return TaskManager(include_path=include_path or None)
 
 
-def check_tasks(names: Sequence[str], manager) -> None:
-    """Every task is known and builds here (its dataset read); ConfigError naming each one that does not."""
-    problems = []
+def check_tasks(names: Sequence[str], manager) -> dict[str, set[str]]:
+    """Every task is known and builds here (its dataset read); ConfigError naming each one that does not.
+    Each name's output types (loglikelihood, multiple_choice, generate_until, ...: a group's tasks' all)."""
+    problems, kinds = [], {}
     for name in names:
         if name not in manager.all_tasks and not (name.endswith((".yaml", ".yml")) and Path(name).is_file()):
             problems.append((name, f"task {name} is not known to lm-eval: check its name (lm-eval ls tasks), or give the "
                             "folder of its task file with --include-path"))
             continue
         try:
-            manager.load([name])
+            loaded = manager.load([name])
+            kinds[name] = {task.OUTPUT_TYPE for task in loaded["tasks"].values()}
         except Exception as err:  # noqa: BLE001 - any failure to read the data is the same advice
             reason = " ".join(f"{type(err).__name__}: {err}".split())[:300]
             offline = " (HF_DATASETS_OFFLINE is set)" if os.environ.get("HF_DATASETS_OFFLINE") else ""
@@ -72,3 +74,4 @@ def check_tasks(names: Sequence[str], manager) -> None:
                           f"{', '.join(name for name, _ in problems)}")
     if problems:
         raise ConfigError(problems[0][1])
+    return kinds

@@ -52,8 +52,8 @@ def plot_dashboard(jsonl_path: Path, png_path: Path, title: Optional[str] = None
 
 def draw_dashboard(rows: list[dict], events: list[dict], title: str, grad_clip: float = 0.0):
     """The figure: loss (training, validation, each source's validation), learning rate,
-    throughput with MFU, gradient norm with skipped steps, step time, peak memory, and a blend's
-    tokens per source; resumes as dashed lines on every panel."""
+    throughput with MFU, gradient norm with skipped steps, step time, peak memory, a blend's
+    tokens per source and the downstream scores; resumes as dashed lines on every panel."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on training nodes
@@ -65,6 +65,8 @@ def draw_dashboard(rows: list[dict], events: list[dict], title: str, grad_clip: 
     skipped = sorted({e["step"] for e in events if e.get("event") == "skipped"})
     resumes = [e["step"] for e in events if e.get("event") == "resumed"]
     sources = sorted({k.split("/", 1)[1] for r in train for k in r if k.startswith("tokens/")})
+    # Downstream scores (train/downstream.py): "eval/<task>/<metric>", their stderrs left out.
+    scores = sorted({k for r in rows for k in r if k.startswith("eval/") and not k.endswith("_stderr")})
 
     def series(key: str, scale: float = 1.0, of: list = train) -> tuple[list[int], list[float]]:
         """(steps, values) of the rows that have a finite `key`: a skipped step's NaN breaks no line."""
@@ -99,7 +101,7 @@ def draw_dashboard(rows: list[dict], events: list[dict], title: str, grad_clip: 
         return f": up to {max(values):.3g} {unit} above the scale" if max(values) > 1.15 * top else ""
 
     plt.rcParams.update({"font.size": 10})
-    n_rows = 4 if sources else 3
+    n_rows = 4 if sources or scores else 3
     fig, axes = plt.subplots(n_rows, 2, figsize=(12, 3.2 * n_rows), sharex=True)
     flat = list(axes.flat)
     loss_ax, lr_ax, speed_ax, norm_ax, time_ax, memory_ax = flat[:6]
@@ -141,12 +143,19 @@ def draw_dashboard(rows: list[dict], events: list[dict], title: str, grad_clip: 
     memory_ax.set_title("peak memory so far (GB, rank 0)")
     from_zero(memory_ax, memory[1], "GB")
 
+    extra = flat[6:]
     if sources:  # a blend: the tokens trained on from each source
-        share_ax = flat[6]
+        share_ax = extra.pop(0)
         for name in sources:
             draw(share_ax, *series(f"tokens/{name}", 1e-6), lw=1.5, label=name)
         share_ax.set_title("tokens per source (M, all runs)")
-        flat[7].set_visible(False)
+    if scores:  # downstream tasks: each score against the step
+        score_ax = extra.pop(0)
+        for key in scores:
+            draw(score_ax, *series(key, of=rows), lw=1.5, label=key[len("eval/"):])
+        score_ax.set_title("downstream scores ([eval])")
+    if len(extra) == 1:
+        extra[0].set_visible(False)
         flat[5].xaxis.set_tick_params(labelbottom=True)  # the hidden panel's column still needs its steps
         flat[5].set_xlabel("step")
 

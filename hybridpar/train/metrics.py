@@ -35,9 +35,9 @@ BOARD_TAGS = {
     "skipped_steps": "train/skipped_steps",
     "val_loss": "val/loss", "val_ppl": "val/ppl", "val_tokens": "val/tokens",
     "step_time": "perf/step_time_s", "tokens_per_s": "perf/tokens_per_s", "mfu": "perf/mfu",
-    "memory_gb": "memory/peak_gb",
+    "memory_gb": "memory/peak_gb", "eval_s": "perf/downstream_eval_s",
 }
-BOARD_PREFIXES = {"tokens/": "train/tokens/", "val_loss/": "val/loss/", "straggler/": "straggler/"}
+BOARD_PREFIXES = {"tokens/": "train/tokens/", "val_loss/": "val/loss/", "straggler/": "straggler/", "eval/": "eval/"}
 
 
 def board_tag(key: str) -> str:
@@ -252,5 +252,10 @@ def progress_line(step: int, steps: int, m: dict, elapsed: float, eta: Optional[
 
 
 def validation_text(m: dict) -> str:
-    """"  val 3.2100 (ppl 24.8)" when `m` has a validation loss, else ""."""
-    return f"  val {m['val_loss']:.4f} (ppl {m['val_ppl']:.1f})" if "val_loss" in m else ""
+    """"  val 3.2100 (ppl 24.8)" when `m` has a validation loss, and "  eval 12.3s arc_easy/acc 0.412 ..."
+    when it has downstream scores (hybridpar.train.downstream; stderrs left out), else ""."""
+    text = f"  val {m['val_loss']:.4f} (ppl {m['val_ppl']:.1f})" if "val_loss" in m else ""
+    if "eval_s" in m:
+        text += f"  eval {m['eval_s']:.1f}s " + " ".join(
+            f"{k[len('eval/'):]} {v:.4g}" for k, v in m.items() if k.startswith("eval/") and not k.endswith("_stderr"))
+    return text

@@ -41,9 +41,11 @@ def summarise(*, run_dir: Path, steps: tuple[int, int], skipped: int, tokens: fl
               train_seconds: float, eval_seconds: float, mfu: float, peak_memory_gb: float,
               train_loss: Optional[float], validation: Optional[dict], checkpoint: Optional[Path],
               tokenizer: Optional[Path], config_path: Path, train_steps: int,
-              sources: Optional[list] = None, data_stop: str = "") -> tuple[str, dict]:
+              sources: Optional[list] = None, data_stop: str = "",
+              downstream: Optional[dict] = None) -> tuple[str, dict]:
     """(the printed block, the same as a dict for summary.json). `data_stop`: "exhausted" or
-    "damaged" when the data stopped the run (data_stop.py): the resume command says what to change."""
+    "damaged" when the data stopped the run (data_stop.py): the resume command says what to change.
+    `downstream`: the last downstream scores ({"eval/<task>/<metric>": value}, train/downstream.py)."""
     # Absolute: the commands printed must work from any folder, whatever the run was started with.
     run_dir, config_path = Path(run_dir).absolute(), Path(config_path).absolute()
     checkpoint = Path(checkpoint).absolute() if checkpoint is not None else None
@@ -59,12 +61,14 @@ def summarise(*, run_dir: Path, steps: tuple[int, int], skipped: int, tokens: fl
         "checkpoint": str(checkpoint) if checkpoint else None,
         "sources": sources or [],  # a blend's: name, weight, tokens trained on
         "data_stop": data_stop or None,  # what stopped the data: "exhausted" or "damaged"
+        "downstream": dict(downstream or {}),  # the last [eval] scores
     }
     trained = (f"steps {first}-{last}" if last >= first else "no steps") + (f", {skipped} skipped" if skipped else "")
     by_source = sum(s["tokens"] for s in sources or []) or 1
     rows = [
         ("wall time", f"{_duration(wall_seconds)} ({_duration(train_seconds)} training"
-                      + (f", {_duration(eval_seconds)} validation" if eval_seconds else "") + f"); {trained}"),
+                      + (f", {_duration(eval_seconds)} {'evaluation' if downstream else 'validation'}"
+                         if eval_seconds else "") + f"); {trained}"),
         ("tokens seen", f"{tokens:,.0f} this run" + ("; by source (all runs): " + ", ".join(
             f"{s['name']} {s['tokens']:,} ({s['tokens'] / by_source:.1%}, weight "
             f"{s['weight']:.1%})" for s in sources) if sources else "")),
@@ -75,6 +79,9 @@ def summarise(*, run_dir: Path, steps: tuple[int, int], skipped: int, tokens: fl
                        + (f", validation {validation['val_loss']:.4f} (perplexity {validation['val_ppl']:.1f})"
                           if validation else ", validation - (set data.val_fraction or data.val_source)")),
     ]
+    if downstream:
+        rows.append(("downstream", ", ".join(f"{k[len('eval/'):]} {v:.4g}" for k, v in downstream.items()
+                                             if not k.endswith("_stderr"))))
     if checkpoint is not None:
         resume = launch_command(config_path, run_dir) + ["--checkpoint.resume", "true"]
         resume, why = {

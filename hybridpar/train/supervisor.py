@@ -217,12 +217,13 @@ class Supervisor:
         log.info(line)
 
     @contextmanager
-    def checkpointing(self) -> Iterator[None]:
-        """Around a checkpoint's writes: not a hang however long (Deadlines.checkpointing)."""
-        self.phase("checkpoint", timeout=self.deadlines.init_timeout)
+    def checkpointing(self, name: str = "checkpoint", done: str = "checkpointed") -> Iterator[None]:
+        """Around a checkpoint's writes, or other long work that every rank does together (phase `name`,
+        then `done`: a downstream evaluation): not a hang however long (Deadlines.checkpointing)."""
+        self.phase(name, timeout=self.deadlines.init_timeout)
         with self.deadlines.checkpointing():
             yield
-        self.phase("checkpointed", timeout=self.deadlines.no_progress_limit())
+        self.phase(done, timeout=self.deadlines.no_progress_limit())
 
     def _training_again(self, step: int) -> None:
         """Rank 0, after this run's first step: the run's incidents (launch/slurm.sh's) say when

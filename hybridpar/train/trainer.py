@@ -40,7 +40,7 @@ from ..plan.hardware import peak_flops_of
 from ..preflight import Job, as_job, world_size_from_env
 from ..progress import note
 from ..mesh.ranks import mark_every_rank, wait_for_every_rank
-from . import data_stop, stop as stopping
+from . import data_stop, downstream, stop as stopping
 from .evaluate import Validator
 from .clock import StepClock
 from .dashboard import plot_dashboard
@@ -100,6 +100,7 @@ class Trainer:
         self.args = self.job.args
         if c.output.wandb:
             require_wandb()
+        self.downstream = downstream.Downstream(c, p, self.supervisor)  # the [eval] tasks read and checked
         phase("data")
         # A preparation's progress changes the phase: the watchdog sees progress, not a hang. The
         # sources were walked by resolve_job: the data takes them from the job.
@@ -383,7 +384,7 @@ class Trainer:
             validation=self.validation, checkpoint=latest_checkpoint(self.checkpointer.folder),
             tokenizer=getattr(self.tokenizer, "path", None), config_path=self.run_dir / "config.toml",
             train_steps=self.config.train.steps, sources=describe_blend(self.loader),
-            data_stop=data_stop.kind(self.data_stopped))
+            data_stop=data_stop.kind(self.data_stopped), downstream=self.downstream.scores)
         write_summary(self.run_dir, done)
         log.info(text)
 
@@ -421,14 +422,8 @@ class Trainer:
             row = dict(found)  # the straggler report's, when one was due
             if self.supervisor.excluding is not None:  # every rank agrees: save, stop, name the node
                 self.stop_signal = self.stop_signal or "a straggler"
-            every = c.train.eval_every
-            if self.validator is not None and not self.stop_signal and (
-                    (every and self.step % every == 0) or self.step == c.train.steps):
-                with clock.pause():
-                    try:
-                        row.update(self.validate())
-                    except data_stop.StoreDamagedError as err:  # the held-out data's, every rank alike: save, stop
-                        self.data_stopped, self.stop_signal = err, "the data"
+            with clock.pause():
+                downstream.after_step(self, row)  # validation and the [eval] tasks, when due
             if m["step"] % c.train.log_every == 0 or m["step"] in (1, c.train.steps):
                 summary = {**log_row(window), **self._source_tokens()}
                 self.metrics.write(m["step"], {**summary, **row})
@@ -438,7 +433,7 @@ class Trainer:
                 window = []
             elif row:
                 self.metrics.write(m["step"], row)
-                if self.is_main and "val_loss" in row:
+                if self.is_main and validation_text(row):
                     log.info(f"step {m['step']:>5}/{c.train.steps}{validation_text(row)}")
             if self.stop_signal or (c.checkpoint.every and self.step % c.checkpoint.every == 0):
                 with clock.pause():

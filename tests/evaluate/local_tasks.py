@@ -1,0 +1,45 @@
+"""Task files the evaluation tests write: a multiple-choice task, a rolling-loglikelihood (perplexity) task
+and a generation task, each a YAML over a local JSON file (no network)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+QUESTIONS = [
+    ("Return the sum of", ["a and b.", "the list.", "nothing at all."], 0),
+    ("Open the file and", ["read its lines.", "close the door.", "return None."], 0),
+    ("A list of", ["strings.", "numbers and names.", "the tokens in the text."], 2),
+    ("Raise ValueError if", ["the value is negative.", "it rains.", "x."], 0),
+    ("The default is", ["None.", "zero, or the empty string.", "True"], 1),
+    ("Compare two", ["objects for equality.", "files.", "dates and times"], 1),
+]
+
+
+def write_tasks(folder: Path, documents: list[str]) -> None:
+    """A multiple-choice task and a perplexity task, each a YAML over a local JSON file."""
+    folder.mkdir()
+    with open(folder / "mc.jsonl", "w") as f:
+        for question, choices, answer in QUESTIONS:
+            f.write(json.dumps({"question": question, "choices": choices, "answer": answer}) + "\n")
+    with open(folder / "ppl.jsonl", "w") as f:
+        for doc in documents:
+            f.write(json.dumps({"text": doc}) + "\n")
+    (folder / "tiny_mc.yaml").write_text(
+        "task: tiny_mc\ndataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {folder / 'mc.jsonl'}\n"
+        "test_split: test\noutput_type: multiple_choice\n"
+        "doc_to_text: \"Question: {{question}}\\nAnswer:\"\ndoc_to_choice: \"{{choices}}\"\ndoc_to_target: answer\n"
+        "metric_list:\n  - metric: acc\n  - metric: acc_norm\nmetadata:\n  version: 1.0\n")
+    (folder / "tiny_ppl.yaml").write_text(
+        "task: tiny_ppl\ndataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {folder / 'ppl.jsonl'}\n"
+        "test_split: test\noutput_type: loglikelihood_rolling\ndoc_to_text: \"\"\ndoc_to_target: \"{{text}}\"\n"
+        "metric_list:\n  - metric: word_perplexity\n  - metric: byte_perplexity\n  - metric: bits_per_byte\n"
+        "metadata:\n  version: 2.0\n")
+    (folder / "tiny_gen.yaml").write_text(
+        "task: tiny_gen\ndataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {folder / 'mc.jsonl'}\n"
+        "test_split: test\noutput_type: generate_until\ndoc_to_text: \"{{question}}\"\n"
+        "doc_to_target: \"{{choices[answer]}}\"\ngeneration_kwargs:\n  until: [\" \"]\n  max_gen_toks: 12\n"
+        "  do_sample: false\nmetric_list:\n  - metric: exact_match\nmetadata:\n  version: 1.0\n")

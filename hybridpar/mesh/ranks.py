@@ -163,10 +163,11 @@ def agree_attempt() -> None:
 
     import torch.distributed as dist
 
-    if dist.get_backend() == "fake":  # the dry run: one process plays its rank, nothing moves
-        return
+    group = dist.distributed_c10d._get_default_group()
+    if dist.get_backend() == "fake" or (_AGREED[1] and _AGREED[0] is group):
+        return  # the dry run (one process plays its rank, nothing moves), or this start named already
     name = broadcast_from_rank0(uuid.uuid4().hex)
-    _AGREED[:] = [dist.distributed_c10d._get_default_group(), name]
+    _AGREED[:] = [group, name]
 
 
 def attempt_id() -> str:

@@ -30,6 +30,8 @@ def _count_by_hand_case():
     # torch 2.13 renamed all_gather_into_tensor all_gather_single; torch 2.11 has only the old name.
     gather_name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
     originals = (dist.all_reduce, getattr(dist, gather_name))
+    # Meshes made before counting: making one is collective (init_parallel agrees the attempt's name).
+    world_dims, mp2_dims = parallel_dims(mp=1), parallel_dims(mp=2)
     with CollectiveCounter() as counter:
         dist.all_reduce(torch.ones(10))  # 40 bytes
         dist.all_gather([torch.zeros(3), torch.zeros(3)], torch.ones(3))  # gathered 24 bytes
@@ -55,7 +57,7 @@ def _count_by_hand_case():
         torch.manual_seed(0)
         a2a = nn.Linear(4, 8, bias=False)
         fully_shard(a2a, mesh=init_device_mesh("cpu", (2,)), reshard_after_forward=True)
-        use_gloo_collectives([a2a], parallel_dims(mp=1))
+        use_gloo_collectives([a2a], world_dims)
         torch.manual_seed(1)
         x = torch.randn(3, 4)
         counter.enabled = False
@@ -69,7 +71,7 @@ def _count_by_hand_case():
 
         # Tensor parallelism at mp 2: the row layer's output [2, 3, 4] all-reduced in forward, the
         # column layer's input gradient (same shape) in backward: 96 bytes each.
-        parallel = parallel_dims(mp=2)
+        parallel = mp2_dims
         column = ColumnParallelLinear(4, 8, bias=False, gather_output=False, parallel=parallel)
         row = RowParallelLinear(8, 4, bias=False, input_is_parallel=True, parallel=parallel)
         x = torch.randn(2, 3, 4, requires_grad=True)

@@ -91,7 +91,7 @@ def check_eval(config: Config, sizes: tuple[int, ...]) -> None:
     e = config.eval
     if not e.tasks:
         return
-    from .evaluate.tasks import require_lm_eval
+    from .config.evaluation import require_lm_eval
 
     require_lm_eval("the [eval] section")
     if e.include_path and not Path(e.include_path).is_dir():

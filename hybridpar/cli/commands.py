@@ -216,7 +216,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     """Score a checkpoint on lm-evaluation-harness tasks; rank 0 prints the harness's table (and writes --json).
     Without lm-eval, with a task unknown or whose data cannot be read here: one line, before any model loads."""
-    from ..evaluate.tasks import require_lm_eval
+    from ..config.evaluation import require_lm_eval
 
     require_lm_eval()
     if args.dtype:

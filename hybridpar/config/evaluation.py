@@ -4,9 +4,12 @@ every `every` steps and after the last one (hybridpar.train.downstream runs them
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from typing import Optional
 
 from .options import ConfigError, option
+
+INSTALL = "pip install -e '.[eval]' (or pip install lm-eval)"
 
 # Tokens per forward when scoring (batch x padded length): a batch of short requests holds many of them.
 DEFAULT_BATCH_TOKENS = 8192
@@ -41,3 +44,13 @@ class EvalConfig:
 
     def harness_fewshot(self) -> Optional[int]:
         return None if self.num_fewshot < 0 else self.num_fewshot
+
+
+def require_lm_eval(what: str = "hybridpar eval") -> None:
+    """ConfigError in one line, saying how to install it, when lm-evaluation-harness is not importable."""
+    try:
+        missing = importlib.util.find_spec("lm_eval") is None
+    except (ImportError, ValueError):  # a broken or blocked installation
+        missing = True
+    if missing:
+        raise ConfigError(f"{what} needs lm-evaluation-harness, which is not installed: {INSTALL}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .tasks import require_lm_eval
+from ..config.evaluation import require_lm_eval
 
 __all__ = ["HybridparLM", "Loaded", "evaluate_checkpoint", "load", "require_lm_eval", "results_json", "results_table"]
 

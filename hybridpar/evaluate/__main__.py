@@ -13,7 +13,7 @@ import sys
 
 
 def main() -> int:
-    from .tasks import require_lm_eval
+    from ..config.evaluation import require_lm_eval
 
     try:
         require_lm_eval("python -m hybridpar.evaluate")

@@ -9,7 +9,8 @@ from typing import Optional, Sequence
 from ..config.options import ConfigError
 from ..mesh.ranks import on_rank0
 from .loading import checkpoint_tokenizer, load
-from .tasks import check_tasks, require_lm_eval, task_manager, task_names
+from ..config.evaluation import require_lm_eval
+from .tasks import check_tasks, task_manager, task_names
 
 
 def evaluate_checkpoint(checkpoint: str | Path, tasks: str | Sequence[str], *, mp: int = 1,

@@ -4,7 +4,6 @@ and how to make it available."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 from typing import Optional, Sequence
@@ -12,20 +11,9 @@ from typing import Optional, Sequence
 from ..config.options import ConfigError
 from ..progress import note
 
-INSTALL = "pip install -e '.[eval]' (or pip install lm-eval)"
 OFFLINE_ADVICE = ("make it available offline: run once with network so the dataset is in the Hugging Face cache, "
                   "then set HF_DATASETS_OFFLINE=1; or write a local task file (a YAML with dataset_path: json over a "
                   "local file) and give its folder with --include-path (docs/evaluation.md)")
-
-
-def require_lm_eval(what: str = "hybridpar eval") -> None:
-    """ConfigError in one line, saying how to install it, when lm-evaluation-harness is not importable."""
-    try:
-        missing = importlib.util.find_spec("lm_eval") is None
-    except (ImportError, ValueError):  # a broken or blocked installation
-        missing = True
-    if missing:
-        raise ConfigError(f"{what} needs lm-evaluation-harness, which is not installed: {INSTALL}")
 
 
 def task_names(tasks: str | Sequence[str]) -> list[str]:

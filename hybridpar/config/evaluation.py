@@ -15,6 +15,12 @@ INSTALL = "pip install -e '.[eval]' (or pip install lm-eval)"
 DEFAULT_BATCH_TOKENS = 8192
 
 
+def split_task_names(tasks) -> list[str]:
+    """"a,b" or ["a", "b"] (or ["a,b"]) as a list of names, empty ones dropped."""
+    names = tasks.split(",") if isinstance(tasks, str) else [t for n in tasks for t in str(n).split(",")]
+    return [n.strip() for n in names if n.strip()]
+
+
 @dataclasses.dataclass
 class EvalConfig:
     tasks: list = option(list, "lm-evaluation-harness tasks to run on the model in training, e.g. "
@@ -28,9 +34,7 @@ class EvalConfig:
 
     def validate(self) -> None:
         """ConfigError naming the eval.* key; eval.tasks given as "a,b" becomes a list."""
-        tasks = self.tasks.split(",") if isinstance(self.tasks, str) else [
-            t for name in self.tasks for t in str(name).split(",")]
-        self.tasks = [t.strip() for t in tasks if t.strip()]
+        self.tasks = split_task_names(self.tasks)
         for key, low in (("every", 0), ("num_fewshot", -1), ("batch_tokens", 1)):
             if getattr(self, key) < low:
                 raise ConfigError(f"eval.{key} must be >= {low}, got {getattr(self, key)}")

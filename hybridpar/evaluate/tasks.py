@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 from typing import Optional, Sequence
 
+from ..config.evaluation import split_task_names
 from ..config.options import ConfigError
 from ..progress import note
 
@@ -18,8 +19,7 @@ OFFLINE_ADVICE = ("make it available offline: run once with network so the datas
 
 def task_names(tasks: str | Sequence[str]) -> list[str]:
     """"a,b" or ["a", "b"] as a list of names (empty ones dropped)."""
-    names = tasks.split(",") if isinstance(tasks, str) else [t for n in tasks for t in str(n).split(",")]
-    names = [n.strip() for n in names if n.strip()]
+    names = split_task_names(tasks)
     if not names:
         raise ConfigError("no task given: name at least one with --tasks (lm-eval's names, or a local task's)")
     return names

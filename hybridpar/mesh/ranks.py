@@ -153,6 +153,13 @@ def restart_count() -> int:
 _AGREED: list = [None, None]
 
 
+def _default_group():
+    """The process group of this start (None before one exists)."""
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+
+
 def agree_attempt() -> None:
     """Name this start of the job alike on every rank: rank 0 draws the name, the others receive it.
     Collective: init_parallel calls it as the mesh is made, every rank there. torchrun's restart count
@@ -163,7 +170,7 @@ def agree_attempt() -> None:
 
     import torch.distributed as dist
 
-    group = dist.distributed_c10d._get_default_group()
+    group = _default_group()
     if dist.get_backend() == "fake" or (_AGREED[1] and _AGREED[0] is group):
         return  # the dry run (one process plays its rank, nothing moves), or this start named already
     name = broadcast_from_rank0(uuid.uuid4().hex)
@@ -176,13 +183,7 @@ def attempt_id() -> str:
     import os
 
     group, name = _AGREED
-    try:
-        import torch.distributed as dist
-
-        current = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
-    except (ImportError, RuntimeError):
-        current = None
-    if name and current is not None and group is current:
+    if name and group is not None and group is _default_group():
         return name
     return f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{restart_count()}"
 

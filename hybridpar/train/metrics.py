@@ -256,6 +256,11 @@ def validation_text(m: dict) -> str:
     when it has downstream scores (hybridpar.train.downstream; stderrs left out), else ""."""
     text = f"  val {m['val_loss']:.4f} (ppl {m['val_ppl']:.1f})" if "val_loss" in m else ""
     if "eval_s" in m:
-        text += f"  eval {m['eval_s']:.1f}s " + " ".join(
-            f"{k[len('eval/'):]} {v:.4g}" for k, v in m.items() if k.startswith("eval/") and not k.endswith("_stderr"))
+        text += f"  eval {m['eval_s']:.1f}s " + scores_text(m, " ")
     return text
+
+
+def scores_text(m: dict, sep: str) -> str:
+    """The downstream scores in `m` ("eval/<task>/<metric>") as "<task>/<metric> 0.412", stderrs left out."""
+    return sep.join(f"{k[len('eval/'):]} {v:.4g}" for k, v in m.items()
+                    if k.startswith("eval/") and not k.endswith("_stderr"))

@@ -11,6 +11,7 @@ from typing import Optional
 
 from .. import incidents
 from ..files import write_text_atomic
+from .metrics import scores_text
 
 
 def _duration(seconds: float) -> str:
@@ -80,8 +81,7 @@ def summarise(*, run_dir: Path, steps: tuple[int, int], skipped: int, tokens: fl
                           if validation else ", validation - (set data.val_fraction or data.val_source)")),
     ]
     if downstream:
-        rows.append(("downstream", ", ".join(f"{k[len('eval/'):]} {v:.4g}" for k, v in downstream.items()
-                                             if not k.endswith("_stderr"))))
+        rows.append(("downstream", scores_text(downstream, ", ")))
     if checkpoint is not None:
         resume = launch_command(config_path, run_dir) + ["--checkpoint.resume", "true"]
         resume, why = {

@@ -340,7 +340,7 @@ def _checkpoint_files(c: Config, model, optimizer, world: int) -> dict:
     model_sd, optim_sd = get_state_dict(model, optimizer)
     share, tensors = local_share({"model": model_sd, "optimizer": optim_sd}, world)
     per_rank = share + BYTES_PER_TENSOR * tensors
-    folder = c.checkpoint.folder or str(Path(c.output.run_dir) / "checkpoints")
+    folder = c.checkpoint_dir()
     return {"folder": f"{folder}/step-<8 digits>/", "per_rank_file": int(per_rank), "files": world + 5,
             "total": int(MARGIN * world * per_rank + BYTES_PER_RANK * world),
             "layout": [".metadata", f"__0_0.distcp ... __{world - 1}_0.distcp (one per rank)", "params.json",

@@ -167,6 +167,10 @@ class Config:
     output: OutputConfig = dataclasses.field(default_factory=OutputConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)  # downstream tasks in the loop
 
+    def checkpoint_dir(self) -> Path:
+        """Where the run's checkpoints go: checkpoint.folder, else <output.run_dir>/checkpoints."""
+        return Path(self.checkpoint.folder) if self.checkpoint.folder else Path(self.output.run_dir) / "checkpoints"
+
     def validate(self) -> None:
         """The values' own ranges and choices (hybridpar.preflight checks them against the world and the disk)."""
         try:

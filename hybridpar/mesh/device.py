@@ -34,6 +34,7 @@ from ..compat.torch import flatten_mesh, unflatten_mesh
 # The arithmetic lives in the torch-free layout module.
 from .layout import MESH_DIM_NAMES, MeshCoords, launch_env, resolve_sizes
 from .ranks import agree_attempt
+from .rendezvous import store_of_this_start, uses_agent_store, words_while
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
@@ -209,6 +210,7 @@ def init_parallel(
     elif not isinstance(timeout, timedelta):
         timeout = timedelta(seconds=float(timeout))
 
+    start = None  # this start's name, where init_parallel agrees on it before the process group
     if dist.is_initialized():
         backend = dist.get_backend()
         # The caller's group: the GPU is the launcher's local rank (torchrun's, or Slurm's under srun).
@@ -227,18 +229,25 @@ def init_parallel(
         local_rank = env.local_rank
         if "nccl" in backend:  # "nccl", or a per-device string such as "cpu:gloo,cuda:nccl"
             torch.cuda.set_device(local_rank)
-        dist.init_process_group(backend=backend, timeout=timeout)
+        if uses_agent_store(os.environ):  # torchrun's store, kept across restarts: this start's keys apart
+            store, start = store_of_this_start(env.master_addr, env.master_port, env.rank, env.world_size, timeout)
+            joined = dict(store=store, rank=env.rank, world_size=env.world_size)
+        else:
+            joined = {}
+        with words_while("making the process group", env.rank):
+            dist.init_process_group(backend=backend, timeout=timeout, **joined)
         atexit.register(_shutdown)
 
     device = torch.device("cuda", local_rank) if "nccl" in backend else torch.device("cpu")
     sizes = resolve_sizes(dist.get_world_size(), mp=mp, dp_shard=dp_shard, dp_replicate=dp_replicate, cp=cp, pp=pp)
-    mesh = init_device_mesh(device.type, sizes, mesh_dim_names=MESH_DIM_NAMES)
-    dp_flat_mesh = flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp")
-    if cp == 1:  # no new groups: the cp-inclusive meshes are the data-parallel ones
-        dp_cp_mesh, fsdp_mesh = dp_flat_mesh, mesh["dp_replicate", "dp_shard"]
-    else:
-        dp_cp_mesh = flatten_mesh(mesh["dp_replicate", "dp_shard", "cp"], "dp_cp")
-        fsdp_mesh = unflatten_mesh(dp_cp_mesh, (sizes[1], sizes[2] * cp), ("dp_replicate", "dp_shard_cp"))
-    agree_attempt()  # every rank is here: the name of this start for the store's keys
+    with words_while("making the mesh's groups", dist.get_rank()):
+        mesh = init_device_mesh(device.type, sizes, mesh_dim_names=MESH_DIM_NAMES)
+        dp_flat_mesh = flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp")
+        if cp == 1:  # no new groups: the cp-inclusive meshes are the data-parallel ones
+            dp_cp_mesh, fsdp_mesh = dp_flat_mesh, mesh["dp_replicate", "dp_shard"]
+        else:
+            dp_cp_mesh = flatten_mesh(mesh["dp_replicate", "dp_shard", "cp"], "dp_cp")
+            fsdp_mesh = unflatten_mesh(dp_cp_mesh, (sizes[1], sizes[2] * cp), ("dp_replicate", "dp_shard_cp"))
+        agree_attempt(start)  # every rank is here: the name of this start for the store's keys
     return ParallelDims(*sizes, mesh=mesh, dp_flat_mesh=dp_flat_mesh, dp_cp_mesh=dp_cp_mesh, fsdp_mesh=fsdp_mesh,
                         device=device, backend=backend, timeout=timeout)

@@ -160,8 +160,9 @@ def _default_group():
     return dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
 
 
-def agree_attempt() -> None:
-    """Name this start of the job alike on every rank: rank 0 draws the name, the others receive it.
+def agree_attempt(name: Optional[str] = None) -> None:
+    """Name this start of the job alike on every rank: `name` where the ranks agreed on it already
+    (mesh.rendezvous, through torchrun's store), else rank 0 draws one and the others receive it.
     Collective: init_parallel calls it as the mesh is made, every rank there. torchrun's restart count
     cannot name it: the agent whose rank failed counts a restart, an agent restarted for its peer's
     failure does not (seen: 0 on one node and 1 on the other, every rank then waiting for ever on keys
@@ -173,8 +174,7 @@ def agree_attempt() -> None:
     group = _default_group()
     if dist.get_backend() == "fake" or (_AGREED[1] and _AGREED[0] is group):
         return  # the dry run (one process plays its rank, nothing moves), or this start named already
-    name = broadcast_from_rank0(uuid.uuid4().hex)
-    _AGREED[:] = [group, name]
+    _AGREED[:] = [group, name or broadcast_from_rank0(uuid.uuid4().hex)]
 
 
 def attempt_id() -> str:

@@ -19,7 +19,7 @@ import os
 import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence, Union
+from typing import Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -46,10 +46,9 @@ class Supervisor:
     """Made (with no effect on the process) and opened before the process group: open() sets the
     tracing variables torch reads when a group is made (a group made earlier by the caller gets them
     only in part), and a stop signal from then on ends the run at a step boundary with a checkpoint
-    (stop.py). close() unsets those variables and gives the signals back to their previous handlers.
-    `checkpoint_folder`: where the run's checkpoints are, once known (for a stop that runs out of time)."""
+    (stop.py). close() unsets those variables and gives the signals back to their previous handlers."""
 
-    def __init__(self, config: Config, *, checkpoint_folder: Callable[[], Optional[Path]] = lambda: None) -> None:
+    def __init__(self, config: Config) -> None:
         self.config = config
         self.run_dir = Path(config.output.run_dir)
         self.trace_dir = self.run_dir / "flight_recorder"
@@ -62,7 +61,6 @@ class Supervisor:
         self.model: Union[torch.nn.Module, Sequence[torch.nn.Module], None] = None  # or the stage modules
         self.places: Optional[list] = None  # every rank's (host, node), once the mesh exists
         self.start_step = 0
-        self._checkpoint_folder = checkpoint_folder
         self.stop = stopping.StopRequest(config.checkpoint.exit_save_timeout, on_signal=self._on_stop_signal,
                                          on_expire=self._on_stop_expired)
 
@@ -252,8 +250,7 @@ class Supervisor:
             watchdog.stopped()  # an exit on purpose, not a death
         main = self.parallel.rank == 0 if self.parallel is not None else os.environ.get("RANK", "0") == "0"
         if main:
-            folder = self._checkpoint_folder()
-            previous = latest_checkpoint(folder) if folder is not None else None
+            previous = latest_checkpoint(self.config.checkpoint_dir())  # from disk: set-up may not have read it
             where = f"in step {watchdog.step}, {watchdog.phase}" if watchdog is not None else "in set-up"
             log.error(stopping.expired_line(stop, where, previous))
         os._exit(128 + stop.signum)

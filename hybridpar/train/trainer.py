@@ -70,8 +70,7 @@ class Trainer:
         self.started = time.perf_counter()  # the summary's wall time counts set-up too
         # Before init_parallel makes the process group: NCCL reads some tracing variables when a
         # group is created, and a stop signal from here on ends the run with a checkpoint.
-        self.supervisor = Supervisor(c, checkpoint_folder=lambda: getattr(getattr(self, "checkpointer", None),
-                                                                          "folder", None)).open()
+        self.supervisor = Supervisor(c).open()
         self.stop = self.supervisor.stop
         self.stop_signal = ""  # the stop signal every rank agreed on (at the end of a step), if any
         self.data_stopped: Optional[Exception] = None  # what stopped the data, agreed by every rank (data_stop.py)
@@ -128,7 +127,7 @@ class Trainer:
         self.history: list[dict] = []
         self.run_dir = Path(c.output.run_dir)
         self.checkpointer = Checkpointer(
-            Path(c.checkpoint.folder) if c.checkpoint.folder else self.run_dir / "checkpoints", p,
+            c.checkpoint_dir(), p,
             keep=c.checkpoint.keep, async_save=c.checkpoint.async_save,
         )
         phase("checkpoint")

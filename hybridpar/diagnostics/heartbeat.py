@@ -3,7 +3,9 @@
 A rank publishes a heartbeat through the job's store (the c10d store every launcher already
 provides; no shared file system needed): a beat counter, the step and phase the trainer is in, and
 the number of collectives issued on each mesh group (cheap counters, read without touching the
-flight recorder). When the monitor asks for it, the rank sends its flight-recorder trace, its
+flight recorder). A step begun is published at once, between the interval's beats: a rank that dies
+in step N is last seen in step N (in N - 1 only if it dies before that beat is out, within a store
+write of the step's start), however long the interval. When the monitor asks for it, the rank sends its flight-recorder trace, its
 open sends and receives (`p2p`, a diagnostics.p2p log) and its Python stack, and keeps
 a copy in its own trace folder for `hybridpar hang-report`. A stop signal (hybridpar.train.stop)
 is published at once as the state "stopping": a stop on purpose, which the monitor tells apart
@@ -56,7 +58,9 @@ class Heartbeat:
         self.timeout = timeout
         self.interval = interval or default_interval(timeout)
         self.trace_dir = Path(trace_dir)
-        self.step, self.phase, self.note = 0, "start", ""
+        self._step, self.phase, self.note = 0, "start", ""
+        self._published_step = -1  # the step of the last beat out
+        self._round_due = False  # wake() asks for a whole round; a new step only for its beat
         self.clock = clock
         self._groups = mesh_groups(parallel)
         # Keys must not meet those of an earlier watchdog in the same store: torchrun's store outlives
@@ -114,9 +118,21 @@ class Heartbeat:
     def _seqs(self) -> dict[str, int]:
         return {g.group_name: sequence_number(g) for _, g in self._groups}
 
+    @property
+    def step(self) -> int:
+        """The step this rank is in (the trainer sets it as each step begins)."""
+        return self._step
+
+    @step.setter
+    def step(self, step: int) -> None:
+        if step != self._step:
+            self._step = step
+            self._woken.set()  # its beat goes out now (sleep()), not at the end of the interval
+
     def publish(self) -> None:
         self._beat += 1
-        beat = {"beat": self._beat, "step": self.step, "phase": self.phase, "seqs": self._seqs(),
+        self._published_step = self._step
+        beat = {"beat": self._beat, "step": self._step, "phase": self.phase, "seqs": self._seqs(),
                 "state": self.state, "timeout": self.timeout, "note": self.note}
         self.put(f"beat/{self.rank}", json.dumps(beat))
         self.published.set()
@@ -157,13 +173,26 @@ class Heartbeat:
     # --- waking, and a stop on request -----------------------------------------------------------
 
     def wake(self) -> None:
-        """Wake the thread from its sleep."""
+        """Wake the thread from its sleep for a round now."""
+        self._round_due = True
         self._woken.set()
 
     def sleep(self) -> None:
-        """Wait one interval, or until woken."""
-        self._woken.wait(self.interval)
-        self._woken.clear()
+        """Wait one interval, or until woken (wake()). A step begun meanwhile has its beat published at
+        once, without the rest of a round (a store write per step, off the main thread), so that the
+        last beat of a rank killed in a step names that step, not the one of the interval's last beat."""
+        end = time.monotonic() + self.interval  # real time, as the event's wait
+        while (left := end - time.monotonic()) > 0:
+            self._woken.wait(left)
+            self._woken.clear()
+            if self._round_due:
+                break
+            if self._published_step != self._step:
+                try:
+                    self.publish()
+                except Exception:  # the store is unreachable: the round finds out and says so
+                    break
+        self._round_due = False
 
     def stop_requested(self, signal_name: str) -> None:
         """A stop signal arrived (hybridpar.train.stop): the rank now finishes its step and saves. Said at

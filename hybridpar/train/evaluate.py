@@ -12,13 +12,17 @@ runs out past the end reads window 0 with every target ignored.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Union
 
 import torch
 import torch.distributed as dist
 
+from ..config.pipeline import V_SHAPED
 from ..data.loader import PackedDataset
-from ..data.store import StoreDamagedError
+from ..data.pipeline import source_entries
+from ..data.sources import is_store
+from ..data.store import StoreDamagedError, StoreError, read_manifest
 from ..mesh.device import ParallelDims
 from ..parallel import vocab_parallel_cross_entropy
 from ..parallel.loss import IGNORE_INDEX
@@ -32,6 +36,32 @@ if TYPE_CHECKING:
 def windows_evaluated(n_windows: int, eval_steps: int, global_batch: int) -> int:
     """How many windows an evaluation reads: eval_steps global batches (0: the whole split)."""
     return n_windows if eval_steps == 0 else min(n_windows, eval_steps * global_batch)
+
+
+def missing_validation(config) -> str:
+    """Why a run of `config` has no validation data, with what would give it some: advice the job
+    takes (under a V schedule none: validation is refused there; with a token store as the
+    source, the split it was prepared with, the only data.val_fraction it takes)."""
+    p, d = config.parallel, config.data
+    if p.pp > 1 and p.pp_schedule in V_SHAPED:
+        return (f"parallel.pp_schedule = {p.pp_schedule} cannot validate: torch's V schedules run no "
+                "forward-only pass (1F1B and Interleaved1F1B can)")
+    splits = {}  # a token store given as a source -> the validation share it was prepared with
+    for entry in source_entries(d):
+        if is_store(entry["source"]):
+            try:
+                splits[entry["source"]] = read_manifest(Path(entry["source"])).get("val_fraction", 0.0)
+            except StoreError:
+                continue
+    unsplit = [s for s, fraction in splits.items() if not fraction]
+    if unsplit:
+        return f"the token store {unsplit[0]} was prepared without a validation split: set data.val_source"
+    if len(set(splits.values())) > 1:
+        return "the token stores were prepared with different validation splits: set data.val_source"
+    if splits:
+        (fraction,) = set(splits.values())
+        return f"set data.val_fraction = {fraction:g}, the token store's split, or data.val_source"
+    return "set data.val_fraction (e.g. 0.05) or data.val_source"
 
 
 class Validator:

@@ -1,15 +1,19 @@
 """train.profile_steps: a torch.profiler trace of chosen steps on every rank, with each collective
-named by its mesh dimension, and the split of each step into compute and communication.
+named by its mesh dimension, and the split of each step into compute, communication and, under
+pipeline parallelism, the pipeline's sends and receives.
 
 Written to <run_dir>/profile/:
   rank<r>.<time>.pt.trace.json  the trace (Chrome trace format: chrome://tracing or ui.perfetto.dev;
                                 the TensorBoard profiler plugin reads the folder as it is)
-  rank<r>.steps.json            per step: seconds, communication seconds per mesh dimension, compute
+  rank<r>.steps.json            per step: seconds, communication seconds per mesh dimension, the
+                                pipeline's seconds, compute
   rank<r>.memory.pickle         on GPUs, a CUDA memory snapshot (pytorch.org/memory_viz)
 
-Communication is the time this rank spends inside collectives and in waits for async ones;
-compute is the rest of the step. In the trace, each step is a range "ProfilerStep#<n>" and each
-collective "collective <op> [<dim>]" (its wait: "wait <op> [<dim>]").
+Communication is the time this rank spends inside collectives and in waits for async ones; the
+pipeline's is the time in its sends and receives and in the waits for them, where a stage idles
+until its neighbour's activations or gradients arrive (the bubble); compute is the rest of the
+step. In the trace, each step is a range "ProfilerStep#<n>", each collective "collective <op>
+[<dim>]" (its wait: "wait <op> [<dim>]"), each send or receive "p2p <op> [pp]".
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ class StepProfiler:
             torch.cuda.memory._record_memory_history(max_entries=100_000)
         self._profiler = self._held.enter_context(torch.profiler.profile(activities=activities, record_shapes=True))
         self._counter = self._held.enter_context(CollectiveCounter(label=mesh_dims(self.parallel), profile=True,
-                                                                   waits=True))
+                                                                   waits=True, p2p=True))
 
     def _stop(self) -> None:
         profiler, self._counter, self._profiler = self._profiler, None, None
@@ -81,12 +85,13 @@ class StepProfiler:
             if self.parallel.device.type == "cuda":
                 torch.cuda.synchronize(self.parallel.device)
             seconds = time.perf_counter() - start
-            dims = self._counter.by_dim()
+            dims, p2p = self._counter.by_dim(), self._counter.p2p_totals()
             communication = sum(d["seconds"] for d in dims.values())
             self.rows.append({"step": step, "seconds": seconds, "communication_s": communication,
-                              "compute_s": max(0.0, seconds - communication),
+                              "pipeline_s": p2p["seconds"], "compute_s": max(0.0, seconds - communication - p2p["seconds"]),
                               "by_dim": {dim: {"calls": d["calls"], "bytes": d["payload"], "seconds": d["seconds"]}
-                                         for dim, d in dims.items()}})
+                                         for dim, d in dims.items()},
+                              "pipeline": {"calls": p2p["calls"], "bytes": p2p["payload"], "seconds": p2p["seconds"]}})
             if step == self.steps[-1]:
                 self._stop()
 
@@ -95,10 +100,14 @@ class StepProfiler:
         self._stop()
 
     def describe(self) -> str:
-        """One line per profiled step: its compute and each mesh dimension's communication."""
+        """One line per profiled step: its compute, each mesh dimension's collectives and (under
+        pipeline parallelism) the pipeline's sends and receives with their waits."""
         lines = [f"profile of steps {self.steps[0]}-{self.steps[-1]} (rank {self.rank}): {self.folder}"]
         for row in self.rows:
             dims = ", ".join(f"{dim} {1e3 * d['seconds']:.1f} ms in {d['calls']}" for dim, d in row["by_dim"].items())
+            pipe = row["pipeline"]
+            pipeline = (f" + pipeline {1e3 * pipe['seconds']:.1f} ms ({pipe['calls']} sends and receives, their "
+                        "waits for the other stages included)" if pipe["calls"] else "")
             lines.append(f"  step {row['step']}: {1e3 * row['seconds']:.1f} ms = compute {1e3 * row['compute_s']:.1f} ms"
-                         f" + communication {1e3 * row['communication_s']:.1f} ms ({dims or 'none'})")
+                         f" + communication {1e3 * row['communication_s']:.1f} ms ({dims or 'none'}){pipeline}")
         return "\n".join(lines)

@@ -11,6 +11,7 @@ from typing import Optional
 
 from .. import incidents
 from ..files import write_text_atomic
+from ..config import Config
 from .metrics import scores_text
 
 
@@ -41,17 +42,21 @@ def launch_command(config_path: Path, run_dir: Path, environ=os.environ) -> list
 def summarise(*, run_dir: Path, steps: tuple[int, int], skipped: int, tokens: float, wall_seconds: float,
               train_seconds: float, eval_seconds: float, mfu: float, peak_memory_gb: float,
               train_loss: Optional[float], validation: Optional[dict], checkpoint: Optional[Path],
-              tokenizer: Optional[Path], config_path: Path, train_steps: int,
-              sources: Optional[list] = None, data_stop: str = "",
+              tokenizer: Optional[Path], config_path: Path, config: Config, stopped: str = "",
+              no_validation: str = "", sources: Optional[list] = None, data_stop: str = "",
               downstream: Optional[dict] = None) -> tuple[str, dict]:
-    """(the printed block, the same as a dict for summary.json). `data_stop`: "exhausted" or
-    "damaged" when the data stopped the run (data_stop.py): the resume command says what to change.
+    """(the printed block, the same as a dict for summary.json). `config`: the run's; `stopped`: what
+    ended it before its train.steps ("SIGTERM", "a straggler", "the data": the trainer's stop_signal),
+    "" for none; `no_validation`: why the run has no validation data (evaluate.missing_validation),
+    "" when it has some. `data_stop`: "exhausted" or "damaged" when the data stopped the run
+    (data_stop.py): the resume command says what to change. Each row's reason is derived from these.
     `downstream`: the last downstream scores ({"eval/<task>/<metric>": value}, train/downstream.py)."""
     # Absolute: the commands printed must work from any folder, whatever the run was started with.
     run_dir, config_path = Path(run_dir).absolute(), Path(config_path).absolute()
     checkpoint = Path(checkpoint).absolute() if checkpoint is not None else None
     tokenizer = Path(tokenizer).absolute() if tokenizer else None
     first, last = steps
+    how = _ended_early(stopped, data_stop)
     done = {
         "run_dir": str(run_dir), "first_step": first, "last_step": last, "skipped_steps": skipped,
         "tokens": tokens, "wall_seconds": wall_seconds, "train_seconds": train_seconds,
@@ -62,6 +67,7 @@ def summarise(*, run_dir: Path, steps: tuple[int, int], skipped: int, tokens: fl
         "checkpoint": str(checkpoint) if checkpoint else None,
         "sources": sources or [],  # a blend's: name, weight, tokens trained on
         "data_stop": data_stop or None,  # what stopped the data: "exhausted" or "damaged"
+        "stopped": stopped or None,  # what ended the run before its train.steps
         "downstream": dict(downstream or {}),  # the last [eval] scores
     }
     trained = (f"steps {first}-{last}" if last >= first else "no steps") + (f", {skipped} skipped" if skipped else "")
@@ -77,17 +83,13 @@ def summarise(*, run_dir: Path, steps: tuple[int, int], skipped: int, tokens: fl
         ("peak memory", f"{peak_memory_gb:.2f} GB (the largest rank)"),
         ("final loss", (f"training {train_loss:.4f} (the last log_every steps)" if train_loss is not None
                         else "training -")
-                       + (f", validation {validation['val_loss']:.4f} (perplexity {validation['val_ppl']:.1f})"
-                          if validation else ", validation - (set data.val_fraction or data.val_source)")),
+                       + _validation_text(validation, no_validation, config, steps, how)),
     ]
     if downstream:
         rows.append(("downstream", scores_text(downstream, ", ")))
     if checkpoint is not None:
-        resume = launch_command(config_path, run_dir) + ["--checkpoint.resume", "true"]
-        resume, why = {
-            "exhausted": (resume + ["--data.on_exhausted", "repeat"], "   (or give the source more data)"),
-            "damaged": (resume, "   (once the token store is prepared again)"),
-        }.get(data_stop, (resume + ["--train.steps", str(2 * train_steps)], f"   (any train.steps above {last})"))
+        resume, why = _resume(launch_command(config_path, run_dir) + ["--checkpoint.resume", "true"],
+                              config.train.steps, last, data_stop)
         commands = {"resume": shlex.join(resume) + why}
         if tokenizer is not None:
             commands["generate"] = shlex.join(["hybridpar", "generate", "--checkpoint", str(checkpoint),
@@ -97,7 +99,7 @@ def summarise(*, run_dir: Path, steps: tuple[int, int], skipped: int, tokens: fl
         rows += [("checkpoint", str(checkpoint)), *commands.items()]
         done["commands"] = commands
     else:
-        rows.append(("checkpoint", "none saved (checkpoint.at_end = false and no checkpoint.every)"))
+        rows.append(("checkpoint", _no_checkpoint(config, steps, how)))
     path = os.environ.get(incidents.INCIDENTS_ENV)
     events = incidents.read(Path(path)) if path else []
     if events:  # the faults this run healed from (launch/slurm.sh)
@@ -107,6 +109,61 @@ def summarise(*, run_dir: Path, steps: tuple[int, int], skipped: int, tokens: fl
     width = max(len(k) for k, _ in rows)
     text = "\n".join([f"=== run summary: {run_dir} ==="] + [f"  {k:<{width}}  {v}" for k, v in rows])
     return text, done
+
+
+def _ended_early(stopped: str, data_stop: str) -> str:
+    """What ended the run before its train.steps, as the rows' reasons say it ("" for nothing)."""
+    if data_stop == "damaged":
+        return "the token store is damaged"
+    if data_stop == "exhausted":
+        return 'the data ran out (data.on_exhausted = "stop")'
+    if stopped == "a straggler":
+        return "stopped to leave a straggler's node out"
+    return f"stopped on {stopped}" if stopped else ""
+
+
+def _validation_text(validation: Optional[dict], no_validation: str, config: Config, steps: tuple[int, int],
+                     how: str) -> str:
+    """The final loss row's validation part, with why there is none."""
+    first, last = steps
+    if validation:
+        return f", validation {validation['val_loss']:.4f} (perplexity {validation['val_ppl']:.1f})"
+    if no_validation:
+        return f", validation - ({no_validation})"
+    if last < first:
+        return f", validation - (no step trained{': ' + how if how else ''})"
+    every = config.train.eval_every
+    when = f"train.eval_every = {every}" if every else "train.eval_every = 0: after the last step"
+    return f", validation - ({how or 'the run ended'} after step {last}, before this run's first validation ({when}))"
+
+
+def _no_checkpoint(config: Config, steps: tuple[int, int], how: str) -> str:
+    """The checkpoint row of a run that saved none, with why."""
+    first, last = steps
+    c = config.checkpoint
+    if last < first:
+        return f"none saved (no step trained{': ' + how if how else ''})"
+    if not c.at_end and c.every:
+        return (f"none saved (checkpoint.at_end = false, and steps {first}-{last} reached no multiple of "
+                f"checkpoint.every = {c.every})")
+    if not c.at_end:
+        return "none saved (checkpoint.at_end = false and no checkpoint.every)"
+    return f"none saved ({how})" if how else "none saved"
+
+
+def _resume(command: list[str], train_steps: int, last: int, data_stop: str) -> tuple[list[str], str]:
+    """The command that continues the run, and what it does: a run stopped before its train.steps
+    goes on with the same train.steps, so the same learning-rate schedule; only a run that finished
+    may be given more steps, and that changes the schedule."""
+    if data_stop == "exhausted":
+        return command + ["--data.on_exhausted", "repeat"], "   (or give the source more data)"
+    if data_stop == "damaged":
+        return command, "   (once the token store is prepared again)"
+    if last < train_steps:
+        return command, f"   (the same run: on to step {train_steps} on the same learning-rate schedule)"
+    return (command + ["--train.steps", str(2 * train_steps)],
+            f"   (to train on: any train.steps above {last}; the learning-rate schedule is then spread over the "
+            "new train.steps, so the rate rises again)")
 
 
 def write_summary(run_dir: Path, done: dict) -> None:

@@ -41,7 +41,7 @@ from ..preflight import Job, as_job, world_size_from_env
 from ..progress import note
 from ..mesh.ranks import mark_every_rank, wait_for_every_rank
 from . import data_stop, downstream, stop as stopping
-from .evaluate import Validator
+from .evaluate import Validator, missing_validation
 from .clock import StepClock
 from .dashboard import plot_dashboard
 from .metrics import (MetricsWriter, WandbSettings, flops_per_token, measure_matmul_peak, memory_bytes, log_row,
@@ -317,8 +317,8 @@ class Trainer:
                 f"{c.fsdp.sharding_strategy}, global batch {self.global_batch} x {c.data.seq_len} tokens, "
                 f"{self.loader.windows} sequences in the data")
         if self.validator is None and (c.train.eval_every or c.train.eval_steps) and self.is_main:
-            log.warning("hybridpar: warning: train.eval_every / train.eval_steps are set, but there is no validation "
-                        "data: set data.val_fraction or data.val_source")
+            log.warning("hybridpar: warning: train.eval_every / train.eval_steps are set, but the run has no "
+                        f"validation data: {missing_validation(c)}")
         if self.resumed_from is not None:
             self.metrics.event(self.step, "resumed", checkpoint=str(self.resumed_from))  # marked on the dashboard
         if self.resumed_from is not None and self.is_main:
@@ -382,7 +382,9 @@ class Trainer:
             peak_memory_gb=peak.item(), train_loss=log_row(h[-self.config.train.log_every:])["loss"] if h else None,
             validation=self.validation, checkpoint=latest_checkpoint(self.checkpointer.folder),
             tokenizer=getattr(self.tokenizer, "path", None), config_path=self.run_dir / "config.toml",
-            train_steps=self.config.train.steps, sources=describe_blend(self.loader),
+            config=self.config, stopped=self.stop_signal,
+            no_validation="" if self.validator is not None else missing_validation(self.config),
+            sources=describe_blend(self.loader),
             data_stop=data_stop.kind(self.data_stopped), downstream=self.downstream.scores)
         write_summary(self.run_dir, done)
         log.info(text)

@@ -9,7 +9,7 @@ optimizer step), kill_forward (SIGKILL in the middle of the forward), kill_save 
 writing a checkpoint: the job saves every step), kill_setup (SIGKILL while the data is set up),
 stop_hang (every rank gets SIGTERM in the forward, and RANK hangs there: the stop cannot finish),
 sleep_stage (RANK, of a pipeline stage, stops in its stage's first forward: its peer stages wait in
-their sends and receives). The fault fires once, in step STEP (kill_setup: before step 1).
+their sends and receives), kill_stage (SIGKILL there instead). The fault fires once, in step STEP (kill_setup: before step 1).
 """
 
 import json
@@ -122,19 +122,25 @@ def _stage_modules(trainer: Trainer) -> list:
     return list(parts) if parts else [trainer.model]
 
 
-def _sleep_in_stage(trainer: Trainer, rank: int, step: int, fired: list) -> None:
-    def hook(module, args):
-        if trainer.parallel.rank == rank and trainer.step + 1 == step and not fired:
-            fired.append("sleep_stage")
-            _announce("sleep_stage", rank)
-            time.sleep(3600)  # the planted stall, inside the step: the other stages wait in sends and receives
+def _in_stage(fault: str):
+    """sleep_stage or kill_stage: RANK stalls or dies in its first stage's first forward of the step."""
+    def plant(trainer: Trainer, rank: int, step: int, fired: list) -> None:
+        def hook(module, args):
+            if trainer.parallel.rank == rank and trainer.step + 1 == step and not fired:
+                fired.append(fault)
+                _announce(fault, rank)
+                if fault == "kill_stage":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(3600)  # the planted stall, inside the step: the other stages wait in sends and receives
 
-    _stage_modules(trainer)[0].register_forward_pre_hook(hook)
+        _stage_modules(trainer)[0].register_forward_pre_hook(hook)
+
+    return plant
 
 
 # Faults planted by a hook of their own (not in all_reduce).
 HOOKED = {"exit_optimizer": _exit_in_optimizer, "kill_forward": _kill_in_forward, "kill_save": _kill_in_save,
-          "stop_hang": _stop_and_hang, "sleep_stage": _sleep_in_stage}
+          "stop_hang": _stop_and_hang, "sleep_stage": _in_stage("sleep_stage"), "kill_stage": _in_stage("kill_stage")}
 
 
 def _kill_in_setup(rank: int) -> None:

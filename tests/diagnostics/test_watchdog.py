@@ -383,6 +383,29 @@ def test_close_wakes_the_thread_without_waiting_for_its_interval(tmp_path, monke
     assert wd.exits == []  # the wake-up is not taken for SIGTERM
 
 
+def test_a_step_begun_is_published_at_once_whatever_the_interval(tmp_path, monkeypatch):
+    """A rank killed in step N must be last seen in step N: its beat at the interval's end (5 s by
+    default, tens of steps) named an older step (issue 48: killed in step 45, "last seen in step 22")."""
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", dist.HashStore)
+    wd = _watchdog(tmp_path, world=1, timeout=600.0, interval=30.0).start()
+
+    def last_seen() -> int:
+        return json.loads(wd.beat.store.get(wd.beat.key("beat/0")))["step"]
+
+    try:
+        for step in (1, 2, 3):
+            wd.step, wd.phase = step, "data"
+            deadline = time.monotonic() + 3
+            while last_seen() != step and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert last_seen() == step
+        began = time.monotonic()
+        wd.close()  # a round is still woken at once
+        assert time.monotonic() - began < 2.0
+    finally:
+        wd.close()
+
+
 def test_a_verdict_given_while_paused_between_set_up_and_run_is_obeyed(tmp_path):
     """One watchdog watches set-up and run with the same keys: a verdict another rank's monitor gives
     while this rank is between the two reaches it once it watches on (two watchdogs once missed it)."""
@@ -517,6 +540,24 @@ def test_a_stalled_stage_is_named_with_its_stage_and_the_op_its_peer_waits_in(co
     assert f"rank 0 (stage 0), which waits in {first['op']} #" in cause, cause
     assert f"rank {rank}: {where} on " in text, text
     assert "fault_job.py" in cause and "in hook" in cause, cause  # where the stalled rank stands
+
+
+@pytest.mark.slow
+def test_a_killed_stage_is_last_seen_in_the_step_it_died_in(corpus, tmp_path):
+    """pp 2 (1F1B), rank 1 SIGKILLed in its stage's forward of step FAULT_STEP, heartbeats 5 s apart
+    (steps take milliseconds): the report places the gone rank in that step (issue 48: "last seen in
+    step 0, start"), and names it and the receive its peer waits in."""
+    flags, world, rank, where = PIPELINE_STALLS["pp2-1F1B"]
+    result, _ = _run_fault(corpus, tmp_path, "kill_stage", rank, world, **flags, **{
+        "diagnostics.train_timeout": 60, "diagnostics.watchdog_interval": 5})
+    report = json.loads((tmp_path / "run" / "hang_report.json").read_text())
+    text = result.stderr[result.stderr.index("hybridpar watchdog"):]
+    print("\n" + "\n".join(text.splitlines()[:4]))
+    # Its step's beat goes out within a store write of the step's start: N - 1 only for a death sooner.
+    seen = report["gone"][str(rank)]["step"]
+    assert report["dead"] == [rank] and seen in (FAULT_STEP - 1, FAULT_STEP), report["gone"]
+    assert f"rank {rank} (stage 1) is gone" in text.splitlines()[1]
+    assert f"last seen in step {seen}, " in text, text
 
 
 @pytest.mark.slow

@@ -139,3 +139,44 @@ def test_compiled_stages_under_pp(workers, corpus, check_close, tmp_path):
     check_close("pp 2 compiled vs world 1", {f"{k} step {i + 1}": abs(a[j] - b[j]) / abs(b[j])
                                             for i, (a, b) in enumerate(zip(got, ref))
                                             for j, k in enumerate(("loss", "grad_norm"))}, BOUND)
+
+
+STALL = 0.5  # seconds stage 1 spends in its first forward of the profiled step
+
+
+def _case_profile_stalled(config) -> dict:
+    import time
+
+    import torch.distributed as dist
+
+    from hybridpar.train import Trainer
+
+    trainer = Trainer(config)
+    stalled = []
+
+    def hook(module, args):  # stage 1's own compute, which stage 0 waits for in its receives
+        if dist.get_rank() == 1 and trainer.step + 1 == 2 and not stalled:
+            stalled.append(True)
+            time.sleep(STALL)
+
+    trainer.model_parts[0].register_forward_pre_hook(hook)
+    trainer.run()
+    return {"rows": trainer.profiler.rows, "text": trainer.profiler.describe()}
+
+
+@pytest.mark.slow
+def test_a_pipeline_profile_counts_the_stages_sends_receives_and_waits_apart_from_compute(workers, corpus, tmp_path):
+    """pp 2 (1F1B), step 2 profiled, stage 1 busy STALL s in its first forward: stage 0 spends that
+    time waiting for its gradients, which its breakdown counts as the pipeline's (its sends,
+    receives and the waits for them: the bubble), not as compute; stage 1's compute holds it."""
+    config = make_config(corpus, tmp_path, steps=2, **{"model.n_layers": 2, "parallel.pp": 2,
+                                                        "parallel.pp_microbatches": 2, "train.profile_steps": "2"})
+    results = workers(2).run(_case_profile_stalled, config)
+    print("\n" + "\n".join(r["text"] for r in results))
+    first, last = [r["rows"][0] for r in results]
+    for row in (first, last):
+        assert row["step"] == 2 and row["pipeline"]["calls"] == 4  # 2 micro-batches: 2 sends, 2 receives
+        assert row["compute_s"] + row["communication_s"] + row["pipeline_s"] == pytest.approx(row["seconds"])
+    assert first["pipeline_s"] > 0.8 * STALL > first["compute_s"]
+    assert last["compute_s"] > STALL > last["pipeline_s"]
+    assert "pp" in first["by_dim"]  # the loss and gradient-norm all-reduces stay communication

@@ -168,3 +168,63 @@ def test_a_stop_that_cannot_finish_ends_in_time_with_the_previous_checkpoint_int
     assert ended - fired_at < timeout + 20  # torchrun's own teardown included
     latest = latest_checkpoint(tmp_path / "run" / "checkpoints")
     assert latest.name == f"step-{FAULT_STEP - 1:08d}" and (latest / ".metadata").exists()
+
+
+# --- pp 2: SIGTERM, then the summary's resume row -----------------------------------------------
+
+
+def _case_sigterm(config, at_step=None):
+    """Train (resuming if configured); SIGTERM to rank 0 in its stage's forward of step `at_step`.
+    What rank 0 printed, the step it started from, and each step's loss and learning rate."""
+    import contextlib
+    import io
+
+    import torch.distributed as dist
+
+    from hybridpar.train import Trainer
+
+    trainer = Trainer(config)
+
+    def hook(module, args):
+        if dist.get_rank() == 0 and trainer.step + 1 == at_step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    trainer.model_parts[0].register_forward_pre_hook(hook)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        history = trainer.run()
+    return {"out": out.getvalue(), "start": trainer.start_step, "train_steps": trainer.config.train.steps,
+            "losses": [m["loss"] for m in history], "lrs": [m["lr"] for m in history]}
+
+
+@pytest.mark.slow
+def test_a_run_stopped_by_sigterm_and_resumed_by_its_summarys_row_is_the_uninterrupted_run(workers, corpus, tmp_path):
+    """pp 2 (1F1B), 6 steps, SIGTERM in step 3: the summary's resume row is the same command (it said
+    --train.steps 12, which stretched the cosine schedule); taken as printed, it keeps train.steps and
+    trains steps 4-6 with the losses and learning rates of the run that was never stopped."""
+    import shlex
+
+    from hybridpar.cli import build_parser
+    from hybridpar.config import find_config, load_config
+    from tests.runs import make_config
+
+    flags = {"parallel.pp": 2, "parallel.pp_microbatches": 2, "model.n_layers": 2, "data.val_fraction": 0.1,
+             "train.eval_steps": 1, "optim.warmup_steps": 2}
+    straight = workers(2).run(_case_sigterm, make_config(corpus, tmp_path / "straight", steps=6, **flags))[0]
+    stopped = workers(2).run(_case_sigterm, make_config(corpus, tmp_path / "run", steps=6, **flags), STOP_AT)[0]
+    print("\n" + stopped["out"][stopped["out"].index("hybridpar: stopped"):])
+    assert stopped["losses"] == straight["losses"][:STOP_AT]
+
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    command, note = summary["commands"]["resume"].split("   ")
+    argv = shlex.split(command)
+    args, overrides = build_parser().parse_known_args(argv[argv.index("train"):])
+    resumed = workers(2).run(_case_sigterm, load_config(find_config(args.config), overrides))[0]
+    assert (resumed["start"], resumed["train_steps"]) == (STOP_AT, 6)
+    assert resumed["losses"] == straight["losses"][STOP_AT:]
+    assert resumed["lrs"] == straight["lrs"][STOP_AT:]
+    assert note == "(the same run: on to step 6 on the same learning-rate schedule)"
+    # The stop line and the summary's rows say what happened.
+    assert "To continue, run the same command again with --checkpoint.resume true." in stopped["out"]
+    assert (f"validation - (stopped on SIGTERM after step {STOP_AT}, before this run's first validation "
+            "(train.eval_every = 0: after the last step))") in stopped["out"]

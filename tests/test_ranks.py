@@ -151,3 +151,35 @@ def test_ranks_whose_restart_counts_differ_name_the_attempt_alike_and_meet(worke
     print(f"\nattempt names and met: {results}")
     assert len({name for name, _ in results}) == 1, results
     assert all(met for _, met in results), results
+
+
+def _case_wait_for_a_late_rank():
+    import logging
+    import time
+
+    import torch.distributed as dist
+
+    import hybridpar.mesh.rendezvous as rendezvous
+    from hybridpar.mesh.ranks import wait_for_every_rank
+
+    said: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: said.append(record.getMessage())
+    logger = logging.getLogger("hybridpar.mesh.ranks")
+    logger.addHandler(handler)
+    saved, rendezvous.REPORT_EVERY = rendezvous.REPORT_EVERY, 0.4
+    try:
+        if dist.get_rank() == 1:
+            time.sleep(1.5)  # a node still preparing its data
+        wait_for_every_rank("late-rank")
+    finally:
+        rendezvous.REPORT_EVERY = saved
+        logger.removeHandler(handler)
+    return said
+
+
+def test_a_wait_for_every_rank_names_the_late_ones_on_rank_0(workers):
+    said = workers(2).run(_case_wait_for_a_late_rank)
+    print(f"\nrank 0 said: {said[0]}")
+    assert said[0] and all("for rank(s) [1] to finish late-rank" in line for line in said[0]), said
+    assert said[1] == []  # once, from rank 0

@@ -192,10 +192,12 @@ def wait_for_every_rank(name: str, poll: float = 0.2) -> None:
     """Return once every rank has called this with `name`, however long that takes: through the
     job's store, not a collective, whose timeout would end a job whose nodes finish some long local
     work (preparing data in a node's own cache) minutes apart. A rank that dies meanwhile is the
-    watchdog's to report."""
+    watchdog's to report; the ones still to come are named by rank 0 every REPORT_EVERY seconds."""
+    import logging
     import time
 
     from ..compat.torch import default_store
+    from .rendezvous import Clock, short_list
 
     rank, world = rank_and_world()
     if world == 1:
@@ -203,6 +205,13 @@ def wait_for_every_rank(name: str, poll: float = 0.2) -> None:
     _ARRIVALS[name] = _ARRIVALS.get(name, 0) + 1
     key = f"hybridpar/arrived/{attempt_id()}/{name}/{_ARRIVALS[name]}"
     store = default_store()
+    store.append(f"{key}/ranks", f"{rank},")  # read only to name the late: the count is what every rank polls
     store.add(key, 1)
+    clock = Clock()
     while store.add(key, 0) < world:
+        if rank == 0 and clock.word_due():
+            came = {int(r) for r in store.get(f"{key}/ranks").decode().split(",") if r}
+            late = sorted(set(range(world)) - came)
+            logging.getLogger(__name__).warning(
+                f"hybridpar: waited {clock.waited():.0f} s for rank(s) {short_list(late)} to finish {name}")
         time.sleep(poll)

@@ -48,10 +48,10 @@ def _acks_key(name: str) -> str:
     return f"hybridpar/rendezvous/{name}/acks"
 
 
-class _Clock:
+class Clock:
     """Seconds waited, and whether it is time for another word."""
 
-    def __init__(self, timeout: float) -> None:
+    def __init__(self, timeout: float = float("inf")) -> None:
         self.start = time.monotonic()
         self.timeout = timeout
         self.next_word = REPORT_EVERY
@@ -69,7 +69,7 @@ class _Clock:
         return self.waited() > self.timeout
 
 
-def _lead(store, world: int, clock: _Clock, poll: Callable[[], None]) -> str:
+def _lead(store, world: int, clock: Clock, poll: Callable[[], None]) -> str:
     """Rank 0: draw the name, answer every token until each rank has acknowledged it."""
     name = uuid.uuid4().hex
     answered: set[str] = set()
@@ -86,15 +86,15 @@ def _lead(store, world: int, clock: _Clock, poll: Callable[[], None]) -> str:
             break
         missing = sorted(set(range(1, world)) - acked)
         if clock.expired():
-            raise RuntimeError(f"hybridpar: rank(s) {_short(missing)} did not start within {clock.timeout:.0f} s "
+            raise RuntimeError(f"hybridpar: rank(s) {short_list(missing)} did not start within {clock.timeout:.0f} s "
                                f"(parallel.init_timeout): see their launcher's log")
         if clock.word_due():
-            log.warning(f"hybridpar: waiting {clock.waited():.0f} s for rank(s) {_short(missing)} to start")
+            log.warning(f"hybridpar: waiting {clock.waited():.0f} s for rank(s) {short_list(missing)} to start")
         poll()
     return name
 
 
-def _follow(store, rank: int, clock: _Clock, poll: Callable[[], None]) -> str:
+def _follow(store, rank: int, clock: Clock, poll: Callable[[], None]) -> str:
     """A rank but 0: announce a fresh token, wait for rank 0's answer, acknowledge it."""
     token = uuid.uuid4().hex
     store.append(_HELLOS, f"{rank}:{token};")
@@ -111,13 +111,14 @@ def _follow(store, rank: int, clock: _Clock, poll: Callable[[], None]) -> str:
     return name
 
 
-def _short(ranks: list[int]) -> str:
+def short_list(ranks: list[int]) -> str:
+    """Ranks for a line: the first 16, and how many more."""
     return str(ranks) if len(ranks) <= 16 else f"{ranks[:16]} and {len(ranks) - 16} more"
 
 
 def agree_on_start(store, rank: int, world: int, timeout: float, *, poll_seconds: float = 0.05) -> str:
     """The name every rank of this start agrees on, through `store` (which may hold earlier starts' keys)."""
-    clock = _Clock(timeout)
+    clock = Clock(timeout)
     delay = [poll_seconds]
 
     def poll() -> None:  # quick at first, then gentle on the store: 16k ranks may be waiting

@@ -76,7 +76,7 @@ def command_names() -> tuple[str, ...]:
 
 def _build() -> _Parsers:
     from ..config import describe  # every config key, for `train --help`
-    from ..config import BAD_RECORD_CHOICES, MAX_DOCUMENT_BYTES  # one list of choices with data.on_bad_record
+    from ..config import BAD_RECORD_CHOICES, MAX_BAD_RECORDS, MAX_DOCUMENT_BYTES  # the [data] keys' own
     parser = _Parser(prog="hybridpar", description=__doc__.split("\n")[0])
     parser.add_argument("--version", action="version", version=f"hybridpar {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -165,7 +165,11 @@ def _build() -> _Parsers:
     prep.add_argument("--val-fraction", type=float, default=0.0,
                       help="this share of the documents, whole, goes to the store's validation part")
     prep.add_argument("--on-bad-record", default="error", choices=BAD_RECORD_CHOICES,
-                      help="a record whose text is missing, null or not a string: stop naming it, or skip and count it")
+                      help="a record whose text is missing, null, not a string or not Unicode text, or a .jsonl line "
+                           "that is not a JSON object: stop naming it, or skip and count it")
+    prep.add_argument("--max-bad-records", type=float, default=MAX_BAD_RECORDS, metavar="N",
+                      help="with --on-bad-record skip, the most bad records a source file may hold: a share of its "
+                           f"records below 1, else a number (data.max_bad_records; default {MAX_BAD_RECORDS:g})")
     prep.add_argument("--max-document-bytes", type=int, default=MAX_DOCUMENT_BYTES,
                       help="a record longer than this is a bad record (data.max_document_bytes; default 64 MiB)")
     gen = command("generate", cmd_generate, help="continue prompts with a trained model (greedy or top-p, KV cache)")

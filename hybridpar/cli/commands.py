@@ -149,9 +149,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     checksums, offline."""
     from ..data.sources import is_store
 
+    takes = "give a checkpoint folder (checkpoints/step-00000100), a run's checkpoints/ folder or a token store"
     if not Path(args.path).exists():
-        raise FileNotFoundError(f"hybridpar verify {args.path}: no such file or folder; give a checkpoint folder "
-                                "(checkpoints/step-00000100), a run's checkpoints/ folder or a token store")
+        raise FileNotFoundError(f"hybridpar verify {args.path}: no such file or folder; {takes}")
+    if not Path(args.path).is_dir():  # every checkpoint and store is a folder
+        raise ValueError(f"hybridpar verify {args.path}: a file, neither a checkpoint nor a token store; {takes} "
+                         "(hybridpar prepare's --out)")
     if is_store(args.path):
         from ..data.store_verify import verify_store
 

@@ -23,6 +23,9 @@ from .sources import blend_sources
 # A record (a .jsonl line, a table's text) longer than this is refused, or skipped: data.max_document_bytes.
 MAX_DOCUMENT_BYTES = 64 << 20
 BAD_RECORD_CHOICES = ("error", "skip")  # data.on_bad_record
+# Skipped bad records a source file may hold (data.max_bad_records): below 1 a share of its records,
+# else a number. Above it the preparation stops: a file of the wrong format is not skipped whole.
+MAX_BAD_RECORDS = 0.01
 
 
 @dataclasses.dataclass
@@ -62,8 +65,11 @@ class DataConfig:
     on_exhausted: str = option("repeat", "data.source, or a blend's source, that runs out: \"repeat\" it (epochs "
                                          "counted) or \"stop\" the run, saving the last step that trained")
     text_field: str = option("text", "the jsonl field or table column holding the text")
-    on_bad_record: str = option("error", "a record whose text is missing, null or not a string: \"error\" naming "
-                                         "it, or \"skip\" it (counted in the store's manifest)")
+    on_bad_record: str = option("error", "a record whose text is missing, null, not a string or not Unicode text, or "
+                                         "a .jsonl line that is not a JSON object: \"error\" naming it, or \"skip\" "
+                                         "it (counted in the store's manifest)")
+    max_bad_records: float = option(MAX_BAD_RECORDS, "with on_bad_record = \"skip\", the most bad records a source "
+                                                     "file may hold: a share of its records (below 1) or a number")
     max_document_bytes: int = option(MAX_DOCUMENT_BYTES, "a longer record (.jsonl line, table text) is a bad record")
     val_source: str = option("", "held-out validation text, a source like data.source (\"\": none)")
     val_fraction: float = option(0.0, "or this share of the source's documents, whole, held out for validation "
@@ -235,8 +241,8 @@ _RANGES = tuple((key, 1, None) for key in ("train.steps", "train.grad_accum", "t
                                            "data.max_document_bytes")) + (
     ("optim.lr", 0.0, None), ("optim.eps", 0.0, None), ("optim.beta1", 0, 1.0), ("optim.beta2", 0, 1.0),
     ("optim.min_lr_ratio", 0, 1), ("optim.warmup_steps", 0, None), ("optim.weight_decay", 0, None),
-    ("optim.grad_clip", 0, None), ("data.num_workers", 0, None), ("checkpoint.every", 0, None),
-    ("train.peak_flops", 0, None), ("parallel.init_timeout", 0.0, None), ("diagnostics.train_timeout", 0, None),
+    ("optim.grad_clip", 0, None), ("data.num_workers", 0, None), ("data.max_bad_records", 0, None),
+    ("checkpoint.every", 0, None), ("train.peak_flops", 0, None), ("parallel.init_timeout", 0.0, None), ("diagnostics.train_timeout", 0, None),
     ("diagnostics.data_guard_every", 0, None), ("diagnostics.replica_check_every", 0, None))
 
 def profile_range(text: str) -> Optional[range]:

@@ -9,9 +9,11 @@ once, whatever the unit size). A `.txt` file (one document), a compressed `.json
 
 Each document comes as an iterator of pieces that concatenate to it (`cut`), at most
 MAX_PIECE_CHARS characters each, so one long document never sits in memory twice and the
-tokenizer never gets more than a piece; a `.txt` file is read a block at a time. A record over
-max_document_bytes (data.max_document_bytes), or whose text is missing, null or not a string, is
-an error naming the file and the row, or skipped and counted (`on_bad_record = "skip"`).
+tokenizer never gets more than a piece; a `.txt` file is read a block at a time. A bad record is
+an error naming the file and the line or row, or skipped and counted (`on_bad_record = "skip"`):
+one over max_document_bytes (data.max_document_bytes), one whose text is missing, null, not a
+string or not Unicode text (a lone UTF-16 surrogate, which no tokenizer can take; bytes that are
+not UTF-8), and a .jsonl line that is not a JSON object.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ _WORD_START = re.compile(r"(?<=\S)\s")
 _LONGEST_PIECE = 16
 MAX_PIECE_CHARS = (_LONGEST_PIECE + 1) * PIECE_CHARS
 _TOO_LONG_FIX = "raise data.max_document_bytes (hybridpar prepare --max-document-bytes)"
+_ONE_OBJECT = "every line of a .jsonl file must be one JSON object, in UTF-8"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,10 +69,12 @@ class Unit:
 
 @dataclasses.dataclass
 class Tally:
-    """What reading a unit found: documents handed on, bad records skipped."""
+    """What reading a unit found: documents handed on, bad records skipped (the first of them:
+    where, and why)."""
 
     documents: int = 0
     skipped: int = 0
+    first_bad: str = ""
 
 
 # --- planning ------------------------------------------------------------------------------------
@@ -267,24 +272,48 @@ def _piece_end(text: str, start: int, whole: bool) -> Optional[int]:
 
 
 def _bad(where: Callable[[], str], why: str, on_bad_record: str, tally: Tally, fix: str = "fix the record") -> None:
-    """A bad record: counted when skipping, else an error naming it (`where()`: asked only then)."""
+    """A bad record: counted when skipping (the first one named), else an error naming it
+    (`where()`: asked only for the first, or the error)."""
     if on_bad_record == "skip":
         tally.skipped += 1
+        if not tally.first_bad:
+            tally.first_bad = f"{where()}: {why}"
         return
-    raise DataFormatError(f"{where()}: {why}; {fix}, or set data.on_bad_record = \"skip\" to skip such records "
-                          "(they are counted)")
+    raise DataFormatError(f"{where()}: {why}; {fix}, or set data.on_bad_record = \"skip\" (hybridpar prepare "
+                          "--on-bad-record skip) to skip such records (they are counted)")
 
 
 def _too_long(size: int, limit: int) -> str:
     return f"a record of {size:,} bytes, over data.max_document_bytes = {limit:,}"
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+@dataclasses.dataclass(frozen=True)
+class NotUTF8:
+    """A table row whose bytes are not UTF-8 (it stands in for the row's text)."""
+
+    error: UnicodeDecodeError
+
+
 def _text_of(value, where: Callable[[], str], text_field: str, on_bad_record: str, tally: Tally) -> Optional[str]:
-    """`value` if it is text; else the bad record counted or said. `where()` names the record, asked
-    only for an error: finding a line's number reads the file before it."""
+    """`value` if it is Unicode text; else the bad record counted or said. `where()` names the
+    record, asked only for an error: finding a line's number reads the file before it."""
     if isinstance(value, str):
-        return value
-    why = f"{text_field!r} is null" if value is None else f"{text_field!r} is a {type(value).__name__}, not a string"
+        # JSON's "\ud83d" escape (or its bytes) makes a lone surrogate: valid JSON, common in scraped
+        # text, but not Unicode text that UTF-8 (or any tokenizer library) can take.
+        lone = None if value.isascii() else _SURROGATE.search(value)
+        if lone is None:
+            return value
+        why = (f"{text_field!r} holds a lone UTF-16 surrogate (\\u{ord(lone.group()):04x} at character "
+               f"{lone.start():,}), not Unicode text a tokenizer can take")
+    elif isinstance(value, NotUTF8):
+        why = f"{text_field!r} is not UTF-8 text ({value.error.reason} at byte {value.error.start:,})"
+    elif value is None:
+        why = f"{text_field!r} is null"
+    else:
+        why = f"{text_field!r} is a {type(value).__name__}, not a string"
     _bad(where, why, on_bad_record, tally)
     return None
 
@@ -301,8 +330,6 @@ def _row_group(parquet, path: Path, index: int, text_field: str):
 def _table_texts(unit: Unit, text_field: str, on_bad_record: str, tally: Tally, on_bytes: OnBytes,
                  limit: int) -> Iterator[str]:
     """The text column of a parquet unit's row groups (one in memory at a time) or an arrow unit's batches."""
-    import pyarrow.compute as pc
-
     path, row = unit.file.path, 0
     if unit.file.kind == "parquet":
         parquet = _parquet_file(path, text_field)
@@ -321,13 +348,7 @@ def _table_texts(unit: Unit, text_field: str, on_bad_record: str, tally: Tally, 
             parts.append(batch.column(batch.schema.get_field_index(text_field)))
             sizes.append(batch.nbytes)
     for column, size in zip(parts, sizes):
-        lengths = pc.binary_length(column)
-        longest = pc.max(lengths).as_py() or 0
-        # A record over the limit is never made a Python string: rows are taken one by one then.
-        values = column.to_pylist() if longest <= limit else (
-            None if n is None else (TooLong(n) if n > limit else column[i].as_py())
-            for i, n in enumerate(lengths.to_pylist()))
-        for value in values:
+        for value in _column_values(column, limit):
             row += 1
             if isinstance(value, TooLong):
                 _bad(lambda: f"{path}: row {row}", _too_long(value.size, limit), on_bad_record, tally, _TOO_LONG_FIX)
@@ -337,6 +358,29 @@ def _table_texts(unit: Unit, text_field: str, on_bad_record: str, tally: Tally, 
                 yield text
         if on_bytes is not None:
             on_bytes(size)
+
+
+def _column_values(column, limit: int) -> Iterable:
+    """A text column's values: str, None, TooLong for one over the limit (never made a Python
+    string) or NotUTF8 for one whose bytes are not UTF-8; the whole column at once when it can be."""
+    import pyarrow.compute as pc
+
+    lengths = pc.binary_length(column)
+    if (pc.max(lengths).as_py() or 0) <= limit:
+        try:
+            return column.to_pylist()
+        except UnicodeDecodeError:  # a row that is not UTF-8: row by row, to name it
+            pass
+    return (_row_value(column, i, n, limit) for i, n in enumerate(lengths.to_pylist()))
+
+
+def _row_value(column, i: int, n: Optional[int], limit: int):
+    if n is None or n > limit:
+        return None if n is None else TooLong(n)
+    try:
+        return column[i].as_py()
+    except UnicodeDecodeError as err:
+        return NotUTF8(err)
 
 
 def _jsonl_texts(unit: Unit, text_field: str, on_bad_record: str, tally: Tally, on_bytes: OnBytes,
@@ -353,14 +397,18 @@ def _jsonl_texts(unit: Unit, text_field: str, on_bad_record: str, tally: Tally, 
             continue
         if not line or line.isspace():  # (no copy of the line, as strip() would make)
             continue
-        try:
-            record = json.loads(line)
-        except ValueError as err:  # JSONDecodeError, or bytes that are not UTF-8
-            raise DataFormatError(f"{where()}: not valid JSON ({first_line(err)}); every line of a .jsonl file "
-                                  "must be one JSON object") from None
+        try:  # decoded here, not by json (which guesses UTF-16 from a NUL byte and lets surrogates pass)
+            record = json.loads(line.decode("utf-8-sig"))
+        except UnicodeDecodeError as err:
+            _bad(where, f"not UTF-8 text ({err.reason} at byte {err.start:,})", on_bad_record, tally, _ONE_OBJECT)
+            continue
+        except ValueError as err:
+            _bad(where, f"not valid JSON ({first_line(err)})", on_bad_record, tally, _ONE_OBJECT)
+            continue
         if not isinstance(record, dict):
-            raise DataFormatError(f"{where()}: a JSON {type(record).__name__}, not an object with a "
-                                  f"{text_field!r} field")
+            _bad(where, f"a JSON {type(record).__name__}, not an object with a {text_field!r} field", on_bad_record,
+                 tally, _ONE_OBJECT)
+            continue
         if text_field not in record:
             fields = ", ".join(sorted(record)[:10])
             _bad(where, f"no {text_field!r} field (it has: {fields})", on_bad_record, tally,

@@ -49,7 +49,8 @@ def build_sources(d, on_progress: Optional[Callable[[str], None]] = None, walked
     trained = inputs[:len(entries)]  # a held-out data.val_source is not trained on
     tokenizer = tokenizer_choice(d, trained).load()
     stores = stores_of(inputs, tokenizer, folder, val_fractions=fractions, on_bad_record=d.on_bad_record,
-                       max_document_bytes=d.max_document_bytes, on_progress=on_progress)
+                       max_document_bytes=d.max_document_bytes, max_bad_records=d.max_bad_records,
+                       on_progress=on_progress)
     held_out = stores[len(entries)][0] if d.val_source else None
     sources, validation = [], {}
     for entry, (train, split), said in zip(entries, stores, where):

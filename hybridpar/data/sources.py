@@ -19,6 +19,7 @@ from typing import Mapping, Optional, Sequence, Union
 
 from hybridpar.data.corpus import default_corpus_bytes, default_corpus_id
 from hybridpar.data.store import MANIFEST, PLAN
+from hybridpar.data.streams import DataFormatError
 from hybridpar.config.sources import DEFAULT_SOURCE, SourceNames
 from hybridpar.files import PathLike, sha256_text
 from hybridpar.progress import note
@@ -136,6 +137,9 @@ class _Walk:
         if not path.exists():
             raise FileNotFoundError(f"data path {path} does not exist")
         if path.is_dir():
+            if is_store(path):  # (a source that is a store alone never gets here: describe_input)
+                raise DataFormatError(f"{path} is a token store (prepared already), not raw text to prepare: train on "
+                                      f"it as it is (data.source = {path}); {_STORE_WITH_RAW}")
             if not self._first(path):
                 return []
             found = self._folder(path)
@@ -177,6 +181,9 @@ class _Walk:
         for child in sorted(root.iterdir()):
             if child.name.startswith("."):
                 continue
+            if child.is_dir() and is_store(child):
+                raise DataFormatError(f"the data folder {root} holds the token store {child}, which is never read as "
+                                      f"raw text: move it out of the folder; {_STORE_WITH_RAW}")
             if child.is_dir():
                 found += self._folder(child) if self._first(child) else []
             elif child.is_file() and kind_of(child) is not None:
@@ -204,6 +211,10 @@ class _Walk:
 
 
 _SAID: set[str] = set()  # the notes said in this process
+# How a store and raw files are used together: each is a source of its own.
+_STORE_WITH_RAW = ("with raw files, make the two a blend, each a source of its own (data.sources, e.g. "
+                   "\"store=STORE@0.5,raw=FILES@0.5\": the job prepares the raw one, or hybridpar prepare of the raw "
+                   "files alone does)")
 
 
 def describe_sources(files: Sequence[SourceFile], text_field: str = "text") -> dict:

@@ -31,14 +31,19 @@ from hybridpar.files import file_lock, write_text_atomic
 
 def unit_record(plan: Plan, index: int) -> Optional[dict]:
     """Unit `index`'s record if the unit is done (its shards there, at their sizes), else None."""
-    path = plan.folder / unit_record_name(index)
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    if record.get("plan") != plan.key:
+    record = written_record(plan, index)
+    if record is None:
         return None
     return record if all(shard_written(plan.folder, shard) for shard in record["shards"]) else None
+
+
+def written_record(plan: Plan, index: int) -> Optional[dict]:
+    """Unit `index`'s record as written for `plan` (whatever became of its shards since), else None."""
+    try:
+        record = json.loads((plan.folder / unit_record_name(index)).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and record.get("plan") == plan.key else None
 
 
 def build_unit(plan: Plan, index: int, tokenizer, on_bytes=None, on_tokens=None) -> dict:
@@ -67,7 +72,7 @@ def build_unit(plan: Plan, index: int, tokenizer, on_bytes=None, on_tokens=None)
             writer.finish(err)
         raise
     record = {"plan": plan.key, "unit": index, "file": data["units"][index]["file"], "tokens": tokens,
-              "documents": documents, "skipped": tally.skipped,
+              "documents": documents, "skipped": tally.skipped, "first_bad": tally.first_bad,
               "shards": [s for w in writers for s in w.finish()]}
     write_text_atomic(plan.folder / unit_record_name(index), json.dumps(record) + "\n")
     return record

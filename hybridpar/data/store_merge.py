@@ -11,6 +11,7 @@ from typing import Optional
 from hybridpar.data.store import FORMAT, MANIFEST, VERSION, StoreError
 from hybridpar.data.store_build import unit_record
 from hybridpar.data.store_plan import Plan
+from hybridpar.data.streams import DataFormatError
 from hybridpar.data.tokenise import PART_NAMES
 from hybridpar.files import file_lock, write_text_atomic
 from hybridpar.progress import note
@@ -54,9 +55,26 @@ def report_skipped(manifest: dict) -> None:
     """One line per source file whose bad records were skipped (data.on_bad_record = "skip")."""
     for f in manifest["files"]:
         if f["skipped"]:
-            note(f"{f['path']}: {f['skipped']:,} bad records skipped (no text, not a string, or over "
-                 f"data.max_document_bytes) of "
-                 f"{f['skipped'] + f['documents']:,}")
+            note(f"{f['path']}: {f['skipped']:,} bad records skipped of {f['skipped'] + f['documents']:,} "
+                 f"(the first: {f.get('first_bad') or 'unknown'})")
+
+
+def skipped_records(manifest: dict) -> int:
+    """The bad records a store's preparation skipped, in all."""
+    return sum(f.get("skipped", 0) for f in manifest["files"])
+
+
+def _check_bad_records(data: dict, files: list[dict]) -> None:
+    """Each source file's skipped records within data.max_bad_records (a share of its records below
+    1, else a number): over it, a wrong format or a wrong text field is likelier than bad records."""
+    cap = data.get("max_bad_records")
+    for f in files if cap is not None else ():
+        records = f["skipped"] + f["documents"]
+        if f["skipped"] > (cap if cap >= 1 else cap * records):
+            allowed = f"{cap:g} of a file's records" if cap < 1 else f"{cap:g} a file"
+            raise DataFormatError(f"{f.get('path') or 'the embedded corpus'}: {f['skipped']:,} of {records:,} records "
+                                  f"are bad, over data.max_bad_records = {allowed} (the first: {f['first_bad']}); "
+                                  f"fix the file, or raise the cap (hybridpar prepare --max-bad-records) to skip them")
 
 
 def _check_sources(data: dict) -> None:
@@ -72,25 +90,27 @@ def _check_sources(data: dict) -> None:
 
 
 def _manifest(data: dict, records: list[dict], name: str) -> dict:
-    files = [{**f, "documents": 0, "tokens": 0, "skipped": 0} for f in data["sources"]["files"]]
+    files = [{**f, "documents": 0, "tokens": 0, "skipped": 0, "first_bad": ""} for f in data["sources"]["files"]]
     parts = {part: {"tokens": 0, "documents": 0, "shards": []} for part in PART_NAMES[: 2 if data["val_fraction"] else 1]}
     for record in records:
         described = files[record["file"]]
         described["documents"] += sum(record["documents"])
         described["tokens"] += sum(record["tokens"])
         described["skipped"] += record["skipped"]
+        described["first_bad"] = described["first_bad"] or record.get("first_bad", "")
         for p, part in enumerate(parts):
             parts[part]["tokens"] += record["tokens"][p]
             parts[part]["documents"] += record["documents"][p]
         for shard in record["shards"]:
             parts[shard["part"]]["shards"].append({k: shard[k] for k in ("name", "tokens", "size", "chunks_crc32c")})
+    _check_bad_records(data, files)
     if sum(p["tokens"] for p in parts.values()) == 0:
-        raise StoreError(f"no tokens: the data source {name} holds no text")
+        raise DataFormatError(f"no tokens: the data source {name} holds no text")
     total = sum(p["documents"] for p in parts.values())
     for part, p in parts.items():
         if data["val_fraction"] and p["tokens"] == 0:
             change = "raise it, or name a held-out data.val_source" if part == "validation" else "lower it"
-            raise StoreError(f"data.val_fraction = {data['val_fraction']} put {'none' if part == 'validation' else 'all'} "
+            raise DataFormatError(f"data.val_fraction = {data['val_fraction']} put {'none' if part == 'validation' else 'all'} "
                              f"of the {total} documents of {name} in validation: {change}")
     return {"format": FORMAT, "version": VERSION, "plan": data["key"],
             **{k: data[k] for k in ("dtype", "vocab_size", "eos_id", "tokenizer_sha256", "tokenizer_path",

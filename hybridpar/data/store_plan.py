@@ -12,12 +12,13 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
-from hybridpar.config import BAD_RECORD_CHOICES, MAX_DOCUMENT_BYTES
+from hybridpar.config import BAD_RECORD_CHOICES, MAX_BAD_RECORDS, MAX_DOCUMENT_BYTES
 from hybridpar.data.formats import UNIT_BYTES, Unit, plan_units
 from hybridpar.data.sources import Input, Source, describe_input
 from hybridpar.data.store import FORMAT, MANIFEST, PLAN, UNITS, VERSION, StoreError
+from hybridpar.data.streams import DataFormatError
 from hybridpar.data.tokenise import token_dtype
 from hybridpar.files import NO_FLOCK_ERRNOS, PathLike, sha256_text, write_text_atomic
 
@@ -36,7 +37,8 @@ class Plan:
 
 
 def plan_of(input: Input, tokenizer, out: PathLike, *, val_fraction: float = 0.0, on_bad_record: str = "error",
-            unit_bytes: int = UNIT_BYTES, max_document_bytes: int = MAX_DOCUMENT_BYTES) -> Plan:
+            unit_bytes: int = UNIT_BYTES, max_document_bytes: int = MAX_DOCUMENT_BYTES,
+            max_bad_records: float = MAX_BAD_RECORDS) -> Plan:
     """The plan of a store of `input` (sources.describe_input) tokenised by `tokenizer` in folder
     `out` (nothing written)."""
     if on_bad_record not in BAD_RECORD_CHOICES:
@@ -47,6 +49,8 @@ def plan_of(input: Input, tokenizer, out: PathLike, *, val_fraction: float = 0.0
         raise ValueError(f"the unit size must be a positive number of bytes, got {unit_bytes!r}")
     if max_document_bytes < 1:
         raise ValueError(f"data.max_document_bytes (--max-document-bytes) must be at least 1, got {max_document_bytes}")
+    if not max_bad_records >= 0:  # (NaN too)
+        raise ValueError(f"data.max_bad_records (--max-bad-records) must be at least 0, got {max_bad_records}")
     eos_id, vocab_size = int(tokenizer.eos_id), int(tokenizer.vocab_size)
     if not 0 <= eos_id < vocab_size:
         raise ValueError(f"the tokenizer has no usable eos piece (eos_id {eos_id}); documents need one between them")
@@ -63,6 +67,8 @@ def plan_of(input: Input, tokenizer, out: PathLike, *, val_fraction: float = 0.0
     # so that a run started in another folder finds it.
     path = getattr(tokenizer, "path", "")
     data["tokenizer_path"] = str(Path(path).absolute()) if path else ""
+    # Nor the cap on bad records: it changes no token, only whether the manifest is written (store_merge).
+    data["max_bad_records"] = max_bad_records
     return Plan(Path(out), data, tuple(units))
 
 
@@ -126,16 +132,21 @@ def describe_plan(data: Optional[dict]) -> str:
 # workers of `hybridpar prepare` under their parent's); plan.json is written or replaced only under
 # the exclusive lock, i.e. when nobody prepares. So processes of the same input join each other, and
 # one of other input is refused at once instead of replacing plan.json under them (which made both
-# loop forever). Once the manifest is written, the last process out removes the lock files.
+# loop forever). Once the manifest is written, the last process out removes the lock files. A
+# preparation refused for its input (DataFormatError: a bad record, no text, an empty part, too many
+# bad records) leaves nothing: the same input is refused again whoever runs it, and other input makes
+# another plan, so the last process out removes every file of the store (discard_refused).
 
 STORE_LOCK = "prepare.lock"
 _SHARED_WAIT = 60.0  # seconds to wait for a shared lock: the exclusive one is held while plan.json is written
 
 
 @contextlib.contextmanager
-def preparing(plan: Plan) -> Iterator[None]:
+def preparing(plan: Plan, own_folder: bool = False) -> Iterator[None]:
     """Hold store `plan.folder` for preparing `plan` (writing its plan.json if the store is new);
-    refuses, in one line, a store being prepared, or holding units, of other input."""
+    refuses, in one line, a store being prepared, or holding units, of other input. A refusal of the
+    input inside (DataFormatError) takes the store's files with it (discard_refused), and the folder
+    too if this process made it or `own_folder` (a cache's)."""
     if (plan.folder / MANIFEST).is_file():  # complete: nothing to lock (its lock files are gone)
         there = read_plan(plan.folder)
         if there is None or there.get("key") != plan.key:
@@ -144,28 +155,50 @@ def preparing(plan: Plan) -> Iterator[None]:
         return
     if plan.folder.exists() and not plan.folder.is_dir():
         raise StoreError(f"{plan.folder} is a file, not a store folder: give another path (a new folder, or a store's)")
-    plan.folder.mkdir(parents=True, exist_ok=True)
-    try:
-        fd = os.open(plan.folder / STORE_LOCK, os.O_RDWR | os.O_CREAT, 0o666)
-    except OSError as err:
-        raise StoreError(f"cannot lock {plan.folder / STORE_LOCK} ({err.strerror}): give an --out you may write in")
-    try:
-        _claim(fd, plan)
-    except BaseException:
-        os.close(fd)
-        raise
+    own_folder = own_folder or not plan.folder.exists()
+    fd = _claimed(plan)
     try:
         yield
+    except DataFormatError:
+        os.close(fd)  # releases the shared lock: the last process out discards the store
+        fd = -1
+        discard_refused(plan, own_folder)
+        raise
     finally:
-        os.close(fd)  # releases the shared lock
-        remove_locks(plan.folder)
+        if fd >= 0:
+            os.close(fd)  # releases the shared lock
+            remove_locks(plan.folder)
 
 
-def _claim(fd: int, plan: Plan) -> None:
+def _claimed(plan: Plan) -> int:
+    """The store's prepare.lock, open and held (shared) for `plan` (_claim): taken anew if a refused
+    preparation removed it (discard_refused) while this process waited for it."""
+    while True:
+        plan.folder.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(plan.folder / STORE_LOCK, os.O_RDWR | os.O_CREAT, 0o666)
+        except FileNotFoundError:  # the folder went between the two calls
+            continue
+        except OSError as err:
+            raise StoreError(f"cannot lock {plan.folder / STORE_LOCK} ({err.strerror}): give an --out you may "
+                             "write in") from None
+        try:
+            if _claim(fd, plan):
+                return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+
+
+def _claim(fd: int, plan: Plan) -> bool:
+    """Take the store lock `fd` for `plan`: True once held; False if its file was removed meanwhile."""
     deadline = time.monotonic() + _SHARED_WAIT
     while True:
         try:
             if _flock(fd, fcntl.LOCK_EX):
+                if not _still_there(fd, plan.folder / STORE_LOCK):
+                    return False  # (checked again below, under the shared lock)
                 _write_plan(plan)  # nobody else prepares: plan.json may be written or replaced
                 fcntl.flock(fd, fcntl.LOCK_SH)  # (not atomic: another may slip in between, hence the re-read)
             elif not _flock(fd, fcntl.LOCK_SH):  # someone is writing plan.json: a moment
@@ -180,14 +213,25 @@ def _claim(fd: int, plan: Plan) -> None:
             log.warning("%s: this file system has no flock; two preparations of different input into it are not "
                         "told apart", plan.folder)
             _write_plan(plan)
-            return
+            return True
+        if not _still_there(fd, plan.folder / STORE_LOCK):
+            return False
         there = read_plan(plan.folder)
         if there is not None and there.get("key") == plan.key:
-            return  # ours: joined
+            return True  # ours: joined
         if (plan.folder / MANIFEST).is_file():
             _refuse_other_store(plan, there)
         raise StoreError(f"{plan.folder} is being prepared from other input ({describe_plan(there)}): give another "
                          "--out (one store a folder), or let that preparation finish first")
+
+
+def _still_there(fd: int, path: Path) -> bool:
+    """Is the open file `fd` still the file at `path`?"""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    return os.path.samestat(st, os.fstat(fd))
 
 
 def _flock(fd: int, kind: int) -> bool:
@@ -227,15 +271,49 @@ def remove_locks(folder: Path) -> None:
     """Once the store is complete and nobody holds it: its lock files go (they would stay in the
     finished store). Whoever holds it still removes them when it leaves; new comers see the manifest
     and take no lock."""
-    if not (folder / MANIFEST).is_file():
-        return
+    if (folder / MANIFEST).is_file():
+        _when_alone(folder, lambda: True)
+
+
+def discard_refused(plan: Plan, remove_folder: bool) -> None:
+    """After `plan`'s preparation was refused for its input: every file of its store goes, by the
+    last process to leave it (those still working meet the refusal themselves), and the folder with
+    them when `remove_folder` and nothing else is in it. A failure here is logged: the refusal is
+    what the user must read."""
+    folder, gone = plan.folder, []
+
+    def discard() -> bool:
+        there = read_plan(folder)
+        if (folder / MANIFEST).is_file() or there is None or there.get("key") != plan.key:
+            return False  # completed or taken over meanwhile: not ours to remove
+        for path in (folder / UNITS).iterdir() if (folder / UNITS).is_dir() else ():
+            if path.suffix != ".lock":  # records, shards, sums and half-written files; the locks go last
+                path.unlink()
+        (folder / PLAN).unlink()
+        gone.append(folder)
+        return True
+
+    try:
+        _when_alone(folder, discard)
+        if gone:
+            with contextlib.suppress(FileNotFoundError):
+                (folder / UNITS).rmdir()
+            if remove_folder and not any(folder.iterdir()):
+                folder.rmdir()
+    except OSError as err:
+        log.warning("%s: the refused store's files could not all be removed (%s)", folder, err)
+
+
+def _when_alone(folder: Path, work: Callable[[], bool]) -> None:
+    """`work()` while nobody else prepares store `folder` (its prepare.lock held exclusively here);
+    when it returns True, the store's lock files go too (prepare.lock last, under its own lock)."""
     try:
         fd = os.open(folder / STORE_LOCK, os.O_RDWR)  # never created here: gone means removed already
     except OSError:
         return
     try:
-        if not _flock(fd, fcntl.LOCK_EX):
-            return  # another still works (it removes them when it leaves)
+        if not _flock(fd, fcntl.LOCK_EX) or not work():
+            return  # another still works (it does this when it leaves)
         for lock in [*folder.glob("*.lock"), *(folder / UNITS).glob("*.lock")]:
             if lock.name != STORE_LOCK:
                 with contextlib.suppress(FileNotFoundError):
@@ -247,6 +325,11 @@ def remove_locks(folder: Path) -> None:
             raise
     finally:
         os.close(fd)
+
+
+def default_workers() -> int:
+    """Every core this process may use: the processes of a preparation, the threads of a check."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def check_part(part: int, parts: int) -> None:

@@ -5,17 +5,17 @@ command and the store of each of a run's sources (a raw one's in the cache, or a
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from hybridpar.config import MAX_DOCUMENT_BYTES
+from hybridpar.config import MAX_BAD_RECORDS, MAX_DOCUMENT_BYTES
 from hybridpar.data.formats import UNIT_BYTES, Unit
 from hybridpar.data.sources import Input, Source, SourceFile, describe_input, source_name
 from hybridpar.data.store import MANIFEST, PLAN, StoreError, TokenStore, given_store
-from hybridpar.data.store_merge import finish_store, report_skipped, write_manifest
-from hybridpar.data.store_plan import (Plan, cache_folder, check_part, finished_store, part_of, plan_of, preparing,
-                                       read_plan)
+from hybridpar.data.store_merge import finish_store, report_skipped, skipped_records, write_manifest
+from hybridpar.data.store_plan import (Plan, cache_folder, check_part, default_workers, finished_store, part_of,
+                                       plan_of, preparing, read_plan)
+from hybridpar.data.store_verify import recheck_store
 from hybridpar.data.store_work import work_on
 from hybridpar.files import PathLike
 from hybridpar.progress import note
@@ -23,32 +23,32 @@ from hybridpar.progress import note
 MIN_UNIT_MB = 1 / 64  # --unit-mb's floor, 16 KiB: below it a unit's files and record cost more than it spreads
 
 
-def default_workers() -> int:
-    """Every core this process may use."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 def prepare_store(source: Source, tokenizer, out: PathLike, *, text_field: str = "text", val_fraction: float = 0.0,
                   on_bad_record: str = "error", workers: Optional[int] = None, part: tuple[int, int] = (0, 1),
                   report: Optional[bool] = None, unit_bytes: int = UNIT_BYTES, progress_every: float = 5.0,
                   on_progress: Optional[Callable[[str], None]] = None,
-                  max_document_bytes: int = MAX_DOCUMENT_BYTES) -> Optional[TokenStore]:
+                  max_document_bytes: int = MAX_DOCUMENT_BYTES, max_bad_records: float = MAX_BAD_RECORDS
+                  ) -> Optional[TokenStore]:
     """Tokenise `source` into the store `out` with `workers` processes (default: every core; 1: in
     this process), doing part `part` = (I, N) of it. Returns the store once it is complete; None when
     other parts are still to come (a part of several). Runs again where it stopped. Another
     preparation of the same input joins this one; one of other input is refused (store_plan.preparing).
     `on_progress(text)` hears how far the work is, at least every few seconds while it moves (a
-    training job's watchdog: a long preparation is progress, not a hang)."""
+    training job's watchdog: a long preparation is progress, not a hang). A complete store is checked
+    again, every chunk, and its damaged units are prepared again (store_verify.recheck_store). A
+    preparation refused for its input leaves nothing behind (store_plan.discard_refused)."""
     return prepare(describe_input(source, text_field), tokenizer, out, val_fraction=val_fraction,
                    on_bad_record=on_bad_record, workers=workers, part=part, report=report, unit_bytes=unit_bytes,
-                   progress_every=progress_every, on_progress=on_progress, max_document_bytes=max_document_bytes)
+                   progress_every=progress_every, on_progress=on_progress, max_document_bytes=max_document_bytes,
+                   max_bad_records=max_bad_records)
 
 
 def prepare(input: Input, tokenizer, out: Optional[PathLike] = None, *, cache_dir: Optional[PathLike] = None,
             val_fraction: float = 0.0, on_bad_record: str = "error", workers: Optional[int] = None,
             part: tuple[int, int] = (0, 1), report: Optional[bool] = None, unit_bytes: int = UNIT_BYTES,
             progress_every: float = 5.0, on_progress: Optional[Callable[[str], None]] = None,
-            max_document_bytes: int = MAX_DOCUMENT_BYTES) -> Optional[TokenStore]:
+            max_document_bytes: int = MAX_DOCUMENT_BYTES, max_bad_records: float = MAX_BAD_RECORDS
+            ) -> Optional[TokenStore]:
     """prepare_store of an input (sources.describe_input) into `out`, or into its folder in
     `cache_dir` (store_plan.cache_folder), where a complete one is used as it is: no source file
     opened, no plan made (store_plan.finished_store)."""
@@ -61,9 +61,10 @@ def prepare(input: Input, tokenizer, out: Optional[PathLike] = None, *, cache_di
     options = dict(val_fraction=val_fraction, on_bad_record=on_bad_record, max_document_bytes=max_document_bytes)
     folder = Path(out) if cache_dir is None else cache_folder(input, tokenizer.sha256, cache_dir, **options)
     if cache_dir is None or not finished_store(folder, input, tokenizer.sha256, **options):
-        plan = plan_of(input, tokenizer, folder, unit_bytes=unit_bytes, **options)
+        plan = plan_of(input, tokenizer, folder, unit_bytes=unit_bytes, max_bad_records=max_bad_records, **options)
         limit_threads(1)  # one tokenizer thread per process: the workers (or a job's ranks) are the parallelism
-        with preparing(plan):
+        recheck_store(plan, workers=workers, report=report)
+        with preparing(plan, own_folder=cache_dir is not None):
             mine = part_of(plan, index, parts)
             share = f" (part {index}/{parts}: {len(mine)} of {len(plan.units)} units)" if parts > 1 else ""
             work_on(plan, mine, tokenizer, workers=workers or default_workers(), wait=parts == 1, report=report,
@@ -80,8 +81,8 @@ def prepare(input: Input, tokenizer, out: Optional[PathLike] = None, *, cache_di
 
 
 def stores_of(inputs: Sequence[Input], tokenizer, cache_dir: PathLike, *, val_fractions: Sequence[float],
-              on_bad_record: str, max_document_bytes: int, on_progress: Optional[Callable[[str], None]] = None
-              ) -> list[tuple[TokenStore, Optional[TokenStore]]]:
+              on_bad_record: str, max_document_bytes: int, max_bad_records: float = MAX_BAD_RECORDS,
+              on_progress: Optional[Callable[[str], None]] = None) -> list[tuple[TokenStore, Optional[TokenStore]]]:
     """(training part, validation part or None) of each input, split by its val_fraction: a raw
     one's store in `cache_dir`, prepared here if it is not complete (every process that asks at once,
     the ranks of a job, takes units of it; later jobs reuse it), or the token store it names as given
@@ -91,7 +92,7 @@ def stores_of(inputs: Sequence[Input], tokenizer, cache_dir: PathLike, *, val_fr
         if input.store is None:
             train = prepare(input, tokenizer, cache_dir=cache_dir, workers=1, val_fraction=fraction,
                             on_bad_record=on_bad_record, on_progress=on_progress,
-                            max_document_bytes=max_document_bytes)
+                            max_document_bytes=max_document_bytes, max_bad_records=max_bad_records)
             stores.append((train, TokenStore(train.folder, "validation") if fraction else None))
         else:
             stores.append(given_store(input.store, tokenizer, fraction))
@@ -136,22 +137,26 @@ def prepare_command(args) -> int:
     store = prepare_store(list(args.sources), Tokenizer(args.tokenizer), args.out, text_field=args.text_field,
                           val_fraction=args.val_fraction, on_bad_record=args.on_bad_record,
                           workers=args.workers or None, part=(index, parts), report=True,
-                          unit_bytes=int(args.unit_mb * 2**20), max_document_bytes=args.max_document_bytes)
+                          unit_bytes=int(args.unit_mb * 2**20), max_document_bytes=args.max_document_bytes,
+                          max_bad_records=args.max_bad_records)
     if store is not None:
+        skipped = skipped_records(store.meta)
         print(f"{store.folder}: complete, {store.n_tokens:,} tokens in {store.n_documents:,} documents"
-              f"; train on it with --data.source {store.folder}")
+              + (f" ({skipped:,} bad records skipped)" if skipped else "")
+              + f"; train on it with --data.source {store.folder}")
     return 0
 
 
 def cached_store(source: Source, tokenizer, cache_dir: PathLike, *, text_field: str = "text", val_fraction: float = 0.0,
                  on_bad_record: str = "error", report: Optional[bool] = None, progress_every: float = 5.0,
-                 on_progress: Optional[Callable[[str], None]] = None, max_document_bytes: int = MAX_DOCUMENT_BYTES
-                 ) -> tuple[TokenStore, Optional[TokenStore]]:
+                 on_progress: Optional[Callable[[str], None]] = None, max_document_bytes: int = MAX_DOCUMENT_BYTES,
+                 max_bad_records: float = MAX_BAD_RECORDS) -> tuple[TokenStore, Optional[TokenStore]]:
     """The store of `source` in `cache_dir` (named by a hash of the input, the tokenizer and the
     options), prepared here if it is not complete: every process that asks at once (the ranks of a
     job) takes units of it, and later jobs reuse it. (training part, validation part or None).
     A complete one is used as it is, no source file opened (store_plan.finished_store)."""
     store = prepare(describe_input(source, text_field), tokenizer, cache_dir=cache_dir, workers=1,
                     val_fraction=val_fraction, on_bad_record=on_bad_record, report=report,
-                    progress_every=progress_every, on_progress=on_progress, max_document_bytes=max_document_bytes)
+                    progress_every=progress_every, on_progress=on_progress, max_document_bytes=max_document_bytes,
+                    max_bad_records=max_bad_records)
     return store, TokenStore(store.folder, "validation") if val_fraction else None

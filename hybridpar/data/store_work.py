@@ -152,14 +152,19 @@ def _in_workers(plan: Plan, todo: list[int], tokenizer, workers: int, counted: _
     with concurrent.futures.ProcessPoolExecutor(min(workers, len(todo)), mp_context=context,
                                                 initializer=_worker_init, initargs=(plan, tokenizer, heard)) as pool:
         pending = {pool.submit(_worker_unit, i) for i in todo}
-        while pending:
-            finished, pending = concurrent.futures.wait(pending, timeout=_TELL_EVERY,
-                                                        return_when=concurrent.futures.FIRST_COMPLETED)
-            drain()
-            for future in finished:
-                i, record = future.result()
-                if record is not None:
-                    counted.done(i)
+        try:
+            while pending:
+                finished, pending = concurrent.futures.wait(pending, timeout=_TELL_EVERY,
+                                                            return_when=concurrent.futures.FIRST_COMPLETED)
+                drain()
+                for future in finished:
+                    i, record = future.result()
+                    if record is not None:
+                        counted.done(i)
+        except BaseException:
+            for future in pending:  # a unit that failed (a bad record) ends the work: not the other units first
+                future.cancel()
+            raise
     drain()
 
 

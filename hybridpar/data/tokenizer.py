@@ -262,12 +262,16 @@ def _trained_model(documents: Iterable[str], vocab_size: int, max_sentences: int
             minloglevel=2,
         )
     except RuntimeError as e:
+        if counter.error is not None:
+            raise counter.error from None
         if counter.count == 0:
             raise ValueError("cannot train a tokenizer: the documents hold no text") from e
         raise ValueError(
             f"could not train a tokenizer of vocab_size {vocab_size} on {counter.count} lines of text: {e}; "
             f"choose a vocab_size the corpus supports (the message above says the limit) or train on more text"
         ) from e
+    if counter.error is not None:
+        raise counter.error
     return model.getvalue()
 
 
@@ -279,14 +283,20 @@ def _say_all_read(count: int, vocab_size: int, max_sentences: int, report: Optio
 
 class _SentenceCounter:
     """Non-blank lines of the documents, capped, counting how many were handed out; `on_end(count)`
-    runs once they all were (when any were)."""
+    runs once they all were (when any were). An error reading them (a bad record) ends the lines and
+    is kept in `error`: sentencepiece would report it as an internal error of its own."""
 
     def __init__(self, documents: Iterable[str], limit: int,
                  on_end: Optional[Callable[[int], None]] = None) -> None:
         self.documents, self.limit, self.count, self.on_end = documents, limit, 0, on_end
+        self.error: Optional[Exception] = None
 
     def __iter__(self) -> Iterator[str]:
-        yield from self._lines()
+        try:
+            yield from self._lines()
+        except Exception as err:  # noqa: BLE001 - raised again by _trained_model, once the trainer returns
+            self.error = err
+            return
         if self.on_end is not None and self.count:
             self.on_end(self.count)
 

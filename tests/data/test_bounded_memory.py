@@ -116,7 +116,8 @@ def test_a_200_mb_document_without_newlines(tmp_path):
     size = 200 * len(words) + len('{"text": ""}')
     assert said == (f"error: {record}:1: a record of {size:,} bytes, over data.max_document_bytes = {64 << 20:,}; "
                     "raise data.max_document_bytes (hybridpar prepare --max-document-bytes), or set "
-                    "data.on_bad_record = \"skip\" to skip such records (they are counted)"), said
+                    "data.on_bad_record = \"skip\" (hybridpar prepare --on-bad-record skip) to skip such records "
+                    "(they are counted)"), said
     assert peak < PEAK_MB, peak
 
 
@@ -177,7 +178,7 @@ def test_the_limit_is_a_key_a_flag_and_part_of_the_plan(tmp_path, tokenizer, cap
     err = capsys.readouterr().err.strip().splitlines()  # the start, then the error in one line
     assert len(err) == 2 and f"{tmp_path / 'd.jsonl'}:2: a record of 512 bytes, over data.max_document_bytes = 100" \
         in err[1], err
-    assert main(args + ["--max-document-bytes", "100", "--on-bad-record", "skip"]) == 0
+    assert main(args + ["--max-document-bytes", "100", "--on-bad-record", "skip", "--max-bad-records", "1"]) == 0
     store = TokenStore(tmp_path / "s")
     assert store.n_documents == 1 and store.meta["files"][0]["skipped"] == 1
     plan = json.loads((tmp_path / "s" / "plan.json").read_text())

@@ -203,7 +203,7 @@ def test_the_store_keeps_its_tokenizer_absolute_and_checked_by_sha256(tmp_path, 
     monkeypatch.chdir(elsewhere)
     d = SimpleNamespace(sources=[], source=str(work / "store"), tokenizer="", val_source="", val_fraction=0.0, seq_len=16,
                         text_field="text", cache_dir=str(tmp_path / "cache"), tokenizer_vocab_size=600,
-                        on_bad_record="error", max_document_bytes=1 << 20)
+                        on_bad_record="error", max_document_bytes=1 << 20, max_bad_records=0.01)
     assert build_data(d)[0].sha256 == tokenizer.sha256
     shutil.copy(bpe_files[0], work / "tok.model")  # another tokenizer at the recorded path
     with pytest.raises(ValueError) as other:

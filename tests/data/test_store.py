@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 
 from hybridpar.data import default_corpus_documents
+from hybridpar.data.formats import plan_units
+from hybridpar.data.sources import resolve_sources
 from hybridpar.data.store import MANIFEST, TokenStore
 from hybridpar.data.store_prepare import prepare_store
 from hybridpar.data.store_verify import verify_store
@@ -148,7 +150,8 @@ def test_bad_records_are_named_or_skipped_and_counted(tmp_path, tokenizer, capsy
                                          r"data.on_bad_record = \"skip\""):
         prepare_store(tmp_path / "nulls.parquet", tokenizer, tmp_path / "s1", workers=1, report=False)
     assert not (tmp_path / "s1" / MANIFEST).exists()
-    store = prepare_store(tmp_path / "nulls.parquet", tokenizer, tmp_path / "s2", workers=1, on_bad_record="skip")
+    store = prepare_store(tmp_path / "nulls.parquet", tokenizer, tmp_path / "s2", workers=1, on_bad_record="skip",
+                          max_bad_records=1)
     assert store.meta["files"][0]["skipped"] == 1 and store.n_documents == 2
     assert f"{tmp_path / 'nulls.parquet'}: 1 bad records skipped" in capsys.readouterr().err
     pq.write_table(pa.table({"content": ["x"], "id": [1]}), tmp_path / "other.parquet")
@@ -164,7 +167,8 @@ def test_bad_records_are_named_or_skipped_and_counted(tmp_path, tokenizer, capsy
     (tmp_path / "long.jsonl").write_text("\n".join(lines) + "\n")
     with pytest.raises(ValueError, match=r"long.jsonl:2719: 'text' is null"):
         prepare_store(tmp_path / "long.jsonl", tokenizer, tmp_path / "s5", workers=1, report=False, unit_bytes=UNIT)
-    assert len(json.loads((tmp_path / "s5" / "plan.json").read_text())["units"]) > 5
+    assert len(plan_units(resolve_sources(tmp_path / "long.jsonl"), "text", UNIT)) > 5
+    assert not (tmp_path / "s5").exists()  # refused: nothing of it is left
 
 
 @pytest.mark.parametrize("kind", ["jsonl.zst", "jsonl.gz"])
@@ -191,7 +195,7 @@ def test_data_source_takes_a_store_made_with_the_run_tokenizer(formats, tokenize
     store = prepare_store(formats["jsonl"], tokenizer, tmp_path / "s", workers=1, report=False)
     d = SimpleNamespace(sources=[], source=str(tmp_path / "s"), tokenizer="", val_source="", val_fraction=0.0, seq_len=16,
                         text_field="text", cache_dir=str(tmp_path / "cache"), tokenizer_vocab_size=600,
-                        on_bad_record="error", max_document_bytes=1 << 20)
+                        on_bad_record="error", max_document_bytes=1 << 20, max_bad_records=0.01)
     found, dataset, validation = build_data(d)
     assert found.sha256 == tokenizer.sha256 and validation is None
     assert np.array_equal(dataset[3].numpy(), _tokens(store)[48:65].astype(np.int64))

@@ -116,8 +116,9 @@ def _build() -> _Parsers:
     convert.add_argument("--overwrite", action="store_true", help="replace DST if it exists (it goes only once the "
                                                                   "new folder is complete)")
     convert.add_argument("--tokenizer", default=None,
-                         help="--to hf: the model's tokenizer (a tokenizer.model, tokenizer.json or their folder): "
-                              "its files are copied into the folder and its bos/eos ids go into config.json")
+                         help="--to hf or meta: the model's tokenizer (a tokenizer.model, tokenizer.json or their "
+                              "folder; default: the one the run recorded), copied into the folder; for hf its bos/eos "
+                              "ids go into config.json")
     convert.add_argument("--bos-id", type=int, default=None,
                          help="--to hf: config.json's bos_token_id (default: the tokenizer's, a Hugging Face source's, "
                               "else 128000 for Llama 3's 128256-token vocabulary and Llama 2's 1 otherwise)")

@@ -334,7 +334,7 @@ def test_under_a_launcher_only_rank_0_prints_a_mistake_every_rank_makes(tmp_path
 
 
 def test_only_an_internal_error_suggests_the_traceback(tmp_path, capsys):
-    from hybridpar.cli import _report_error
+    from hybridpar.reporting import report_error as _report_error
     from hybridpar.config import ConfigError
 
     assert _report_error(ConfigError("optim.lr must be > 0"), None) == 2
@@ -476,11 +476,11 @@ def test_a_commands_return_value_is_the_exit_code(monkeypatch, tmp_path):
 @pytest.mark.parametrize("rank", ["0", "1"])
 def test_a_commands_mistake_is_the_clis_to_say_once(rank, monkeypatch, capsys):
     """A command raises its mistake; the CLI says it, once, on rank 0 (mesh sizes are wrong on every rank)."""
-    from hybridpar import cli
+    from hybridpar import cli, reporting
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", rank)
-    monkeypatch.setattr(cli, "RANK_0_SPEAKS_S", 0.0)
+    monkeypatch.setattr(reporting, "RANK_0_SPEAKS_S", 0.0)
     assert cli.main(["mesh", "--world", "4", "--mp", "3"]) == 2
     said = capsys.readouterr().err.splitlines()
     assert said == (["hybridpar: error: world size 4 is not divisible by mp * dp_replicate = 3 * 1 = 3; choose mp "

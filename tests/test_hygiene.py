@@ -224,7 +224,8 @@ def test_every_name_the_package_face_lists_resolves():
 # docs/development.md, "Speaking": print() is for what a command was asked to print. The command layer prints;
 # so do these command bodies (their output is the command's answer), and a report written to the stream
 # its caller passes (print(..., file=out)). Everything else logs (hybridpar.progress).
-COMMAND_LAYER = {"hybridpar/cli/__init__.py", "hybridpar/cli/commands.py"}  # the parser, what each command does
+COMMAND_LAYER = {"hybridpar/cli/__init__.py", "hybridpar/cli/commands.py",  # the parser, what each command does
+                 "hybridpar/reporting.py"}  # and how a command says it failed
 COMMAND_OUTPUT = {("hybridpar/data/store_prepare.py", "prepare_command"), ("hybridpar/incidents.py", "main"),
                   ("hybridpar/plan/cpu.py", "<module>")}
 TERMINAL = {"hybridpar/progress.py"}  # the handler that writes the records of the command line (log_to_terminal)

@@ -179,9 +179,10 @@ def convert(src: Path, dst: Path, to: str, parallel: ParallelDims, mp_out: Optio
             max_shard_size: Optional[Union[int, str]] = None) -> Path:
     """Write the weights of `src` to `dst` in format `to`; returns what was written.
 
-    bos_id / eos_id (hf only): config.json's token ids; default the tokenizer's when `tokenizer` is
-    given (whose files are then copied into the folder), else a Hugging Face source's own, else
-    hf.default_token_ids. max_seq_len (hf, dcp): the context length recorded, default the source's.
+    tokenizer (hf, meta): its files are copied into the folder (a hybridpar checkpoint's recorded
+    tokenizer when not given: _run_tokenizer); Meta's folders keep a sentencepiece or tiktoken file as
+    tokenizer.model. bos_id / eos_id (hf only): config.json's token ids; default the tokenizer's,
+    else a Hugging Face source's own, else hf.default_token_ids. max_seq_len (hf, dcp): the context length recorded, default the source's.
     overwrite: replace an existing `dst` (the old folder goes once the new one is complete).
     dtype, max_shard_size (hf only): export_hf's, default bfloat16 and 5GB shards.
     """
@@ -193,8 +194,8 @@ def convert(src: Path, dst: Path, to: str, parallel: ParallelDims, mp_out: Optio
                          "model-parallel size")
     if (bos_id is not None or eos_id is not None) and to != "hf":
         raise ValueError("--bos-id / --eos-id apply to --to hf only: the other formats do not record token ids")
-    if tokenizer is not None and (to != "hf" or bos_id is not None or eos_id is not None):
-        raise ValueError("--tokenizer applies to --to hf only, without --bos-id / --eos-id (it gives them)")
+    if tokenizer is not None and (to == "dcp" or bos_id is not None or eos_id is not None):
+        raise ValueError("--tokenizer applies to --to hf and meta only, without --bos-id / --eos-id (it gives them)")
     if max_seq_len is not None and to == "meta":
         raise ValueError("--max-seq-len applies to --to hf and dcp only: Meta's params.json does not record it")
     if (dtype is not None or max_shard_size is not None) and to != "hf":
@@ -209,20 +210,21 @@ def convert(src: Path, dst: Path, to: str, parallel: ParallelDims, mp_out: Optio
         on_rank0(lambda: refuse_occupied(dst, OCCUPIED_ADVICE, error_type=CheckpointError, overwrite=overwrite),
                  f"check {dst}", error_type=CheckpointError)
     model, args = load_model(src, parallel, max_seq_len=max_seq_len)
+    # The tokenizer goes with a Meta or Hugging Face export: the one given, else the one the run recorded.
+    files: dict[str, Path] = {}
+    if to != "dcp" and tokenizer is None and bos_id is None and eos_id is None:
+        tokenizer = _run_tokenizer(src)
+    if tokenizer is not None:
+        bos_id, eos_id, files = _tokenizer_files(Path(tokenizer), args.vocab_size)
     if to == "meta":
         from .meta import save_meta_checkpoint
 
-        save_meta_checkpoint(model, dst, parallel, mp_out or parallel.mp, overwrite=overwrite)
+        save_meta_checkpoint(model, dst, parallel, mp_out or parallel.mp, overwrite=overwrite, extra_files=files)
         return dst
     if to == "hf":
         from .hf import export_hf
 
-        files: dict[str, Path] = {}
-        if tokenizer is None and bos_id is None and eos_id is None:
-            tokenizer = _run_tokenizer(src)
-        if tokenizer is not None:
-            bos_id, eos_id, files = _tokenizer_files(Path(tokenizer), args.vocab_size)
-        elif bos_id is None and eos_id is None:
+        if bos_id is None and eos_id is None:
             bos_id, eos_id = _source_token_ids(src)
         export_hf(model, dst, parallel, bos_token_id=bos_id, eos_token_id=eos_id, extra_files=files,
                   overwrite=overwrite, dtype=dtype or torch.bfloat16,

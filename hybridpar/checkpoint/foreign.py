@@ -161,12 +161,19 @@ def model_args(model: nn.Module, error: type[Exception], what: str) -> ModelArgs
 
 
 class ForeignTarget:
-    """A format's writer of `n_files` files, file j by rank j % world size; `dtype` None: the parameters'."""
+    """A format's writer of `n_files` files, file j by rank j % world size; `dtype` None: the parameters'.
+    extra_files: {name: file} copied into the folder as they are (the tokenizer's)."""
 
     error: type[ForeignCheckpointError] = ForeignCheckpointError
 
-    def __init__(self, args: ModelArgs, n_files: int, dtype: Optional[torch.dtype]) -> None:
+    def __init__(self, args: ModelArgs, n_files: int, dtype: Optional[torch.dtype],
+                 extra_files: Optional[Mapping[str, Path]] = None) -> None:
         self.args, self.n_files, self.dtype = args, n_files, dtype
+        self.extra_files = dict(extra_files or {})
+
+    def copy_extra_files(self, staged: Path) -> None:
+        for name, source in self.extra_files.items():
+            shutil.copyfile(source, staged / name)
 
     def begin(self, folder: Path, overwrite: bool) -> None:
         """Rank 0, before any gather: refuse what cannot be written (an occupied folder)."""

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import shutil
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
@@ -187,8 +186,7 @@ class _HFTarget(ForeignTarget):
         shapes = model_shapes(args)
         self._order = hf_order(args)
         self.plan = plan_shards([(hf_name(name), shapes[name]) for name in self._order], dtype, max_bytes)
-        super().__init__(args, len(self.plan.files), dtype)
-        self.extra_files = extra_files or {}
+        super().__init__(args, len(self.plan.files), dtype, extra_files)
         file_of = self.plan.file_of()
         self._file_of = {name: file_of[hf_name(name)] for name in self._order}
         self._meta_name = {hf_name(name): name for name in self._order}
@@ -222,8 +220,7 @@ class _HFTarget(ForeignTarget):
 
     def finish(self, staged: Path) -> None:
         """The index and config.json last, once every shard is in: a folder holding them is complete."""
-        for name, source in self.extra_files.items():
-            shutil.copyfile(source, staged / name)
+        self.copy_extra_files(staged)
         write_text_atomic(staged / GENERATION_CONFIG_JSON, json.dumps(generation_config(self.config), indent=2) + "\n")
         write_index(staged, self.plan)
         write_text_atomic(staged / CONFIG_JSON, json.dumps(self.config, indent=2) + "\n")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Mapping, Optional, Union
 
 import torch
 from torch import nn
@@ -57,7 +57,8 @@ class _MetaTarget(ForeignTarget):
             torch.save(tensors, f)
 
     def finish(self, staged: Path) -> None:
-        """hybridpar.json when needed, params.json last (a folder with it is complete)."""
+        """The tokenizer's files, hybridpar.json when needed, params.json last (a folder with it is complete)."""
+        self.copy_extra_files(staged)
         extra = hybridpar_json(self.args)
         if extra:
             write_text_atomic(staged / SIDECAR_JSON, json.dumps(extra, indent=2) + "\n")
@@ -72,6 +73,7 @@ def save_meta_checkpoint(
     *,
     dtype: Optional[torch.dtype] = None,
     overwrite: bool = False,
+    extra_files: Optional[Mapping[str, Path]] = None,
 ) -> Path:
     """Write `model` (a hybridpar.models.llama.Transformer, plain or FSDP2-wrapped) as Meta's consolidated
     checkpoint with mp_out files. Collective: every rank calls it with the same arguments.
@@ -80,9 +82,10 @@ def save_meta_checkpoint(
     Everything goes into `<folder>.partial`, renamed to `folder` when every file is written: a crash
     never leaves a half checkpoint under the final name (a shared file system is assumed). `dtype`:
     the stored dtype (default: the parameters'; Meta's releases are bfloat16). `folder` must not
-    exist unless overwrite=True. Every rank returns the folder or raises.
+    exist unless overwrite=True. extra_files: {name: file} copied in too (the tokenizer's, where Meta's
+    folders keep it: tokenizer.model). Every rank returns the folder or raises.
     """
     args = model_args(model, MetaCheckpointError, "save_meta_checkpoint")
     _check_mp_out(args, mp_out)
     meta_ffn_fields(args)  # params.json must be able to state the feed-forward size: refuse before any write
-    return export_foreign(_MetaTarget(args, mp_out, dtype), model, Path(folder), overwrite)
+    return export_foreign(_MetaTarget(args, mp_out, dtype, extra_files), model, Path(folder), overwrite)

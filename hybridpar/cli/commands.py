@@ -224,7 +224,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
     require_lm_eval()
     if args.dtype:
         dtypes.check(args.dtype, "--dtype")
-    limit = args.limit if args.limit is None or args.limit < 1 else int(args.limit)
     import torch.distributed as dist
 
     from ..evaluate.run import evaluate_checkpoint, results_json, results_table
@@ -233,7 +232,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     made_group = not dist.is_initialized()  # a caller's own process group is left to the caller
     try:
         output = evaluate_checkpoint(args.checkpoint, args.tasks, mp=args.mp, tokenizer=args.tokenizer,
-                                     include_path=args.include_path, limit=limit, num_fewshot=args.num_fewshot,
+                                     include_path=args.include_path, limit=args.limit, num_fewshot=args.num_fewshot,
                                      dtype=args.dtype)
         if output is not None:
             step = "" if output["step"] is None else f" (step {output['step']})"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-from typing import Optional
+from typing import NamedTuple, Optional, Union
 
 from .options import ConfigError, option
 
@@ -13,6 +13,47 @@ INSTALL = "pip install -e '.[eval]' (or pip install lm-eval)"
 
 # Tokens per forward when scoring (batch x padded length): a batch of short requests holds many of them.
 DEFAULT_BATCH_TOKENS = 8192
+
+
+class EvalNames(NamedTuple):
+    """What the user wrote for each setting, so that a refusal names it: `hybridpar eval`'s flags
+    (COMMAND_FLAGS), or the [eval] section's keys (CONFIG_KEYS) for the evaluations of a training run."""
+    tasks: str
+    include_path: str
+    limit: str
+    num_fewshot: str
+
+
+COMMAND_FLAGS = EvalNames("--tasks", "--include-path", "--limit", "--num-fewshot")
+CONFIG_KEYS = EvalNames("eval.tasks", "eval.include_path", "eval.limit", "eval.num_fewshot")
+
+
+def harness_limit(limit: Optional[float], name: str, *, zero_is_all: bool) -> Union[None, float, int]:
+    """A limit of documents per task as lm-eval takes it: None (every document), a share below 1 or a
+    whole count; ConfigError naming `name` for anything else. 0 is every document where zero_is_all
+    (the [eval] section's default); a flag says that by being left out, and its 0 is refused."""
+    if limit is None or (zero_is_all and limit == 0):
+        return None
+    if 0 < limit < 1:
+        return float(limit)
+    if limit >= 1 and limit == int(limit):
+        return int(limit)
+    if zero_is_all:
+        raise ConfigError(f"{name} must be 0 (every document), a whole number of documents or a share below 1, "
+                          f"got {limit:g}")
+    raise ConfigError(f"{name} must be a whole number of documents or a share below 1, above 0 (leave {name} out "
+                      f"for every document), got {limit:g}")
+
+
+def harness_fewshot(num_fewshot: Optional[int], name: str, *, own: Optional[int] = None) -> Optional[int]:
+    """Few-shot examples as lm-eval takes them: None (each task's own) for None or `own` (the [eval]
+    section's -1), else a count of 0 or more; ConfigError naming `name` below that."""
+    if num_fewshot is None or num_fewshot == own:
+        return None
+    if num_fewshot < 0:
+        own_is = f"{own}: each task's own" if own is not None else f"leave {name} out for each task's own"
+        raise ConfigError(f"{name} must be 0 or more examples ({own_is}), got {num_fewshot}")
+    return int(num_fewshot)
 
 
 def split_task_names(tasks) -> list[str]:
@@ -35,19 +76,18 @@ class EvalConfig:
     def validate(self) -> None:
         """ConfigError naming the eval.* key; eval.tasks given as "a,b" becomes a list."""
         self.tasks = split_task_names(self.tasks)
-        for key, low in (("every", 0), ("num_fewshot", -1), ("batch_tokens", 1)):
+        for key, low in (("every", 0), ("batch_tokens", 1)):
             if getattr(self, key) < low:
                 raise ConfigError(f"eval.{key} must be >= {low}, got {getattr(self, key)}")
-        if self.limit < 0 or (self.limit >= 1 and self.limit != int(self.limit)):
-            raise ConfigError(f"eval.limit must be 0 (every document), a whole number of documents or a share "
-                              f"below 1, got {self.limit:g}")
+        self.harness_limit()
+        self.harness_fewshot()
 
-    def harness_limit(self) -> Optional[float]:
-        """eval.limit as lm-eval's simple_evaluate takes it: None, a share, or a count."""
-        return None if not self.limit else self.limit if self.limit < 1 else int(self.limit)
+    def harness_limit(self) -> Union[None, float, int]:
+        """eval.limit as lm-eval takes it: None, a share, or a count."""
+        return harness_limit(self.limit, CONFIG_KEYS.limit, zero_is_all=True)
 
     def harness_fewshot(self) -> Optional[int]:
-        return None if self.num_fewshot < 0 else self.num_fewshot
+        return harness_fewshot(self.num_fewshot, CONFIG_KEYS.num_fewshot, own=-1)
 
 
 def require_lm_eval(what: str = "hybridpar eval") -> None:

@@ -54,14 +54,17 @@ def checkpoint_step(checkpoint: str | Path) -> Optional[int]:
 def load(checkpoint: str | Path, *, tokenizer: Optional[str] = None, mp: int = 1, dtype: Optional[str] = None,
          parallel=None):
     """A Loaded (hybridpar.evaluate.backend) of `checkpoint` at model-parallel size mp (the rest of the
-    world data-parallel): the model in eval mode, its tokenizer, its args and step. Collective."""
+    world data-parallel): the model in eval mode, its tokenizer, its args and step. Collective: rank 0
+    finds the tokenizer (said once; a checkpoint that is not there, refused once)."""
     from ..checkpoint.convert import load_model
     from ..data import Tokenizer, check_vocab
     from ..mesh.device import init_parallel
+    from ..mesh.ranks import on_rank0
+
     if dtype:
         dtypes.check(dtype, "dtype")
-    path = checkpoint_tokenizer(checkpoint, tokenizer)
     parallel = parallel or init_parallel(mp=mp)
+    path = on_rank0(lambda: checkpoint_tokenizer(checkpoint, tokenizer), "find the tokenizer", error_type=ConfigError)
     tok = Tokenizer(path)
     dtype = dtype or ("bfloat16" if parallel.device.type == "cuda" else "float32")
     model, args = load_model(Path(checkpoint), parallel, dtype=dtypes.parse(dtype).torch, vocab_size=tok.vocab_size)

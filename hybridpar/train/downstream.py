@@ -73,11 +73,14 @@ class Downstream:
             on_rank0(self._check, "check the [eval] tasks", error_type=ConfigError)
 
     def _check(self) -> None:
+        from ..config.evaluation import CONFIG_KEYS
         from ..evaluate.tasks import check_tasks, task_manager
 
+        include_path = self.settings.include_path or None
         with random_states_kept():  # building the tasks draws from Python's random state
-            self.manager = task_manager(self.settings.include_path or None, self.names)
-            kinds = check_tasks(self.names, self.manager)
+            self.manager = task_manager(include_path, self.names, CONFIG_KEYS)
+            kinds = check_tasks(self.names, self.manager, num_fewshot=self.settings.harness_fewshot(),
+                                include_path=include_path, named=CONFIG_KEYS)
         generating = [name for name in self.names if "generate_until" in kinds[name]]
         if generating:
             # Generation stops at its own length on each rank: FSDP's all-gathers need the same forwards.

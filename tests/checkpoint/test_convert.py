@@ -52,7 +52,7 @@ def _case_round_trip(root: str, load_mp: int) -> dict:
 def test_round_trip_through_meta_keeps_the_logits(workers, check_close, trained, load_mp):
     check_close(f"dcp->meta->dcp at mp{load_mp}", workers(4).run(_case_round_trip, str(trained), load_mp), 1e-5)
     assert sorted(p.name for p in (trained / f"meta{load_mp}").iterdir()) == [
-        "consolidated.00.pth", "consolidated.01.pth", "params.json"]
+        "consolidated.00.pth", "consolidated.01.pth", "params.json", "tokenizer.model"]  # the run's tokenizer
 
 
 def _case_init_from(config, reference: str) -> dict:
@@ -108,7 +108,7 @@ def test_convert_and_generate_commands(trained, corpus, tmp_path):
     ("dcp", {"bos_id": 1}, "--bos-id / --eos-id apply to --to hf only"),
     ("meta", {"max_seq_len": 4096}, "--max-seq-len applies to --to hf and dcp only"),
     ("hf", {"max_seq_len": 0}, "--max-seq-len must be a positive number"),
-    ("dcp", {"tokenizer": "tok"}, "--tokenizer applies to --to hf only"),
+    ("dcp", {"tokenizer": "tok"}, "--tokenizer applies to --to hf and meta only"),
     ("hf", {"tokenizer": "tok", "bos_id": 1}, "without --bos-id / --eos-id"),
     ("meta", {"dtype": torch.float32}, "--dtype / --max-shard-size apply to --to hf only"),
     ("hf", {"max_shard_size": "5XB"}, "--max-shard-size 5XB: not a size; write a byte count"),
@@ -223,3 +223,48 @@ def test_an_export_says_when_the_run_tokenizer_is_gone(tmp_path, capsys):
     (tmp_path / "tok.model").write_text("not the one")
     assert _run_tokenizer(step) is None
     assert "now holds another tokenizer" in capsys.readouterr().err
+
+
+def _case_run_to_meta(root: str, tokenizer: str) -> dict:
+    """A model saved as a run saves it (recording the run's tokenizer), exported to Meta's format in 2
+    files without naming a tokenizer; Meta's code (tests.checkpoint.meta_reference) builds from the
+    folder the logits of the model saved."""
+    from hybridpar.checkpoint.convert import convert
+    from hybridpar.checkpoint.dcp import Checkpointer, params_dict
+    from hybridpar.data import Tokenizer
+    from hybridpar.models.args import ModelArgs
+    from hybridpar.models.llama import Transformer
+    from hybridpar.parallel.fairscale import use_mesh
+    from tests.checkpoint import meta_reference
+    from tests.distributed import parallel_dims
+
+    tok, root = Tokenizer(tokenizer), Path(root)
+    args = ModelArgs.from_preset("debug", vocab_size=tok.vocab_size)
+    parallel = parallel_dims(mp=2)
+    torch.manual_seed(0)
+    model = Transformer(args, parallel)
+    recorded = {"tokenizer": {"path": str(tok.path), "sha256": tok.sha256}}
+    Checkpointer(root / "ckpt", parallel).save(3, model, None, recorded, params_dict(args))
+    convert(root / "ckpt", root / "meta", "meta", parallel, mp_out=2)
+    tokens = torch.randint(0, tok.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ours = model(tokens, gather_logits=True)
+        with use_mesh(parallel):
+            theirs = meta_reference.build(root / "meta", llama_version=3, vocab_size=args.vocab_size)(tokens)
+    return {"Meta's code on the export vs the model saved": rel_err(theirs, ours)}
+
+
+def test_a_meta_export_of_a_run_carries_the_run_tokenizer_where_meta_keeps_it(workers, check_close, tmp_path):
+    """`convert CHECKPOINT DST --to meta` writes the tokenizer the run recorded as DST/tokenizer.model, as
+    Meta's releases ship it: `hybridpar eval` of the folder finds it there (no --tokenizer), and Meta's
+    code still loads the folder."""
+    from hybridpar.data import default_corpus_documents, train_tokenizer
+    from hybridpar.evaluate.loading import checkpoint_tokenizer
+
+    tokenizer = train_tokenizer(list(default_corpus_documents(max_documents=100)), 600, tmp_path / "run.model")
+    check_close("meta export", workers(2).run(_case_run_to_meta, str(tmp_path), str(tokenizer.path)), 1e-5)
+    meta = tmp_path / "meta"
+    assert sorted(p.name for p in meta.iterdir()) == ["consolidated.00.pth", "consolidated.01.pth", "params.json",
+                                                      "tokenizer.model"]
+    assert (meta / "tokenizer.model").read_bytes() == tokenizer.path.read_bytes()
+    assert checkpoint_tokenizer(meta) == meta / "tokenizer.model"

@@ -103,16 +103,28 @@ def _case_refused(config):
     return "trained"
 
 
-@pytest.mark.parametrize("task,line", [
+EMPTY = "<an empty folder>"  # stands for one the test makes
+
+
+@pytest.mark.parametrize("flags,line", [
     # A name not among the local tasks has lm-eval index its own ~15,000 task files: seconds.
-    pytest.param("no_such_task", "task no_such_task is not known to lm-eval: check its name (lm-eval ls tasks), or "
-                 "give the folder of its task file with --include-path", marks=pytest.mark.slow, id="unknown"),
-    pytest.param("tiny_gen", "eval.tasks: tiny_gen generate text (generate_until), which the training loop does not "
-                 "run; score it with hybridpar eval on a checkpoint", id="generate_until"),
+    pytest.param({"eval.tasks": "tiny_mc,no_such_task"}, "task no_such_task is not known to lm-eval: check its name "
+                 "(lm-eval ls tasks), or give the folder of its task file with eval.include_path",
+                 marks=pytest.mark.slow, id="unknown"),
+    pytest.param({"eval.tasks": "tiny_mc", "eval.include_path": EMPTY}, "task tiny_mc is not known to lm-eval: check "
+                 f"its name (lm-eval ls tasks), or give the folder of its task file with eval.include_path ({EMPTY} "
+                 "holds no task file: *.yaml)", marks=pytest.mark.slow, id="empty include_path"),
+    pytest.param({"eval.tasks": "tiny_mc,tiny_gen"}, "eval.tasks: tiny_gen generate text (generate_until), which the "
+                 "training loop does not run; score it with hybridpar eval on a checkpoint", id="generate_until"),
+    pytest.param({"eval.tasks": "tiny_mc", "eval.num_fewshot": 10}, f"task tiny_mc has {len(QUESTIONS)} documents "
+                 f"to draw few-shot examples from, fewer than eval.num_fewshot 10: give eval.num_fewshot "
+                 f"{len(QUESTIONS)} or fewer", id="num_fewshot"),
 ])
-def test_a_task_that_cannot_run_in_the_loop_is_one_line_before_training(workers, corpus, tasks, tmp_path, task, line):
-    config = make_config(corpus, tmp_path / "run", **_eval_flags(tasks, **{"eval.tasks": f"tiny_mc,{task}"}))
-    assert workers(1).run(_case_refused, config)[0] == f"ConfigError: {line}"
+def test_a_task_that_cannot_run_in_the_loop_is_one_line_before_training(workers, corpus, tasks, tmp_path, flags, line):
+    (tmp_path / "empty").mkdir()
+    flags = {key: str(tmp_path / "empty") if value == EMPTY else value for key, value in flags.items()}
+    config = make_config(corpus, tmp_path / "run", **_eval_flags(tasks, **flags))
+    assert workers(1).run(_case_refused, config)[0] == f"ConfigError: {line.replace(EMPTY, str(tmp_path / 'empty'))}"
     assert not (tmp_path / "run" / "metrics.jsonl").exists() and not (tmp_path / "run" / "config.toml").exists()
 
 

@@ -160,6 +160,7 @@ def test_the_command_at_world_1_prints_the_table_and_writes_the_json(saved, refe
                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"{saved / 'ckpt'} (step {STEP})" in out.stdout and "|Tasks" in out.stdout.replace(" ", ""), out.stdout
+    _said_once(out.stderr)
     for name in ("tiny_mc", "tiny_ppl", "acc_norm", "word_perplexity", "bits_per_byte"):
         assert name in out.stdout, (name, out.stdout)
     written = json.loads((tmp_path / "eval.json").read_text())
@@ -170,6 +171,25 @@ def test_the_command_at_world_1_prints_the_table_and_writes_the_json(saved, refe
         assert mine["tiny_mc"][metric] == theirs["tiny_mc"][metric], metric
     for metric in ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"):
         assert abs(mine["tiny_ppl"][metric] / theirs["tiny_ppl"][metric] - 1) < BOUND, metric
+
+
+def _said_once(stderr: str) -> None:
+    """The tokenizer's line once, and nothing from git: the command runs outside a repository (its cwd)."""
+    assert [line.startswith("tokenizer: ") for line in stderr.splitlines()].count(True) == 1, stderr[-3000:]
+    assert "not a git repository" not in stderr, stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_the_command_under_torchrun_says_each_line_once(saved, tmp_path):
+    """At mp 2 over 2 ranks: the tokenizer's line and the table once (rank 0's), no word from lm-eval's
+    probe of git."""
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+                          "hybridpar", "eval", str(saved / "ckpt"), "--mp", "2", "--tasks", "tiny_mc",
+                          "--include-path", str(saved / "tasks")],
+                         cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count(f"{saved / 'ckpt'} (step {STEP})") == 1 and out.stdout.count("|tiny_mc") == 1, out.stdout
+    _said_once(out.stderr)
 
 
 def _hub_task(folder: Path) -> Path:

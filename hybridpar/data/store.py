@@ -5,6 +5,8 @@
     STORE/units/000012.train.0.tokens   the unit's token ids (raw uint16/uint32), at most
                                  MAX_SHARD_TOKENS a file; `.validation.` with a validation split
     STORE/store.json             the manifest, written last: the store is complete iff it is there
+    STORE/damaged.json           damage a job met in the store it prepared in its data cache: the
+                                 next start of the job checks the store and repairs it (store_prepare)
 
 The tokens of a store are its units' shards in plan order: the same store whatever the number of
 workers or parts that made it. Each shard's size is in the manifest, and the CRC-32C of every
@@ -16,7 +18,10 @@ from __future__ import annotations
 
 import bisect
 import json
+import logging
+import os
 import re
+import socket
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -24,9 +29,12 @@ import numpy as np
 
 from hybridpar.data.chunks import CHUNK_BYTES, chunk_damage, read_sums, sums_name
 from hybridpar.data.tokenise import PART_NAMES
-from hybridpar.files import PathLike
+from hybridpar.files import PathLike, write_text_atomic
+
+log = logging.getLogger(__name__)
 
 MANIFEST = "store.json"
+DAMAGED = "damaged.json"
 PLAN = "plan.json"
 UNITS = "units"
 FORMAT = "hybridpar-token-store"
@@ -48,6 +56,14 @@ class StoreDamagedError(StoreError):
     every_rank = False
 
 
+class ManifestDamagedError(StoreError):
+    """A manifest that cannot be read, or whose records disagree: `what` says how."""
+
+    def __init__(self, path: Path, what: str) -> None:
+        super().__init__(f"{path} is damaged{what}; prepare the store again")
+        self.what = what
+
+
 def read_manifest(folder: Path) -> dict:
     folder = Path(folder)
     path = folder / MANIFEST
@@ -59,7 +75,7 @@ def read_manifest(folder: Path) -> dict:
     try:
         manifest = json.loads(path.read_text())
     except ValueError as err:
-        raise StoreError(f"{path} is damaged ({err}); prepare the store again") from err
+        raise ManifestDamagedError(path, f" ({err})") from err
     if manifest.get("format") != FORMAT:
         raise StoreError(f"{path} is not a hybridpar token store manifest")
     if manifest.get("version") != VERSION:
@@ -76,7 +92,7 @@ def check_manifest(manifest: dict, path: Path) -> None:
     """The manifest's fields, types and counts agree with each other and name only files inside the
     store (a shard named `../../x` or `/x` is refused, never opened); StoreError in one line."""
     def bad(what: str):
-        raise StoreError(f"{path} is damaged: {what}; prepare the store again")
+        raise ManifestDamagedError(path, f": {what}")
 
     def count(value) -> bool:
         return isinstance(value, int) and not isinstance(value, bool) and value >= 0
@@ -143,11 +159,17 @@ class _Concatenated:
 
 class TokenStore:
     """A complete store's tokens of one part ("train", or "validation" when it was split), read as
-    memory maps: `tokens[a:b]` reads across shard edges."""
+    memory maps: `tokens[a:b]` reads across shard edges. `cached`: a store a job prepared in its data
+    cache, whose damage is recorded in it (record_damage) for the job's next start to repair."""
 
-    def __init__(self, folder: PathLike, part: str = "train") -> None:
-        self.folder = Path(folder)
-        self.meta = read_manifest(self.folder)
+    def __init__(self, folder: PathLike, part: str = "train", cached: bool = False) -> None:
+        self.folder, self.cached = Path(folder), cached
+        try:
+            self.meta = read_manifest(self.folder)
+        except ManifestDamagedError as err:
+            if not cached:
+                raise
+            raise self.damaged(StoreError, f"{MANIFEST}{err.what}") from None
         if part not in self.meta["parts"]:
             raise StoreError(f"{self.folder} has no {part} part (it has: {', '.join(self.meta['parts'])})")
         self.part = part
@@ -157,8 +179,7 @@ class TokenStore:
             size = path.stat().st_size if path.is_file() else None
             if size != shard["size"]:
                 state = "missing" if size is None else f"{size} bytes, the manifest records {shard['size']}"
-                raise StoreError(f"token store {self.folder} is damaged: {shard['name']} is {state}; prepare it again "
-                                 f"(hybridpar verify {self.folder} checks every shard)")
+                raise self.damaged(StoreError, f"{shard['name']} is {state}")
         self._tokens: Optional[_Concatenated] = None
 
     @property
@@ -167,8 +188,21 @@ class TokenStore:
         if self._tokens is None:
             shards = [s for s in self.shards if s["tokens"]]
             maps = [np.memmap(self.folder / s["name"], dtype=self.dtype, mode="r") for s in shards]
-            self._tokens = _Concatenated(maps, _ChunkCheck(self.folder, shards, maps, self.vocab_size))
+            self._tokens = _Concatenated(maps, _ChunkCheck(self.folder, shards, maps, self.vocab_size, self.damaged))
         return self._tokens
+
+    def damaged(self, error: type, what: str) -> StoreError:
+        """The one-line error of damage `what` met in this store, with what to do: prepare it again,
+        or, for a store in a job's cache, the same command again once the damage is recorded."""
+        line = f"token store {self.folder} is damaged: {what}"
+        verify = f"hybridpar verify {self.folder} lists every damaged chunk"
+        if not self.cached:
+            return error(f"{line}; prepare it again (the same hybridpar prepare repairs it in place; {verify})")
+        if record_damage(self.folder, line):
+            return error(f"{line}; it is this job's data cache of data.source: run the same command again, its start "
+                         f"checks the store and prepares the damaged units again ({verify})")
+        return error(f"{line}; it is this job's data cache of data.source, and the damage could not be recorded in it "
+                     f"for the next start to repair: delete {self.folder} and run the same command again")
 
     @property
     def dtype(self) -> np.dtype:
@@ -229,8 +263,10 @@ class _ChunkCheck:
     """Checks the chunks a slice of shard i reads, each once per process: its CRC-32C and its tokens
     against the vocabulary. Remembers a byte per chunk (a 2 TB store: 32 MB, once all is read)."""
 
-    def __init__(self, folder: Path, shards: list[dict], maps: list[np.memmap], vocab_size: int) -> None:
+    def __init__(self, folder: Path, shards: list[dict], maps: list[np.memmap], vocab_size: int,
+                 damaged: Callable[[type, str], StoreError]) -> None:
         self.folder, self.shards, self.maps, self.vocab_size = folder, shards, maps, vocab_size
+        self.damaged = damaged  # TokenStore.damaged
         self.itemsize = maps[0].itemsize if maps else 2
         self.sums: list[Optional[np.ndarray]] = [None] * len(shards)
         self.done: list[Optional[bytearray]] = [None] * len(shards)  # 1: checked
@@ -248,7 +284,7 @@ class _ChunkCheck:
             try:
                 self.sums[i] = read_sums(self.folder / sums_name(shard["name"]), shard["size"], shard["chunks_crc32c"])
             except ValueError as err:
-                raise StoreDamagedError(f"token store {self.folder} is damaged: {path}: {err}; prepare it again") from None
+                raise self.damaged(StoreDamagedError, f"{path}: {err}") from None
             done = self.done[i] = bytearray(len(self.sums[i]))
         per_chunk = CHUNK_BYTES // itemsize
         for c in range(first, last):
@@ -256,7 +292,7 @@ class _ChunkCheck:
                 data = self.maps[i][c * per_chunk:(c + 1) * per_chunk]
                 found = chunk_damage(data, int(self.sums[i][c]), self.vocab_size)
                 if found is not None:
-                    raise StoreDamagedError(damage_line(self.folder, path, c * CHUNK_BYTES, data.nbytes, found))
+                    raise self.damaged(StoreDamagedError, damage_where(path, c * CHUNK_BYTES, data.nbytes, found))
                 done[c] = 1
 
 
@@ -267,10 +303,18 @@ def damage_where(path: Path, chunk_offset: int, nbytes: int, found: tuple[Option
     return f"{path}, {where}: {what}"
 
 
-def damage_line(folder: Path, path: Path, chunk_offset: int, nbytes: int, found: tuple[Optional[int], str]) -> str:
-    """The error of a damaged chunk met in training: where, and what to do."""
-    return (f"token store {folder} is damaged: {damage_where(path, chunk_offset, nbytes, found)}; prepare it again "
-            f"(hybridpar verify {folder} lists every damaged chunk)")
+def record_damage(folder: Path, line: str) -> bool:
+    """Damage met in store `folder` written to its DAMAGED record, atomically (the ranks that meet it
+    at once each replace it whole): the next preparation of the store checks every chunk and repairs
+    it (store_prepare.prepare). Whether it was written: a folder this process may not write in leaves
+    the damage error as it is, never another error."""
+    record = {"damage": line, "by": f"{socket.gethostname()} pid {os.getpid()}"}
+    try:
+        write_text_atomic(folder / DAMAGED, json.dumps(record, indent=1) + "\n")
+        return True
+    except (OSError, ValueError) as err:  # (a full disk's DiskFullError is a ValueError too)
+        log.debug("%s: not written (%s)", folder / DAMAGED, err)  # said in the error line, once
+        return False
 
 
 def shard_name(unit: int, part: int, index: int) -> str:

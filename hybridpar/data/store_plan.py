@@ -17,7 +17,7 @@ from typing import Callable, Iterator, Optional
 from hybridpar.config import BAD_RECORD_CHOICES, MAX_BAD_RECORDS, MAX_DOCUMENT_BYTES
 from hybridpar.data.formats import UNIT_BYTES, Unit, plan_units
 from hybridpar.data.sources import Input, Source, describe_input
-from hybridpar.data.store import FORMAT, MANIFEST, PLAN, UNITS, VERSION, StoreError
+from hybridpar.data.store import DAMAGED, FORMAT, MANIFEST, PLAN, UNITS, VERSION, StoreError
 from hybridpar.data.streams import DataFormatError
 from hybridpar.data.tokenise import token_dtype
 from hybridpar.files import NO_FLOCK_ERRNOS, PathLike, sha256_text, write_text_atomic
@@ -265,6 +265,36 @@ def _refuse_other_store(plan: Plan, there: Optional[dict]) -> None:
                if there.get(k) != plan.data[k]] or ["the units"]
     raise StoreError(f"{plan.folder} holds a store of other input ({', '.join(differs)} differ): give another "
                      f"--out, or delete {plan.folder} to prepare it anew")
+
+
+@contextlib.contextmanager
+def damage_to_repair(folder: Path, on_wait: Optional[Callable[[str], None]] = None) -> Iterator[bool]:
+    """Whether a job recorded damage in store `folder` (store.record_damage) that nobody repaired yet.
+    While True this process holds the record's lock, so that of the processes that start at once (a
+    job's ranks) one checks the store and repairs it, and removes the record; the others wait for it
+    (`on_wait` hears so every few seconds: a watchdog sees them alive), then find the record gone."""
+    path = folder / DAMAGED
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        yield False
+        return
+    try:
+        told = time.monotonic()
+        try:
+            while not _flock(fd, fcntl.LOCK_EX):
+                if on_wait is not None and time.monotonic() - told >= 5.0:
+                    on_wait(f"waiting for another process repairing the damaged store {folder}")
+                    told = time.monotonic()
+                time.sleep(0.1)
+            mine = _still_there(fd, path)
+        except OSError as err:
+            if err.errno not in NO_FLOCK_ERRNOS:
+                raise
+            mine = True  # no flock: each process checks the store (the repair makes the same units)
+        yield mine
+    finally:
+        os.close(fd)
 
 
 def remove_locks(folder: Path) -> None:

@@ -5,16 +5,17 @@ command and the store of each of a run's sources (a raw one's in the cache, or a
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from hybridpar.config import MAX_BAD_RECORDS, MAX_DOCUMENT_BYTES
 from hybridpar.data.formats import UNIT_BYTES, Unit
 from hybridpar.data.sources import Input, Source, SourceFile, describe_input, source_name
-from hybridpar.data.store import MANIFEST, PLAN, StoreError, TokenStore, given_store
+from hybridpar.data.store import DAMAGED, MANIFEST, PLAN, StoreError, TokenStore, given_store
 from hybridpar.data.store_merge import finish_store, report_skipped, skipped_records, write_manifest
-from hybridpar.data.store_plan import (Plan, cache_folder, check_part, default_workers, finished_store, part_of,
-                                       plan_of, preparing, read_plan)
+from hybridpar.data.store_plan import (Plan, cache_folder, check_part, damage_to_repair, default_workers,
+                                       finished_store, part_of, plan_of, preparing, read_plan)
 from hybridpar.data.store_verify import recheck_store
 from hybridpar.data.store_work import work_on
 from hybridpar.files import PathLike
@@ -51,7 +52,9 @@ def prepare(input: Input, tokenizer, out: Optional[PathLike] = None, *, cache_di
             ) -> Optional[TokenStore]:
     """prepare_store of an input (sources.describe_input) into `out`, or into its folder in
     `cache_dir` (store_plan.cache_folder), where a complete one is used as it is: no source file
-    opened, no plan made (store_plan.finished_store)."""
+    opened, no plan made (store_plan.finished_store), unless a job recorded damage in it
+    (store.record_damage): then it is checked and repaired as `hybridpar prepare` of a complete
+    store is, by one of the processes that ask at once, and the record removed."""
     from hybridpar.data.tokenizer import limit_threads
 
     index, parts = part
@@ -59,12 +62,15 @@ def prepare(input: Input, tokenizer, out: Optional[PathLike] = None, *, cache_di
     if input.store is not None:
         raise ValueError(f"{input.store} is a token store already: train on it (data.source), or prepare raw files")
     options = dict(val_fraction=val_fraction, on_bad_record=on_bad_record, max_document_bytes=max_document_bytes)
+    cached = cache_dir is not None
     folder = Path(out) if cache_dir is None else cache_folder(input, tokenizer.sha256, cache_dir, **options)
-    if cache_dir is None or not finished_store(folder, input, tokenizer.sha256, **options):
+    with damage_to_repair(folder, on_progress) if cached else contextlib.nullcontext(False) as damaged:
+        if cached and not damaged and finished_store(folder, input, tokenizer.sha256, **options):
+            return TokenStore(folder, cached=True)
         plan = plan_of(input, tokenizer, folder, unit_bytes=unit_bytes, max_bad_records=max_bad_records, **options)
         limit_threads(1)  # one tokenizer thread per process: the workers (or a job's ranks) are the parallelism
         recheck_store(plan, workers=workers, report=report)
-        with preparing(plan, own_folder=cache_dir is not None):
+        with preparing(plan, own_folder=cached):
             mine = part_of(plan, index, parts)
             share = f" (part {index}/{parts}: {len(mine)} of {len(plan.units)} units)" if parts > 1 else ""
             work_on(plan, mine, tokenizer, workers=workers or default_workers(), wait=parts == 1, report=report,
@@ -77,7 +83,8 @@ def prepare(input: Input, tokenizer, out: Optional[PathLike] = None, *, cache_di
             note(f"part {index}/{parts} of {folder} is done; the store is complete once every part is (the last "
                  f"part to finish writes its manifest, or: hybridpar prepare --merge --out {folder})", enabled=report)
             return None
-    return TokenStore(folder)
+        (folder / DAMAGED).unlink(missing_ok=True)  # checked and repaired: the next start uses it as it is
+    return TokenStore(folder, cached=cached)
 
 
 def stores_of(inputs: Sequence[Input], tokenizer, cache_dir: PathLike, *, val_fractions: Sequence[float],
@@ -93,7 +100,7 @@ def stores_of(inputs: Sequence[Input], tokenizer, cache_dir: PathLike, *, val_fr
             train = prepare(input, tokenizer, cache_dir=cache_dir, workers=1, val_fraction=fraction,
                             on_bad_record=on_bad_record, on_progress=on_progress,
                             max_document_bytes=max_document_bytes, max_bad_records=max_bad_records)
-            stores.append((train, TokenStore(train.folder, "validation") if fraction else None))
+            stores.append((train, TokenStore(train.folder, "validation", cached=True) if fraction else None))
         else:
             stores.append(given_store(input.store, tokenizer, fraction))
     return stores
@@ -159,4 +166,4 @@ def cached_store(source: Source, tokenizer, cache_dir: PathLike, *, text_field: 
                     val_fraction=val_fraction, on_bad_record=on_bad_record, report=report,
                     progress_every=progress_every, on_progress=on_progress, max_document_bytes=max_document_bytes,
                     max_bad_records=max_bad_records)
-    return store, TokenStore(store.folder, "validation") if val_fraction else None
+    return store, TokenStore(store.folder, "validation", cached=True) if val_fraction else None

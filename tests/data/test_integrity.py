@@ -343,7 +343,7 @@ def test_training_refuses_a_damaged_manifest_in_one_line(workers, corpus, run_to
     results = workers(2).run(_case_train, config)
     print(f"\n{results[0]['error']}")
     for r in results:
-        assert r["error"].startswith("StoreError: ") and r["every_rank"] and re.search(expected, r["error"]), r
+        assert r["error"].startswith("ManifestDamagedError: ") and r["every_rank"] and re.search(expected, r["error"]), r
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 

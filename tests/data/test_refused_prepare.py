@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from hybridpar.cli import main
-from hybridpar.data.store import MANIFEST, TokenStore
+from hybridpar.data.store import DAMAGED, MANIFEST, TokenStore
 from hybridpar.data.store_verify import verify_store
 from hybridpar.data.streams import DataFormatError
 
@@ -141,3 +141,69 @@ def test_verify_of_neither_a_checkpoint_nor_a_store_is_one_error_line(corpus, tm
     (tmp_path / "notes").mkdir()
     assert main(["verify", str(tmp_path / "notes")]) == 2
     assert "nor a token store; give one of those" in capsys.readouterr().err
+
+
+def _case_train_on_its_cache(source: str, cache: str, run_dir: str, tokenizer: str) -> dict:
+    """Two steps through data.source (the store prepared in the job's own cache): the steps trained,
+    or what the rank raised."""
+    from hybridpar.mesh.ranks import raised_by_every_rank
+    from hybridpar.train import Trainer
+    from tests.runs import make_config
+
+    config = make_config({"source": source, "cache_dir": cache}, run_dir, steps=2,
+                         **{"data.tokenizer": tokenizer, "data.val_fraction": 0.0, "model.vocab_size": 1024})
+    try:
+        return {"steps": len(Trainer(config).run()), "raised": None}
+    except Exception as err:  # noqa: BLE001 - what the rank met goes back to the test
+        return {"steps": 0, "raised": (type(err).__name__, str(err), raised_by_every_rank(err))}
+
+
+@pytest.mark.slow
+def test_a_damaged_store_in_a_jobs_cache_is_repaired_by_the_same_command_again(workers, corpus, tokenizer, tmp_path):
+    """Training on a store it prepared in its cache said "prepare it again", and the same command
+    again took the cached store unchecked and failed the same way: the damage is recorded in the
+    store now, and the next start checks it and makes the damaged unit again."""
+    cache, run = tmp_path / "cache", workers(1).run
+    job = (str(corpus), str(cache), str(tmp_path / "run"), str(tokenizer.path))
+    assert run(_case_train_on_its_cache, *job)[0] == {"steps": 2, "raised": None}
+    [store] = cache.glob("store-*")
+    before = TokenStore(store).array().copy()
+    shards = sorted(store.glob("units/*.tokens"))
+    for shard in shards:  # every shard's first chunk: whichever window the job reads first meets the damage
+        data = bytearray(shard.read_bytes())
+        data[100] ^= 0xFF
+        shard.write_bytes(data)
+
+    failed = run(_case_train_on_its_cache, *job)[0]
+    kind, line, every_rank = failed["raised"]
+    assert kind == "StoreDamagedError" and every_rank and "\n" not in line, failed
+    assert line.startswith(f"token store {store} is damaged: {store}/units/"), line
+    assert (f"; it is this job's data cache of data.source: run the same command again, its start checks the store and "
+            f"prepares the damaged units again (hybridpar verify {store} lists every damaged chunk). Stopped before "
+            f"step 1 trained") in line, line
+    recorded = json.loads((store / DAMAGED).read_text())
+    assert line.startswith(recorded["damage"]), recorded
+
+    assert run(_case_train_on_its_cache, *job)[0] == {"steps": 2, "raised": None}  # the same command, again
+    assert not (store / DAMAGED).exists() and verify_store(store) == 0
+    assert np.array_equal(TokenStore(store).array(), before)
+
+
+def test_damage_that_cannot_be_recorded_says_to_delete_the_cached_store(corpus, tokenizer, tmp_path, monkeypatch):
+    """A cache folder this process may not write in: the damage stays the error, with advice that works."""
+    from hybridpar.data import store as store_module
+    from hybridpar.data.store import StoreDamagedError
+    from hybridpar.data.store_prepare import cached_store
+
+    train, _ = cached_store(corpus, tokenizer, tmp_path / "cache", report=False)
+    unwritable = PermissionError(13, "Permission denied")
+    monkeypatch.setattr(store_module, "write_text_atomic", lambda *a: (_ for _ in ()).throw(unwritable))
+    error = train.damaged(StoreDamagedError, "units/000000.train.0.tokens, byte 100: what")
+    assert str(error) == (f"token store {train.folder} is damaged: units/000000.train.0.tokens, byte 100: what; it is "
+                          f"this job's data cache of data.source, and the damage could not be recorded in it for the "
+                          f"next start to repair: delete {train.folder} and run the same command again")
+    assert not (train.folder / DAMAGED).exists()
+    given = TokenStore(train.folder)  # a store the user prepared (--out): its own command repairs it
+    assert str(given.damaged(StoreDamagedError, "x")).endswith(
+        f"; prepare it again (the same hybridpar prepare repairs it in place; hybridpar verify {train.folder} lists "
+        f"every damaged chunk)")

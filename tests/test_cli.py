@@ -326,6 +326,7 @@ def test_convert_into_an_existing_folder_names_the_overwrite_flag(tmp_path):
                       "dst already exists", "--overwrite")
 
 
+@pytest.mark.slow  # rank 1 waits reporting.RANK_0_SPEAKS_S (10 s) for rank 0 to say it
 def test_under_a_launcher_only_rank_0_prints_a_mistake_every_rank_makes(tmp_path):
     """Every rank runs the same checks; the others exit non-zero without a word."""
     result = _hybridpar(tmp_path, "train", "--optim.lr", "-1", env={"WORLD_SIZE": "2", "RANK": "1"})
@@ -403,20 +404,27 @@ def _fake_checkpoint(folder: Path, damaged: bool = False) -> None:
         (folder / "train_state.json").write_bytes(b'{"step": 2}')
 
 
-def test_verify_on_a_run_checkpoints_folder_checks_each_checkpoint(tmp_path):
+def test_verify_on_a_run_checkpoints_folder_checks_each_checkpoint(tmp_path, capsys):
+    from hybridpar.cli import main
+
+    def verify(path: Path) -> tuple[int, str]:  # in this process: the command's words, not its start-up
+        code = main(["verify", str(path)])
+        out = capsys.readouterr()
+        return code, out.out + out.err
+
     checkpoints = tmp_path / "run" / "checkpoints"
     _fake_checkpoint(checkpoints / "step-00000010")
     _fake_checkpoint(checkpoints / "step-00000020")
-    result = _hybridpar(tmp_path, "verify", str(checkpoints))
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert f"{checkpoints}: 2 of 2 checkpoints ok; all ok" in result.stdout
-    assert f"{checkpoints / 'step-00000010'}: 2 of 2 files ok; all ok" in result.stdout
+    code, out = verify(checkpoints)
+    assert code == 0, out
+    assert f"{checkpoints}: 2 of 2 checkpoints ok; all ok" in out
+    assert f"{checkpoints / 'step-00000010'}: 2 of 2 files ok; all ok" in out
     _fake_checkpoint(checkpoints / "step-00000030", damaged=True)
-    result = _hybridpar(tmp_path, "verify", str(checkpoints))
-    assert result.returncode == 1, result.stdout + result.stderr
-    assert f"{checkpoints}: 2 of 3 checkpoints ok; NOT OK: step-00000030" in result.stdout
-    result = _hybridpar(tmp_path, "verify", str(checkpoints / "step-00000020"))  # one checkpoint, as before
-    assert result.returncode == 0 and "checkpoints ok" not in result.stdout, result.stdout
+    code, out = verify(checkpoints)
+    assert code == 1, out
+    assert f"{checkpoints}: 2 of 3 checkpoints ok; NOT OK: step-00000030" in out
+    code, out = verify(checkpoints / "step-00000020")  # one checkpoint, as before
+    assert code == 0 and "checkpoints ok" not in out, out
 
 
 @pytest.mark.parametrize("argv", [

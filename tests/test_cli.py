@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from tests.distributed import child_pythonpath
+from tests.wheel import build_wheel
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -70,21 +71,11 @@ def test_train_help_names_every_key_of_every_section_with_its_default_and_meanin
 def test_a_wheel_installed_outside_the_checkout_trains_with_a_named_config(corpus, tmp_path):
     """`hybridpar train --config local` from a wheel in a fresh environment, run away from the
     checkout: the named configs and model presets are package data."""
-    import shutil
-
-    source = tmp_path / "src"
-    for folder in ("hybridpar", "models"):
-        shutil.copytree(ROOT / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("setup.cfg", "pyproject.toml", "README.md"):
-        shutil.copy(ROOT / name, source / name)
-    built = _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                  "-w", str(tmp_path / "wheel"), str(source)], 300)
-    assert built.returncode == 0, built.stderr[-3000:]
+    wheel = build_wheel(tmp_path)
     env_dir = tmp_path / "env"  # torch and the other dependencies come from this interpreter's packages
     made = _run([sys.executable, "-m", "venv", "--system-site-packages", str(env_dir)], 120)
     assert made.returncode == 0, made.stderr
     python = str(env_dir / "bin" / "python")
-    wheel = next((tmp_path / "wheel").glob("hybridpar-*.whl"))
     installed = _run([python, "-m", "pip", "install", "-q", "--no-deps", str(wheel)], 300)
     assert installed.returncode == 0, installed.stderr[-3000:]
     away = tmp_path / "elsewhere"

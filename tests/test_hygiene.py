@@ -91,7 +91,7 @@ def _module_files() -> dict[str, Path]:
     """Every module of hybridpar/ and models/ by its dotted name (a package by its __init__.py)."""
     files = {}
     for folder in ("hybridpar", "models"):
-        # models/ installs as hybridpar.models (hybridpar/models links to it; rglob does not follow links)
+        # models/ installs as hybridpar.models (setup.cfg's package_dir)
         for path in sorted((ROOT / folder).rglob("*.py")):
             parts = path.relative_to(ROOT).with_suffix("").parts
             parts = ("hybridpar",) + parts if folder == "models" else parts

@@ -147,22 +147,41 @@ def test_a_jsonl_record_over_the_limit_is_named_or_skipped(tmp_path, kind, monke
             assert documents(path, unit_bytes, max_document_bytes=1000, on_bad_record="skip") == ["a", "b"]
 
 
-@pytest.mark.parametrize("kind", ["parquet", "arrow"])
-def test_a_table_record_over_the_limit_is_named_or_skipped(tmp_path, kind):
+def _table(path: Path, kind: str, texts: list) -> Path:
+    """A one-column table of `texts` at path.kind (parquet, or an arrow stream)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pa.table({"text": ["a", "z" * 500, None, "b"]})
-    path = tmp_path / f"t.{kind}"
+    table, path = pa.table({"text": texts}), path.with_suffix(f".{kind}")
     if kind == "parquet":
         pq.write_table(table, path)
     else:
         with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
             writer.write_table(table)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["parquet", "arrow"])
+def test_a_table_record_over_the_limit_is_named_or_skipped(tmp_path, kind):
+    path = _table(tmp_path / "t", kind, ["a", "z" * 500, None, "b"])
     with pytest.raises(DataFormatError, match=rf"t.{kind}: row 2: a record of 500 bytes, over "
                                               r"data.max_document_bytes = 499"):
         documents(path, max_document_bytes=499)
     assert documents(path, max_document_bytes=499, on_bad_record="skip") == ["a", "b"]
+
+
+@pytest.mark.parametrize("kind", ["parquet", "arrow"])
+def test_a_table_record_at_the_limit_is_read_and_one_byte_over_is_not(tmp_path, kind):
+    """As the jsonl path's: the limit is the largest record read. Alone the record at the limit is read
+    with its column whole; beside one a byte over, row by row (each row's size against the limit)."""
+    at = _table(tmp_path / "at", kind, ["a", "z" * 500, "b"])
+    assert documents(at, max_document_bytes=500) == ["a", "z" * 500, "b"]
+    both = _table(tmp_path / "both", kind, ["a", "z" * 500, "y" * 501, "b"])
+    with pytest.raises(DataFormatError, match=rf"both.{kind}: row 3: a record of 501 bytes, over "
+                                              r"data.max_document_bytes = 500"):
+        documents(both, max_document_bytes=500)
+    assert documents(both, max_document_bytes=500, on_bad_record="skip") == ["a", "z" * 500, "b"]
+    assert documents(both, max_document_bytes=501) == ["a", "z" * 500, "y" * 501, "b"]
 
 
 def test_the_limit_is_a_key_a_flag_and_part_of_the_plan(tmp_path, tokenizer, capsys):

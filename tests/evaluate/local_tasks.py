@@ -1,5 +1,6 @@
 """Task files the evaluation tests write: a multiple-choice task, a rolling-loglikelihood (perplexity) task
-and a generation task, each a YAML over a local JSON file (no network)."""
+and a generation task, each a YAML over a local JSON file (no network); and a loglikelihood task over
+the requests a test makes for its model (write_loglikelihood_task)."""
 
 from __future__ import annotations
 
@@ -43,3 +44,16 @@ def write_tasks(folder: Path, documents: list[str]) -> None:
         "test_split: test\noutput_type: generate_until\ndoc_to_text: \"{{question}}\"\n"
         "doc_to_target: \"{{choices[answer]}}\"\ngeneration_kwargs:\n  until: [\" \"]\n  max_gen_toks: 12\n"
         "  do_sample: false\nmetric_list:\n  - metric: exact_match\nmetadata:\n  version: 1.0\n")
+
+
+def write_loglikelihood_task(folder: Path, requests: list[dict]) -> None:
+    """Task tiny_ll: a loglikelihood request per record ({"context": ..., "continuation": ...}, the
+    continuation scored as written: no delimiter added), its metric whether the continuation is greedy."""
+    with open(folder / "ll.jsonl", "w") as f:
+        for record in requests:
+            f.write(json.dumps(record) + "\n")
+    (folder / "tiny_ll.yaml").write_text(
+        "task: tiny_ll\ndataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {folder / 'll.jsonl'}\n"
+        "test_split: test\noutput_type: loglikelihood\ndoc_to_text: context\ndoc_to_target: continuation\n"
+        "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\nmetadata:\n  version: 1.0\n")

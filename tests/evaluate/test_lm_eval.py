@@ -1,7 +1,9 @@
 """`hybridpar eval` and the harness backend against lm-evaluation-harness's own Hugging Face backend on
 hybridpar's export of the same checkpoint: identical accuracies, per-request log-likelihoods and
 word/byte perplexities within 1e-4, at world 1, mp 2, dp 2 and mp 2 x dp 2; offline, over task files
-the test writes (a multiple-choice task and a rolling-loglikelihood task on local JSON)."""
+the test writes (a multiple-choice task, a rolling-loglikelihood task, a generation task on local JSON,
+and loglikelihood requests made for the model: continuations that are its greedy ones, and a request
+longer than its window)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.distributed import child_pythonpath
-from tests.evaluate.local_tasks import QUESTIONS, write_tasks
+from tests.evaluate.local_tasks import QUESTIONS, write_loglikelihood_task, write_tasks
 
 pytest.importorskip("lm_eval", reason="the eval extra (lm-eval) is not installed")
 os.environ["HF_DATASETS_OFFLINE"] = "1"  # no network: every dataset is a local file
@@ -25,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BOUND = 1e-4  # per-request log-likelihoods and perplexities, relative, in float32
 STEP = 7
 TASKS = "tiny_mc,tiny_ppl,tiny_gen"
+COMPARED = TASKS + ",tiny_ll"  # what the harness's backends are compared on
 
 def _case_save(folder: str, tokenizer: str) -> None:
     """A debug-preset model saved by hybridpar at step STEP (recording its run's tokenizer), and its
@@ -62,7 +65,42 @@ def saved(workers, tmp_path_factory):
     workers(2).run(_case_save, str(root), str(root / "tokenizer.model"))
     # Documents of several lengths: the longest spans more than one 64-token window.
     write_tasks(root / "tasks", [documents[i] for i in (3, 10, 25, 40)])
+    write_loglikelihood_task(root / "tasks", _loglikelihood_requests(root / "hf", max(documents[:50], key=len)))
     return root
+
+
+def _loglikelihood_requests(hf: Path, long_document: str) -> list[dict]:
+    """Requests made for the model (the random model's continuations of the other tasks are never
+    greedy, so whether a continuation is greedy would be compared only as False): after each question
+    of QUESTIONS, the export's own greedy continuation, computed first with lm-eval's Hugging Face
+    backend (two tokens, each the argmax by a clear margin, whose text encodes back to the same tokens
+    after the question's as the harness splits a pair), one at least with a token of the upper half of
+    the vocabulary (the second shard at mp 2, whose ids the argmax over the shards offsets); and a
+    request longer than the model's window (truncated from the left)."""
+    import torch
+    from lm_eval.models.huggingface import HFLM
+
+    lm = HFLM(pretrained=str(hf), dtype="float32", device="cpu", batch_size=1)
+    requests, half = [], lm.model.config.vocab_size // 2
+    for question, _, _ in QUESTIONS:
+        context = f"Question: {question}\nAnswer:"
+        ids, new = lm.tok_encode(context), []
+        with torch.no_grad():
+            while len(new) < 2:
+                top = lm.model(torch.tensor([ids + new])).logits[0, -1].topk(2)
+                if top.values[0] - top.values[1] < 1e-3:  # a near tie: float32 rounding may choose either
+                    break
+                new.append(int(top.indices[0]))
+        prefix, text = lm.tok_decode(ids), lm.tok_decode(ids + new)
+        continuation = text[len(prefix):]
+        if len(new) == 2 and text.startswith(prefix) and lm.tok_encode(context + continuation) == ids + new:
+            requests.append({"context": context, "continuation": continuation, "made_greedy": True,
+                             "upper_half": max(new) >= half})
+    print(f"\ngreedy continuations: {[(r['context'][10:], r['continuation'], r['upper_half']) for r in requests]}")
+    assert any(r["upper_half"] for r in requests), requests
+    ending = " and so on."
+    assert len(lm.tok_encode(long_document + ending)) > lm.max_length + 1
+    return requests + [{"context": long_document, "continuation": ending, "made_greedy": False, "upper_half": False}]
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +109,7 @@ def reference(saved):
     from lm_eval.evaluator import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    return simple_evaluate(model="hf", model_args=f"pretrained={saved / 'hf'},dtype=float32", tasks=TASKS.split(","),
+    return simple_evaluate(model="hf", model_args=f"pretrained={saved / 'hf'},dtype=float32", tasks=COMPARED.split(","),
                            task_manager=TaskManager(include_path=str(saved / "tasks"), include_defaults=False),
                            log_samples=True,
                            device="cpu", batch_size=4)
@@ -79,7 +117,8 @@ def reference(saved):
 
 def _per_request(output: dict, greedy: bool = False) -> dict:
     """{(task, doc_id, choice): log-likelihood} of every request (a document's, for perplexity); with
-    greedy, {...: whether the continuation is the greedy one} of the multiple-choice requests."""
+    greedy, {...: whether the continuation is the greedy one} of the multiple-choice and loglikelihood
+    requests."""
     found = {}
     for task, samples in output["samples"].items():
         for sample in samples if task != "tiny_gen" else []:
@@ -96,7 +135,7 @@ def _compare(output: dict, reference: dict, check_close, label: str) -> None:
 
     from tests.distributed import rel_err
 
-    for task in ("tiny_mc", "tiny_ppl", "tiny_gen"):
+    for task in COMPARED.split(","):
         assert output["results"][task].keys() == reference["results"][task].keys()
     # Greedy continuations cut at the stop string, as text up to the first byte that is no UTF-8 (the random
     # model emits lone byte pieces, which sentencepiece decodes one by one, transformers as one replacement).
@@ -107,9 +146,13 @@ def _compare(output: dict, reference: dict, check_close, label: str) -> None:
     assert sum(map(len, expected)) > 20 and not any(" " in g for g in generated), (generated, expected)
     for metric in ("acc,none", "acc_norm,none"):  # accuracies identical
         assert output["results"]["tiny_mc"][metric] == reference["results"]["tiny_mc"][metric], metric
-    assert _per_request(output, greedy=True) == _per_request(reference, greedy=True)
+    made = [("tiny_ll", s["doc_id"], 0) for s in reference["samples"]["tiny_ll"] if s["doc"]["made_greedy"]]
+    greedy = _per_request(reference, greedy=True)
+    assert made and all(greedy[k] for k in made), ("the model's own greedy continuations", greedy)
+    assert _per_request(output, greedy=True) == greedy
     ours, theirs = _per_request(output), _per_request(reference)
-    assert ours.keys() == theirs.keys() and len(ours) == sum(len(q[1]) for q in QUESTIONS) + 4
+    assert ours.keys() == theirs.keys()
+    assert len(ours) == sum(len(q[1]) for q in QUESTIONS) + 4 + len(reference["samples"]["tiny_ll"])
     keys = sorted(theirs)
     errors = {"loglikelihoods": rel_err(torch.tensor([ours[k] for k in keys]), torch.tensor([theirs[k] for k in keys]))}
     for k in keys:  # each request on its own, too
@@ -124,7 +167,7 @@ def _case_evaluate(root: str, mp: int, limit, source: str = "ckpt") -> dict:
     from hybridpar.evaluate import evaluate_checkpoint
     from tests.distributed import parallel_dims
 
-    output = evaluate_checkpoint(Path(root) / source, TASKS, include_path=str(Path(root) / "tasks"), limit=limit,
+    output = evaluate_checkpoint(Path(root) / source, COMPARED, include_path=str(Path(root) / "tasks"), limit=limit,
                                  log_samples=True, parallel=parallel_dims(mp=mp), batch_tokens=100)
     return None if output is None else {k: output[k] for k in ("results", "samples", "step", "versions")}
 

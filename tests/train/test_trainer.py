@@ -91,6 +91,70 @@ def test_bf16_mixed_precision_trains(workers, corpus, tmp_path):
     assert math.isfinite(last) and last < first - 0.5
 
 
+# --- clipping against torch's ----------------------------------------------------------------
+
+
+def _case_clipping(mp: int, dp_shard: int) -> dict:
+    """One backward of the debug model at the layout; then grad_norm_and_clip at a max norm half the
+    gradients' norm and at twice it, against torch.nn.utils.clip_grad_norm_ on the full gradients (in
+    float64: the reference's own rounding out of the comparison)."""
+    from torch.distributed.tensor import DTensor
+
+    from hybridpar.build import build_model
+    from hybridpar.config.fsdp import FSDPConfig
+    from hybridpar.models.args import ModelArgs
+    from hybridpar.parallel import vocab_parallel_cross_entropy
+    from hybridpar.train.optim import grad_norm_and_clip
+    from tests.distributed import parallel_dims
+
+    parallel = parallel_dims(mp=mp, dp_shard=dp_shard)
+    args = ModelArgs.from_preset("debug")
+    torch.manual_seed(0)
+    fsdp = FSDPConfig(sharding_strategy="full_shard", param_dtype="float32") if dp_shard > 1 else None
+    model = build_model(args, parallel, fsdp=fsdp)
+    tokens = torch.randint(0, args.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1 + parallel.dp_rank))
+    vocab_parallel_cross_entropy(model(tokens[:, :-1]), tokens[:, 1:], parallel=parallel).backward()
+
+    def full(grad):  # collective: every rank gathers every gradient in the same order
+        return grad.full_tensor() if isinstance(grad, DTensor) else grad.clone()
+
+    def local(grad):
+        return grad.to_local() if isinstance(grad, DTensor) else grad
+
+    named = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
+    grads = [p.grad.detach().clone() for _, p in named]
+    whole = [full(g).double() for g in grads]
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in whole])).item()
+    errors, unchanged = {}, None
+    for scale in (0.5, 2.0):  # clipped, and under the max norm (left alone)
+        for (_, p), g in zip(named, grads):
+            p.grad = g.clone()
+        got, _ = grad_norm_and_clip([p for _, p in named], scale * norm)
+        expected = [torch.nn.Parameter(torch.zeros_like(g)) for g in whole]
+        for e, g in zip(expected, whole):
+            e.grad = g.clone()
+        torch_norm = torch.nn.utils.clip_grad_norm_(expected, scale * norm).item()
+        errors[f"norm at max {scale} x norm"] = abs(got - torch_norm) / torch_norm
+        for (name, p), e in zip(named, expected):
+            errors[f"{name} at max {scale} x norm"] = rel_err(full(p.grad), e.grad)  # (rel_err: in float64)
+        if scale > 1:
+            unchanged = all(torch.equal(local(p.grad), local(g)) for (_, p), g in zip(named, grads))
+    return {"errors": errors, "unchanged": unchanged, "norm": norm}
+
+
+@pytest.mark.parametrize("mp,dp_shard", [(1, 1), (2, 2)], ids=["world1", "mp2-dp_shard2"])
+def test_clipping_matches_torchs_clip_grad_norm(workers, check_close, mp, dp_shard):
+    results = workers(mp * dp_shard).run(_case_clipping, mp, dp_shard)
+    assert all(r["norm"] > 0 for r in results), results
+    check_close(f"clipping at mp{mp} x dp_shard{dp_shard} vs torch.nn.utils.clip_grad_norm_",
+                [r["errors"] for r in results], 1e-6)
+
+
+def test_gradients_under_the_max_norm_are_left_alone(workers):
+    """Bit for bit: the clip coefficient is at most 1."""
+    assert workers(1).run(_case_clipping, 1, 1)[0]["unchanged"], "gradients under the max norm must be left as they are"
+
+
 # --- bad input: clear errors before any work is lost ------------------------------------------
 
 

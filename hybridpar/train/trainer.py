@@ -31,6 +31,7 @@ from ..checkpoint.convert import load_into
 from ..checkpoint.dcp import Checkpointer, complete_checkpoints, latest_checkpoint, params_dict
 from ..config import Config, ConfigError, dump_toml, profile_range
 from ..data import build_training_data, check_vocab
+from ..data.streams import DataFormatError
 from ..data.blend import describe_blend
 from ..files import refuse_occupied, write_text_atomic
 from ..mesh.device import ParallelDims, init_parallel
@@ -103,9 +104,13 @@ class Trainer:
         phase("data")
         # A preparation's progress changes the phase: the watchdog sees progress, not a hang. The
         # sources were walked by resolve_job: the data takes them from the job.
-        self.tokenizer, self.loader, self.val_dataset = build_training_data(
-            c, p, on_tokenizer=self._fit_vocab, on_progress=lambda text: phase(f"data: {text}"),
-            walked_sources=self.job.sources)
+        try:
+            self.tokenizer, self.loader, self.val_dataset = build_training_data(
+                c, p, on_tokenizer=self._fit_vocab, on_progress=lambda text: phase(f"data: {text}"),
+                walked_sources=self.job.sources)
+        except DataFormatError:  # every rank meets it; the last out removes the store: none leaves first
+            wait_for_every_rank("data")
+            raise
         phase("data: waiting for every rank's data")
         wait_for_every_rank("data")  # nodes preparing into caches of their own may finish minutes apart
         # Before the model is built and compiled: the compiler's start-up takes a share of the cores,

@@ -19,7 +19,7 @@ from .config.fsdp import FSDPConfig
 from .config.pipeline import stage_count
 from .mesh.device import ParallelDims
 from .parallel.fsdp import apply_activation_checkpointing, apply_fsdp, check_compiler, compile_blocks
-from .config.pipeline import stage_ids, stage_layer_counts
+from .config.pipeline import check_untied, stage_ids, stage_layer_counts
 from .parallel.pipeline import stage_layers
 
 
@@ -42,9 +42,7 @@ def build_model(args: ModelArgs, parallel: ParallelDims, *, device: Optional[tor
         check_compiler(compile, parallel)
     pieces, allocate = {}, None
     if stage is not None:
-        if args.tie_embeddings and len(stage_counts) > 1:
-            raise ValueError("tie_embeddings puts the embedding at both ends of the pipeline: "
-                             "use parallel.pp = 1 or a model with untied embeddings")
+        check_untied(parallel.pp, args.tie_embeddings)
         pieces = dict(layers=stage_layers(stage, stage_counts), embedding=stage == 0,
                       head=stage == len(stage_counts) - 1)
         if load is not None and (device is None or torch.device(device).type != "meta"):
@@ -80,7 +78,7 @@ def build_stages(args: ModelArgs, parallel: ParallelDims, schedule: str, pp_laye
     if parallel.pp == 1:
         return [build_model(args, parallel, **options)], [0]
     n_stages = stage_count(parallel.pp, schedule, pp_layers)
-    counts = stage_layer_counts(args.n_layers, n_stages, list(pp_layers) or None)
+    counts = stage_layer_counts(args.n_layers, n_stages, list(pp_layers) or None, pp=parallel.pp)
     ids = stage_ids(parallel.pp_rank, parallel.pp, n_stages // parallel.pp, schedule)
     seeded = torch.random.get_rng_state()  # each stage draws from the same start as the whole model
     stages = []

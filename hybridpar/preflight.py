@@ -8,7 +8,9 @@ marked `every_rank`), so rank 0 alone prints it. resolve_job checks and resolves
 a Job (the model's shape, the init_from folder read once, the mesh sizes, the data sources walked
 once and whether their token stores are complete): `hybridpar train` makes it before the Trainer,
 which takes it (or makes it from a config, for a library user); the dry run and doctor take one too.
-`preflight(config, world_size)` is its checks alone.
+`check_config(config, world_size)` is every refusal of those that reads no data file (the values, the
+mesh, the model's shape, the pipeline, what training cannot run): the job makes it inside resolve_job
+and `hybridpar train --dry-run` makes it before its rehearsal, so a refusal reads the same from both.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 from typing import Mapping, Optional, Union
 
 from .config import Config, ConfigError
-from .config.pipeline import V_SHAPED, check_pipeline
+from .config.pipeline import V_SHAPED, check_pipeline, check_untied
 from .mesh.layout import MeshSizeError, resolve_sizes
 
 _TOKENIZER_KINDS = "a tokenizer.model (sentencepiece, or Meta's Llama 3 tiktoken file), a Hugging Face tokenizer.json"
@@ -45,26 +47,20 @@ class Job:
 
 
 def resolve_job(config: Config, world_size: int, *, training: bool = True) -> Job:
-    """Every check of preflight, and what the start needs from the files the config names, each
-    read once: raises ConfigError (or a ValueError naming the source) in one line. training=False:
-    a job that runs no step (the doctor), which may use a mesh the trainer cannot run yet."""
+    """Every check of check_config, the files the config names, and what the start needs from them,
+    each read once: raises ConfigError (or a ValueError naming the source) in one line.
+    training=False: a job that runs no step (the doctor), which may use a mesh the trainer cannot run yet."""
     check_paths(config)  # first: the model's shape reads model.params_json and checkpoint.init_from
-    sizes = _checked_sizes(config, world_size)
     found = init_from_folder(config)
     parsed = None
     if found is not None:
         from .checkpoint.convert import read_config
 
         parsed = read_config(*found)
-    args = model_args(config, sizes[4], init_from=found, parsed=parsed, cp=sizes[3])
-    _check_pipeline(config, sizes[0], args)
-    p, d = config.parallel, config.data
-    if training and sizes[0] > 1 and p.pp_schedule in V_SHAPED and (d.val_fraction or d.val_source):
-        # torch's V schedules run no forward-only pass (a backward is part of every step of theirs).
-        raise ConfigError(f"parallel.pp_schedule = {p.pp_schedule} cannot run the validation forward; choose "
-                          "Interleaved1F1B (or 1F1B), or unset data.val_fraction and data.val_source")
+    sizes, args = check_config(config, world_size, model_shape(config, init_from=found, parsed=parsed),
+                               training=training)
     if training:
-        check_eval(config, sizes)
+        check_eval_setup(config)
     sources, stores = _data_sources(config)
     return Job(config, world_size, sizes, args, found, parsed, sources, stores)
 
@@ -79,15 +75,38 @@ def as_job(job: Union[Job, Config], world_size: int) -> Job:
     return job
 
 
-def preflight(config: Config, world_size: int) -> None:
-    """Values, mesh sizes against the world, the model's shape, and the paths the config names."""
-    check_paths(config)  # first: the model's shape reads model.params_json and checkpoint.init_from
-    check_values(config, world_size)
+def check_config(config: Config, world_size: int, args=None, *, training: bool = True) -> tuple[tuple, object]:
+    """Every refusal of a job that reads no data file and needs no process group, in the job's order:
+    the values' ranges, the mesh against the world, the model's shape against data.seq_len, mp and
+    cp, the pipeline against the model's layers and the batch; for training (not the doctor) also
+    what the trainer cannot run (validation under a V schedule, evaluation in the loop at pp or cp
+    above 1). `args`: the model's shape when already read (model_shape), else read from the config.
+    The job (resolve_job) and the dry run both make these checks. Returns (the mesh sizes, args)."""
+    sizes = _checked_sizes(config, world_size)
+    pp, cp, mp = sizes[0], sizes[3], sizes[4]
+    args = check_shape(config, model_shape(config) if args is None else args, mp, cp)
+    p, d = config.parallel, config.data
+    check_pipeline(pp, p.pp_schedule, p.pp_layers, p.pp_microbatches, args.n_layers, d.micro_batch_size)
+    check_untied(pp, args.tie_embeddings)
+    if training and pp > 1 and p.pp_schedule in V_SHAPED and (d.val_fraction or d.val_source):
+        # torch's V schedules run no forward-only pass (a backward is part of every step of theirs).
+        raise ConfigError(f"parallel.pp_schedule = {p.pp_schedule} cannot run the validation forward; choose "
+                          "Interleaved1F1B (or 1F1B), or unset data.val_fraction and data.val_source")
+    if training and config.eval.tasks and (pp > 1 or cp > 1):
+        raise ConfigError(f"evaluation in the loop runs at pp 1 and cp 1, and this job has pp {pp}, cp {cp}; use "
+                          "hybridpar eval on a checkpoint (or empty eval.tasks)")
+    return sizes, args
 
 
-def check_eval(config: Config, sizes: tuple[int, ...]) -> None:
-    """The [eval] section's refusals that need no process group (its tasks are read at the start:
-    hybridpar.train.downstream)."""
+def check_values(config: Config, world_size: int):
+    """check_config's checks that any job makes (a doctor's too): the values, the mesh, the model's
+    shape, the pipeline. Returns the model's args (hybridpar.models.args.ModelArgs)."""
+    return check_config(config, world_size, training=False)[1]
+
+
+def check_eval_setup(config: Config) -> None:
+    """What the [eval] section needs of this machine (lm-eval, eval.include_path's folder); its tasks
+    are read at the start (hybridpar.train.downstream)."""
     e = config.eval
     if not e.tasks:
         return
@@ -97,27 +116,6 @@ def check_eval(config: Config, sizes: tuple[int, ...]) -> None:
     if e.include_path and not Path(e.include_path).is_dir():
         raise ConfigError(f"eval.include_path: {e.include_path} is not a folder; give the folder holding your task "
                           "files")
-    if sizes[0] > 1 or sizes[3] > 1:
-        raise ConfigError(f"evaluation in the loop runs at pp 1 and cp 1, and this job has pp {sizes[0]}, cp "
-                          f"{sizes[3]}; use hybridpar eval on a checkpoint (or empty eval.tasks)")
-
-
-def check_values(config: Config, world_size: int):
-    """The checks that read no data: the values' ranges, the mesh, the model's shape against
-    data.seq_len and parallel.mp. Returns the model's args (hybridpar.models.args.ModelArgs)."""
-    sizes = _checked_sizes(config, world_size)
-    args = model_args(config, sizes[4], cp=sizes[3])
-    _check_pipeline(config, sizes[0], args)
-    return args
-
-
-def _check_pipeline(config: Config, pp: int, args) -> None:
-    """parallel.pp_* against the model's layers and data.micro_batch_size (config.pipeline.check_pipeline)."""
-    p = config.parallel
-    check_pipeline(pp, p.pp_schedule, p.pp_layers, p.pp_microbatches, args.n_layers, config.data.micro_batch_size)
-    if pp > 1 and args.tie_embeddings:
-        raise ConfigError(f"parallel.pp = {pp} with a model whose output head is its embedding (tie_embeddings): the "
-                          "embedding would be at both ends of the pipeline; set parallel.pp = 1")
 
 
 def _checked_sizes(config: Config, world_size: int) -> tuple[int, int, int, int, int]:
@@ -128,8 +126,8 @@ def _checked_sizes(config: Config, world_size: int) -> tuple[int, int, int, int,
     except MeshSizeError as err:
         cp = " / parallel.cp" if p.cp != 1 else ""
         pp = "parallel.pp / " if p.pp != 1 else ""
-        raise MeshSizeError(f"{pp}parallel.mp{cp} / parallel.dp_shard / parallel.dp_replicate at {world_size} rank(s) "
-                            f"(the launcher's): {err}") from None
+        raise MeshSizeError(f"{pp}parallel.mp{cp} / parallel.dp_shard / parallel.dp_replicate at {world_size} "
+                            f"rank(s): {err}") from None
 
 
 def _data_sources(config: Config) -> tuple[dict, dict]:
@@ -182,14 +180,19 @@ def check_paths(config: Config) -> None:
             _exists(key, path)
     if d.tokenizer:
         tokenizer_file(d.tokenizer, "data.tokenizer", "or \"\" to train one on the data")
-    if config.model.params_json:
-        _exists("model.params_json", config.model.params_json, want_file=True)
-    if c.init_from:
-        _exists("checkpoint.init_from", c.init_from)
+    check_model_paths(config)
     for key, folder in (("output.run_dir", config.output.run_dir), ("checkpoint.folder", c.folder),
                         ("data.cache_dir", d.cache_dir)):
         if folder:
             writable_folder(folder, key)
+
+
+def check_model_paths(config: Config) -> None:
+    """The files the model's shape is read from (model.params_json, checkpoint.init_from) exist."""
+    if config.model.params_json:
+        _exists("model.params_json", config.model.params_json, want_file=True)
+    if config.checkpoint.init_from:
+        _exists("checkpoint.init_from", config.checkpoint.init_from)
 
 
 def _exists(key: str, path: str, want_file: bool = False) -> None:
@@ -251,33 +254,37 @@ def init_from_folder(config: Config) -> Optional[tuple[str, Path]]:
     return (kind, path) if kind in ("meta", "hf") else None
 
 
-_FIND = object()  # model_args' init_from not given: found from the config
+_FIND = object()  # model_shape's init_from not given: found from the config
 
 
-def model_args(c: Config, mp: int, tokenizer_vocab: int = 0, *, init_from=_FIND, parsed: Optional[dict] = None,
-               cp: int = 1):
-    """The model's shape for config `c` at model-parallel size mp, checked against data.seq_len, mp
-    and the context-parallel size cp. A vocab_size of -1 (Llama 2's params.json) becomes `tokenizer_vocab` when given, else it waits
-    for the tokenizer (the trainer's _fit_vocab). `init_from` and `parsed`: init_from_folder(c) and
-    its JSON, when already read (resolve_job)."""
+def model_shape(c: Config, *, init_from=_FIND, parsed: Optional[dict] = None):
+    """The model's shape config `c` names, unchecked (check_shape checks it at a layout): from
+    checkpoint.init_from's folder, model.params_json or the preset, with model.vocab_size and
+    model.n_layers. A vocab_size of -1 (Llama 2's params.json) waits for the tokenizer (the trainer's
+    _fit_vocab). `init_from` and `parsed`: init_from_folder(c) and its JSON, when already read
+    (resolve_job); else the paths are checked (check_model_paths) and read here."""
     from hybridpar.models.args import ModelArgs
 
-    found = init_from_folder(c) if init_from is _FIND else init_from
-    if found is not None:
+    if init_from is _FIND:
+        check_model_paths(c)
+        init_from = init_from_folder(c)
+    if init_from is not None:
         from .checkpoint.convert import read_args
 
-        args = read_args(*found, parsed=parsed)
-    else:
-        m = c.model
-        overrides = {}
-        if m.vocab_size:
-            overrides["vocab_size"] = m.vocab_size
-        if m.n_layers:
-            overrides["n_layers"] = m.n_layers
-        args = (ModelArgs.from_params_json(m.params_json, **overrides) if m.params_json
-                else ModelArgs.from_preset(m.preset, **overrides))
-    if args.vocab_size <= 0 and tokenizer_vocab > 0:
-        args = dataclasses.replace(args, vocab_size=tokenizer_vocab)
+        return read_args(*init_from, parsed=parsed)
+    m = c.model
+    overrides = {}
+    if m.vocab_size:
+        overrides["vocab_size"] = m.vocab_size
+    if m.n_layers:
+        overrides["n_layers"] = m.n_layers
+    return (ModelArgs.from_params_json(m.params_json, **overrides) if m.params_json
+            else ModelArgs.from_preset(m.preset, **overrides))
+
+
+def check_shape(c: Config, args, mp: int, cp: int = 1):
+    """The model's shape `args` against data.seq_len, the model-parallel size mp and the
+    context-parallel size cp (and its vocabulary against mp, once known); returns args."""
     if c.data.seq_len > args.max_seq_len:
         raise ConfigError(
             f"data.seq_len = {c.data.seq_len} is larger than the model's max_seq_len = {args.max_seq_len}: "

@@ -1,9 +1,11 @@
 """Pipeline parallelism's settings (parallel.pp, pp_layers, pp_schedule, pp_microbatches): every
 mistake one line naming what to change, before any process group or run folder exists."""
 
+import re
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -185,11 +187,15 @@ DOCUMENTED_REFUSALS = [
 ]
 
 
+def training_md_refusal_lines() -> list[str]:
+    """The lines docs/training.md's table of pipeline refusals quotes, in its order."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "training.md").read_text()
+    section = page.split("\n## Pipeline parallelism\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^\| `([^`]+)` \|", section.split("| the line says |", 1)[1], re.M)
+
+
 def test_training_md_quotes_the_refusals_as_they_are_said(monkeypatch):
     """Every line docs/training.md's table quotes is one preflight (or generate) says, and each says one."""
-    import re
-    from pathlib import Path
-
     from hybridpar.config import pipeline
     from hybridpar.generate import generate
 
@@ -205,9 +211,7 @@ def test_training_md_quotes_the_refusals_as_they_are_said(monkeypatch):
     with pytest.raises(ConfigError) as info:
         check_values(_config("--parallel.pp", "2", "--parallel.pp_schedule", "DualPipeV"), 2)
     messages.append(str(info.value))
-    page = (Path(__file__).resolve().parents[1] / "docs" / "training.md").read_text()
-    section = page.split("\n## Pipeline parallelism\n", 1)[1].split("\n## ", 1)[0]
-    quoted = re.findall(r"^\| `([^`]+)` \|", section.split("| the line says |", 1)[1], re.M)
+    quoted = training_md_refusal_lines()
     assert len(quoted) == len(messages), quoted
     for line in quoted:
         assert any(line in m for m in messages), line

@@ -70,7 +70,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.json:
         raise ValueError("--json goes with --dry-run (the rehearsal's report); a training run writes "
                          "<output.run_dir>/summary.json")
-    # Before any process group, thread or folder: a mistake leaves nothing behind.
+    # Before any process group, thread or folder: a mistake leaves nothing behind (the dry run makes
+    # the same checks, preflight.check_config).
     job = resolve_job(config, world_size_from_env())
     import torch.distributed as dist
 
@@ -103,7 +104,7 @@ def _dry_run(args: argparse.Namespace, config) -> int:
     world = args.world or int(os.environ.get("WORLD_SIZE", 0))
     p = config.parallel
     if not world and p.dp_shard > 0 and p.dp_replicate > 0:
-        world = p.mp * p.dp_shard * p.dp_replicate
+        world = p.pp * p.dp_replicate * p.dp_shard * p.cp * p.mp
     if not world:
         raise ConfigError("the dry run needs the world size: give --world N (the job's number of ranks), "
                           "or set parallel.dp_shard and parallel.dp_replicate")

@@ -18,8 +18,9 @@ not rehearsed (it compiles kernels, not layouts).
 from __future__ import annotations
 
 import collections
-import dataclasses
 import contextlib
+import copy
+import dataclasses
 import os
 import re
 import time
@@ -34,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from ..config import Config, ConfigError
 from .dryrun_report import Check, DryRun
 from ..files import human_bytes
-from ..mesh.layout import resolve_sizes, sizes_text
+from ..mesh.layout import sizes_text
 from ..progress import note
 
 if TYPE_CHECKING:
@@ -60,9 +61,12 @@ def dry_run(config: Union[Config, "Job"], world: Optional[int] = None, rank: int
     (it makes a fake one and destroys it at the end). `gpu` names the planner's hardware for the
     step-time estimate of a GPU job (hybridpar.plan.hardware). `config` may be a Job
     (hybridpar.preflight.resolve_job's): its model shape and data sources are taken as resolved,
-    and `world` defaults to its world size. A config's mistakes are checks of the report. `progress`:
-    notes of what it does (hybridpar.progress.note, whatever rank it plays)."""
+    and `world` defaults to its world size. A config the job would refuse raises the job's error
+    (hybridpar.preflight.check_config: ConfigError or MeshSizeError, one line); what only the
+    rehearsal finds are checks of the report. `progress`: notes of what it does
+    (hybridpar.progress.note, whatever rank it plays)."""
     from ..compat.torch import init_fake_process_group
+    from ..preflight import check_config
 
     started = time.perf_counter()
     job = None if isinstance(config, Config) else config
@@ -78,34 +82,46 @@ def dry_run(config: Union[Config, "Job"], world: Optional[int] = None, rank: int
         raise ConfigError(f"--dry-run-rank {rank} is outside the world of {world} ranks (0 to {world - 1})")
     if dist.is_initialized():
         raise RuntimeError("the dry run makes its own (fake) process group: run it outside torchrun")
-    p = c.parallel
-    dp_replicate = p.dp_replicate
-    block = p.mp * p.cp * p.dp_shard
-    if dp_replicate == -1 and p.dp_shard > 0 and world % block == 0:  # launch/slurm.sh's "the rest"
-        dp_replicate = world // block
-    sizes: list[int] = []
-    if not _check(run, "mesh", lambda: _mesh_detail(sizes, resolve_sizes(world, p.mp, p.dp_shard, dp_replicate, p.cp, p.pp))):
-        return _finish(run, started)
+    c = _the_rest(c, world)
+    # The job's own checks, before anything is built: what the job would refuse is refused in its words.
+    sizes, args = check_config(c, world, _shape(c, job))
     pp, dr, ds, cp, mp = sizes
+    run.checks.append(Check("mesh", True, sizes_text(*sizes)))
     run.layout = f"{sizes_text(*sizes)} = {world} ranks, {c.fsdp.sharding_strategy}"
     run.pp = pp
+    run.checks.append(Check("model shape", True, f"{args.num_params() / 1e9:.2f}B parameters, {args.n_heads} heads, "
+                                                 f"{args.kv_heads} kv heads"))
+    run.model = f"{args.num_params() / 1e9:.2f}B parameters ({args.n_layers} layers, dim {args.dim})"
     _check(run, "model parallelism inside a node",
            lambda: _inside_node(mp, gpus_per_node) if target == "gpu" else "CPU run: not applicable")
     _check(run, "batch", lambda: _batch_detail(c, ds * dr))
-    # The job's nodes may see paths this machine does not: a missing one is a warning here.
+    # The job's nodes may see paths (and an lm-eval) this machine does not: a warning here.
     _check(run, "data", lambda: _data_detail(c, job), warn_only=True)
+    if c.eval.tasks:
+        _check(run, "downstream evaluation", lambda: _eval_detail(c), warn_only=True)
 
     init_fake_process_group(rank, world)
     try:
         with _fast_paths(target == "cpu"):
-            _rehearse(run, c, world, sizes, target, gpu_mem_gib, gpus_per_node, gpu, say, job)
+            _rehearse(run, c, world, list(sizes), args, target, gpu_mem_gib, gpus_per_node, gpu, say)
     finally:
         dist.destroy_process_group()
     return _finish(run, started)
 
 
-def _rehearse(run: DryRun, c: Config, world: int, sizes: list[int], target: str, gpu_mem_gib: float,
-              gpus_per_node: int, gpu: str, say: Callable[[str], None], job: Optional["Job"] = None) -> None:
+def _the_rest(c: Config, world: int) -> Config:
+    """`c` with parallel.dp_replicate = -1 (launch/slurm.sh's "the rest") resolved for `world` ranks."""
+    p = c.parallel
+    block = p.pp * p.mp * p.cp * p.dp_shard
+    if p.dp_replicate != -1 or p.dp_shard <= 0 or world % block:
+        return c
+    c = copy.deepcopy(c)
+    c.parallel.dp_replicate = world // block
+    return c
+
+
+def _rehearse(run: DryRun, c: Config, world: int, sizes: list[int], args, target: str, gpu_mem_gib: float,
+              gpus_per_node: int, gpu: str, say: Callable[[str], None]) -> None:
     """The part on the fake process group: model, sharding, one step, and what they show."""
     from ..compat.torch import fake_tensors
     from ..diagnostics.collectives import CollectiveCounter, mesh_dims
@@ -116,11 +132,6 @@ def _rehearse(run: DryRun, c: Config, world: int, sizes: list[int], target: str,
     pp, dr, ds, cp, mp = sizes
     say(f"mesh of {world} ranks on a fake process group")
     parallel = init_parallel(mp=mp, dp_shard=ds, dp_replicate=dr, cp=cp, pp=pp)
-    args_box: list = []
-    if not _check(run, "model shape", lambda: _model_detail(args_box, _args(c, mp, cp, job))):
-        return
-    args = args_box[0]
-    run.model = f"{args.num_params() / 1e9:.2f}B parameters ({args.n_layers} layers, dim {args.dim})"
     if not _check(run, "sharding strategy",
                   lambda: _strategy_detail(dp_mesh_for(c.fsdp.sharding_strategy, parallel))):
         return
@@ -176,11 +187,6 @@ def _finish(run: DryRun, started: float) -> DryRun:
     return run
 
 
-def _mesh_detail(out: list, sizes: tuple[int, int, int, int, int]) -> str:
-    out.extend(sizes)
-    return sizes_text(*sizes)
-
-
 def _inside_node(mp: int, gpus_per_node: int) -> str:
     if gpus_per_node % mp:
         raise ValueError(f"mp = {mp} does not divide the {gpus_per_node} GPUs of a node: some tensor-parallel "
@@ -195,17 +201,13 @@ def _batch_detail(c: Config, dp: int) -> str:
             f"x dp {dp}, {sequences * d.seq_len:,} tokens per step")
 
 
-def _args(c: Config, mp: int, cp: int, job: Optional["Job"]):
-    """The model's shape at mp: the job's (read once, by resolve_job), else from the config."""
-    from ..preflight import model_args
+def _shape(c: Config, job: Optional["Job"]):
+    """The model's shape: the job's (read once, by resolve_job), else the config's; a vocab_size the
+    tokenizer gives (Llama 2's -1) from the tokenizer."""
+    from ..preflight import model_shape
 
-    if job is None or job.sizes[3:] != (cp, mp):
-        return model_args(c, mp, tokenizer_vocab=_vocab(c), cp=cp)
-    if job.args.vocab_size > 0:
-        return job.args
-    args = dataclasses.replace(job.args, vocab_size=_vocab(c))
-    args.check(mp)
-    return args
+    args = job.args if job is not None else model_shape(c)
+    return args if args.vocab_size > 0 else dataclasses.replace(args, vocab_size=_vocab(c))
 
 
 def _data_detail(c: Config, job: Optional["Job"] = None) -> str:
@@ -234,6 +236,14 @@ def _data_detail(c: Config, job: Optional["Job"] = None) -> str:
     return "; ".join(found)
 
 
+def _eval_detail(c: Config) -> str:
+    """What the [eval] section needs of the machine (lm-eval, eval.include_path), as the job checks it."""
+    from ..preflight import check_eval_setup
+
+    check_eval_setup(c)
+    return f"{len(c.eval.tasks)} task(s) in the loop: lm-eval installed"
+
+
 def _vocab(c: Config) -> int:
     """The tokenizer's vocabulary, for a model whose vocab_size comes from it (Llama 2's -1)."""
     if c.data.tokenizer and Path(c.data.tokenizer).exists():
@@ -241,11 +251,6 @@ def _vocab(c: Config) -> int:
 
         return Tokenizer(c.data.tokenizer).vocab_size
     return c.data.tokenizer_vocab_size  # the trainer trains one of this size
-
-
-def _model_detail(out: list, args) -> str:
-    out.append(args)
-    return f"{args.num_params() / 1e9:.2f}B parameters, {args.n_heads} heads, {args.kv_heads} kv heads"
 
 
 def _strategy_detail(mesh) -> str:

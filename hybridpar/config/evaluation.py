@@ -57,9 +57,12 @@ def harness_fewshot(num_fewshot: Optional[int], name: str, *, own: Optional[int]
 
 
 def split_task_names(tasks) -> list[str]:
-    """"a,b" or ["a", "b"] (or ["a,b"]) as a list of names, empty ones dropped."""
+    """"a,b" or ["a", "b"] (or ["a,b"]) as a list of names, empty ones dropped; a list written out on
+    the command line ("[]", "['a', 'b']": a config's values given back as flags) as that list."""
+    if isinstance(tasks, str) and tasks.strip().startswith("[") and tasks.strip().endswith("]"):
+        tasks = tasks.strip()[1:-1]
     names = tasks.split(",") if isinstance(tasks, str) else [t for n in tasks for t in str(n).split(",")]
-    return [n.strip() for n in names if n.strip()]
+    return [n.strip().strip("'\"") for n in names if n.strip().strip("'\"")]
 
 
 @dataclasses.dataclass

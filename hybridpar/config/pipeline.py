@@ -66,11 +66,13 @@ def max_stages(n_layers: int) -> int:
     return n_layers + 2
 
 
-def stage_layer_counts(n_layers: int, n_stages: int, override: Optional[Sequence[int]] = None) -> list[int]:
+def stage_layer_counts(n_layers: int, n_stages: int, override: Optional[Sequence[int]] = None, *,
+                       pp: int = 0) -> list[int]:
     """Transformer layers per stage (torchtitan's rule). The embedding and the output head each count
     as a layer: n_layers + 2 units split as evenly as possible, the remainder to the first stages,
     the first stage giving one to the embedding and the last one to the head. `override`: the counts
-    themselves (parallel.pp_layers), checked. ConfigError (a ValueError) in one line."""
+    themselves (parallel.pp_layers), checked. ConfigError (a ValueError) in one line; `pp`, the
+    stages' ranks when known, lets it name the parallel.pp to choose."""
     if override is not None:
         counts = list(override)
         if len(counts) != n_stages or min(counts, default=0) < 0:
@@ -85,8 +87,13 @@ def stage_layer_counts(n_layers: int, n_stages: int, override: Optional[Sequence
         return counts
     units = max_stages(n_layers)
     if n_stages > units:
-        raise ConfigError(f"{n_stages} pipeline stages for {n_layers} layers (+ embedding and head): "
-                          f"use at most {units} stages (parallel.pp x virtual stages)")
+        ranks, fix = "", f"at most {units} stages (parallel.pp x stages per rank)"
+        if pp:  # the stages' ranks known: name the parallel.pp that fits
+            per_rank = n_stages // pp
+            ranks = f" (parallel.pp = {pp}{f' x {per_rank} per rank' if per_rank > 1 else ''})"
+            fix = f"a parallel.pp of at most {units // per_rank}"
+        raise ConfigError(f"{n_stages} pipeline stages{ranks} but the model has {n_layers} layers, {units} counting "
+                          f"the embedding and the output: choose {fix}")
     base, extra = divmod(units, n_stages)
     counts = [base + (1 if s < extra else 0) for s in range(n_stages)]
     counts[0] -= 1
@@ -167,12 +174,8 @@ def check_pipeline(pp: int, schedule: str, pp_layers: Sequence[int], pp_microbat
     if fixed == 1 and per_rank != 1:
         raise ConfigError(f"parallel.pp_schedule = {schedule} runs one stage per rank, but parallel.pp_layers "
                           f"gives {per_rank}: list {pp} stages' layers, or choose Interleaved1F1B")
-    if pp_layers:
-        stage_layer_counts(n_layers, stages, pp_layers)  # the layers add up, no middle stage empty
-    elif stages > max_stages(n_layers):
-        raise ConfigError(f"{stages} pipeline stages (parallel.pp = {pp}{' x 2 per rank' if per_rank > 1 else ''}) "
-                          f"but the model has {n_layers} layers, {max_stages(n_layers)} counting the embedding and "
-                          f"the output: choose a parallel.pp of at most {max_stages(n_layers) // per_rank}")
+    # The split itself: no more stages than units to cut; pp_layers that add up, no middle stage empty.
+    stage_layer_counts(n_layers, stages, list(pp_layers) or None, pp=pp)
     m = microbatches(pp_microbatches, stages)
     if batch % m:
         raise ConfigError(f"parallel.pp_microbatches = {m} does not divide data.micro_batch_size = {batch}: each "
@@ -187,6 +190,13 @@ def check_pipeline(pp: int, schedule: str, pp_layers: Sequence[int], pp_microbat
     if m % rounds:
         raise ConfigError(f"parallel.pp_schedule = {schedule} runs micro-batches in rounds of pp = {pp}: "
                           f"parallel.pp_microbatches = {m} must be a multiple of {rounds} ({pp * rounds} works)")
+
+
+def check_untied(pp: int, tie_embeddings: bool) -> None:
+    """A model whose output head is its embedding cannot be cut into stages: ConfigError in one line."""
+    if pp > 1 and tie_embeddings:
+        raise ConfigError(f"parallel.pp = {pp} with a model whose output head is its embedding (tie_embeddings): the "
+                          "embedding would be at both ends of the pipeline; set parallel.pp = 1")
 
 
 def _torch_has(name: str) -> bool:

@@ -1,0 +1,150 @@
+"""One preflight for the job and its dry run (hybridpar.preflight.check_config): every refusal the docs
+list for pipeline, context and sequence parallelism and for evaluation in the loop is said by
+`hybridpar train` before anything trains and by `hybridpar train --dry-run` before anything is built,
+in the same one line, exit code 2. Both run in this process, cheaply: the job as rank 0 of torchrun's
+world up to the Trainer (a stand-in that fails the test if reached), the dry run up to its fake
+process group."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybridpar.cli import main
+from tests.test_pipeline_config import DOCUMENTED_REFUSALS, training_md_refusal_lines
+
+ROOT = Path(__file__).resolve().parents[1]
+LOCAL = ["--config", "local", "--parallel.mp", "1"]  # the tiny model: 4 layers, micro_batch_size 4, validation on
+DUALPIPEV = ["--parallel.pp", "2", "--parallel.pp_schedule", "DualPipeV"]  # refused by a torch without it
+# The issue's 405B rehearsal on 512 ranks: 8 micro-batches of a micro_batch_size of 1.
+LLAMA_405B = ["--config", "llama2_70b", "--model.preset", "llama3.1_405b", "--parallel.mp", "8", "--parallel.pp", "8",
+              "--parallel.dp_shard", "8"]
+
+
+def _table_cases() -> list:
+    """docs/training.md's table of pipeline refusals, row by row: (flags, world, the line it quotes);
+    its last row is generate's (tests/test_pipeline_config.py)."""
+    configs = [(LOCAL + flags, world) for flags, world in DOCUMENTED_REFUSALS]
+    configs.insert(1, (LOCAL + DUALPIPEV, 2))  # the table's second row
+    lines = training_md_refusal_lines()
+    assert len(lines) == len(configs) + 1 and lines[-1].startswith("generation runs at pp = 1"), lines
+    return [(flags, world, line) for (flags, world), line in zip(configs, lines)]
+
+
+# The refusals the docs state in prose: (flags, world, what the line says).
+PROSE_CASES = [
+    # docs/training.md, Pipeline parallelism: "Two more come from what the pipeline itself cannot run".
+    (LOCAL + ["--parallel.pp", "2", "--model.preset", "llama3.2_1b"], 2,
+     "parallel.pp = 2 with a model whose output head is its embedding (tie_embeddings)"),
+    (LOCAL + ["--parallel.pp", "2", "--parallel.pp_schedule", "ZBVZeroBubble"], 2,
+     "parallel.pp_schedule = ZBVZeroBubble cannot run the validation forward"),
+    # Long context: a seq_len not a multiple of 2 x cp (2 x cp x mp with sequence parallelism), a cp
+    # whose product with mp and dp_replicate does not divide the world.
+    (LOCAL + ["--parallel.cp", "2", "--data.seq_len", "126"], 2, "data.seq_len = 126 is not divisible by 2 x cp = 4"),
+    (LOCAL + ["--parallel.mp", "2", "--parallel.cp", "2", "--data.seq_len", "124"], 4,
+     "data.seq_len = 124 is not divisible by 2 x cp x mp = 8"),
+    (LOCAL + ["--parallel.cp", "3"], 4, "world size 4 is not divisible by mp * cp * dp_replicate"),
+    # Sequence parallelism: "data.seq_len must be a multiple of mp (refused otherwise, naming both)".
+    (LOCAL + ["--parallel.mp", "2", "--data.seq_len", "127"], 2, "data.seq_len = 127 is not divisible by parallel.mp = 2"),
+    # docs/evaluation.md, In the loop: pipeline or context parallelism, eval.limit and eval.num_fewshot out of range.
+    (LOCAL + ["--parallel.pp", "2", "--eval.tasks", "arc_easy"], 2,
+     "evaluation in the loop runs at pp 1 and cp 1, and this job has pp 2, cp 1"),
+    (LOCAL + ["--parallel.cp", "2", "--eval.tasks", "arc_easy"], 2,
+     "evaluation in the loop runs at pp 1 and cp 1, and this job has pp 1, cp 2"),
+    (LOCAL + ["--eval.tasks", "arc_easy", "--eval.limit", "-1"], 1, "eval.limit must be"),
+    (LOCAL + ["--eval.tasks", "arc_easy", "--eval.num_fewshot", "-2"], 1, "eval.num_fewshot must be 0 or more"),
+    # Issue 49's: a pipeline micro-batch count that does not divide the micro-batch, and the 405B rehearsal.
+    (LOCAL + ["--parallel.pp", "2", "--parallel.pp_microbatches", "3"], 2,
+     "parallel.pp_microbatches = 3 does not divide data.micro_batch_size = 4"),
+    (LLAMA_405B, 512, "parallel.pp_microbatches = 8 does not divide data.micro_batch_size = 1"),
+]
+
+
+class _NotToBeReached:
+    def __init__(self, job):
+        raise AssertionError("the job reached the Trainer: its preflight let the config through")
+
+
+def _said(capsys) -> tuple[list[str], str]:
+    out = capsys.readouterr()
+    return [line for line in out.err.splitlines() if line.strip()], out.out
+
+
+def _job(monkeypatch, capsys, flags: list, world: int, run_dir: Path) -> tuple[int, list[str], str]:
+    """`hybridpar train` as rank 0 of `world` ranks (torchrun's variables): its exit code, stderr
+    lines and stdout."""
+    import hybridpar.train
+
+    monkeypatch.setattr(hybridpar.train, "Trainer", _NotToBeReached)
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("RANK", "0")
+    code = main(["train", *flags, "--output.run_dir", str(run_dir)])
+    return (code, *_said(capsys))
+
+
+def _dry_run(monkeypatch, capsys, flags: list, world: int, run_dir: Path) -> tuple[int, list[str], str]:
+    """`hybridpar train --dry-run --world N`, outside any launcher: its exit code, stderr lines and stdout."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    code = main(["train", "--dry-run", "--world", str(world), *flags, "--output.run_dir", str(run_dir)])
+    return (code, *_said(capsys))
+
+
+@pytest.mark.parametrize("flags,world,line", _table_cases() + PROSE_CASES,
+                         ids=lambda v: v if isinstance(v, str) else None)
+def test_the_job_and_its_dry_run_refuse_alike_in_one_line(monkeypatch, capsys, tmp_path, flags, world, line):
+    import torch.distributed as dist
+
+    from hybridpar.config import pipeline
+
+    monkeypatch.delenv("HYBRIDPAR_TRACEBACK", raising=False)
+    if flags[len(LOCAL):] == DUALPIPEV:
+        monkeypatch.setattr(pipeline, "_torch_has", lambda name: False)  # a torch before DualPipeV
+    run_dir = tmp_path / "run"
+    code, job_said, job_out = _job(monkeypatch, capsys, flags, world, run_dir)
+    assert (code, len(job_said), job_out) == (2, 1, ""), job_said + [job_out]
+    assert job_said[0].startswith("hybridpar: error: ") and line in job_said[0], job_said
+    assert not dist.is_initialized() and not run_dir.exists()  # refused before anything started
+    code, dry_said, dry_out = _dry_run(monkeypatch, capsys, flags, world, run_dir)
+    assert (code, dry_said, dry_out) == (2, job_said, ""), dry_said + [dry_out[-2000:]]
+    assert not dist.is_initialized() and not run_dir.exists()
+
+
+def test_a_config_the_job_takes_passes_the_same_preflight_in_the_dry_run():
+    """The 405B rehearsal refused above passes with micro-batches of one sequence (as the job
+    would), and so does each table row's config once its one mistake is put right."""
+    from hybridpar.config import find_config, load_config
+    from hybridpar.preflight import check_config
+
+    overrides = LLAMA_405B[2:] + ["--data.micro_batch_size", "8"]
+    sizes, args = check_config(load_config(find_config("llama2_70b"), overrides), 512)
+    assert sizes == (8, 1, 8, 1, 8) and args.n_layers == 126
+    fine = ["--parallel.pp", "2", "--parallel.pp_schedule", "ZBVZeroBubble", "--data.val_fraction", "0"]
+    assert check_config(load_config(find_config("local"), LOCAL[2:] + fine), 2)[0] == (2, 1, 1, 1, 1)
+
+
+def test_a_config_given_back_as_flags_is_the_same_config():
+    """A config's values as flags (tests/test_dryrun.py rehearses its real runs so) load as that config:
+    the dry run checks what the job would run (an empty eval.tasks, "[]", stays empty)."""
+    from hybridpar.config import find_config, load_config
+
+    for extra in ([], ["--eval.tasks", "arc_easy,hellaswag"]):
+        config = load_config(find_config("local"), extra)
+        flags = [x for s, section in config.to_dict().items() for k, v in section.items() for x in (f"--{s}.{k}", str(v))]
+        assert load_config(None, flags).to_dict() == config.to_dict()
+
+
+@pytest.mark.slow
+def test_the_405b_rehearsal_runs_with_a_micro_batch_of_8(tmp_path):
+    """The issue's command with --data.micro_batch_size 8 rehearses rank 0's stage (14 of the 126
+    identical layers, 2 per stage: every size of 405B but the depth)."""
+    cmd = [sys.executable, "-m", "hybridpar", "train", "--dry-run", "--world", "512", *LLAMA_405B,
+           "--data.micro_batch_size", "8", "--model.n_layers", "14", "--output.run_dir", str(tmp_path / "run"),
+           "--json", str(tmp_path / "dry.json")]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                            env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((tmp_path / "dry.json").read_text())
+    assert report["ok"] and report["layout"].startswith("pp 8 x dp_replicate 1 x dp_shard 8 x mp 8 = 512 ranks")

@@ -183,3 +183,58 @@ def test_a_wait_for_every_rank_names_the_late_ones_on_rank_0(workers):
     print(f"\nrank 0 said: {said[0]}")
     assert said[0] and all("for rank(s) [1] to finish late-rank" in line for line in said[0]), said
     assert said[1] == []  # once, from rank 0
+
+
+def test_a_new_process_group_starts_with_no_name_and_no_counts(monkeypatch):
+    """The start's name and wait_for_every_rank's counts belong to the default group: one group kept
+    across many cases keeps counting (its keys never repeat), a new one (a job restarted in the same
+    process) starts fresh. Keys are read from a store that every rank has reached already."""
+    import types
+
+    import torch.distributed as dist
+
+    import hybridpar.compat.torch as compat
+    from hybridpar.mesh import ranks
+
+    class Group:  # stands for a ProcessGroup: only its identity matters here
+        pass
+
+    class Store:
+        def __init__(self):
+            self.keys = []
+
+        def append(self, key, value):
+            pass
+
+        def add(self, key, amount):
+            if amount:
+                self.keys.append(key)
+            return 2  # both ranks are here
+
+    store = Store()
+    monkeypatch.setattr(compat, "default_store", lambda: store)
+    monkeypatch.setattr(ranks, "rank_and_world", lambda: (0, 2))
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+
+    def use(group):
+        monkeypatch.setattr(dist, "group", types.SimpleNamespace(WORLD=group))
+        monkeypatch.setattr(dist.distributed_c10d, "_get_default_group", lambda: group)
+
+    first, second = Group(), Group()
+    use(first)
+    ranks.agree_attempt("first-start")
+    ranks.wait_for_every_rank("data")
+    ranks.agree_attempt("another")  # named already: this start keeps its name
+    ranks.wait_for_every_rank("data")
+    use(second)  # a new group, not named yet: torchrun's run id and restart count
+    ranks.wait_for_every_rank("data")
+    ranks.agree_attempt("second-start")
+    ranks.wait_for_every_rank("data")
+    use(first)
+    ranks.wait_for_every_rank("data")
+    assert store.keys == ["hybridpar/arrived/first-start/data/1", "hybridpar/arrived/first-start/data/2",
+                          "hybridpar/arrived/job/0/data/1", "hybridpar/arrived/second-start/data/2",
+                          "hybridpar/arrived/first-start/data/3"]

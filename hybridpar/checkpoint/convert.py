@@ -133,7 +133,7 @@ def _tokenizer_files(tokenizer: Path, vocab_size: int) -> tuple[int, int, dict[s
     return tok.bos_id, tok.eos_id, files
 
 
-def _run_tokenizer(src: Path) -> Optional[Path]:
+def run_tokenizer(src: Path) -> Optional[Path]:
     """The tokenizer a hybridpar checkpoint's run trained with (its train_state.json records it),
     if its file is still there with the same sha256; said in one line either way."""
     from ..data.tokenizer import Tokenizer
@@ -180,7 +180,7 @@ def convert(src: Path, dst: Path, to: str, parallel: ParallelDims, mp_out: Optio
     """Write the weights of `src` to `dst` in format `to`; returns what was written.
 
     tokenizer (hf, meta): its files are copied into the folder (a hybridpar checkpoint's recorded
-    tokenizer when not given: _run_tokenizer); Meta's folders keep a sentencepiece or tiktoken file as
+    tokenizer when not given: run_tokenizer); Meta's folders keep a sentencepiece or tiktoken file as
     tokenizer.model. bos_id / eos_id (hf only): config.json's token ids; default the tokenizer's,
     else a Hugging Face source's own, else hf.default_token_ids. max_seq_len (hf, dcp): the context length recorded, default the source's.
     overwrite: replace an existing `dst` (the old folder goes once the new one is complete).
@@ -213,7 +213,7 @@ def convert(src: Path, dst: Path, to: str, parallel: ParallelDims, mp_out: Optio
     # The tokenizer goes with a Meta or Hugging Face export: the one given, else the one the run recorded.
     files: dict[str, Path] = {}
     if to != "dcp" and tokenizer is None and bos_id is None and eos_id is None:
-        tokenizer = _run_tokenizer(src)
+        tokenizer = run_tokenizer(src)
     if tokenizer is not None:
         bos_id, eos_id, files = _tokenizer_files(Path(tokenizer), args.vocab_size)
     if to == "meta":

@@ -177,7 +177,7 @@ class HuggingFaceBPE:
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
     def encode_batch_numpy(self, texts: list[str], threads: Optional[int] = None) -> list[np.ndarray]:
-        # threads: TOKENIZERS_PARALLELISM / RAYON_NUM_THREADS, set by limit_threads
+        # threads: TOKENIZERS_PARALLELISM / RAYON_NUM_THREADS, set by tokenizer.limit_threads
         return [np.asarray(ids, dtype=np.int32) for ids in self.encode_batch(texts)]
 
     def decode(self, ids: list[int]) -> str:

@@ -68,7 +68,7 @@ def prepare(input: Input, tokenizer, out: Optional[PathLike] = None, *, cache_di
         if cached and not damaged and finished_store(folder, input, tokenizer.sha256, **options):
             return TokenStore(folder, cached=True)
         plan = plan_of(input, tokenizer, folder, unit_bytes=unit_bytes, max_bad_records=max_bad_records, **options)
-        limit_threads(1)  # one tokenizer thread per process: the workers (or a job's ranks) are the parallelism
+        limit_threads(tokenizer, 1)  # one thread per process: the workers (or a job's ranks) are the parallelism
         recheck_store(plan, workers=workers, report=report)
         with preparing(plan, own_folder=cached):
             mine = part_of(plan, index, parts)

@@ -34,7 +34,7 @@ def _worker_init(plan: Plan, tokenizer, heard) -> None:
     from hybridpar.data.tokenizer import limit_threads
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    limit_threads(1)  # the workers are the parallelism
+    limit_threads(tokenizer, 1)  # the workers are the parallelism
     _WORKER.update(plan=plan, tokenizer=tokenizer, heard=heard)
 
 

@@ -34,19 +34,6 @@ DEFAULT_MAX_TRAINING_SENTENCES = 1_000_000
 _MAX_SENTENCE_CHARS = 4096
 
 
-
-_THREADS: Optional[int] = None  # threads a batch encode may use; None: the library's default
-
-
-def limit_threads(n: int) -> None:
-    """Encode batches on at most `n` threads in this process: in a preparation worker the workers
-    are the parallelism, and each library's own threads would only compete with them."""
-    global _THREADS
-    _THREADS = n
-    os.environ["RAYON_NUM_THREADS"] = str(n)  # the tokenizers library's pool (read when it starts)
-    if n == 1:
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"
-
 class Tokenizer:
     """A tokenizer file; the kind is read from its contents, whatever the file is called:
 
@@ -69,6 +56,7 @@ class Tokenizer:
             path = find_tokenizer_file(path)
         self.path = path
         self._impl = _load(path)
+        self.threads: Optional[int] = None  # a batch encode's threads (limit_threads); None: the library's default
 
     @property
     def kind(self) -> str:
@@ -115,9 +103,9 @@ class Tokenizer:
 
     def encode_batch_numpy(self, texts: Sequence[str]) -> list[np.ndarray]:
         """Like encode_batch (no bos/eos) as int32 arrays, for bulk tokenising (sentencepiece makes
-        them directly, without a Python int per token), on at most limit_threads' threads."""
+        them directly, without a Python int per token), on at most self.threads threads."""
         texts = list(texts)
-        return self._impl.encode_batch_numpy(texts, _THREADS) if texts else []
+        return self._impl.encode_batch_numpy(texts, self.threads) if texts else []
 
     def decode(self, ids: Iterable[int]) -> str:
         """Decode ids (a list, numpy array or tensor); bos/eos and other special pieces decode to nothing."""
@@ -143,14 +131,27 @@ class Tokenizer:
 
     # DataLoader workers and spawned processes get a copy: ship the path, not the library's object.
     def __getstate__(self) -> dict:
-        return {"path": self.path}
+        return {"path": self.path, "threads": self.threads}
 
     def __setstate__(self, state: dict) -> None:
         self.path = state["path"]
         self._impl = _load(self.path)
+        self.threads = state.get("threads")
 
     def __repr__(self) -> str:
         return f"Tokenizer({str(self.path)!r}, kind={self.kind}, vocab_size={self.vocab_size})"
+
+
+def limit_threads(tokenizer, n: int) -> None:
+    """Encode `tokenizer`'s batches on at most `n` threads (a hybridpar Tokenizer's `threads`; other
+    objects are left as they are), and this process's tokenizers library pool with them: in a
+    preparation worker the workers are the parallelism, and each library's own threads would only
+    compete with them."""
+    if isinstance(tokenizer, Tokenizer):
+        tokenizer.threads = n
+    os.environ["RAYON_NUM_THREADS"] = str(n)  # the tokenizers library's pool (read when it starts)
+    if n == 1:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
 def tokenizer_sha256(model_path: PathLike) -> str:

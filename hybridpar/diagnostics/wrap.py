@@ -117,20 +117,38 @@ class Listener:
         raise NotImplementedError
 
     def __enter__(self):
-        _attach(self)
+        _LAYER.attach(self)
         return self
 
     def __exit__(self, *exc) -> None:
-        _detach(self)
+        _LAYER.detach(self)
 
 
 class _Layer:
-    """The wrappers in place while at least one listener listens."""
+    """The wrappers over torch.distributed and the listeners they call: one per process, as
+    torch.distributed is one. Installed while at least one listener listens."""
 
     def __init__(self) -> None:
         self.listeners: tuple[Listener, ...] = ()  # replaced, never mutated: calls on other threads read it
         self.local = threading.local()  # per thread: the innermost wrapped call running
         self.saved: list[tuple[object, str, object, bool]] = []  # (owner, name, original, own attribute)
+        self.lock = threading.Lock()  # one listener in or out at a time
+
+    def attach(self, listener: Listener) -> None:
+        with self.lock:
+            if listener in self.listeners:
+                raise RuntimeError(f"{type(listener).__name__} is already listening: enter it once")
+            if not self.listeners:
+                self.install()
+            self.listeners = self.listeners + (listener,)
+
+    def detach(self, listener: Listener) -> None:
+        with self.lock:
+            if listener not in self.listeners:
+                return
+            self.listeners = tuple(x for x in self.listeners if x is not listener)
+            if not self.listeners:
+                self.restore()
 
     def install(self) -> None:
         wrappers: dict[int, Callable] = {}  # one wrapper per original function, wherever it is reachable
@@ -185,33 +203,10 @@ class _Layer:
             local.inner = call.outer
 
 
-_layer: Optional[_Layer] = None  # exists only while a listener listens
-_lock = threading.Lock()
-
-
-def _attach(listener: Listener) -> None:
-    global _layer
-    with _lock:
-        if _layer is not None and listener in _layer.listeners:
-            raise RuntimeError(f"{type(listener).__name__} is already listening: enter it once")
-        if _layer is None:
-            layer = _Layer()
-            layer.install()
-            _layer = layer
-        _layer.listeners = _layer.listeners + (listener,)
-
-
-def _detach(listener: Listener) -> None:
-    global _layer
-    with _lock:
-        if _layer is None or listener not in _layer.listeners:
-            return
-        _layer.listeners = tuple(x for x in _layer.listeners if x is not listener)
-        if not _layer.listeners:
-            _layer.restore()
-            _layer = None
+# The one layer (torch.distributed is one per process); it holds nothing while no listener listens.
+_LAYER = _Layer()
 
 
 def listeners() -> tuple[Listener, ...]:
     """The listeners listening now (none: torch.distributed is torch's own)."""
-    return _layer.listeners if _layer is not None else ()
+    return _LAYER.listeners

@@ -23,13 +23,13 @@ class Loaded(NamedTuple):
 def checkpoint_tokenizer(checkpoint: str | Path, tokenizer: Optional[str] = None) -> Path:
     """The tokenizer file to evaluate with: `tokenizer` if given; else the one a hybridpar checkpoint's
     run recorded (still there, unchanged), or the one in a Meta or Hugging Face folder."""
-    from ..checkpoint.convert import _run_tokenizer, detect_format
+    from ..checkpoint.convert import detect_format, run_tokenizer
     from ..preflight import tokenizer_file
 
     if tokenizer:
         return tokenizer_file(tokenizer, "--tokenizer")
     kind, path = detect_format(Path(checkpoint))
-    found = _run_tokenizer(path) if kind == "dcp" else None
+    found = run_tokenizer(path) if kind == "dcp" else None
     if found is None and kind != "dcp":
         try:
             found = tokenizer_file(str(path), "--tokenizer")

@@ -16,6 +16,7 @@ command line reports a refused start (raised_by_every_rank) without loading it.
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import Any, Callable, NoReturn, Optional, TypeVar
 
 T = TypeVar("T")
@@ -139,9 +140,6 @@ def raise_if_any_failed(error: Optional[BaseException], what: str, *,
     _raise_for_other(rank, what, refusal, text, error_type)
 
 
-_ARRIVALS: dict[str, int] = {}  # name -> calls so far in this process: every rank counts alike
-
-
 def restart_count() -> int:
     """How many times torchrun has restarted the job's ranks (0 outside torchrun)."""
     import os
@@ -149,15 +147,33 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
-# This start of the job's name, as every rank agreed on it (agree_attempt): (the default group, name).
-_AGREED: list = [None, None]
+class Start:
+    """One start of the job, held for its default process group: the name every rank agreed on
+    (agree_attempt; None until then) and how many times each wait_for_every_rank name was called in
+    it (every rank counts alike, so the counts name the same store keys on every rank)."""
+
+    def __init__(self) -> None:
+        self.name: Optional[str] = None
+        self.arrivals: dict[str, int] = {}
+
+    def arrive(self, what: str) -> int:
+        """Count a call of wait_for_every_rank(what); the count so far, this one included."""
+        self.arrivals[what] = self.arrivals.get(what, 0) + 1
+        return self.arrivals[what]
 
 
-def _default_group():
-    """The process group of this start (None before one exists)."""
+# Each default process group's Start, gone with its group: a new group (a restarted job in the same
+# process, a test's next one) starts with no name and no counts; one group kept across many test
+# cases keeps counting, so its keys never repeat.
+_STARTS: "weakref.WeakKeyDictionary[Any, Start]" = weakref.WeakKeyDictionary()
+
+
+def this_start() -> Optional[Start]:
+    """The default group's Start (None before a process group exists)."""
     import torch.distributed as dist
 
-    return dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+    group = dist.group.WORLD  # the default group (None before one exists)
+    return None if group is None else _STARTS.setdefault(group, Start())
 
 
 def agree_attempt(name: Optional[str] = None) -> None:
@@ -171,10 +187,10 @@ def agree_attempt(name: Optional[str] = None) -> None:
 
     import torch.distributed as dist
 
-    group = _default_group()
-    if dist.get_backend() == "fake" or (_AGREED[1] and _AGREED[0] is group):
+    start = this_start()
+    if dist.get_backend() == "fake" or start.name:
         return  # the dry run (one process plays its rank, nothing moves), or this start named already
-    _AGREED[:] = [group, name or broadcast_from_rank0(uuid.uuid4().hex)]
+    start.name = name or broadcast_from_rank0(uuid.uuid4().hex)
 
 
 def attempt_id() -> str:
@@ -182,9 +198,9 @@ def attempt_id() -> str:
     ranks agreed on (agree_attempt), else torchrun's run id and restart count."""
     import os
 
-    group, name = _AGREED
-    if name and group is not None and group is _default_group():
-        return name
+    start = this_start() if "torch" in sys.modules else None
+    if start is not None and start.name:
+        return start.name
     return f"{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/{restart_count()}"
 
 
@@ -202,8 +218,7 @@ def wait_for_every_rank(name: str, poll: float = 0.2) -> None:
     rank, world = rank_and_world()
     if world == 1:
         return
-    _ARRIVALS[name] = _ARRIVALS.get(name, 0) + 1
-    key = f"hybridpar/arrived/{attempt_id()}/{name}/{_ARRIVALS[name]}"
+    key = f"hybridpar/arrived/{attempt_id()}/{name}/{this_start().arrive(name)}"
     store = default_store()
     store.append(f"{key}/ranks", f"{rank},")  # read only to name the late: the count is what every rank polls
     store.add(key, 1)

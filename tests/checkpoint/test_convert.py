@@ -209,7 +209,7 @@ def test_an_export_of_a_run_carries_the_run_tokenizer(trained, tmp_path):
 def test_an_export_says_when_the_run_tokenizer_is_gone(tmp_path, capsys):
     import json
 
-    from hybridpar.checkpoint.convert import _run_tokenizer
+    from hybridpar.checkpoint.convert import run_tokenizer
 
     step = tmp_path / "ckpt" / "step-00000003"
     step.mkdir(parents=True)
@@ -217,11 +217,11 @@ def test_an_export_says_when_the_run_tokenizer_is_gone(tmp_path, capsys):
     (step / "params.json").write_text("{}")
     (step / "train_state.json").write_text(json.dumps({"step": 3, "tokenizer": {"path": str(tmp_path / "tok.model"),
                                                                                  "sha256": "ab" * 32}}))
-    assert _run_tokenizer(tmp_path / "ckpt") is None
+    assert run_tokenizer(tmp_path / "ckpt") is None
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and f"{tmp_path / 'tok.model'} is gone" in err and "give --tokenizer" in err, err
     (tmp_path / "tok.model").write_text("not the one")
-    assert _run_tokenizer(step) is None
+    assert run_tokenizer(step) is None
     assert "now holds another tokenizer" in capsys.readouterr().err
 
 

@@ -147,3 +147,24 @@ def test_concurrent_ranks_train_once(tmp_path, corpus_sample):
     assert len(log_path.read_text().splitlines()) == 1
     names = sorted(p.name for p in cache.iterdir())
     assert len(names) == 2 and names[0].endswith(".model") and names[1].endswith(".model.lock")
+
+
+def test_a_thread_limit_belongs_to_the_tokenizer_it_was_set_on(tokenizer, monkeypatch):
+    """A preparation worker limits its tokenizer to one thread; another tokenizer of the same process
+    keeps the library's default, and a copy sent to a worker keeps the limit."""
+    import pickle
+
+    from hybridpar.data.tokenizer import limit_threads
+
+    for name in ("RAYON_NUM_THREADS", "TOKENIZERS_PARALLELISM"):  # put back after the test
+        monkeypatch.delenv(name, raising=False)
+    limited, other = Tokenizer(tokenizer.path), Tokenizer(tokenizer.path)
+    limit_threads(limited, 1)
+    copy = pickle.loads(pickle.dumps(limited))
+    asked = []
+    for each in (limited, other, copy):
+        monkeypatch.setattr(each._impl, "encode_batch_numpy",
+                            lambda texts, threads: asked.append(threads) or [[len(t)] for t in texts])
+        assert each.encode_batch_numpy(["one text"]) == [[8]]
+    assert asked == [1, None, 1]
+    assert os.environ["RAYON_NUM_THREADS"] == "1" and os.environ["TOKENIZERS_PARALLELISM"] == "false"

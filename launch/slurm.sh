@@ -196,6 +196,10 @@ export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-3}
 export TORCH_FR_BUFFER_SIZE=${TORCH_FR_BUFFER_SIZE:-2000}
 export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
 export TORCH_FR_DUMP_TEMP_FILE=${TORCH_FR_DUMP_TEMP_FILE:-$JOB_DIR/flight_recorder/flight_recorder_rank_}
+# The job's store in rank 0's process, made afresh for each attempt, rather than torchrun's agent's
+# (kept across restarts; hybridpar copes with either: hybridpar/mesh/rendezvous.py): a node that
+# stalls then takes the store with it, which the other nodes' ranks notice and name (test_heal).
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 # torchrun passes these on to every rank, which then finishes its step, saves and exits (SIGUSR1 is
 # Slurm's warning ahead of the time limit; without it in the list torchrun would die of it). The
 # variable is torchrun's --signals-to-handle (torch >= 2.9; older torchruns ignore it and handle
@@ -252,7 +256,7 @@ preflight_cmd=("$PYTHON" -m torch.distributed.run "${rdzv[@]}" --rdzv-id="$JOB_I
 quoted() { printf '%q ' "$@" | sed 's/ $//'; }
 # The variables set above for every rank, as NAME=value words (shell-quoted).
 env_names=(OMP_NUM_THREADS NCCL_DEBUG TORCH_NCCL_ASYNC_ERROR_HANDLING TORCH_FR_BUFFER_SIZE TORCH_NCCL_DUMP_ON_TIMEOUT
-  TORCH_FR_DUMP_TEMP_FILE PET_SIGNALS_TO_HANDLE)
+  TORCH_FR_DUMP_TEMP_FILE TORCH_DISABLE_SHARE_RDZV_TCP_STORE PET_SIGNALS_TO_HANDLE)
 env_assignments() { for name in "${env_names[@]}"; do printf '%s=%q ' "$name" "${!name}"; done | sed 's/ $//'; }
 
 # The mesh table, then the config with every override: bad sizes or keys fail here, in one process

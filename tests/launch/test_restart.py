@@ -31,10 +31,10 @@ KILLED_RANK = 3
 TIMEOUT = 600
 
 
-def _launch(corpus, run_dir: Path, max_restarts: int, every: int = EVERY, attempt: str = "", overrides=()):
+def _launch(corpus, run_dir: Path, max_restarts: int, every: int = EVERY, attempt: str = "", overrides=(), **env):
     """Start the dry run's torchrun command twice, as the agents of two nodes; returns (procs, logs, job_dir)."""
     env = script_env(NODES=NODES, PROCS_PER_NODE=PROCS_PER_NODE, MP=MP, RUN_DIR=run_dir, RDZV_HOST="127.0.0.1",
-                     RDZV_PORT=free_port(), MAX_RESTARTS=max_restarts)
+                     RDZV_PORT=free_port(), MAX_RESTARTS=max_restarts, **env)
     dry = run_script(SLURM_SH, "--dry-run", "--", *tiny_overrides(corpus, STEPS, every), *overrides, env=env)
     assert dry.returncode == 0, dry.stdout + dry.stderr
     argv = printed_command(dry.stdout, "torchrun")
@@ -98,7 +98,10 @@ def test_killed_rank_restarts_and_ends_bit_exact(uninterrupted, corpus, tmp_path
     run_dir = tmp_path / "killed"
     # torchrun stops the survivors with SIGTERM; stuck in a collective with the dead rank, their stop
     # cannot finish its step and gives up after exit_save_timeout (25 s by default) before the restart.
-    procs, logs, job_dir = _launch(corpus, run_dir, max_restarts=1, overrides=["--checkpoint.exit_save_timeout=3"])
+    # On torch's default store (the agents', kept across restarts, whose restart counts differ after
+    # the kill): hybridpar's own rendezvous keeps each attempt's keys apart (slurm.sh sets the other).
+    procs, logs, job_dir = _launch(corpus, run_dir, max_restarts=1, overrides=["--checkpoint.exit_save_timeout=3"],
+                                   TORCH_DISABLE_SHARE_RDZV_TCP_STORE=0)
     try:
         deadline = time.monotonic() + TIMEOUT
         while not (run_dir / "checkpoints" / KILL_AFTER).is_dir():

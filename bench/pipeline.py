@@ -1,5 +1,5 @@
 """Pipeline parallelism: tokens/s, the bubble against (p - 1) / (v m + p - 1), and per-rank activation
-memory against `hybridpar plan`'s, measured on the real model through hybridpar.parallel.pipeline's
+memory against `hybridpar plan`'s, measured on the real model through hybridpar.pipeline.engine's
 PipelineEngine (torch.distributed.pipelining), at pp 2 and 4 on this machine.
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 4 bench/pipeline.py [--rounds 5]
@@ -266,16 +266,16 @@ class Layout:
 
 
 def build(args, parallel, layout: Layout):
-    from hybridpar.models.llama import Transformer
-    from hybridpar.config.pipeline import stage_ids, stage_layer_counts
-    from hybridpar.parallel.pipeline import PipelineEngine, keep_stage
+    from hybridpar.pipeline.engine import PipelineEngine
+    from hybridpar.pipeline.schedules import stage_ids, stage_layer_counts
+    from hybridpar.pipeline.stages import build_stage
 
     counts = stage_layer_counts(args.n_layers, layout.pp * layout.v)
     ids = stage_ids(parallel.pp_rank, layout.pp, layout.v, layout.schedule)
     stages = []
     for s in ids:
         torch.manual_seed(0)
-        stages.append(keep_stage(Transformer(args, parallel), s, counts))
+        stages.append(build_stage(args, parallel, s, counts))
     return PipelineEngine(stages, ids, parallel.pp_group, layout.schedule, layout.m, torch.device("cpu"),
                           parallel.mp_group)
 
@@ -345,7 +345,7 @@ def main() -> None:
     opts = parser.parse_args()
 
     import hybridpar
-    from hybridpar.config.pipeline import MULTI_STAGE
+    from hybridpar.pipeline.schedules import MULTI_STAGE
     from hybridpar.models.args import ModelArgs
 
     torch.set_num_threads(1)

@@ -2,13 +2,13 @@
 checkpointing, compile and FSDP, in the order below.
 
 Training, the dry run, the planner's CPU probe, checkpoint conversion and the benchmark all call
-`build_model`; what differs between them (device, dtype, FSDP or not, compile, sequence
+`build_model` (a pipeline stage through hybridpar.pipeline.stages); what differs between them (device, dtype, FSDP or not, compile, sequence
 parallelism, where the weights come from) is a parameter.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 import torch
 
@@ -16,42 +16,35 @@ from hybridpar.models.args import ModelArgs
 from hybridpar.models.llama import Transformer
 
 from .config.fsdp import FSDPConfig
-from .config.pipeline import stage_count
 from .mesh.device import ParallelDims
 from .parallel.fsdp import apply_activation_checkpointing, apply_fsdp, check_compiler, compile_blocks
-from .config.pipeline import check_untied, stage_ids, stage_layer_counts
-from .parallel.pipeline import stage_layers
 
 
 def build_model(args: ModelArgs, parallel: ParallelDims, *, device: Optional[torch.device] = None,
                 dtype: Optional[torch.dtype] = None, sequence_parallel: bool = False,
                 load: Optional[Callable[[Transformer], None]] = None, fsdp: Optional[FSDPConfig] = None,
-                compile: bool = False, stage: Optional[int] = None, stage_counts: Sequence[int] = ()
-                ) -> Transformer:
+                compile: bool = False, part: Optional[dict] = None) -> Transformer:
     """A Transformer for this rank of `parallel`.
 
     device "meta" builds without memory (the dry run; or weights loaded after `to_empty`). load(model)
     fills the unsharded model (a checkpoint sliced into it). fsdp None: no FSDP, no activation
     checkpointing, no compile (conversion, generation). compile: torch.compile each block.
-    stage: build only pipeline stage `stage` of len(stage_counts) (layers per stage,
-    config.pipeline.stage_layer_counts): its layers under their names, the embedding on the first
-    stage, the norm and head on the last, with the whole model's weights for the same seed.
+    part: build only these pieces of the model (Transformer's layers / embedding / head keywords): a
+    pipeline stage, hybridpar.pipeline.stages' build_stage), with the whole model's
+    weights for the same seed.
     """
     if fsdp is not None:
         fsdp.validate()  # bad fsdp.* values and a missing compiler refused before anything is built
         check_compiler(compile, parallel)
-    pieces, allocate = {}, None
-    if stage is not None:
-        check_untied(parallel.pp, args.tie_embeddings)
-        pieces = dict(layers=stage_layers(stage, stage_counts), embedding=stage == 0,
-                      head=stage == len(stage_counts) - 1)
-        if load is not None and (device is None or torch.device(device).type != "meta"):
-            # The checkpoint fills every weight: no draws through the layers of the other stages.
-            allocate, device = device if device is not None else parallel.device, torch.device("meta")
+    allocate = None
+    if part is not None and load is not None and (device is None or torch.device(device).type != "meta"):
+        # The checkpoint fills every weight: no draws through the layers of the other stages.
+        allocate, device = device if device is not None else parallel.device, torch.device("meta")
     # 1. Tensor parallelism is inside the model: each layer is built as this rank's mp slice, which is
     #    what lets Meta's and fairscale's layouts load one to one. The same seed gives the same weights
     #    at any layout.
-    model = Transformer(args, parallel, device=device, dtype=dtype, sequence_parallel=sequence_parallel, **pieces)
+    model = Transformer(args, parallel, device=device, dtype=dtype, sequence_parallel=sequence_parallel,
+                        **(part or {}))
     if allocate is not None:
         model.to_empty(device=allocate)
     # 2. Weights are sliced into the unsharded model: before FSDP.
@@ -68,21 +61,3 @@ def build_model(args: ModelArgs, parallel: ParallelDims, *, device: Optional[tor
         compile_blocks(model)
     # 5. FSDP over the data-parallel dims (on gloo, its collectives as all-to-alls).
     return apply_fsdp(model, parallel, fsdp)
-
-
-def build_stages(args: ModelArgs, parallel: ParallelDims, schedule: str, pp_layers: Sequence[int] = (),
-                 **options) -> tuple[list[Transformer], list[int]]:
-    """This rank's pipeline stages (parallel.pp_schedule `schedule`, parallel.pp_layers), each built
-    by build_model with `options` (its keywords): (the stage modules, their stage ids), in the
-    order the schedule runs them. At parallel.pp = 1: ([the whole model], [0])."""
-    if parallel.pp == 1:
-        return [build_model(args, parallel, **options)], [0]
-    n_stages = stage_count(parallel.pp, schedule, pp_layers)
-    counts = stage_layer_counts(args.n_layers, n_stages, list(pp_layers) or None, pp=parallel.pp)
-    ids = stage_ids(parallel.pp_rank, parallel.pp, n_stages // parallel.pp, schedule)
-    seeded = torch.random.get_rng_state()  # each stage draws from the same start as the whole model
-    stages = []
-    for s in ids:
-        torch.random.set_rng_state(seeded)
-        stages.append(build_model(args, parallel, stage=s, stage_counts=counts, **options))
-    return stages, ids

@@ -16,12 +16,13 @@ and `hybridpar train --dry-run` makes it before its rehearsal, so a refusal read
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from pathlib import Path
-from typing import Mapping, Optional, Union
+from typing import Callable, Mapping, Optional, Union
 
 from .config import Config, ConfigError
-from .config.pipeline import V_SHAPED, check_pipeline, check_untied
+from .pipeline.schedules import check_pipeline, check_untied, check_validation
 from .mesh.layout import MeshSizeError, resolve_sizes
 
 _TOKENIZER_KINDS = "a tokenizer.model (sentencepiece, or Meta's Llama 3 tiktoken file), a Hugging Face tokenizer.json"
@@ -44,6 +45,16 @@ class Job:
     # ...and -> the folder of its complete token store (a store given as the source, or the cache's),
     # None when it is still to be prepared or cannot be told yet (a tokenizer not trained yet).
     stores: Mapping = dataclasses.field(default_factory=dict)
+
+    def init_loader(self, parallel) -> Optional[Callable]:
+        """build_model's `load` for a Meta or Hugging Face checkpoint.init_from (its weights sliced into
+        this rank's model or stage, hybridpar.checkpoint.convert.load_into), or None."""
+        if self.init_from is None:
+            return None
+        from .checkpoint.convert import load_into
+
+        kind, folder = self.init_from
+        return functools.partial(load_into, kind, folder, parallel=parallel, parsed=self.init_config)
 
 
 def resolve_job(config: Config, world_size: int, *, training: bool = True) -> Job:
@@ -88,10 +99,7 @@ def check_config(config: Config, world_size: int, args=None, *, training: bool =
     p, d = config.parallel, config.data
     check_pipeline(pp, p.pp_schedule, p.pp_layers, p.pp_microbatches, args.n_layers, d.micro_batch_size)
     check_untied(pp, args.tie_embeddings)
-    if training and pp > 1 and p.pp_schedule in V_SHAPED and (d.val_fraction or d.val_source):
-        # torch's V schedules run no forward-only pass (a backward is part of every step of theirs).
-        raise ConfigError(f"parallel.pp_schedule = {p.pp_schedule} cannot run the validation forward; choose "
-                          "Interleaved1F1B (or 1F1B), or unset data.val_fraction and data.val_source")
+    check_validation(pp, p.pp_schedule, training and bool(d.val_fraction or d.val_source))
     if training and config.eval.tasks and (pp > 1 or cp > 1):
         raise ConfigError(f"evaluation in the loop runs at pp 1 and cp 1, and this job has pp {pp}, cp {cp}; use "
                           "hybridpar eval on a checkpoint (or empty eval.tasks)")

@@ -267,3 +267,17 @@ def test_library_code_logs_instead_of_printing():
     assert allowed >= 10, "the check found no print() in the command layer: it is not looking where the code is"
     assert not offenders, ("library code speaks through logging (log = logging.getLogger(__name__), or "
                            f"hybridpar.progress.note), not print: {offenders}")
+
+
+def test_the_pipeline_lives_in_one_place():
+    """Everything that pushes a batch through the model asks the step runner (hybridpar.pipeline.runner):
+    no training module branches on the pipeline (an engine that may be None, pp compared with 1); the
+    Trainer composes parts and stays well under the ceiling."""
+    files = {name: path for name, path in _module_files().items() if name.startswith("hybridpar.train.")}
+    assert "hybridpar.train.trainer" in files, "the check found no training module"
+    branch = re.compile(r"engine is (not )?None|\bpp\s*(==|!=|>|>=|<|<=)\s*1\b|\.pp\s*(==|!=|>|>=|<|<=)")
+    found = {name: line.strip() for name, path in files.items() for line in path.read_text().splitlines()
+             if branch.search(line)}
+    assert not found, f"pipeline branches outside hybridpar.pipeline: {found}"
+    lines = len(files["hybridpar.train.trainer"].read_text().splitlines())
+    assert lines < 300, f"train/trainer.py has {lines} lines: move what a part owns into the part"

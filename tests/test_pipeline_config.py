@@ -133,7 +133,7 @@ def test_generation_is_refused_at_pp_above_1():
 def test_one_schedule_table_names_torch_s_classes():
     from torch.distributed import pipelining
 
-    from hybridpar.config.pipeline import MULTI_STAGE, SCHEDULES, V_SHAPED, stages_per_rank
+    from hybridpar.pipeline.schedules import MULTI_STAGE, SCHEDULES, V_SHAPED, stages_per_rank
 
     assert all(hasattr(pipelining, s.torch_class) for s in SCHEDULES.values())  # this torch has all five
     assert MULTI_STAGE == ("Interleaved1F1B", "ZBVZeroBubble", "DualPipeV") and V_SHAPED == MULTI_STAGE[1:]
@@ -143,7 +143,7 @@ def test_one_schedule_table_names_torch_s_classes():
 def test_one_split_rule_for_the_trainer_and_preflight():
     """preflight refuses too many stages exactly where the trainer's split (stage_layer_counts)
     cannot cut them, and the split refuses a pp_layers preflight refuses, with preflight's line."""
-    from hybridpar.config.pipeline import check_pipeline, stage_layer_counts
+    from hybridpar.pipeline.schedules import check_pipeline, stage_layer_counts
     for n_layers in range(0, 5):
         for pp in range(2, 9):
             try:
@@ -196,7 +196,7 @@ def training_md_refusal_lines() -> list[str]:
 
 def test_training_md_quotes_the_refusals_as_they_are_said(monkeypatch):
     """Every line docs/training.md's table quotes is one preflight (or generate) says, and each says one."""
-    from hybridpar.config import pipeline
+    from hybridpar.pipeline import schedules as pipeline
     from hybridpar.generate import generate
 
     messages = []

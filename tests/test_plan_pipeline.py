@@ -128,7 +128,7 @@ def test_the_planner_prices_the_stages_and_micro_batches_the_trainer_runs():
     34 units over 8 stages are 5, 5, 4, 4, 4, 4, 4, 4, so the busiest rank of pp 4 x 2 holds 9, not 10.
     And a layout is priced exactly when preflight accepts its micro-batches (torch's rules)."""
     from hybridpar.config import ConfigError
-    from hybridpar.config.pipeline import SCHEDULES, check_pipeline, stages_per_rank
+    from hybridpar.pipeline.schedules import SCHEDULES, check_pipeline, stages_per_rank
 
     assert stage_units(32, 4, 2) == 9 and stage_units(32, 4, 2, "ZBVZeroBubble") == 9
     assert stage_units(36, 4, 2) == 10 and stage_units(36, 4, 2, "DualPipeV") == 10  # 38 units: 5 x 6, 4 x 2

@@ -97,7 +97,7 @@ def _dry_run(monkeypatch, capsys, flags: list, world: int, run_dir: Path) -> tup
 def test_the_job_and_its_dry_run_refuse_alike_in_one_line(monkeypatch, capsys, tmp_path, flags, world, line):
     import torch.distributed as dist
 
-    from hybridpar.config import pipeline
+    from hybridpar.pipeline import schedules as pipeline
 
     monkeypatch.delenv("HYBRIDPAR_TRACEBACK", raising=False)
     if flags[len(LOCAL):] == DUALPIPEV:

@@ -1,7 +1,7 @@
 """A rank's pipeline stage modules, seen by the checkpoint code as the one model they are parts of.
 
 Under pipeline parallelism a rank holds one stage module, or several (Interleaved1F1B, the V
-schedules), each cut by hybridpar.parallel.pipeline.keep_stage: its layers under their own names
+schedules), each built by hybridpar.pipeline.stages.build_stage: its layers under their own names
 (`layers.37` stays `layers.37`), the embedding on the first stage, the final norm and head on the
 last. Checkpoints store the unsplit model's names, so none depends on pp:
 
@@ -40,7 +40,7 @@ class StageUnion(nn.Module):
             if next(stage.named_parameters(recurse=False), None) is not None or \
                     next(stage.named_buffers(recurse=False), None) is not None:
                 raise CheckpointError(f"a stage module ({type(stage).__name__}) holds tensors of its own, outside "
-                                      "its submodules: give the stages of a hybridpar Transformer (keep_stage)")
+                                      "its submodules: give the stages of a hybridpar Transformer (build_stage)")
             for name, child in stage.named_children():
                 if name == "layers":
                     for key, block in child.items():

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from ..checkpoint.stages import one_module
 from ..config import Config, ConfigError
 from .dryrun_report import Check, DryRun
 from ..files import human_bytes
@@ -126,8 +127,10 @@ def _rehearse(run: DryRun, c: Config, world: int, sizes: list[int], args, target
     from ..compat.torch import fake_tensors
     from ..diagnostics.collectives import CollectiveCounter, mesh_dims
     from ..mesh.device import init_parallel
-    from ..build import build_model
     from ..parallel.fsdp import dp_mesh_for
+    from ..pipeline.runner import make_runner
+    from ..pipeline.schedules import StageLayout
+    from ..pipeline.stages import build_stages
 
     pp, dr, ds, cp, mp = sizes
     say(f"mesh of {world} ranks on a fake process group")
@@ -135,26 +138,20 @@ def _rehearse(run: DryRun, c: Config, world: int, sizes: list[int], args, target
     if not _check(run, "sharding strategy",
                   lambda: _strategy_detail(dp_mesh_for(c.fsdp.sharding_strategy, parallel))):
         return
-    if pp == 1:
-        say(f"building {run.model} on the meta device, tensor parallel {mp}, FSDP over {ds * dr}")
-        model = build_model(args, parallel, device=torch.device("meta"),
-                            sequence_parallel=c.parallel.sequence_parallel, fsdp=c.fsdp)
-        stages = [model]
-    else:
-        from .dryrun_stages import build_stages, pipeline_step
-
-        say(f"building this rank's pipeline stages of {run.model} on the meta device, tensor parallel {mp}, "
-            f"FSDP over {ds * dr}")
-        stages, ids, n_stages = build_stages(c, args, parallel)
-        model = torch.nn.ModuleList(stages)
+    layout = StageLayout.of_config(c.parallel, args, parallel)
+    what = f"this rank's pipeline stages of {run.model}" if pp > 1 else run.model
+    say(f"building {what} on the meta device, tensor parallel {mp}, FSDP over {ds * dr}")
+    stages = build_stages(args, parallel, layout, device=torch.device("meta"),
+                          sequence_parallel=c.parallel.sequence_parallel, fsdp=c.fsdp)
+    runner = make_runner(stages, layout, parallel, grad_sync=c.train.grad_sync)
     run.parameters = [row for stage in stages for row in _placements(stage)]
     say("one training step on fake tensors (forward, backward, optimizer)")
     with fake_tensors(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
+        model = one_module(stages)  # the one model the checkpoint saves: this rank's stages under their names
         model.to_empty(device="cpu")
         with CollectiveCounter(label=mesh_dims(parallel)) as counter:
-            optimizer, grads = _step(c, model, parallel) if pp == 1 else pipeline_step(c, stages, ids, n_stages,
-                                                                                       parallel)
+            optimizer, grads = _step(c, runner, model, parallel)
         run.state_bytes = state_bytes(model, optimizer, grads)
         run.checkpoint = _checkpoint_files(c, model, optimizer, world)
     run.collectives = counter.by_dim_and_op()
@@ -257,23 +254,28 @@ def _strategy_detail(mesh) -> str:
     return f"FSDP over the {'x'.join(str(s) for s in mesh.mesh.shape)} mesh {mesh.mesh_dim_names}"
 
 
-def _step(c: Config, model: torch.nn.Module, parallel) -> tuple[torch.optim.Optimizer, list]:
-    """The trainer's step (hybridpar.train.step) on fake tensors; (optimizer, the gradients after
-    backward). The batch has no ignored targets, so its target count is known without reading it."""
-    from ..train.optim import build_optimizer
-    from ..train.step import context_parts, count_targets, forward_backward, gradient_scale, sum_loss
-    from .dryrun_stages import optimizer_step
+def _step(c: Config, runner, model: torch.nn.Module, parallel) -> tuple[torch.optim.Optimizer, list]:
+    """The trainer's step (hybridpar.train.step, the runner's rehearsal) on fake tensors; (optimizer, the
+    gradients after backward). The batch has no ignored targets, so its target count is known
+    without reading it."""
+    from ..train import stop
+    from ..train.optim import build_optimizer, clip_gradients
+    from ..train.step import context_parts, count_targets, gradient_scale
 
     d, t = c.data, c.train
-    optimizer = build_optimizer(model, c.optim)
+    optimizer = build_optimizer(runner.modules, c.optim)
     tokens = torch.zeros(d.micro_batch_size, d.seq_len, dtype=torch.long)
     batches = context_parts([(tokens, tokens)] * t.grad_accum, parallel)
     count_targets(batches, parallel, parallel.device, also_sum=[0.0])  # the data stop's flag
     global_targets = d.micro_batch_size * d.seq_len * t.grad_accum * parallel.dp_size
-    loss_sum = forward_backward(model, batches, parallel, scale=gradient_scale(parallel, global_targets),
-                                grad_sync=t.grad_sync, device=parallel.device)
-    sum_loss(loss_sum, parallel)
-    return optimizer, optimizer_step(c, model, optimizer, parallel)
+    runner.total(runner.rehearse(batches, scale=gradient_scale(parallel, global_targets)))
+    # The step's end: clipping over every rank (the stop vote riding on it), the optimizer.
+    params = list(model.parameters())
+    clip_gradients(params, c.optim.grad_clip, parallel.device, also_sum=[0.0] * len(stop.STOP_SIGNALS))
+    grads = [p.grad for p in params if p.grad is not None]
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return optimizer, grads
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -358,11 +360,11 @@ def _memory(c: Config, args, parallel, gpu_mem_gib: float, gpus_per_node: int, g
     from ..plan import GIB, Layout, Workload, estimate
     from ..plan.hardware import spec
 
-    from ..config.pipeline import microbatches, stage_count
+    from ..pipeline.schedules import StageLayout
 
     p = c.parallel
-    stages = stage_count(p.pp, p.pp_schedule, p.pp_layers) if p.pp > 1 else 1
-    m = microbatches(p.pp_microbatches, stages) if p.pp > 1 else 1  # the pipeline's micro-batches: the planner's
+    pipeline = StageLayout.of_config(p, args, parallel)
+    stages, m = pipeline.n_stages, pipeline.microbatches  # the pipeline's micro-batches: the planner's
     layout = Layout(mp=parallel.mp, dp_shard=parallel.dp_shard, dp_replicate=parallel.dp_replicate, cp=parallel.cp,
                     ac=c.fsdp.activation_checkpointing, ac_every=c.fsdp.ac_every,
                     reshard_after_forward=c.fsdp.sharding_strategy in ("full_shard", "hybrid_shard"),

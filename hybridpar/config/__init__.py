@@ -16,8 +16,7 @@ from typing import Any, Optional, Sequence, Union
 
 from .evaluation import EvalConfig
 from .fsdp import FSDPConfig
-from .options import ConfigError, description, option
-from .pipeline import parse_pp_layers
+from .options import ConfigError, description, option, parse_pp_layers
 from .sources import blend_sources
 
 # A record (a .jsonl line, a table's text) longer than this is refused, or skipped: data.max_document_bytes.

@@ -1,5 +1,6 @@
 """Config fields that document themselves: `option(default, "what it does")` is a dataclass field whose
-one-line description `hybridpar train --help` prints with its key, type and default (config.describe)."""
+one-line description `hybridpar train --help` prints with its key, type and default (config.describe);
+and the parsing of a value given as text (parse_pp_layers)."""
 
 from __future__ import annotations
 
@@ -22,3 +23,17 @@ def option(default: Any, help: str) -> Any:
 
 def description(field: dataclasses.Field) -> str:
     return field.metadata.get("help", "")
+
+
+def parse_pp_layers(value) -> list[int]:
+    """parallel.pp_layers as a list of ints: a TOML list, or a command line's "4,4,3" (or "[4, 4, 3]")."""
+    if isinstance(value, str):
+        value = [v for v in value.replace(" ", "").strip("[]").split(",") if v]
+    try:
+        layers = [int(v) for v in value]
+    except (TypeError, ValueError):
+        layers = None
+    if layers is None or any(isinstance(v, bool) for v in value) or any(n < 0 for n in layers):
+        raise ConfigError(f"parallel.pp_layers must list each stage's transformer layers (integers >= 0, e.g. "
+                          f"[4, 4, 3] or \"4,4,3\"), got {value!r}")
+    return layers

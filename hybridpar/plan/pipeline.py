@@ -3,12 +3,12 @@ per schedule, and the P2P bytes between stages (torch.distributed.pipelining's s
 
 The schedules' facts (stages per rank, the micro-batches each needs and keeps in flight) and the
 stage split (torchtitan's rule: the embedding and the output head counted as a layer each) are
-hybridpar.config.pipeline's, the ones the trainer runs: the planner prices the stages it builds.
+hybridpar.pipeline.schedules', the ones the trainer runs: the planner prices the stages it builds.
 """
 
 from __future__ import annotations
 
-from ..config.pipeline import SCHEDULES, stage_ids, stage_layer_counts
+from ..pipeline.schedules import SCHEDULES, stage_ids, stage_layer_counts
 
 
 def stage_units(n_layers: int, pp: int, v: int = 1, schedule: str = "1F1B") -> int:
@@ -27,7 +27,7 @@ def bubble_fraction(pp: int, v: int, m: int) -> float:
 
 def in_flight(schedule: str, pp: int, v: int, m: int) -> float:
     """Micro-batches whose activations the first rank holds at its peak, in units of one micro-batch
-    through all of that rank's layers: the schedule's rule (config.pipeline.SCHEDULES)."""
+    through all of that rank's layers: the schedule's rule (pipeline.schedules.SCHEDULES)."""
     return SCHEDULES[schedule].in_flight(pp, v, m)
 
 

@@ -14,7 +14,7 @@ from .comm import (StepTime, all_gather_seconds, all_reduce_seconds, collective_
 from .compute import head_work, micro_batch_work, step_work
 from .inputs import MASTER_BYTES, Hardware, Layout, Workload
 from .memory import Memory, ParamCounts, activation_bytes, gathered_kv_bytes, param_counts
-from ..config.pipeline import least_microbatches, max_stages, rounds_of, stages_per_rank
+from ..pipeline.schedules import least_microbatches, max_stages, rounds_of, stages_per_rank
 from .pipeline import bubble_fraction, in_flight, schedule_stages, stage_units
 
 STEP_SCALARS = 3  # the trainer's all-reduces per step: target tokens, the loss, the gradient norm

@@ -1,5 +1,6 @@
 """The training loop and its metrics."""
 
-from .trainer import NonFiniteLossError, Trainer
+from .optim import NonFiniteLossError
+from .trainer import Trainer
 
 __all__ = ["Trainer", "NonFiniteLossError"]

@@ -11,12 +11,15 @@ offset) is gathered from the ranks that met it, so every rank raises the same on
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Optional
 
 from ..data.loader import SourceExhaustedError
 from ..data.store import StoreDamagedError
 from ..mesh.ranks import gather_objects, mark_every_rank
+
+log = logging.getLogger(__name__)
 
 DATA_ERRORS = (StoreDamagedError, SourceExhaustedError)
 
@@ -72,3 +75,14 @@ class DataStopped(Exception):
     def __init__(self, error: Exception) -> None:
         super().__init__(str(error))
         self.error = error
+
+
+def finish(error: Exception, step: int, checkpoint: Optional[Path], *, said: bool) -> None:
+    """The data stopped the run (every rank, checkpoint saved): a damaged store is an error every rank
+    raises alike; a source run out with data.on_exhausted = "stop" is the end asked for, said in a
+    line (`said`: by this rank)."""
+    text = stopped_text(error, step, checkpoint)
+    if isinstance(error, StoreDamagedError):
+        raise mark_every_rank(StoreDamagedError(text))
+    if said:
+        log.info(text)

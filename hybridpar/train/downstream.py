@@ -25,6 +25,7 @@ import torch
 from ..config import Config, ConfigError
 from ..mesh.ranks import broadcast_from_rank0, on_rank0
 from . import data_stop
+from .validation import Validator
 
 
 def due(step: int, every: int, steps: int) -> bool:
@@ -32,20 +33,42 @@ def due(step: int, every: int, steps: int) -> bool:
     return bool(every and step % every == 0) or step == steps
 
 
-def after_step(trainer, row: dict) -> None:
-    """The evaluations due after trainer.step, their numbers into `row` (every rank)."""
-    c = trainer.config
-    if trainer.stop_signal:
-        return
-    if trainer.validator is not None and due(trainer.step, c.train.eval_every, c.train.steps):
-        try:
-            row.update(trainer.validate())
-        except data_stop.StoreDamagedError as err:  # the held-out data's, every rank alike: save, stop
-            trainer.data_stopped, trainer.stop_signal = err, "the data"
-            return
-    if trainer.downstream.names and due(trainer.step, c.eval.every, c.train.steps):
-        row.update(trainer.downstream(trainer.model, trainer.tokenizer, trainer.args, trainer.step))
-        trainer.eval_seconds += row["eval_s"]
+class Evaluations:
+    """The evaluations after each step (every rank): validation (`validator`, over `val_datasets`; None
+    without validation data) and the [eval] tasks (`downstream`), through the step runner. after_step() returns what
+    they found; the last validation and the seconds spent evaluating are kept here (the summary's)."""
+
+    def __init__(self, config: Config, parallel, runner, val_datasets: Optional[dict], downstream: "Downstream",
+                 supervisor, *, global_batch: int, tokenizer, args) -> None:
+        self.validator = None if val_datasets is None else Validator(
+            val_datasets, parallel, micro_batch_size=config.data.micro_batch_size, eval_steps=config.train.eval_steps,
+            global_batch=global_batch, at=supervisor.phase)
+        self.config, self.runner, self.downstream = config, runner, downstream
+        self.supervisor, self.tokenizer, self.args = supervisor, tokenizer, args
+        self.validation: Optional[dict] = None  # the last validation's result
+        self.seconds = 0.0  # spent evaluating, validation and downstream
+
+    def validate(self) -> dict:
+        """The validation loss now: {"val_loss", "val_ppl", "val_tokens"}."""
+        began = time.perf_counter()
+        self.validation = self.validator(self.runner)
+        self.seconds += time.perf_counter() - began
+        self.supervisor.phase("validated")
+        return self.validation
+
+    def after_step(self, step: int) -> tuple[dict, Optional[Exception]]:
+        """The evaluations due after `step`: (their numbers for the step's row, what stopped the held-out
+        data: a damaged store, met by every rank alike, after which nothing else is evaluated)."""
+        c, row = self.config, {}
+        if self.validator is not None and due(step, c.train.eval_every, c.train.steps):
+            try:
+                row.update(self.validate())
+            except data_stop.StoreDamagedError as err:  # every rank alike: the trainer saves and stops
+                return row, err
+        if self.downstream.names and due(step, c.eval.every, c.train.steps):
+            row.update(self.downstream(self.runner, self.tokenizer, self.args, step))
+            self.seconds += row["eval_s"]
+        return row, None
 
 
 def scores_of(results: dict) -> dict:
@@ -87,25 +110,21 @@ class Downstream:
             raise ConfigError(f"eval.tasks: {', '.join(generating)} generate text (generate_until), which the "
                               "training loop does not run; score it with hybridpar eval on a checkpoint")
 
-    def __call__(self, model, tokenizer, args, step: int) -> dict:
+    def __call__(self, runner, tokenizer, args, step: int) -> dict:
+        """The tasks scored on the step runner's model (hybridpar.pipeline.runner; pp 1, cp 1), in eval mode."""
         from ..evaluate.backend import HybridparLM
         from ..evaluate.loading import Loaded
         from ..evaluate.run import run_harness
 
         began = time.perf_counter()
         what = f"downstream eval: {','.join(self.names)}"
-        was_training = model.training
-        model.eval()
-        try:
-            # Not a hang, however long; the harness seeds the random states.
-            with self.supervisor.checkpointing(what, "downstream evaluated"), random_states_kept():
-                lm = HybridparLM(loaded=Loaded(model, self.parallel, tokenizer, args, step),
-                                 batch_tokens=self.settings.batch_tokens,
-                                 on_command=lambda text: self.supervisor.phase(f"{what}: {text}"))
-                output = run_harness(lm, self.names, self.manager, limit=self.settings.harness_limit(),
-                                     num_fewshot=self.settings.harness_fewshot(), log_samples=False)
-        finally:
-            model.train(was_training)
+        # Not a hang, however long; the harness seeds the random states.
+        with runner.evaluating(), self.supervisor.checkpointing(what, "downstream evaluated"), random_states_kept():
+            lm = HybridparLM(loaded=Loaded(runner.model, self.parallel, tokenizer, args, step),
+                             batch_tokens=self.settings.batch_tokens,
+                             on_command=lambda text: self.supervisor.phase(f"{what}: {text}"))
+            output = run_harness(lm, self.names, self.manager, limit=self.settings.harness_limit(),
+                                 num_fewshot=self.settings.harness_fewshot(), log_samples=False)
         self.scores = broadcast_from_rank0(scores_of(output["results"]) if output else None)
         return {**self.scores, "eval_s": round(time.perf_counter() - began, 3)}
 

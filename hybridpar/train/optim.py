@@ -87,3 +87,24 @@ def clip_gradients(params: list[torch.nn.Parameter], max_norm: float, device: Op
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         foreach_mul_(locals_, coef.to(locals_[0].device, locals_[0].dtype))
     return torch.cat([total.reshape(1), summed[1:]])
+
+
+class NonFiniteLossError(FloatingPointError):
+    every_rank = True  # raised alike on every rank: hybridpar.mesh.ranks.raised_by_every_rank
+
+
+def apply_update(optimizer: torch.optim.Optimizer, scheduler, loss: float, grad_norm: float, *, on_nonfinite: str,
+                 step: int) -> bool:
+    """The end of optimizer step `step`: the update, unless the loss or the gradient norm is not
+    finite (train.on_nonfinite "skip": skipped; "stop": NonFiniteLossError on every rank); then the
+    learning-rate schedule's step. Whether the update was skipped."""
+    skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+    if skipped and on_nonfinite == "stop":
+        raise NonFiniteLossError(
+            f"step {step}: loss {loss}, gradient norm {grad_norm}: training stopped. "
+            "Lower optim.lr, check the data, or set train.on_nonfinite = \"skip\" to skip such steps")
+    if not skipped:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    return skipped

@@ -26,7 +26,6 @@ import torch
 from .. import incidents
 from ..checkpoint.dcp import latest_checkpoint
 from ..config import Config
-from ..config.pipeline import stage_count
 from ..diagnostics.data_guard import check_data, step_fingerprint
 from ..diagnostics.monitor import save_report, verdict_time
 from ..diagnostics.node_fault import place
@@ -36,7 +35,6 @@ from ..diagnostics.timeouts import Deadlines, apply_env_defaults, restore_env
 from ..diagnostics.watchdog import Watchdog
 from ..mesh.device import ParallelDims
 from ..mesh.ranks import gather_objects
-from ..config.pipeline import stage_ids
 from . import stop as stopping
 
 log = logging.getLogger(__name__)
@@ -59,6 +57,7 @@ class Supervisor:
         self.deadlines: Optional[Deadlines] = None
         self.stragglers: Optional[StragglerMonitor] = None
         self.model: Union[torch.nn.Module, Sequence[torch.nn.Module], None] = None  # or the stage modules
+        self.stages: Optional[Sequence[int]] = None  # their stage ids
         self.places: Optional[list] = None  # every rank's (host, node), once the mesh exists
         self.start_step = 0
         self.stop = stopping.StopRequest(config.checkpoint.exit_save_timeout, on_signal=self._on_stop_signal,
@@ -97,11 +96,12 @@ class Supervisor:
         watchdog.step, watchdog.phase = step, phase
         return watchdog.start()
 
-    def set_up(self, start_step: int, model: Union[torch.nn.Module, Sequence[torch.nn.Module]]) -> None:
-        """Set-up is done; the run starts (or resumes) at `start_step`. `model`: the model, or under
-        pipeline parallelism this rank's stage modules in the order of its stages (parallel.pipeline's
-        stage_ids). Until running(), the watchdog pauses and the signals are left alone."""
-        self.start_step, self.model = start_step, model
+    def set_up(self, start_step: int, model: Union[torch.nn.Module, Sequence[torch.nn.Module]],
+               stages: Optional[Sequence[int]] = None) -> None:
+        """Set-up is done; the run starts (or resumes) at `start_step`. `model`: the model, or this
+        rank's stage modules, `stages` their stage ids (the step runner's modules and stage_ids,
+        hybridpar.pipeline.runner). Until running(), the watchdog pauses and the signals are left alone."""
+        self.start_step, self.model, self.stages = start_step, model, stages
         self.deadlines = Deadlines(self.config.parallel.init_timeout, self.config.diagnostics.train_timeout,
                                    self.parallel, start_step)
         self.stop.uninstall()
@@ -182,19 +182,11 @@ class Supervisor:
             self._training_again(step)
         every = self.config.diagnostics.replica_check_every
         if every and step % every == 0:
-            check_replicas(self.model, self.parallel, step, stages=self._stages())
+            check_replicas(self.model, self.parallel, step, stages=self.stages)
         if self.stragglers is not None:
             if self.stragglers.due(step):
                 self.phase("straggler report")
             found.update(self.stragglers.report(step) or {})
-
-    def _stages(self) -> Optional[list[int]]:
-        """The stage indices this rank holds (None without pipeline parallelism): the replica check names them."""
-        c, p = self.config.parallel, self.parallel
-        if p.pp == 1:
-            return None
-        per_rank = stage_count(p.pp, c.pp_schedule, c.pp_layers) // p.pp
-        return stage_ids(p.pp_rank, p.pp, per_rank, c.pp_schedule)
 
     @property
     def excluding(self) -> Optional[dict]:

@@ -1,5 +1,5 @@
 """Helpers for the pipeline checkpoint tests (they run inside the workers): this rank's stage modules
-of a small Transformer, cut as the trainer cuts them (hybridpar.parallel.pipeline), optionally FSDP'd
+of a small Transformer, cut as the trainer cuts them (hybridpar.pipeline.stages), optionally FSDP'd
 as build_model does, and the full values of their parameters and optimizer state by name."""
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def layout_parallel(name: str):
 
 def stage_ids_of(name: str, parallel, n_layers: int) -> tuple[list[int], list[int]]:
     """(the stage ids this rank holds, the layer counts of every stage) in layout `name`."""
-    from hybridpar.config.pipeline import stage_ids, stage_layer_counts
+    from hybridpar.pipeline.schedules import stage_ids, stage_layer_counts
 
     _, pp, _, _, schedule, virtual, _ = LAYOUTS[name]
     return stage_ids(parallel.pp_rank, pp, virtual, schedule), stage_layer_counts(n_layers, pp * virtual,
@@ -48,20 +48,19 @@ def stage_ids_of(name: str, parallel, n_layers: int) -> tuple[list[int], list[in
 
 
 def stage_modules(name: str, args, seed: int, *, device: Optional[str] = None) -> list[nn.Module]:
-    """This rank's stage modules in layout `name`: the unsplit Transformer of `seed` cut by keep_stage
+    """This rank's stage modules in layout `name`: the unsplit Transformer of `seed` cut by build_stage
     (so every layout holds the same weights), FSDP'd as build_model does when the layout says so.
     device "meta": built without memory and allocated (to be loaded)."""
     from hybridpar.config.fsdp import FSDPConfig
-    from hybridpar.models.llama import Transformer
     from hybridpar.parallel.fsdp import apply_fsdp
-    from hybridpar.parallel.pipeline import keep_stage
+    from hybridpar.pipeline.stages import build_stage
 
     parallel = layout_parallel(name)
     ids, counts = stage_ids_of(name, parallel, args.n_layers)
     out = []
     for stage in ids:
         torch.manual_seed(seed)
-        model = keep_stage(Transformer(args, parallel, device=torch.device(device) if device else None), stage, counts)
+        model = build_stage(args, parallel, stage, counts, device=torch.device(device) if device else None)
         if device == "meta":
             model.to_empty(device="cpu")
         if LAYOUTS[name][6]:

@@ -1,4 +1,4 @@
-"""Meta and Hugging Face folders load into pipeline stage models (hybridpar.parallel.pipeline.keep_stage):
+"""Meta and Hugging Face folders load into pipeline stage models (hybridpar.pipeline.stages.build_stage):
 each stage reads only its own layers' tensors and the ends it holds (every tensor read is recorded:
 Meta's memory-mapped tensors through a recording subclass, safetensors through its slices), and
 holds exactly the values the unsplit model loaded from the same folder holds, at mp 1 and mp 2.
@@ -102,8 +102,8 @@ def _case_stage_reads(kind: str, folder: str, mp: int) -> list[dict]:
     from hybridpar.checkpoint.convert import load_into, read_args
     from hybridpar.checkpoint.hf import hf_name
     from hybridpar.models.llama import Transformer
-    from hybridpar.config.pipeline import stage_layer_counts
-    from hybridpar.parallel.pipeline import keep_stage
+    from hybridpar.pipeline.schedules import stage_layer_counts
+    from hybridpar.pipeline.stages import build_stage
     from hybridpar.parallel.state import full_state_dict
 
     parallel, folder = parallel_dims(mp=mp), Path(folder)
@@ -120,7 +120,7 @@ def _case_stage_reads(kind: str, folder: str, mp: int) -> list[dict]:
     counts = stage_layer_counts(args.n_layers, N_STAGES)
     out = []
     for stage in range(N_STAGES):
-        model = keep_stage(built(), stage, counts)
+        model = build_stage(args, parallel, stage, counts, device=torch.device("meta")).to_empty(device="cpu")
         reads, undo = _recording(kind)
         reads.clear()
         try:
@@ -176,14 +176,12 @@ def _case_hf_into_pp2(src: str, folder: str) -> list[str]:
     """Each rank its stage of the HF folder, saved through the Checkpointer (weights only)."""
     from hybridpar.checkpoint.convert import load_into, read_args
     from hybridpar.checkpoint.dcp import Checkpointer, params_dict
-    from hybridpar.models.llama import Transformer
-    from hybridpar.config.pipeline import stage_layer_counts
-    from hybridpar.parallel.pipeline import keep_stage
+    from hybridpar.pipeline.schedules import stage_layer_counts
+    from hybridpar.pipeline.stages import build_stage
 
     parallel = parallel_dims(pp=2)
     args = read_args("hf", Path(src))
-    with torch.device("meta"):
-        stage = keep_stage(Transformer(args, parallel), parallel.pp_rank, stage_layer_counts(args.n_layers, 2))
+    stage = build_stage(args, parallel, parallel.pp_rank, stage_layer_counts(args.n_layers, 2), device=torch.device("meta"))
     stage.to_empty(device="cpu")
     load_into("hf", Path(src), stage, parallel)
     Checkpointer(Path(folder), parallel).save(0, [stage], None, {}, params_dict(args))

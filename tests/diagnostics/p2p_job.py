@@ -11,7 +11,7 @@ in training.
 
 With `engine`: the mesh's own pp dimension (init_parallel(pp=2); at world 2 torch gives it the
 default group) and torch.distributed.pipelining's 1F1B through hybridpar's PipelineEngine over two
-stage models cut with keep_stage; stage 1 stops in its first forward of step STALL_STEP (a forward
+stage models cut with build_stage; stage 1 stops in its first forward of step STALL_STEP (a forward
 pre-hook), as a rank of a pipelined training run would.
 """
 
@@ -58,14 +58,14 @@ def step(stage: int, peer: int, pp, n: int) -> None:
 def engine_job(watchdog: Watchdog, parallel) -> None:
     """STEPS steps of a two-stage Transformer through PipelineEngine; stage 1 stalls in step STALL_STEP."""
     from hybridpar.models.args import ModelArgs
-    from hybridpar.models.llama import Transformer
-    from hybridpar.config.pipeline import stage_layer_counts
-    from hybridpar.parallel.pipeline import PipelineEngine, keep_stage
+    from hybridpar.pipeline.engine import PipelineEngine
+    from hybridpar.pipeline.schedules import stage_layer_counts
+    from hybridpar.pipeline.stages import build_stage
 
     args = ModelArgs.from_preset("tiny", dim=32, n_heads=4, n_kv_heads=2, vocab_size=64, n_layers=2)
     stage = parallel.pp_rank
     torch.manual_seed(0)
-    model = keep_stage(Transformer(args, parallel), stage, stage_layer_counts(args.n_layers, 2))
+    model = build_stage(args, parallel, stage, stage_layer_counts(args.n_layers, 2))
 
     def stall(module, inputs):
         if stage == 1 and watchdog.step == STALL_STEP:

@@ -88,7 +88,7 @@ def test_planted_divergence_of_an_mp_replicated_norm(workers, corpus, tmp_path):
 
 def _case_stage_replicas() -> dict:
     """pp 2 x dp_replicate 2 (world 4; ranks 0, 1 hold stage 0, ranks 2, 3 stage 1), each stage cut with
-    keep_stage and sharded as apply_fsdp shards (no_shard: dp_replicate copies): healthy copies pass;
+    build_stage and sharded as apply_fsdp shards (no_shard: dp_replicate copies): healthy copies pass;
     a planted divergence on rank 3 is named with its stage. Then 2 stages per rank (Interleaved1F1B's
     looped ids: rank pp 1 holds stages 1 and 3) as a list of modules."""
     import torch
@@ -97,10 +97,9 @@ def _case_stage_replicas() -> dict:
     from hybridpar.config.fsdp import FSDPConfig
     from hybridpar.diagnostics.replicas import ReplicaMismatchError, check_replicas
     from hybridpar.models.args import ModelArgs
-    from hybridpar.models.llama import Transformer
     from hybridpar.parallel.fsdp import apply_fsdp
-    from hybridpar.config.pipeline import stage_ids, stage_layer_counts
-    from hybridpar.parallel.pipeline import keep_stage
+    from hybridpar.pipeline.schedules import stage_ids, stage_layer_counts
+    from hybridpar.pipeline.stages import build_stage
 
     args = ModelArgs.from_preset("tiny", dim=32, n_heads=4, n_kv_heads=2, vocab_size=64, n_layers=4)
     parallel = parallel_dims(pp=2, dp_replicate=2, dp_shard=1)
@@ -111,7 +110,7 @@ def _case_stage_replicas() -> dict:
         models = []
         for s in ids:
             torch.manual_seed(s)  # each stage its own values, the same on its replicas
-            model = keep_stage(Transformer(args, parallel), s, counts)
+            model = build_stage(args, parallel, s, counts)
             models.append(apply_fsdp(model, parallel, FSDPConfig(sharding_strategy="no_shard", param_dtype="float32")))
         return models, ids
 

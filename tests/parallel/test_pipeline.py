@@ -1,12 +1,12 @@
-"""Pipeline parallelism's model side (hybridpar.parallel.pipeline): the stage split rule, and the loss
+"""Pipeline parallelism's model side (hybridpar.pipeline: schedules, stages, engine): the stage split rule, and the loss
 and every parameter's gradient of a pipelined model, through torch's schedules on an explicit pp
 process group, against the unsplit model's (fp32, same seed)."""
 
 import pytest
 import torch
 
-from hybridpar.config.pipeline import stage_ids, stage_layer_counts
-from hybridpar.parallel.pipeline import keep_stage, stage_layers
+from hybridpar.pipeline.schedules import stage_ids, stage_layer_counts
+from hybridpar.pipeline.stages import stage_layers
 from tests.distributed import parallel_dims, rel_err
 
 
@@ -38,12 +38,13 @@ def _args():
 
 def _case_stage_keys() -> dict:
     from hybridpar.models.llama import Transformer
+    from hybridpar.pipeline.stages import build_stage
 
     args, parallel = _args(), parallel_dims(mp=1)
     counts = stage_layer_counts(args.n_layers, 2)
     with torch.device("meta"):
         full = set(Transformer(args, parallel).state_dict())
-        stages = [set(keep_stage(Transformer(args, parallel), s, counts).state_dict()) for s in range(2)]
+        stages = [set(build_stage(args, parallel, s, counts).state_dict()) for s in range(2)]
     return {"full": full, "stages": stages, "layers": [stage_layers(s, counts) for s in range(2)]}
 
 
@@ -63,7 +64,8 @@ def _case_pipeline(schedule: str, virtual: int, n_micro: int) -> dict:
 
     from hybridpar.models.llama import Transformer
     from hybridpar.parallel import vocab_parallel_cross_entropy
-    from hybridpar.parallel.pipeline import PipelineEngine
+    from hybridpar.pipeline.engine import PipelineEngine
+    from hybridpar.pipeline.stages import build_stage
 
     parallel = parallel_dims(mp=1)
     group = dist.new_group(list(range(dist.get_world_size())))  # the explicit pp group
@@ -85,7 +87,7 @@ def _case_pipeline(schedule: str, virtual: int, n_micro: int) -> dict:
     stages = []
     for s in ids:
         torch.manual_seed(0)
-        stages.append(keep_stage(Transformer(args, parallel), s, counts))
+        stages.append(build_stage(args, parallel, s, counts))
     engine = PipelineEngine(stages, ids, group, schedule, n_micro, torch.device("cpu"), parallel.mp_group)
     got = engine.step(tokens, targets, scale)
     errors = {}

@@ -1,4 +1,4 @@
-"""A rank's pipeline stages built by the one build_model (hybridpar.build.build_stages): the whole
+"""A rank's pipeline stages built by the one build_model (hybridpar.pipeline.stages.build_stages): the whole
 model's weights for the same seed at pp 2 x mp 2 (two stages per rank), a `load` filling stages
 built without drawing a weight, and activation checkpointing chosen by the layer's index in the
 whole model, not its place in the stage."""
@@ -26,7 +26,9 @@ def test_selective_checkpointing_counts_the_layers_index():
 
 
 def _case_stages() -> dict:
-    from hybridpar.build import build_model, build_stages
+    from hybridpar.build import build_model
+    from hybridpar.pipeline.schedules import StageLayout
+    from hybridpar.pipeline.stages import build_stages
     from hybridpar.config.fsdp import FSDPConfig
     from hybridpar.parallel.layers import local_tensor
     from tests.parallel.test_pipeline import _args
@@ -41,7 +43,8 @@ def _case_stages() -> dict:
 
     out = {}
     torch.manual_seed(0)
-    stages, out["ids"] = build_stages(args, parallel, "Interleaved1F1B", device=cpu)
+    layout = StageLayout.of(args.n_layers, parallel.pp, parallel.pp_rank, "Interleaved1F1B")
+    stages, out["ids"] = build_stages(args, parallel, layout, device=cpu), list(layout.ids)
     out["keys"] = [sorted(s.state_dict()) for s in stages]
     out["drawn"] = differing(stages)
 
@@ -52,13 +55,14 @@ def _case_stages() -> dict:
 
     torch.manual_seed(1)  # another seed: the weights can only come from `load`
     rng = torch.random.get_rng_state()
-    loaded, _ = build_stages(args, parallel, "ZBVZeroBubble", device=cpu, load=load)
+    v_shaped = StageLayout.of(args.n_layers, parallel.pp, parallel.pp_rank, "ZBVZeroBubble")
+    loaded = build_stages(args, parallel, v_shaped, device=cpu, load=load)
     out["loaded"] = differing(loaded)
     out["rng_untouched"] = torch.equal(rng, torch.random.get_rng_state())  # built on meta: nothing drawn
 
     fsdp = FSDPConfig(activation_checkpointing="selective", ac_every=2, param_dtype="float32")
     torch.manual_seed(0)
-    stages, _ = build_stages(args, parallel, "Interleaved1F1B", device=cpu, fsdp=fsdp)
+    stages = build_stages(args, parallel, layout, device=cpu, fsdp=fsdp)
     out["checkpointed"] = [_checkpointed(s.layers) for s in stages]
     out["layers"] = [list(s.layers) for s in stages]
     return out

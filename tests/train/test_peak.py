@@ -2,13 +2,11 @@
 (plan/hardware.py's one table), a measured matmul rate with a line saying so for a card not in
 it, and the trainer starts on a GPU without being told the card."""
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 from hybridpar.plan.hardware import DENSE_BF16_PEAKS, GPUS, peak_flops_of
-from hybridpar.train import trainer as trainer_module
+from hybridpar.train import throughput
 
 # What torch.cuda.get_device_name() says on these cards, and their datasheet dense bf16 peaks.
 NAMES = {
@@ -46,10 +44,8 @@ def test_the_planners_gpus_take_their_peaks_from_the_same_table():
 def _peak(monkeypatch, name, peak_flops=0.0, measured=612e12):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     calls = []
-    fake = SimpleNamespace(config=SimpleNamespace(train=SimpleNamespace(peak_flops=peak_flops)),
-                           device=torch.device("cuda", 0),
-                           _measure_peak=lambda: calls.append(1) or measured)
-    return trainer_module.Trainer._peak(fake), calls
+    peak = throughput.peak_flops(peak_flops, torch.device("cuda", 0), lambda: calls.append(1) or measured)
+    return peak, calls
 
 
 def test_on_a_known_gpu_without_peak_flops_mfu_is_against_its_names_peak(monkeypatch, capsys):
@@ -73,15 +69,13 @@ def test_peak_flops_set_wins_and_says_nothing(monkeypatch, capsys):
 
 
 def test_on_cpu_the_peak_is_measured_as_before(monkeypatch, capsys):
-    fake = SimpleNamespace(config=SimpleNamespace(train=SimpleNamespace(peak_flops=0.0)), device=torch.device("cpu"),
-                           _measure_peak=lambda: 3e10)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: pytest.fail("no GPU to name"))
-    assert trainer_module.Trainer._peak(fake) == 3e10
+    assert throughput.peak_flops(0.0, torch.device("cpu"), lambda: 3e10) == 3e10
     assert capsys.readouterr().err == ""
 
 
 def _measured_on_cpu():
-    return trainer_module.Trainer._measure_peak(SimpleNamespace(device=torch.device("cpu")))
+    return throughput.measure_peak(torch.device("cpu"))
 
 
 def test_the_measured_peak_is_every_ranks_mean(workers):

@@ -106,7 +106,7 @@ def test_a_stop_before_the_first_validation_says_so_not_to_set_validation_data()
 
 
 def test_no_validation_data_is_said_with_what_gives_some():
-    from hybridpar.train.evaluate import missing_validation
+    from hybridpar.train.validation import missing_validation
 
     text, _ = _summary(no_validation=missing_validation(load_config(None, [])))
     assert _row(text, "final loss").endswith("validation - (set data.val_fraction (e.g. 0.05) or data.val_source)")
@@ -119,7 +119,7 @@ def test_under_a_v_schedule_the_advice_is_not_validation_data_which_would_be_ref
     """The documented ZBV command (--data.val_fraction 0): setting validation data gets it refused."""
     from hybridpar.config import find_config
     from hybridpar.preflight import resolve_job
-    from hybridpar.train.evaluate import missing_validation
+    from hybridpar.train.validation import missing_validation
 
     zbv = ["--parallel.mp=1", "--parallel.pp=2", "--parallel.pp_schedule=ZBVZeroBubble", "--parallel.pp_microbatches=2"]
     why = missing_validation(load_config(find_config("local"), [*zbv, "--data.val_fraction=0"]))
@@ -135,7 +135,7 @@ def test_with_a_token_store_the_advice_is_the_split_it_was_prepared_with(tmp_pat
     from hybridpar.data import default_corpus_documents, train_tokenizer
     from hybridpar.data.store import given_store
     from hybridpar.data.store_prepare import prepare_store
-    from hybridpar.train.evaluate import missing_validation
+    from hybridpar.train.validation import missing_validation
 
     docs = list(default_corpus_documents(max_documents=300))
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))

@@ -9,6 +9,7 @@ import signal
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from hybridpar.diagnostics.timeouts import ENV_DEFAULTS
 from hybridpar.train.stop import STOP_SIGNALS
@@ -111,14 +112,18 @@ def test_a_trainer_run_leaves_the_process_as_it_found_it(workers, corpus, tmp_pa
 
 
 @pytest.mark.parametrize("schedule, pp_layers, pp_rank, stages", [
-    ("1F1B", [], 0, None),  # pp 1: the replica check names no stage
+    ("1F1B", [], 0, None),  # pp 1: the replica check names no stage (the whole model is stage 0 of 1)
     ("1F1B", [], 1, [1]),
     ("Interleaved1F1B", [], 1, [1, 3]),
     ("ZBVZeroBubble", [], 0, [0, 3]),
     ("Interleaved1F1B", [1, 1, 1, 1, 1, 1], 1, [1, 3, 5]),
 ])
-def test_the_replica_check_is_told_the_stages_this_rank_holds(tmp_path, schedule, pp_layers, pp_rank, stages):
-    s = Supervisor(_config(tmp_path / "run"))
-    s.config.parallel = SimpleNamespace(pp_schedule=schedule, pp_layers=pp_layers)
-    s.parallel = SimpleNamespace(pp=1 if stages is None else 2, pp_rank=pp_rank)
-    assert s._stages() == stages
+def test_the_replica_check_is_told_the_stages_this_rank_holds(schedule, pp_layers, pp_rank, stages):
+    """The supervisor is told the step runner's stage ids (Trainer: supervisor.set_up), which are the
+    layout's: the ones this rank builds."""
+    from hybridpar.pipeline.runner import make_runner
+    from hybridpar.pipeline.schedules import StageLayout
+
+    layout = StageLayout.of(6, 1 if stages is None else 2, pp_rank, schedule, pp_layers)
+    runner = make_runner([torch.nn.Linear(1, 1) for _ in layout.ids], layout, SimpleNamespace(pp=layout.n_stages))
+    assert runner.stage_ids == (stages or [0])

@@ -1,15 +1,8 @@
-"""Pipeline parallelism's model side: which layers each stage holds (torchtitan's rule), cutting a
-built model down to its stages, and the schedule from torch.distributed.pipelining that runs them.
-The split rule and the rank -> stages map are torch-free, in hybridpar.config.pipeline:
+"""torch.distributed.pipelining's schedule over this rank's stage modules (hybridpar.pipeline.stages
+builds them): one optimizer step's forwards and backwards of a batch, or its forwards alone.
 
-    counts = stage_layer_counts(n_layers, pp * v)           # layers per stage, pp x v stages
-    ids = stage_ids(rank, pp, v, schedule)                  # the stages this pp rank holds
-    model = keep_stage(build_model(...), stage, pp * v, counts)   # one per stage id, names kept
-    engine = PipelineEngine(models, ids, pp_group, schedule, n_microbatches, device, parallel.mp_group)
+    engine = PipelineEngine(stages, layout.ids, pp_group, schedule, layout.microbatches, device, mp_group)
     loss_sum = engine.step(tokens, targets, scale)          # on the last stage; None elsewhere
-
-A layer keeps its name (`layers.37` stays `layers.37`): Transformer.layers is keyed by the layer's
-index, so a stage's state dict is a subset of the whole model's and checkpoints do not depend on pp.
 """
 
 from __future__ import annotations
@@ -20,31 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config.pipeline import SCHEDULES
-from .loss import vocab_parallel_cross_entropy
-
-
-def stage_layers(stage: int, counts: Sequence[int]) -> list[int]:
-    """The layer indices stage `stage` holds."""
-    start = sum(counts[:stage])
-    return list(range(start, start + counts[stage]))
-
-
-def keep_stage(model: nn.Module, stage: int, counts: Sequence[int]) -> nn.Module:
-    """Cut a built Transformer down to stage `stage` in place: its layers (names kept), the embedding
-    on the first stage, the final norm and head on the last. Build on meta to skip the memory."""
-    if model.args.tie_embeddings and len(counts) > 1:
-        raise ValueError("tie_embeddings puts the embedding at both ends of the pipeline: "
-                         "use parallel.pp = 1 or a model with untied embeddings")
-    keep = {str(i) for i in stage_layers(stage, counts)}
-    for name in [n for n in model.layers.keys() if n not in keep]:
-        del model.layers[name]
-    if stage > 0:
-        model.tok_embeddings = None
-    if stage < len(counts) - 1:
-        model.norm = None
-        model.output = None
-    return model
+from ..parallel.loss import vocab_parallel_cross_entropy
+from .schedules import SCHEDULES, check_schedule
 
 
 class PipelineEngine:
@@ -63,10 +33,7 @@ class PipelineEngine:
         self.has_first = 0 in ids
         self._mp_group, self._scale = mp_group, 1.0
         self.stages = [pipelining.PipelineStage(m, s, n_stages, device, group=group) for m, s in zip(stages, ids)]
-        if schedule not in SCHEDULES or not hasattr(pipelining, SCHEDULES[schedule].torch_class):
-            raise ValueError(f"parallel.pp_schedule = {schedule!r}: use one of "
-                             f"{[s for s in SCHEDULES if hasattr(pipelining, SCHEDULES[s].torch_class)]}")
-        cls = getattr(pipelining, SCHEDULES[schedule].torch_class)
+        cls = getattr(pipelining, check_schedule(schedule))
         single = SCHEDULES[schedule].stages_per_rank == 1
         if single and len(self.stages) != 1:
             raise ValueError(f"{schedule} runs one stage per rank, this rank holds {len(self.stages)}")

@@ -1,15 +1,17 @@
-"""Pipeline parallelism's facts, torch-free, in one place: the schedules (SCHEDULES: torch's class,
-stages per rank, V shape, the micro-batches each needs, the activations it keeps in flight), the
-stage split (stage_layer_counts: torchtitan's rule) and which stages a rank holds (stage_ids); and
-the settings (parallel.pp, pp_layers, pp_schedule, pp_microbatches) checked against the world, the
-model's layers and the batch in one line each, before anything starts (hybridpar.preflight calls
-check_pipeline). hybridpar.parallel.pipeline (the engine) and hybridpar.plan.pipeline (the planner)
-read them from here. Torch-free, except to ask whether this torch has DualPipeV.
+"""Pipeline parallelism's rules, torch-free: the schedules (SCHEDULES: torch's class, stages per
+rank, V shape, the micro-batches each needs, the activations it keeps in flight), the stage split
+(stage_layer_counts: torchtitan's rule), which stages a rank holds (stage_ids), and this rank's share
+of them all (StageLayout, which hybridpar.pipeline.stages builds and hybridpar.pipeline.runner runs);
+and every refusal of the settings (parallel.pp, pp_layers, pp_schedule, pp_microbatches) against the
+world, the model and the batch, one line each, before anything starts (check_pipeline, which
+hybridpar.preflight calls for the job and its dry run). The planner (hybridpar.plan) reads the same
+facts. Torch-free, except to ask whether this torch has a schedule's class (DualPipeV is new).
 
 Stages: pp ranks, each holding one stage (1F1B, GPipe) or 2 (Interleaved1F1B by default, ZBVZeroBubble
 and DualPipeV always: their V shape). parallel.pp_layers gives every stage's transformer layers
 instead, in stage order (its length is the number of stages). Counting the embedding and the output
-head as a layer each (torchtitan's rule), a model of n layers fills at most n + 2 stages.
+head as a layer each (torchtitan's rule), a model of n layers fills at most n + 2 stages. A layer
+keeps its name in its stage (`layers.37` stays `layers.37`), so checkpoints do not depend on pp.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Optional, Sequence
 
-from .options import ConfigError
+from ..config.options import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,20 +122,6 @@ def rounds_of(schedule: str, pp: int, m: int) -> int:
     return max(1, m // pp) if SCHEDULES[schedule].in_rounds else 1
 
 
-def parse_pp_layers(value) -> list[int]:
-    """parallel.pp_layers as a list of ints: a TOML list, or a command line's "4,4,3" (or "[4, 4, 3]")."""
-    if isinstance(value, str):
-        value = [v for v in value.replace(" ", "").strip("[]").split(",") if v]
-    try:
-        layers = [int(v) for v in value]
-    except (TypeError, ValueError):
-        layers = None
-    if layers is None or any(isinstance(v, bool) for v in value) or any(n < 0 for n in layers):
-        raise ConfigError(f"parallel.pp_layers must list each stage's transformer layers (integers >= 0, e.g. "
-                          f"[4, 4, 3] or \"4,4,3\"), got {value!r}")
-    return layers
-
-
 def stage_count(pp: int, schedule: str, pp_layers: Sequence[int]) -> int:
     """The pipeline's stages (all ranks' together): len(pp_layers), else pp x the schedule's stages per rank."""
     return len(pp_layers) if pp_layers else pp * stages_per_rank(schedule)
@@ -149,7 +137,7 @@ def check_pipeline(pp: int, schedule: str, pp_layers: Sequence[int], pp_microbat
     """ConfigError in one line naming the key to change; `batch` is data.micro_batch_size (the sequences
     one data-parallel coordinate pushes through the pipeline per forward), n_layers the model's."""
     if schedule not in SCHEDULES:
-        raise ConfigError(f"parallel.pp_schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+        check_schedule(schedule)
     if pp_microbatches < 0:
         raise ConfigError(f"parallel.pp_microbatches must be >= 0 (0: one per stage), got {pp_microbatches}")
     if pp == 1:
@@ -157,9 +145,7 @@ def check_pipeline(pp: int, schedule: str, pp_layers: Sequence[int], pp_microbat
             raise ConfigError(f"parallel.pp_layers is set ({list(pp_layers)}) but parallel.pp = 1: set parallel.pp "
                               "to the number of ranks the stages go on, or drop parallel.pp_layers")
         return
-    if not _torch_has(SCHEDULES[schedule].torch_class):
-        raise ConfigError(f"parallel.pp_schedule = {schedule}: this torch has no {SCHEDULES[schedule].torch_class}; "
-                          "choose ZBVZeroBubble or Interleaved1F1B, or a newer torch")
+    check_schedule(schedule)
     stages = stage_count(pp, schedule, pp_layers)
     if stages % pp:
         raise ConfigError(f"parallel.pp_layers lists {stages} stages, not a multiple of parallel.pp = {pp}: give "
@@ -192,11 +178,80 @@ def check_pipeline(pp: int, schedule: str, pp_layers: Sequence[int], pp_microbat
                           f"parallel.pp_microbatches = {m} must be a multiple of {rounds} ({pp * rounds} works)")
 
 
+def check_schedule(schedule: str) -> str:
+    """torch.distributed.pipelining's class name for parallel.pp_schedule `schedule`; ConfigError in
+    one line when hybridpar does not know it or this torch lacks it."""
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"parallel.pp_schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    name = SCHEDULES[schedule].torch_class
+    if not _torch_has(name):
+        raise ConfigError(f"parallel.pp_schedule = {schedule}: this torch has no {name}; "
+                          "choose ZBVZeroBubble or Interleaved1F1B, or a newer torch")
+    return name
+
+
 def check_untied(pp: int, tie_embeddings: bool) -> None:
     """A model whose output head is its embedding cannot be cut into stages: ConfigError in one line."""
     if pp > 1 and tie_embeddings:
         raise ConfigError(f"parallel.pp = {pp} with a model whose output head is its embedding (tie_embeddings): the "
                           "embedding would be at both ends of the pipeline; set parallel.pp = 1")
+
+
+def cannot_validate(pp: int, schedule: str) -> str:
+    """Why a pipeline of `schedule` has no validation ("" when it can validate): the run's summary
+    says it where a run without validation data says what would give it some."""
+    if pp > 1 and SCHEDULES[schedule].v_shape:
+        return (f"parallel.pp_schedule = {schedule} cannot validate: torch's V schedules run no forward-only "
+                "pass (1F1B and Interleaved1F1B can)")
+    return ""
+
+
+def check_validation(pp: int, schedule: str, validating: bool) -> None:
+    """A job with validation data under a schedule that cannot run its forward: ConfigError in one line."""
+    if validating and cannot_validate(pp, schedule):
+        # torch's V schedules run no forward-only pass (a backward is part of every step of theirs).
+        raise ConfigError(f"parallel.pp_schedule = {schedule} cannot run the validation forward; choose "
+                          "Interleaved1F1B (or 1F1B), or unset data.val_fraction and data.val_source")
+
+
+@dataclasses.dataclass(frozen=True)
+class StageLayout:
+    """This pp rank's share of the pipeline: the schedule, the stages of all ranks together, the
+    layers of each, the stage ids this rank holds (in the order the schedule runs them) and the
+    pipeline micro-batches each loader micro-batch is cut into. At pp 1: one stage, the whole model."""
+
+    schedule: str
+    n_stages: int
+    counts: tuple[int, ...]
+    ids: tuple[int, ...]
+    microbatches: int
+
+    @classmethod
+    def of(cls, n_layers: int, pp: int, pp_rank: int, schedule: str = "1F1B", pp_layers: Sequence[int] = (),
+           pp_microbatches: int = 0, *, tie_embeddings: bool = False) -> "StageLayout":
+        """From the settings (parallel.pp_schedule, pp_layers, pp_microbatches; check_pipeline's) and the
+        model's n_layers; a model whose head is its embedding cannot be cut (check_untied)."""
+        check_untied(pp, tie_embeddings)
+        if pp == 1:
+            return cls(schedule, 1, (n_layers,), (0,), 1)
+        n_stages = stage_count(pp, schedule, pp_layers)
+        counts = stage_layer_counts(n_layers, n_stages, list(pp_layers) or None, pp=pp)
+        ids = stage_ids(pp_rank, pp, n_stages // pp, schedule)
+        return cls(schedule, n_stages, tuple(counts), tuple(ids), microbatches(pp_microbatches, n_stages))
+
+    @classmethod
+    def of_config(cls, settings, args, parallel) -> "StageLayout":
+        """For config.parallel `settings` and the model's `args` (ModelArgs) on this rank of `parallel`."""
+        return cls.of(args.n_layers, parallel.pp, parallel.pp_rank, settings.pp_schedule, settings.pp_layers,
+                      settings.pp_microbatches, tie_embeddings=args.tie_embeddings)
+
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.ids
+
+    @property
+    def has_last(self) -> bool:
+        return self.n_stages - 1 in self.ids
 
 
 def _torch_has(name: str) -> bool:

@@ -13,24 +13,21 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Union
+from typing import Callable, Union
 
 import torch
 import torch.distributed as dist
 
-from ..config.pipeline import V_SHAPED
 from ..data.loader import PackedDataset
 from ..data.pipeline import source_entries
 from ..data.sources import is_store
 from ..data.store import StoreDamagedError, StoreError, read_manifest
 from ..mesh.device import ParallelDims
-from ..parallel import vocab_parallel_cross_entropy
 from ..parallel.loss import IGNORE_INDEX
+from ..pipeline.runner import LocalRunner, as_runner
+from ..pipeline.schedules import cannot_validate
 from .data_stop import agreed_error
-from .step import context_parts, sum_loss
-
-if TYPE_CHECKING:
-    from ..parallel.pipeline import PipelineEngine
+from .step import context_parts
 
 
 def windows_evaluated(n_windows: int, eval_steps: int, global_batch: int) -> int:
@@ -43,9 +40,8 @@ def missing_validation(config) -> str:
     takes (under a V schedule none: validation is refused there; with a token store as the
     source, the split it was prepared with, the only data.val_fraction it takes)."""
     p, d = config.parallel, config.data
-    if p.pp > 1 and p.pp_schedule in V_SHAPED:
-        return (f"parallel.pp_schedule = {p.pp_schedule} cannot validate: torch's V schedules run no "
-                "forward-only pass (1F1B and Interleaved1F1B can)")
+    if cannot_validate(p.pp, p.pp_schedule):
+        return cannot_validate(p.pp, p.pp_schedule)
     splits = {}  # a token store given as a source -> the validation share it was prepared with
     for entry in source_entries(d):
         if is_store(entry["source"]):
@@ -65,7 +61,7 @@ def missing_validation(config) -> str:
 
 
 class Validator:
-    """`validator(model)` -> {"val_loss", "val_ppl", "val_tokens"} on every rank of the mesh, over
+    """`validator(runner)` -> {"val_loss", "val_ppl", "val_tokens"} on every rank of the mesh, over
     each source's held-out windows ({name: PackedDataset}); with several sources (a blend) also
     "val_loss/<name>" per source, "val_loss" over all of their tokens together."""
 
@@ -112,19 +108,15 @@ class Validator:
             raise agreed_error(error)
         self._checked = True
 
-    @torch.no_grad()
-    def __call__(self, model: Union[torch.nn.Module, "PipelineEngine"]) -> dict:
-        """model: the whole model, or under pipeline parallelism the engine running this rank's stages."""
+    def __call__(self, runner: Union[LocalRunner, torch.nn.Module]) -> dict:
+        """runner: the step runner of this rank's model or stages (hybridpar.pipeline.runner), or the model."""
+        runner = as_runner(runner, self.parallel)
         p, device = self.parallel, self.parallel.device
-        engine = None if isinstance(model, torch.nn.Module) else model
         per_pass = self.micro_batch_size * p.dp_size
         self._check_windows()
         names = list(self.datasets)
         totals = torch.zeros(len(names), 2, dtype=torch.float64, device=device)  # per source: loss sum, targets
-        was_training = engine is None and model.training
-        if engine is None:
-            model.eval()
-        try:
+        with runner.evaluating():
             for name, start in self._passes():
                 n, row = self.n[name], names.index(name)
                 self.at(f"validation: windows {start}-{min(start + per_pass, n) - 1} of {n}"
@@ -132,19 +124,12 @@ class Validator:
                 # Context parallelism: this cp rank's chunks of the windows its dp coordinate reads.
                 windows = self._micro_batch(name, start + p.dp_rank * self.micro_batch_size)
                 [(inputs, targets)] = context_parts([windows], p)
-                inputs, targets = inputs.to(device), targets.to(device)
-                if engine is None:
-                    loss = vocab_parallel_cross_entropy(model(inputs), targets, parallel=p, reduction="sum")
-                else:  # the last stage's loss; sum_loss brings it (and its count) to every stage
-                    loss = engine.forward_only(inputs if engine.has_first else None, targets)
-                    if loss is None:
-                        continue
+                loss = runner.loss(inputs.to(device), targets.to(device))
+                if loss is None:  # a pipeline stage without the loss: total brings it (and its count) here
+                    continue
                 totals[row, 0] += loss.double()
                 totals[row, 1] += (targets != IGNORE_INDEX).sum()
-        finally:
-            if engine is None:
-                model.train(was_training)
-        sum_loss(totals, p)
+        runner.total(totals)
         whole = totals.sum(0)
         loss = (whole[0] / whole[1]).item()
         out = {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0)), "val_tokens": int(whole[1].item())}

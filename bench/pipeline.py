@@ -268,7 +268,7 @@ class Layout:
 def build(args, parallel, layout: Layout):
     from hybridpar.pipeline.engine import PipelineEngine
     from hybridpar.pipeline.schedules import stage_ids, stage_layer_counts
-    from hybridpar.pipeline.stages import build_stage
+    from hybridpar.pipeline.cutting import build_stage
 
     counts = stage_layer_counts(args.n_layers, layout.pp * layout.v)
     ids = stage_ids(parallel.pp_rank, layout.pp, layout.v, layout.schedule)

@@ -2,7 +2,7 @@
 checkpointing, compile and FSDP, in the order below.
 
 Training, the dry run, the planner's CPU probe, checkpoint conversion and the benchmark all call
-`build_model` (a pipeline stage through hybridpar.pipeline.stages); what differs between them (device, dtype, FSDP or not, compile, sequence
+`build_model` (a pipeline stage through hybridpar.pipeline.cutting); what differs between them (device, dtype, FSDP or not, compile, sequence
 parallelism, where the weights come from) is a parameter.
 """
 
@@ -30,7 +30,7 @@ def build_model(args: ModelArgs, parallel: ParallelDims, *, device: Optional[tor
     fills the unsharded model (a checkpoint sliced into it). fsdp None: no FSDP, no activation
     checkpointing, no compile (conversion, generation). compile: torch.compile each block.
     part: build only these pieces of the model (Transformer's layers / embedding / head keywords): a
-    pipeline stage, hybridpar.pipeline.stages' build_stage), with the whole model's
+    pipeline stage, hybridpar.pipeline.cutting' build_stage), with the whole model's
     weights for the same seed.
     """
     if fsdp is not None:

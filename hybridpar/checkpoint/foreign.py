@@ -99,7 +99,7 @@ def check_model(source: ForeignSource, model: nn.Module) -> None:
 
 def _plan(source: ForeignSource, model: nn.Module) -> list[tuple[str, torch.Tensor, tuple[int, ...]]]:
     """(name, local tensor, offset) for every parameter of the model, all checked. A pipeline stage
-    (pipeline.stages.build_stage) is checked against, and later reads, its own layers and ends only."""
+    (pipeline.cutting.build_stage) is checked against, and later reads, its own layers and ends only."""
     own, error = model.state_dict(), source.error
     shapes = {name: shape for name, shape in model_shapes(source.args).items() if held(model, name)}
     missing, unexpected = sorted(set(shapes) - set(own), key=natural), sorted(set(own) - set(shapes), key=natural)

@@ -317,7 +317,7 @@ def load_meta_checkpoint(
     comes from the parameters' DTensor placements). verify_checksums: as in read_meta_params.
     A tied model (tie_embeddings, as read_meta_params tells) takes tok_embeddings only, after
     checking that the files' output.weight equals it on this rank's rows; the model's
-    tie_embeddings must be the checkpoint's. A pipeline stage (pipeline.stages.build_stage) reads
+    tie_embeddings must be the checkpoint's. A pipeline stage (pipeline.cutting.build_stage) reads
     only its layers and ends. `parsed`: as in read_meta_params. Returns the checkpoint's ModelArgs.
     """
     # A pipeline stage lacking the embedding or the head is untied (build_stage refuses a tied model):

@@ -1,7 +1,7 @@
 """A rank's pipeline stage modules, seen by the checkpoint code as the one model they are parts of.
 
 Under pipeline parallelism a rank holds one stage module, or several (Interleaved1F1B, the V
-schedules), each built by hybridpar.pipeline.stages.build_stage: its layers under their own names
+schedules), each built by hybridpar.pipeline.cutting.build_stage: its layers under their own names
 (`layers.37` stays `layers.37`), the embedding on the first stage, the final norm and head on the
 last. Checkpoints store the unsplit model's names, so none depends on pp:
 

@@ -130,7 +130,7 @@ def _rehearse(run: DryRun, c: Config, world: int, sizes: list[int], args, target
     from ..parallel.fsdp import dp_mesh_for
     from ..pipeline.runner import make_runner
     from ..pipeline.schedules import StageLayout
-    from ..pipeline.stages import build_stages
+    from ..pipeline.cutting import build_stages
 
     pp, dr, ds, cp, mp = sizes
     say(f"mesh of {world} ranks on a fake process group")

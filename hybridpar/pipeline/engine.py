@@ -1,4 +1,4 @@
-"""torch.distributed.pipelining's schedule over this rank's stage modules (hybridpar.pipeline.stages
+"""torch.distributed.pipelining's schedule over this rank's stage modules (hybridpar.pipeline.cutting
 builds them): one optimizer step's forwards and backwards of a batch, or its forwards alone.
 
     engine = PipelineEngine(stages, layout.ids, pp_group, schedule, layout.microbatches, device, mp_group)

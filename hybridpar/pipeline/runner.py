@@ -87,7 +87,7 @@ class LocalRunner:
 
 
 class PipelinedRunner(LocalRunner):
-    """This rank's pipeline stages (hybridpar.pipeline.stages' build_stages, in layout.ids' order),
+    """This rank's pipeline stages (hybridpar.pipeline.cutting' build_stages, in layout.ids' order),
     run by torch.distributed.pipelining's schedule (the engine, made at the first batch). Each
     micro-batch of the loader goes through the schedule as layout.microbatches pipeline
     micro-batches, the tokens into the first stage, the targets into the last; the loss is on the

@@ -1,7 +1,7 @@
 """Pipeline parallelism's rules, torch-free: the schedules (SCHEDULES: torch's class, stages per
 rank, V shape, the micro-batches each needs, the activations it keeps in flight), the stage split
 (stage_layer_counts: torchtitan's rule), which stages a rank holds (stage_ids), and this rank's share
-of them all (StageLayout, which hybridpar.pipeline.stages builds and hybridpar.pipeline.runner runs);
+of them all (StageLayout, which hybridpar.pipeline.cutting builds and hybridpar.pipeline.runner runs);
 and every refusal of the settings (parallel.pp, pp_layers, pp_schedule, pp_microbatches) against the
 world, the model and the batch, one line each, before anything starts (check_pipeline, which
 hybridpar.preflight calls for the job and its dry run). The planner (hybridpar.plan) reads the same

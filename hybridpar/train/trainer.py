@@ -39,7 +39,7 @@ from ..mesh.device import ParallelDims, init_parallel
 from ..mesh.ranks import wait_for_every_rank
 from ..pipeline.runner import make_runner
 from ..pipeline.schedules import StageLayout
-from ..pipeline.stages import build_stages
+from ..pipeline.cutting import build_stages
 from ..preflight import Job, as_job, world_size_from_env
 from . import data_stop, stop as stopping
 from .checkpointing import Checkpoints

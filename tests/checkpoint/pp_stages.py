@@ -1,5 +1,5 @@
 """Helpers for the pipeline checkpoint tests (they run inside the workers): this rank's stage modules
-of a small Transformer, cut as the trainer cuts them (hybridpar.pipeline.stages), optionally FSDP'd
+of a small Transformer, cut as the trainer cuts them (hybridpar.pipeline.cutting), optionally FSDP'd
 as build_model does, and the full values of their parameters and optimizer state by name."""
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def stage_modules(name: str, args, seed: int, *, device: Optional[str] = None) -
     device "meta": built without memory and allocated (to be loaded)."""
     from hybridpar.config.fsdp import FSDPConfig
     from hybridpar.parallel.fsdp import apply_fsdp
-    from hybridpar.pipeline.stages import build_stage
+    from hybridpar.pipeline.cutting import build_stage
 
     parallel = layout_parallel(name)
     ids, counts = stage_ids_of(name, parallel, args.n_layers)

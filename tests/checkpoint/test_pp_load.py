@@ -1,4 +1,4 @@
-"""Meta and Hugging Face folders load into pipeline stage models (hybridpar.pipeline.stages.build_stage):
+"""Meta and Hugging Face folders load into pipeline stage models (hybridpar.pipeline.cutting.build_stage):
 each stage reads only its own layers' tensors and the ends it holds (every tensor read is recorded:
 Meta's memory-mapped tensors through a recording subclass, safetensors through its slices), and
 holds exactly the values the unsplit model loaded from the same folder holds, at mp 1 and mp 2.
@@ -103,7 +103,7 @@ def _case_stage_reads(kind: str, folder: str, mp: int) -> list[dict]:
     from hybridpar.checkpoint.hf import hf_name
     from hybridpar.models.llama import Transformer
     from hybridpar.pipeline.schedules import stage_layer_counts
-    from hybridpar.pipeline.stages import build_stage
+    from hybridpar.pipeline.cutting import build_stage
     from hybridpar.parallel.state import full_state_dict
 
     parallel, folder = parallel_dims(mp=mp), Path(folder)
@@ -177,7 +177,7 @@ def _case_hf_into_pp2(src: str, folder: str) -> list[str]:
     from hybridpar.checkpoint.convert import load_into, read_args
     from hybridpar.checkpoint.dcp import Checkpointer, params_dict
     from hybridpar.pipeline.schedules import stage_layer_counts
-    from hybridpar.pipeline.stages import build_stage
+    from hybridpar.pipeline.cutting import build_stage
 
     parallel = parallel_dims(pp=2)
     args = read_args("hf", Path(src))

@@ -60,7 +60,7 @@ def engine_job(watchdog: Watchdog, parallel) -> None:
     from hybridpar.models.args import ModelArgs
     from hybridpar.pipeline.engine import PipelineEngine
     from hybridpar.pipeline.schedules import stage_layer_counts
-    from hybridpar.pipeline.stages import build_stage
+    from hybridpar.pipeline.cutting import build_stage
 
     args = ModelArgs.from_preset("tiny", dim=32, n_heads=4, n_kv_heads=2, vocab_size=64, n_layers=2)
     stage = parallel.pp_rank

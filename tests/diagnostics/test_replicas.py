@@ -99,7 +99,7 @@ def _case_stage_replicas() -> dict:
     from hybridpar.models.args import ModelArgs
     from hybridpar.parallel.fsdp import apply_fsdp
     from hybridpar.pipeline.schedules import stage_ids, stage_layer_counts
-    from hybridpar.pipeline.stages import build_stage
+    from hybridpar.pipeline.cutting import build_stage
 
     args = ModelArgs.from_preset("tiny", dim=32, n_heads=4, n_kv_heads=2, vocab_size=64, n_layers=4)
     parallel = parallel_dims(pp=2, dp_replicate=2, dp_shard=1)

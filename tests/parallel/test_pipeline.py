@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hybridpar.pipeline.schedules import stage_ids, stage_layer_counts
-from hybridpar.pipeline.stages import stage_layers
+from hybridpar.pipeline.cutting import stage_layers
 from tests.distributed import parallel_dims, rel_err
 
 
@@ -38,7 +38,7 @@ def _args():
 
 def _case_stage_keys() -> dict:
     from hybridpar.models.llama import Transformer
-    from hybridpar.pipeline.stages import build_stage
+    from hybridpar.pipeline.cutting import build_stage
 
     args, parallel = _args(), parallel_dims(mp=1)
     counts = stage_layer_counts(args.n_layers, 2)
@@ -65,7 +65,7 @@ def _case_pipeline(schedule: str, virtual: int, n_micro: int) -> dict:
     from hybridpar.models.llama import Transformer
     from hybridpar.parallel import vocab_parallel_cross_entropy
     from hybridpar.pipeline.engine import PipelineEngine
-    from hybridpar.pipeline.stages import build_stage
+    from hybridpar.pipeline.cutting import build_stage
 
     parallel = parallel_dims(mp=1)
     group = dist.new_group(list(range(dist.get_world_size())))  # the explicit pp group

@@ -1,4 +1,4 @@
-"""A rank's pipeline stages built by the one build_model (hybridpar.pipeline.stages.build_stages): the whole
+"""A rank's pipeline stages built by the one build_model (hybridpar.pipeline.cutting.build_stages): the whole
 model's weights for the same seed at pp 2 x mp 2 (two stages per rank), a `load` filling stages
 built without drawing a weight, and activation checkpointing chosen by the layer's index in the
 whole model, not its place in the stage."""
@@ -28,7 +28,7 @@ def test_selective_checkpointing_counts_the_layers_index():
 def _case_stages() -> dict:
     from hybridpar.build import build_model
     from hybridpar.pipeline.schedules import StageLayout
-    from hybridpar.pipeline.stages import build_stages
+    from hybridpar.pipeline.cutting import build_stages
     from hybridpar.config.fsdp import FSDPConfig
     from hybridpar.parallel.layers import local_tensor
     from tests.parallel.test_pipeline import _args

@@ -158,8 +158,8 @@ def _store_of(d, input, val_fraction: float, sha: Optional[str]) -> Optional[Pat
     """The complete store the input (sources.Input) is read from (data.pipeline's choice), or None;
     `sha`: the sha256 of the run's tokenizer (None: not trained yet)."""
     from .data.pipeline import cache_dir
-    from .data.store import MANIFEST
-    from .data.store_plan import cache_folder, finished_store
+    from .data.store.token_store import MANIFEST
+    from .data.store.unit_plan import cache_folder, finished_store
 
     if input.store is not None:  # a store itself
         return input.store if (input.store / MANIFEST).is_file() else None

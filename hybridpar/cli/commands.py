@@ -157,7 +157,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         raise ValueError(f"hybridpar verify {args.path}: a file, neither a checkpoint nor a token store; {takes} "
                          "(hybridpar prepare's --out)")
     if is_store(args.path):
-        from ..data.store_verify import verify_store
+        from ..data.store.integrity import verify_store
 
         return verify_store(Path(args.path))
     from ..checkpoint.verify import verify_path
@@ -167,7 +167,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_prepare(args: argparse.Namespace) -> int:
     """Tokenise corpus files into a token store (on every core; a share of it with --part)."""
-    from ..data.store_prepare import prepare_command
+    from ..data.store.prepare import prepare_command
 
     return prepare_command(args)
 

@@ -20,7 +20,7 @@ import numpy as np
 import sentencepiece as spm
 
 from hybridpar.data.bpe import HuggingFaceBPE, TiktokenBPE, detect_kind, find_tokenizer_file, hf_sha256
-from hybridpar.data.store import read_manifest
+from hybridpar.data.store.token_store import read_manifest
 from hybridpar.files import PathLike, made_once, sha256_file, sha256_text, write_bytes_atomic
 from hybridpar.progress import note
 

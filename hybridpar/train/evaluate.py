@@ -22,7 +22,7 @@ from ..config.pipeline import V_SHAPED
 from ..data.loader import PackedDataset
 from ..data.pipeline import source_entries
 from ..data.sources import is_store
-from ..data.store import StoreDamagedError, StoreError, read_manifest
+from ..data.store.token_store import StoreDamagedError, StoreError, read_manifest
 from ..mesh.device import ParallelDims
 from ..parallel import vocab_parallel_cross_entropy
 from ..parallel.loss import IGNORE_INDEX

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from hybridpar.data.chunks import CHUNK_BYTES
-from hybridpar.data.store import MANIFEST, StoreDamagedError, StoreError, TokenStore
-from hybridpar.data.store_prepare import prepare_store
-from hybridpar.data.store_verify import verify_store
+from hybridpar.data.store.token_store import MANIFEST, StoreDamagedError, StoreError, TokenStore
+from hybridpar.data.store.prepare import prepare_store
+from hybridpar.data.store.integrity import verify_store
 from tests.runs import GLOBAL_BATCH, make_config
 from tests.distributed import child_pythonpath
 

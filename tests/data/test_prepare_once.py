@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from hybridpar.data.store import MANIFEST, PLAN, StoreError, TokenStore
+from hybridpar.data.store.token_store import MANIFEST, PLAN, StoreError, TokenStore
 from hybridpar.data.tokenizer import Tokenizer
 from hybridpar.data.sources import describe_input
-from hybridpar.data.store_plan import plan_of, preparing
-from hybridpar.data.store_prepare import prepare_store
+from hybridpar.data.store.unit_plan import plan_of, preparing
+from hybridpar.data.store.prepare import prepare_store
 from hybridpar.files import file_lock
 from tests.data.stubs import NumberTokenizer, SlowNumberTokenizer
 from tests.distributed import child_pythonpath
@@ -74,8 +74,8 @@ def test_an_unfinished_store_of_other_input_is_refused_not_replaced(tmp_path):
 
 
 def test_a_wait_for_a_unit_another_holds_is_said_and_bounded(tmp_path, monkeypatch, capsys):
-    from hybridpar.data import store_work
-    from hybridpar.data.store import unit_record_name
+    from hybridpar.data.store import workers as store_work
+    from hybridpar.data.store.token_store import unit_record_name
 
     monkeypatch.setattr(store_work, "WAIT_WITHOUT_PROGRESS", 1.5)
     monkeypatch.setattr(store_work, "SAY_WAITING_EVERY", 0.3)
@@ -123,7 +123,7 @@ def test_bad_part_and_unit_size_leave_nothing(tmp_path, capsys):
 def test_the_floor_unit_size_is_taken(tmp_path, tokenizer):
     """--unit-mb at its floor (1/64, 16 KiB) prepares, in several units."""
     from hybridpar.cli import main
-    from hybridpar.data.store_prepare import MIN_UNIT_MB
+    from hybridpar.data.store.prepare import MIN_UNIT_MB
 
     source = _numbers(tmp_path / "a.jsonl", 400)
     assert main(["prepare", str(source), "--tokenizer", str(tokenizer.path), "--out", str(tmp_path / "s"),

@@ -1,5 +1,5 @@
-"""The work on a share of a store's units (store_plan.part_of): each built here or in worker
-processes (store_build.build_unit, claimed one at a time under its lock), units that other
+"""The work on a share of a store's units (unit_plan.part_of): each built here or in worker
+processes (unit_build.build_unit, claimed one at a time under its lock), units that other
 processes hold waited for (and built here if their holder dies), and the progress of it all."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import queue
 import time
 from typing import Callable, Optional, Sequence
 
-from hybridpar.data.store import MANIFEST, PLAN, StoreError
-from hybridpar.data.store_build import claim_and_build, unit_holder, unit_record
-from hybridpar.data.store_plan import Plan, read_plan
+from hybridpar.data.store.token_store import MANIFEST, PLAN, StoreError
+from hybridpar.data.store.unit_build import claim_and_build, unit_holder, unit_record
+from hybridpar.data.store.unit_plan import Plan, read_plan
 from hybridpar.progress import Progress, note
 
 _POLL = 0.5  # seconds between looks at units other processes hold

@@ -1,6 +1,6 @@
 """Preparing a token store, step by step in one order: where it goes and whether it is complete
-already, its plan (store_plan), the work on its units (store_work, which builds each with
-store_build), its manifest (store_merge), the store opened (store). Also the `hybridpar prepare`
+already, its plan (unit_plan), the work on its units (workers, which builds each with
+unit_build), its manifest (manifest_write), the store opened (token_store). Also the `hybridpar prepare`
 command and the store of each of a run's sources (a raw one's in the cache, or a store as given)."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from typing import Callable, Optional, Sequence
 from hybridpar.config import MAX_BAD_RECORDS, MAX_DOCUMENT_BYTES
 from hybridpar.data.formats import UNIT_BYTES, Unit
 from hybridpar.data.sources import Input, Source, SourceFile, describe_input, source_name
-from hybridpar.data.store import DAMAGED, MANIFEST, PLAN, StoreError, TokenStore, given_store
-from hybridpar.data.store_merge import finish_store, report_skipped, skipped_records, write_manifest
-from hybridpar.data.store_plan import (Plan, cache_folder, check_part, damage_to_repair, default_workers,
+from hybridpar.data.store.token_store import DAMAGED, MANIFEST, PLAN, StoreError, TokenStore, given_store
+from hybridpar.data.store.manifest_write import finish_store, report_skipped, skipped_records, write_manifest
+from hybridpar.data.store.unit_plan import (Plan, cache_folder, check_part, damage_to_repair, default_workers,
                                        finished_store, part_of, plan_of, preparing, read_plan)
-from hybridpar.data.store_verify import recheck_store
-from hybridpar.data.store_work import work_on
+from hybridpar.data.store.integrity import recheck_store
+from hybridpar.data.store.workers import work_on
 from hybridpar.files import PathLike
 from hybridpar.progress import note
 
@@ -33,11 +33,11 @@ def prepare_store(source: Source, tokenizer, out: PathLike, *, text_field: str =
     """Tokenise `source` into the store `out` with `workers` processes (default: every core; 1: in
     this process), doing part `part` = (I, N) of it. Returns the store once it is complete; None when
     other parts are still to come (a part of several). Runs again where it stopped. Another
-    preparation of the same input joins this one; one of other input is refused (store_plan.preparing).
+    preparation of the same input joins this one; one of other input is refused (unit_plan.preparing).
     `on_progress(text)` hears how far the work is, at least every few seconds while it moves (a
     training job's watchdog: a long preparation is progress, not a hang). A complete store is checked
-    again, every chunk, and its damaged units are prepared again (store_verify.recheck_store). A
-    preparation refused for its input leaves nothing behind (store_plan.discard_refused)."""
+    again, every chunk, and its damaged units are prepared again (integrity.recheck_store). A
+    preparation refused for its input leaves nothing behind (unit_plan.discard_refused)."""
     return prepare(describe_input(source, text_field), tokenizer, out, val_fraction=val_fraction,
                    on_bad_record=on_bad_record, workers=workers, part=part, report=report, unit_bytes=unit_bytes,
                    progress_every=progress_every, on_progress=on_progress, max_document_bytes=max_document_bytes,
@@ -51,8 +51,8 @@ def prepare(input: Input, tokenizer, out: Optional[PathLike] = None, *, cache_di
             max_document_bytes: int = MAX_DOCUMENT_BYTES, max_bad_records: float = MAX_BAD_RECORDS
             ) -> Optional[TokenStore]:
     """prepare_store of an input (sources.describe_input) into `out`, or into its folder in
-    `cache_dir` (store_plan.cache_folder), where a complete one is used as it is: no source file
-    opened, no plan made (store_plan.finished_store), unless a job recorded damage in it
+    `cache_dir` (unit_plan.cache_folder), where a complete one is used as it is: no source file
+    opened, no plan made (unit_plan.finished_store), unless a job recorded damage in it
     (store.record_damage): then it is checked and repaired as `hybridpar prepare` of a complete
     store is, by one of the processes that ask at once, and the record removed."""
     from hybridpar.data.tokenizer import limit_threads
@@ -161,7 +161,7 @@ def cached_store(source: Source, tokenizer, cache_dir: PathLike, *, text_field: 
     """The store of `source` in `cache_dir` (named by a hash of the input, the tokenizer and the
     options), prepared here if it is not complete: every process that asks at once (the ranks of a
     job) takes units of it, and later jobs reuse it. (training part, validation part or None).
-    A complete one is used as it is, no source file opened (store_plan.finished_store)."""
+    A complete one is used as it is, no source file opened (unit_plan.finished_store)."""
     store = prepare(describe_input(source, text_field), tokenizer, cache_dir=cache_dir, workers=1,
                     val_fraction=val_fraction, on_bad_record=on_bad_record, report=report,
                     progress_every=progress_every, on_progress=on_progress, max_document_bytes=max_document_bytes,

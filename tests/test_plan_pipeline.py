@@ -1,4 +1,4 @@
-"""`hybridpar plan` with pipeline parallelism (parallel.pp, hybridpar.plan.pipeline): the bubble and
+"""`hybridpar plan` with pipeline parallelism (parallel.pp, hybridpar.plan.pipeline_cost): the bubble and
 the micro-batches in flight by hand, the published pipelined runs within 15%, the 405B plan that
 needs stages, and the plan that does not."""
 
@@ -13,7 +13,7 @@ from hybridpar.plan import (Layout, Workload, activation_bytes, all_gather_secon
                             make_plan)
 from hybridpar.plan.hardware import spec
 from hybridpar.plan.memory import param_counts
-from hybridpar.plan.pipeline import bubble_fraction, in_flight, stage_units
+from hybridpar.plan.pipeline_cost import bubble_fraction, in_flight, stage_units
 
 
 def _run(capsys, *argv: str) -> tuple[int, str]:

@@ -346,7 +346,7 @@ def load_or_train_tokenizer(
 
 @dataclasses.dataclass(frozen=True)
 class TokenizerChoice:
-    """Which tokenizer a run uses, chosen before it is loaded (hybridpar.data.pipeline.tokenizer_choice
+    """Which tokenizer a run uses, chosen before it is loaded (hybridpar.data.training_data.tokenizer_choice
     makes it from the config's [data] and its inputs): `given` (data.tokenizer); else the one the
     token store `store` was made with; else the one trained on the raw corpus `corpus_id` (its
     documents `text`, read only to train; named `corpus_name` in messages) and cached in

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ..config.pipeline import V_SHAPED
 from ..data.loader import PackedDataset
-from ..data.pipeline import source_entries
+from ..data.training_data import source_entries
 from ..data.sources import is_store
 from ..data.store.token_store import StoreDamagedError, StoreError, read_manifest
 from ..mesh.device import ParallelDims

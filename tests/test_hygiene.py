@@ -225,9 +225,9 @@ def test_every_name_the_package_face_lists_resolves():
 # so do these command bodies (their output is the command's answer), and a report written to the stream
 # its caller passes (print(..., file=out)). Everything else logs (hybridpar.progress).
 COMMAND_LAYER = {"hybridpar/cli/__init__.py", "hybridpar/cli/commands.py",  # the parser, what each command does
+                 "hybridpar/cli/incidents_command.py",  # launch/slurm.sh's incidents command
                  "hybridpar/reporting.py"}  # and how a command says it failed
-COMMAND_OUTPUT = {("hybridpar/data/store/prepare.py", "prepare_command"), ("hybridpar/incidents.py", "main"),
-                  ("hybridpar/plan/cpu.py", "<module>")}
+COMMAND_OUTPUT = {("hybridpar/plan/cpu.py", "<module>")}
 TERMINAL = {"hybridpar/progress.py"}  # the handler that writes the records of the command line (log_to_terminal)
 
 

@@ -1,7 +1,8 @@
 """Preparing a token store, step by step in one order: where it goes and whether it is complete
 already, its plan (unit_plan), the work on its units (workers, which builds each with
-unit_build), its manifest (manifest_write), the store opened (token_store). Also the `hybridpar prepare`
-command and the store of each of a run's sources (a raw one's in the cache, or a store as given)."""
+unit_build), its manifest (manifest_write), the store opened (token_store). Also the store of each of
+a run's sources (a raw one's in the cache, or a store as given); `hybridpar prepare`'s arguments and
+answer are hybridpar.cli.commands'."""
 
 from __future__ import annotations
 
@@ -12,11 +13,11 @@ from typing import Callable, Optional, Sequence
 from hybridpar.config import MAX_BAD_RECORDS, MAX_DOCUMENT_BYTES
 from hybridpar.data.formats import UNIT_BYTES, Unit
 from hybridpar.data.sources import Input, Source, SourceFile, describe_input, source_name
-from hybridpar.data.store.token_store import DAMAGED, MANIFEST, PLAN, StoreError, TokenStore, given_store
-from hybridpar.data.store.manifest_write import finish_store, report_skipped, skipped_records, write_manifest
-from hybridpar.data.store.unit_plan import (Plan, cache_folder, check_part, damage_to_repair, default_workers,
-                                       finished_store, part_of, plan_of, preparing, read_plan)
 from hybridpar.data.store.integrity import recheck_store
+from hybridpar.data.store.manifest_write import finish_store, report_skipped, write_manifest
+from hybridpar.data.store.token_store import DAMAGED, MANIFEST, PLAN, StoreError, TokenStore, given_store
+from hybridpar.data.store.unit_plan import (Plan, cache_folder, check_part, damage_to_repair, default_workers,
+                                            finished_store, part_of, plan_of, preparing, read_plan)
 from hybridpar.data.store.workers import work_on
 from hybridpar.files import PathLike
 from hybridpar.progress import note
@@ -119,39 +120,6 @@ def merge_store(out: PathLike) -> TokenStore:
         with preparing(plan):
             write_manifest(plan, source_name(files))
     return TokenStore(folder)
-
-
-def prepare_command(args) -> int:
-    """`hybridpar prepare`: args as cli.py parses them."""
-    from hybridpar.data.tokenizer import Tokenizer
-
-    if args.merge:
-        store = merge_store(args.out)
-        print(f"{store.folder}: complete, {store.n_tokens:,} tokens")
-        return 0
-    if not args.sources or not args.tokenizer:
-        raise ValueError("hybridpar prepare needs the source files or folders and --tokenizer (or --merge --out STORE)")
-    try:
-        index, parts = (int(x) for x in args.part.split("/"))
-    except ValueError:
-        raise ValueError(f"--part {args.part}: give I/N, e.g. --part 0/4 for the first of four parts") from None
-    check_part(index, parts)
-    if args.workers < 0:
-        raise ValueError(f"--workers {args.workers}: give a number of processes, or 0 for every core")
-    if not args.unit_mb >= MIN_UNIT_MB:  # (NaN too)
-        raise ValueError(f"--unit-mb {args.unit_mb:g}: give at least {MIN_UNIT_MB} (16 KiB): smaller units cost more "
-                         "in files and bookkeeping than they spread work (the default, 64, suits most corpora)")
-    store = prepare_store(list(args.sources), Tokenizer(args.tokenizer), args.out, text_field=args.text_field,
-                          val_fraction=args.val_fraction, on_bad_record=args.on_bad_record,
-                          workers=args.workers or None, part=(index, parts), report=True,
-                          unit_bytes=int(args.unit_mb * 2**20), max_document_bytes=args.max_document_bytes,
-                          max_bad_records=args.max_bad_records)
-    if store is not None:
-        skipped = skipped_records(store.meta)
-        print(f"{store.folder}: complete, {store.n_tokens:,} tokens in {store.n_documents:,} documents"
-              + (f" ({skipped:,} bad records skipped)" if skipped else "")
-              + f"; train on it with --data.source {store.folder}")
-    return 0
 
 
 def cached_store(source: Source, tokenizer, cache_dir: PathLike, *, text_field: str = "text", val_fraction: float = 0.0,

@@ -31,7 +31,7 @@ from typing import Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hybridpar.data import Tokenizer, default_corpus_documents, train_tokenizer  # noqa: E402
-from hybridpar.data.store_prepare import prepare_store  # noqa: E402
+from hybridpar.data.store.prepare import prepare_store  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "data.json"
 BATCH_CHARS = 1 << 17
@@ -86,9 +86,12 @@ _PREPARE = """
 import json, resource, sys, time
 from hybridpar.data import Tokenizer
 try:
-    from hybridpar.data.store_prepare import prepare_store
-except ImportError:  # a tree from before store_build.py was split
-    from hybridpar.data.store_build import prepare_store
+    from hybridpar.data.store.prepare import prepare_store
+except ImportError:  # a tree from before data/store/ was a package
+    try:
+        from hybridpar.data.store_prepare import prepare_store
+    except ImportError:  # a tree from before store_build.py was split
+        from hybridpar.data.store_build import prepare_store
 source, tokenizer, out, workers, unit_bytes = sys.argv[1:]
 start = time.perf_counter()
 store = prepare_store(source, Tokenizer(tokenizer), out, workers=int(workers), unit_bytes=int(unit_bytes),

@@ -35,7 +35,7 @@ ranks share them. Every layout is built once and run once per round, layouts int
              packed handle releases them when backward frees it) over one step: the peak per rank,
              the worst rank against plan.estimate(...).memory.activations (the rank holding most
              units, the micro-batches in flight per schedule). "in flight" = the peak over one
-             micro-batch's saves (the step's total / m), against plan.pipeline.in_flight. Not counted:
+             micro-batch's saves (the step's total / m), against plan.pipeline_cost.in_flight. Not counted:
              the stage's output kept for backward, the P2P receive buffers, and the logits of every
              micro-batch the last stage keeps until the step returns (`held` column).
 
@@ -319,7 +319,7 @@ def gather(mine: dict) -> dict[int, dict]:
 
 def planned(args, layout: Layout, micro_batch: int, seq_len: int) -> dict:
     from hybridpar.plan import Hardware, Layout as PlanLayout, Workload, estimate
-    from hybridpar.plan.pipeline import bubble_fraction, in_flight
+    from hybridpar.plan.pipeline_cost import bubble_fraction, in_flight
 
     plan = estimate(args, PlanLayout(mp=1, dp_shard=1, pp=layout.pp, pp_schedule=layout.schedule, v=layout.v),
                     Workload(seq_len=seq_len, micro_batch=micro_batch, global_batch=layout.m * micro_batch,

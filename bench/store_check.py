@@ -28,8 +28,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hybridpar.data import shards as shard_files  # noqa: E402
-from hybridpar.data.store import FORMAT, MANIFEST, VERSION, TokenStore, _Concatenated  # noqa: E402
-from hybridpar.data.store_verify import verify_store  # noqa: E402
+from hybridpar.data.store.token_store import FORMAT, MANIFEST, VERSION, TokenStore, _Concatenated  # noqa: E402
+from hybridpar.data.store.integrity import verify_store  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "store_check.json"
 VOCAB = 32000

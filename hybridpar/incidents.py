@@ -9,15 +9,14 @@ the trainer (its first step after a resume: `training_again`). `decide` is the s
     lost a rank in this run; a second death there, a stall, a hung collective or a straggler
     excludes the node at once, and the job is requeued without it;
   - unless the job was requeued MAX_REQUEUES times already, or no spare node is left.
-Torch-free: the script calls `python -m hybridpar.incidents`, which must start in a fraction of a second.
+Torch-free: the script calls `python -m hybridpar.cli.incidents_command` (the arguments, the printed
+answer), which must start in a fraction of a second.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -146,60 +145,3 @@ def summary_lines(events: list[dict]) -> list[str]:
                      f"{again.get('resumed_from')}: {lost} step(s) lost")
         lines.append(line)
     return lines
-
-
-# --- what launch/slurm.sh calls -----------------------------------------------------------------
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m hybridpar.incidents",
-                                     description="launch/slurm.sh's record of a run's faults (incidents.jsonl)")
-    sub = parser.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("decide", help="record a verdict and print: ACTION NODES (comma-separated) WHY")
-    d.add_argument("incidents", type=Path)
-    d.add_argument("report", type=Path, help="the verdict: a hang_report.json")
-    d.add_argument("--job", required=True)
-    d.add_argument("--exclude-on-fault", type=int, default=1)
-    d.add_argument("--max-requeues", type=int, default=3)
-    d.add_argument("--max-restarts", type=int, default=0,
-                   help="torchrun's in-job restarts (the verdict's attempt says how many are spent); 0 once it ended")
-    d.add_argument("--needed", type=int, required=True)
-    d.add_argument("--usable", default="", help="comma-separated nodes of the partition that can run jobs")
-    d.add_argument("--excluded", default="", help="comma-separated nodes the job already excludes")
-    r = sub.add_parser("note", help="append one event given as NAME=VALUE words")
-    r.add_argument("incidents", type=Path)
-    r.add_argument("fields", nargs="+")
-    s = sub.add_parser("summary", help="the incidents, one line each")
-    s.add_argument("incidents", type=Path)
-    return parser
-
-
-def _words(text: str) -> list[str]:
-    return [w for w in text.split(",") if w]
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = _parser().parse_args(argv)
-    if args.command == "decide":
-        report = json.loads(args.report.read_text())
-        events = read(args.incidents)
-        decision = decide(report, events, job=args.job, exclude_on_fault=bool(args.exclude_on_fault),
-                          max_requeues=args.max_requeues, needed=args.needed,
-                          restarts_left=max(0, args.max_restarts - int(report.get("attempt", 0))),
-                          usable=_words(args.usable), excluded=_words(args.excluded))
-        append(args.incidents, fault_event(report, decision, args.job))
-        print(decision["action"], ",".join(decision["nodes"]) or "-", decision["why"])
-    elif args.command == "note":
-        event = {}
-        for field in args.fields:
-            name, _, value = field.partition("=")
-            event[name] = value
-        append(args.incidents, event)
-    else:
-        for line in summary_lines(read(args.incidents)):
-            print(line)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

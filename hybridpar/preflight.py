@@ -141,7 +141,7 @@ def _checked_sizes(config: Config, world_size: int) -> tuple[int, int, int, int,
 def _data_sources(config: Config) -> tuple[dict, dict]:
     """Job.sources and Job.stores: each raw source walked once, and each store's completeness told
     from its manifest and plan.json and a stat of each source file (none is opened)."""
-    from .data.pipeline import source_entries, tokenizer_choice
+    from .data.training_data import source_entries, tokenizer_choice
     from .data.sources import describe_input, is_store, resolve_sources, source_key
 
     d = config.data
@@ -163,11 +163,11 @@ def _data_sources(config: Config) -> tuple[dict, dict]:
 
 
 def _store_of(d, input, val_fraction: float, sha: Optional[str]) -> Optional[Path]:
-    """The complete store the input (sources.Input) is read from (data.pipeline's choice), or None;
+    """The complete store the input (sources.Input) is read from (data.training_data's choice), or None;
     `sha`: the sha256 of the run's tokenizer (None: not trained yet)."""
-    from .data.pipeline import cache_dir
-    from .data.store import MANIFEST
-    from .data.store_plan import cache_folder, finished_store
+    from .data.training_data import cache_dir
+    from .data.store.token_store import MANIFEST
+    from .data.store.unit_plan import cache_folder, finished_store
 
     if input.store is not None:  # a store itself
         return input.store if (input.store / MANIFEST).is_file() else None

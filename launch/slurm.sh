@@ -321,7 +321,7 @@ check
 
 # --- after a node's fault: exclude it and requeue -------------------------------------------------
 report=$JOB_DIR/hang_report.json  # the watchdog's verdict, with the node it blames (node_fault)
-incidents() { "$PYTHON" -m hybridpar.incidents "$@"; }
+incidents() { "$PYTHON" -m hybridpar.cli.incidents_command "$@"; }
 verdict_id() { [[ -f $report ]] && stat -c '%i %Y' "$report" 2>/dev/null; }
 
 # The partition's nodes that can run a job (not down, drained or failing, and responding).

@@ -214,6 +214,46 @@ def test_the_fast_paths_import_no_checkpoint_module():
     assert not arrows, f"fast paths importing checkpoint/: {sorted(arrows)}"
 
 
+# State a module fills as it runs (an empty container or a weak dictionary bound at import, a `global`
+# rebound) belongs to an object that owns it, where one can. Kept, and why:
+KEPT = {("hybridpar/mesh/ranks.py", "_STARTS"): "a Start per process group, keyed weakly by the group it belongs to "
+                                                "(torch gives a group no place of its own for it)",
+        ("hybridpar/data/sources.py", "_SAID"): "what a walk of the sources noted, said once a process whatever "
+                                                "walks them (tests/data/test_exactly_once.py holds it)"}
+_CONTAINERS = {"dict", "list", "set", "defaultdict", "OrderedDict", "Counter", "deque", "WeakKeyDictionary",
+               "WeakValueDictionary", "WeakSet"}
+
+
+def _module_state(tree: ast.Module) -> list[tuple[str, int]]:
+    """(name, line) of each module-level binding of an empty container, and of each `global` statement."""
+    found = []
+    for node in tree.body:
+        value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+        empty_literal = isinstance(value, (ast.Dict, ast.List, ast.Set)) and not (
+            getattr(value, "keys", None) or getattr(value, "elts", None))
+        called = isinstance(value, ast.Call) and not value.args and not value.keywords and (
+            getattr(value.func, "id", None) in _CONTAINERS or getattr(value.func, "attr", None) in _CONTAINERS)
+        if empty_literal or called:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            found += [(ast.unparse(target), node.lineno) for target in targets]
+    found += [(", ".join(node.names), node.lineno) for node in ast.walk(tree) if isinstance(node, ast.Global)]
+    return found
+
+
+def test_no_module_keeps_state_it_fills_as_it_runs():
+    offenders, kept = [], 0
+    for folder in ("hybridpar", "models"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            where = path.relative_to(ROOT).as_posix()
+            for name, line in _module_state(ast.parse(path.read_text(), where)):
+                if (where, name) in KEPT:
+                    kept += 1
+                else:
+                    offenders.append(f"{where}:{line} {name}")
+    assert kept == len(KEPT), "the check did not find the state it keeps: it is not reading the code"
+    assert not offenders, f"module-level state filled at run time; give it to an object that owns it: {offenders}"
+
+
 def test_every_name_the_package_face_lists_resolves():
     """hybridpar/__init__.py hands names on lazily: each must still be where it looks."""
     import hybridpar
@@ -225,9 +265,9 @@ def test_every_name_the_package_face_lists_resolves():
 # so do these command bodies (their output is the command's answer), and a report written to the stream
 # its caller passes (print(..., file=out)). Everything else logs (hybridpar.progress).
 COMMAND_LAYER = {"hybridpar/cli/__init__.py", "hybridpar/cli/commands.py",  # the parser, what each command does
+                 "hybridpar/cli/incidents_command.py",  # launch/slurm.sh's incidents command
                  "hybridpar/reporting.py"}  # and how a command says it failed
-COMMAND_OUTPUT = {("hybridpar/data/store_prepare.py", "prepare_command"), ("hybridpar/incidents.py", "main"),
-                  ("hybridpar/plan/cpu.py", "<module>")}
+COMMAND_OUTPUT = {("hybridpar/plan/cpu.py", "<module>")}
 TERMINAL = {"hybridpar/progress.py"}  # the handler that writes the records of the command line (log_to_terminal)
 
 

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from hybridpar import incidents
+from hybridpar.cli import incidents_command
 from hybridpar.diagnostics.flight import Finding
 from hybridpar.diagnostics.node_fault import node_fault
 
@@ -111,7 +112,7 @@ def test_the_summary_says_fault_detection_exclusion_training_again_and_steps_los
 def test_the_script_side_records_and_prints_a_decision_without_torch(tmp_path):
     report, path = tmp_path / "hang_report.json", tmp_path / "incidents.jsonl"
     report.write_text(json.dumps(_report(kind="death", attempt=1)))
-    code = ("import sys; from hybridpar.incidents import main; rc = main(sys.argv[1:]); "
+    code = ("import sys; from hybridpar.cli.incidents_command import main; rc = main(sys.argv[1:]); "
             "assert 'torch' not in sys.modules, 'imported torch'; sys.exit(rc)")
     run = subprocess.run([sys.executable, "-c", code, "decide", str(path), str(report), "--job", "7",
                           "--max-restarts", "3", "--needed", "2", "--usable", "n1,n2,n3", "--excluded", ""],
@@ -120,5 +121,5 @@ def test_the_script_side_records_and_prints_a_decision_without_torch(tmp_path):
     assert run.stdout.startswith("restart n2 a rank died: restarted in the job (2 of MAX_RESTARTS left)")
     [event] = incidents.read(path)
     assert event["event"] == "fault" and event["kind"] == "death" and event["action"] == "restart"
-    assert incidents.main(["note", str(path), "event=requeue", "job=7", "excluded=n2"]) == 0
+    assert incidents_command.main(["note", str(path), "event=requeue", "job=7", "excluded=n2"]) == 0
     assert incidents.read(path)[-1]["excluded"] == "n2"

@@ -1,4 +1,4 @@
-"""`hybridpar plan` with pipeline parallelism (parallel.pp, hybridpar.plan.pipeline): the bubble and
+"""`hybridpar plan` with pipeline parallelism (parallel.pp, hybridpar.plan.pipeline_cost): the bubble and
 the micro-batches in flight by hand, the published pipelined runs within 15%, the 405B plan that
 needs stages, and the plan that does not."""
 
@@ -13,7 +13,7 @@ from hybridpar.plan import (Layout, Workload, activation_bytes, all_gather_secon
                             make_plan)
 from hybridpar.plan.hardware import spec
 from hybridpar.plan.memory import param_counts
-from hybridpar.plan.pipeline import bubble_fraction, in_flight, stage_units
+from hybridpar.plan.pipeline_cost import bubble_fraction, in_flight, stage_units
 
 
 def _run(capsys, *argv: str) -> tuple[int, str]:
@@ -124,7 +124,7 @@ def test_a_model_that_fits_without_pp_is_told_so(capsys):
 
 
 def test_the_planner_prices_the_stages_and_micro_batches_the_trainer_runs():
-    """The split is the trainer's (config.pipeline.stage_layer_counts), not a ceiling: Llama 3 8B's
+    """The split is the trainer's (pipeline.schedules.stage_layer_counts), not a ceiling: Llama 3 8B's
     34 units over 8 stages are 5, 5, 4, 4, 4, 4, 4, 4, so the busiest rank of pp 4 x 2 holds 9, not 10.
     And a layout is priced exactly when preflight accepts its micro-batches (torch's rules)."""
     from hybridpar.config import ConfigError

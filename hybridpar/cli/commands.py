@@ -157,7 +157,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         raise ValueError(f"hybridpar verify {args.path}: a file, neither a checkpoint nor a token store; {takes} "
                          "(hybridpar prepare's --out)")
     if is_store(args.path):
-        from ..data.store_verify import verify_store
+        from ..data.store.integrity import verify_store
 
         return verify_store(Path(args.path))
     from ..checkpoint.verify import verify_path
@@ -166,10 +166,40 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    """Tokenise corpus files into a token store (on every core; a share of it with --part)."""
-    from ..data.store_prepare import prepare_command
+    """Tokenise corpus files into a token store (on every core; a share of it with --part), or with
+    --merge write the manifest of one prepared in parts."""
+    from ..data.store.manifest_write import skipped_records
+    from ..data.store.prepare import MIN_UNIT_MB, merge_store, prepare_store
+    from ..data.store.unit_plan import check_part
+    from ..data.tokenizer import Tokenizer
 
-    return prepare_command(args)
+    if args.merge:
+        store = merge_store(args.out)
+        print(f"{store.folder}: complete, {store.n_tokens:,} tokens")
+        return 0
+    if not args.sources or not args.tokenizer:
+        raise ValueError("hybridpar prepare needs the source files or folders and --tokenizer (or --merge --out STORE)")
+    try:
+        index, parts = (int(x) for x in args.part.split("/"))
+    except ValueError:
+        raise ValueError(f"--part {args.part}: give I/N, e.g. --part 0/4 for the first of four parts") from None
+    check_part(index, parts)
+    if args.workers < 0:
+        raise ValueError(f"--workers {args.workers}: give a number of processes, or 0 for every core")
+    if not args.unit_mb >= MIN_UNIT_MB:  # (NaN too)
+        raise ValueError(f"--unit-mb {args.unit_mb:g}: give at least {MIN_UNIT_MB} (16 KiB): smaller units cost more "
+                         "in files and bookkeeping than they spread work (the default, 64, suits most corpora)")
+    store = prepare_store(list(args.sources), Tokenizer(args.tokenizer), args.out, text_field=args.text_field,
+                          val_fraction=args.val_fraction, on_bad_record=args.on_bad_record,
+                          workers=args.workers or None, part=(index, parts), report=True,
+                          unit_bytes=int(args.unit_mb * 2**20), max_document_bytes=args.max_document_bytes,
+                          max_bad_records=args.max_bad_records)
+    if store is not None:
+        skipped = skipped_records(store.meta)
+        print(f"{store.folder}: complete, {store.n_tokens:,} tokens in {store.n_documents:,} documents"
+              + (f" ({skipped:,} bad records skipped)" if skipped else "")
+              + f"; train on it with --data.source {store.folder}")
+    return 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

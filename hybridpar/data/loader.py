@@ -21,7 +21,7 @@ import torch
 import torch.utils.data
 
 from hybridpar.data.blend import next_sources
-from hybridpar.data.store import TokenStore
+from hybridpar.data.store.token_store import TokenStore
 from hybridpar.progress import note
 
 EXHAUSTED_CHOICES = ("repeat", "stop")

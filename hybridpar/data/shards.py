@@ -10,7 +10,7 @@ import crc32c
 import numpy as np
 
 from hybridpar.data.chunks import ChunkSummer, sums_name
-from hybridpar.data.store import MAX_SHARD_TOKENS, shard_name
+from hybridpar.data.store.token_store import MAX_SHARD_TOKENS, shard_name
 from hybridpar.data.tokenise import PART_NAMES
 from hybridpar.files import atomic_output
 

@@ -20,7 +20,7 @@ import numpy as np
 import sentencepiece as spm
 
 from hybridpar.data.bpe import HuggingFaceBPE, TiktokenBPE, detect_kind, find_tokenizer_file, hf_sha256
-from hybridpar.data.store import read_manifest
+from hybridpar.data.store.token_store import read_manifest
 from hybridpar.files import PathLike, made_once, sha256_file, sha256_text, write_bytes_atomic
 from hybridpar.progress import note
 
@@ -346,7 +346,7 @@ def load_or_train_tokenizer(
 
 @dataclasses.dataclass(frozen=True)
 class TokenizerChoice:
-    """Which tokenizer a run uses, chosen before it is loaded (hybridpar.data.pipeline.tokenizer_choice
+    """Which tokenizer a run uses, chosen before it is loaded (hybridpar.data.training_data.tokenizer_choice
     makes it from the config's [data] and its inputs): `given` (data.tokenizer); else the one the
     token store `store` was made with; else the one trained on the raw corpus `corpus_id` (its
     documents `text`, read only to train; named `corpus_name` in messages) and cached in

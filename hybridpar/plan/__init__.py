@@ -1,7 +1,7 @@
 """Plan a layout before asking for GPUs: per-rank memory and step time of every (pp, mp, cp, dp_shard,
 dp_replicate, AC) layout, best first (`hybridpar plan`; docs/planner.md). Context parallelism (cp)
 is considered when a sequence's activations need it (search.context_parallel_needed), pipeline
-stages (pp) when nothing fits without them (pipeline: the bubble, micro-batches in flight, P2P).
+stages (pp) when nothing fits without them (pipeline_cost: the bubble, micro-batches in flight, P2P).
 
 Arithmetic on the model's shape, derived from what hybridpar's code keeps, runs and sends: the
 fp32 state FSDP2 shards, gathered compute-dtype parameters, gradient buffers and the unsharded
@@ -18,7 +18,7 @@ sharing a GPU with NCCL's, and Float8 (hybridpar has none).
 
 inputs: Layout, Workload, Hardware. hardware: named GPUs; cpu: this machine, measured. memory:
 parameters, activations, Memory. compute: the kernels' work. comm: collective bytes, calls and
-times. pipeline: pp's stages, bubble and in-flight micro-batches. search: estimate, candidate_layouts, make_plan. report: the text. published: the check.
+times. pipeline_cost: pp's stages, bubble and in-flight micro-batches. search: estimate, candidate_layouts, make_plan. report: the text. published: the check.
 """
 
 from ..config.dtypes import dtype_bytes

@@ -22,7 +22,7 @@ class Layout:
     reshard_after_forward: bool = True  # False: ZeRO-2 (shard_grad_op / hybrid_shard_zero2)
     sequence_parallel: bool = True  # parallel.sequence_parallel (acts only when mp > 1)
     cp: int = 1  # parallel.cp: ranks that share each sequence (last: positional callers predate it)
-    pp: int = 1  # parallel.pp: pipeline stages, the outermost dimension (hybridpar.plan.pipeline)
+    pp: int = 1  # parallel.pp: pipeline stages, the outermost dimension (hybridpar.plan.pipeline_cost)
     pp_schedule: str = "1F1B"  # parallel.pp_schedule (GPipe, 1F1B, Interleaved1F1B, ZBVZeroBubble)
     v: int = 1  # virtual stages per rank: 1 for GPipe and 1F1B, 2 for ZBV, 2 or more interleaved
 

@@ -15,7 +15,7 @@ from .compute import head_work, micro_batch_work, step_work
 from .inputs import MASTER_BYTES, Hardware, Layout, Workload
 from .memory import Memory, ParamCounts, activation_bytes, gathered_kv_bytes, param_counts
 from ..pipeline.schedules import least_microbatches, max_stages, rounds_of, stages_per_rank
-from .pipeline import bubble_fraction, in_flight, schedule_stages, stage_units
+from .pipeline_cost import bubble_fraction, in_flight, schedule_stages, stage_units
 
 STEP_SCALARS = 3  # the trainer's all-reduces per step: target tokens, the loss, the gradient norm
 CP_NEEDED = 1 / 3  # context_parallel_needed: the share of memory one sequence's activations may take at cp 1

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..data.loader import SourceExhaustedError
-from ..data.store import StoreDamagedError
+from ..data.store.token_store import StoreDamagedError
 from ..mesh.ranks import gather_objects, mark_every_rank
 
 log = logging.getLogger(__name__)

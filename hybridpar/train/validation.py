@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 
 from ..data.loader import PackedDataset
-from ..data.pipeline import source_entries
+from ..data.training_data import source_entries
 from ..data.sources import is_store
-from ..data.store import StoreDamagedError, StoreError, read_manifest
+from ..data.store.token_store import StoreDamagedError, StoreError, read_manifest
 from ..mesh.device import ParallelDims
 from ..parallel.loss import IGNORE_INDEX
 from ..pipeline.runner import LocalRunner, as_runner

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from hybridpar.data.store import TokenStore
-from hybridpar.data.store_prepare import prepare_store
+from hybridpar.data.store.token_store import TokenStore
+from hybridpar.data.store.prepare import prepare_store
 from hybridpar.data.streams import DataFormatError
 
 GOOD = [f"document {i} says something plain" for i in range(200)]  # 1 bad record in 201: under the 1% cap

@@ -25,7 +25,7 @@ PEAK_MB = 200
 _CHILD = textwrap.dedent("""
     import sys
     import numpy as np
-    from hybridpar.data.store_prepare import prepare_store
+    from hybridpar.data.store.prepare import prepare_store
 
     class Cheap:
         vocab_size, eos_id, sha256, path = 256, 0, "cheap", "cheap"

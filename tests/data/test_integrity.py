@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from hybridpar.data.chunks import CHUNK_BYTES
-from hybridpar.data.store import MANIFEST, StoreDamagedError, StoreError, TokenStore
-from hybridpar.data.store_prepare import prepare_store
-from hybridpar.data.store_verify import verify_store
+from hybridpar.data.store.token_store import MANIFEST, StoreDamagedError, StoreError, TokenStore
+from hybridpar.data.store.prepare import prepare_store
+from hybridpar.data.store.integrity import verify_store
 from tests.runs import GLOBAL_BATCH, make_config
 from tests.distributed import child_pythonpath
 
@@ -205,7 +205,7 @@ def _windows_read(n_windows: int, seed: int, step: int, rank: int, dp: int = 2) 
 @pytest.fixture(scope="module")
 def run_tokenizer(corpus, tmp_path_factory):
     """The tokenizer the training configs use (tests/runs.py), trained once into the shared cache."""
-    from hybridpar.data.pipeline import build_data
+    from hybridpar.data.training_data import build_data
 
     config = make_config(corpus, tmp_path_factory.mktemp("tok"))
     return build_data(config.data)[0]
@@ -292,7 +292,7 @@ def _stops_exhausted_with_the_step_saved(workers, config, last: int, name: str, 
 
 @pytest.mark.slow
 def test_a_single_source_that_runs_out_stops_with_its_last_step_saved(workers, corpus, run_tokenizer, tmp_path):
-    from hybridpar.data.pipeline import build_data
+    from hybridpar.data.training_data import build_data
 
     source = _small_jsonl(tmp_path / "small.jsonl", 12)
     config = make_config(corpus, tmp_path / "run", dp=2, steps=40, **{
@@ -314,7 +314,7 @@ def test_a_single_source_that_runs_out_stops_with_its_last_step_saved(workers, c
 @pytest.mark.slow
 def test_a_blend_source_that_runs_out_stops_with_its_last_step_saved(workers, corpus, run_tokenizer, tmp_path):
     from hybridpar.data.blend import next_sources
-    from hybridpar.data.pipeline import build_data
+    from hybridpar.data.training_data import build_data
 
     small, large = _small_jsonl(tmp_path / "small.jsonl", 10), _small_jsonl(tmp_path / "large.jsonl", 60)
     config = make_config(corpus, tmp_path / "run", dp=2, steps=40, **{

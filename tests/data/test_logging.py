@@ -30,7 +30,7 @@ def test_a_program_quiets_a_store_builds_information_and_hears_it_through_its_ow
         logger.removeHandler(heard)
     first = heard.records[0]
     assert first.getMessage() == f"preparing {docs} into the token store {tmp_path / 'heard'}"
-    assert (first.name, first.levelno, first.rank) == ("hybridpar.data.store_work", logging.INFO, 0)
+    assert (first.name, first.levelno, first.rank) == ("hybridpar.data.store.workers", logging.INFO, 0)
     assert len(heard.records) >= 3, heard.lines()  # the progress lines and the closing one too
     assert capsys.readouterr().err.splitlines() == heard.lines()  # and the terminal showed the same lines
 

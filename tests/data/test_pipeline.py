@@ -45,7 +45,7 @@ def test_each_source_is_looked_at_once_and_its_store_made_step_by_step(corpus, t
     import shutil
 
     import hybridpar.data.sources as sources
-    import hybridpar.data.store_prepare as store_prepare
+    import hybridpar.data.store.prepare as store_prepare
     from hybridpar.data import build_sources
 
     tokenizer = build_training_data(make_config(corpus, tmp_path / "corpus"), SimpleNamespace(dp_rank=0, dp_size=1))[0]

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -13,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from hybridpar.data.store import MANIFEST, PLAN, StoreError, TokenStore
+from hybridpar.data.store.token_store import MANIFEST, PLAN, StoreError, TokenStore
 from hybridpar.data.tokenizer import Tokenizer
 from hybridpar.data.sources import describe_input
-from hybridpar.data.store_plan import plan_of, preparing
-from hybridpar.data.store_prepare import prepare_store
+from hybridpar.data.store.unit_plan import plan_of, preparing
+from hybridpar.data.store.prepare import prepare_store
 from hybridpar.files import file_lock
 from tests.data.stubs import NumberTokenizer, SlowNumberTokenizer
 from tests.distributed import child_pythonpath
@@ -74,8 +76,8 @@ def test_an_unfinished_store_of_other_input_is_refused_not_replaced(tmp_path):
 
 
 def test_a_wait_for_a_unit_another_holds_is_said_and_bounded(tmp_path, monkeypatch, capsys):
-    from hybridpar.data import store_work
-    from hybridpar.data.store import unit_record_name
+    from hybridpar.data.store import workers as store_work
+    from hybridpar.data.store.token_store import unit_record_name
 
     monkeypatch.setattr(store_work, "WAIT_WITHOUT_PROGRESS", 1.5)
     monkeypatch.setattr(store_work, "SAY_WAITING_EVERY", 0.3)
@@ -123,7 +125,7 @@ def test_bad_part_and_unit_size_leave_nothing(tmp_path, capsys):
 def test_the_floor_unit_size_is_taken(tmp_path, tokenizer):
     """--unit-mb at its floor (1/64, 16 KiB) prepares, in several units."""
     from hybridpar.cli import main
-    from hybridpar.data.store_prepare import MIN_UNIT_MB
+    from hybridpar.data.store.prepare import MIN_UNIT_MB
 
     source = _numbers(tmp_path / "a.jsonl", 400)
     assert main(["prepare", str(source), "--tokenizer", str(tokenizer.path), "--out", str(tmp_path / "s"),
@@ -164,6 +166,52 @@ def test_two_prepares_of_different_input_into_one_out(tmp_path, tokenizer):
     store = TokenStore(tmp_path / "store")
     assert store.meta["files"][0]["path"] == str(won[0]) and store.n_documents == 6000
     assert _locks(tmp_path / "store") == []
+
+
+class _DyingNumberTokenizer(NumberTokenizer):
+    """NumberTokenizer (the same sha256) whose worker process is killed as the out-of-memory killer
+    kills (SIGKILL) when it meets the document that starts with `at`."""
+
+    def __init__(self, at: str) -> None:
+        super().__init__()
+        self.at, self.parent = at, os.getpid()
+
+    def encode_batch(self, texts):
+        if os.getpid() != self.parent and any(text.startswith(self.at) for text in texts):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().encode_batch(texts)
+
+
+def test_a_worker_killed_is_one_line_and_the_next_run_finishes_the_store(tmp_path):
+    """A worker process killed mid-unit stops the preparation with a line that names it and says
+    what to do (before: the process pool's BrokenProcessPool); the same preparation again goes on
+    where it stopped, to the store one process makes."""
+    source = _numbers(tmp_path / "a.jsonl", 400)
+    unit_bytes = source.stat().st_size // 4 + 1  # four units; document 350 ("351 352 ...") is in the last
+    with pytest.raises(Exception) as failed:
+        prepare_store(source, _DyingNumberTokenizer("351 "), tmp_path / "s", workers=2, unit_bytes=unit_bytes,
+                      report=False)
+    assert isinstance(failed.value, StoreError) and re.fullmatch(
+        rf"{re.escape(str(tmp_path / 's'))}: a preparation worker \(pid \d+\) died: killed by signal "
+        rf"{int(signal.SIGKILL)} \(out of memory\?\); run again: it goes on where it stopped",
+        str(failed.value)), repr(failed.value)
+    assert not (tmp_path / "s" / MANIFEST).exists()
+    again = prepare_store(source, NumberTokenizer(), tmp_path / "s", workers=2, unit_bytes=unit_bytes, report=False)
+    once = prepare_store(source, NumberTokenizer(), tmp_path / "once", workers=1, unit_bytes=unit_bytes,
+                         report=False)
+    assert again.meta["parts"] == once.meta["parts"]  # the same shards, sizes and checksums
+    assert _locks(tmp_path / "s") == []
+
+
+def test_a_workers_error_that_does_not_pickle_reaches_the_parent_as_its_text():
+    """The queue would drop an error it cannot pickle, and the parent never hear of the failure."""
+    from hybridpar.data.store.workers import _portable
+
+    refused = ValueError("the record at a.jsonl:3 is bad")
+    assert _portable(refused) is refused
+    unpicklable = ValueError("a tokenizer failed", lambda: None)
+    carried = _portable(unpicklable)
+    assert isinstance(carried, StoreError) and str(carried) == f"ValueError: {unpicklable}", repr(carried)
 
 
 @pytest.mark.slow

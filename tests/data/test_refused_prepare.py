@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from hybridpar.cli import main
-from hybridpar.data.store import DAMAGED, MANIFEST, TokenStore
-from hybridpar.data.store_verify import verify_store
+from hybridpar.data.store.token_store import DAMAGED, MANIFEST, TokenStore
+from hybridpar.data.store.integrity import verify_store
 from hybridpar.data.streams import DataFormatError
 
 
@@ -191,9 +191,9 @@ def test_a_damaged_store_in_a_jobs_cache_is_repaired_by_the_same_command_again(w
 
 def test_damage_that_cannot_be_recorded_says_to_delete_the_cached_store(corpus, tokenizer, tmp_path, monkeypatch):
     """A cache folder this process may not write in: the damage stays the error, with advice that works."""
-    from hybridpar.data import store as store_module
-    from hybridpar.data.store import StoreDamagedError
-    from hybridpar.data.store_prepare import cached_store
+    from hybridpar.data.store import token_store as store_module
+    from hybridpar.data.store.token_store import StoreDamagedError
+    from hybridpar.data.store.prepare import cached_store
 
     train, _ = cached_store(corpus, tokenizer, tmp_path / "cache", report=False)
     unwritable = PermissionError(13, "Permission denied")

@@ -123,8 +123,8 @@ def test_the_embedded_corpus_is_counted_against_its_own_size(tmp_path, monkeypat
     input": the bytes read over 1). Reading the unit counts up to exactly the total."""
     from hybridpar.data import corpus
     from hybridpar.data.sources import describe_input
-    from hybridpar.data.store_plan import plan_of
-    from hybridpar.data.store_work import _Counted, _StoreProgress
+    from hybridpar.data.store.unit_plan import plan_of
+    from hybridpar.data.store.workers import _Counted, _StoreProgress
     from tests.data.stubs import NumberTokenizer
 
     few = corpus.stdlib_source_files()[:20]  # the corpus cut short: seconds, not a whole standard library

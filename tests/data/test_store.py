@@ -18,9 +18,9 @@ import pytest
 from hybridpar.data import default_corpus_documents
 from hybridpar.data.formats import plan_units
 from hybridpar.data.sources import resolve_sources
-from hybridpar.data.store import MANIFEST, TokenStore
-from hybridpar.data.store_prepare import prepare_store
-from hybridpar.data.store_verify import verify_store
+from hybridpar.data.store.token_store import MANIFEST, TokenStore
+from hybridpar.data.store.prepare import prepare_store
+from hybridpar.data.store.integrity import verify_store
 from tests.distributed import child_pythonpath
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -308,8 +308,8 @@ def test_merge_writes_the_manifest_once_every_part_is_done(formats, tokenizer, t
     assert main(["prepare", "--merge", "--out", str(tmp_path / "s")]) == 2  # parts 1 and 2 are missing
     assert not (tmp_path / "s" / MANIFEST).exists()
     # the other parts, as other nodes would run them, but without completing the store themselves
-    from hybridpar.data.store_build import build_unit
-    from hybridpar.data.store_plan import make_plan, part_of
+    from hybridpar.data.store.unit_build import build_unit
+    from hybridpar.data.store.unit_plan import make_plan, part_of
 
     plan = make_plan(source, tokenizer, tmp_path / "s", unit_bytes=UNIT)
     for i in part_of(plan, 1, 3) + part_of(plan, 2, 3):

@@ -11,7 +11,7 @@ import pytest
 from hybridpar.data import cached_store
 from hybridpar.data.formats import MAX_DOCUMENT_BYTES
 from hybridpar.data.sources import describe_input
-from hybridpar.data.store_plan import finished_store
+from hybridpar.data.store.unit_plan import finished_store
 from tests.opens import CountedOpens
 
 OPTIONS = dict(val_fraction=0.0, on_bad_record="error", max_document_bytes=MAX_DOCUMENT_BYTES)
@@ -33,8 +33,8 @@ def _source(tmp_path, kind: str):
 
 @pytest.mark.parametrize("kind", ["jsonl", "parquet"])
 def test_a_complete_store_opens_no_source_file_and_makes_no_plan(tmp_path, tokenizer, monkeypatch, kind):
-    import hybridpar.data.store_plan as store_plan
-    import hybridpar.data.store_prepare as store_prepare
+    import hybridpar.data.store.unit_plan as store_plan
+    import hybridpar.data.store.prepare as store_prepare
 
     source = _source(tmp_path, kind)
     first, _ = cached_store(str(source), tokenizer, tmp_path / "cache", report=False)

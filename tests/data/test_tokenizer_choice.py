@@ -1,4 +1,4 @@
-"""One rule picks a run's tokenizer (data.pipeline.tokenizer_choice): the pipeline loads or trains it,
+"""One rule picks a run's tokenizer (data.training_data.tokenizer_choice): the pipeline loads or trains it,
 and resolve_job tells its sha256 without loading it, so a complete store is found by the tokenizer
 the run then uses. The sources a job walked are passed to the pipeline, not walked again."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-from hybridpar.data.pipeline import build_training_data, tokenizer_choice
+from hybridpar.data.training_data import build_training_data, tokenizer_choice
 from hybridpar.data.sources import describe_input, source_key
 
 

@@ -18,7 +18,7 @@ from hybridpar.cli import main  # noqa: E402
 
 def plant(mistake: str) -> None:
     if mistake == "same_data":
-        from hybridpar.data import pipeline
+        from hybridpar.data import training_data as pipeline
 
         real = pipeline.build_dataloader
         pipeline.build_dataloader = lambda dataset, **kw: real(dataset, **{**kw, "dp_rank": 0})

@@ -38,8 +38,8 @@ def _case_counted_start(config, watched: list, library: bool = False) -> dict:
     from pathlib import Path
 
     import hybridpar.data.sources as sources
-    import hybridpar.data.store_plan as store_plan
-    import hybridpar.data.store_prepare as store_prepare
+    import hybridpar.data.store.unit_plan as store_plan
+    import hybridpar.data.store.prepare as store_prepare
     from tests.opens import CountedOpens
 
     walks, plans = [], []

@@ -133,8 +133,8 @@ def test_with_a_token_store_the_advice_is_the_split_it_was_prepared_with(tmp_pat
     """A store prepared with --val-fraction 0.1 takes data.val_fraction = 0.1 only; one prepared without
     a split takes none: set data.val_source."""
     from hybridpar.data import default_corpus_documents, train_tokenizer
-    from hybridpar.data.store import given_store
-    from hybridpar.data.store_prepare import prepare_store
+    from hybridpar.data.store.token_store import given_store
+    from hybridpar.data.store.prepare import prepare_store
     from hybridpar.train.validation import missing_validation
 
     docs = list(default_corpus_documents(max_documents=300))

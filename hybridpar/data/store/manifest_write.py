@@ -1,5 +1,5 @@
 """The manifest of a token store (hybridpar.data.store), written last, once every unit of its plan
-is done (store_build.unit_record), by whoever finds them all done, or by `hybridpar prepare --merge`:
+is done (unit_build.unit_record), by whoever finds them all done, or by `hybridpar prepare --merge`:
 the store is complete once it is there."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from hybridpar.data.store import FORMAT, MANIFEST, VERSION, StoreError
-from hybridpar.data.store_build import unit_record
-from hybridpar.data.store_plan import Plan
+from hybridpar.data.store.token_store import FORMAT, MANIFEST, VERSION, StoreError
+from hybridpar.data.store.unit_build import unit_record
+from hybridpar.data.store.unit_plan import Plan
 from hybridpar.data.streams import DataFormatError
 from hybridpar.data.tokenise import PART_NAMES
 from hybridpar.files import file_lock, write_text_atomic

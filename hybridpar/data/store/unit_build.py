@@ -1,8 +1,8 @@
 """Making one unit of a token store (hybridpar.data.store) from corpus files, on every core and every node.
 
-The plan (store_plan) fixes the store's token order; this module makes one unit of it;
-store_work runs the units of a share, store_merge writes the manifest once every unit is done,
-and store_prepare drives the whole preparation. Whoever prepares takes units one at a time,
+The plan (unit_plan) fixes the store's token order; this module makes one unit of it;
+workers runs the units of a share, manifest_write writes the manifest once every unit is done,
+and prepare drives the whole preparation. Whoever prepares takes units one at a time,
 each under a lock of its own in the store folder, so any number of processes can work on one
 store at once: the workers of `hybridpar prepare`, the parts of a Slurm array (`--part I/N`
 takes a fixed share), the ranks of a training job. A unit is done when its record is written,
@@ -21,8 +21,8 @@ import numpy as np
 
 from hybridpar.data.formats import Tally, unit_documents
 from hybridpar.data.shards import ShardWriter, shard_written
-from hybridpar.data.store import unit_record_name
-from hybridpar.data.store_plan import Plan
+from hybridpar.data.store.token_store import unit_record_name
+from hybridpar.data.store.unit_plan import Plan
 from hybridpar.data.tokenise import pieces, token_batches
 from hybridpar.files import file_lock, write_text_atomic
 

@@ -6,12 +6,12 @@
                                  MAX_SHARD_TOKENS a file; `.validation.` with a validation split
     STORE/store.json             the manifest, written last: the store is complete iff it is there
     STORE/damaged.json           damage a job met in the store it prepared in its data cache: the
-                                 next start of the job checks the store and repairs it (store_prepare)
+                                 next start of the job checks the store and repairs it (prepare.py)
 
 The tokens of a store are its units' shards in plan order: the same store whatever the number of
 workers or parts that made it. Each shard's size is in the manifest, and the CRC-32C of every
 64 KiB chunk in a sidecar (hybridpar.data.chunks): a chunk is checked the first time a window reads
-it, its tokens against the vocabulary too; `hybridpar verify` checks them all (store_verify.py).
+it, its tokens against the vocabulary too; `hybridpar verify` checks them all (integrity.py).
 """
 
 from __future__ import annotations
@@ -306,7 +306,7 @@ def damage_where(path: Path, chunk_offset: int, nbytes: int, found: tuple[Option
 def record_damage(folder: Path, line: str) -> bool:
     """Damage met in store `folder` written to its DAMAGED record, atomically (the ranks that meet it
     at once each replace it whole): the next preparation of the store checks every chunk and repairs
-    it (store_prepare.prepare). Whether it was written: a folder this process may not write in leaves
+    it (prepare.prepare). Whether it was written: a folder this process may not write in leaves
     the damage error as it is, never another error."""
     record = {"damage": line, "by": f"{socket.gethostname()} pid {os.getpid()}"}
     try:

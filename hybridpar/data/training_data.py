@@ -10,7 +10,7 @@ from hybridpar.data.formats import CorpusText
 from hybridpar.data.loader import (PackedDataset, ResumableDataLoader, build_dataloader, check_dataset_size,
                                    validation_windows)
 from hybridpar.data.sources import Input, describe_input, input_id, joined_input
-from hybridpar.data.store_prepare import stores_of
+from hybridpar.data.store.prepare import stores_of
 from hybridpar.data.tokenizer import Tokenizer, TokenizerChoice
 
 
@@ -36,7 +36,7 @@ def build_sources(d, on_progress: Optional[Callable[[str], None]] = None, walked
     as a job resolved them (hybridpar.preflight.Job.sources), taken instead of walking them again.
 
     The data go one way: each source looked at once (sources.describe_input: resolved and described,
-    or a token store), the tokenizer (tokenizer_choice), each source's store (store_prepare.stores_of),
+    or a token store), the tokenizer (tokenizer_choice), each source's store (store.prepare.stores_of),
     its windows."""
     entries = source_entries(d)
     named = [(e["source"], e.get("text_field", d.text_field)) for e in entries]

@@ -1,7 +1,8 @@
 """Preparing a token store, step by step in one order: where it goes and whether it is complete
-already, its plan (store_plan), the work on its units (store_work, which builds each with
-store_build), its manifest (store_merge), the store opened (store). Also the `hybridpar prepare`
-command and the store of each of a run's sources (a raw one's in the cache, or a store as given)."""
+already, its plan (unit_plan), the work on its units (workers, which builds each with
+unit_build), its manifest (manifest_write), the store opened (token_store). Also the store of each of
+a run's sources (a raw one's in the cache, or a store as given); `hybridpar prepare`'s arguments and
+answer are hybridpar.cli.commands'."""
 
 from __future__ import annotations
 
@@ -12,12 +13,12 @@ from typing import Callable, Optional, Sequence
 from hybridpar.config import MAX_BAD_RECORDS, MAX_DOCUMENT_BYTES
 from hybridpar.data.formats import UNIT_BYTES, Unit
 from hybridpar.data.sources import Input, Source, SourceFile, describe_input, source_name
-from hybridpar.data.store import DAMAGED, MANIFEST, PLAN, StoreError, TokenStore, given_store
-from hybridpar.data.store_merge import finish_store, report_skipped, skipped_records, write_manifest
-from hybridpar.data.store_plan import (Plan, cache_folder, check_part, damage_to_repair, default_workers,
-                                       finished_store, part_of, plan_of, preparing, read_plan)
-from hybridpar.data.store_verify import recheck_store
-from hybridpar.data.store_work import work_on
+from hybridpar.data.store.integrity import recheck_store
+from hybridpar.data.store.manifest_write import finish_store, report_skipped, write_manifest
+from hybridpar.data.store.token_store import DAMAGED, MANIFEST, PLAN, StoreError, TokenStore, given_store
+from hybridpar.data.store.unit_plan import (Plan, cache_folder, check_part, damage_to_repair, default_workers,
+                                            finished_store, part_of, plan_of, preparing, read_plan)
+from hybridpar.data.store.workers import work_on
 from hybridpar.files import PathLike
 from hybridpar.progress import note
 
@@ -33,11 +34,11 @@ def prepare_store(source: Source, tokenizer, out: PathLike, *, text_field: str =
     """Tokenise `source` into the store `out` with `workers` processes (default: every core; 1: in
     this process), doing part `part` = (I, N) of it. Returns the store once it is complete; None when
     other parts are still to come (a part of several). Runs again where it stopped. Another
-    preparation of the same input joins this one; one of other input is refused (store_plan.preparing).
+    preparation of the same input joins this one; one of other input is refused (unit_plan.preparing).
     `on_progress(text)` hears how far the work is, at least every few seconds while it moves (a
     training job's watchdog: a long preparation is progress, not a hang). A complete store is checked
-    again, every chunk, and its damaged units are prepared again (store_verify.recheck_store). A
-    preparation refused for its input leaves nothing behind (store_plan.discard_refused)."""
+    again, every chunk, and its damaged units are prepared again (integrity.recheck_store). A
+    preparation refused for its input leaves nothing behind (unit_plan.discard_refused)."""
     return prepare(describe_input(source, text_field), tokenizer, out, val_fraction=val_fraction,
                    on_bad_record=on_bad_record, workers=workers, part=part, report=report, unit_bytes=unit_bytes,
                    progress_every=progress_every, on_progress=on_progress, max_document_bytes=max_document_bytes,
@@ -51,8 +52,8 @@ def prepare(input: Input, tokenizer, out: Optional[PathLike] = None, *, cache_di
             max_document_bytes: int = MAX_DOCUMENT_BYTES, max_bad_records: float = MAX_BAD_RECORDS
             ) -> Optional[TokenStore]:
     """prepare_store of an input (sources.describe_input) into `out`, or into its folder in
-    `cache_dir` (store_plan.cache_folder), where a complete one is used as it is: no source file
-    opened, no plan made (store_plan.finished_store), unless a job recorded damage in it
+    `cache_dir` (unit_plan.cache_folder), where a complete one is used as it is: no source file
+    opened, no plan made (unit_plan.finished_store), unless a job recorded damage in it
     (store.record_damage): then it is checked and repaired as `hybridpar prepare` of a complete
     store is, by one of the processes that ask at once, and the record removed."""
     from hybridpar.data.tokenizer import limit_threads
@@ -121,39 +122,6 @@ def merge_store(out: PathLike) -> TokenStore:
     return TokenStore(folder)
 
 
-def prepare_command(args) -> int:
-    """`hybridpar prepare`: args as cli.py parses them."""
-    from hybridpar.data.tokenizer import Tokenizer
-
-    if args.merge:
-        store = merge_store(args.out)
-        print(f"{store.folder}: complete, {store.n_tokens:,} tokens")
-        return 0
-    if not args.sources or not args.tokenizer:
-        raise ValueError("hybridpar prepare needs the source files or folders and --tokenizer (or --merge --out STORE)")
-    try:
-        index, parts = (int(x) for x in args.part.split("/"))
-    except ValueError:
-        raise ValueError(f"--part {args.part}: give I/N, e.g. --part 0/4 for the first of four parts") from None
-    check_part(index, parts)
-    if args.workers < 0:
-        raise ValueError(f"--workers {args.workers}: give a number of processes, or 0 for every core")
-    if not args.unit_mb >= MIN_UNIT_MB:  # (NaN too)
-        raise ValueError(f"--unit-mb {args.unit_mb:g}: give at least {MIN_UNIT_MB} (16 KiB): smaller units cost more "
-                         "in files and bookkeeping than they spread work (the default, 64, suits most corpora)")
-    store = prepare_store(list(args.sources), Tokenizer(args.tokenizer), args.out, text_field=args.text_field,
-                          val_fraction=args.val_fraction, on_bad_record=args.on_bad_record,
-                          workers=args.workers or None, part=(index, parts), report=True,
-                          unit_bytes=int(args.unit_mb * 2**20), max_document_bytes=args.max_document_bytes,
-                          max_bad_records=args.max_bad_records)
-    if store is not None:
-        skipped = skipped_records(store.meta)
-        print(f"{store.folder}: complete, {store.n_tokens:,} tokens in {store.n_documents:,} documents"
-              + (f" ({skipped:,} bad records skipped)" if skipped else "")
-              + f"; train on it with --data.source {store.folder}")
-    return 0
-
-
 def cached_store(source: Source, tokenizer, cache_dir: PathLike, *, text_field: str = "text", val_fraction: float = 0.0,
                  on_bad_record: str = "error", report: Optional[bool] = None, progress_every: float = 5.0,
                  on_progress: Optional[Callable[[str], None]] = None, max_document_bytes: int = MAX_DOCUMENT_BYTES,
@@ -161,7 +129,7 @@ def cached_store(source: Source, tokenizer, cache_dir: PathLike, *, text_field: 
     """The store of `source` in `cache_dir` (named by a hash of the input, the tokenizer and the
     options), prepared here if it is not complete: every process that asks at once (the ranks of a
     job) takes units of it, and later jobs reuse it. (training part, validation part or None).
-    A complete one is used as it is, no source file opened (store_plan.finished_store)."""
+    A complete one is used as it is, no source file opened (unit_plan.finished_store)."""
     store = prepare(describe_input(source, text_field), tokenizer, cache_dir=cache_dir, workers=1,
                     val_fraction=val_fraction, on_bad_record=on_bad_record, report=report,
                     progress_every=progress_every, on_progress=on_progress, max_document_bytes=max_document_bytes,

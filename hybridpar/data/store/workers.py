@@ -1,19 +1,19 @@
-"""The work on a share of a store's units (store_plan.part_of): each built here or in worker
-processes (store_build.build_unit, claimed one at a time under its lock), units that other
+"""The work on a share of a store's units (unit_plan.part_of): each built here or in worker
+processes (unit_build.build_unit, claimed one at a time under its lock), units that other
 processes hold waited for (and built here if their holder dies), and the progress of it all."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import multiprocessing
 import os
+import pickle
 import queue
 import time
 from typing import Callable, Optional, Sequence
 
-from hybridpar.data.store import MANIFEST, PLAN, StoreError
-from hybridpar.data.store_build import claim_and_build, unit_holder, unit_record
-from hybridpar.data.store_plan import Plan, read_plan
+from hybridpar.data.store.token_store import MANIFEST, PLAN, StoreError
+from hybridpar.data.store.unit_build import claim_and_build, unit_holder, unit_record
+from hybridpar.data.store.unit_plan import Plan, read_plan
 from hybridpar.progress import Progress, note
 
 _POLL = 0.5  # seconds between looks at units other processes hold
@@ -27,38 +27,68 @@ WAIT_WITHOUT_PROGRESS = 1800.0
 
 # --- worker processes ----------------------------------------------------------------------------
 
-_WORKER: dict = {}
+class _Worker:
+    """A worker process's state for its life, given when it starts: the plan, the tokenizer, the
+    units it shares with the other workers (`taken`: how many of them are taken, a counter they
+    share) and the queue it tells the parent on: ("read", i, bytes, tokens) while unit i is built, at
+    most every _TELL_EVERY s (a unit can take minutes), then ("built", i, the record, or None where
+    another process holds the unit) or ("failed", i, the error), after which it takes no more."""
 
+    def __init__(self, plan: Plan, units: Sequence[int], tokenizer, taken, heard) -> None:
+        self.plan, self.units, self.tokenizer, self.taken, self.heard = plan, list(units), tokenizer, taken, heard
+        self.parent = os.getpid()  # made in the parent
 
-def _worker_init(plan: Plan, tokenizer, heard) -> None:
-    from hybridpar.data.tokenizer import limit_threads
+    def __call__(self) -> None:
+        from hybridpar.data.tokenizer import limit_threads
 
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    limit_threads(tokenizer, 1)  # the workers are the parallelism
-    _WORKER.update(plan=plan, tokenizer=tokenizer, heard=heard)
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        limit_threads(self.tokenizer, 1)  # the workers are the parallelism
+        while (index := self._take()) is not None:
+            try:
+                self.heard.put(("built", index, self._build(index)))
+            except BaseException as err:  # noqa: BLE001 - the parent raises it
+                self.heard.put(("failed", index, _portable(err)))
+                return
 
+    def _take(self) -> Optional[int]:
+        """The next unit nobody took, or None (all taken, the parent stopped the work, or it is gone)."""
+        if os.getppid() != self.parent:  # killed: nobody hears, and its next run redoes what is left
+            return None
+        with self.taken.get_lock():
+            k = self.taken.value
+            if k >= len(self.units):
+                return None
+            self.taken.value = k + 1
+        return self.units[k]
 
-def _worker_unit(index: int) -> tuple[int, Optional[dict]]:
-    """Build unit `index`, telling the parent (the queue `heard`) of bytes read and tokens made as
-    they come, at most every _TELL_EVERY seconds: a unit can take minutes."""
-    heard, counts, told = _WORKER["heard"], [0, 0], [time.monotonic()]
+    def _build(self, index: int) -> Optional[dict]:
+        counts, told = [0, 0], [time.monotonic()]
 
-    def count(which: int, n: int) -> None:
-        counts[which] += n
-        if time.monotonic() - told[0] >= _TELL_EVERY:
+        def count(which: int, n: int) -> None:
+            counts[which] += n
+            if time.monotonic() - told[0] >= _TELL_EVERY:
+                tell()
+
+        def tell() -> None:
+            if counts != [0, 0]:
+                self.heard.put(("read", index, *counts))
+                counts[:] = [0, 0]
+            told[0] = time.monotonic()
+
+        try:
+            return claim_and_build(self.plan, index, self.tokenizer, lambda n: count(0, n), lambda n: count(1, n))
+        finally:
             tell()
 
-    def tell() -> None:
-        if counts != [0, 0]:
-            heard.put((index, *counts))
-            counts[:] = [0, 0]
-        told[0] = time.monotonic()
 
+def _portable(err: BaseException) -> BaseException:
+    """The error as the queue can carry it: itself, or its text where it does not pickle (the queue
+    would drop it, and the parent never hear of the failure)."""
     try:
-        return index, claim_and_build(_WORKER["plan"], index, _WORKER["tokenizer"],
-                                       lambda n: count(0, n), lambda n: count(1, n))
-    finally:
-        tell()
+        pickle.dumps(err)
+        return err
+    except Exception:  # noqa: BLE001 - whatever stops it pickling
+        return StoreError(f"{type(err).__name__}: {err}")
 
 
 def work_on(plan: Plan, mine: Sequence[int], tokenizer, *, workers: int, wait: bool, report: Optional[bool],
@@ -136,36 +166,62 @@ class _Counted:
 
 
 def _in_workers(plan: Plan, todo: list[int], tokenizer, workers: int, counted: _Counted) -> None:
-    """Build the units `todo` in `workers` processes (those another process holds are left to it)."""
+    """Build the units `todo` in `workers` processes (those another process holds are left to it),
+    each taking the next unit until none is left. A unit that fails stops the taking: its error is
+    raised here once the others have finished the units in hand; a worker that dies (killed, out
+    of memory) ends the others at once (a unit cut short is made again by the next run)."""
     context = multiprocessing.get_context("spawn")  # no fork: the caller may hold threads (a training job)
-    heard = context.Queue()
+    taken, heard = context.Value("q", 0), context.Queue()
+    processes = [context.Process(target=_Worker(plan, todo, tokenizer, taken, heard), name=f"hybridpar prepare {n}")
+                 for n in range(min(workers, len(todo)))]
+    failed: list[BaseException] = []
 
-    def drain() -> None:
-        while True:
-            try:
-                i, nbytes, tokens = heard.get_nowait()
-            except queue.Empty:
-                return
-            counted.read(i, nbytes)
-            counted.made(tokens)
+    def stop() -> None:
+        with taken.get_lock():
+            taken.value = len(todo)
 
-    with concurrent.futures.ProcessPoolExecutor(min(workers, len(todo)), mp_context=context,
-                                                initializer=_worker_init, initargs=(plan, tokenizer, heard)) as pool:
-        pending = {pool.submit(_worker_unit, i) for i in todo}
+    def hear(timeout: float) -> None:
         try:
-            while pending:
-                finished, pending = concurrent.futures.wait(pending, timeout=_TELL_EVERY,
-                                                            return_when=concurrent.futures.FIRST_COMPLETED)
-                drain()
-                for future in finished:
-                    i, record = future.result()
-                    if record is not None:
-                        counted.done(i)
-        except BaseException:
-            for future in pending:  # a unit that failed (a bad record) ends the work: not the other units first
-                future.cancel()
-            raise
-    drain()
+            word = heard.get(timeout=timeout)
+            while True:
+                kind, i, *said = word
+                if kind == "read":
+                    counted.read(i, said[0])
+                    counted.made(said[1])
+                elif kind == "built" and said[0] is not None:
+                    counted.done(i)
+                elif kind == "failed":
+                    failed.append(said[0])
+                    stop()
+                word = heard.get_nowait()
+        except queue.Empty:
+            return
+
+    try:
+        for process in processes:
+            process.start()
+        while any(process.is_alive() for process in processes):
+            hear(_TELL_EVERY)
+            died = next((p for p in processes if p.exitcode not in (None, 0)), None)
+            if died is not None:
+                code = died.exitcode
+                raise StoreError(f"{plan.folder}: a preparation worker (pid {died.pid}) died: "
+                                 + (f"killed by signal {-code} (out of memory?)" if code < 0 else
+                                    f"exit code {code} (its error is above)")
+                                 + "; run again: it goes on where it stopped")
+        hear(0)  # their last words
+    except BaseException:
+        stop()
+        for process in processes:
+            if process.is_alive():
+                process.terminate()
+        raise
+    finally:
+        for process in processes:
+            if process.pid is not None:
+                process.join()
+    if failed:
+        raise failed[0]
 
 
 def _here(plan: Plan, units: list[int], tokenizer, counted: _Counted, wait: bool) -> None:

@@ -16,9 +16,9 @@ import crc32c
 import numpy as np
 
 from hybridpar.data.chunks import CHUNK_BYTES, chunk_damage, n_chunks, read_sums, sums_name
-from hybridpar.data.store import MANIFEST, StoreError, damage_where, read_manifest, unit_record_name
-from hybridpar.data.store_build import written_record
-from hybridpar.data.store_plan import Plan, default_workers, read_plan
+from hybridpar.data.store.token_store import MANIFEST, StoreError, damage_where, read_manifest, unit_record_name
+from hybridpar.data.store.unit_build import written_record
+from hybridpar.data.store.unit_plan import Plan, default_workers, read_plan
 from hybridpar.files import PathLike
 from hybridpar.progress import Progress, note
 
@@ -106,7 +106,7 @@ def recheck_store(plan: Plan, *, workers: Optional[int] = None, report: Optional
     again, as every damage message advises): every chunk of every unit's shards checked, and where a
     unit is damaged (or its shards or record are missing, or the manifest is), the manifest and that
     unit's record removed, so that the preparation makes those units again, in place, and writes the
-    manifest anew. Nothing to do for a store of other input (store_plan.preparing refuses it)."""
+    manifest anew. Nothing to do for a store of other input (unit_plan.preparing refuses it)."""
     folder = plan.folder
     there = read_plan(folder)
     if not (folder / MANIFEST).is_file() or there is None or there.get("key") != plan.key:

@@ -17,7 +17,7 @@ from typing import Callable, Iterator, Optional
 from hybridpar.config import BAD_RECORD_CHOICES, MAX_BAD_RECORDS, MAX_DOCUMENT_BYTES
 from hybridpar.data.formats import UNIT_BYTES, Unit, plan_units
 from hybridpar.data.sources import Input, Source, describe_input
-from hybridpar.data.store import DAMAGED, FORMAT, MANIFEST, PLAN, UNITS, VERSION, StoreError
+from hybridpar.data.store.token_store import DAMAGED, FORMAT, MANIFEST, PLAN, UNITS, VERSION, StoreError
 from hybridpar.data.streams import DataFormatError
 from hybridpar.data.tokenise import token_dtype
 from hybridpar.files import NO_FLOCK_ERRNOS, PathLike, sha256_text, write_text_atomic
@@ -67,7 +67,7 @@ def plan_of(input: Input, tokenizer, out: PathLike, *, val_fraction: float = 0.0
     # so that a run started in another folder finds it.
     path = getattr(tokenizer, "path", "")
     data["tokenizer_path"] = str(Path(path).absolute()) if path else ""
-    # Nor the cap on bad records: it changes no token, only whether the manifest is written (store_merge).
+    # Nor the cap on bad records: it changes no token, only whether the manifest is written (manifest_write).
     data["max_bad_records"] = max_bad_records
     return Plan(Path(out), data, tuple(units))
 

@@ -76,7 +76,7 @@ def expected_holdings(args, dtype: torch.dtype, max_bytes: int, world: int) -> l
 
 
 def build(dim: int, layers: int, vocab: int):
-    from hybridpar.config.fsdp import FSDPConfig
+    from hybridpar.config.sharding import FSDPConfig
     from hybridpar.mesh.device import init_parallel
     from hybridpar.parallel.fsdp import apply_fsdp
     from hybridpar.models.args import ModelArgs

@@ -111,7 +111,7 @@ def _build_model(args, parallel, case: dict):
     """hybridpar.build.build_model, as the trainer calls it; a baseline checkout from before it
     (bench/run.py --baseline) assembled the same steps by hand."""
     try:
-        from hybridpar.config.fsdp import FSDPConfig
+        from hybridpar.config.sharding import FSDPConfig
         from hybridpar.build import build_model
     except ImportError:
         build_model = None

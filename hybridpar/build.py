@@ -15,7 +15,7 @@ import torch
 from hybridpar.models.args import ModelArgs
 from hybridpar.models.llama import Transformer
 
-from .config.fsdp import FSDPConfig
+from .config.sharding import FSDPConfig
 from .mesh.device import ParallelDims
 from .parallel.fsdp import apply_activation_checkpointing, apply_fsdp, check_compiler, compile_blocks
 

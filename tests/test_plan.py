@@ -39,7 +39,7 @@ def _local_bytes(t) -> int:
 
 def _sharded_model(overrides: dict, mp: int, dp_shard: int, dp_replicate: int, ac: str, param_dtype: str,
                    sp: bool = False):
-    from hybridpar.config.fsdp import FSDPConfig
+    from hybridpar.config.sharding import FSDPConfig
     from hybridpar.build import build_model
     from hybridpar.models.args import ModelArgs
 

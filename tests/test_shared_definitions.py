@@ -37,7 +37,7 @@ def test_config_plan_and_export_read_the_one_dtype_table():
 
 def test_one_flops_per_token_and_one_list_of_ac_modes():
     from hybridpar import plan
-    from hybridpar.config import fsdp as fsdp_config
+    from hybridpar.config import sharding as fsdp_config
     from hybridpar.train import metrics
 
     assert plan.flops_per_token is metrics.flops_per_token is ModelArgs.flops_per_token

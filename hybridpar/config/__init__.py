@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 from .evaluation import EvalConfig
-from .fsdp import FSDPConfig
+from .sharding import FSDPConfig
 from .options import ConfigError, description, option, parse_pp_layers
-from .sources import blend_sources
+from .data_sources import blend_sources
 
 # A record (a .jsonl line, a table's text) longer than this is refused, or skipped: data.max_document_bytes.
 MAX_DOCUMENT_BYTES = 64 << 20

@@ -20,7 +20,7 @@ from typing import Mapping, Optional, Sequence, Union
 from hybridpar.data.corpus import default_corpus_bytes, default_corpus_id
 from hybridpar.data.store.token_store import MANIFEST, PLAN
 from hybridpar.data.streams import DataFormatError
-from hybridpar.config.sources import DEFAULT_SOURCE, SourceNames
+from hybridpar.config.data_sources import DEFAULT_SOURCE, SourceNames
 from hybridpar.files import PathLike, sha256_text
 from hybridpar.progress import note
 

@@ -27,7 +27,7 @@ from .. import fastpaths
 from ..config import dtypes
 from ..compat.torch import checkpoint_module
 from ..fastpaths.gloo_collectives import use_gloo_collectives
-from ..config.fsdp import FSDPConfig
+from ..config.sharding import FSDPConfig
 from ..mesh.device import ParallelDims
 
 

@@ -22,7 +22,7 @@ times. pipeline_cost: pp's stages, bubble and in-flight micro-batches. search: e
 """
 
 from ..config.dtypes import dtype_bytes
-from ..config.fsdp import AC_MODES
+from ..config.sharding import AC_MODES
 from .comm import (CommBytes, StepTime, all_gather_seconds, all_reduce_seconds, collective_bytes, flops_per_token,
                    group_busbw)
 from .inputs import GIB, MASTER_BYTES, Hardware, Layout, Workload

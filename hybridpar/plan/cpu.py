@@ -106,7 +106,7 @@ def _op_seconds() -> float:
 
     from hybridpar.compat.torch import init_fake_process_group
     from hybridpar.mesh.device import init_parallel
-    from hybridpar.config.fsdp import FSDPConfig
+    from hybridpar.config.sharding import FSDPConfig
     from hybridpar.build import build_model
     from hybridpar.models.args import ModelArgs
 

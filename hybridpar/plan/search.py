@@ -8,7 +8,7 @@ from typing import Iterable, Optional
 from hybridpar.models.args import ModelArgs
 
 from ..config.dtypes import dtype_bytes
-from ..config.fsdp import AC_MODES
+from ..config.sharding import AC_MODES
 from .comm import (StepTime, all_gather_seconds, all_reduce_seconds, collective_bytes,
                    flops_per_token, group_busbw)
 from .compute import head_work, micro_batch_work, step_work

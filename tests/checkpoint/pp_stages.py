@@ -51,7 +51,7 @@ def stage_modules(name: str, args, seed: int, *, device: Optional[str] = None) -
     """This rank's stage modules in layout `name`: the unsplit Transformer of `seed` cut by build_stage
     (so every layout holds the same weights), FSDP'd as build_model does when the layout says so.
     device "meta": built without memory and allocated (to be loaded)."""
-    from hybridpar.config.fsdp import FSDPConfig
+    from hybridpar.config.sharding import FSDPConfig
     from hybridpar.parallel.fsdp import apply_fsdp
     from hybridpar.pipeline.cutting import build_stage
 

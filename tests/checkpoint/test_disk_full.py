@@ -45,7 +45,7 @@ def _case_estimate(folder: str, layout: tuple) -> tuple:
     import torch.distributed as dist
 
     from hybridpar.checkpoint import dcp as dcp_module
-    from hybridpar.config.fsdp import FSDPConfig
+    from hybridpar.config.sharding import FSDPConfig
     from hybridpar.parallel.fsdp import apply_fsdp
     from hybridpar.models.args import ModelArgs
     from hybridpar.models.llama import Transformer

@@ -88,7 +88,7 @@ def _case_export(name: str, mp: int, out_dir: str, dtype_name: str = "float32", 
     """Export a seeded model at this mp; rank 0 returns its full state dict and full logits."""
     import torch.distributed as dist
 
-    from hybridpar.config.fsdp import FSDPConfig
+    from hybridpar.config.sharding import FSDPConfig
     from hybridpar.parallel.fsdp import apply_fsdp
     from hybridpar.parallel.state import full_state_dict
 

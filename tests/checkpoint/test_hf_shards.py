@@ -249,7 +249,7 @@ def _case_export_memory(root: str) -> dict:
     shards, then as one file."""
     from bench.export_hf import peak_extra_bytes
     from hybridpar.checkpoint.hf import export_hf
-    from hybridpar.config.fsdp import FSDPConfig
+    from hybridpar.config.sharding import FSDPConfig
     from hybridpar.parallel.fsdp import apply_fsdp
     from hybridpar.models.args import ModelArgs
     from hybridpar.models.llama import Transformer

@@ -94,7 +94,7 @@ def _case_stage_replicas() -> dict:
     import torch
     import torch.distributed as dist
 
-    from hybridpar.config.fsdp import FSDPConfig
+    from hybridpar.config.sharding import FSDPConfig
     from hybridpar.diagnostics.replicas import ReplicaMismatchError, check_replicas
     from hybridpar.models.args import ModelArgs
     from hybridpar.parallel.fsdp import apply_fsdp

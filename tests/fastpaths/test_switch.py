@@ -40,7 +40,7 @@ def _fast_paths(on: bool):
 
 
 def _sharded_model(seed: int, parallel, fast: bool = True):
-    from hybridpar.config.fsdp import FSDPConfig
+    from hybridpar.config.sharding import FSDPConfig
     from hybridpar.parallel.fsdp import apply_fsdp
     from hybridpar.models.args import ModelArgs
     from hybridpar.models.llama import Transformer

@@ -39,7 +39,7 @@ def process_group(device: str):
 def reference_and_model(parallel, device: str):
     """(fp32 model on the CPU, the same weights built by hybridpar's build path on `device`: FSDP2
     at world 1, bf16 parameters in compute, fp32 reductions)."""
-    from hybridpar.config.fsdp import FSDPConfig
+    from hybridpar.config.sharding import FSDPConfig
     from hybridpar.build import build_model
     from hybridpar.parallel.state import load_full_state_dict
 

@@ -88,7 +88,7 @@ def _case_tied_fsdp_step(mp: int, strategy: str) -> dict:
     import torch.distributed as dist
 
     from hybridpar.parallel import vocab_parallel_cross_entropy
-    from hybridpar.config.fsdp import FSDPConfig
+    from hybridpar.config.sharding import FSDPConfig
     from hybridpar.parallel.fsdp import apply_fsdp
     from hybridpar.parallel.state import full_state_dict
 

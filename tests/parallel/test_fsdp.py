@@ -62,7 +62,7 @@ def _case_compile_without_compiler() -> tuple:
     from unittest import mock
 
     from hybridpar import build as model_module
-    from hybridpar.config.fsdp import FSDPConfig
+    from hybridpar.config.sharding import FSDPConfig
     from hybridpar.parallel import fsdp
     from hybridpar.models.args import ModelArgs
 

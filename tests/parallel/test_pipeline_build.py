@@ -29,7 +29,7 @@ def _case_stages() -> dict:
     from hybridpar.build import build_model
     from hybridpar.pipeline.schedules import StageLayout
     from hybridpar.pipeline.cutting import build_stages
-    from hybridpar.config.fsdp import FSDPConfig
+    from hybridpar.config.sharding import FSDPConfig
     from hybridpar.parallel.layers import local_tensor
     from tests.parallel.test_pipeline import _args
 

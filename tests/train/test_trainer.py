@@ -101,7 +101,7 @@ def _case_clipping(mp: int, dp_shard: int) -> dict:
     from torch.distributed.tensor import DTensor
 
     from hybridpar.build import build_model
-    from hybridpar.config.fsdp import FSDPConfig
+    from hybridpar.config.sharding import FSDPConfig
     from hybridpar.models.args import ModelArgs
     from hybridpar.parallel import vocab_parallel_cross_entropy
     from hybridpar.train.optim import grad_norm_and_clip

@@ -241,7 +241,13 @@ def _build() -> _Parsers:
     plan.add_argument("--reduce-dtype", default="float32", metavar="{" + ",".join(dtypes.NAMES) + "}",
                       help="fsdp.reduce_dtype, the gradient reduction dtype (default float32)")
     plan.add_argument("--compile", action="store_true", help="plan with train.compile (fused elementwise chains)")
+    plan.add_argument("--float8", nargs="?", const="tensorwise", default="none", metavar="RECIPE",
+                      help="plan with float8.recipe RECIPE: the blocks' linears in float8 at the card's float8 rate, "
+                           "plus their casts; tensorwise (alone: the default), rowwise or rowwise_with_gw_hp")
+    plan.add_argument("--float8-all-gather", action="store_true",
+                      help="plan with float8.fsdp_all_gather: FSDP all-gathers those weights in float8 (tensorwise)")
     plan.add_argument("--peak-tflops", type=float, help="dense bfloat16 TFLOP/s per GPU, the MFU denominator")
+    plan.add_argument("--float8-tflops", type=float, help="dense float8 TFLOP/s per GPU (default: --gpu's; 0: none)")
     plan.add_argument("--gemm-efficiency", type=float, help="fraction of the peak large matmuls sustain")
     plan.add_argument("--attention-efficiency", type=float, help="fraction of the peak flash attention sustains")
     plan.add_argument("--memory-gbs", type=float, help="device memory bandwidth, GB/s")

@@ -298,6 +298,7 @@ def _plan_hardware(args: argparse.Namespace):
              "reserve_gib": args.reserve_gb, "gemm_efficiency": args.gemm_efficiency,
              "attention_efficiency": args.attention_efficiency,
              "peak_flops": args.peak_tflops and args.peak_tflops * 1e12,
+             "float8_peak_flops": None if args.float8_tflops is None else args.float8_tflops * 1e12,
              "memory_bw": args.memory_gbs and args.memory_gbs * 1e9,
              "intra_node_busbw": args.intra_node_gbs and args.intra_node_gbs * 1e9,
              "inter_node_busbw": args.inter_node_gbs and args.inter_node_gbs * 1e9}
@@ -351,7 +352,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         global_batch=parse_global_batch(args.global_batch, seq_len) if args.global_batch else 0,
         param_dtype=dtypes.check(args.param_dtype, "--param-dtype"),
         reduce_dtype=dtypes.check(args.reduce_dtype, "--reduce-dtype"), grad_sync=args.grad_sync,
-        compile=args.compile,
+        compile=args.compile, float8=args.float8, float8_all_gather=args.float8_all_gather,
     )
     hardware = _plan_hardware(args)
     plan = make_plan(model, workload, hardware, allow_cross_node_mp=args.allow_cross_node_mp,

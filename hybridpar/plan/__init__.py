@@ -13,12 +13,14 @@ calls, the FLOPs and the op counts against the real model on CPU, and the step t
 published GPU runs (published.py); bench/planner.py checks it against bench/run.py on this CPU;
 tests/test_plan_context.py checks context parallelism's terms and the attention bytes it keeps;
 tests/test_plan_pipeline.py pipeline parallelism's terms and the published pipelined runs.
-Not modelled: allocator fragmentation (keep a reserve), NCCL's latency, the slowdown of kernels
-sharing a GPU with NCCL's, and Float8 (hybridpar has none).
+Workload.float8 prices float8 training (plan.compute: the linears at the float8 rate, their casts;
+tests/test_plan_float8.py). Not modelled: allocator fragmentation (keep a reserve), NCCL's latency,
+and the slowdown of kernels sharing a GPU with NCCL's.
 
 inputs: Layout, Workload, Hardware. hardware: named GPUs; cpu: this machine, measured. memory:
 parameters, activations, Memory. compute: the kernels' work. comm: collective bytes, calls and
-times. pipeline_cost: pp's stages, bubble and in-flight micro-batches. search: estimate, candidate_layouts, make_plan. report: the text. published: the check.
+times. pipeline_cost: pp's stages, bubble and in-flight
+micro-batches. search: estimate, candidate_layouts, make_plan. report: the text. published: the check.
 """
 
 from ..config.dtypes import dtype_bytes

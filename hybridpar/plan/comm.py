@@ -9,7 +9,7 @@ from hybridpar.models.args import ModelArgs
 from ..config.dtypes import dtype_bytes
 from ..parallel.cost import collective_seconds
 from .inputs import Hardware, Layout, Workload
-from .memory import gathered_kv_bytes, local_param_shapes, param_counts, sharded_numel
+from .memory import gathered_bytes, gathered_kv_bytes, local_param_shapes, param_counts, sharded_numel
 
 LOSS_CALLS = 2  # vocab_parallel_cross_entropy: the logits' max, then the exp-sum and target logit together
 flops_per_token = ModelArgs.flops_per_token  # the trainer's MFU count, as a function of (args, seq_len)
@@ -118,13 +118,17 @@ def collective_bytes(args: ModelArgs, layout: Layout, workload: Workload) -> Com
     shapes = local_param_shapes(args, mp)
     padded = {unit: sum(sharded_numel(x, ds) * ds for x in xs) for unit, xs in shapes.items()}
     every_unit = padded["embedding"] + L * padded["block"] + padded["output"] + padded["root"]
+    # What the all-gathers carry: the compute dtype, the blocks' float8 linears' weights in 1 byte with
+    # float8.fsdp_all_gather (the embedding and the output head are not float8).
+    float8 = workload.float8_gathered(ds)
+    gathered = {unit: gathered_bytes(xs, a, float8 and unit == "block", ds) for unit, xs in shapes.items()}
     # FSDP units: the blocks, the root, and the embedding and the head, unless tied (apply_fsdp then
     # keeps the shared weight in the root).
     units = L + 1 + (0 if args.tie_embeddings else 2)
     # The embedding, the head and the root stay gathered from forward to backward; the blocks are
     # gathered again in backward unless resharding is off.
-    again = L * padded["block"] if layout.reshard_after_forward else 0
-    ag = (every_unit + again) * a if ds > 1 else 0.0
+    blocks = 2 * L if layout.reshard_after_forward else L
+    ag = (gathered["embedding"] + blocks * gathered["block"] + gathered["output"] + gathered["root"]) if ds > 1 else 0.0
     rs = every_unit * r if ds > 1 else 0.0
     ar = counts.sharded * r if dr > 1 else 0.0
     gathers = units + (L if layout.reshard_after_forward else 0) if ds > 1 else 0

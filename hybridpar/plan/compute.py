@@ -1,7 +1,10 @@
 """The compute side of a step: what one rank's kernels do for one micro-batch, and how long that
 takes on a Hardware. Three kinds of kernel, each at its own rate:
 
-- matrix multiplies (the linears, the output head) at hw.gemm_efficiency of the peak;
+- matrix multiplies (the linears, the output head) at hw.gemm_efficiency of the peak; with float8
+  (Workload.float8) the blocks' linears at the same fraction of the card's float8 peak (torchao's
+  roofline assumes one achievable fraction for both), plus the casts they need (float8_cast_work);
+  the output head and attention stay bf16;
 - flash attention at hw.attention_efficiency, counting the FLOPs it executes: causal, so half of
   the score matrix, and a backward that recomputes the scores (2.5 times the forward's);
 - memory-bound kernels (norms, RoPE, SwiGLU's product, residual adds, the loss, FSDP's copies,
@@ -18,7 +21,8 @@ from hybridpar.models.args import ModelArgs
 
 from ..config.dtypes import dtype_bytes
 from .inputs import Hardware, Layout, Workload
-from .memory import kv_heads_per_rank, param_counts
+from .memory import (float8_linear, gathered_bytes, kv_heads_per_rank, local_param_shapes, param_counts,
+                     sharded_numel)
 
 # Ops dispatched per step by the real code, counted at mp 1 (tests/test_plan.py counts them again):
 # per block forward and backward; the embedding, final norm, head and loss; FSDP2 per unit and
@@ -37,10 +41,11 @@ OPTIMIZER_BYTES = 40  # per sharded element: AdamW reads p, g, m, v and writes p
 class Work:
     """What one rank's kernels do: FLOPs by kind, bytes of memory-bound traffic, and op count."""
 
-    gemm_flops: float = 0.0
+    gemm_flops: float = 0.0  # bf16 (the compute dtype's) matmuls
     attention_flops: float = 0.0
     memory_bytes: float = 0.0
     ops: float = 0.0
+    float8_flops: float = 0.0  # matmuls of float8 operands (Workload.float8)
 
     def __add__(self, other: "Work") -> "Work":
         return Work(*(x + y for x, y in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
@@ -52,7 +57,10 @@ class Work:
 
     def seconds(self, hw: Hardware) -> float:
         """On one device of hw, each kind at its sustained rate, one after another."""
-        return (self.gemm_flops / (hw.peak_flops * hw.gemm_efficiency)
+        if self.float8_flops and not hw.float8_peak_flops:
+            raise ValueError(f"{hw.name or 'this hardware'} has no float8 matmuls (Hardware.float8_peak_flops is 0)")
+        float8 = self.float8_flops / (hw.float8_peak_flops * hw.gemm_efficiency) if self.float8_flops else 0.0
+        return (self.gemm_flops / (hw.peak_flops * hw.gemm_efficiency) + float8
                 + self.attention_flops / (hw.peak_flops * hw.attention_efficiency)
                 + self.memory_bytes / (hw.memory_bw * hw.memory_efficiency)
                 + self.ops * hw.op_overhead)
@@ -79,12 +87,75 @@ def loss_bytes(a: int) -> int:
     return 28 + (0 if a == 4 else 2 * a + 8)
 
 
-def block_work(args: ModelArgs, mp: int, tokens: int, seq_len: int, a: int, sequence_parallel: bool,
-               compiled: bool) -> tuple[Work, Work]:
-    """(forward, backward) of one transformer block on one mp rank, for `tokens` = micro-batch x seq_len."""
+def float8_cast_work(linears: list[tuple[int, int]], tokens: int, a: int, recipe: str, gathered: bool,
+                     compiled: bool, shared_input: bool = False) -> tuple[Work, Work]:
+    """(forward, backward) memory traffic of casting the float8 `linears`' operands ((in, out) on this
+    rank, `tokens` of `a`-byte activations) to float8 with dynamic scales: memory-bound passes at the
+    card's bandwidth. Eager, torchao's matmul_with_hp_or_float8_args casts both operands of each of
+    a linear's three matmuls itself: forward the input and the weight; backward the output's gradient
+    and the weight (input gradient), the output's gradient and the input (weight gradient), each one
+    op after another: abs (read, write), max (read), the fp32 upcast (read a, write 4), the scale's
+    multiply and the clamp (read 4, write 4 each), the float8 conversion (read 4, write 1). Compiled,
+    a cast is an amax pass (read) and one kernel reading the tensor and writing float8; a tensorwise
+    cast is done once and written in both layouts for the backward (torchao's own roofline), a
+    rowwise one once per scaling direction, and the linears that read one input (`shared_input`:
+    wq/wk/wv, w1/w3) cast it once. rowwise_with_gw_hp keeps the weight gradient's matmul in bf16;
+    `gathered` (float8.fsdp_all_gather): the weight arrives in float8, scaled, and is never cast."""
+    grad_weight = recipe != "rowwise_with_gw_hp"
+    if compiled:
+        once = recipe == "tensorwise"
+        per = 2 * a + (2 if once else 1)
+        casts = {"input": 1 if once or not grad_weight else 2, "weight": 1 if once else 2,
+                 "output": 1 if once or not grad_weight else 2}
+    else:
+        per = 4 * a + 25
+        casts = {"input": 1 + grad_weight, "weight": 2, "output": 1 + grad_weight}
+    if gathered:
+        casts["weight"] = 0
+    inputs = tokens * (linears[0][0] if compiled and shared_input else sum(i for i, _ in linears))
+    outputs, params = tokens * sum(o for _, o in linears), sum(i * o for i, o in linears)
+    forward = inputs + min(casts["weight"], 1) * params
+    backward = (casts["input"] - 1) * inputs + max(casts["weight"] - 1, 0) * params + casts["output"] * outputs
+    return Work(memory_bytes=per * forward), Work(memory_bytes=per * backward)
+
+
+# A block's regions by its linears (block_linears): the linears of one read the same input. Under
+# tensor parallelism each is entered or left by a collective.
+REGIONS = {"attention entry": slice(0, 3), "attention exit": slice(3, 4), "feed-forward entry": slice(4, 6),
+           "feed-forward exit": slice(6, 7)}
+
+
+def block_linears(args: ModelArgs, mp: int) -> list[tuple[int, int]]:
+    """(in, out) of a block's linears on one mp rank, in the order wq, wk, wv, wo, w1, w3, w2."""
     d, hd = args.dim, args.head_dim
     q, kv, f = args.n_heads * hd // mp, kv_heads_per_rank(args, mp) * hd, args.ffn_hidden_dim // mp
-    gemm = 2.0 * tokens * (d * q + 2 * d * kv + q * d + 3 * d * f)
+    return [(d, q), (d, kv), (d, kv), (q, d), (d, f), (d, f), (f, d)]
+
+
+def linear_work(linears: list[tuple[int, int]], tokens: int, a: int, float8: str = "none", gathered: bool = False,
+                compiled: bool = False, shared_input: bool = False) -> tuple[Work, Work]:
+    """(forward, backward) of these linears for `tokens`: the forward's matmul, and the backward's two
+    (the input's gradient, the weight's), each as many FLOPs. With a float8 recipe every linear with
+    aligned dimensions multiplies in float8 and casts its operands (rowwise_with_gw_hp: the weight's
+    gradient in bf16); `gathered`: its weight came from FSDP in float8; `shared_input`: they read one input."""
+    eight = [(i, o) for i, o in linears if float8 != "none" and float8_linear((o, i))]
+    gemm = 2.0 * tokens * sum(i * o for i, o in linears)
+    f8 = 2.0 * tokens * sum(i * o for i, o in eight)
+    bwd_f8 = f8 if float8 == "rowwise_with_gw_hp" else 2 * f8
+    forward = Work(gemm_flops=gemm - f8, float8_flops=f8)
+    backward = Work(gemm_flops=2 * gemm - bwd_f8, float8_flops=bwd_f8)
+    if eight:
+        casts = float8_cast_work(eight, tokens, a, float8, gathered, compiled, shared_input)
+        forward, backward = forward + casts[0], backward + casts[1]
+    return forward, backward
+
+
+def block_work(args: ModelArgs, mp: int, tokens: int, seq_len: int, a: int, sequence_parallel: bool,
+               compiled: bool, float8: str = "none", float8_gathered: bool = False) -> tuple[Work, Work]:
+    """(forward, backward) of one transformer block on one mp rank, for `tokens` = micro-batch x seq_len;
+    with a float8 recipe, its linears in float8 (float8_gathered: their weights gathered in float8)."""
+    d, linears = args.dim, block_linears(args, mp)
+    q, kv, f = linears[0][1], linears[1][1], linears[4][1]  # wq's, wk's and w1's outputs
     # Scores and weighted values, 2 FLOPs per multiply-add each, over the causal half.
     attention = 2.0 * tokens * seq_len * q
     t_norm = tokens // mp if sequence_parallel and mp > 1 else tokens
@@ -94,8 +165,11 @@ def block_work(args: ModelArgs, mp: int, tokens: int, seq_len: int, a: int, sequ
     fwd_bytes = sum(per[k][0] * n for k, n in elements.items())
     bwd_bytes = sum(per[k][1] * n for k, n in elements.items())
     ops = COMPILED_BLOCK_OPS if compiled else BLOCK_OPS
-    forward = Work(gemm, attention, fwd_bytes, ops[0])
-    backward = Work(2 * gemm, 2.5 * attention, bwd_bytes, ops[1])
+    forward, backward = Work(0.0, attention, fwd_bytes, ops[0]), Work(0.0, 2.5 * attention, bwd_bytes, ops[1])
+    for region in REGIONS.values():
+        linear_forward, linear_backward = linear_work(linears[region], tokens, a, float8, float8_gathered, compiled,
+                                                      shared_input=True)
+        forward, backward = forward + linear_forward, backward + linear_backward
     return forward, backward
 
 
@@ -118,7 +192,8 @@ def micro_batch_work(args: ModelArgs, layout: Layout, workload: Workload, tp_cal
     mp, cp, a = layout.mp, layout.cp, dtype_bytes(workload.param_dtype)
     s = workload.seq_len
     t = workload.micro_batch * s // cp  # this rank's tokens; attention still reaches back over all s
-    forward, backward = block_work(args, mp, t, s, a, layout.sequence_parallel, workload.compile)
+    forward, backward = block_work(args, mp, t, s, a, layout.sequence_parallel, workload.compile, workload.float8,
+                                   workload.float8_gathered(layout.fsdp_shard))
     cp_forward, cp_backward = context_parallel_work(args, mp, cp, workload.micro_batch, s, a)
     forward, backward = forward + cp_forward, backward + cp_backward
     recomputed = layout.checkpointed_blocks(args.n_layers)
@@ -139,10 +214,19 @@ def step_work(args: ModelArgs, layout: Layout, workload: Workload, gathers: int,
     all-gathers and `reductions` reduce-scatters of the mp slice (`fsdp_calls` collectives in all),
     and the optimizer with gradient clipping on the shard."""
     a, r = dtype_bytes(workload.param_dtype), dtype_bytes(workload.reduce_dtype)
-    counts = param_counts(args, layout.mp, layout.fsdp_shard)
-    # A gather casts the shard to `a` bytes and copies the gathered buffer out into the parameters; a
-    # reduction casts the gradient to the reduce dtype and copies it into the collective's buffer.
-    copies = counts.total * (gathers * 2 * a + reductions * (a + 2 * r)) if layout.fsdp_shard > 1 else 0.0
+    counts, ds = param_counts(args, layout.mp, layout.fsdp_shard), layout.fsdp_shard
+    block = local_param_shapes(args, layout.mp)["block"]
+    # A gather casts the shard to `a` bytes (a float8 linear's to 1 with float8.fsdp_all_gather) and
+    # copies the gathered buffer out into the parameters; a reduction casts the gradient to the reduce
+    # dtype and copies it into the collective's buffer.
+    float8 = workload.float8_gathered(ds)
+    gathered = counts.total * a - counts.n_layers * (counts.block * a - gathered_bytes(block, a, float8))
+    copies = gathers * 2 * gathered + reductions * counts.total * (a + 2 * r) if ds > 1 else 0.0
+    if float8:
+        # torchao's precompute_float8_dynamic_scale_for_fsdp: once a step, the amax of every float8
+        # weight's fp32 shard; each gather casts the shard (read 4 bytes, write 1).
+        shards = counts.n_layers * sum(sharded_numel(x, ds) for x in block if float8_linear(x))
+        copies += shards * (4 + gathers * 5)
     fsdp = Work(memory_bytes=copies, ops=fsdp_calls * FSDP_OPS_PER_CALL)
     tensors = 9 * args.n_layers + 3 - (1 if args.tie_embeddings else 0)
     optimizer = Work(memory_bytes=counts.sharded * OPTIMIZER_BYTES, ops=OPTIMIZER_OPS[0] + OPTIMIZER_OPS[1] * tensors)

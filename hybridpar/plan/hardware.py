@@ -8,6 +8,8 @@ Bus bandwidths are what nccl-tests reports for rings of 8 GPUs over NVLink and b
 
 DENSE_BF16_PEAKS is every card's datasheet peak by what torch.cuda.get_device_name() says: the
 trainer's MFU denominator when train.peak_flops is not set, and the planner's GPUs' peaks.
+DENSE_FLOAT8_PEAKS is the same for float8 matmuls (H100 and later, Ada, MI300): a card it does not
+name (A100 and older) has none, and the planner refuses a float8 plan for it.
 """
 
 from __future__ import annotations
@@ -30,30 +32,54 @@ DENSE_BF16_PEAKS: tuple[tuple[tuple[str, ...], float], ...] = (
 )
 
 
+# The same for float8 (e4m3/e5m2) without sparsity: half the datasheets' sparse figure.
+DENSE_FLOAT8_PEAKS: tuple[tuple[tuple[str, ...], float], ...] = (
+    (("gb200",), 5e15), (("b200",), 4.5e15), (("b100",), 3.5e15),
+    (("h100", "nvl"), 1671e12), (("h100", "pcie"), 1513e12), (("h100",), 1979e12),
+    (("h200", "nvl"), 1671e12), (("h200",), 1979e12), (("gh200",), 1979e12),
+    (("h800", "pcie"), 1513e12), (("h800",), 1979e12),
+    (("l40s",), 733e12), (("l40",), 362e12), (("l4",), 242e12),
+    (("mi325x",), 2614.9e12), (("mi300x",), 2614.9e12),
+)
+
+
+def _lookup(table: tuple[tuple[tuple[str, ...], float], ...], device_name: str) -> Optional[float]:
+    """The first entry whose words are all whole words of the name: "L4" is not "L40S", "A10" not "A100"."""
+    words = set(re.split(r"[^a-z0-9]+", device_name.lower()))
+    return next((peak for needed, peak in table if words.issuperset(needed)), None)
+
+
 def peak_flops_of(device_name: str) -> Optional[float]:
     """The card's dense bf16 FLOP/s from its name ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"),
-    or None for a card not in DENSE_BF16_PEAKS. Whole words: "L4" is not "L40S", "A10" not "A100"."""
-    words = set(re.split(r"[^a-z0-9]+", device_name.lower()))
-    return next((peak for needed, peak in DENSE_BF16_PEAKS if words.issuperset(needed)), None)
+    or None for a card not in DENSE_BF16_PEAKS."""
+    return _lookup(DENSE_BF16_PEAKS, device_name)
+
+
+def float8_peak_flops_of(device_name: str) -> float:
+    """The card's dense float8 FLOP/s from its name; 0.0 for one without float8 matmuls (or unknown)."""
+    return _lookup(DENSE_FLOAT8_PEAKS, device_name) or 0.0
 
 
 # name -> (description, Hardware fields). gpus and gpu_mem_gib's use are filled in by `spec`.
 GPUS: dict[str, tuple[str, dict]] = {
-    "a100": ("A100 SXM4 80 GB (400 W): 312 TFLOP/s bfloat16, HBM2e 2.04 TB/s, NVLink3 300 GB/s per "
-             "direction, one 200 Gb/s NIC per GPU", dict(
-                 gpu_mem_gib=80, peak_flops=peak_flops_of("A100"), gemm_efficiency=0.85, attention_efficiency=0.55,
+    "a100": ("A100 SXM4 80 GB (400 W): 312 TFLOP/s bfloat16, no float8 matmuls, HBM2e 2.04 TB/s, NVLink3 "
+             "300 GB/s per direction, one 200 Gb/s NIC per GPU", dict(
+                 gpu_mem_gib=80, peak_flops=peak_flops_of("A100"), float8_peak_flops=float8_peak_flops_of("A100"),
+                 gemm_efficiency=0.85, attention_efficiency=0.55,
                  memory_bw=2.04e12, memory_efficiency=0.8, intra_node_busbw=230e9, inter_node_busbw=23e9)),
-    "h100": ("H100 SXM5 80 GB (700 W): 989 TFLOP/s bfloat16, HBM3 3.35 TB/s, NVLink4 450 GB/s per "
+    "h100": ("H100 SXM5 80 GB (700 W): 989 TFLOP/s bfloat16, 1,979 float8, HBM3 3.35 TB/s, NVLink4 450 GB/s per "
              "direction, one 400 Gb/s NIC per GPU", dict(
-                 gpu_mem_gib=80, peak_flops=peak_flops_of("H100 SXM"), gemm_efficiency=0.7, attention_efficiency=0.35,
+                 gpu_mem_gib=80, peak_flops=peak_flops_of("H100 SXM"), float8_peak_flops=float8_peak_flops_of("H100 SXM"),
+                 gemm_efficiency=0.7, attention_efficiency=0.35,
                  memory_bw=3.35e12, memory_efficiency=0.8, intra_node_busbw=370e9, inter_node_busbw=45e9)),
     # Meta's Grand Teton hosts, where torchtitan measured (docs/performance.md): the same SXM board
     # with 96 GB of HBM2e at 2.4 TB/s, capped at 500 W. torchtitan quotes MFU against 989 but notes
     # the capped card's real peak lies between the NVL's 835 and 989; its clock is taken as the
     # midpoint, 912/989 of the SXM's, and the 700 W card's kernel fractions are scaled by it.
-    "h100-500w": ("H100 SXM5 96 GB HBM2e capped at 500 W (Grand Teton): 989 TFLOP/s bfloat16 on paper, "
-                  "about 912 at its clock; HBM2e 2.4 TB/s, NVLink4, one 400 Gb/s NIC per GPU", dict(
-                      gpu_mem_gib=94, peak_flops=peak_flops_of("H100 SXM"), gemm_efficiency=0.7 * 912 / 989,
+    "h100-500w": ("H100 SXM5 96 GB HBM2e capped at 500 W (Grand Teton): 989 TFLOP/s bfloat16 (1,979 float8) "
+                  "on paper, about 912/989 of it at its clock; HBM2e 2.4 TB/s, NVLink4, one 400 Gb/s NIC per GPU", dict(
+                      gpu_mem_gib=94, peak_flops=peak_flops_of("H100 SXM"),
+                      float8_peak_flops=float8_peak_flops_of("H100 SXM"), gemm_efficiency=0.7 * 912 / 989,
                       attention_efficiency=0.35 * 912 / 989, memory_bw=2.4e12, memory_efficiency=0.8,
                       intra_node_busbw=370e9, inter_node_busbw=45e9)),
 }

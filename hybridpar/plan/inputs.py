@@ -6,6 +6,8 @@ import dataclasses
 
 GIB = 2**30
 MASTER_BYTES = 4  # the trainer builds the model in fp32: master params, grads and AdamW moments are fp32
+# The [float8] section's recipes (torchao's names; "none": bf16 matmuls); fsdp_all_gather is tensorwise's only.
+FLOAT8_RECIPES = ("none", "tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +85,20 @@ class Workload:
     # torch's asynchronous TP (torchtitan's enable_async_tensor_parallel, which hybridpar does not
     # have): the tensor-parallel collectives overlap the matmuls beside them; priced as hidden.
     async_tp: bool = False
+    # float8.recipe and float8.fsdp_all_gather: the blocks' linears in float8 (plan.compute prices them).
+    float8: str = "none"
+    float8_all_gather: bool = False
+
+    def __post_init__(self) -> None:
+        if self.float8 not in FLOAT8_RECIPES:
+            raise ValueError(f"--float8 {self.float8!r}: choose one of {', '.join(FLOAT8_RECIPES[1:])}")
+        if self.float8_all_gather and self.float8 != "tensorwise":
+            raise ValueError(f"--float8-all-gather needs --float8 tensorwise, not {self.float8}: only a "
+                             "tensorwise scale can be computed before FSDP gathers the weight")
+
+    def float8_gathered(self, fsdp_shard: int) -> bool:
+        """Whether FSDP all-gathers the float8 linears' weights in float8: asked for, and something is sharded."""
+        return self.float8_all_gather and fsdp_shard > 1
 
     def grad_accum(self, dp: int) -> int:
         """Micro-batches per step for `dp` data-parallel ranks; ValueError when they do not divide."""
@@ -105,6 +121,7 @@ class Hardware:
     intra_node_busbw: float = 150e9  # bytes/s, nccl-tests busbw inside a node (NVLink)
     inter_node_busbw: float = 25e9  # bytes/s per GPU between nodes (one 200 Gb/s NIC per GPU)
     peak_flops: float = 312e12  # dense bf16 per GPU from the datasheet: the MFU denominator
+    float8_peak_flops: float = 0.0  # dense float8 per GPU from the datasheet; 0: the card has no float8 matmuls
     gemm_efficiency: float = 0.85  # fraction of the peak large matrix multiplies sustain
     attention_efficiency: float = 0.55  # fraction flash attention sustains (forward and backward)
     memory_bw: float = 2.0e12  # device memory bytes/s from the datasheet
@@ -129,3 +146,12 @@ class Hardware:
         if self.cores:
             sustained += f", {self.cores} cores shared by the ranks of a node, {self.sync_wait * 1e3:.2f} ms per sync"
         return sustained
+
+
+def check_float8(workload: Workload, hw: Hardware) -> None:
+    """ValueError, in one line, for a float8 plan on hardware without float8 matmuls."""
+    if workload.float8 != "none" and not hw.float8_peak_flops:
+        card = hw.name.split(" ")[0] or "this hardware"
+        raise ValueError(f"--float8 {workload.float8}: {card} has no float8 matmuls (no float8 peak in "
+                         "hybridpar/plan/hardware.py): plan it without --float8, on a card with them (--gpu h100), "
+                         "or give the card's --float8-tflops")

@@ -36,6 +36,22 @@ def sharded_numel(shape: tuple[int, ...], dp_shard: int) -> int:
     return math.ceil(shape[0] / dp_shard) * _numel(shape[1:])
 
 
+FLOAT8_ALIGN = 16  # a linear with a dimension not a multiple of it stays bf16 (torchtitan's filter; _scaled_mm needs it)
+
+
+def float8_linear(shape: tuple[int, ...]) -> bool:
+    """Whether a block's parameter of this (local) shape is a linear that runs in float8 when float8 is on
+    (the norms' weights are 1-D; the output head is not a block's and stays bf16)."""
+    return len(shape) == 2 and all(n % FLOAT8_ALIGN == 0 for n in shape)
+
+
+def gathered_bytes(shapes: list[tuple[int, ...]], a: int, float8_gathered: bool = False, dp_shard: int = 0) -> int:
+    """Bytes of these parameters gathered in the compute dtype of `a` bytes, a float8 linear's in one
+    with float8.fsdp_all_gather; dp_shard > 0: padded to dp_shard equal shards, as FSDP2 gathers them."""
+    return sum((sharded_numel(x, dp_shard) * dp_shard if dp_shard else _numel(x))
+               * (1 if float8_gathered and float8_linear(x) else a) for x in shapes)
+
+
 @dataclasses.dataclass(frozen=True)
 class ParamCounts:
     """Parameter elements per rank: the mp slice of each unit, and the largest FSDP shard of it all."""

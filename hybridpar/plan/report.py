@@ -12,7 +12,7 @@ from .comm import group_busbw
 from .compute import micro_batch_work
 from .inputs import GIB, Hardware, Workload
 from .memory import gathered_kv_bytes
-from .search import Estimate, Plan, larger_cp
+from .search import Estimate, Plan, estimate, larger_cp
 
 # The one line the report states when it considered context parallelism (plan.search prices it so).
 CP_ASSUMED = ("context parallelism: each block's K|V all-gather and dK|dV reduce-scatter wait for their result "
@@ -108,6 +108,7 @@ def format_plan(plan: Plan, top: int = 10, model_name: str = "", model_flags: st
         f"assumed: {hw.describe()}; busbw {hw.intra_node_busbw / 1e9:.3g} GB/s inside a node, "
         f"{hw.inter_node_busbw / 1e9:.3g} GB/s per GPU between nodes; float32 master weights, "
         f"{w.param_dtype} compute, {w.reduce_dtype} gradient reduction" + (", compiled blocks" if w.compile else ""),
+        *([f"assumed: {float8_assumed(w, hw)}"] if w.float8 != "none" else []),
         *([f"assumed: {CP_ASSUMED}"] if plan.context_parallel else []),
         "",
     ]
@@ -125,6 +126,8 @@ def format_plan(plan: Plan, top: int = 10, model_name: str = "", model_flags: st
             out.append(f"    ... {len(fitting) - top} more (--top N)")
         out.append("")
         out.append("best: " + "\n".join(breakdown(fitting[0], hw, plan)))
+        if w.float8 != "none":
+            out.append("  " + float8_gain(plan, fitting[0]))
         out.append("  config: " + config_flags(fitting[0], w, model_flags))
     else:
         out.append(no_fit_message(plan))
@@ -147,6 +150,26 @@ def format_plan(plan: Plan, top: int = 10, model_name: str = "", model_flags: st
     return "\n".join(out)
 
 
+def float8_assumed(w: Workload, hw: Hardware) -> str:
+    """The one line of what a float8 plan assumes (plan.compute prices it)."""
+    gathered = ", their weights all-gathered in float8 (1 byte)" if w.float8_all_gather else ""
+    return (f"float8 {w.float8}: the blocks' linears at {hw.gemm_efficiency:.2f} of {hw.float8_peak_flops / 1e12:,.0f} "
+            f"float8 TFLOP/s, their casts (amax and conversion passes{'' if w.compile else ', op by op: no --compile'}) "
+            f"at the memory rate{gathered}; the output head and attention in bf16; MFU against the bf16 peak")
+
+
+def float8_gain(plan: Plan, e: Estimate) -> str:
+    """The same layout in bf16, against e: what float8 buys (or costs) on this hardware."""
+    w = dataclasses.replace(plan.workload, float8="none", float8_all_gather=False)
+    bf16 = estimate(plan.args, e.layout, w, plan.hardware)
+    gain = e.tokens_per_s_per_gpu / bf16.tokens_per_s_per_gpu
+    line = (f"float8: this layout in bf16 would train {bf16.tokens_per_s_per_gpu:,.0f} tokens/s per GPU; "
+            f"float8 is {gain:.2f}x")
+    if gain < 1 and not plan.workload.compile:
+        line += " (its casts run op by op without --compile, which fuses them)"
+    return line
+
+
 def config_flags(e: Estimate, w: Workload, model_flags: str = "") -> str:
     """Every `hybridpar train` key the estimate assumed, as flags: pasted after `hybridpar train`
     (with the data and output keys) it trains the layout that was planned."""
@@ -163,7 +186,9 @@ def config_flags(e: Estimate, w: Workload, model_flags: str = "") -> str:
              f"--fsdp.sharding_strategy {lay.strategy} --fsdp.activation_checkpointing {lay.ac}",
              f"--fsdp.ac_every {lay.ac_every}" if lay.ac == "selective" else "",
              f"--fsdp.param_dtype {w.param_dtype} --fsdp.reduce_dtype {w.reduce_dtype}",
-             f"--train.grad_sync {w.grad_sync} --train.compile {'true' if w.compile else 'false'}"]
+             f"--train.grad_sync {w.grad_sync} --train.compile {'true' if w.compile else 'false'}",
+             f"--float8.recipe {w.float8}" if w.float8 != "none" else "",
+             "--float8.fsdp_all_gather true" if w.float8_all_gather else ""]
     return " ".join(f for f in flags if f)
 
 

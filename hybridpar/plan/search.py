@@ -12,8 +12,9 @@ from ..config.sharding import AC_MODES
 from .comm import (StepTime, all_gather_seconds, all_reduce_seconds, collective_bytes,
                    flops_per_token, group_busbw)
 from .compute import head_work, micro_batch_work, step_work
-from .inputs import MASTER_BYTES, Hardware, Layout, Workload
-from .memory import Memory, ParamCounts, activation_bytes, gathered_kv_bytes, param_counts
+from .inputs import MASTER_BYTES, Hardware, Layout, Workload, check_float8
+from .memory import (Memory, ParamCounts, activation_bytes, gathered_bytes, gathered_kv_bytes, local_param_shapes,
+                     param_counts)
 from ..pipeline.schedules import least_microbatches, max_stages, rounds_of, stages_per_rank
 from .pipeline_cost import bubble_fraction, in_flight, schedule_stages, stage_units
 
@@ -58,6 +59,7 @@ def estimate(args: ModelArgs, layout: Layout, workload: Workload, hw: Hardware) 
     """Memory per rank and time per step of one layout. ValueError if the batch does not divide."""
     if layout.ac not in AC_MODES:
         raise ValueError(f"ac must be one of {AC_MODES}, got {layout.ac!r}")
+    check_float8(workload, hw)
     original, mp, dr, cp = layout, layout.mp, layout.dp_replicate, layout.cp
     if cp < 1 or (cp > 1 and workload.seq_len % (2 * cp)):
         raise ValueError(f"seq_len = {workload.seq_len} is not divisible by 2 x cp = {2 * cp}")
@@ -96,7 +98,9 @@ def estimate(args: ModelArgs, layout: Layout, workload: Workload, hw: Hardware) 
         saved = in_flight(layout.pp_schedule, pp, v, grad_accum) * (saved - ends) + ends
 
     kept_blocks = counts.n_layers if not layout.reshard_after_forward else min(2, L)  # current + prefetched
-    gathered = (counts.embedding + counts.output + counts.root + kept_blocks * counts.block) * a
+    # A block's float8 linears are gathered in 1 byte with float8.fsdp_all_gather.
+    block = gathered_bytes(local_param_shapes(args, mp)["block"], a, workload.float8_gathered(layout.fsdp_shard))
+    gathered = (counts.embedding + counts.output + counts.root) * a + kept_blocks * block
     grad_buffers = _grad_buffers(args, counts, a, r)
     sync_every = workload.grad_sync == "every"
     accumulated = counts.total * r if grad_accum > 1 and not sync_every else 0.0
@@ -286,6 +290,7 @@ def make_plan(args: ModelArgs, workload: Workload, hw: Hardware, **candidate_opt
             raise ValueError(f"{name} must be in (0, 1], got {getattr(hw, name)}")
     if hw.usable_bytes <= 0:
         raise ValueError(f"gpu memory {hw.gpu_mem_gib} GiB leaves nothing after the {hw.reserve_gib} GiB reserve")
+    check_float8(workload, hw)  # before the layouts: estimate's ValueError would read as a batch that does not divide
     cp = candidate_options.pop("cp", 0)
     if cp < 0:
         raise ValueError(f"cp must be 1 or more (0: the planner chooses), got {cp}")

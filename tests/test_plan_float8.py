@@ -1,0 +1,131 @@
+"""`hybridpar plan --float8`: the blocks' linears at the card's float8 rate, their casts at the memory
+rate, the FSDP all-gather of float8 weights in one byte, and the cards without float8 refused."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+from hybridpar.models.args import ModelArgs
+from hybridpar.plan import Layout, Workload, collective_bytes, estimate
+from hybridpar.plan.compute import block_linears, float8_cast_work, head_work, micro_batch_work
+from hybridpar.plan.hardware import float8_peak_flops_of, peak_flops_of, spec
+from hybridpar.plan.memory import gathered_bytes, local_param_shapes
+from tests.test_plan_context import _run
+
+EIGHT_B = ["--model", "llama3_8b", "--gpus", "8", "--gpu", "h100", "--global-batch", "16"]
+
+
+def _best(out: str) -> float:
+    """tokens/s per GPU of the plan's best layout."""
+    return float(re.search(r"; ([\d,]+) tokens/s per GPU, MFU", out)[1].replace(",", ""))
+
+
+def test_the_float8_peaks_by_card_and_the_cards_without():
+    assert float8_peak_flops_of("NVIDIA H100 80GB HBM3") == 1979e12
+    assert float8_peak_flops_of("NVIDIA H200") == 1979e12
+    assert float8_peak_flops_of("NVIDIA B200") == 4.5e15
+    assert float8_peak_flops_of("NVIDIA H100 PCIe") == 1513e12
+    assert float8_peak_flops_of("NVIDIA A100-SXM4-80GB") == 0.0  # no float8 matmuls
+    assert peak_flops_of("NVIDIA H100 80GB HBM3") == 989e12  # the bf16 table is unchanged
+    assert spec("h100", 8).float8_peak_flops == spec("h100-500w", 8).float8_peak_flops == 1979e12
+    assert spec("a100", 8).float8_peak_flops == 0.0
+
+
+def test_the_linears_run_at_the_float8_rate_and_the_head_and_attention_stay_bf16():
+    args, layout = ModelArgs.from_preset("llama3_8b"), Layout(1, 8, 1, "none")
+    bf16 = micro_batch_work(args, layout, Workload(seq_len=8192, compile=True))
+    eight = micro_batch_work(args, layout, Workload(seq_len=8192, compile=True, float8="tensorwise"))
+    head = head_work(args, 1, 8192, 2)
+    assert eight.gemm_flops == pytest.approx(head.gemm_flops)  # only the output head's matmuls stay bf16
+    assert eight.float8_flops == pytest.approx(bf16.gemm_flops - head.gemm_flops)
+    assert eight.attention_flops == bf16.attention_flops
+    hw = spec("h100", 8)
+    assert eight.seconds(hw) < bf16.seconds(hw)
+    # rowwise_with_gw_hp: the weight gradient's matmul, a third of a linear's FLOPs, in bf16.
+    gw_hp = micro_batch_work(args, layout, Workload(seq_len=8192, compile=True, float8="rowwise_with_gw_hp"))
+    assert gw_hp.float8_flops == pytest.approx(2 / 3 * eight.float8_flops)
+    # A linear with a dimension not a multiple of 16 stays bf16 (torchtitan's filter).
+    odd = ModelArgs.from_preset("tiny", ffn_hidden_size=360)  # w1, w3, w2: 360 is not a multiple of 16
+    plain = micro_batch_work(odd, layout, Workload(seq_len=64))
+    odd_eight = micro_batch_work(odd, layout, Workload(seq_len=64, float8="tensorwise"))
+    feed_forward = odd.n_layers * 2 * 64 * 3 * 3 * odd.dim * 360  # forward and backward of w1, w3, w2
+    assert odd_eight.gemm_flops == pytest.approx(head_work(odd, 1, 64, 2).gemm_flops + feed_forward)
+    assert odd_eight.float8_flops == pytest.approx(plain.gemm_flops - odd_eight.gemm_flops)
+
+
+def test_the_casts_are_priced_from_their_bytes():
+    """wq/wk/wv of the 8B at mp 1: (in, out) (4096, 4096), (4096, 1024), (4096, 1024)."""
+    linears, t = block_linears(ModelArgs.from_preset("llama3_8b"), 1)[0:3], 1000
+    params, outputs = 4096 * (4096 + 2 * 1024), t * (4096 + 2 * 1024)
+    # Compiled tensorwise: the shared input, each weight and each output gradient cast once, 2 x 2 + 2 bytes
+    # (amax read, cast read, float8 written in both layouts).
+    fwd, bwd = float8_cast_work(linears, t, 2, "tensorwise", False, True, shared_input=True)
+    assert fwd.memory_bytes == 6 * (t * 4096 + params) and bwd.memory_bytes == 6 * outputs
+    # Weights gathered in float8 are never cast.
+    fwd, bwd = float8_cast_work(linears, t, 2, "tensorwise", True, True, shared_input=True)
+    assert fwd.memory_bytes == 6 * t * 4096 and bwd.memory_bytes == 6 * outputs
+    # Compiled rowwise: each tensor twice (once per scaling direction), 2 x 2 + 1 bytes.
+    fwd, bwd = float8_cast_work(linears, t, 2, "rowwise", False, True, shared_input=True)
+    assert fwd.memory_bytes == 5 * (t * 4096 + params) and bwd.memory_bytes == 5 * (t * 4096 + params + 2 * outputs)
+    # Eager: every linear casts its own operands for each of its three matmuls, op by op (33 bytes).
+    fwd, bwd = float8_cast_work(linears, t, 2, "tensorwise", False, False, shared_input=True)
+    assert fwd.memory_bytes == 33 * (3 * t * 4096 + params)
+    assert bwd.memory_bytes == 33 * (3 * t * 4096 + params + 2 * outputs)
+
+
+def test_the_8b_on_h100_trains_faster_in_float8_when_compiled(capsys):
+    """The documented commands (docs/planner.md): float8 above bf16 compiled; eager, its casts op by op
+    cost more than its matmuls save, and the plan says so."""
+    code, bf16, _ = _run(capsys, *EIGHT_B, "--compile")
+    assert code == 0
+    code, eight, _ = _run(capsys, *EIGHT_B, "--float8", "--compile")
+    assert code == 0 and _best(eight) > 1.15 * _best(bf16)
+    assert "assumed: float8 tensorwise: the blocks' linears at 0.70 of 1,979 float8 TFLOP/s" in eight
+    gain = re.search(r"float8: this layout in bf16 would train ([\d,]+) tokens/s per GPU; float8 is ([\d.]+)x", eight)
+    assert gain and float(gain[2]) > 1.15
+    config = next(line for line in eight.splitlines() if line.startswith("  config: "))
+    assert config.endswith("--train.compile true --float8.recipe tensorwise")
+    code, eager, _ = _run(capsys, *EIGHT_B, "--float8")
+    assert code == 0 and "(its casts run op by op without --compile, which fuses them)" in eager
+    code, eager_bf16, _ = _run(capsys, *EIGHT_B)
+    assert _best(eager) < _best(eager_bf16)
+
+
+def test_the_float8_all_gather_halves_the_weights_bytes(capsys):
+    args, layout = ModelArgs.from_preset("llama3_8b"), Layout(1, 8, 1, "selective")
+    plain = Workload(seq_len=8192, micro_batch=2, compile=True, float8="tensorwise")
+    gathered = dataclasses.replace(plain, float8_all_gather=True)
+    block = local_param_shapes(args, 1)["block"]
+    linear = sum(gathered_bytes([s], 2, dp_shard=8) for s in block if len(s) == 2)  # bf16, padded to 8 shards
+    saved = (collective_bytes(args, layout, plain).fsdp_all_gather
+             - collective_bytes(args, layout, gathered).fsdp_all_gather)
+    # The blocks' linear weights, gathered in forward and again in backward, in 1 byte instead of 2.
+    assert saved == 2 * args.n_layers * linear / 2
+    assert collective_bytes(args, layout, gathered).fsdp_reduce_scatter == \
+        collective_bytes(args, layout, plain).fsdp_reduce_scatter  # gradients are reduced as before
+    hw = spec("h100", 8)
+    a, b = estimate(args, layout, plain, hw), estimate(args, layout, gathered, hw)
+    assert b.time.dp_comm < a.time.dp_comm and b.memory.gathered_params < a.memory.gathered_params
+    assert b.time.compute < a.time.compute  # no weight casts
+    # Nothing sharded, nothing gathered: the option changes nothing.
+    alone = Layout(1, 1, 8, "selective")
+    assert estimate(args, alone, gathered, hw).time == estimate(args, alone, plain, hw).time
+    code, out, _ = _run(capsys, *EIGHT_B, "--float8", "--float8-all-gather", "--compile")
+    assert code == 0 and "their weights all-gathered in float8 (1 byte)" in out
+    assert "--float8.recipe tensorwise --float8.fsdp_all_gather true" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gpu", "a100", "--float8"], "--float8 tensorwise: a100 has no float8 matmuls (no float8 peak in "
+                                    "hybridpar/plan/hardware.py): plan it without --float8"),
+    (["--gpu", "h100", "--float8", "rowwise", "--float8-all-gather"],
+     "--float8-all-gather needs --float8 tensorwise, not rowwise"),
+    (["--gpu", "h100", "--float8", "fp8"], "--float8 'fp8': choose one of tensorwise, rowwise, rowwise_with_gw_hp"),
+])
+def test_a_float8_plan_it_cannot_price_is_refused_in_one_line(capsys, argv, message):
+    code, out, err = _run(capsys, "--model", "llama3_8b", "--gpus", "8", *argv)
+    assert code == 2 and out == "", out
+    assert len(err.strip().splitlines()) == 1 and message in err, err

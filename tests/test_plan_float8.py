@@ -1,5 +1,6 @@
 """`hybridpar plan --float8`: the blocks' linears at the card's float8 rate, their casts at the memory
-rate, the FSDP all-gather of float8 weights in one byte, and the cards without float8 refused."""
+rate, the FSDP all-gather of float8 weights in one byte, the cards without float8 refused, and async
+TP's collectives hidden only behind their own matmuls."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 
 from hybridpar.models.args import ModelArgs
 from hybridpar.plan import Layout, Workload, collective_bytes, estimate
+from hybridpar.plan.async_tp import async_tp_seconds
 from hybridpar.plan.compute import block_linears, float8_cast_work, head_work, micro_batch_work
 from hybridpar.plan.hardware import float8_peak_flops_of, peak_flops_of, spec
 from hybridpar.plan.memory import gathered_bytes, local_param_shapes
@@ -129,3 +131,17 @@ def test_a_float8_plan_it_cannot_price_is_refused_in_one_line(capsys, argv, mess
     code, out, err = _run(capsys, "--model", "llama3_8b", "--gpus", "8", *argv)
     assert code == 2 and out == "", out
     assert len(err.strip().splitlines()) == 1 and message in err, err
+
+
+def test_async_tp_hides_each_forward_collective_behind_its_own_matmuls_only():
+    args, layout, hw = ModelArgs.from_preset("llama3.1_70b"), Layout(8, 32, 1, "full"), spec("h100-500w", 256)
+    bf16 = Workload(seq_len=8192, micro_batch=16, compile=True)
+    eight = dataclasses.replace(bf16, float8="tensorwise", float8_all_gather=True)
+    synchronous = {w.float8: estimate(args, layout, w, hw).time.tp_comm for w in (bf16, eight)}
+    hidden = {w.float8: synchronous[w.float8] - async_tp_seconds(args, layout, w, hw, synchronous[w.float8])
+              for w in (bf16, eight)}
+    # Some is hidden, not all; float8's shorter matmuls hide less.
+    assert 0 < hidden["tensorwise"] < hidden["none"] < synchronous["none"]
+    # Without sequence parallelism there is no all-gather or reduce-scatter for async TP to cut.
+    plain = dataclasses.replace(layout, sequence_parallel=False)
+    assert async_tp_seconds(args, plain, bf16, hw, 1.0) == 1.0

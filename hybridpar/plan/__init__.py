@@ -19,8 +19,8 @@ and the slowdown of kernels sharing a GPU with NCCL's.
 
 inputs: Layout, Workload, Hardware. hardware: named GPUs; cpu: this machine, measured. memory:
 parameters, activations, Memory. compute: the kernels' work. comm: collective bytes, calls and
-times. pipeline_cost: pp's stages, bubble and in-flight
-micro-batches. search: estimate, candidate_layouts, make_plan. report: the text. published: the check.
+times. async_tp: torch's asynchronous TP, for published runs. pipeline_cost: pp's stages, bubble and
+in-flight micro-batches. search: estimate, candidate_layouts, make_plan. report: the text. published: the check.
 """
 
 from ..config.dtypes import dtype_bytes

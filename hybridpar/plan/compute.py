@@ -120,7 +120,7 @@ def float8_cast_work(linears: list[tuple[int, int]], tokens: int, a: int, recipe
 
 
 # A block's regions by its linears (block_linears): the linears of one read the same input. Under
-# tensor parallelism each is entered or left by a collective.
+# tensor parallelism each is entered or left by a collective (plan.async_tp pairs them).
 REGIONS = {"attention entry": slice(0, 3), "attention exit": slice(3, 4), "feed-forward entry": slice(4, 6),
            "feed-forward exit": slice(6, 7)}
 

@@ -83,7 +83,7 @@ class Workload:
     grad_sync: str = "last"  # train.grad_sync: reduce-scatter after the last micro-batch, or after "every" one
     compile: bool = False  # train.compile: each block's elementwise chains fused
     # torch's asynchronous TP (torchtitan's enable_async_tensor_parallel, which hybridpar does not
-    # have): the tensor-parallel collectives overlap the matmuls beside them; priced as hidden.
+    # have): the tensor-parallel collectives overlap the matmuls beside them (plan.async_tp prices it).
     async_tp: bool = False
     # float8.recipe and float8.fsdp_all_gather: the blocks' linears in float8 (plan.compute prices them).
     float8: str = "none"

@@ -9,6 +9,7 @@ from hybridpar.models.args import ModelArgs
 
 from ..config.dtypes import dtype_bytes
 from ..config.sharding import AC_MODES
+from .async_tp import async_tp_seconds
 from .comm import (StepTime, all_gather_seconds, all_reduce_seconds, collective_bytes,
                    flops_per_token, group_busbw)
 from .compute import head_work, micro_batch_work, step_work
@@ -140,7 +141,7 @@ def estimate(args: ModelArgs, layout: Layout, workload: Workload, hw: Hardware) 
     tp_mb = (all_reduce_seconds(comm.tp_all_reduce, mp, mp_bw) + all_gather_seconds(comm.tp_all_gather, mp, mp_bw)
              + all_gather_seconds(comm.tp_reduce_scatter, mp, mp_bw))
     if workload.async_tp:
-        tp_mb = 0.0
+        tp_mb = async_tp_seconds(args, layout, workload, hw, tp_mb)
     # Context parallelism's collectives wait for their result: hybridpar.parallel.context gathers K|V
     # before the attention that needs it, and the block's backward goes on from the reduced dK|dV.
     cp_mb = all_gather_seconds(comm.cp_all_gather, cp, cp_bw) + all_gather_seconds(comm.cp_reduce_scatter, cp, cp_bw)

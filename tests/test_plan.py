@@ -444,14 +444,14 @@ def test_recomputation_and_compilation_change_the_work_as_they_should():
 
 def test_planner_against_published_runs():
     """torchtitan's H100 and A100 tables and the Llama 3 paper's 405B run: tokens/s per GPU within
-    25% (the pipelined 405B rows within 15%: tests/test_plan_pipeline.py)."""
-    from hybridpar.plan.published import compare, format_table
+    TOLERANCE (15%), or the row says why and is within 35% (tests/test_plan_float8.py: the float8 rows)."""
+    from hybridpar.plan.published import TOLERANCE, compare, format_table
 
     rows = compare()
     print("\n" + format_table(rows))
     assert {"h100-500w", "h100", "a100"} <= {r.case.gpu for r in rows}
     for row in rows:
-        assert abs(row.error) <= 0.25, row
+        assert abs(row.error) <= TOLERANCE or (row.case.why and abs(row.error) <= 0.35), row
     page = (ROOT / "docs" / "planner.md").read_text()  # its table shows today's figures
     stale = [r.case.name for r in rows
              if f"| {r.published:,.0f} | {r.planned:,.0f} | {100 * r.error:+.0f}% |" not in page]

@@ -255,3 +255,35 @@ def _case_skip(mp: int, skip: list) -> list:
 ])
 def test_which_linears_stay_in_high_precision(workers, mp, skip, converted):
     assert workers(4).run(_case_skip, mp, skip) == [converted] * 4
+
+
+def _case_model(recipe: str, mp: int, sequence_parallel: bool) -> dict:
+    """The debug Llama in float8 at mp (every linear but the head converted) against the same in float8
+    at mp 1 on the same full weights: logits, loss and every gradient."""
+    from hybridpar.config.low_precision import Float8Config
+    from hybridpar.models.args import ModelArgs
+    from hybridpar.models.llama import Transformer
+    from hybridpar.parallel.float8 import convert_to_float8
+    from hybridpar.parallel.state import full_state_dict, load_full_state_dict
+    from tests.models.test_llama import _batch, _forward_backward
+
+    args, p1, pn = ModelArgs.from_preset("debug"), parallel_dims(mp=1), parallel_dims(mp=mp)
+    torch.manual_seed(0)
+    reference = Transformer(args, p1)
+    model = Transformer(args, pn, sequence_parallel=sequence_parallel)
+    load_full_state_dict(model, full_state_dict(reference))
+    config, cpu = Float8Config(recipe=recipe), torch.device("cpu")
+    assert convert_to_float8(reference, p1, config, device=cpu) == convert_to_float8(model, pn, config, device=cpu)
+    inputs, targets = _batch(args)
+    ref_logits, ref_loss, ref_grads = _forward_backward(reference, inputs, targets, p1)
+    logits, loss, grads = _forward_backward(model, inputs, targets, pn)
+    errors = {"local_logits": rel_err(logits, ref_logits.chunk(mp, dim=-1)[pn.mp_rank]), "loss": rel_err(loss, ref_loss)}
+    errors.update({f"grad.{name}": rel_err(grad, ref_grads[name]) for name, grad in grads.items()})
+    return errors
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("mp,sp", [(2, False), (2, True), (4, True)], ids=["mp2", "mp2-sp", "mp4-sp"])
+def test_the_float8_model_at_mp_equals_mp_1(workers, check_close, recipe, mp, sp):
+    check_close(f"float8 {recipe} debug model mp{mp}{' sp' if sp else ''} vs mp 1", workers(4).run(_case_model, recipe, mp, sp),
+                1e-5)

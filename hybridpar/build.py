@@ -1,5 +1,5 @@
-"""The one place a model is built: tensor parallelism inside the model, then its weights, activation
-checkpointing, compile and FSDP, in the order below.
+"""The one place a model is built: tensor parallelism inside the model, then its weights, float8,
+activation checkpointing, compile and FSDP, in the order below.
 
 Training, the dry run, the planner's CPU probe, checkpoint conversion and the benchmark all call
 `build_model` (a pipeline stage through hybridpar.pipeline.cutting); what differs between them (device, dtype, FSDP or not, compile, sequence
@@ -15,15 +15,19 @@ import torch
 from hybridpar.models.args import ModelArgs
 from hybridpar.models.llama import Transformer
 
+from .config.low_precision import Float8Config
 from .config.sharding import FSDPConfig
+from . import progress
 from .mesh.device import ParallelDims
+from .parallel.float8 import convert_to_float8, emulated_note
 from .parallel.fsdp import apply_activation_checkpointing, apply_fsdp, check_compiler, compile_blocks
 
 
 def build_model(args: ModelArgs, parallel: ParallelDims, *, device: Optional[torch.device] = None,
                 dtype: Optional[torch.dtype] = None, sequence_parallel: bool = False,
                 load: Optional[Callable[[Transformer], None]] = None, fsdp: Optional[FSDPConfig] = None,
-                compile: bool = False, part: Optional[dict] = None) -> Transformer:
+                compile: bool = False, part: Optional[dict] = None,
+                float8: Optional[Float8Config] = None) -> Transformer:
     """A Transformer for this rank of `parallel`.
 
     device "meta" builds without memory (the dry run; or weights loaded after `to_empty`). load(model)
@@ -31,7 +35,7 @@ def build_model(args: ModelArgs, parallel: ParallelDims, *, device: Optional[tor
     checkpointing, no compile (conversion, generation). compile: torch.compile each block.
     part: build only these pieces of the model (Transformer's layers / embedding / head keywords): a
     pipeline stage, hybridpar.pipeline.cutting' build_stage), with the whole model's
-    weights for the same seed.
+    weights for the same seed. float8: its recipe in the tensor-parallel linears (none: high precision).
     """
     if fsdp is not None:
         fsdp.validate()  # bad fsdp.* values and a missing compiler refused before anything is built
@@ -50,14 +54,22 @@ def build_model(args: ModelArgs, parallel: ParallelDims, *, device: Optional[tor
     # 2. Weights are sliced into the unsharded model: before FSDP.
     if load is not None:
         load(model)
+    # 3. Float8 matmuls in the linears the config does not skip: the parameters stay as they are.
+    if float8 is not None and float8.enabled:
+        rehearsal = torch.device(allocate or device or parallel.device).type == "meta"  # the dry run's
+        convert_to_float8(model, parallel, float8, device=parallel.device)
+        note = emulated_note(parallel.device)
+        if note and not rehearsal and (part is None or part.get("embedding", True)):  # once: rank 0's first stage
+            progress.note(note)
     if fsdp is None:
         return model
-    # 3. Activation checkpointing: inserts no wrapper module, so parameter names stay Meta's; chosen
+    # 4. Activation checkpointing: inserts no wrapper module, so parameter names stay Meta's; chosen
     #    by the layer's index in the whole model.
     apply_activation_checkpointing(model.layers, fsdp.activation_checkpointing, fsdp.ac_every)
-    # 4. Compile each block: after activation checkpointing, which it then traces; before FSDP, whose
+    # 5. Compile each block: after activation checkpointing, which it then traces; before FSDP, whose
     #    hooks stay outside the compiled code.
     if compile:
         compile_blocks(model)
-    # 5. FSDP over the data-parallel dims (on gloo, its collectives as all-to-alls).
+    # 6. FSDP over the data-parallel dims (on gloo, its collectives as all-to-alls).
     return apply_fsdp(model, parallel, fsdp)
+

@@ -25,6 +25,7 @@ from .config import Config, ConfigError
 from .pipeline.schedules import check_pipeline, check_untied, check_validation
 from .mesh.layout import MeshSizeError, resolve_sizes
 
+FLOAT8_CAPABILITY = (8, 9)  # the CUDA cards with float8 matmuls
 _TOKENIZER_KINDS = "a tokenizer.model (sentencepiece, or Meta's Llama 3 tiktoken file), a Hugging Face tokenizer.json"
 
 
@@ -88,12 +89,13 @@ def as_job(job: Union[Job, Config], world_size: int) -> Job:
 
 def check_config(config: Config, world_size: int, args=None, *, training: bool = True) -> tuple[tuple, object]:
     """Every refusal of a job that reads no data file and needs no process group, in the job's order:
-    the values' ranges, the mesh against the world, the model's shape against data.seq_len, mp and
+    the values' ranges, the mesh against the world, what float8 needs of the machine, the model's shape against data.seq_len, mp and
     cp, the pipeline against the model's layers and the batch; for training (not the doctor) also
     what the trainer cannot run (validation under a V schedule, evaluation in the loop at pp or cp
     above 1). `args`: the model's shape when already read (model_shape), else read from the config.
     The job (resolve_job) and the dry run both make these checks. Returns (the mesh sizes, args)."""
     sizes = _checked_sizes(config, world_size)
+    check_float8_setup(config)
     pp, cp, mp = sizes[0], sizes[3], sizes[4]
     args = check_shape(config, model_shape(config) if args is None else args, mp, cp)
     p, d = config.parallel, config.data
@@ -110,6 +112,28 @@ def check_values(config: Config, world_size: int):
     """check_config's checks that any job makes (a doctor's too): the values, the mesh, the model's
     shape, the pipeline. Returns the model's args (hybridpar.models.args.ModelArgs)."""
     return check_config(config, world_size, training=False)[1]
+
+
+def check_float8_setup(config: Config) -> None:
+    """What a float8.recipe needs of this machine: torchao, and on CUDA a card with float8 matmuls."""
+    if not config.float8.enabled:
+        return
+    from .config.low_precision import require_torchao
+
+    require_torchao()
+    import torch
+
+    from .mesh.device import default_backend
+
+    # On CUDA (nccl, as init_parallel picks it) the matmuls are torch._scaled_mm's: Ada, Hopper and later.
+    if not torch.cuda.is_available() or "nccl" not in (config.parallel.backend or default_backend()):
+        return
+    capability = torch.cuda.get_device_capability()
+    if capability < FLOAT8_CAPABILITY:
+        raise ConfigError(f"float8.recipe needs float8 matmuls (compute capability {FLOAT8_CAPABILITY[0]}."
+                          f"{FLOAT8_CAPABILITY[1]} or above: L4, H100, H200, B200), and this "
+                          f"{torch.cuda.get_device_name()} has compute capability {capability[0]}.{capability[1]}; "
+                          "set float8.recipe = \"none\"")
 
 
 def check_eval_setup(config: Config) -> None:

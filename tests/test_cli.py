@@ -205,6 +205,7 @@ def _answers_at_once(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
     (["mesh", "--world", "8", "--mp", "2"], 0, None),
     (["train", "--optim.lr", "-1"], 2, "optim.lr must be > 0"),
     (["train", "--data.seq_len", "127", "--parallel.mp", "2"], 2, "data.seq_len = 127 is not divisible by parallel.mp = 2"),
+    (["train", "--float8.recipe", "fp8"], 2, "float8.recipe must be one of none, tensorwise, rowwise"),
 ])
 def test_help_mesh_and_a_refused_start_import_no_torch(argv, code, refusal, tmp_path):
     """The parser, the config's dataclasses and the checks before the start are torch-free: `--help`

@@ -95,13 +95,62 @@ def _dry_run(monkeypatch, capsys, flags: list, world: int, run_dir: Path) -> tup
 @pytest.mark.parametrize("flags,world,line", _table_cases() + PROSE_CASES,
                          ids=lambda v: v if isinstance(v, str) else None)
 def test_the_job_and_its_dry_run_refuse_alike_in_one_line(monkeypatch, capsys, tmp_path, flags, world, line):
-    import torch.distributed as dist
-
     from hybridpar.pipeline import schedules as pipeline
 
-    monkeypatch.delenv("HYBRIDPAR_TRACEBACK", raising=False)
     if flags[len(LOCAL):] == DUALPIPEV:
         monkeypatch.setattr(pipeline, "_torch_has", lambda name: False)  # a torch before DualPipeV
+    _refused_alike(monkeypatch, capsys, tmp_path, flags, world, line)
+
+
+def _without_torchao(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "torchao", None)  # import torchao fails; find_spec finds nothing
+
+
+def _on_an_a100(monkeypatch) -> None:
+    """A CUDA machine whose card has no float8 matmuls (compute capability 8.0)."""
+    import torch
+    import torch.distributed as dist
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+
+
+FLOAT8 = LOCAL + ["--float8.recipe", "rowwise"]
+# docs/training.md, Float8: the refusals before any process group, each with what makes it (None: the flags).
+FLOAT8_CASES = [
+    (LOCAL + ["--float8.recipe", "fp8"], None,
+     "float8.recipe must be one of none, tensorwise, rowwise, rowwise_with_gw_hp, got 'fp8'"),
+    (FLOAT8 + ["--float8.fsdp_all_gather", "true"], None,
+     "float8.fsdp_all_gather needs float8.recipe = \"tensorwise\" (one scale per weight), got 'rowwise'"),
+    (LOCAL + ["--float8.recipe", "tensorwise", "--float8.fsdp_all_gather", "true"], None,
+     "float8.fsdp_all_gather is not built yet: set float8.fsdp_all_gather = false (the weights are all-gathered in "
+     "the FSDP param_dtype and cast to float8 per matmul)"),
+    (FLOAT8, _without_torchao,
+     "float8.recipe needs torchao, which is not installed: pip install 'hybridpar[float8]' (or pip install "
+     "'torchao>=0.18')"),
+    (FLOAT8, _on_an_a100,
+     "float8.recipe needs float8 matmuls (compute capability 8.9 or above: L4, H100, H200, B200), and this NVIDIA "
+     "A100-SXM4-80GB has compute capability 8.0; set float8.recipe = \"none\""),
+]
+
+
+@pytest.mark.parametrize("flags,setup,line", FLOAT8_CASES, ids=lambda v: v if isinstance(v, str) else None)
+def test_float8_is_refused_in_one_line_by_the_job_and_its_dry_run(monkeypatch, capsys, tmp_path, flags, setup, line):
+    if setup is not None:
+        setup(monkeypatch)
+    _refused_alike(monkeypatch, capsys, tmp_path, flags, 1, line)
+    section = (ROOT / "docs" / "training.md").read_text().split("\n## Float8\n", 1)[1].split("\n## ", 1)[0]
+    assert f"`{line}`" in section  # as the page quotes it
+
+
+def _refused_alike(monkeypatch, capsys, tmp_path, flags: list, world: int, line: str) -> None:
+    """The job and the dry run both exit 2 with the one line holding `line`, before any process group
+    or run folder."""
+    import torch.distributed as dist
+
+    monkeypatch.delenv("HYBRIDPAR_TRACEBACK", raising=False)
     run_dir = tmp_path / "run"
     code, job_said, job_out = _job(monkeypatch, capsys, flags, world, run_dir)
     assert (code, len(job_said), job_out) == (2, 1, ""), job_said + [job_out]

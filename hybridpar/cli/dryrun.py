@@ -142,7 +142,7 @@ def _rehearse(run: DryRun, c: Config, world: int, sizes: list[int], args, target
     what = f"this rank's pipeline stages of {run.model}" if pp > 1 else run.model
     say(f"building {what} on the meta device, tensor parallel {mp}, FSDP over {ds * dr}")
     stages = build_stages(args, parallel, layout, device=torch.device("meta"),
-                          sequence_parallel=c.parallel.sequence_parallel, fsdp=c.fsdp)
+                          sequence_parallel=c.parallel.sequence_parallel, fsdp=c.fsdp, float8=c.float8)
     runner = make_runner(stages, layout, parallel, grad_sync=c.train.grad_sync)
     run.parameters = [row for stage in stages for row in _placements(stage)]
     say("one training step on fake tensors (forward, backward, optimizer)")

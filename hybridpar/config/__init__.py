@@ -16,6 +16,7 @@ from typing import Any, Optional, Sequence, Union
 
 from .evaluation import EvalConfig
 from .sharding import FSDPConfig
+from .low_precision import Float8Config
 from .options import ConfigError, description, option, parse_pp_layers
 from .data_sources import blend_sources
 
@@ -164,6 +165,7 @@ class Config:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     fsdp: FSDPConfig = dataclasses.field(default_factory=FSDPConfig)
+    float8: Float8Config = dataclasses.field(default_factory=Float8Config)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
@@ -183,6 +185,7 @@ class Config:
         except ValueError as err:
             raise ConfigError(str(err)) from None
         self.eval.validate()
+        self.float8.validate()
         if self.train.grad_sync not in ("last", "every"):
             raise ConfigError(f"train.grad_sync must be 'last' or 'every', got {self.train.grad_sync!r}")
         if self.train.on_nonfinite not in ("stop", "skip"):

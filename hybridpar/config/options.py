@@ -15,9 +15,11 @@ class ConfigError(ValueError):
 
 
 def option(default: Any, help: str) -> Any:
-    """A dataclass field with `default` (`list`: an empty list each) and a one-line description."""
-    if default is list:
-        return dataclasses.field(default_factory=list, metadata={"help": help})
+    """A dataclass field with `default` (`list`: an empty list each; a list: a copy of it each) and a
+    one-line description."""
+    if default is list or isinstance(default, list):
+        return dataclasses.field(default_factory=lambda: list(default) if default is not list else [],
+                                 metadata={"help": help})
     return dataclasses.field(default=default, metadata={"help": help})
 
 

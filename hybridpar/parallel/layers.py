@@ -81,6 +81,10 @@ def local_tensor(param: Optional[nn.Parameter]) -> Optional[torch.Tensor]:
     return param.to_local() if isinstance(param, DTensor) else param
 
 
+def _float8_repr(layer: nn.Module) -> str:
+    return f", float8 {layer.float8.recipe}" if layer.float8 is not None else ""
+
+
 def _check_fairscale_options(stride: int = 1, keep_master_weight_for_test: bool = False) -> None:
     """fairscale's signatures are kept; the options whose behaviour is not implemented are refused."""
     if stride != 1:
@@ -117,18 +121,19 @@ class ColumnParallelLinear(nn.Module):
         self.output_size_per_partition = divide(out_features, parallel.mp, "out_features")
         self.weight = mp_parameter((out_features, in_features), Shard(0), parallel, init_method, dtype, device)
         self.bias = mp_parameter((out_features,), Shard(0), parallel, None, dtype, device) if bias else None
+        self.float8 = None  # F.linear's stand-in in float8 (hybridpar.parallel.float8.convert_to_float8)
 
     def forward(self, x: torch.Tensor, *, copy_input: bool = True) -> torch.Tensor:
         """copy_input=False: the caller already passed x through enter_region, once for several layers
         reading the same input (wq, wk, wv), so its gradient is reduced once, not per layer."""
         if copy_input:
             x = enter_region(x, self.group, self.sequence_parallel)
-        y = F.linear(x, local_tensor(self.weight), local_tensor(self.bias))
+        y = (self.float8 or F.linear)(x, local_tensor(self.weight), local_tensor(self.bias))
         return gather_from_region(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, gather_output={self.gather_output}"
-                + (", sequence_parallel" if self.sequence_parallel else ""))
+                + (", sequence_parallel" if self.sequence_parallel else "") + _float8_repr(self))
 
 
 class RowParallelLinear(nn.Module):
@@ -161,17 +166,18 @@ class RowParallelLinear(nn.Module):
         self.input_size_per_partition = divide(in_features, parallel.mp, "in_features")
         self.weight = mp_parameter((out_features, in_features), Shard(1), parallel, init_method, dtype, device)
         self.bias = mp_parameter((out_features,), Replicate(), parallel, None, dtype, device) if bias else None
+        self.float8 = None  # as ColumnParallelLinear's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_region(x, self.group)
-        y = leave_region(F.linear(x, local_tensor(self.weight)), self.group, self.sequence_parallel)
+        y = leave_region((self.float8 or F.linear)(x, local_tensor(self.weight)), self.group, self.sequence_parallel)
         # The bias is added once, after the sum, not on every rank's partial product.
         return y + local_tensor(self.bias) if self.bias is not None else y
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, input_is_parallel={self.input_is_parallel}"
-                + (", sequence_parallel" if self.sequence_parallel else ""))
+                + (", sequence_parallel" if self.sequence_parallel else "") + _float8_repr(self))
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -105,7 +105,8 @@ class Trainer:
         # The same full weights on every rank, whatever the layout, then sharded by FSDP.
         torch.manual_seed(c.train.seed)
         stages = build_stages(self.args, p, self.layout, device=self.device, load=self.job.init_loader(p),
-                              sequence_parallel=c.parallel.sequence_parallel, fsdp=c.fsdp, compile=c.train.compile)
+                              sequence_parallel=c.parallel.sequence_parallel, fsdp=c.fsdp, compile=c.train.compile,
+                              float8=c.float8)
         self.runner = make_runner(stages, self.layout, p, grad_sync=c.train.grad_sync)
         self.params = [param for part in self.runner.modules for param in part.parameters()]
         self.optimizer = build_optimizer(self.runner.modules, c.optim)

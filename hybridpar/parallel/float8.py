@@ -1,0 +1,205 @@
+"""Float8 matmuls in the tensor-parallel linears, through torchao: its recipes, casts, scales and
+float8 matmul (emulated in fp32 off CUDA); no float8 kernel of hybridpar's own.
+
+    names = convert_to_float8(model, parallel, config.float8, device=parallel.device)
+
+sets each ColumnParallelLinear's and RowParallelLinear's `float8` (a Float8Matmul, which the layer
+calls instead of F.linear) unless float8.skip names it or its slice has a dimension that is not a
+multiple of 16. The parameters stay as they are: master weights, optimizer state and checkpoints
+hold no float8 tensor.
+
+A linear's three matmuls cast six tensors (torchao's Float8LinearConfig: input, weight and
+grad_output, each for two matmuls), each scaled by the amax of the tensor (tensorwise) or of each
+row or column (axiswise, along one dimension). A rank holds a slice of some of them, so an amax
+taken along a split dimension is reduced (MAX) over the group that splits it, and every scale is
+the one of the unsplit tensor: float8 at any layout computes what it computes at world 1.
+
+    the tensors, 2-D      tokens    in       out
+    input    [tokens, in]   cp       row: mp
+    weight.t [in, out]               row: mp  column: mp
+    grad_out [tokens, out]  cp                column: mp
+
+(Sequence parallelism gathers the tokens before a column-parallel linear and scatters them after a
+row-parallel one: inside the linear they are whole over mp. Context parallelism gives each rank
+part of every sequence's tokens.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import logging
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..config.low_precision import Float8Config
+from ..mesh.device import ParallelDims
+from .layers import ColumnParallelLinear, RowParallelLinear, local_tensor
+
+MULTIPLE = 16  # a float8 matmul's dimensions
+
+# Each cast of torchao's config: (the tensor it casts, the dimension an axiswise amax is taken along).
+_CASTS = {
+    "cast_config_input": ("input", -1),
+    "cast_config_weight": ("weight", 0),
+    "cast_config_grad_output": ("grad_output", -1),
+    "cast_config_weight_for_grad_input": ("weight", -1),
+    "cast_config_grad_output_for_grad_weight": ("grad_output", 0),
+    "cast_config_input_for_grad_weight": ("input", 0),
+}
+_AXES = {"input": ("tokens", "in"), "weight": ("in", "out"), "grad_output": ("tokens", "out")}
+
+
+def torchao_float8():
+    """torchao.float8, imported quietly: off CUDA torchao logs a warning for each kernel library it
+    cannot load, and torch one for an enum torchao registers; neither touches float8 training."""
+    quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [logger.level for logger in quiet]
+    for logger in quiet:
+        logger.setLevel(logging.ERROR)
+    try:
+        import torchao.float8
+        import torchao.float8.float8_training_tensor
+        import torchao.float8.float8_utils
+    finally:
+        for logger, level in zip(quiet, levels):
+            logger.setLevel(level)
+    return torchao.float8
+
+
+def recipe_config(recipe: str, *, emulate: bool):
+    """torchao's Float8LinearConfig of `recipe` (a float8.recipe other than "none"); emulate: its
+    float8 matmuls in fp32, off CUDA."""
+    config = torchao_float8().Float8LinearConfig.from_recipe_name(recipe)
+    return dataclasses.replace(config, emulate=emulate)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cast:
+    config: object  # torchao's CastConfig
+    role: object  # its GemmInputRole
+    dim: Optional[int]  # the axiswise amax's dimension; None: tensorwise
+    groups: tuple  # the process groups the amax is reduced over
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Float8Matmul:
+    """One linear's float8 matmul: torchao's config of the recipe, and for each of its casts the
+    groups its amax is reduced over. Called as F.linear: (x, weight, bias=None)."""
+
+    recipe: str
+    config: object  # torchao's Float8LinearConfig
+    mm_config: object  # torchao's LinearMMConfig
+    casts: dict  # a _CASTS name -> _Cast, None where the recipe keeps that tensor in high precision
+
+    @classmethod
+    def of(cls, recipe: str, splits: dict, *, emulate: bool) -> "Float8Matmul":
+        """splits: "tokens", "in", "out" -> the process groups splitting that dimension of the layer."""
+        ao = torchao_float8()
+        training = ao.float8_training_tensor
+        config = recipe_config(recipe, emulate=emulate)
+        mm = training.LinearMMConfig(*(training.ScaledMMConfig(emulate, gemm.use_fast_accum, False, config.pad_inner_dim)
+                                       for gemm in (config.gemm_config_output, config.gemm_config_grad_input,
+                                                    config.gemm_config_grad_weight)))
+        roles = {"input": training.GemmInputRole.INPUT, "weight": training.GemmInputRole.WEIGHT,
+                 "grad_output": training.GemmInputRole.GRAD_OUTPUT}
+        casts = {}
+        for name, (tensor, dim) in _CASTS.items():
+            cast = getattr(config, name)
+            if cast.scaling_type is ao.config.ScalingType.DISABLED:
+                casts[name] = None
+                continue
+            axiswise = cast.scaling_granularity is ao.config.ScalingGranularity.AXISWISE
+            # An axiswise amax runs along one dimension; a tensorwise one along both.
+            along = [_AXES[tensor][dim]] if axiswise else _AXES[tensor]
+            groups = tuple(g for axis in along for g in splits.get(axis, ()))
+            casts[name] = _Cast(cast, roles[tensor], dim if axiswise else None, groups)
+        return cls(recipe, config, mm, casts)
+
+    def cast(self, t: torch.Tensor, name: str):
+        """`t` cast as torchao's `name` cast (a Float8TrainingTensor), its amax that of the unsplit tensor."""
+        cast = self.casts[name]
+        if cast is None:
+            return t
+        # torchao is imported by now (Float8Matmul.of): no logger to quieten inside torch.compile's trace
+        from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
+        from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax
+
+        amax = tensor_to_amax(t, scaling_granularity=cast.config.scaling_granularity, axiswise_dim=cast.dim)
+        if cast.groups:
+            amax = amax.float()  # exact; gloo reduces no bfloat16
+            for group in cast.groups:  # a fresh tensor: reduced in place, as the region functions do
+                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+        scale = amax_to_scale(amax, cast.config.target_dtype, self.config.round_scales_to_power_of_2)
+        return hp_tensor_and_scale_to_float8(t, scale, cast.config.target_dtype, self.mm_config, cast.role, cast.dim)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        y = _Float8Linear.apply(x, weight.t(), self)
+        return y if bias is None else y + bias.to(y.dtype)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+class _Float8Linear(torch.autograd.Function):
+    """y = x @ weight_t through `plan`'s casts: torchao's three float8 matmuls of a linear."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight_t: torch.Tensor, plan: Float8Matmul) -> torch.Tensor:
+        ctx.save_for_backward(x, weight_t)
+        ctx.plan = plan
+        y = torch.mm(plan.cast(_rows(x), "cast_config_input"), plan.cast(weight_t, "cast_config_weight"))
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight_t = ctx.saved_tensors
+        plan, g, xs = ctx.plan, _rows(grad), _rows(x)
+        grad_x = torch.mm(plan.cast(g, "cast_config_grad_output"),
+                          plan.cast(weight_t, "cast_config_weight_for_grad_input").t())
+        grad_w = torch.mm(plan.cast(g, "cast_config_grad_output_for_grad_weight").t(),
+                          plan.cast(xs, "cast_config_input_for_grad_weight"))
+        return grad_x.reshape(*x.shape[:-1], grad_x.shape[-1]), grad_w.t(), None
+
+
+def layer_splits(layer: nn.Module, parallel: ParallelDims) -> dict:
+    """Which process groups split each dimension of `layer`'s matmul (the module's table)."""
+    mp = (parallel.mp_group,) if parallel.mp > 1 else ()
+    splits = {"tokens": (parallel.cp_group,) if parallel.cp > 1 else ()}
+    splits["out" if isinstance(layer, ColumnParallelLinear) else "in"] = mp
+    return splits
+
+
+def skipped(name: str, layer: nn.Module, patterns) -> bool:
+    """float8.skip names the layer (a pattern matching its name or the end of it), or its slice's
+    dimensions are not multiples of 16."""
+    if any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(name, "*." + p) for p in patterns):
+        return True
+    return any(n % MULTIPLE for n in local_tensor(layer.weight).shape)
+
+
+def convert_to_float8(model: nn.Module, parallel: ParallelDims, config: Float8Config, *,
+                      device: Optional[torch.device] = None) -> list[str]:
+    """Give each Column/RowParallelLinear of `model` not skipped its Float8Matmul of config.recipe
+    (emulated unless `device`, else parallel.device, is a CUDA device); returns their names."""
+    if not config.enabled:
+        return []
+    emulate = torch.device(device if device is not None else parallel.device).type != "cuda"
+    names = []
+    for name, layer in model.named_modules():
+        if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)) and not skipped(name, layer, config.skip):
+            layer.float8 = Float8Matmul.of(config.recipe, layer_splits(layer, parallel), emulate=emulate)
+            names.append(name)
+    return names
+
+
+def emulated_note(device: torch.device) -> Optional[str]:
+    """The line a run on `device` says once when float8 is emulated there, else None."""
+    if torch.device(device).type == "cuda":
+        return None
+    return (f"float8: no CUDA device here ({torch.device(device).type}), so torchao emulates the float8 matmuls "
+            "in fp32: float8's numbers, slower than bf16")

@@ -72,4 +72,3 @@ def build_model(args: ModelArgs, parallel: ParallelDims, *, device: Optional[tor
         compile_blocks(model)
     # 6. FSDP over the data-parallel dims (on gloo, its collectives as all-to-alls).
     return apply_fsdp(model, parallel, fsdp)
-

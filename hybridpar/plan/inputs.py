@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..config.low_precision import RECIPES as FLOAT8_RECIPES  # the [float8] section's recipes ("none": bf16)
+
 GIB = 2**30
 MASTER_BYTES = 4  # the trainer builds the model in fp32: master params, grads and AdamW moments are fp32
-# The [float8] section's recipes (torchao's names; "none": bf16 matmuls); fsdp_all_gather is tensorwise's only.
-FLOAT8_RECIPES = ("none", "tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -231,6 +231,19 @@ def meta_ffn_rule(dim: int, multiple_of: int, ffn_dim_multiplier: Optional[float
     return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
 
 
+def local_param_shapes(args: ModelArgs, mp: int) -> dict[str, list[tuple[int, ...]]]:
+    """Each FSDP unit's parameters as this mp rank holds them (before FSDP), as in models/llama.py."""
+    d, hd, v, f = args.dim, args.head_dim, args.vocab_size, args.ffn_hidden_dim
+    q = args.n_heads * hd // mp
+    # wk/wv: ColumnParallelLinear slices when mp divides the kv heads, else every rank has them all.
+    kv = args.kv_heads * hd // mp if args.kv_heads % mp == 0 else args.kv_heads * hd
+    embedding = (v // mp, d) if args.resolved_embedding_split == "vocab" else (v, d // mp)
+    block = [(q, d), (kv, d), (kv, d), (d, q), (f // mp, d), (f // mp, d), (d, f // mp), (d,), (d,)]
+    # Tied: the head reads the embedding's weight (hybridpar.models.llama.TiedOutput) and has none of its own.
+    output = [] if args.tie_embeddings else [(v // mp, d)]
+    return {"embedding": [embedding], "block": block, "output": output, "root": [(d,)]}
+
+
 def preset_names() -> list[str]:
     return sorted(p.stem for p in PRESETS_DIR.glob("*.json"))
 

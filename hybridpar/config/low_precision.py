@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import importlib.metadata
 import importlib.util
 import re
@@ -17,6 +18,7 @@ from .evaluation import split_task_names
 from .options import ConfigError, option
 
 RECIPES = ("none", "tensorwise", "rowwise", "rowwise_with_gw_hp")
+MULTIPLE = 16  # a float8 matmul's dimensions (torch._scaled_mm's): a linear with another stays in high precision
 TORCHAO = (0, 18)  # the oldest torchao whose float8 training functions hybridpar calls
 INSTALL = "pip install 'hybridpar[float8]' (or pip install 'torchao>=0.18')"
 
@@ -46,6 +48,11 @@ class Float8Config:
         if self.fsdp_all_gather:
             raise ConfigError("float8.fsdp_all_gather is not built yet: set float8.fsdp_all_gather = false (the "
                               "weights are all-gathered in the FSDP param_dtype and cast to float8 per matmul)")
+
+
+def names_skipped(name: str, patterns) -> bool:
+    """Whether float8.skip's `patterns` name the linear `name`: a pattern matching it or its end."""
+    return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(name, "*." + p) for p in patterns)
 
 
 def require_torchao() -> None:

@@ -27,7 +27,6 @@ part of every sequence's tokens.)
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import logging
 from typing import Optional
 
@@ -35,11 +34,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config.low_precision import Float8Config
+from ..config.low_precision import MULTIPLE, Float8Config, names_skipped
 from ..mesh.device import ParallelDims
 from .layers import ColumnParallelLinear, RowParallelLinear, local_tensor
-
-MULTIPLE = 16  # a float8 matmul's dimensions
 
 # Each cast of torchao's config: (the tensor it casts, the dimension an axiswise amax is taken along).
 _CASTS = {
@@ -177,7 +174,7 @@ def layer_splits(layer: nn.Module, parallel: ParallelDims) -> dict:
 def skipped(name: str, layer: nn.Module, patterns) -> bool:
     """float8.skip names the layer (a pattern matching its name or the end of it), or its slice's
     dimensions are not multiples of 16."""
-    if any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(name, "*." + p) for p in patterns):
+    if names_skipped(name, patterns):
         return True
     return any(n % MULTIPLE for n in local_tensor(layer.weight).shape)
 

@@ -6,25 +6,14 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from hybridpar.models.args import ModelArgs
+from hybridpar.models.args import ModelArgs, local_param_shapes
+
+from ..config.low_precision import MULTIPLE
 
 
 def kv_heads_per_rank(args: ModelArgs, mp: int) -> int:
     """kv heads each mp rank computes: split when mp divides them, else one (replicated)."""
     return args.kv_heads // mp if args.kv_heads % mp == 0 else 1
-
-
-def local_param_shapes(args: ModelArgs, mp: int) -> dict[str, list[tuple[int, ...]]]:
-    """Each FSDP unit's parameters as this mp rank holds them (before FSDP), as in models/llama.py."""
-    d, hd, v, f = args.dim, args.head_dim, args.vocab_size, args.ffn_hidden_dim
-    q = args.n_heads * hd // mp
-    # wk/wv: ColumnParallelLinear slices when mp divides the kv heads, else every rank has them all.
-    kv = args.kv_heads * hd // mp if args.kv_heads % mp == 0 else args.kv_heads * hd
-    embedding = (v // mp, d) if args.resolved_embedding_split == "vocab" else (v, d // mp)
-    block = [(q, d), (kv, d), (kv, d), (d, q), (f // mp, d), (f // mp, d), (d, f // mp), (d,), (d,)]
-    # Tied: the head reads the embedding's weight (hybridpar.models.llama.TiedOutput) and has none of its own.
-    output = [] if args.tie_embeddings else [(v // mp, d)]
-    return {"embedding": [embedding], "block": block, "output": output, "root": [(d,)]}
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -36,7 +25,7 @@ def sharded_numel(shape: tuple[int, ...], dp_shard: int) -> int:
     return math.ceil(shape[0] / dp_shard) * _numel(shape[1:])
 
 
-FLOAT8_ALIGN = 16  # a linear with a dimension not a multiple of it stays bf16 (torchtitan's filter; _scaled_mm needs it)
+FLOAT8_ALIGN = MULTIPLE  # a linear with another dimension stays bf16 (torchtitan's filter; _scaled_mm needs it)
 
 
 def float8_linear(shape: tuple[int, ...]) -> bool:

@@ -20,7 +20,8 @@ from .config.sharding import FSDPConfig
 from . import progress
 from .mesh.device import ParallelDims
 from .parallel.float8 import convert_to_float8, emulated_note
-from .parallel.fsdp import apply_activation_checkpointing, apply_fsdp, check_compiler, compile_blocks
+from .parallel.float8_gather import gather_in_float8, precompute_at_first_forward
+from .parallel.fsdp import apply_activation_checkpointing, apply_fsdp, check_compiler, compile_blocks, dp_mesh_for
 
 
 def build_model(args: ModelArgs, parallel: ParallelDims, *, device: Optional[torch.device] = None,
@@ -35,7 +36,8 @@ def build_model(args: ModelArgs, parallel: ParallelDims, *, device: Optional[tor
     checkpointing, no compile (conversion, generation). compile: torch.compile each block.
     part: build only these pieces of the model (Transformer's layers / embedding / head keywords): a
     pipeline stage, hybridpar.pipeline.cutting' build_stage), with the whole model's
-    weights for the same seed. float8: its recipe in the tensor-parallel linears (none: high precision).
+    weights for the same seed. float8: its recipe in the tensor-parallel linears (none: high precision);
+    with float8.fsdp_all_gather and FSDP, their weights all-gathered in float8 (parallel.float8_gather).
     """
     if fsdp is not None:
         fsdp.validate()  # bad fsdp.* values and a missing compiler refused before anything is built
@@ -54,10 +56,14 @@ def build_model(args: ModelArgs, parallel: ParallelDims, *, device: Optional[tor
     # 2. Weights are sliced into the unsharded model: before FSDP.
     if load is not None:
         load(model)
-    # 3. Float8 matmuls in the linears the config does not skip: the parameters stay as they are.
+    # 3. Float8 matmuls in the linears the config does not skip: the parameters keep their values
+    #    (with float8.fsdp_all_gather, wrapped for FSDP to gather in float8: before FSDP shards them).
+    gathered = fsdp is not None and float8 is not None and float8.enabled and float8.fsdp_all_gather
     if float8 is not None and float8.enabled:
         rehearsal = torch.device(allocate or device or parallel.device).type == "meta"  # the dry run's
         convert_to_float8(model, parallel, float8, device=parallel.device)
+        if gathered:
+            gather_in_float8(model, dp_mesh_for(fsdp.sharding_strategy, parallel).mesh.shape[-1])
         note = emulated_note(parallel.device)
         if note and not rehearsal and (part is None or part.get("embedding", True)):  # once: rank 0's first stage
             progress.note(note)
@@ -71,4 +77,8 @@ def build_model(args: ModelArgs, parallel: ParallelDims, *, device: Optional[tor
     if compile:
         compile_blocks(model)
     # 6. FSDP over the data-parallel dims (on gloo, its collectives as all-to-alls).
-    return apply_fsdp(model, parallel, fsdp)
+    apply_fsdp(model, parallel, fsdp)
+    # 7. The float8-gathered weights' scales for the first all-gathers (then each optimizer step's and load's).
+    if gathered:
+        precompute_at_first_forward(model)
+    return model

@@ -98,6 +98,7 @@ def check_config(config: Config, world_size: int, args=None, *, training: bool =
     check_float8_setup(config)
     pp, cp, mp = sizes[0], sizes[3], sizes[4]
     args = check_shape(config, model_shape(config) if args is None else args, mp, cp)
+    check_float8_gather(config, args, mp, sizes[2] * cp)
     p, d = config.parallel, config.data
     check_pipeline(pp, p.pp_schedule, p.pp_layers, p.pp_microbatches, args.n_layers, d.micro_batch_size)
     check_untied(pp, args.tie_embeddings)
@@ -134,6 +135,39 @@ def check_float8_setup(config: Config) -> None:
                           f"{FLOAT8_CAPABILITY[1]} or above: L4, H100, H200, B200), and this "
                           f"{torch.cuda.get_device_name()} has compute capability {capability[0]}.{capability[1]}; "
                           "set float8.recipe = \"none\"")
+
+
+# A block's linears in the order hybridpar.models.args.local_param_shapes lists their shapes.
+_BLOCK_LINEARS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1",
+                  "feed_forward.w3", "feed_forward.w2")
+
+
+def check_float8_gather(config: Config, args, mp: int, shards: int) -> None:
+    """float8.fsdp_all_gather: torchao's float8 weight hands FSDP its shard unpadded, so the rows
+    (dim 0) of each float8 linear's mp slice must split evenly over FSDP's dp_shard x cp shards."""
+    f8 = config.float8
+    if not (f8.enabled and f8.fsdp_all_gather) or shards == 1:
+        return
+    from hybridpar.models.args import local_param_shapes
+
+    from .config.low_precision import MULTIPLE, names_skipped
+
+    shapes = local_param_shapes(args, mp)
+    # wk and wv replicated over mp (mp above the kv heads) are no tensor-parallel linears: never float8
+    block = [(name, shape) for name, shape in zip(_BLOCK_LINEARS, shapes["block"])
+             if args.kv_heads % mp == 0 or name not in ("attention.wk", "attention.wv")]
+    linears = [(f"layers.{i}.{name}", shape) for i in range(args.n_layers) for name, shape in block]
+    if args.vocab_size > 0:  # else the tokenizer gives it, later
+        linears += [("output", shape) for shape in shapes["output"]]
+    for name, (rows, cols) in linears:
+        float8 = not (rows % MULTIPLE or cols % MULTIPLE or names_skipped(name, f8.skip))  # convert_to_float8's
+        if float8 and rows % shards:
+            short = name.split(".", 2)[-1] if name.startswith("layers.") else name
+            raise ConfigError(
+                f"float8.fsdp_all_gather needs each float8 linear's rows split evenly over the {shards} FSDP shards "
+                f"(dp_shard x cp), and {short} has {rows} per mp rank; choose a parallel.dp_shard x parallel.cp "
+                f"dividing {rows}, add \"{short.split('.')[-1]}\" to float8.skip, or set "
+                "float8.fsdp_all_gather = false")
 
 
 def check_eval_setup(config: Config) -> None:

@@ -76,6 +76,14 @@ EXTENDED = {
     "tests/launch/test_heal.py::test_a_node_whose_ranks_stall_is_excluded_and_the_job_heals[other-node]",
     # a node failing preflight alone: the exclusion and requeue run in CI for a stall, a kill, a slow node
     "tests/launch/test_heal.py::test_a_node_that_fails_the_preflight_alone_is_excluded",
+    # float8.fsdp_all_gather's step, dry against real: [world4-mp2-dp2] holds the dry run to real steps
+    # in CI, and test_float8_gather.py's CI case runs the float8 all-gathers on gloo
+    "tests/test_dryrun.py::test_the_dry_run_reports_what_a_real_gloo_run_holds_and_sends[world4-mp2-dp2-float8_gather]",
+    # float8.fsdp_all_gather: CI runs [mp2-dp_shard2] (FSDP and mp both split the weights)
+    "tests/parallel/test_float8_gather.py::test_a_run_gathering_in_float8_equals_the_run_without[dp_shard2]",
+    "tests/parallel/test_float8_gather.py::test_without_the_amax_reduction_over_mp_the_runs_differ",
+    "tests/parallel/test_float8_gather.py::test_its_checkpoint_holds_plain_values_and_resumes_without_float8",
+    "tests/parallel/test_float8_gather.py::test_the_dry_run_shows_the_float8_linears_gathered_in_half_the_bytes",
     # the 405B rehearsal's last stage: its first stage ([0]) runs the same 512-rank dry run in CI
     "tests/launch/test_scripts.py::test_llama3_405b_example_dry_run_rehearses_a_stage_pair_of_512_ranks[511]",
     # the skipped dp collective at world 8: [skip_dp] at world 4, and [kill_save_world8] at world 8

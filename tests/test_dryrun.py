@@ -60,6 +60,9 @@ LAYOUTS = {
     # Context parallelism: the K/V all-gather and the causal masks on fake tensors, sequence parallel.
     "world4-cp2-mp2": (4, dict(mp=2, dp=1, strategy="full_shard", **{"parallel.cp": 2, "data.seq_len": 64})),
     "world4-mp2-dp2": (4, dict(mp=2, dp_shard=2, dp=2, strategy="hybrid_shard")),
+    # Float8 weights all-gathered as bytes, their scales' amax all-reduced after the step (and at the first forward).
+    "world4-mp2-dp2-float8_gather": (4, dict(mp=2, dp_shard=2, dp=2, strategy="hybrid_shard", **{
+        "float8.recipe": "tensorwise", "float8.fsdp_all_gather": True})),
     "world8-mp2-2x2-ac": (8, dict(mp=2, dp_shard=2, dp_replicate=2, dp=4, strategy="hybrid_shard",
                                   **{"fsdp.activation_checkpointing": "full"})),
     "world8-mp1-dp8-accum2": (8, dict(mp=1, dp_shard=8, dp=4, grad_accum=2, strategy="full_shard")),

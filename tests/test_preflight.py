@@ -118,29 +118,33 @@ def _on_an_a100(monkeypatch) -> None:
 
 
 FLOAT8 = LOCAL + ["--float8.recipe", "rowwise"]
-# docs/training.md, Float8: the refusals before any process group, each with what makes it (None: the flags).
+# docs/training.md, Float8: the refusals before any process group, each with what makes it (None: the flags)
+# and the world size.
 FLOAT8_CASES = [
     (LOCAL + ["--float8.recipe", "fp8"], None,
-     "float8.recipe must be one of none, tensorwise, rowwise, rowwise_with_gw_hp, got 'fp8'"),
+     "float8.recipe must be one of none, tensorwise, rowwise, rowwise_with_gw_hp, got 'fp8'", 1),
     (FLOAT8 + ["--float8.fsdp_all_gather", "true"], None,
-     "float8.fsdp_all_gather needs float8.recipe = \"tensorwise\" (one scale per weight), got 'rowwise'"),
+     "float8.fsdp_all_gather needs float8.recipe = \"tensorwise\" (one scale per weight), got 'rowwise'", 1),
+    # The tiny model's wq has 256 rows: 3 dp_shard ranks hold uneven shards.
     (LOCAL + ["--float8.recipe", "tensorwise", "--float8.fsdp_all_gather", "true"], None,
-     "float8.fsdp_all_gather is not built yet: set float8.fsdp_all_gather = false (the weights are all-gathered in "
-     "the FSDP param_dtype and cast to float8 per matmul)"),
+     "float8.fsdp_all_gather needs each float8 linear's rows split evenly over the 3 FSDP shards (dp_shard x cp), "
+     "and attention.wq has 256 per mp rank; choose a parallel.dp_shard x parallel.cp dividing 256, add \"wq\" to "
+     "float8.skip, or set float8.fsdp_all_gather = false", 3),
     (FLOAT8, _without_torchao,
      "float8.recipe needs torchao, which is not installed: pip install 'hybridpar[float8]' (or pip install "
-     "'torchao>=0.18')"),
+     "'torchao>=0.18')", 1),
     (FLOAT8, _on_an_a100,
      "float8.recipe needs float8 matmuls (compute capability 8.9 or above: L4, H100, H200, B200), and this NVIDIA "
-     "A100-SXM4-80GB has compute capability 8.0; set float8.recipe = \"none\""),
+     "A100-SXM4-80GB has compute capability 8.0; set float8.recipe = \"none\"", 1),
 ]
 
 
-@pytest.mark.parametrize("flags,setup,line", FLOAT8_CASES, ids=lambda v: v if isinstance(v, str) else None)
-def test_float8_is_refused_in_one_line_by_the_job_and_its_dry_run(monkeypatch, capsys, tmp_path, flags, setup, line):
+@pytest.mark.parametrize("flags,setup,line,world", FLOAT8_CASES, ids=lambda v: v if isinstance(v, str) else None)
+def test_float8_is_refused_in_one_line_by_the_job_and_its_dry_run(monkeypatch, capsys, tmp_path, flags, setup, line,
+                                                                  world):
     if setup is not None:
         setup(monkeypatch)
-    _refused_alike(monkeypatch, capsys, tmp_path, flags, 1, line)
+    _refused_alike(monkeypatch, capsys, tmp_path, flags, world, line)
     section = (ROOT / "docs" / "training.md").read_text().split("\n## Float8\n", 1)[1].split("\n## ", 1)[0]
     assert f"`{line}`" in section  # as the page quotes it
 
@@ -172,6 +176,19 @@ def test_a_config_the_job_takes_passes_the_same_preflight_in_the_dry_run():
     assert sizes == (8, 1, 8, 1, 8) and args.n_layers == 126
     fine = ["--parallel.pp", "2", "--parallel.pp_schedule", "ZBVZeroBubble", "--data.val_fraction", "0"]
     assert check_config(load_config(find_config("local"), LOCAL[2:] + fine), 2)[0] == (2, 1, 1, 1, 1)
+
+
+@pytest.mark.parametrize("world,skip", [(4, "output"), (3, "wq,wk,wv,wo,w1,w2,w3,output")],
+                         ids=["even", "uneven-skipped"])
+def test_float8_all_gather_with_tensorwise_passes_the_preflight(world, skip):
+    """float8.fsdp_all_gather is built: taken with tensorwise where every float8 linear's rows split
+    evenly over the FSDP shards (the tiny model's over 4), or where the uneven ones stay in high
+    precision (over 3 every linear's rows are uneven: 256, 128, 704, the head's 4096)."""
+    from hybridpar.config import find_config, load_config
+    from hybridpar.preflight import check_config
+
+    flags = ["--float8.recipe", "tensorwise", "--float8.fsdp_all_gather", "true", "--float8.skip", skip]
+    assert check_config(load_config(find_config("local"), LOCAL[2:] + flags), world)[0] == (1, 1, world, 1, 1)
 
 
 def test_a_config_given_back_as_flags_is_the_same_config():

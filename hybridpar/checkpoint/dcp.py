@@ -54,6 +54,7 @@ from ..fastpaths.optimizer_state import allocate_optimizer_state
 from ..files import (STAGING_SUFFIX, DiskFullError, atomic_output, begin_staging, commit_staged, disk_full_message,
                      free_bytes, fsync_dir, human_bytes, staging_path, write_text_atomic)
 from ..mesh.device import ParallelDims
+from ..parallel.float8_gather import plain, plain_state_dict, precompute_float8_scales
 from ..progress import note
 from ..mesh.ranks import broadcast_from_rank0, gather_objects, on_rank0, raise_if_any_failed
 from . import checksums
@@ -132,11 +133,7 @@ class Checkpointer:
         partial = staging_path(final)
         staged = isinstance(model, (list, tuple)) or getattr(self.parallel, "pp", 1) > 1  # (stubs have no pp)
         model = one_module(model, optimizer)
-        if optimizer is None:  # weights only (a converted checkpoint)
-            state = {"model": get_model_state_dict(model)}
-        else:
-            model_sd, optim_sd = get_state_dict(model, optimizer)
-            state = {"model": model_sd, "optimizer": optim_sd}
+        state = _state(model, optimizer)
         if staged:  # each rank holds part of the model: the whole of it, and groups naming all of it
             refuse_incomplete_save(final, gather_names(state["model"], state.get("optimizer")), params)
         needed = checkpoint_bytes(state, self.parallel.world_size)
@@ -309,13 +306,9 @@ class Checkpointer:
         except CheckpointError as err:
             error = err
         share_load_failure(error, f"load {path}")  # every rank takes the same way on
-        if optimizer is None:  # weights only, e.g. to start a new run from them
-            state = {"model": get_model_state_dict(model)}
-        else:
-            if fastpaths.enabled():
-                allocate_optimizer_state(model, optimizer, metadata)
-            model_sd, optim_sd = get_state_dict(model, optimizer)
-            state = {"model": model_sd, "optimizer": optim_sd}
+        if optimizer is not None and fastpaths.enabled():
+            allocate_optimizer_state(model, optimizer, metadata, plain)
+        state = _state(model, optimizer)  # optimizer None: weights only, e.g. to start a new run from them
         self._read(path, state, check)
         # DCP reads into the tensors it is given; when those are the parameters themselves (FSDP2's
         # sharded state dict), copying them over again would only cost time.
@@ -323,6 +316,7 @@ class Checkpointer:
             set_model_state_dict(model, state["model"])
         if optimizer is not None:
             set_optimizer_state_dict(model, optimizer, own_empty_groups(optimizer, state["optimizer"]))
+        precompute_float8_scales([model])  # new weights: new float8 scales for the all-gathers (if any)
         train_state = json.loads((path / "train_state.json").read_text())
         rng = path / "rng" / f"rank{self.parallel.rank}.pt"
         if train_state.get("world_size") == self.parallel.world_size and rng.exists():
@@ -377,6 +371,15 @@ class Checkpointer:
         return None
 
 
+def _state(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> dict:
+    """What DCP writes or reads: the model's state (weights FSDP gathers in float8 as their plain
+    values: no float8, no tensor subclass in a file) and the optimizer's, unless None."""
+    if optimizer is None:
+        return {"model": plain_state_dict(get_model_state_dict(model))}
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": plain_state_dict(model_sd), "optimizer": optim_sd}
+
+
 def _set_aside(path: Path, reason: str) -> Path:
     """Rename damaged checkpoint `path` out of every listing, with the reason beside its files; say so once."""
     target, n = path.with_name(path.name + DAMAGED), 1
@@ -390,7 +393,7 @@ def _set_aside(path: Path, reason: str) -> Path:
 
 
 def _is_parameter_storage(state: dict, model: torch.nn.Module) -> bool:
-    own = dict(model.named_parameters())
+    own = plain_state_dict(dict(model.named_parameters()))
     own.update(model.named_buffers())
 
     def local(t: torch.Tensor) -> torch.Tensor:

@@ -45,9 +45,6 @@ class Float8Config:
         if self.fsdp_all_gather and self.recipe != "tensorwise":
             raise ConfigError(f"float8.fsdp_all_gather needs float8.recipe = \"tensorwise\" (one scale per weight), "
                               f"got {self.recipe!r}; set float8.fsdp_all_gather = false or choose \"tensorwise\"")
-        if self.fsdp_all_gather:
-            raise ConfigError("float8.fsdp_all_gather is not built yet: set float8.fsdp_all_gather = false (the "
-                              "weights are all-gathered in the FSDP param_dtype and cast to float8 per matmul)")
 
 
 def names_skipped(name: str, patterns) -> bool:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..compat.torch import AllGather, ReduceScatter, reduce_scatter_single, storage_use_count
+from ..compat.torch import AllGather, ReduceScatter, all_gather_single, reduce_scatter_single, storage_use_count
 from ..mesh.device import ParallelDims
 
 class _Scratch:
@@ -86,6 +86,8 @@ def all_gather_by_all_to_all(output: torch.Tensor, input: torch.Tensor, group,
     all_to_all_single. Between two ranks the peer's part lands in its slot directly; with more, each
     rank sends its part to every peer from n staged copies (in `scratch`, or a new buffer)."""
     n, rank = group.size(), group.rank()
+    if output.is_floating_point() and output.element_size() == 1:  # float8, which gloo refuses: as its bytes
+        output, input = output.view(torch.uint8), input.view(torch.uint8)
     slots = output.view(n, -1)
     if slots[rank].data_ptr() != input.data_ptr():  # not already in place (FSDP passes its slot)
         slots[rank].copy_(input.reshape(-1))
@@ -146,6 +148,27 @@ if AllGather is not None:
             if op == dist.ReduceOp.AVG:
                 output_tensor.div_(group.size())
             return None
+
+
+    class BytesAllGather(AllGather):
+        """FSDP's own all-gather (the stock path), moving float8 as its bytes: gloo refuses float8, which
+        FSDP hands it for a unit whose weights are all gathered in float8 (a mixed unit comes as bytes)."""
+
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            return all_gather_single(output_tensor.view(torch.uint8), input_tensor.view(torch.uint8), group=group,
+                                     async_op=async_op)
+
+
+def gather_float8_as_bytes(units: list[nn.Module], parallel: ParallelDims) -> None:
+    """On the CPU (gloo) with these fast paths off: FSDP's own all-gather of `units` (those holding
+    weights gathered in float8) moves their bytes, which gloo takes."""
+    if AllGather is None or parallel.device.type != "cpu":
+        return
+    for unit in units:
+        unit.set_custom_all_gather(BytesAllGather())
 
 
 def use_gloo_collectives(units: list[nn.Module], parallel: ParallelDims) -> None:

@@ -8,7 +8,7 @@ names torch's wrappers (activation checkpointing, FSDP1, torch.compile) insert i
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -17,8 +17,11 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
 
 
-def allocate_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, metadata: dict) -> None:
+def allocate_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, metadata: dict,
+                             like: Callable[[torch.Tensor], torch.Tensor] = lambda param: param) -> None:
     """Give a fresh optimizer the state tensors the checkpoint will be read into, uninitialised.
+    like(param): the plain tensor a parameter-shaped state is made like (a parameter of a tensor
+    subclass would pass its subclass on to the state).
 
     Otherwise get_state_dict creates them by running an optimizer step on zero gradients: every
     state tensor zeroed, then updated, which costs more than reading the state. DCP overwrites every
@@ -50,7 +53,7 @@ def allocate_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Opti
                     return
                 dtype = entry.properties.dtype
                 if tuple(entry.size) == tuple(param.shape):
-                    state[name] = torch.empty_like(param, dtype=dtype, requires_grad=False)
+                    state[name] = torch.empty_like(like(param), dtype=dtype, requires_grad=False)
                 elif len(entry.size) == 0:  # a step count
                     state[name] = torch.zeros((), dtype=dtype)
                 else:

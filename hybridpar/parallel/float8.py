@@ -119,10 +119,12 @@ class Float8Matmul:
     def cast(self, t: torch.Tensor, name: str):
         """`t` cast as torchao's `name` cast (a Float8TrainingTensor), its amax that of the unsplit tensor."""
         cast = self.casts[name]
-        if cast is None:
-            return t
         # torchao is imported by now (Float8Matmul.of): no logger to quieten inside torch.compile's trace
-        from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
+        from torchao.float8.float8_training_tensor import Float8TrainingTensor, hp_tensor_and_scale_to_float8
+        # None: the recipe keeps it in high precision; float8 already: FSDP gathered the weight in
+        # float8 with the whole weight's tensorwise scale (float8.fsdp_all_gather): the same cast
+        if cast is None or isinstance(t, Float8TrainingTensor):
+            return t
         from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax
 
         amax = tensor_to_amax(t, scaling_granularity=cast.config.scaling_granularity, axiswise_dim=cast.dim)

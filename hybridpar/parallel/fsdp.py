@@ -26,9 +26,10 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from .. import fastpaths
 from ..config import dtypes
 from ..compat.torch import checkpoint_module
-from ..fastpaths.gloo_collectives import use_gloo_collectives
+from ..fastpaths.gloo_collectives import gather_float8_as_bytes, use_gloo_collectives
 from ..config.sharding import FSDPConfig
 from ..mesh.device import ParallelDims
+from .float8_gather import gathered_weights
 
 
 def dp_mesh_for(strategy: str, parallel: ParallelDims):
@@ -149,6 +150,9 @@ def _set_prefetch(model: nn.Module, forward: int, backward: int) -> None:
 
 
 def _gloo_collectives(model: nn.Module, config: FSDPConfig, parallel: ParallelDims) -> None:
-    """On gloo, FSDP's collectives as all-to-alls (a fast path): when the config and the switch allow."""
+    """On gloo, FSDP's collectives as all-to-alls (a fast path): when the config and the switch allow;
+    otherwise FSDP's own, the units' holding float8-gathered weights moving bytes (gloo has no float8)."""
     if config.gloo_all_to_all and fastpaths.enabled():
         use_gloo_collectives([*_units(model), model], parallel)
+    else:
+        gather_float8_as_bytes([unit for unit in _units(model) if gathered_weights([unit])], parallel)

@@ -11,24 +11,32 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..compat.torch import foreach_mul_, tensor_norms
+from ..parallel.float8_gather import gathered_weights, precompute_float8_scales
 
 
 def build_optimizer(model: Union[torch.nn.Module, Sequence[torch.nn.Module]], config, fused: bool = True
                     ) -> torch.optim.Optimizer:
     """AdamW; weight decay on matrices and embeddings only (norm weights are scales, not features).
     fused=False takes torch's multi-tensor (foreach) AdamW instead. `model`: a module, or a list of
-    them (a rank's pipeline stages): one optimizer over all their parameters."""
-    params = [p for m in ([model] if isinstance(model, torch.nn.Module) else model) for p in m.parameters()]
+    them (a rank's pipeline stages): one optimizer over all their parameters. With weights FSDP
+    gathers in float8 (float8.fsdp_all_gather), each step is followed by their scales' precompute."""
+    modules = [model] if isinstance(model, torch.nn.Module) else list(model)
+    params = [p for m in modules for p in m.parameters()]
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # Fused: one kernel over all local shards. On the CPU too: foreach walks DTensor parameters one
     # at a time (bench/README.md compares the two).
     fused = fused and params[0].device.type in ("cuda", "cpu")
-    return torch.optim.AdamW(
+    optimizer = torch.optim.AdamW(
         groups, lr=config.lr, betas=(config.beta1, config.beta2), eps=config.eps,
         **({"fused": True} if fused else {"foreach": True}),
     )
+    if gathered_weights(modules):
+        # A hook of the optimizer: every step that changes the weights (the trainer's, the dry run's, a
+        # benchmark's) is followed by the scales the next all-gather casts them with; a skipped one keeps them.
+        optimizer.register_step_post_hook(lambda *_: precompute_float8_scales(modules))
+    return optimizer
 
 
 def lr_lambda(warmup: int, total: int, min_ratio: float):

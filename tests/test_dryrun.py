@@ -124,3 +124,24 @@ def test_a_128_rank_context_parallel_job_is_rehearsed(tmp_path):
     share = sum(report["state_bytes"].values()) / sum(report["expected_bytes"].values())
     assert 1.0 <= share < 1.01, share  # sharded over mp x dp_shard x cp = 128 (norms replicated over mp)
     assert seconds < 120
+
+
+@pytest.mark.slow
+def test_the_dry_run_rehearses_float8_and_counts_the_amax_all_reduces(tmp_path):
+    """`hybridpar train --dry-run --config llama2_70b --world 128 --float8.recipe rowwise` on two of
+    the 80 identical layers: torchao's casts run on fake tensors, and the collectives table counts
+    their amax all-reduces over mp on top of bf16's: per block, in forward the input and weight of
+    each of the 2 row-parallel linears (per token, per out-feature), again in full activation
+    checkpointing's recompute, and in backward the output gradient and weight of each of the 5
+    column-parallel ones: 2 x 2 x 2 + 5 x 2 = 18; nothing else changes."""
+    counts = {}
+    for recipe in ("none", "rowwise"):
+        flags = {"model.n_layers": 2, "float8.recipe": recipe, "output.run_dir": tmp_path / "run"}
+        result, seconds = _dry_run(flags, 128, 0, tmp_path / f"{recipe}.json", config="llama2_70b")
+        assert result.returncode == 0, result.stdout + result.stderr
+        report = json.loads((tmp_path / f"{recipe}.json").read_text())
+        assert report["ok"] and report["world"] == 128
+        counts[recipe] = {(c["dim"], c["op"]): c["calls"] for c in report["collectives"]}
+        print(f"\n{recipe}: dry run in {seconds:.0f} s; mp all_reduce calls {counts[recipe][('mp', 'all_reduce')]}")
+    amaxes = counts["rowwise"].pop(("mp", "all_reduce")) - counts["none"].pop(("mp", "all_reduce"))
+    assert amaxes == 2 * 18 and counts["rowwise"] == counts["none"]

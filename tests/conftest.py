@@ -74,7 +74,7 @@ EXTENDED = {
     "tests/train/test_trainer.py::test_training_matches_single_process[mp2-hybrid_shard_zero2-2x2-ac_full]",
     # the store on another node than the stalled one: [store-host] runs the same exclusion and heal
     "tests/launch/test_heal.py::test_a_node_whose_ranks_stall_is_excluded_and_the_job_heals[other-node]",
-    # a node failing preflight alone: the exclusion and requeue run in CI for a stall, a kill, a slow node
+    # a node failing preflight alone: the exclusion and requeue run in CI for a stall ([store-host])
     "tests/launch/test_heal.py::test_a_node_that_fails_the_preflight_alone_is_excluded",
     # float8.fsdp_all_gather's step, dry against real: [world4-mp2-dp2] holds the dry run to real steps
     # in CI, and test_float8_gather.py's CI case runs the float8 all-gathers on gloo
@@ -84,10 +84,32 @@ EXTENDED = {
     "tests/parallel/test_float8_gather.py::test_without_the_amax_reduction_over_mp_the_runs_differ",
     "tests/parallel/test_float8_gather.py::test_its_checkpoint_holds_plain_values_and_resumes_without_float8",
     "tests/parallel/test_float8_gather.py::test_the_dry_run_shows_the_float8_linears_gathered_in_half_the_bytes",
+    # a rank killed with no restart left: the death's verdict under torchrun's teardown runs in CI in
+    # test_watchdog's test_a_rank_that_dies_is_named_live, its node and the policy (no restart left:
+    # exclude) in test_incidents (test_a_nodes_fault_names_its_nodes, test_the_policy), and slurm.sh's
+    # exclusion, requeue and resume with the undisturbed losses in the stall's [store-host]
+    "tests/launch/test_heal.py::test_a_node_that_kills_a_rank_is_excluded_when_no_restart_is_left",
+    # a slow node: the straggler's stop at a saved step with a verdict naming its node runs in CI in
+    # test_stragglers (test_a_straggler_over_the_exclusion_threshold_stops_the_run_with_a_checkpoint_
+    # naming_its_node), and slurm.sh's exclusion, requeue and resume (a straggler is excluded as a
+    # stall: incidents.decide) in the stall's [store-host]
+    "tests/launch/test_heal.py::test_a_node_that_runs_slow_is_excluded_without_losing_a_step",
+    # a second round of the same kill and restart: [1] runs it in CI (bench/restarts.py repeats it many times)
+    "tests/launch/test_standalone_restart.py::test_a_killed_rank_under_torchrun_standalone_restarts_and_finishes[2]",
     # the 405B rehearsal's last stage: its first stage ([0]) runs the same 512-rank dry run in CI
     "tests/launch/test_scripts.py::test_llama3_405b_example_dry_run_rehearses_a_stage_pair_of_512_ranks[511]",
     # the skipped dp collective at world 8: [skip_dp] at world 4, and [kill_save_world8] at world 8
     "tests/diagnostics/test_watchdog.py::test_planted_fault_is_reported_naming_rank_group_and_collective[skip_dp_world8]",
+    # the stall in mp's all_reduce at mp 2 x dp 2: [sleep_mp_cp2] plants the same stall with the same
+    # checks (and the rank's cp place); the dp dimension's verdicts run in CI as [skip_dp] and [shape]
+    "tests/diagnostics/test_watchdog.py::test_planted_fault_is_reported_naming_rank_group_and_collective[sleep_mp]",
+    # a kill while a checkpoint is written at world 4: [kill_save_world8] makes the same death with the
+    # same checks, the last complete checkpoint kept included
+    "tests/diagnostics/test_watchdog.py::test_a_rank_that_dies_is_named_live[kill_save]",
+    # lm-eval's command line under torchrun at 2 ranks: [1] says the missing checkpoint through the same
+    # entry point, and one line once under torchrun (rank 0's, no rank's traceback) runs in CI in
+    # test_cli's test_an_error_every_rank_raises_is_one_screen at world 4 (the same hybridpar.reporting)
+    "tests/evaluate/test_refusals.py::test_lm_evals_command_line_says_a_missing_checkpoint_as_hybridpar_eval_does[2]",
     # bit-exact resume over 2x2 hybrid sharding: [mp2-dp2] in CI, and resume at another layout over 2x2
     "tests/checkpoint/test_dcp.py::test_resume_is_bit_exact_in_new_processes[mp2-hybrid2x2]",
     # a stop whose save cannot finish: a signal's stop and its checkpoint run in CI (test_stop's others)

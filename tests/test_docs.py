@@ -394,6 +394,8 @@ BOUNDS = [
     ("planner.md", "(the test allows {}%)", "test_plan.py", r"^TOLERANCE = 0\.0?(\d+)"),
     ("data.md", "The tests hold a preparation process to {} MB", "data/test_bounded_memory.py", r"^PEAK_MB = (\d+)"),
     ("evaluation.md", "word and byte perplexities agree within {}", "evaluate/test_lm_eval.py", r"^BOUND = (\S+)"),
+    ("training.md", "5 steps' losses within {} of the same recipe", "train/test_float8_training.py", r"^LOSS_BOUND, \S+ = (\S+),"),
+    ("training.md", "step 1's gradients within {} (measured", "train/test_float8_training.py", r"^LOSS_BOUND, \S+ = \S+, (\S+)"),
 ]
 
 

@@ -171,3 +171,26 @@ def test_context_parallel_bench_measures_what_cp_saves(tmp_path):
     assert rows[2]["activations"] >= rows[2]["planned"], rows[2]
     assert all(r["tokens_per_s"] > 0 for r in rows.values())
     assert "planned" in proc.stdout
+
+
+@pytest.mark.slow
+def test_float8_bench_trains_each_recipe_and_prices_its_emulation(tmp_path):
+    """bench/float8.py as bench/README.md runs it, at world 2 (the local job at mp 2) and one step
+    a run: each recipe's validation loss against bf16's, and its step time in an interleaved round."""
+    out = tmp_path / "float8.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         str(ROOT / "bench" / "float8.py"), "--steps", "1", "--rounds", "1", "--timing-steps", "1", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    rows = {r["recipe"]: r for r in report["rows"]}
+    assert list(rows) == ["none", "tensorwise", "rowwise"] and report["layout"] == "mp 2 x dp 1"
+    assert rows["none"]["val_ratio"] == rows["none"]["step_ratio"] == 1.0
+    for r in rows.values():
+        assert r["val_loss"] > 0 and r["step_s"] > 0 and len(r["step_ratios"]) == 1
+    # float8 trained (its numbers are not bf16's), from the same weights and data (close to them)
+    assert len({r["final_train_loss"] for r in rows.values()}) == 3
+    assert all(abs(r["val_ratio"] - 1) < 0.05 for r in rows.values())
+    assert "not a speed" in proc.stdout

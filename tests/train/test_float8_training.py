@@ -3,16 +3,15 @@ world 1 (fp32 master weights): mp 2 (no sequence parallelism), mp 2 x dp 2 with 
 parallelism, cp 2 and pp 2 (1F1B), float8.recipe tensorwise and rowwise.
 
 A float8 cast keeps 3 mantissa bits (2 for gradients). Where a layout's fp32 sums round one bit
-apart from world 1's (a row-parallel linear's partial sums, cp's attention), an element close to
-a float8 rounding boundary rounds the other way; that moves its token's row of the next matmul by
+apart from world 1's (a row-parallel linear's partial sums, cp's attention), an element close to a
+float8 rounding boundary rounds the other way; that moves its token's row of the next matmul by
 ~1e-3, which flips more elements in the next cast: an avalanche. In the debug preset it does not
 start (step 1's gradients agree to 4e-7). In the tiny preset at seq 512 it does, from the first
-step, at mp 2 and cp 2: their step-1 gradients are 1-3% (median over the parameters) from world
-1's, as far as any two float8 runs whose sums round differently (fp32's are 9% from float8's), and
-Adam carries that into the later steps' losses (up to 4.8e-3 apart by step 17, tensorwise at mp
-2). Each rank's own amax instead of the reduced one moves the gradients 9-12%: at that shape no
-gradient bound tells a wrong scale from the avalanche, and a loss bound never does (the loss moved
-2.4e-5 at step 1). So:
+step, at mp 2 and cp 2: their step-1 gradients are 0.9-2.5% (median over the parameters) from world
+1's (fp32's are 9% from float8's), and Adam carries that into the later steps' losses (up to 5.2e-3
+apart by step 17, tensorwise; 2.4e-3 rowwise). Each rank's own amax instead of the reduced one moves
+the gradients 9-12%: at that shape no gradient bound tells a wrong scale from the avalanche, and a
+loss bound never does (the loss moved 2.4e-5 at step 1). So:
 
 - the debug preset, 5 steps (CI's case and the extended tier's): every step's loss within 1e-4
   and step 1's gradients within 1e-3 of world 1; without the amax reductions the gradients are

@@ -133,11 +133,11 @@ class PipelinedRunner(LocalRunner):
         loss_sum = torch.zeros((), device=device)
         pieces = [piece for inputs, targets in batches
                   for piece in zip(inputs.chunk(layout.microbatches), targets.chunk(layout.microbatches))]
+        # What the previous stage sends: [micro-batch, seq / cp, dim], under sequence parallelism this mp rank's 1/mp.
+        first = self.modules[0]
+        split = self.parallel.mp if getattr(first, "sequence_parallel", False) else 1
         for i, (inputs, targets) in enumerate(pieces):
             last = i == len(pieces) - 1
-            # What the previous stage sends: [micro-batch, seq / cp, dim], under sequence parallelism this mp rank's 1/mp.
-            first = self.modules[0]
-            split = self.parallel.mp if getattr(first, "sequence_parallel", False) else 1
             hidden = (inputs.shape[0], inputs.shape[1] // split, first.args.dim)
             for stage, s in zip(self.modules, self.stage_ids):
                 # As torch's pipeline stage sets FSDP for each backward: gradients reduced and parameters

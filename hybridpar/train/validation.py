@@ -40,8 +40,9 @@ def missing_validation(config) -> str:
     takes (under a V schedule none: validation is refused there; with a token store as the
     source, the split it was prepared with, the only data.val_fraction it takes)."""
     p, d = config.parallel, config.data
-    if cannot_validate(p.pp, p.pp_schedule):
-        return cannot_validate(p.pp, p.pp_schedule)
+    reason = cannot_validate(p.pp, p.pp_schedule)
+    if reason:
+        return reason
     splits = {}  # a token store given as a source -> the validation share it was prepared with
     for entry in source_entries(d):
         if is_store(entry["source"]):

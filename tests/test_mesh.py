@@ -263,7 +263,8 @@ def test_launch_env(environ, expected):
 def test_launch_env_without_a_launcher_is_a_world_of_one():
     env = launch_env({})
     assert (env.rank, env.world_size, env.local_rank, env.master_addr, env.source) == (0, 1, 0, "127.0.0.1", "single")
-    assert 0 < env.master_port < 65536
+    assert env.master_port == 0  # no port: init_parallel makes an in-process store
+    assert launch_env({"MASTER_PORT": "2345"}).master_port == 2345
 
 
 # --- init_parallel on real process groups -----------------------------------------------------------
@@ -407,6 +408,30 @@ def test_single_process_without_a_launcher(launch):
     out, results = launch([sys.executable], [_clean_env()], mp=1)
     assert "rank 0/1: mp 0/1, dp 0/1" in out, out
     assert results == _expected("single", 1), out
+
+
+STORE_SCRIPT = """
+import hybridpar
+import torch.distributed as dist
+
+hybridpar.init_parallel(mp=1)
+store = dist.distributed_c10d._get_default_store()
+while hasattr(store, "underlying_store"):  # the PrefixStores torch wraps it in
+    store = store.underlying_store
+print("store", type(store).__name__)
+"""
+
+
+def test_a_world_of_one_binds_no_port_it_picked(tmp_path):
+    # A free port found by one command can be bound by another started beside it before this one binds
+    # it (an export and a generate from one summary, side by side: EADDRINUSE): a world of one without a
+    # launcher keeps its store in-process (gloo's own listener takes whatever port the kernel gives it).
+    script = tmp_path / "store.py"
+    script.write_text(STORE_SCRIPT)
+    out = _run([([sys.executable, str(script)], _clean_env())])[0]
+    assert "store HashStore" in out, out
+    out = _run([([sys.executable, str(script)], _clean_env(MASTER_PORT=str(free_port())))])[0]
+    assert "store TCPStore" in out, out  # a port the user set is the user's: kept
 
 
 def test_srun_style_environment(launch):

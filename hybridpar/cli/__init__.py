@@ -12,8 +12,8 @@ from typing import Callable, NamedTuple, Optional, Sequence
 from .. import __version__
 from ..config import dtypes
 from ..reporting import let_rank_0_speak, report_error
-from .commands import (cmd_convert, cmd_doctor, cmd_eval, cmd_generate, cmd_hang_report, cmd_mesh, cmd_plan, cmd_prepare,
-                       cmd_train, cmd_verify, RunFailed)
+from .commands import (cmd_convert, cmd_doctor, cmd_eval, cmd_generate, cmd_hang_report, cmd_lighthouse, cmd_mesh, cmd_plan,
+                       cmd_prepare, cmd_train, cmd_verify, RunFailed)
 
 # hybridpar.plan.hardware.GPUS's names (tests/test_plan.py holds them equal): the parser is built
 # without importing the planner, which imports torch.
@@ -208,6 +208,14 @@ def _build() -> _Parsers:
     doctor.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter", help="collectives to time")
     doctor.add_argument("--no-busbw", action="store_true", help="skip the bandwidth measurement")
     doctor.add_argument("--json", default="", metavar="PATH", help="also write the report as JSON here (rank 0)")
+    lighthouse = command("lighthouse", cmd_lighthouse,
+                         help="keep the quorum of a fault-tolerant job's replica groups (torchft's lighthouse)")
+    lighthouse.add_argument("--port", type=int, default=29510, help="the port to listen on (0: any free one)")
+    lighthouse.add_argument("--min-groups", type=int, default=1, help="the fewest replica groups of a quorum")
+    lighthouse.add_argument("--join-timeout", type=float, default=1.0,
+                            help="seconds a quorum waits for a live group that has not asked to join yet")
+    lighthouse.add_argument("--heartbeat-timeout", type=float, default=5.0,
+                            help="seconds of silence after which a group is out of the quorum")
     hang = command("hang-report", cmd_hang_report, help="explain a hang from the flight-recorder dumps of every rank")
     hang.add_argument("dir", help="a folder with one dump per rank (e.g. the run folder's flight_recorder/)")
     hang.add_argument("--world", type=int, default=0, help="number of ranks, if the dumps do not say (nccl dumps)")

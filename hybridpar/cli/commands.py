@@ -415,3 +415,15 @@ def cmd_hang_report(args: argparse.Namespace) -> int:
     if args.json:
         write_text_atomic(args.json, json.dumps(verdict.to_json(), indent=1))
     return 0
+
+
+def cmd_lighthouse(args: argparse.Namespace) -> int:
+    """torchft's lighthouse for fault_tolerance.enabled jobs, until SIGTERM or Ctrl-C."""
+    from ..config import ConfigError
+    from ..config.fault_tolerance import require_torchft
+    from ..replicas.lighthouse import serve
+
+    require_torchft()
+    if args.min_groups < 1:
+        raise ConfigError(f"--min-groups must be >= 1, got {args.min_groups}")
+    return serve(args.port, args.min_groups, args.join_timeout, args.heartbeat_timeout)

@@ -212,8 +212,10 @@ def _build() -> _Parsers:
                          help="keep the quorum of a fault-tolerant job's replica groups (torchft's lighthouse)")
     lighthouse.add_argument("--port", type=int, default=29510, help="the port to listen on (0: any free one)")
     lighthouse.add_argument("--min-groups", type=int, default=1, help="the fewest replica groups of a quorum")
-    lighthouse.add_argument("--join-timeout", type=float, default=1.0,
-                            help="seconds a quorum waits for a live group that has not asked to join yet")
+    lighthouse.add_argument("--join-timeout", type=float, default=10.0,
+                            help="seconds a quorum waits for a live group that has not asked to join yet: above a "
+                                 "step's time (a returning group meets the others' next quorum), below the groups' "
+                                 "fault_tolerance.timeout (they go on without a hung group after it)")
     lighthouse.add_argument("--heartbeat-timeout", type=float, default=5.0,
                             help="seconds of silence after which a group is out of the quorum")
     hang = command("hang-report", cmd_hang_report, help="explain a hang from the flight-recorder dumps of every rank")

@@ -21,7 +21,6 @@ import os
 import re
 import socket
 import time
-import warnings
 from datetime import timedelta
 from typing import Optional
 
@@ -142,12 +141,10 @@ class ReplicaGroups:
         from .transport import WeightsOnlyTransport
 
         # torchft's Python log says each step's quorum and commit, and warns that gloo has no NCCL flight
-        # recorder to reset; its errors still show. A peer's state arrives in read-only buffers, copied at once.
-        # Its exceptions are said in one line by commit(), not as torchft's tracebacks.
+        # recorder to reset; its exceptions are said in one line by commit(), not as torchft's tracebacks.
         for name, level in (("torchft", logging.CRITICAL), ("torchft_quorums", logging.WARNING),
                             ("torchft_commits", logging.WARNING), ("torchft_errors", logging.WARNING)):
             logging.getLogger(name).setLevel(level)
-        warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
         self.modules, self.optimizer, self.scheduler, self.loader = modules, optimizer, scheduler, loader
         self.metrics, self.step, self.at = metrics, step, at
@@ -157,7 +154,8 @@ class ReplicaGroups:
         pg = (ProcessGroupNCCL if parallel.device.type == "cuda" else ProcessGroupGloo)(timeout=timeout)
         self.manager = Manager(
             pg=pg, load_state_dict=self._load, state_dict=self._state, min_replica_size=self.ft.min_groups,
-            use_async_quorum=False, timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
+            # The quorum may wait the lighthouse's join timeout for a hung group first (kept below `timeout`).
+            use_async_quorum=False, timeout=timeout, quorum_timeout=2 * timeout, connect_timeout=timeout,
             rank=dist.get_rank(), world_size=dist.get_world_size(), store_addr=host, store_port=port,
             lighthouse_addr=self.ft.address(), replica_id=f"hybridpar_group_{self.ft.group}",
             checkpoint_transport=WeightsOnlyTransport(timeout=timeout, num_chunks=0),

@@ -5,10 +5,15 @@ pickle)."""
 from __future__ import annotations
 
 import urllib.request
+import warnings
 from datetime import timedelta
 
 from torchft.checkpointing._serialization import _streaming_load
 from torchft.checkpointing.http_transport import HTTPTransport
+
+
+# torch reads the state into read-only buffers and warns of it; the state is copied as it is loaded.
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 
 class WeightsOnlyTransport(HTTPTransport):

@@ -1,7 +1,7 @@
 """Named hardware for `hybridpar plan --gpu NAME` (`--gpu cpu` measures this machine: plan/cpu.py).
 
-Each GPU entry states its datasheet figures (dense bf16 peak, memory and its bandwidth, NVLink and
-the network per GPU) and the fraction of each that kernels sustain. The fractions are properties
+Each GPU entry states its datasheet figures (dense bf16 peak, memory and its bandwidth, SMs, NVLink
+and the network per GPU) and the fraction of each that kernels sustain. The fractions are properties
 of the kernels on that chip, not of any one model: cuBLAS on large bf16 matrices, FlashAttention-2
 (what scaled_dot_product_attention runs on these GPUs), and elementwise kernels streaming memory.
 Bus bandwidths are what nccl-tests reports for rings of 8 GPUs over NVLink and between nodes.
@@ -82,12 +82,12 @@ GPUS: dict[str, tuple[str, dict]] = {
     "a100": ("A100 SXM4 80 GB (400 W): 312 TFLOP/s bfloat16, no float8 matmuls, HBM2e 2.04 TB/s, NVLink3 "
              "300 GB/s per direction, one 200 Gb/s NIC per GPU", dict(
                  gpu_mem_gib=80, peak_flops=peak_flops_of("A100"), float8_peak_flops=float8_peak_flops_of("A100"),
-                 gemm_efficiency=0.85, attention_efficiency=0.55,
+                 gemm_efficiency=0.85, attention_efficiency=0.55, sms=108,
                  memory_bw=2.04e12, memory_efficiency=0.8, intra_node_busbw=230e9, inter_node_busbw=23e9)),
     "h100": ("H100 SXM5 80 GB (700 W): 989 TFLOP/s bfloat16, 1,979 float8, HBM3 3.35 TB/s, NVLink4 450 GB/s per "
              "direction, one 400 Gb/s NIC per GPU", dict(
                  gpu_mem_gib=80, peak_flops=peak_flops_of("H100 SXM"), float8_peak_flops=float8_peak_flops_of("H100 SXM"),
-                 gemm_efficiency=0.7, attention_efficiency=0.35,
+                 gemm_efficiency=0.7, attention_efficiency=0.35, sms=132,
                  memory_bw=3.35e12, memory_efficiency=0.8, intra_node_busbw=370e9, inter_node_busbw=45e9)),
     # Meta's Grand Teton hosts, where torchtitan measured (docs/performance.md): the same SXM board
     # with 96 GB of HBM2e at 2.4 TB/s (torchtitan's benchmarks/llama3_h100_202412_torchtitan.md),
@@ -97,7 +97,7 @@ GPUS: dict[str, tuple[str, dict]] = {
                   "NVLink4, one 400 Gb/s NIC per GPU", dict(
                       gpu_mem_gib=94, peak_flops=peak_flops_of("H100 SXM"),
                       float8_peak_flops=float8_peak_flops_of("H100 SXM"), gemm_efficiency=0.7 * H100_500W_CLOCK,
-                      attention_efficiency=0.35 * H100_500W_CLOCK, memory_bw=2.4e12, memory_efficiency=0.8,
+                      attention_efficiency=0.35 * H100_500W_CLOCK, sms=132, memory_bw=2.4e12, memory_efficiency=0.8,
                       intra_node_busbw=370e9, inter_node_busbw=45e9)),
 }
 

@@ -59,8 +59,8 @@ LLAMA3_PAPER = ("The Llama 3 Herd of Models (Meta, 2024), table 4: 16,384 H100 8
 # rows (no float8, async TP or stages) are over by as much, so the cause is the card or what every row
 # shares, not float8, and a constant tuned to these rows would hide it.
 OVER_500W = ("over like every row on the 500 W card, its bf16 ones (no float8, async TP or stages) included: "
-             "the clock the capped card holds under dense matmuls (hardware.py reads it off the datasheets' line "
-             "at 500 W, 886/989) and NCCL's kernels sharing the SMs with the compute they overlap are not modelled")
+             "the clock the capped card holds under dense matmuls is not modelled (hardware.py reads it off the "
+             "datasheets' line at 500 W, 886/989)")
 OVER_ASYNC_TP = ("async TP: torchtitan measured 1.06x from it on the 70B (829 -> 876), the planner prices more "
                  "(each forward collective hidden behind its own matmuls)")
 

@@ -261,6 +261,8 @@ def _build() -> _Parsers:
     plan.add_argument("--gemm-efficiency", type=float, help="fraction of the peak large matmuls sustain")
     plan.add_argument("--attention-efficiency", type=float, help="fraction of the peak flash attention sustains")
     plan.add_argument("--memory-gbs", type=float, help="device memory bandwidth, GB/s")
+    plan.add_argument("--sms", type=int, help="SMs per GPU (default: --gpu's): NCCL's kernels hold 16 of them while "
+                                              "FSDP's collectives overlap compute; 0: not priced")
     plan.add_argument("--intra-node-gbs", type=float,
                       help="bus bandwidth inside a node, GB/s as nccl-tests reports it (hybridpar doctor measures it)")
     plan.add_argument("--inter-node-gbs", type=float, help="bus bandwidth between nodes per GPU, GB/s")

@@ -299,7 +299,7 @@ def _plan_hardware(args: argparse.Namespace):
              "attention_efficiency": args.attention_efficiency,
              "peak_flops": args.peak_tflops and args.peak_tflops * 1e12,
              "float8_peak_flops": None if args.float8_tflops is None else args.float8_tflops * 1e12,
-             "memory_bw": args.memory_gbs and args.memory_gbs * 1e9,
+             "memory_bw": args.memory_gbs and args.memory_gbs * 1e9, "sms": args.sms,
              "intra_node_busbw": args.intra_node_gbs and args.intra_node_gbs * 1e9,
              "inter_node_busbw": args.inter_node_gbs and args.inter_node_gbs * 1e9}
     overrides = {k: v for k, v in given.items() if v is not None}

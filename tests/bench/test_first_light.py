@@ -149,3 +149,13 @@ def test_the_loss_section_sets_float8_beside_bf16_over_the_same_steps(tmp_path):
     check.results["float8 rowwise compiled"]["losses"] = f8[:-1] + [float("nan")]
     assert float8_sections.loss(check)["ok"] is False
 
+
+def test_the_documented_commands_parse(tmp_path):
+    """Every `bash bench/gpu/first_light.sh ...` of docs/benchmarks.md is a command line the check takes."""
+    from bench.gpu import first_light
+
+    lines = [line.split("#")[0].split() for line in (ROOT / "docs" / "benchmarks.md").read_text().splitlines()
+             if line.startswith("bash bench/gpu/first_light.sh")]
+    assert any("--float8" in words for words in lines), lines
+    for words in lines:
+        first_light.parser().parse_args(words[2:])

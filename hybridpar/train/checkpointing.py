@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from ..checkpoint.dcp import Checkpointer, complete_checkpoints, latest_checkpoint, params_dict
+from ..checkpoint.dcp import Checkpointer, complete_checkpoints, latest_checkpoint, params_dict, step_dir_name
 from ..config import Config, ConfigError
 from ..files import refuse_occupied
 from ..mesh.device import ParallelDims
@@ -35,6 +35,7 @@ class Checkpoints:
         self.params = params_dict(args)
         self.checkpointer = Checkpointer(config.checkpoint_dir(), parallel, keep=c.keep, async_save=c.async_save)
         self.resumed_from: Optional[Path] = None  # the checkpoint restore() resumed from
+        self.elsewhere: Optional[int] = None  # the last step this group left to another to save
 
     @property
     def folder(self) -> Path:
@@ -68,6 +69,7 @@ class Checkpoints:
         the copy to host memory) and each completed save's size and write time. A replica group that
         does not write them (hybridpar.replicas) trains on: the newest checkpoint is returned."""
         if self.writes is not None and not self.writes():
+            self.elsewhere = step
             return self.latest()
         train_state = {name: part.state_dict() for name, part in self.parts.items()}
         if getattr(self.tokenizer, "path", None):  # for `convert --to hf`, which writes it beside the weights
@@ -88,6 +90,13 @@ class Checkpoints:
         self.checkpointer.written.clear()
 
     def close(self, metrics) -> None:
-        """The last save's writes completed (and reported)."""
+        """The last save's writes completed (and reported). A replica group that left its last save to
+        another waits for it a little (half of checkpoint.exit_save_timeout, 10 s at most), so that what
+        it says at the end names it; then the newest complete one is the newest."""
         self.checkpointer.close()
         self.report_written(metrics)
+        if self.elsewhere is not None:
+            done = self.folder / step_dir_name(self.elsewhere) / "train_state.json"
+            waited = time.monotonic()
+            while not done.exists() and time.monotonic() - waited < min(10.0, self.settings.exit_save_timeout / 2):
+                time.sleep(0.2)

@@ -241,6 +241,8 @@ def log_row(window: list[dict]) -> dict:
         "memory_gb": last["memory_gb"],
         # replica groups (fault_tolerance): the fewest that committed a step of the interval
         **({"groups": min(m["groups"] for m in window)} if "groups" in last else {}),
+        # and a heal of this group from a live one in the interval (at the start of one of its steps)
+        **next(({"healed_from": m["healed_from"], "heal_s": m["heal_s"]} for m in window if "healed_from" in m), {}),
     }
 
 
@@ -254,6 +256,8 @@ def progress_line(step: int, steps: int, m: dict, elapsed: float, eta: Optional[
     )
     if "groups" in m:
         line += f"  groups {m['groups']}"
+    if "healed_from" in m:
+        line += f" (healed from step {m['healed_from']} in {m['heal_s']:.1f} s)"
     by_source = {k[len("tokens/"):]: v for k, v in m.items() if k.startswith("tokens/")}
     if by_source:  # a blend: each source's share of the tokens so far
         total = sum(by_source.values()) or 1

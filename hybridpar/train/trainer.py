@@ -95,7 +95,7 @@ class Trainer:
         if c.output.wandb:
             require_wandb()
         self.downstream = Downstream(c, p, self.supervisor)  # the [eval] tasks read and checked
-        self.replicas = make_replicas(c.fault_tolerance, c.train.grad_accum)  # the other replica groups, if any
+        self.replicas = make_replicas(c)  # the other replica groups, if any
         self._phase("data")
         self._set_up_data(c, p)
         # Before the model is built and compiled: the compiler's start-up takes a share of the cores,
@@ -126,7 +126,7 @@ class Trainer:
                                      start_step=self.step, wandb=wandb)
         self.replicas.connect(p, self.runner.modules, self.optimizer, self.scheduler, self.loader, step=self.step,
                               metrics=self.metrics, at=self.supervisor.phase)
-        self.run_log = RunLog(c, self.metrics, self.loader, self.downstream, is_main=self.is_main)
+        self.run_log = RunLog(c, self.metrics, self.loader, self.downstream, self.replicas, is_main=self.is_main)
         self.history = self.run_log.history  # every step's numbers (run() returns them)
         self.evaluations = Evaluations(c, p, self.runner, self.val_dataset, self.downstream, self.supervisor,
                                        global_batch=self.global_batch, tokenizer=self.tokenizer, args=self.args)
@@ -195,8 +195,8 @@ class Trainer:
         mean_loss = self.runner.total(loss_sum).item() / global_targets
 
         self.supervisor.phase("optimizer")
-        self.replicas.average(self.params)  # the replica groups' mean gradient
-        grad_norm, votes = grad_norm_and_clip(self.params, c.optim.grad_clip, self.device, also_sum=self.stop.vote())
+        votes = self.replicas.average(self.params, self.stop.vote())  # the groups' mean gradient, their stop votes
+        grad_norm, votes = grad_norm_and_clip(self.params, c.optim.grad_clip, self.device, also_sum=votes)
         self.stop_signal = stopping.agreed(votes)
         lr = self.scheduler.get_last_lr()[0]
         if not self.replicas.commit():  # a group failed in it: the same data again

@@ -62,7 +62,9 @@ def rows(r: dict) -> list[tuple[str, str]]:
         a, b = s["async"], s["blocking"]
         model = f"{s['n_layers']} layers of Llama 3 8B's shape, with AdamW's state: " if s.get("n_layers") else ""
         again = s.get("async_again") or {}
-        out.append(("async save", f"{model}training blocked {a['blocked_s']:.1f} s at the first save, "
+        staged = (f" ({a['staging_wait_s']:.1f} s of it waiting for its pinned host copy, begun after step 1 and "
+                  f"made in {a['staging_prepared_s']:.1f} s in the background)" if "staging_wait_s" in a else "")
+        out.append(("async save", f"{model}training blocked {a['blocked_s']:.1f} s at the first save{staged}, "
                                   f"{_num(again.get('blocked_s'), '.1f')} s at the next; {a['bytes'] / 1e9:.1f} GB "
                                   f"written in {a['written_s']:.1f} s"))
         out.append(("blocking save", f"{b['bytes'] / 1e9:.1f} GB in {b['written_s']:.1f} s = {b['gbs']:.2f} GB/s "

@@ -117,6 +117,7 @@ class Trainer:
                                        parts={"scheduler": self.scheduler, "data": self.loader})
         self._phase("checkpoint")
         self.step = self.start_step = self.checkpoints.restore()  # 0, or the step a resumed run continues from
+        self.checkpoints.prepare_staging()  # a resumed optimizer has its state: the first save's host copy, begun now
         self.run_dir = Path(c.output.run_dir)
         wandb = WandbSettings(c.output.wandb_project, c.output.wandb_mode, c.to_dict()) if c.output.wandb else None
         self.metrics = MetricsWriter(self.run_dir, enabled=self.is_main, tensorboard=c.output.tensorboard,
@@ -263,6 +264,7 @@ class Trainer:
                 self.data_stopped, self.stop_signal = stopped.error, "the data"
                 break
             clock.step_done(self.step)
+            self.checkpoints.prepare_staging()  # a fresh optimizer has its state after the first step
             row = dict(found)  # the straggler report's, when one was due
             if self.supervisor.excluding is not None:  # every rank agrees: save, stop, name the node
                 self.stop_signal = self.stop_signal or "a straggler"

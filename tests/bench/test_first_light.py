@@ -58,3 +58,16 @@ def test_a_section_the_time_left_cannot_hold_is_a_line(tmp_path):
     assert saved["cheap"] == {"ok": True}
     assert saved["costly"]["ok"] is False and saved["costly"]["why"].startswith("skipped: ")
     assert saved["broken"] == {"ok": False, "why": "ZeroDivisionError: division by zero"}
+
+
+def test_the_first_async_save_says_how_long_it_waited_for_its_host_copy():
+    from bench.gpu.first_light import rows
+
+    save = {"blocked_s": 3.5, "bytes": 17.8e9, "written_s": 40.0, "gbs": 0.45}
+    results = {"saves": {"ok": True, "n_layers": 2, "async": {**save, "staging_wait_s": 2.4, "staging_prepared_s": 9.5},
+                         "async_again": save, "blocking": save}}
+    line = dict(rows(results))["async save"]
+    assert "blocked 3.5 s at the first save (2.4 s of it waiting for its pinned host copy, begun after step 1 and " \
+           "made in 9.5 s in the background), 3.5 s at the next" in line, line
+    del results["saves"]["async"]["staging_wait_s"]  # a CPU's saves: DCP stages them, nothing is made before
+    assert "blocked 3.5 s at the first save, 3.5 s at the next" in dict(rows(results))["async save"]

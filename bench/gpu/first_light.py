@@ -50,10 +50,14 @@ def rows(r: dict) -> list[tuple[str, str]]:
             continue
         line = (f"{_num(t['tokens_per_s'])} tok/s, {_num(t.get('tflops'), '.0f')} TFLOP/s, MFU {_pct(t.get('mfu_measured'))} "
                 f"of measured / {_pct(t.get('mfu_nominal'))} of nominal, peak {_num(t.get('peak_memory_gib') or t.get('peak_mem_gib'), '.1f')} GiB")
+        reserved = t.get("reserved_memory_gib") or t.get("reserved_mem_gib_timed")
+        if reserved:
+            line += f" allocated, {reserved:.1f} GiB reserved"
         plan = t.get("planner") or {}
         if plan.get("tokens_per_s"):
             line += (f"; planner {_num(plan['tokens_per_s'])} tok/s, {plan['memory_gib']:.1f} GiB "
-                     f"(measured/planned {t['measured_over_planned']:.2f})")
+                     f"(measured/planned {t['measured_over_planned']:.2f}"
+                     + (f"; planned/reserved {t['planned_over_reserved']:.2f})" if t.get("planned_over_reserved") else ")"))
         if t.get("hybridpar_over_titan"):
             line += f"; hybridpar/torchtitan {t['hybridpar_over_titan']:.2f}"
         out.append((name, line))

@@ -95,6 +95,8 @@ def _train(check: Check, compile: bool) -> dict:
            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
            "mfu_logged": statistics.median(r["mfu"] for r in timed),
            "peak_memory_gib": max(r["memory_gb"] for r in rows) * 1e9 / 2 ** 30,
+           # what the caching allocator held (a GPU's rows have it): what the planner's memory must cover
+           "reserved_memory_gib": max((r.get("memory_reserved_gb", 0.0) for r in rows), default=0.0) * 1e9 / 2 ** 30,
            "loss_first": rows[0]["loss"], "loss_last": rows[-1]["loss"],
            "mfu_against": next((line for line in text.splitlines() if "MFU against" in line), "")}
     out.update(mfu_figures(check, out["tokens_per_s"], n_layers))
@@ -102,6 +104,8 @@ def _train(check: Check, compile: bool) -> dict:
         out["planner"] = planner_prediction(check, n_layers, compile)
         if out["planner"].get("tokens_per_s"):
             out["measured_over_planned"] = out["tokens_per_s"] / out["planner"]["tokens_per_s"]
+        if out["planner"].get("memory_gib") and out["reserved_memory_gib"]:
+            out["planned_over_reserved"] = out["planner"]["memory_gib"] / out["reserved_memory_gib"]
     return out
 
 

@@ -90,7 +90,8 @@ def _describe(d: dict) -> str:
         return (f"{d['bytes'] / 1e9:.1f} GB in {d['export_s']:.0f} s; checkpoint loaded in {d['load_s']:.1f} s; "
                 f"logits vs transformers on the device: rel error {d['rel_error']:.1e}")
     if "n_layers" in d:
-        return f"{d['n_layers']} layers of Llama 3 8B's shape ({d.get('why') or 'the planner: 85% of usable memory'})"
+        why = d.get("why") or f"the planner: {train.PLANNED_SHARE:.0%} of usable memory, with the allocator's reserve"
+        return f"{d['n_layers']} layers of Llama 3 8B's shape ({why})"
     if "gbs" in d:
         return f"{d['seconds']:.1f} s ({_num(d['gbs'], '.2f')} GB/s read and summed)"
     return f"{d.get('seconds', 0):.1f} s: {d.get('text', '')}"

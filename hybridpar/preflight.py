@@ -15,6 +15,7 @@ and `hybridpar train --dry-run` makes it before its rehearsal, so a refusal read
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import os
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Optional, Union
 
 from .config import Config, ConfigError
+from .config.fault_tolerance import require_torchft
 from .pipeline.schedules import check_pipeline, check_untied, check_validation
 from .mesh.layout import MeshSizeError, resolve_sizes
 
@@ -73,6 +75,7 @@ def resolve_job(config: Config, world_size: int, *, training: bool = True) -> Jo
                                training=training)
     if training:
         check_eval_setup(config)
+        config = group_config(config)
     sources, stores = _data_sources(config)
     return Job(config, world_size, sizes, args, found, parsed, sources, stores)
 
@@ -103,6 +106,7 @@ def check_config(config: Config, world_size: int, args=None, *, training: bool =
     check_pipeline(pp, p.pp_schedule, p.pp_layers, p.pp_microbatches, args.n_layers, d.micro_batch_size)
     check_untied(pp, args.tie_embeddings)
     check_validation(pp, p.pp_schedule, training and bool(d.val_fraction or d.val_source))
+    check_fault_tolerance(config, sizes)
     if training and config.eval.tasks and (pp > 1 or cp > 1):
         raise ConfigError(f"evaluation in the loop runs at pp 1 and cp 1, and this job has pp {pp}, cp {cp}; use "
                           "hybridpar eval on a checkpoint (or empty eval.tasks)")
@@ -113,6 +117,37 @@ def check_values(config: Config, world_size: int):
     """check_config's checks that any job makes (a doctor's too): the values, the mesh, the model's
     shape, the pipeline. Returns the model's args (hybridpar.models.args.ModelArgs)."""
     return check_config(config, world_size, training=False)[1]
+
+
+def check_fault_tolerance(config: Config, sizes) -> None:
+    """What fault_tolerance.enabled needs: one replica per group, a lighthouse, torchft, and a step wait
+    for a silent group that ends before the watchdog would call the waiting group hung."""
+    ft = config.fault_tolerance
+    if not ft.enabled:
+        return
+    if sizes[1] > 1:
+        raise ConfigError(f"fault_tolerance.enabled replicates the model over the groups: parallel.dp_replicate must be "
+                          f"1 inside a group, got {sizes[1]}; make each replica a group (fault_tolerance.groups = "
+                          f"{sizes[1] * ft.groups}) or set fault_tolerance.enabled = false")
+    ft.address()
+    require_torchft()
+    d = config.diagnostics
+    if d.watchdog and d.train_timeout and ft.timeout >= d.train_timeout:
+        raise ConfigError(f"fault_tolerance.timeout ({ft.timeout:g} s) must be below diagnostics.train_timeout "
+                          f"({d.train_timeout:g} s): a group waiting for a silent one would be called hung first")
+
+
+def group_config(config: Config) -> Config:
+    """A replica group's own copy of the config: its logs in <output.run_dir>/group-<g>, the job's
+    checkpoints shared (the first group of the quorum writes them), and resuming always on: a group
+    that restarts continues from its peers or the newest checkpoint."""
+    if not config.fault_tolerance.enabled:
+        return config
+    config = copy.deepcopy(config)
+    config.checkpoint.folder = str(config.checkpoint_dir())
+    config.output.run_dir = config.fault_tolerance.group_run_dir(config.output.run_dir)
+    config.checkpoint.resume = True
+    return config
 
 
 def check_float8_setup(config: Config) -> None:

@@ -205,9 +205,10 @@ def classify(c: Command, known_env: str) -> Check:
     elif argv[0] == "bash":
         _bash_n(argv[1])
         reason = {"launch/local.sh": "4 processes for minutes", ".ci/run": "installs, then the whole suite",
-                  "bench/gpu/first_light.sh": "the GPU check (its CPU path runs in tests/bench/test_first_light.py)",
+                  "bench/gpu/first_light.sh": "the GPU check (its CPU path runs in tests/bench/test_first_light.py, which parses its flags here)",
                   "launch/llama3_8b_128k.sh": "a 16-rank dry run with a rehearsal (tests/launch/test_scripts.py runs it)",
-                  "launch/llama3_405b.sh": "a 512-rank dry run with a rehearsal (tests/launch/test_scripts.py runs it)"}
+                  "launch/llama3_405b.sh": "a 512-rank dry run with a rehearsal (tests/launch/test_scripts.py runs it)",
+                  "launch/ft_local.sh": "replica groups for minutes (tests/replicas/test_replica_groups.py runs it)"}
         return Check(c, "parse", reason.get(argv[1], "a Slurm job's dry run: a 128-rank rehearsal") + " (bash -n)")
     elif argv[0] == "sbatch":
         script = next(w for w in argv if w.endswith(".sh"))
@@ -232,6 +233,8 @@ def classify(c: Command, known_env: str) -> Check:
     command = hp[0] if hp[0] != "--help" else ""
     if "--help" in hp or command == "mesh" or (command == "plan" and "cpu" not in hp):
         return Check(c, "run", "as written", hp)
+    if command == "lighthouse":
+        return Check(c, "parse", "a server until stopped (launch/ft_local.sh starts it in the slow test)", hp)
     if command == "train" and "--dry-run" in hp:
         return Check(c, "parse", "a large model's rehearsal: tens of seconds", hp)
     return Check(c, "parse", "a variant of a command the slow test runs", hp)

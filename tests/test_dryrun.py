@@ -130,10 +130,10 @@ def test_a_128_rank_context_parallel_job_is_rehearsed(tmp_path):
 def test_the_dry_run_rehearses_float8_and_counts_the_amax_all_reduces(tmp_path):
     """`hybridpar train --dry-run --config llama2_70b --world 128 --float8.recipe rowwise` on two of
     the 80 identical layers: torchao's casts run on fake tensors, and the collectives table counts
-    their amax all-reduces over mp on top of bf16's: per block, in forward the input and weight of
-    each of the 2 row-parallel linears (per token, per out-feature), again in full activation
-    checkpointing's recompute, and in backward the output gradient and weight of each of the 5
-    column-parallel ones: 2 x 2 x 2 + 5 x 2 = 18; nothing else changes."""
+    their amax all-reduces over mp on top of bf16's: per block, in forward one for the input and
+    weight of each of the 2 row-parallel linears (per token, per out-feature; stacked), again in full
+    activation checkpointing's recompute, and in backward one for the output gradient and weight of
+    each of the 5 column-parallel ones: 2 x 2 + 5 = 9; nothing else changes."""
     counts = {}
     for recipe in ("none", "rowwise"):
         flags = {"model.n_layers": 2, "float8.recipe": recipe, "output.run_dir": tmp_path / "run"}
@@ -144,7 +144,7 @@ def test_the_dry_run_rehearses_float8_and_counts_the_amax_all_reduces(tmp_path):
         counts[recipe] = {(c["dim"], c["op"]): c["calls"] for c in report["collectives"]}
         print(f"\n{recipe}: dry run in {seconds:.0f} s; mp all_reduce calls {counts[recipe][('mp', 'all_reduce')]}")
     amaxes = counts["rowwise"].pop(("mp", "all_reduce")) - counts["none"].pop(("mp", "all_reduce"))
-    assert amaxes == 2 * 18 and counts["rowwise"] == counts["none"]
+    assert amaxes == 2 * 9 and counts["rowwise"] == counts["none"]
 
 
 def _rehearsed(gpu: str, **flags):
@@ -163,7 +163,8 @@ def _rehearsed(gpu: str, **flags):
 def test_the_dry_runs_memory_is_the_planners_float8_and_the_allocator_included():
     """The dry run's memory line is hybridpar.plan's estimate of its layout: with float8 the weights FSDP
     gathers in float8 (float8.fsdp_all_gather) take 1 byte, and nothing else changes (float8 saves for
-    backward what bf16 saves: tests/test_plan_float8.py); a GPU job's adds the caching allocator's reserve."""
+    backward what bf16 saves, and its forward's amaxes: tests/test_plan_float8.py); a GPU job's adds the
+    caching allocator's reserve."""
     from hybridpar.models.args import ModelArgs
     from hybridpar.plan.inputs import ALLOCATOR_OVERHEAD
     from hybridpar.plan.memory import gathered_bytes, local_param_shapes

@@ -12,8 +12,8 @@ from typing import Callable, NamedTuple, Optional, Sequence
 from .. import __version__
 from ..config import dtypes
 from ..reporting import let_rank_0_speak, report_error
-from .commands import (cmd_convert, cmd_doctor, cmd_eval, cmd_generate, cmd_hang_report, cmd_mesh, cmd_plan, cmd_prepare,
-                       cmd_train, cmd_verify, RunFailed)
+from .commands import (cmd_convert, cmd_doctor, cmd_eval, cmd_generate, cmd_hang_report, cmd_lighthouse, cmd_mesh, cmd_plan,
+                       cmd_prepare, cmd_train, cmd_verify, RunFailed)
 
 # hybridpar.plan.hardware.GPUS's names (tests/test_plan.py holds them equal): the parser is built
 # without importing the planner, which imports torch.
@@ -208,6 +208,16 @@ def _build() -> _Parsers:
     doctor.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter", help="collectives to time")
     doctor.add_argument("--no-busbw", action="store_true", help="skip the bandwidth measurement")
     doctor.add_argument("--json", default="", metavar="PATH", help="also write the report as JSON here (rank 0)")
+    lighthouse = command("lighthouse", cmd_lighthouse,
+                         help="keep the quorum of a fault-tolerant job's replica groups (torchft's lighthouse)")
+    lighthouse.add_argument("--port", type=int, default=29510, help="the port to listen on (0: any free one)")
+    lighthouse.add_argument("--min-groups", type=int, default=1, help="the fewest replica groups of a quorum")
+    lighthouse.add_argument("--join-timeout", type=float, default=10.0,
+                            help="seconds a quorum waits for a live group that has not asked to join yet: above a "
+                                 "step's time (a returning group meets the others' next quorum), below the groups' "
+                                 "fault_tolerance.timeout (they go on without a hung group after it)")
+    lighthouse.add_argument("--heartbeat-timeout", type=float, default=5.0,
+                            help="seconds of silence after which a group is out of the quorum")
     hang = command("hang-report", cmd_hang_report, help="explain a hang from the flight-recorder dumps of every rank")
     hang.add_argument("dir", help="a folder with one dump per rank (e.g. the run folder's flight_recorder/)")
     hang.add_argument("--world", type=int, default=0, help="number of ranks, if the dumps do not say (nccl dumps)")
@@ -251,6 +261,8 @@ def _build() -> _Parsers:
     plan.add_argument("--gemm-efficiency", type=float, help="fraction of the peak large matmuls sustain")
     plan.add_argument("--attention-efficiency", type=float, help="fraction of the peak flash attention sustains")
     plan.add_argument("--memory-gbs", type=float, help="device memory bandwidth, GB/s")
+    plan.add_argument("--sms", type=int, help="SMs per GPU (default: --gpu's): NCCL's kernels hold 16 of them while "
+                                              "FSDP's collectives overlap compute; 0: not priced")
     plan.add_argument("--intra-node-gbs", type=float,
                       help="bus bandwidth inside a node, GB/s as nccl-tests reports it (hybridpar doctor measures it)")
     plan.add_argument("--inter-node-gbs", type=float, help="bus bandwidth between nodes per GPU, GB/s")

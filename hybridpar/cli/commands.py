@@ -300,7 +300,7 @@ def _plan_hardware(args: argparse.Namespace):
              "attention_efficiency": args.attention_efficiency,
              "peak_flops": args.peak_tflops and args.peak_tflops * 1e12,
              "float8_peak_flops": None if args.float8_tflops is None else args.float8_tflops * 1e12,
-             "memory_bw": args.memory_gbs and args.memory_gbs * 1e9,
+             "memory_bw": args.memory_gbs and args.memory_gbs * 1e9, "sms": args.sms,
              "intra_node_busbw": args.intra_node_gbs and args.intra_node_gbs * 1e9,
              "inter_node_busbw": args.inter_node_gbs and args.inter_node_gbs * 1e9}
     overrides = {k: v for k, v in given.items() if v is not None}
@@ -419,3 +419,15 @@ def cmd_hang_report(args: argparse.Namespace) -> int:
     if args.json:
         write_text_atomic(args.json, json.dumps(verdict.to_json(), indent=1))
     return 0
+
+
+def cmd_lighthouse(args: argparse.Namespace) -> int:
+    """torchft's lighthouse for fault_tolerance.enabled jobs, until SIGTERM or Ctrl-C."""
+    from ..config import ConfigError
+    from ..config.fault_tolerance import require_torchft
+    from ..replicas.lighthouse import serve
+
+    require_torchft()
+    if args.min_groups < 1:
+        raise ConfigError(f"--min-groups must be >= 1, got {args.min_groups}")
+    return serve(args.port, args.min_groups, args.join_timeout, args.heartbeat_timeout)

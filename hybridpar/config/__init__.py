@@ -16,6 +16,7 @@ from typing import Any, Optional, Sequence, Union
 
 from .evaluation import EvalConfig
 from .sharding import FSDPConfig
+from .fault_tolerance import FaultToleranceConfig
 from .low_precision import Float8Config
 from .options import ConfigError, description, option, parse_pp_layers
 from .data_sources import blend_sources
@@ -173,6 +174,7 @@ class Config:
     diagnostics: DiagnosticsConfig = dataclasses.field(default_factory=DiagnosticsConfig)
     output: OutputConfig = dataclasses.field(default_factory=OutputConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)  # downstream tasks in the loop
+    fault_tolerance: FaultToleranceConfig = dataclasses.field(default_factory=FaultToleranceConfig)
 
     def checkpoint_dir(self) -> Path:
         """Where the run's checkpoints go: checkpoint.folder, else <output.run_dir>/checkpoints."""
@@ -186,6 +188,7 @@ class Config:
             raise ConfigError(str(err)) from None
         self.eval.validate()
         self.float8.validate()
+        self.fault_tolerance.validate()
         if self.train.grad_sync not in ("last", "every"):
             raise ConfigError(f"train.grad_sync must be 'last' or 'every', got {self.train.grad_sync!r}")
         if self.train.on_nonfinite not in ("stop", "skip"):

@@ -278,6 +278,15 @@ class ResumableDataLoader:
         """Passes through each source's data so far (1.5: once and a half)."""
         return [c / len(s.dataset) for c, s in zip(self.position.counts, self.sources)]
 
+    def seek(self, micro_batches: int) -> None:
+        """Go to where the data is after `micro_batches` of the whole group's from its start, reading
+        none: where a replica group that trained that many continues (hybridpar.replicas)."""
+        self.position.epochs = [0] * len(self.sources)
+        self.position.offsets = [0] * len(self.sources)
+        for _ in range(micro_batches):
+            self.position.group(self.micro_batch_size * self.dp_size)
+        self._batches = None
+
     def state_dict(self) -> dict:
         """The same on every rank of the job: the group's position per source, not this rank's."""
         return self.position.state()

@@ -92,21 +92,24 @@ def _validation_where(d, name: str) -> str:
 
 
 def build_training_data(config, parallel, on_tokenizer: Optional[Callable[[Tokenizer], None]] = None,
-                        on_progress: Optional[Callable[[str], None]] = None, walked_sources: Optional[Mapping] = None
+                        on_progress: Optional[Callable[[str], None]] = None, walked_sources: Optional[Mapping] = None,
+                        data_rank: Optional[tuple[int, int]] = None
                         ) -> tuple[Tokenizer, ResumableDataLoader, Optional[dict[str, PackedDataset]]]:
     """The training data of a config (its [data] and [train] sections) for this rank of `parallel`:
     build_sources, the loader keyed by the data-parallel coordinates (one source or a blend alike),
     and the validation windows per source (None without a validation split). `on_tokenizer(tokenizer)`
     runs before the size check and the loader (the trainer fits the model's vocabulary to the
-    tokenizer there). `walked_sources`: build_sources'."""
+    tokenizer there). `walked_sources`: build_sources'. `data_rank`: (rank, size) of this rank among every
+    reader of the data, (parallel.dp_rank, parallel.dp_size) unless replica groups read it too."""
     d, grad_accum = config.data, config.train.grad_accum
+    dp_rank, dp_size = data_rank or (parallel.dp_rank, parallel.dp_size)
     tokenizer, sources, validation = build_sources(d, on_progress, walked_sources)
     if on_tokenizer is not None:
         on_tokenizer(tokenizer)
     if len(sources) == 1:  # a single source's epochs are whole global batches: one at least
-        check_dataset_size(sources[0][2], d.micro_batch_size * grad_accum * parallel.dp_size,
-                           micro_batch_size=d.micro_batch_size, grad_accum=grad_accum, dp_size=parallel.dp_size)
-    loader = build_dataloader(sources, dp_rank=parallel.dp_rank, dp_size=parallel.dp_size,
+        check_dataset_size(sources[0][2], d.micro_batch_size * grad_accum * dp_size,
+                           micro_batch_size=d.micro_batch_size, grad_accum=grad_accum, dp_size=dp_size)
+    loader = build_dataloader(sources, dp_rank=dp_rank, dp_size=dp_size,
                               micro_batch_size=d.micro_batch_size, seed=d.seed, num_workers=d.num_workers,
                               on_exhausted=d.on_exhausted)
     return tokenizer, loader, validation or None

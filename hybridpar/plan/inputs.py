@@ -7,6 +7,11 @@ import dataclasses
 from ..config.low_precision import RECIPES as FLOAT8_RECIPES  # the [float8] section's recipes ("none": bf16)
 
 GIB = 2**30
+# The SMs an NCCL collective's kernel holds while it runs, which no compute kernel shares: "NCCL uses the
+# minimal number of SMs to achieve the performance of the platform ... on DGX with 8 NICs ... 16 SMs" and
+# "NCCL CTAs won't share an SM with compute kernels" (its maintainer, github.com/NVIDIA/nccl/issues/689);
+# Meta profiling FSDP on H100 saw NCCL occupy ~10% of the 132 SMs (github.com/pytorch/pytorch/issues/143988).
+NCCL_SMS = 16
 MASTER_BYTES = 4  # the trainer builds the model in fp32: master params, grads and AdamW moments are fp32
 # What a GPU's caching allocator reserves beyond the tensors the planner counts (Memory.allocator), as a
 # fraction of them: the blocks a step frees (the activations, in backward) stay cached for what it makes
@@ -139,7 +144,13 @@ class Hardware:
     sync_wait: float = 0.0  # seconds a synchronising call adds when ranks share the cores (CPU)
     reserve_gib: float = 4.0  # CUDA context, NCCL buffers
     allocator_overhead: float = ALLOCATOR_OVERHEAD  # the caching allocator's reserve, of the rest (a CPU: 0)
+    sms: int = 0  # streaming multiprocessors; 0: NCCL's share of them not priced (a CPU, or not stated)
     name: str = ""
+
+    @property
+    def nccl_share(self) -> float:
+        """The share of the SMs an NCCL kernel holds: compute it overlaps runs on the rest (NCCL_SMS)."""
+        return min(1.0, NCCL_SMS / self.sms) if self.sms else 0.0
 
     @property
     def usable_bytes(self) -> float:
@@ -150,6 +161,8 @@ class Hardware:
                 else f"{self.peak_flops / 1e9:.0f} GFLOP/s")
         sustained = (f"matmul {self.gemm_efficiency:.2f} and attention {self.attention_efficiency:.2f} of {peak}, "
                      f"memory {self.memory_efficiency:.2f} of {self.memory_bw / 1e9:.4g} GB/s")
+        if self.sms:
+            sustained += f"; NCCL's kernels hold {min(NCCL_SMS, self.sms)} of its {self.sms} SMs while they overlap compute"
         if self.op_overhead:
             sustained += f", {self.op_overhead * 1e6:.1f} us per op"
         if self.cores:

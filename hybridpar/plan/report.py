@@ -59,7 +59,8 @@ def breakdown(e: Estimate, hw: Hardware, plan: "Plan | None" = None) -> list[str
         f" + grad buffers {_gib(m.grad_buffers)} + activations {_gib(m.activations)} + transient {_gib(m.transient)}"
         + (f" + allocator {_gib(m.allocator)}" if m.allocator else ""),
         f"  step {_seconds(t.step)} s: compute {_seconds(t.compute)} + tensor-parallel {_seconds(t.tp_comm)}{cp}"
-        f" + exposed FSDP {_seconds(t.dp_exposed)} (of {_seconds(t.dp_comm)}); "
+        f" + exposed FSDP {_seconds(t.dp_exposed)} (of {_seconds(t.dp_comm)})"
+        + (f" + compute on the SMs NCCL leaves {_seconds(t.dp_contention)}" if t.dp_contention else "") + "; "
         f"{e.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, MFU {100 * e.mfu(hw.peak_flops):.0f}%",
     ]
     if e.layout.cp > 1 and plan is not None:
@@ -91,7 +92,7 @@ def _row(i: int, e: Estimate, hw: Hardware, width: int = 10, cp: bool = False) -
             f"{_gib(m.total):>6} "
             f"{_seconds(t.step):>7} {e.tokens_per_s_per_gpu:>10,.0f} {100 * e.mfu(hw.peak_flops):>4.0f}% "
             f"{_seconds(t.tp_comm):>6}" + (f" {_seconds(t.cp_exposed):>6}" if cp else "")
-            + f" {_seconds(t.dp_exposed):>7}")
+            + f" {_seconds(t.dp_exposed + t.dp_contention):>7}")
 
 
 def format_plan(plan: Plan, top: int = 10, model_name: str = "", model_flags: str = "") -> str:
@@ -119,7 +120,8 @@ def format_plan(plan: Plan, top: int = 10, model_name: str = "", model_flags: st
         out.append(f"{len(fitting)} of {len(plan.estimates)} layouts fit, the best first. GiB per GPU: state = float32 "
                    "params + grads + AdamW, accum = unsharded grads kept between micro-batches,")
         out.append("act = saved activations, other = gathered params, buffers, peaks, the allocator's reserve; "
-                   "fsdp s = FSDP time compute does not hide; micro = micro-batches per step.")
+                   "fsdp s = FSDP's time in the step (what compute does not hide, and the compute its NCCL kernels' "
+                   "SMs slow); micro = micro-batches per step.")
         shown = fitting[:top]
         width, cp = max(10, *(len(e.layout.name) for e in shown)), any(e.layout.cp > 1 for e in shown)
         out.append(_header(width, cp))
@@ -211,6 +213,7 @@ def plan_json(plan: Plan, model_name: str = "", model_flags: str = "") -> dict:
                                                                 "total")},
                 "step_s": t.step, "tp_comm_s": t.tp_comm, "cp_comm_s": t.cp_exposed,
                 "pp_comm_s": t.pp_comm, "pp_bubble_s": t.pp_bubble, "fsdp_exposed_s": t.dp_exposed,
+                "fsdp_contention_s": t.dp_contention,
                 "tokens_per_s_per_gpu": e.tokens_per_s_per_gpu, "mfu": e.mfu(plan.hardware.peak_flops),
                 "config": config_flags(e, plan.workload, model_flags)}
 

@@ -28,10 +28,11 @@ from ..mesh.device import ParallelDims
 
 class Checkpoints:
     def __init__(self, config: Config, parallel: ParallelDims, job, supervisor, *, model: list[torch.nn.Module],
-                 optimizer: torch.optim.Optimizer, args, parts: dict, tokenizer) -> None:
+                 optimizer: torch.optim.Optimizer, args, parts: dict, tokenizer, writes=None) -> None:
         c = config.checkpoint
         self.settings, self.init_from, self.supervisor = c, job.init_from, supervisor
         self.model, self.optimizer, self.parts, self.tokenizer = model, optimizer, parts, tokenizer
+        self.writes = writes  # whether this rank's group writes the job's checkpoints (None: it does)
         self.params = params_dict(args)
         self.checkpointer = Checkpointer(config.checkpoint_dir(), parallel, keep=c.keep, async_save=c.async_save)
         self.resumed_from: Optional[Path] = None  # the checkpoint restore() resumed from
@@ -70,7 +71,10 @@ class Checkpoints:
 
     def save(self, step: int, metrics) -> Path:
         """Checkpoint `step`; events.jsonl gets how long training waited for it (an async save: only
-        the copy to host memory) and each completed save's size and write time."""
+        the copy to host memory) and each completed save's size and write time. A replica group that
+        does not write them (hybridpar.replicas) trains on: the newest checkpoint is returned."""
+        if self.writes is not None and not self.writes():
+            return self.latest()
         train_state = {name: part.state_dict() for name, part in self.parts.items()}
         if getattr(self.tokenizer, "path", None):  # for `convert --to hf`, which writes it beside the weights
             train_state["tokenizer"] = {"path": str(Path(self.tokenizer.path).absolute()),

@@ -162,6 +162,12 @@ class MetricsWriter:
         return wandb.init(project=settings.project, mode=settings.mode, dir=str(self.run_dir), id=run_id,
                           resume="allow", name=self.run_dir.name, config=settings.config)
 
+    def continue_from(self, step: int) -> None:
+        """Training continues from `step` after all (a replica group healed to its peers' step): an
+        earlier attempt's rows up to it are kept when the files are opened, the later ones dropped."""
+        if self._file is None:
+            self.start_step = max(self.start_step, step)
+
     def event(self, step: int, event: str, **fields) -> None:
         """Something that happened at `step` (events.jsonl; the dashboard marks it)."""
         if not self.enabled:
@@ -243,6 +249,8 @@ def log_row(window: list[dict]) -> dict:
         "skipped_steps": sum(m["skipped"] for m in window), "step_time": seconds / len(window),
         "tokens_per_s": tokens / seconds, "mfu": sum(m["mfu"] * m["step_time"] for m in window) / seconds,
         "memory_gb": last["memory_gb"], **{k: last[k] for k in ("memory_reserved_gb",) if k in last},
+        # replica groups (fault_tolerance): the fewest that committed a step of the interval
+        **({"groups": min(m["groups"] for m in window)} if "groups" in last else {}),
     }
 
 
@@ -254,6 +262,8 @@ def progress_line(step: int, steps: int, m: dict, elapsed: float, eta: Optional[
         f"loss {m['loss']:.4f}  lr {m['lr']:.2e}  grad_norm {m['grad_norm']:.3f}  "
         f"{m['tokens_per_s']:,.0f} tok/s  mfu {100 * m['mfu']:.1f}%  mem {m['memory_gb']:.2f} GB"
     )
+    if "groups" in m:
+        line += f"  groups {m['groups']}"
     by_source = {k[len("tokens/"):]: v for k, v in m.items() if k.startswith("tokens/")}
     if by_source:  # a blend: each source's share of the tokens so far
         total = sum(by_source.values()) or 1

@@ -41,6 +41,7 @@ from ..pipeline.runner import make_runner
 from ..pipeline.schedules import StageLayout
 from ..pipeline.cutting import build_stages
 from ..preflight import Job, as_job, world_size_from_env
+from ..replicas import make_replicas
 from . import data_stop, stop as stopping
 from .checkpointing import Checkpoints
 from .clock import StepClock
@@ -73,9 +74,7 @@ class Trainer:
         try:
             self.parallel = p = parallel or init_parallel(
                 mp=c.parallel.mp, dp_shard=c.parallel.dp_shard, dp_replicate=c.parallel.dp_replicate,
-                cp=c.parallel.cp, pp=c.parallel.pp, timeout=c.parallel.init_timeout,
-                backend=c.parallel.backend or None,
-            )
+                cp=c.parallel.cp, pp=c.parallel.pp, timeout=c.parallel.init_timeout, backend=c.parallel.backend or None)
             self.is_main, self.device = p.rank == 0, p.device
             self.global_batch = c.data.micro_batch_size * c.train.grad_accum * p.dp_size
             self.supervisor.start(p)  # from here on a rank that dies or hangs is reported
@@ -94,6 +93,7 @@ class Trainer:
         if c.output.wandb:
             require_wandb()
         self.downstream = Downstream(c, p, self.supervisor)  # the [eval] tasks read and checked
+        self.replicas = make_replicas(c.fault_tolerance, c.train.grad_accum)  # the other replica groups, if any
         self._phase("data")
         self._set_up_data(c, p)
         # Before the model is built and compiled: the compiler's start-up takes a share of the cores,
@@ -114,7 +114,8 @@ class Trainer:
             self.optimizer, lr_lambda(c.optim.warmup_steps, c.train.steps, c.optim.min_lr_ratio))
         self.checkpoints = Checkpoints(c, p, self.job, self.supervisor, model=self.runner.modules,
                                        optimizer=self.optimizer, args=self.args, tokenizer=self.tokenizer,
-                                       parts={"scheduler": self.scheduler, "data": self.loader})
+                                       parts={"scheduler": self.scheduler, "data": self.loader, **self.replicas.parts},
+                                       writes=self.replicas.writes_checkpoints)
         self._phase("checkpoint")
         self.step = self.start_step = self.checkpoints.restore()  # 0, or the step a resumed run continues from
         self.checkpoints.prepare_staging()  # a resumed optimizer has its state: the first save's host copy, begun now
@@ -122,6 +123,8 @@ class Trainer:
         wandb = WandbSettings(c.output.wandb_project, c.output.wandb_mode, c.to_dict()) if c.output.wandb else None
         self.metrics = MetricsWriter(self.run_dir, enabled=self.is_main, tensorboard=c.output.tensorboard,
                                      start_step=self.step, wandb=wandb)
+        self.replicas.connect(p, self.runner.modules, self.optimizer, self.scheduler, self.loader, step=self.step,
+                              metrics=self.metrics, at=self.supervisor.phase)
         self.run_log = RunLog(c, self.metrics, self.loader, self.downstream, is_main=self.is_main)
         self.history = self.run_log.history  # every step's numbers (run() returns them)
         self.evaluations = Evaluations(c, p, self.runner, self.val_dataset, self.downstream, self.supervisor,
@@ -133,7 +136,8 @@ class Trainer:
         # sources were walked by resolve_job: the data takes them from the job.
         try:
             self.tokenizer, self.loader, self.val_dataset = build_training_data(
-                c, p, on_tokenizer=self._fit_vocab, on_progress=self._data_progress, walked_sources=self.job.sources)
+                c, p, on_tokenizer=self._fit_vocab, on_progress=self._data_progress, walked_sources=self.job.sources,
+                data_rank=self.replicas.data_rank(p))
         except DataFormatError:  # every rank meets it; the last out removes the store: none leaves first
             wait_for_every_rank("data")
             raise
@@ -171,9 +175,10 @@ class Trainer:
 
     # --- the loop -------------------------------------------------------------------------------
 
-    def train_step(self) -> dict:
+    def train_step(self) -> Optional[dict]:  # None: the replica groups did not commit the step
         c, p = self.config, self.parallel
         start = time.perf_counter()
+        self.step = self.replicas.begin_step(self.step)  # a group that was away continues at the others' step
         self.supervisor.phase("data", step=self.step + 1)  # the step in progress
         batches, data_error = data_stop.fetch(self.loader, c.train.grad_accum)
         # Before the forward: did any rank's data stop (a damaged chunk, a source run out)? Then none trains.
@@ -189,9 +194,13 @@ class Trainer:
         mean_loss = self.runner.total(loss_sum).item() / global_targets
 
         self.supervisor.phase("optimizer")
+        self.replicas.average(self.params)  # the replica groups' mean gradient
         grad_norm, votes = grad_norm_and_clip(self.params, c.optim.grad_clip, self.device, also_sum=self.stop.vote())
         self.stop_signal = stopping.agreed(votes)
         lr = self.scheduler.get_last_lr()[0]
+        if not self.replicas.commit():  # a group failed in it: the same data again
+            self.optimizer.zero_grad(set_to_none=True)
+            return None
         skipped = apply_update(self.optimizer, self.scheduler, mean_loss, grad_norm, on_nonfinite=c.train.on_nonfinite,
                                step=self.step + 1)
         self.step += 1
@@ -200,7 +209,7 @@ class Trainer:
         elapsed = time.perf_counter() - start
         return {"step": self.step, "loss": mean_loss, "lr": lr, "grad_norm": grad_norm, "skipped": skipped,
                 "tokens": global_targets, "step_time": elapsed, **self.throughput.rates(global_targets, elapsed),
-                "data_guard_s": guard_seconds}
+                "data_guard_s": guard_seconds, **self.replicas.row()}
 
     def run(self) -> list[dict]:
         error = None
@@ -212,6 +221,7 @@ class Trainer:
             raise
         finally:
             self.profiler.close()  # a run that fails or stops inside the profiled steps keeps its trace
+            self.replicas.close()
             self.supervisor.close(error)
 
     def _run(self) -> list[dict]:
@@ -260,6 +270,8 @@ class Trainer:
             try:
                 with self.supervisor.step(self.step + 1) as found, self.profiler.step(self.step + 1):
                     m = self.train_step()
+                if m is None:  # not committed by the replica groups: done again
+                    continue
             except data_stop.DataStopped as stopped:  # every rank, before the step trained: save the last one
                 self.data_stopped, self.stop_signal = stopped.error, "the data"
                 break

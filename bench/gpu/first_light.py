@@ -59,10 +59,14 @@ def rows(r: dict) -> list[tuple[str, str]]:
             continue
         line = (f"{_num(t['tokens_per_s'])} tok/s, {_num(t.get('tflops'), '.0f')} TFLOP/s, MFU {_pct(t.get('mfu_measured'))} "
                 f"of measured / {_pct(t.get('mfu_nominal'))} of nominal, peak {_num(t.get('peak_memory_gib') or t.get('peak_mem_gib'), '.1f')} GiB")
+        reserved = t.get("reserved_memory_gib") or t.get("reserved_mem_gib_timed")
+        if reserved:
+            line += f" allocated, {reserved:.1f} GiB reserved"
         plan = t.get("planner") or {}
         if plan.get("tokens_per_s"):
             line += (f"; planner {_num(plan['tokens_per_s'])} tok/s, {plan['memory_gib']:.1f} GiB "
-                     f"(measured/planned {t['measured_over_planned']:.2f})")
+                     f"(measured/planned {t['measured_over_planned']:.2f}"
+                     + (f"; planned/reserved {t['planned_over_reserved']:.2f})" if t.get("planned_over_reserved") else ")"))
         if t.get("hybridpar_over_titan"):
             line += f"; hybridpar/torchtitan {t['hybridpar_over_titan']:.2f}"
         if t.get("float8_over_bf16"):
@@ -75,7 +79,9 @@ def rows(r: dict) -> list[tuple[str, str]]:
         a, b = s["async"], s["blocking"]
         model = f"{s['n_layers']} layers of Llama 3 8B's shape, with AdamW's state: " if s.get("n_layers") else ""
         again = s.get("async_again") or {}
-        out.append(("async save", f"{model}training blocked {a['blocked_s']:.1f} s at the first save, "
+        staged = (f" ({a['staging_wait_s']:.1f} s of it waiting for its pinned host copy, begun after step 1 and "
+                  f"made in {a['staging_prepared_s']:.1f} s in the background)" if "staging_wait_s" in a else "")
+        out.append(("async save", f"{model}training blocked {a['blocked_s']:.1f} s at the first save{staged}, "
                                   f"{_num(again.get('blocked_s'), '.1f')} s at the next; {a['bytes'] / 1e9:.1f} GB "
                                   f"written in {a['written_s']:.1f} s"))
         out.append(("blocking save", f"{b['bytes'] / 1e9:.1f} GB in {b['written_s']:.1f} s = {b['gbs']:.2f} GB/s "
@@ -107,7 +113,8 @@ def _describe(d: dict) -> str:
         return (f"{d['bytes'] / 1e9:.1f} GB in {d['export_s']:.0f} s; checkpoint loaded in {d['load_s']:.1f} s; "
                 f"logits vs transformers on the device: rel error {d['rel_error']:.1e}")
     if "n_layers" in d:
-        return f"{d['n_layers']} layers of Llama 3 8B's shape ({d.get('why') or 'the planner: 85% of usable memory'})"
+        why = d.get("why") or f"the planner: {train.PLANNED_SHARE:.0%} of usable memory, with the allocator's reserve"
+        return f"{d['n_layers']} layers of Llama 3 8B's shape ({why})"
     if "gbs" in d:
         return f"{d['seconds']:.1f} s ({_num(d['gbs'], '.2f')} GB/s read and summed)"
     return f"{d.get('seconds', 0):.1f} s: {d.get('text', '')}"

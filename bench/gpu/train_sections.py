@@ -33,9 +33,14 @@ def gpu_tests(check: Check) -> dict:
             "why": "" if code in (0, 5) else f"exit {code}: " + (" ".join(failed) or last_lines(text))}
 
 
+# The share of the card's usable memory the planned memory may take. It includes the caching allocator's
+# reserve (plan.inputs.ALLOCATOR_OVERHEAD) since the first light, whose 20 layers planned 0.88 of it.
+PLANNED_SHARE = 0.9
+
+
 def layers_that_fit(check: Check) -> dict:
     """The most layers of Llama 3 8B's shape whose planned memory (hybridpar's planner, selective AC
-    every 2nd block) stays under 85% of the card's usable memory."""
+    every 2nd block) stays under PLANNED_SHARE of the card's usable memory."""
     if check.tiny:
         return {"ok": True, "n_layers": 4, "why": "tiny shape"}
     from hybridpar.models.args import ModelArgs
@@ -45,7 +50,7 @@ def layers_that_fit(check: Check) -> dict:
     best = None
     for n in range(1, 33):
         est = plan_estimate(ModelArgs.from_preset("llama3_8b", n_layers=n), hardware, compile=False)
-        if est is None or est.memory.total > 0.85 * est.usable_bytes:
+        if est is None or est.memory.total > PLANNED_SHARE * est.usable_bytes:
             break
         best = n
     return {"ok": best is not None, "n_layers": best or 1, "card_gib": memory,
@@ -108,6 +113,8 @@ def _train(check: Check, compile: bool, float8: str = "") -> dict:
            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
            "mfu_logged": statistics.median(r["mfu"] for r in timed),
            "peak_memory_gib": max(r["memory_gb"] for r in rows) * 1e9 / 2 ** 30,
+           # what the caching allocator held (a GPU's rows have it): what the planner's memory must cover
+           "reserved_memory_gib": max((r.get("memory_reserved_gb", 0.0) for r in rows), default=0.0) * 1e9 / 2 ** 30,
            "loss_first": rows[0]["loss"], "loss_last": rows[-1]["loss"],
            "losses": [r["loss"] for r in rows if "loss" in r],
            "mfu_against": next((line for line in text.splitlines() if "MFU against" in line), "")}
@@ -116,6 +123,8 @@ def _train(check: Check, compile: bool, float8: str = "") -> dict:
         out["planner"] = planner_prediction(check, n_layers, compile, float8)
         if out["planner"].get("tokens_per_s"):
             out["measured_over_planned"] = out["tokens_per_s"] / out["planner"]["tokens_per_s"]
+        if out["planner"].get("memory_gib") and out["reserved_memory_gib"]:
+            out["planned_over_reserved"] = out["planner"]["memory_gib"] / out["reserved_memory_gib"]
     return out
 
 
@@ -142,7 +151,8 @@ def planner_prediction(check: Check, n_layers: int, compile: bool, float8: str =
     if est is None:
         return {"why": "the planner has no selective-AC layout"}
     return {"tokens_per_s": est.tokens_per_s_per_gpu, "mfu": est.mfu(hardware.peak_flops),
-            "memory_gib": est.memory.total / 2 ** 30, "hardware": hardware.name.split(" (")[0]}
+            "memory_gib": est.memory.total / 2 ** 30, "allocator_gib": est.memory.allocator / 2 ** 30,
+            "hardware": hardware.name.split(" (")[0]}
 
 
 def read_jsonl(path: Path) -> list[dict]:

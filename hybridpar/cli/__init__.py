@@ -267,7 +267,10 @@ def _build() -> _Parsers:
                       help="bus bandwidth inside a node, GB/s as nccl-tests reports it (hybridpar doctor measures it)")
     plan.add_argument("--inter-node-gbs", type=float, help="bus bandwidth between nodes per GPU, GB/s")
     plan.add_argument("--reserve-gb", type=float,
-                      help="GiB per GPU kept free for the CUDA context, NCCL and fragmentation (default 4)")
+                      help="GiB per GPU kept free for the CUDA context and NCCL (default 4)")
+    plan.add_argument("--allocator-overhead", type=float,
+                      help="what the caching allocator reserves beyond the tensors, as a fraction of them "
+                           "(default 0.063, measured on an H200; cpu: 0)")
     plan.add_argument("--allow-cross-node-mp", action="store_true", help="also consider mp > GPUs per node")
     plan.add_argument("--zero2", action="store_true", help="also consider not resharding after forward (ZeRO-2)")
     plan.add_argument("--no-sequence-parallel", action="store_true",

@@ -116,6 +116,14 @@ def save_without_crc32():
     return serialization_config.patch({"save.compute_crc32": False})
 
 
+def dtensor_over(local: torch.Tensor, like):
+    """A DTensor laid out as DTensor `like` over `local`, wherever `local` lies: DTensor.from_local
+    would move a host tensor to the mesh's device (checkpoint staging wants it on the host)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, like._spec, requires_grad=False)
+
+
 def set_pg_timeout(timeout, group) -> None:
     """Change a live group's collective timeout: torch sets it only when a group is made."""
     dist.distributed_c10d._set_pg_timeout(timeout, group)

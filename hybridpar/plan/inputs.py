@@ -13,6 +13,14 @@ GIB = 2**30
 # Meta profiling FSDP on H100 saw NCCL occupy ~10% of the 132 SMs (github.com/pytorch/pytorch/issues/143988).
 NCCL_SMS = 16
 MASTER_BYTES = 4  # the trainer builds the model in fp32: master params, grads and AdamW moments are fp32
+# What a GPU's caching allocator reserves beyond the tensors the planner counts (Memory.allocator), as a
+# fraction of them: the blocks a step frees (the activations, in backward) stay cached for what it makes
+# next (the gradients, of other sizes). Measured on one H200 (docs/benchmarks.md, first light), Llama 3
+# 8B's shape with 20 layers at world 1: torchtitan's allocator reserved 1.32x its peak allocation (114.7
+# of 86.9 GiB; compiled, 1.24x); hybridpar's peak allocation was 90.5 GiB, so at 1.32x its card held
+# about 119.4 GiB, where the planner's terms (each counted as alive at once) sum to 112.4: 6.3% more.
+# The GPU check now measures hybridpar's own (bench/gpu: planned/reserved).
+ALLOCATOR_OVERHEAD = 0.063
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +142,8 @@ class Hardware:
     op_overhead: float = 0.0  # host seconds per op the device does not hide (CPU: dispatch)
     cores: int = 0  # >0: the ranks of a node share this many cores (CPU); communication does not overlap
     sync_wait: float = 0.0  # seconds a synchronising call adds when ranks share the cores (CPU)
-    reserve_gib: float = 4.0  # CUDA context, NCCL buffers, allocator fragmentation
+    reserve_gib: float = 4.0  # CUDA context, NCCL buffers
+    allocator_overhead: float = ALLOCATOR_OVERHEAD  # the caching allocator's reserve, of the rest (a CPU: 0)
     sms: int = 0  # streaming multiprocessors; 0: NCCL's share of them not priced (a CPU, or not stated)
     name: str = ""
 

@@ -112,12 +112,13 @@ def estimate(args: ModelArgs, layout: Layout, workload: Workload, hw: Hardware) 
     backward_work = acts.recompute + a * t * (2 * args.dim + 3 * args.ffn_hidden_dim // mp)
     if cp > 1:
         backward_work += gathered_kv_bytes(args, mp, b, s, a)
-    memory = Memory(
+    tensors = Memory(
         params=counts.sharded * MASTER_BYTES, grads=counts.sharded * MASTER_BYTES,
         optimizer=2 * counts.sharded * MASTER_BYTES, accumulated_grads=accumulated,
         gathered_params=gathered, grad_buffers=grad_buffers, activations=saved,
         transient=max(acts.loss_transient, backward_work),
     )
+    memory = dataclasses.replace(tensors, allocator=hw.allocator_overhead * tensors.total)
 
     # Compute: this rank's kernels for one micro-batch (its 1/mp share, recomputation included),
     # and per step FSDP's copies and the optimizer.

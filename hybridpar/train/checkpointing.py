@@ -4,6 +4,7 @@ checkpoint.init_from's weights), save, and say what each save wrote (events.json
     checkpoints = Checkpoints(config, parallel, job, supervisor, model=runner.modules, optimizer=optimizer,
                               args=args, parts={"scheduler": scheduler, "data": loader}, tokenizer=tokenizer)
     step = checkpoints.restore()        # 0, or the step the newest intact checkpoint holds
+    checkpoints.prepare_staging()       # after restore and each step: a GPU's async saves' host copy, made early
     checkpoints.save(step, metrics)     # the path written (an async save: its writes complete later)
     checkpoints.close(metrics)          # the last writes completed and reported
 
@@ -64,6 +65,11 @@ class Checkpoints:
             self.checkpointer.load(Path(self.settings.init_from), self.model, None, self.params)
         return 0
 
+    def prepare_staging(self) -> None:
+        """Before the first save: a GPU's async saves get their host copy made in the background
+        (checkpoint.staging), once the optimizer has its state. Collective; cheap once begun."""
+        self.checkpointer.prepare_staging(self.model, self.optimizer)
+
     def save(self, step: int, metrics) -> Path:
         """Checkpoint `step`; events.jsonl gets how long training waited for it (an async save: only
         the copy to host memory) and each completed save's size and write time. A replica group that
@@ -78,8 +84,9 @@ class Checkpoints:
         begun = time.perf_counter()
         with self.supervisor.checkpointing():  # a large checkpoint's writes are not a hang
             path = self.checkpointer.save(step, self.model, self.optimizer, train_state, self.params)
+        # The first async save on a GPU also says how long it waited for its host copy, made in the background.
         metrics.event(step, "checkpoint", blocked_s=round(time.perf_counter() - begun, 3),
-                      async_save=self.checkpointer.async_save)
+                      async_save=self.checkpointer.async_save, **self.checkpointer.last_staging)
         self.report_written(metrics)
         return path
 

@@ -74,9 +74,7 @@ class Trainer:
         try:
             self.parallel = p = parallel or init_parallel(
                 mp=c.parallel.mp, dp_shard=c.parallel.dp_shard, dp_replicate=c.parallel.dp_replicate,
-                cp=c.parallel.cp, pp=c.parallel.pp, timeout=c.parallel.init_timeout,
-                backend=c.parallel.backend or None,
-            )
+                cp=c.parallel.cp, pp=c.parallel.pp, timeout=c.parallel.init_timeout, backend=c.parallel.backend or None)
             self.is_main, self.device = p.rank == 0, p.device
             self.global_batch = c.data.micro_batch_size * c.train.grad_accum * p.dp_size
             self.supervisor.start(p)  # from here on a rank that dies or hangs is reported
@@ -120,6 +118,7 @@ class Trainer:
                                        writes=self.replicas.writes_checkpoints)
         self._phase("checkpoint")
         self.step = self.start_step = self.checkpoints.restore()  # 0, or the step a resumed run continues from
+        self.checkpoints.prepare_staging()  # a resumed optimizer has its state: the first save's host copy, begun now
         self.run_dir = Path(c.output.run_dir)
         wandb = WandbSettings(c.output.wandb_project, c.output.wandb_mode, c.to_dict()) if c.output.wandb else None
         self.metrics = MetricsWriter(self.run_dir, enabled=self.is_main, tensorboard=c.output.tensorboard,
@@ -277,6 +276,7 @@ class Trainer:
                 self.data_stopped, self.stop_signal = stopped.error, "the data"
                 break
             clock.step_done(self.step)
+            self.checkpoints.prepare_staging()  # a fresh optimizer has its state after the first step
             row = dict(found)  # the straggler report's, when one was due
             if self.supervisor.excluding is not None:  # every rank agrees: save, stop, name the node
                 self.stop_signal = self.stop_signal or "a straggler"

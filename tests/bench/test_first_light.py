@@ -75,6 +75,33 @@ def test_a_section_the_time_left_cannot_hold_is_a_line(tmp_path):
     assert saved["broken"] == {"ok": False, "why": "ZeroDivisionError: division by zero"}
 
 
+def test_the_first_async_save_says_how_long_it_waited_for_its_host_copy():
+    from bench.gpu.first_light import rows
+
+    save = {"blocked_s": 3.5, "bytes": 17.8e9, "written_s": 40.0, "gbs": 0.45}
+    results = {"saves": {"ok": True, "n_layers": 2, "async": {**save, "staging_wait_s": 2.4, "staging_prepared_s": 9.5},
+                         "async_again": save, "blocking": save}}
+    line = dict(rows(results))["async save"]
+    assert "blocked 3.5 s at the first save (2.4 s of it waiting for its pinned host copy, begun after step 1 and " \
+           "made in 9.5 s in the background), 3.5 s at the next" in line, line
+    del results["saves"]["async"]["staging_wait_s"]  # a CPU's saves: DCP stages them, nothing is made before
+    assert "blocked 3.5 s at the first save, 3.5 s at the next" in dict(rows(results))["async save"]
+
+
+def test_the_training_line_puts_the_planner_against_the_reserved_memory():
+    from bench.gpu.first_light import rows
+
+    run = {"ok": True, "tokens_per_s": 11736.0, "tflops": 439.0, "mfu_measured": 0.56, "mfu_nominal": 0.44,
+           "peak_memory_gib": 90.5, "reserved_memory_gib": 118.0, "measured_over_planned": 0.98,
+           "planned_over_reserved": 1.01, "planner": {"tokens_per_s": 12034.0, "memory_gib": 119.2}}
+    line = dict(rows({"train eager": run}))["train eager"]
+    assert "peak 90.5 GiB allocated, 118.0 GiB reserved; planner 12,034 tok/s, 119.2 GiB (measured/planned 0.98; " \
+           "planned/reserved 1.01)" in line, line
+    del run["planned_over_reserved"], run["reserved_memory_gib"]  # a CPU's rows: no caching allocator
+    assert "peak 90.5 GiB; planner 12,034 tok/s, 119.2 GiB (measured/planned 0.98)" in dict(rows({"train eager": run}))[
+        "train eager"]
+
+
 def _sections_run(tmp_path, monkeypatch, *argv) -> list[str]:
     """The names of the sections first_light's main starts for `argv`, none of them run."""
     from bench.gpu import first_light

@@ -152,3 +152,32 @@ def test_meta_format_is_refused_for_llama4_in_one_line(workers, folders, tmp_pat
     assert said == ("Meta's format is written for Llama 2 and 3; a Llama 4 model (experts, RoPE-less or chunked "
                     "attention) converts to hf or dcp (hybridpar convert --to hf)")
     assert not (tmp_path / "meta").exists()
+
+
+def _case_train(config):
+    import torch.distributed as dist
+
+    from hybridpar.train import Trainer
+
+    history = Trainer(config).run()
+    return [m["loss"] for m in history] if dist.get_rank() == 0 else None
+
+
+@pytest.mark.slow
+def test_training_from_llama4_at_mp2_dp2_gives_the_losses_of_mp1(workers, check_close, corpus, tmp_path):
+    """checkpoint.init_from a Llama 4 folder: FSDP over the stacked experts, sequence parallelism (on by
+    default) through the router and the experts, the trainer's loss at mp 2 x dp 2 as at mp 1 x dp 4."""
+    from tests.runs import make_config
+
+    folder = make_llama4_folder(tmp_path / "hf", vocab_size=512)  # the corpus tokenizer has 512 ids
+    losses = {}
+    for mp, dp in ((1, 4), (2, 2)):
+        config = make_config(corpus, tmp_path / f"run{mp}", mp=mp, dp=dp, steps=5,
+                             **{"checkpoint.init_from": str(folder)})
+        losses[mp] = workers(4).run(_case_train, config)[0]
+    print(f"\nLlama 4 from HF, mp1 x dp4: {[round(x, 6) for x in losses[1]]}\n"
+          f"                 mp2 x dp2: {[round(x, 6) for x in losses[2]]}")
+    assert len(losses[1]) == 5 and losses[1][-1] < losses[1][0]
+    errors = {f"loss step {i + 1}": rel_err(torch.tensor(a), torch.tensor(b))
+              for i, (a, b) in enumerate(zip(losses[2], losses[1]))}
+    check_close("train Llama 4 from HF mp2xdp2 vs mp1", errors, 1e-5)

@@ -127,8 +127,9 @@ def _rope_scaling(args: ModelArgs) -> Optional[dict[str, Any]]:
 
 
 def hf_config(args: ModelArgs, *, dtype: torch.dtype = torch.float32, bos_token_id: Optional[int] = None,
-              eos_token_id: Optional[int] = None) -> dict[str, Any]:
-    """config.json of a LlamaForCausalLM with this shape; token ids left None: default_token_ids."""
+              eos_token_id: Optional[Union[int, list[int]]] = None) -> dict[str, Any]:
+    """config.json of a LlamaForCausalLM (Llama4ForCausalLM) with this shape; token ids left None:
+    default_token_ids; several eos ids as a list, as Llama 3.1 and 4 list theirs."""
     if dtype not in _DTYPE_NAMES:
         raise HFExportError(f"dtype {dtype} cannot be exported; use one of {', '.join(_DTYPE_NAMES.values())}")
     default_bos, default_eos = default_token_ids(args.vocab_size)

@@ -26,8 +26,10 @@ def folders(tmp_path_factory):
     root, made = tmp_path_factory.mktemp("hf_llama4"), {}
 
     def get(multimodal: bool = False) -> Path:
-        if multimodal not in made:
-            made[multimodal] = make_llama4_folder(root / ("multimodal" if multimodal else "text"), multimodal=multimodal)
+        if multimodal not in made:  # the multimodal one with token ids of its own, in its text_config, eos a list
+            ids = dict(bos_token_id=5, eos_token_id=[2, 7]) if multimodal else {}
+            made[multimodal] = make_llama4_folder(root / ("multimodal" if multimodal else "text"), multimodal=multimodal,
+                                                  **ids)
         return made[multimodal]
 
     return get
@@ -73,20 +75,27 @@ def _case_round_trip(src: str, root: str, via: str, mp: int) -> str:
     return str(back)
 
 
-@pytest.mark.parametrize("via,world,mp", [("dcp", 2, 2), ("hf", 1, 1)], ids=["dcp-mp2", "direct-world1"])
-def test_round_trip_gives_back_identical_tensors(workers, folders, tmp_path, via, world, mp):
-    src = folders()
+@pytest.mark.parametrize("via,world,mp,multimodal", [("dcp", 2, 2, False), ("hf", 1, 1, False), ("hf", 2, 2, True)],
+                         ids=["dcp-mp2", "direct-world1", "multimodal-direct-mp2"])
+def test_round_trip_gives_back_identical_tensors(workers, folders, tmp_path, via, world, mp, multimodal):
+    """A multimodal folder comes back as its text model: the same tensors, without language_model., and
+    (converted directly: a dcp checkpoint records none) its text model's token ids."""
+    src = folders(multimodal)
     back = Path(workers(world).run(_case_round_trip, str(src), str(tmp_path), via, mp)[0])
-    original, again = folder_tensors(src), folder_tensors(back)
+    prefix = "language_model." if multimodal else ""
+    original = {k[len(prefix):]: v for k, v in folder_tensors(src).items() if k.startswith(prefix)}
+    again = folder_tensors(back)
     assert len(list(back.glob("model-*.safetensors"))) > 3
     assert sorted(again) == sorted(original) and "model.layers.1.feed_forward.experts.gate_up_proj" in again
     for name, tensor in original.items():
         assert tensor.dtype == again[name].dtype and torch.equal(again[name], tensor), name
     config, config_back = (json.loads((p / "config.json").read_text()) for p in (src, back))
-    for key in ("architectures", "model_type", "intermediate_size", "intermediate_size_mlp", "num_local_experts",
-                "num_experts_per_tok", "moe_layers", "no_rope_layers", "layer_types", "use_qk_norm",
-                "attention_chunk_size", "attn_temperature_tuning", "floor_scale", "attn_scale", "rms_norm_eps"):
+    config = config["text_config"] if multimodal else config
+    for key in ("intermediate_size", "intermediate_size_mlp", "num_local_experts", "num_experts_per_tok",
+                "moe_layers", "no_rope_layers", "layer_types", "use_qk_norm", "attention_chunk_size",
+                "attn_temperature_tuning", "floor_scale", "attn_scale", "rms_norm_eps", "bos_token_id", "eos_token_id"):
         assert config_back[key] == config[key], key
+    assert (config_back["architectures"], config_back["model_type"]) == (["Llama4ForCausalLM"], "llama4_text")
     # transformers builds the same model from the export: the same logits, bit for bit.
     assert torch.equal(transformers_llama4_logits(back, TOKENS), transformers_llama4_logits(src, TOKENS))
 

@@ -101,6 +101,7 @@ def check_config(config: Config, world_size: int, args=None, *, training: bool =
     check_float8_setup(config)
     pp, cp, mp = sizes[0], sizes[3], sizes[4]
     args = check_shape(config, model_shape(config) if args is None else args, mp, cp)
+    check_llama4(config, args, pp, cp)
     check_float8_gather(config, args, mp, sizes[2] * cp)
     p, d = config.parallel, config.data
     check_pipeline(pp, p.pp_schedule, p.pp_layers, p.pp_microbatches, args.n_layers, d.micro_batch_size)
@@ -170,6 +171,23 @@ def check_float8_setup(config: Config) -> None:
                           f"{FLOAT8_CAPABILITY[1]} or above: L4, H100, H200, B200), and this "
                           f"{torch.cuda.get_device_name()} has compute capability {capability[0]}.{capability[1]}; "
                           "set float8.recipe = \"none\"")
+
+
+def check_llama4(config: Config, args, pp: int, cp: int) -> None:
+    """What does not run Llama 4's layers yet (experts, RoPE-less or chunked attention): refused by name."""
+    if not args.llama4:
+        return
+    what = "Llama 4's layers (experts, RoPE-less or chunked attention)"
+    if pp > 1:
+        raise ConfigError(f"parallel.pp = {pp}: pipeline parallelism does not cut {what} yet; set parallel.pp = 1")
+    if cp > 1:
+        raise ConfigError(f"parallel.cp = {cp}: context parallelism does not run {what} yet; set parallel.cp = 1")
+    if args.n_experts and config.float8.enabled:
+        raise ConfigError(f"float8.recipe = {config.float8.recipe!r}: the experts have no float8 matmuls yet; set "
+                          'float8.recipe = "none" for a mixture-of-experts model')
+    if args.n_experts and config.train.compile:
+        raise ConfigError("train.compile: the mixture-of-experts layers (data-dependent routing) are not compiled yet; "
+                          "set train.compile = false")
 
 
 # A block's linears in the order hybridpar.models.args.local_param_shapes lists their shapes.

@@ -86,6 +86,9 @@ def dry_run(config: Union[Config, "Job"], world: Optional[int] = None, rank: int
     c = _the_rest(c, world)
     # The job's own checks, before anything is built: what the job would refuse is refused in its words.
     sizes, args = check_config(c, world, _shape(c, job))
+    if args.n_experts:
+        raise ConfigError(f"the dry run does not rehearse mixture-of-experts models yet ({args.n_experts} experts: "
+                          "its fake tensors cannot route tokens); run the job itself, without --dry-run")
     pp, dr, ds, cp, mp = sizes
     run.checks.append(Check("mesh", True, sizes_text(*sizes)))
     run.layout = f"{sizes_text(*sizes)} = {world} ranks, {c.fsdp.sharding_strategy}"

@@ -168,10 +168,17 @@ class RowParallelLinear(nn.Module):
         self.bias = mp_parameter((out_features,), Replicate(), parallel, None, dtype, device) if bias else None
         self.float8 = None  # as ColumnParallelLinear's
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, reduce: bool = True) -> torch.Tensor:
+        """reduce=False: this rank's partial product, for a caller that adds others to it before one
+        reduction (the mixture of experts' shared expert); only without a bias."""
         if not self.input_is_parallel:
             x = scatter_to_region(x, self.group)
-        y = leave_region((self.float8 or F.linear)(x, local_tensor(self.weight)), self.group, self.sequence_parallel)
+        y = (self.float8 or F.linear)(x, local_tensor(self.weight))
+        if not reduce:
+            if self.bias is not None:
+                raise ValueError("RowParallelLinear: reduce=False leaves the bias to the caller; build it with bias=False")
+            return y
+        y = leave_region(y, self.group, self.sequence_parallel)
         # The bias is added once, after the sum, not on every rank's partial product.
         return y + local_tensor(self.bias) if self.bias is not None else y
 

@@ -284,6 +284,9 @@ class Plan:
 
 def make_plan(args: ModelArgs, workload: Workload, hw: Hardware, **candidate_options) -> Plan:
     """Estimate every candidate layout and rank them: layouts that fit, by tokens/s per GPU."""
+    if args.n_experts:
+        raise ValueError(f"the planner does not price mixture-of-experts models yet ({args.n_experts} experts); "
+                         "plan a dense model")
     if workload.seq_len > args.max_seq_len:
         raise ValueError(f"seq_len = {workload.seq_len} is larger than the model's max_seq_len = {args.max_seq_len}")
     for name, value in (("gpus", hw.gpus), ("gpus_per_node", hw.gpus_per_node), ("seq_len", workload.seq_len),

@@ -24,6 +24,7 @@ from typing import Callable, Mapping, Optional, Union
 
 from .config import Config, ConfigError
 from .config.fault_tolerance import require_torchft
+from .config.llama4 import check_llama4
 from .pipeline.schedules import check_pipeline, check_untied, check_validation
 from .mesh.layout import MeshSizeError, resolve_sizes
 
@@ -171,23 +172,6 @@ def check_float8_setup(config: Config) -> None:
                           f"{FLOAT8_CAPABILITY[1]} or above: L4, H100, H200, B200), and this "
                           f"{torch.cuda.get_device_name()} has compute capability {capability[0]}.{capability[1]}; "
                           "set float8.recipe = \"none\"")
-
-
-def check_llama4(config: Config, args, pp: int, cp: int) -> None:
-    """What does not run Llama 4's layers yet (experts, RoPE-less or chunked attention): refused by name."""
-    if not args.llama4:
-        return
-    what = "Llama 4's layers (experts, RoPE-less or chunked attention)"
-    if pp > 1:
-        raise ConfigError(f"parallel.pp = {pp}: pipeline parallelism does not cut {what} yet; set parallel.pp = 1")
-    if cp > 1:
-        raise ConfigError(f"parallel.cp = {cp}: context parallelism does not run {what} yet; set parallel.cp = 1")
-    if args.n_experts and config.float8.enabled:
-        raise ConfigError(f"float8.recipe = {config.float8.recipe!r}: the experts have no float8 matmuls yet; set "
-                          'float8.recipe = "none" for a mixture-of-experts model')
-    if args.n_experts and config.train.compile:
-        raise ConfigError("train.compile: the mixture-of-experts layers (data-dependent routing) are not compiled yet; "
-                          "set train.compile = false")
 
 
 # A block's linears in the order hybridpar.models.args.local_param_shapes lists their shapes.

@@ -221,9 +221,16 @@ class ModelArgs:
         if self.floor_scale < 1:
             raise ModelArgsError(f"floor_scale = {self.floor_scale} must be positive")
 
-    def check(self, mp: int = 1) -> None:
-        """Raise ModelArgsError naming the numbers when this shape cannot run at model-parallel size mp."""
+    def check(self, mp: int = 1, ep: int = 1) -> None:
+        """Raise ModelArgsError naming the numbers when this shape cannot run at model-parallel size mp
+        and expert-parallel size ep (which splits the experts)."""
         self.check_values()
+        if ep > 1 and not self.n_experts:
+            raise ModelArgsError(f"expert parallelism (ep = {ep}) splits the experts, and this model has none "
+                                 "(n_experts = 0, a dense model): use ep = 1")
+        if ep > 1 and self.n_experts % ep:
+            raise ModelArgsError(f"n_experts = {self.n_experts} is not divisible by the expert-parallel size "
+                                 f"ep = {ep}; choose an ep that divides {self.n_experts}")
         if self.vocab_size <= 0:
             raise ModelArgsError(
                 f"vocab_size is {self.vocab_size}: Llama 2's params.json leaves it to the tokenizer; "

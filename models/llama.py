@@ -312,7 +312,7 @@ class Transformer(nn.Module):
         head: bool = True,
     ) -> None:
         super().__init__()
-        args.check(parallel.mp)
+        args.check(parallel.mp, parallel.ep)
         if parallel.cp > 1 and args.llama4:
             raise ModelArgsError("context parallelism does not run Llama 4's layers yet (experts, chunked or "
                                  "RoPE-less attention): set parallel.cp = 1")

@@ -15,6 +15,11 @@ experts and weights), `sort_by_expert` (the token slots in expert order, and tok
 GroupedExperts (the sorted tokens through their experts; the weights' dim 0 is the expert, what an
 ep split slices), then back to token order and summed.
 
+Expert parallelism (parallel.ep > 1): each ep rank holds n_experts / ep of the experts (DTensors on
+the (ep, mp) mesh, Shard(0) then the mp split, so a checkpoint holds the whole [n_experts, ...]
+tensors); the sorted slots go to their experts' ranks and come back by all-to-all
+(hybridpar.parallel.experts' dispatch and combine) between sort_by_expert and the return to token order.
+
 Tensor parallelism: every rank routes alike, runs every expert on its slice of the hidden size,
 and the experts' and the shared expert's partial sums leave the region in one reduction (an
 all-reduce; a reduce-scatter under sequence parallelism). The router reads the layer's input as it
@@ -33,6 +38,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from hybridpar.mesh.device import ParallelDims
 from hybridpar.parallel import copy_to_region, enter_region, leave_region
+from hybridpar.parallel.experts import combine, dispatch
 from hybridpar.parallel.layers import local_tensor, mp_parameter
 
 from .args import ModelArgs
@@ -100,20 +106,21 @@ class Router(nn.Module):
 
 class GroupedExperts(nn.Module):
     """The routed experts' SwiGLUs, w2(silu(w1 x) * w3 x) per expert, stacked on dim 0; each rank
-    holds its slice of every expert's hidden size. `grouped`: None picks torch._grouped_mm where it
+    holds its slice of every expert's hidden size (of its n_experts / ep experts under expert parallelism). `grouped`: None picks torch._grouped_mm where it
     runs (grouped_mm_allowed), else the loop; True or False forces one (they agree exactly in fp32)."""
 
     def __init__(self, n_experts: int, dim: int, hidden: int, parallel: ParallelDims, init_std: float,
                  out_std: float, dtype=None, device=None) -> None:
         super().__init__()
         column = ((n_experts, hidden, dim), Shard(1), parallel, _normal(init_std), dtype, device)
-        self.w1 = mp_parameter(*column)
-        self.w3 = mp_parameter(*column)
-        self.w2 = mp_parameter((n_experts, dim, hidden), Shard(2), parallel, _normal(out_std), dtype, device)
+        self.w1 = mp_parameter(*column, experts=True)
+        self.w3 = mp_parameter(*column, experts=True)
+        self.w2 = mp_parameter((n_experts, dim, hidden), Shard(2), parallel, _normal(out_std), dtype, device,
+                               experts=True)
         self.grouped: Optional[bool] = None
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x [n, dim] sorted by expert, counts [n_experts] -> this rank's partial sums [n, dim]."""
+        """x [n, dim] sorted by expert, counts [this rank's experts] -> this rank's partial sums [n, dim]."""
         w1, w3, w2 = (local_tensor(w) for w in (self.w1, self.w3, self.w2))
         grouped = self.grouped if self.grouped is not None else grouped_mm_allowed(x, w1) and grouped_mm_allowed(x, w2)
         hidden = F.silu(expert_matmul(x, w1, counts, grouped)) * expert_matmul(x, w3, counts, grouped)
@@ -131,6 +138,7 @@ class MoE(nn.Module):
                  out_std: float, *, dtype=None, device=None, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.group, self.sequence_parallel = parallel.mp_group, sequence_parallel
+        self.ep_group = parallel.ep_group  # None without expert parallelism
         self.n_experts, self.top_k = args.n_experts, args.experts_per_token
         self.router = Router(args.dim, args.n_experts, args.experts_per_token, parallel, init_std, dtype, device,
                              sequence_parallel)
@@ -146,7 +154,12 @@ class MoE(nn.Module):
         tokens = enter_region(tokens, self.group, self.sequence_parallel)  # every token of the region
         order, counts = sort_by_expert(experts, self.n_experts)
         slots = tokens.repeat_interleave(self.top_k, dim=0) if self.top_k > 1 else tokens
-        routed = self.experts(slots[order] * weights.flatten()[order, None], counts)
+        routed = slots[order] * weights.flatten()[order, None]
+        if self.ep_group is None:
+            routed = self.experts(routed, counts)
+        else:  # to the ranks holding their experts and back
+            routed, local_counts, exchange = dispatch(routed, counts, self.ep_group)
+            routed = combine(self.experts(routed, local_counts), exchange)
         # Back to slot order (each slot written once), then each token's top_k outputs summed.
         routed = torch.zeros_like(routed).index_copy(0, order, routed).view(-1, self.top_k, shape[-1]).sum(1)
         out = leave_region(routed + self.shared_expert.partial(tokens), self.group, self.sequence_parallel)

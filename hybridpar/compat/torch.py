@@ -144,10 +144,11 @@ def flatten_mesh(mesh, name: str):
     return mesh._flatten(name)
 
 
-def unflatten_mesh(mesh, sizes: tuple[int, ...], names: tuple[str, ...]):
-    """A 1-D mesh split into named dims (FSDP's (dp_replicate, dp_shard_cp) under context parallelism),
-    without slicing flattened dims out of the root mesh, which torch deprecates."""
-    return mesh._unflatten(0, sizes, names)
+def unflatten_mesh(mesh, sizes: tuple[int, ...], names: tuple[str, ...], dim: int = 0):
+    """Mesh dim `dim` split into named dims (FSDP's (dp_replicate, dp_shard_cp) under context parallelism,
+    dp_shard's (dp_shard_mod_ep, ep) under expert parallelism), without slicing flattened dims out of
+    the root mesh, which torch deprecates."""
+    return mesh._unflatten(dim, sizes, names)
 
 
 def flight_recorder_dumps() -> list[bytes]:

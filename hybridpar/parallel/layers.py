@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
+from ..compat.torch import compute_local_shape_and_global_offset
 from ..mesh.layout import divide
 from ..mesh.device import ParallelDims
 from .mappings import (copy_to_region, enter_region, gather_from_region, leave_region, scatter_to_region,
@@ -47,9 +48,13 @@ def mp_parameter(
     init_method: Optional[InitMethod],
     dtype: Optional[torch.dtype] = None,
     device: Optional[torch.device] = None,
+    *,
+    experts: bool = False,
 ) -> nn.Parameter:
     """A DTensor parameter on the mp mesh: `init_method` fills the full tensor, this rank keeps its
-    slice (Shard) or all of it (Replicate). init_method=None leaves zeros (biases).
+    slice (Shard) or all of it (Replicate). init_method=None leaves zeros (biases). experts: stacked
+    experts (dim 0), which expert parallelism splits over the ep ranks too: on parallel.expert_mesh
+    (ep, mp), Shard(0) then `placement`.
     """
     device = torch.device(device) if device is not None else _default_device()
     dtype = dtype or torch.get_default_dtype()
@@ -60,12 +65,14 @@ def mp_parameter(
         full = torch.zeros(full_shape, dtype=torch.float32, device="cpu")
         if init_method is not None:
             init_method(full)
-    if isinstance(placement, Shard):
-        local = full.chunk(parallel.mp, dim=placement.dim)[parallel.mp_rank]
+    if experts and parallel.ep > 1:
+        mesh, placements = parallel.expert_mesh, [Shard(0), placement]
     else:
-        local = full
+        mesh, placements = parallel.mp_mesh, [placement]
+    shape, offset = compute_local_shape_and_global_offset(full.shape, mesh, placements)
+    local = full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
     local = local.to(device=device, dtype=dtype).contiguous()
-    return nn.Parameter(DTensor.from_local(local, parallel.mp_mesh, [placement], run_check=False))
+    return nn.Parameter(DTensor.from_local(local, mesh, placements, run_check=False))
 
 
 def set_sequence_parallel(model: nn.Module, on: bool) -> nn.Module:

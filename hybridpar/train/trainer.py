@@ -73,8 +73,8 @@ class Trainer:
         self.data_stopped: Optional[Exception] = None  # what stopped the data, agreed by every rank (data_stop.py)
         try:
             self.parallel = p = parallel or init_parallel(
-                mp=c.parallel.mp, dp_shard=c.parallel.dp_shard, dp_replicate=c.parallel.dp_replicate,
-                cp=c.parallel.cp, pp=c.parallel.pp, timeout=c.parallel.init_timeout, backend=c.parallel.backend or None)
+                mp=c.parallel.mp, dp_shard=c.parallel.dp_shard, dp_replicate=c.parallel.dp_replicate, cp=c.parallel.cp,
+                pp=c.parallel.pp, ep=c.parallel.ep, timeout=c.parallel.init_timeout, backend=c.parallel.backend or None)
             self.is_main, self.device = p.rank == 0, p.device
             self.global_batch = c.data.micro_batch_size * c.train.grad_accum * p.dp_size
             self.supervisor.start(p)  # from here on a rank that dies or hangs is reported

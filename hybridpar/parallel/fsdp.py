@@ -154,11 +154,13 @@ def _shard_experts(model: nn.Module, parallel: ParallelDims, strategy: str, resh
     for FSDP's average over the dp x cp ranks to leave the global mean loss's gradient. An expert's
     gradient on its rank already holds its whole ep group's tokens (the dispatch's backward brings
     them), and its unit has dp x cp / ep ranks: their sum is every token's, so it is divided by dp x
-    cp, not by its ranks, and every layout computes world 1's gradient. The reductions are sums, the
-    division after them (gloo has no pre-multiplied sum)."""
+    cp, not by its ranks, and every layout computes world 1's gradient."""
     if parallel.ep == 1:
         return []
     mesh = expert_mesh_for(strategy, parallel)
+    # Sums, then the division: gloo has no pre-multiplied sum. Not with one shard, where FSDP (torch
+    # 2.13) divides by the factor before its all-reduce and would divide again after.
+    sum_then_divide = mesh.size(mesh.ndim - 1) > 1
     units = []
     for block in model.layers.values():
         experts = getattr(block.feed_forward, "experts", None)
@@ -166,7 +168,7 @@ def _shard_experts(model: nn.Module, parallel: ParallelDims, strategy: str, resh
             continue
         fully_shard(experts, mesh=mesh, reshard_after_forward=reshard, **policies)
         experts.set_gradient_divide_factor(parallel.dp_size * parallel.cp)
-        experts.set_force_sum_reduction_for_comms(True)
+        experts.set_force_sum_reduction_for_comms(sum_then_divide)
         units.append(experts)
     return units
 

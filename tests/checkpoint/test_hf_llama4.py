@@ -1,7 +1,8 @@
 """Hugging Face Llama 4 folders made by transformers' own save_pretrained (Llama4ForCausalLM, and the
 text model of a Llama4ForConditionalGeneration): hybridpar's logits from them equal transformers' at
-world 1 and mp 2, the grouped GEMM and the loop alike; HF -> hybridpar -> HF gives back the same bytes,
-at mp 1 and 2, and transformers loads the export; published configs read as the presets."""
+world 1, mp 2, ep 2 and ep 2 x mp 2, the grouped GEMM and the loop alike; HF -> hybridpar -> HF gives
+back the same bytes, at mp 1 and 2 and through a checkpoint saved at ep 2 x mp 2, and transformers loads
+the export; published configs read as the presets."""
 
 import json
 from pathlib import Path
@@ -35,11 +36,11 @@ def folders(tmp_path_factory):
     return get
 
 
-def _case_logits(folder: str, mp: int) -> dict:
-    """The full logits from the folder at this mp, with the grouped GEMM and with the loop over experts."""
+def _case_logits(folder: str, mp: int, ep: int = 1) -> dict:
+    """The full logits from the folder at this mp and ep, with the grouped GEMM and with the loop over experts."""
     from hybridpar.checkpoint.convert import load_model
 
-    model, args = load_model(Path(folder), parallel_dims(mp=mp))
+    model, args = load_model(Path(folder), parallel_dims(mp=mp, ep=ep))
     experts = [m for m in model.modules() if type(m).__name__ == "GroupedExperts"]
     logits = {}
     for grouped in (True, False):
@@ -48,26 +49,30 @@ def _case_logits(folder: str, mp: int) -> dict:
         with torch.no_grad():
             logits[grouped] = model(TOKENS, gather_logits=True)
     return {"logits": logits[True], "loop_equal": torch.equal(logits[True], logits[False]), "experts": len(experts),
+            "held": experts[0].w1.to_local().shape[0],
             "moe_layers": [i for i in range(args.n_layers) if args.is_moe_layer(i)], "nope": args.nope_layers}
 
 
-@pytest.mark.parametrize("multimodal,world,mp", [(False, 1, 1), (False, 2, 2), (True, 2, 2)],
-                         ids=["world1", "mp2", "multimodal-mp2"])
-def test_logits_equal_transformers(workers, check_close, folders, multimodal, world, mp):
+@pytest.mark.parametrize("multimodal,world,mp,ep", [(False, 1, 1, 1), (False, 2, 2, 1), (True, 2, 2, 1),
+                                                     (False, 2, 1, 2), (False, 4, 2, 2)],
+                         ids=["world1", "mp2", "multimodal-mp2", "ep2", "ep2-mp2"])
+def test_logits_equal_transformers(workers, check_close, folders, multimodal, world, mp, ep):
+    """ep: each ep rank holds 2 of the 4 experts; the tokens choosing the others go there and back."""
     folder = folders(multimodal)
     assert len(list(folder.glob("model-*.safetensors"))) > 3 and (folder / "model.safetensors.index.json").exists()
-    results = workers(world).run(_case_logits, str(folder), mp)
+    results = workers(world).run(_case_logits, str(folder), mp, ep)
     assert [(r["experts"], r["moe_layers"], r["nope"]) for r in results] == [(2, [1, 3], [3])] * world
     assert all(r["loop_equal"] for r in results)  # grouped GEMM and loop: the same logits, bit for bit
+    assert [r["held"] for r in results] == [4 // ep] * world  # the experts this rank holds
     expected = transformers_llama4_logits(folder, TOKENS)
     errors = [{"logits": rel_err(r["logits"], expected)} for r in results]
-    check_close(f"Llama 4{' multimodal' if multimodal else ''} mp{mp} vs transformers", errors, BOUND)
+    check_close(f"Llama 4{' multimodal' if multimodal else ''} mp{mp} ep{ep} vs transformers", errors, BOUND)
 
 
-def _case_round_trip(src: str, root: str, via: str, mp: int) -> str:
+def _case_round_trip(src: str, root: str, via: str, mp: int, ep: int = 1) -> str:
     from hybridpar.checkpoint.convert import convert
 
-    parallel = parallel_dims(mp=mp)
+    parallel = parallel_dims(mp=mp, ep=ep)
     back = Path(root) / "back"
     middle = Path(src) if via == "hf" else convert(Path(src), Path(root) / via, via, parallel)
     # float32 (the source's dtype: the round trip must be exact) in several shards, as the source.
@@ -75,13 +80,15 @@ def _case_round_trip(src: str, root: str, via: str, mp: int) -> str:
     return str(back)
 
 
-@pytest.mark.parametrize("via,world,mp,multimodal", [("dcp", 2, 2, False), ("hf", 1, 1, False), ("hf", 2, 2, True)],
-                         ids=["dcp-mp2", "direct-world1", "multimodal-direct-mp2"])
-def test_round_trip_gives_back_identical_tensors(workers, folders, tmp_path, via, world, mp, multimodal):
+@pytest.mark.parametrize("via,world,mp,ep,multimodal", [("dcp", 2, 2, 1, False), ("hf", 1, 1, 1, False),
+                                                        ("hf", 2, 2, 1, True), ("dcp", 4, 2, 2, False)],
+                         ids=["dcp-mp2", "direct-world1", "multimodal-direct-mp2", "dcp-ep2-mp2"])
+def test_round_trip_gives_back_identical_tensors(workers, folders, tmp_path, via, world, mp, ep, multimodal):
     """A multimodal folder comes back as its text model: the same tensors, without language_model., and
-    (converted directly: a dcp checkpoint records none) its text model's token ids."""
+    (converted directly: a dcp checkpoint records none) its text model's token ids. At ep 2 each rank
+    reads and saves its half of the experts; the checkpoint holds them whole."""
     src = folders(multimodal)
-    back = Path(workers(world).run(_case_round_trip, str(src), str(tmp_path), via, mp)[0])
+    back = Path(workers(world).run(_case_round_trip, str(src), str(tmp_path), via, mp, ep)[0])
     prefix = "language_model." if multimodal else ""
     original = {k[len(prefix):]: v for k, v in folder_tensors(src).items() if k.startswith(prefix)}
     again = folder_tensors(back)

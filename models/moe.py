@@ -106,8 +106,9 @@ class Router(nn.Module):
 
 class GroupedExperts(nn.Module):
     """The routed experts' SwiGLUs, w2(silu(w1 x) * w3 x) per expert, stacked on dim 0; each rank
-    holds its slice of every expert's hidden size (of its n_experts / ep experts under expert parallelism). `grouped`: None picks torch._grouped_mm where it
-    runs (grouped_mm_allowed), else the loop; True or False forces one (they agree exactly in fp32)."""
+    holds its slice of every expert's hidden size (of its n_experts / ep experts under expert
+    parallelism). `grouped`: None picks torch._grouped_mm where it runs (grouped_mm_allowed), else the
+    loop; True or False forces one (they agree exactly in fp32)."""
 
     def __init__(self, n_experts: int, dim: int, hidden: int, parallel: ParallelDims, init_std: float,
                  out_std: float, dtype=None, device=None) -> None:

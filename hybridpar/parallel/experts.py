@@ -73,7 +73,7 @@ def dispatch(x: torch.Tensor, counts: torch.Tensor, group: ProcessGroup) -> tupl
     starts = (torch.cumsum(theirs.reshape(-1), 0) - theirs.reshape(-1)).view(ep, -1).t().reshape(-1)
     shift = starts - (torch.cumsum(sizes, 0) - sizes)  # received position minus expert-order position
     index = torch.repeat_interleave(shift, sizes) + torch.arange(int(sizes.sum()), device=sizes.device)
-    return rows[index.to(rows.device)], theirs.sum(0), Exchange(sent, received, index.to(rows.device), group)
+    return rows[index], theirs.sum(0), Exchange(sent, received, index, group)
 
 
 def combine(y: torch.Tensor, exchange: Exchange) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Expert parallelism through the Trainer: the tiny Llama 4 trained 20 steps at ep 2 (world 2), ep 2 x
-mp 2 (sequence parallel), ep 2 of dp_shard 4 (the experts' FSDP over the 2 dp ranks left to them) and ep
-2 under hybrid sharding 2 x 2 gives world 1's losses, and its first step every parameter's gradient
+mp 2 (sequence parallel), ep 2 of dp_shard 4 (the experts' FSDP over the 2 dp ranks left to them; also
+with FSDP2's own collectives) and ep 2 under hybrid sharding 2 x 2 gives world 1's losses, and its first step every parameter's gradient
 (Adam's update hides a gradient's scale: an expert's gradient off by ep would leave the losses nearly
 as they are); an ep 2 checkpoint resumes at ep 1 and at ep 4 (DCP reshards the experts, saved whole)
 with the losses of the run that never stopped.
@@ -81,6 +81,8 @@ LAYOUTS = {  # name: (world, make_config's keyword arguments)
     "ep2": (2, dict(dp=2, **{"parallel.ep": 2})),
     "ep2-mp2": (4, dict(mp=2, dp=2, strategy="hybrid_shard", **{"parallel.ep": 2})),
     "ep2-hybrid_shard-2x2": (4, dict(dp_shard=2, dp_replicate=2, dp=4, strategy="hybrid_shard", **{"parallel.ep": 2})),
+    # FSDP2's own all-gather and reduce-scatter (nccl's; gloo's default is all-to-all): sums, then the division.
+    "ep2-dp_shard4-fsdp_collectives": (4, dict(dp=4, **{"parallel.ep": 2, "fsdp.gloo_all_to_all": False})),
 }
 
 

@@ -28,7 +28,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from ..compat.torch import compute_local_shape_and_global_offset
 from ..mesh.layout import divide
 from ..mesh.device import ParallelDims
 from .mappings import (copy_to_region, enter_region, gather_from_region, leave_region, scatter_to_region,
@@ -67,10 +66,14 @@ def mp_parameter(
             init_method(full)
     if experts and parallel.ep > 1:
         mesh, placements = parallel.expert_mesh, [Shard(0), placement]
+        local = full.chunk(parallel.ep, dim=0)[parallel.ep_rank]
     else:
         mesh, placements = parallel.mp_mesh, [placement]
-    shape, offset = compute_local_shape_and_global_offset(full.shape, mesh, placements)
-    local = full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+        local = full
+    # Sliced by hand, not through DTensor's shape helper: that one reads a value back, which a model
+    # built on the meta device (a pipeline stage's load, the dry run) cannot.
+    if isinstance(placement, Shard):
+        local = local.chunk(parallel.mp, dim=placement.dim)[parallel.mp_rank]
     local = local.to(device=device, dtype=dtype).contiguous()
     return nn.Parameter(DTensor.from_local(local, mesh, placements, run_check=False))
 

@@ -182,11 +182,13 @@ class ParallelDims:
 
 def mesh_groups(parallel: ParallelDims) -> list[tuple[str, object]]:
     """(dimension name, group) for every process group a training step can use; each group once."""
+    # A stand-in with the fields of a mesh before expert parallelism (the diagnostics take any) has no ep.
+    ep = getattr(parallel, "ep", 1)
     named = [("mp", parallel.mp_group), ("cp", parallel.cp_group), ("dp_shard", parallel.dp_shard_group),
              ("dp_replicate", parallel.dp_replicate_group), ("dp", parallel.dp_group),
              ("dp_shard_cp", parallel.fsdp_mesh.get_group("dp_shard_cp") if parallel.cp > 1 else None),
-             ("dp_cp", parallel.dp_cp_group), ("pp", parallel.pp_group), ("ep", parallel.ep_group),
-             ("dp_shard_mod_ep", parallel.expert_fsdp_mesh.get_group("dp_shard_mod_ep") if parallel.ep > 1 else None),
+             ("dp_cp", parallel.dp_cp_group), ("pp", parallel.pp_group), ("ep", parallel.ep_group if ep > 1 else None),
+             ("dp_shard_mod_ep", parallel.expert_fsdp_mesh.get_group("dp_shard_mod_ep") if ep > 1 else None),
              ("world", dist.group.WORLD)]
     seen, out = set(), []
     for dim, group in named:

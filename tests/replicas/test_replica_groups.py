@@ -122,9 +122,6 @@ def test_a_killed_group_drops_out_and_rejoins_while_the_other_trains_on(corpus, 
     print(f"\ngroup 0: usual step {usual:.2f} s; slow after the kill: "
           f"{[(r['step'], round(r['step_time'], 1)) for r in rows[0] if r['step'] in slow]}; group 1 healed "
           f"{healed:.1f} s after the kill" if healed else "")
-    # (a step that saves a checkpoint takes that long too)
-    slow = [s for s in slow if s % EVERY]
-    assert len(slow) <= 1 and max(r["step_time"] for r in rows[0][KILL_AT:]) < usual + HEARTBEAT + 10, rows[0]
     # Group 1: restarted by its torchrun, healed within 60 s, trained to the end.
     assert healed is not None and healed < 60, logs[1][-3000:]
     assert "rank(s) [1] died" in logs[1]  # its own watchdog named the death
@@ -137,6 +134,10 @@ def test_a_killed_group_drops_out_and_rejoins_while_the_other_trains_on(corpus, 
     # (the first step without group 1 is the one it was in when killed: the kill follows its step line)
     assert [e["groups"] for e in changes] == [[0], [0, 1]] and KILL_AT < changes[0]["step"] <= KILL_AT + 3, changes
     gone, back = changes[0]["step"], changes[1]["step"]
+    # (a step that saves a checkpoint takes that long too, and so does the one group 1 rejoins in: group 0
+    # sends it the state)
+    slow = [s for s in slow if s % EVERY and s != back]
+    assert len(slow) <= 1 and max(r["step_time"] for r in rows[0][KILL_AT:]) < usual + HEARTBEAT + 10, rows[0]
     assert changes[1]["seconds_fewer"] < 60, changes
     alone = back - gone
     assert _windows(run, STEPS) == [STEPS, STEPS - alone], changes

@@ -15,11 +15,10 @@ only when it is enabled).
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 from pathlib import Path
 
-from .options import ConfigError, option
+from .options import ConfigError, importable, option
 
 INSTALL = "pip install 'hybridpar[ft]' (or pip install torchft)"
 LIGHTHOUSE_VARIABLE = "TORCHFT_LIGHTHOUSE"  # torchft's own name for the address
@@ -69,9 +68,5 @@ class FaultToleranceConfig:
 
 def require_torchft() -> None:
     """ConfigError in one line, saying what to install, when torchft is not importable."""
-    try:
-        found = importlib.util.find_spec("torchft") is not None
-    except (ImportError, ValueError):  # a broken or blocked installation
-        found = False
-    if not found:
+    if not importable("torchft"):
         raise ConfigError(f"fault_tolerance.enabled needs torchft, which is not installed: {INSTALL}")

@@ -15,7 +15,7 @@ import importlib.util
 import re
 
 from .evaluation import split_task_names
-from .options import ConfigError, option
+from .options import ConfigError, importable, option
 
 RECIPES = ("none", "tensorwise", "rowwise", "rowwise_with_gw_hp")
 MULTIPLE = 16  # a float8 matmul's dimensions (torch._scaled_mm's): a linear with another stays in high precision
@@ -54,11 +54,7 @@ def names_skipped(name: str, patterns) -> bool:
 
 def require_torchao() -> None:
     """ConfigError in one line, saying what to install, when torchao (>= 0.18) is not importable."""
-    try:
-        found = importlib.util.find_spec("torchao") is not None
-    except (ImportError, ValueError):  # a broken or blocked installation
-        found = False
-    version = _version("torchao") if found else None
+    version = _version("torchao") if importable("torchao") else None
     if version is None:
         raise ConfigError(f"float8.recipe needs torchao, which is not installed: {INSTALL}")
     if version < TORCHAO:

@@ -5,6 +5,7 @@ and the parsing of a value given as text (parse_pp_layers)."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from typing import Any
 
 
@@ -12,6 +13,15 @@ class ConfigError(ValueError):
     """A mistake in the config: one line naming the key and what to change."""
 
     every_rank = True  # raised alike on every rank: hybridpar.mesh.ranks.raised_by_every_rank
+
+
+def importable(package: str) -> bool:
+    """Whether `package` can be imported, found without importing it (a broken or blocked installation
+    counts as missing)."""
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def option(default: Any, help: str) -> Any:

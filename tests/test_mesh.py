@@ -9,6 +9,7 @@ import ast
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 
@@ -264,7 +265,7 @@ def test_launch_env_without_a_launcher_is_a_world_of_one():
     env = launch_env({})
     assert (env.rank, env.world_size, env.local_rank, env.master_addr, env.source) == (0, 1, 0, "127.0.0.1", "single")
     assert env.master_port == 0  # no port: init_parallel makes an in-process store
-    assert launch_env({"MASTER_PORT": "2345"}).master_port == 2345
+    assert launch_env({"MASTER_PORT": "2345"}).master_port == 0  # a shell's leftover: no peer dials it
 
 
 # --- init_parallel on real process groups -----------------------------------------------------------
@@ -452,11 +453,12 @@ STORE_SCRIPT = """
 import hybridpar
 import torch.distributed as dist
 
+import os
 hybridpar.init_parallel(mp=1)
 store = dist.distributed_c10d._get_default_store()
 while hasattr(store, "underlying_store"):  # the PrefixStores torch wraps it in
     store = store.underlying_store
-print("store", type(store).__name__)
+print("store", type(store).__name__, "RANK" in os.environ)
 """
 
 
@@ -467,9 +469,16 @@ def test_a_world_of_one_binds_no_port_it_picked(tmp_path):
     script = tmp_path / "store.py"
     script.write_text(STORE_SCRIPT)
     out = _run([([sys.executable, str(script)], _clean_env())])[0]
-    assert "store HashStore" in out, out
-    out = _run([([sys.executable, str(script)], _clean_env(MASTER_PORT=str(free_port())))])[0]
-    assert "store TCPStore" in out, out  # a port the user set is the user's: kept
+    assert "store HashStore False" in out, out
+    # A MASTER_PORT left in the shell, already bound by another process: nothing dials it (CI once failed
+    # when an in-process world of one wrote RANK=0 into os.environ and two commands it started read that
+    # as torchrun's and both bound 29500). Nor does the process leave RANK for what it starts.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = _run([([sys.executable, str(script)], _clean_env(MASTER_PORT=str(port)))])[0]
+    assert "store HashStore False" in out, out
 
 
 def test_srun_style_environment(launch):

@@ -245,20 +245,20 @@ def init_parallel(
     else:
         env = launch_env(os.environ)
         backend = backend or default_backend()
-        # The env:// rendezvous reads these; fill them in for srun and single-process runs.
-        os.environ.update(RANK=str(env.rank), WORLD_SIZE=str(env.world_size), LOCAL_RANK=str(env.local_rank),
-                          MASTER_ADDR=env.master_addr)
-        if env.master_port:
-            os.environ["MASTER_PORT"] = str(env.master_port)
+        if env.source != "single":  # the env:// rendezvous reads these; fill them in for srun
+            os.environ.update(RANK=str(env.rank), WORLD_SIZE=str(env.world_size), LOCAL_RANK=str(env.local_rank),
+                              MASTER_ADDR=env.master_addr, MASTER_PORT=str(env.master_port))
         local_rank = env.local_rank
         if "nccl" in backend:  # "nccl", or a per-device string such as "cpu:gloo,cuda:nccl"
             torch.cuda.set_device(local_rank)
         if uses_agent_store(os.environ):  # torchrun's store, kept across restarts: this start's keys apart
             store, start = store_of_this_start(env.master_addr, env.master_port, env.rank, env.world_size, timeout)
             joined = dict(store=store, rank=env.rank, world_size=env.world_size)
-        elif env.world_size == 1 and not env.master_port:
-            # A world of one with no launcher: an in-process store, no port to pick and lose to a
-            # command started beside this one (a free port found here could be taken before it is bound).
+        elif env.source == "single":
+            # A world of one with no launcher: an in-process store, no port to bind and lose to a command
+            # started beside this one (a MASTER_PORT left in the shell included: no peer ever dials it).
+            # Nor is RANK written into os.environ, where the commands this process starts would read it
+            # as a launcher's and all dial one port.
             joined = dict(store=dist.HashStore(), rank=0, world_size=1)
         else:
             joined = {}

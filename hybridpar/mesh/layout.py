@@ -226,6 +226,6 @@ def launch_env(environ: Mapping[str, str]) -> LaunchEnv:
             master_port=port,
             source="slurm",
         )
-    # No launcher: port 0 unless the user set one, and the process group then needs no port at all
-    # (init_parallel: an in-process store), so two commands started side by side cannot race for one.
-    return LaunchEnv(0, 1, 0, "127.0.0.1", int(environ.get("MASTER_PORT", 0)), "single")
+    # No launcher: the process group needs no port at all (init_parallel: an in-process store), so two
+    # commands started side by side cannot race for one.
+    return LaunchEnv(0, 1, 0, "127.0.0.1", 0, "single")

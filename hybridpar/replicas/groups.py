@@ -6,7 +6,8 @@ torchft's managed process group (what parallel.dp_replicate's all-reduce is in a
 step: the quorum (torchft's Manager, through the lighthouse: a group that is back is healed here from
 a live group's model, optimizer, schedule and step), the groups' mean gradient in one all-reduce,
 and the commit: a step some group failed in is not committed by the groups that saw it fail, and they
-do it again from the same data.
+do it again from the same data. A quorum that does not form (the lighthouse gone) or forms with fewer
+than fault_tolerance.min_groups groups is waited out, said, and not taken for a hang by the watchdog.
 
 Each group reads its own share of the data (its dp ranks among groups x dp_size), and its position is
 its own: the steps it took part in (`windows`, counted by every group from the all-reduce, so a
@@ -21,6 +22,7 @@ import os
 import re
 import socket
 import time
+import urllib.request
 from datetime import timedelta
 from typing import Optional
 
@@ -34,6 +36,7 @@ from ..parallel.float8_gather import precompute_float8_scales
 log = logging.getLogger(__name__)
 
 STORE_KEY = "hybridpar/replicas/store"  # in this start's store: where the group's torchft store listens
+RETRY_S = 1.0  # seconds between tries at a quorum that did not form, or formed with too few groups
 
 
 class LoneGroup:
@@ -64,6 +67,10 @@ class LoneGroup:
 
     def close(self) -> None:
         pass
+
+
+class GroupOutOfStep(RuntimeError):
+    """A group's ranks came out of the quorum at different steps: this group's failure."""
 
 
 def make_replicas(ft, grad_accum: int):
@@ -103,6 +110,7 @@ class ReplicaGroups:
         self.healed: Optional[dict] = None  # this start's heal: from which step, how long it took
         self.fewer_since: Optional[float] = None  # when the groups last became fewer
         self.fewer_steps = 0  # steps committed with fewer groups than the job has
+        self.first: Optional[float] = None  # a group starting at step 0: when it first asked for the quorum
 
     @property
     def parts(self) -> dict:
@@ -132,9 +140,10 @@ class ReplicaGroups:
 
     # --- set-up ----------------------------------------------------------------------------------
 
-    def connect(self, parallel, modules, optimizer, scheduler, loader, *, step: int, metrics, at) -> None:
+    def connect(self, parallel, modules, optimizer, scheduler, loader, *, step: int, metrics, at, waiting) -> None:
         """Join the job's groups: torchft's Manager for this rank, at `step` (0, or the checkpoint's).
-        at(phase, step=): where the supervisor is told this rank waits for the quorum."""
+        at(phase, step=): where the supervisor is told this rank waits for the quorum; waiting(what): the
+        supervisor's context around that wait, which is not a hang (Supervisor.waiting)."""
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's own log: every quorum and commit at its default
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 
@@ -147,7 +156,9 @@ class ReplicaGroups:
             logging.getLogger(name).setLevel(level)
 
         self.modules, self.optimizer, self.scheduler, self.loader = modules, optimizer, scheduler, loader
-        self.metrics, self.step, self.at = metrics, step, at
+        self.device = parallel.device
+        self.metrics, self.step, self.at, self.waiting = metrics, step, at, waiting
+        self.first = 0.0 if step == 0 else None
         self._seek()  # this group's own place in the data, whatever the checkpoint's loader said
         timeout = timedelta(seconds=self.ft.timeout)
         host, port = self._group_store()
@@ -212,7 +223,8 @@ class ReplicaGroups:
         self.at("replica quorum", step=step + 1)
         self._before = self.loader.state_dict()
         self._asked = time.perf_counter()
-        self.manager.start_quorum()
+        with self.waiting(f"the quorum of the replica groups before step {step + 1}") as say:
+            self._join(say)
         if self.healed is not None and dist.get_rank() == 0:
             log.info(f"hybridpar: replica group {self.ft.group} healed from a live group at step {self.step} "
                      f"(it was at step {self.healed['from_step']}) in {self.healed['seconds']:.1f} s")
@@ -220,6 +232,76 @@ class ReplicaGroups:
             self.metrics.continue_from(self.step)  # its log before it was away is kept
             self.metrics.event(self.step, "healed", group=self.ft.group, **self.healed)
         return self.step
+
+    def _join(self, say) -> None:
+        """Ask for the quorum until one of fault_tolerance.min_groups groups or more forms: one that does
+        not form in torchft's quorum timeout (the lighthouse gone, fewer groups than its --min-groups),
+        or forms with fewer groups, is waited out, said once per reason (rank 0) and in the heartbeat's
+        note (say), for the watchdog's line if the wait outlasts its limit."""
+        began, said = time.monotonic(), None
+        while (why := self._agreed(self._quorum())) is not None:
+            say(f"the quorum of the replica groups before step {self.step + 1} ({why})")
+            if why != said and dist.get_rank() == 0:
+                log.warning(f"hybridpar: replica group {self.ft.group} waits for the quorum before step "
+                            f"{self.step + 1}: {why}; it trains on when the quorum forms")
+            said = why
+            time.sleep(RETRY_S)
+        if said is not None and dist.get_rank() == 0:
+            log.warning(f"hybridpar: replica group {self.ft.group} is in a quorum of {self.manager.num_participants()} "
+                        f"group(s) after waiting {time.monotonic() - began:.1f} s; it trains step {self.step + 1}")
+
+    def _agreed(self, why: Optional[str]) -> Optional[str]:
+        """Whether every rank of this group got the quorum, and at the same step (one all-reduce). If one
+        missed it, all ask again together: torchft's manager answers a group's ranks together, and a
+        rank that asked again alone would wait there for the others, gone on to train, until its quorum
+        timeout. Ranks at different steps were healed in part (the live peer of some failed meanwhile):
+        GroupOutOfStep, so that the group's launcher restarts it to be healed whole."""
+        votes = torch.tensor([float(why is not None), self.step, -self.step], dtype=torch.float64, device=self.device)
+        dist.all_reduce(votes, op=dist.ReduceOp.MAX)
+        missed, highest, lowest = votes[0].item(), int(votes[1].item()), -int(votes[2].item())
+        if missed:
+            return why or "another rank of this group missed it"
+        if highest != lowest:
+            raise GroupOutOfStep(f"replica group {self.ft.group}: its ranks left the quorum at steps {lowest} and "
+                                 f"{highest}, a heal from a live group reached some of them only (that group failed "
+                                 "meanwhile); the group stops so that its launcher restarts it to be healed again")
+        return None
+
+    def _quorum(self) -> Optional[str]:
+        """One try at the quorum: None when it formed with enough groups, else why not."""
+        try:
+            self.manager.start_quorum()
+        except Exception as err:
+            future = self.manager._quorum_future
+            if future is None or not future.done() or future.exception() is not err:
+                raise  # not the quorum's own failure (a heal's state that does not load is a bug to see)
+            # torchft 0.2 keeps a failed quorum's future and raises its error again at every start_quorum.
+            self.manager._quorum_future = None
+            return self._no_quorum()
+        found = self.manager.num_participants()
+        if found < self.ft.min_groups:
+            return f"{found} group(s) in it, fewer than fault_tolerance.min_groups = {self.ft.min_groups}"
+        if self.first is not None and found < self.ft.groups:
+            # The job's groups start together: one that began alone would heal the others as they come.
+            self.first = self.first or time.monotonic()
+            if time.monotonic() - self.first < 2 * self.ft.timeout:
+                return (f"{found} group(s) of {self.ft.groups} in it; the first step waits up to "
+                        f"{2 * self.ft.timeout:g} s for every group")
+        self.first = None
+        return None
+
+    def _no_quorum(self) -> str:
+        """Why no quorum formed in torchft's quorum timeout: the lighthouse does not answer, or what its
+        status says it waits for."""
+        address = self.ft.address()
+        try:
+            with urllib.request.urlopen(f"{address}/status", timeout=self.ft.timeout) as f:
+                status = f.read().decode(errors="replace")
+        except OSError as err:
+            reason = re.sub(r"^\[Errno \d+\]\s*", "", str(getattr(err, "reason", err)))
+            return f"the lighthouse at {address} does not answer: {reason}"
+        found = re.search(r"Next quorum status:\s*([^<\[]+)", status)
+        return (f"no quorum in {2 * self.ft.timeout:g} s" + (f"; the lighthouse: {found.group(1).strip()}" if found else ""))
 
     def average(self, params) -> None:
         """The mean of the groups' gradients, and which groups took part: one all-reduce."""

@@ -165,7 +165,7 @@ class ReplicaGroups:
         pg = (ProcessGroupNCCL if parallel.device.type == "cuda" else ProcessGroupGloo)(timeout=timeout)
         self.manager = Manager(
             pg=pg, load_state_dict=self._load, state_dict=self._state, min_replica_size=self.ft.min_groups,
-            # The quorum may wait the lighthouse's join timeout for a hung group first (kept below `timeout`).
+            # A try at the quorum may wait the lighthouse's join timeout for a hung group (keep it below 2 x timeout).
             use_async_quorum=False, timeout=timeout, quorum_timeout=2 * timeout, connect_timeout=timeout,
             rank=dist.get_rank(), world_size=dist.get_world_size(), store_addr=host, store_port=port,
             lighthouse_addr=self.ft.address(), replica_id=f"hybridpar_group_{self.ft.group}",
@@ -301,7 +301,8 @@ class ReplicaGroups:
             reason = re.sub(r"^\[Errno \d+\]\s*", "", str(getattr(err, "reason", err)))
             return f"the lighthouse at {address} does not answer: {reason}"
         found = re.search(r"Next quorum status:\s*([^<\[]+)", status)
-        return (f"no quorum in {2 * self.ft.timeout:g} s" + (f"; the lighthouse: {found.group(1).strip()}" if found else ""))
+        said = f"; the lighthouse: {found.group(1).strip()}" if found else ""
+        return f"no quorum in {2 * self.ft.timeout:g} s{said}"
 
     def average(self, params) -> None:
         """The mean of the groups' gradients, and which groups took part: one all-reduce."""

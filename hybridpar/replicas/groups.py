@@ -310,7 +310,9 @@ class ReplicaGroups:
         mine = torch.zeros(self.ft.groups, dtype=torch.float32, device=grads[0].device if grads else None)
         mine[self.ft.group] = 1.0
         flat = torch.cat([g.reshape(-1).to(torch.float32) for g in grads] + [mine])
-        self.manager.allreduce(flat).wait()  # an error is torchft's: the step is then not committed
+        # A wait for the other groups, not a collective of this one: ended by fault_tolerance.timeout if one is silent.
+        with self.waiting(f"the other replica groups' gradients of step {self.step + 1}"):
+            self.manager.allreduce(flat).wait()  # an error is torchft's: the step is then not committed
         took_part = (flat[-self.ft.groups:] * self.manager.num_participants()).tolist()
         self._members = [g for g, share in enumerate(took_part) if share > 0.5]
         offset = 0

@@ -16,6 +16,7 @@ import time
 from typing import Optional
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from hybridpar.config.fault_tolerance import FaultToleranceConfig
@@ -274,3 +275,21 @@ def test_the_first_step_waits_for_every_group_then_goes_on_with_those_there(monk
     alone.manager.start_quorum = slow
     alone.begin_step(0)  # group 1 never came: the third try is past the 6 s, and group 0 trains alone
     assert alone.manager.outcomes == [1] and alone.first is None
+
+
+def test_the_all_reduce_with_the_other_groups_is_a_wait_not_a_collective_of_this_group(monkeypatch, lighthouse):
+    """A silent group holds the groups' all-reduce for up to fault_tolerance.timeout: the watchdog is told
+    it waits (Supervisor.waiting) for the other groups, as in the quorum, and judges nothing there."""
+    replicas, notes = _groups(monkeypatch, lighthouse, [], min_groups=1)
+    seen = []
+
+    class Work:
+        def wait(self) -> None:
+            seen.append(notes[-1])  # what the watchdog was told while the all-reduce waited
+
+    replicas.manager.allreduce, replicas.manager.groups = lambda flat: Work(), 1
+    param = torch.nn.Parameter(torch.ones(3))
+    param.grad = torch.full((3,), 2.0)
+    replicas.step = 6
+    replicas.average([param])
+    assert seen == ["the other replica groups' gradients of step 7"] and notes[-1] == "done"

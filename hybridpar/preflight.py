@@ -24,6 +24,7 @@ from typing import Callable, Mapping, Optional, Union
 
 from .config import Config, ConfigError
 from .config.fault_tolerance import require_torchft
+from .config.llama4 import check_experts, check_llama4
 from .pipeline.schedules import check_pipeline, check_untied, check_validation
 from .mesh.layout import MeshSizeError, resolve_sizes
 
@@ -101,6 +102,8 @@ def check_config(config: Config, world_size: int, args=None, *, training: bool =
     check_float8_setup(config)
     pp, cp, mp = sizes[0], sizes[3], sizes[4]
     args = check_shape(config, model_shape(config) if args is None else args, mp, cp)
+    check_llama4(config, args, pp, cp)
+    check_experts(config, args, sizes[2])
     check_float8_gather(config, args, mp, sizes[2] * cp)
     p, d = config.parallel, config.data
     check_pipeline(pp, p.pp_schedule, p.pp_layers, p.pp_microbatches, args.n_layers, d.micro_batch_size)

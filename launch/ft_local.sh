@@ -15,7 +15,7 @@ echo "launch/ft_local.sh: a lighthouse on port $PORT and $FT_GROUPS replica grou
 python3 -m hybridpar lighthouse --port "$PORT" --min-groups 1 > "$RUN_DIR/lighthouse.log" 2>&1 &
 lighthouse=$!
 # (|| true: a lighthouse that died, or was replaced at its address, must not turn the groups' exit status into 1)
-trap 'kill $lighthouse 2>/dev/null || true; kill $(jobs -p) 2>/dev/null || true' EXIT
+trap 'kill -KILL $lighthouse 2>/dev/null || true; kill $(jobs -p) 2>/dev/null || true' EXIT
 export TORCHFT_LIGHTHOUSE=http://localhost:$PORT
 pids=()
 for ((g = 0; g < FT_GROUPS; g++)); do
@@ -26,6 +26,12 @@ for ((g = 0; g < FT_GROUPS; g++)); do
     pids+=($!)
     echo "launch/ft_local.sh: group $g is process $! (its log: $RUN_DIR/group-$g.log)" >&2
 done
+# A stop signal to the script's process group (Ctrl-C, kill -TERM -PGID, as scancel signals a job) reaches
+# every torchrun, which passes it on once (a second signal would cut its wait for the ranks short): the
+# groups save after the same step while the lighthouse serves on, and the script waits for them.
+stop() { wait "${pids[@]}" || true; exit $((128 + $1)); }
+trap 'stop 15' TERM
+trap 'stop 2' INT
 status=0
 for g in "${!pids[@]}"; do
     wait "${pids[$g]}" || { echo "launch/ft_local.sh: group $g failed (exit $?): see $RUN_DIR/group-$g.log" >&2; status=1; }

@@ -15,7 +15,7 @@
 #   hybridpar plan --model llama3.1_405b --gpus 512 --gpu h100 --seq-len 8192 --global-batch 16Mtok --pp 8
 #
 # (58.3 GiB per GPU of 76 usable, 256 micro-batches of one sequence per step, a 1.3% bubble, about
-# 152 tokens/s per GPU, MFU ~40% by its estimate). pp is the outermost dimension: stage s runs on
+# 151 tokens/s per GPU, MFU ~40% by its estimate). pp is the outermost dimension: stage s runs on
 # nodes 8s .. 8s+7, and only its activations cross to the next stage's nodes. A preset of
 # launch/slurm.sh, which does the work and documents every setting. Submit from the repository
 # root; add your cluster's --partition/--account/--time to sbatch:

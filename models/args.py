@@ -1,5 +1,6 @@
-"""ModelArgs: the fields of Meta's params.json plus hybridpar's own, the presets, and Meta's
-feed-forward rule. hybridpar.models.llama builds the network from them (and re-exports every name here)."""
+"""ModelArgs: the fields of Meta's params.json plus hybridpar's own (Llama 4's among them), the presets,
+and Meta's feed-forward rule. hybridpar.models.llama builds the network from them (and re-exports every
+name here)."""
 
 from __future__ import annotations
 
@@ -54,6 +55,26 @@ class ModelArgs:
     rope_original_context: int = 8192
     # the output head reads the token embedding's weight (Llama 3.2 1B and 3B).
     tie_embeddings: bool = False
+    # Llama 4 (Hugging Face's Llama4TextConfig; hybridpar.checkpoint.hf_llama4 maps the names): each
+    # mixture-of-experts layer routes a token to experts_per_token of its n_experts experts
+    # (num_local_experts, num_experts_per_tok; 0 experts: a dense model) and adds a shared expert;
+    # moe_layers lists those layers (None: every layer), the others are dense (ffn_hidden_size, HF's
+    # intermediate_size_mlp); each expert's hidden size is expert_hidden_size (intermediate_size; None:
+    # ffn_hidden_dim).
+    n_experts: int = 0
+    experts_per_token: int = 1
+    moe_layers: Optional[list] = None
+    expert_hidden_size: Optional[int] = None
+    # Attention: nope_layers have no RoPE (no_rope_layers' zeros), their queries scaled by
+    # 1 + attn_scale * log(1 + floor((position + 1) / floor_scale)) when attn_temperature_tuning; the
+    # RoPE layers normalise q and k (RMS, no weight) when use_qk_norm and see only the keys of their own
+    # chunk of attention_chunk_size positions (None: the whole sequence).
+    nope_layers: Optional[list] = None
+    attn_temperature_tuning: bool = False
+    floor_scale: int = 8192
+    attn_scale: float = 0.1
+    use_qk_norm: bool = False
+    attention_chunk_size: Optional[int] = None
 
     @classmethod
     def from_dict(cls, params: dict, **overrides) -> "ModelArgs":
@@ -99,6 +120,22 @@ class ModelArgs:
         return meta_ffn_rule(self.dim, self.multiple_of, self.ffn_dim_multiplier)
 
     @property
+    def expert_hidden_dim(self) -> int:
+        """Each routed expert's (and the shared expert's) hidden size: expert_hidden_size, else ffn_hidden_dim."""
+        return self.expert_hidden_size if self.expert_hidden_size is not None else self.ffn_hidden_dim
+
+    @property
+    def llama4(self) -> bool:
+        """Llama 4's architecture (Hugging Face's Llama4ForCausalLM): experts or any of its attention's features."""
+        return self.n_experts > 0 or bool(self.nope_layers) or self.use_qk_norm or self.attention_chunk_size is not None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.n_experts > 0 and (self.moe_layers is None or layer in self.moe_layers)
+
+    def uses_rope(self, layer: int) -> bool:
+        return layer not in (self.nope_layers or ())
+
+    @property
     def rope_scaling(self) -> Optional[RopeScaling]:
         """The RoPE rescaling in use (None: plain RoPE)."""
         if not self.use_scaled_rope:
@@ -112,26 +149,32 @@ class ModelArgs:
             return "vocab" if self.rope_theta >= 500000 else "dim"
         return self.embedding_split
 
-    def num_params(self) -> int:
+    def num_params(self, active: bool = False) -> int:
+        """Every parameter; active=True: those one token uses (its experts_per_token routed experts
+        of each MoE layer, not all n_experts)."""
         d, kv = self.dim, self.kv_heads * self.head_dim
-        attention = d * d * 2 + d * kv * 2  # wq, wo; wk, wv
-        block = attention + 3 * d * self.ffn_hidden_dim + 2 * d  # + two norms
+        attention = d * d * 2 + d * kv * 2 + 2 * d  # wq, wo; wk, wv; two norms
+        experts = self.experts_per_token if active else self.n_experts
+        moe = (experts + 1) * 3 * d * self.expert_hidden_dim + self.n_experts * d  # + the shared expert, router
+        ffn = sum(moe if self.is_moe_layer(i) else 3 * d * self.ffn_hidden_dim for i in range(self.n_layers))
         heads = 1 if self.tie_embeddings else 2  # the embedding, and the output head unless it is the same
-        return self.n_layers * block + heads * self.vocab_size * d + d  # + the final norm
+        return self.n_layers * attention + ffn + heads * self.vocab_size * d + d  # + the final norm
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token as MFU counts them (PaLM's formula): 6 per parameter of the
-        matrix multiplies, forward and backward (the output head counts, the embedding lookup is
-        free), plus 12 * n_layers * dim * seq_len for the attention scores; no recomputation."""
+        matrix multiplies a token goes through (its active parameters: num_params(active=True)),
+        forward and backward (the output head counts, the embedding lookup is free), plus
+        12 * n_layers * dim * seq_len for the attention scores; no recomputation."""
         # The output head is a matmul even when it shares the embedding's weight.
-        matmul_params = self.num_params() - (0 if self.tie_embeddings else self.vocab_size * self.dim)
+        matmul_params = self.num_params(active=True) - (0 if self.tie_embeddings else self.vocab_size * self.dim)
         return 6.0 * matmul_params + 12.0 * self.n_layers * self.dim * seq_len
 
     def check_values(self) -> None:
         """Raise ModelArgsError naming the field when a value is out of its range, whatever the mp
         and the tokenizer (vocab_size -1 passes: Llama 2's params.json leaves it to the tokenizer)."""
         positive = ["dim", "n_layers", "n_heads", "multiple_of", "max_batch_size", "max_seq_len"]
-        positive += [f for f in ("n_kv_heads", "ffn_hidden_size") if getattr(self, f) is not None]
+        positive += [f for f in ("n_kv_heads", "ffn_hidden_size", "expert_hidden_size", "attention_chunk_size")
+                     if getattr(self, f) is not None]
         for name in positive:
             if getattr(self, name) < 1:
                 raise ModelArgsError(f"{name} = {getattr(self, name)} must be positive")
@@ -151,15 +194,43 @@ class ModelArgs:
             raise ModelArgsError(f"head_dim = dim / n_heads = {self.head_dim} must be even for RoPE")
         if self.use_scaled_rope:
             s = self.rope_scaling
-            if not (s.factor > 0 and 0 < s.low_freq_factor < s.high_freq_factor and s.original_context > 0):
+            # Equal factors (Llama 4 Scout's 1 and 1): no band between the kept and the slowed frequencies.
+            if not (s.factor > 0 and 0 < s.low_freq_factor <= s.high_freq_factor and s.original_context > 0):
                 raise ModelArgsError(
-                    f"RoPE scaling needs rope_scaling_factor > 0, 0 < rope_low_freq_factor < rope_high_freq_factor "
+                    f"RoPE scaling needs rope_scaling_factor > 0, 0 < rope_low_freq_factor <= rope_high_freq_factor "
                     f"and rope_original_context > 0; got {s}"
                 )
+        self._check_llama4()
 
-    def check(self, mp: int = 1) -> None:
-        """Raise ModelArgsError naming the numbers when this shape cannot run at model-parallel size mp."""
+    def _check_llama4(self) -> None:
+        if self.n_experts < 0:
+            raise ModelArgsError(f"n_experts = {self.n_experts} must be 0 (a dense model) or more")
+        if self.n_experts and not 1 <= self.experts_per_token <= self.n_experts:
+            raise ModelArgsError(f"experts_per_token = {self.experts_per_token} must be between 1 and n_experts = "
+                                 f"{self.n_experts}")
+        if self.moe_layers is not None and not self.n_experts:
+            raise ModelArgsError("moe_layers needs experts: set n_experts (or remove moe_layers)")
+        for name in ("moe_layers", "nope_layers"):
+            layers = getattr(self, name) or []
+            bad = [i for i in layers if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.n_layers]
+            if bad or len(set(layers)) != len(layers):
+                raise ModelArgsError(f"{name} = {layers} must list distinct layer indices from 0 to n_layers - 1 = "
+                                     f"{self.n_layers - 1}")
+        if not 0 <= self.attn_scale < float("inf"):
+            raise ModelArgsError(f"attn_scale = {self.attn_scale} must be a number of 0 or more")
+        if self.floor_scale < 1:
+            raise ModelArgsError(f"floor_scale = {self.floor_scale} must be positive")
+
+    def check(self, mp: int = 1, ep: int = 1) -> None:
+        """Raise ModelArgsError naming the numbers when this shape cannot run at model-parallel size mp
+        and expert-parallel size ep (which splits the experts)."""
         self.check_values()
+        if ep > 1 and not self.n_experts:
+            raise ModelArgsError(f"expert parallelism (ep = {ep}) splits the experts, and this model has none "
+                                 "(n_experts = 0, a dense model): use ep = 1")
+        if ep > 1 and self.n_experts % ep:
+            raise ModelArgsError(f"n_experts = {self.n_experts} is not divisible by the expert-parallel size "
+                                 f"ep = {ep}; choose an ep that divides {self.n_experts}")
         if self.vocab_size <= 0:
             raise ModelArgsError(
                 f"vocab_size is {self.vocab_size}: Llama 2's params.json leaves it to the tokenizer; "
@@ -183,6 +254,8 @@ class ModelArgs:
                 f"(kv heads are split when mp divides them and replicated when mp is a multiple)"
             )
         divide(self.ffn_hidden_dim, mp, "the feed-forward hidden size (from dim, multiple_of, ffn_dim_multiplier)")
+        if self.n_experts:
+            divide(self.expert_hidden_dim, mp, "expert_hidden_size (each expert's hidden size)")
         if self.resolved_embedding_split == "vocab":
             divide(self.vocab_size, mp, "vocab_size (split by VocabParallelEmbedding)")
         else:
@@ -232,7 +305,11 @@ def meta_ffn_rule(dim: int, multiple_of: int, ffn_dim_multiplier: Optional[float
 
 
 def local_param_shapes(args: ModelArgs, mp: int) -> dict[str, list[tuple[int, ...]]]:
-    """Each FSDP unit's parameters as this mp rank holds them (before FSDP), as in models/llama.py."""
+    """Each FSDP unit's parameters as this mp rank holds them (before FSDP), as in models/llama.py; a
+    dense model's (every block alike)."""
+    if args.n_experts:
+        raise ModelArgsError(f"local_param_shapes covers dense models (every block alike); this one has "
+                             f"{args.n_experts} experts")
     d, hd, v, f = args.dim, args.head_dim, args.vocab_size, args.ffn_hidden_dim
     q = args.n_heads * hd // mp
     # wk/wv: ColumnParallelLinear slices when mp divides the kv heads, else every rank has them all.

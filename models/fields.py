@@ -11,7 +11,8 @@ from typing import Any, Union
 
 from hybridpar.mesh.ranks import mark_every_rank
 
-_EXPECTED = {int: "an integer", float: "a number", bool: "true or false", str: "a string", dict: "an object"}
+_EXPECTED = {int: "an integer", float: "a number", bool: "true or false", str: "a string", dict: "an object",
+             list: "a list"}
 
 
 def json_text(value: Any) -> str:

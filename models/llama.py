@@ -1,4 +1,4 @@
-"""Llama 2, 3 and 3.1 on hybridpar's tensor-parallel layers, laid out as Meta's reference code.
+"""Llama 2, 3, 3.1 and 4 (text) on hybridpar's tensor-parallel layers, laid out as Meta's reference code.
 
 Parameter names, shard layouts and the RoPE convention (interleaved pairs rotated as complex
 numbers) are Meta's, so `consolidated.NN.pth` checkpoints map onto this model one to one:
@@ -7,6 +7,10 @@ numbers) are Meta's, so `consolidated.NN.pth` checkpoints map onto this model on
     attention.wq/wk/wv  ColumnParallelLinear      attention.wo  RowParallelLinear
     feed_forward.w1/w3  ColumnParallelLinear      feed_forward.w2  RowParallelLinear
     output  ColumnParallelLinear (logits stay split along the vocabulary)
+
+Llama 4 (ModelArgs' n_experts, nope_layers, ...): the feed-forward of its MoE layers is models.moe's
+(router, stacked experts, shared expert), the others dense; its attention's RoPE-less layers,
+temperature tuning, qk norm and chunked local attention are models.llama4's.
 
 `sequence_parallel=True` (mp > 1) keeps the hidden states between the tensor-parallel regions split
 over the mp group: [batch * seq / mp, dim], each rank a contiguous part of the tokens (for one
@@ -48,7 +52,9 @@ from hybridpar.parallel import (
 from hybridpar.parallel.context import context_attention, local_positions
 from hybridpar.parallel.layers import ReplicatedHeadLinear, local_tensor, mp_parameter
 
-from .args import ModelArgs, RopeScaling
+from .args import ModelArgs, ModelArgsError, RopeScaling
+from .llama4 import LayerAttention
+from .moe import MoE
 
 # --- rotary position embedding, Meta's convention --------------------------------------------
 
@@ -137,9 +143,11 @@ def _normal(std: float):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, parallel: ParallelDims, init_std: float, out_std: float, **factory) -> None:
+    def __init__(self, args: ModelArgs, parallel: ParallelDims, init_std: float, out_std: float, layer_id: int = 0,
+                 **factory) -> None:
         super().__init__()
         mp, hd = parallel.mp, args.head_dim
+        self.llama4 = LayerAttention(args, layer_id)  # RoPE or not, qk norm, temperature, chunks
         self.group = parallel.mp_group
         self.cp_group = parallel.cp_group  # None without context parallelism
         self.sequence_parallel = factory.get("sequence_parallel", False)
@@ -177,7 +185,9 @@ class Attention(nn.Module):
         q = self.wq(x, copy_input=False).view(batch, seq, self.n_local_heads, self.head_dim)
         k = self.wk(x, copy_input=False).view(batch, seq, self.n_local_kv_heads, self.head_dim)
         v = self.wv(x, copy_input=False).view(batch, seq, self.n_local_kv_heads, self.head_dim)
-        q, k = apply_rope(q, freqs_cis), apply_rope(k, freqs_cis)
+        if self.llama4.rope:
+            q, k = apply_rope(q, freqs_cis), apply_rope(k, freqs_cis)
+        q, k = self.llama4.queries_and_keys(q, k, start_pos)
         if self.cp_group is not None:  # this rank's two chunks against the whole sequence's keys
             return self.wo(context_attention(q, k, v, self.cp_group).reshape(batch, seq, -1))
         mask, causal = None, True
@@ -191,6 +201,9 @@ class Attention(nn.Module):
                 # One new token sees every cached key; a longer chunk needs the shifted triangle.
                 causal = False
                 mask = _chunk_mask(seq, start_pos, x.device) if seq > 1 else None
+        local = self.llama4.local_mask(seq, start_pos, x.device)
+        if local is not None:  # a chunked layer whose positions cross a chunk's end
+            mask, causal = local, False
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
             is_causal=causal, enable_gqa=self.n_local_heads != self.n_local_kv_heads,
@@ -199,11 +212,13 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x), the hidden size split across model-parallel ranks."""
+    """SwiGLU: w2(silu(w1 x) * w3 x), the hidden size (ffn_hidden_dim unless given) split across
+    model-parallel ranks."""
 
-    def __init__(self, args: ModelArgs, parallel: ParallelDims, init_std: float, out_std: float, **factory) -> None:
+    def __init__(self, args: ModelArgs, parallel: ParallelDims, init_std: float, out_std: float,
+                 hidden: Optional[int] = None, **factory) -> None:
         super().__init__()
-        hidden = args.ffn_hidden_dim
+        hidden = args.ffn_hidden_dim if hidden is None else hidden
         self.group = parallel.mp_group
         self.sequence_parallel = factory.get("sequence_parallel", False)
         column = dict(bias=False, gather_output=False, init_method=_normal(init_std), parallel=parallel, **factory)
@@ -216,7 +231,14 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = enter_region(x, self.group, self.sequence_parallel)  # w1 and w3 share one reduction of its gradient
-        return self.w2(F.silu(self.w1(x, copy_input=False)) * self.w3(x, copy_input=False))
+        return self.w2(self._gated(x))
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """x already in the region -> this rank's partial sums, not reduced (a shared expert's)."""
+        return self.w2(self._gated(x), reduce=False)
+
+    def _gated(self, x: torch.Tensor) -> torch.Tensor:
+        return F.silu(self.w1(x, copy_input=False)) * self.w3(x, copy_input=False)
 
 
 class TransformerBlock(nn.Module):
@@ -225,8 +247,12 @@ class TransformerBlock(nn.Module):
         self.layer_id = layer_id
         # GPT-2 style: the projections that write into the residual stream start smaller with depth.
         init_std, out_std = 0.02, 0.02 / math.sqrt(2 * args.n_layers)
-        self.attention = Attention(args, parallel, init_std, out_std, **factory)
-        self.feed_forward = FeedForward(args, parallel, init_std, out_std, **factory)
+        self.attention = Attention(args, parallel, init_std, out_std, layer_id, **factory)
+        if args.is_moe_layer(layer_id):
+            shared = FeedForward(args, parallel, init_std, out_std, args.expert_hidden_dim, **factory)
+            self.feed_forward = MoE(args, parallel, shared, init_std, out_std, **factory)
+        else:
+            self.feed_forward = FeedForward(args, parallel, init_std, out_std, **factory)
         self.attention_norm = RMSNorm(args.dim, args.norm_eps, parallel, **factory)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps, parallel, **factory)
 
@@ -286,7 +312,10 @@ class Transformer(nn.Module):
         head: bool = True,
     ) -> None:
         super().__init__()
-        args.check(parallel.mp)
+        args.check(parallel.mp, parallel.ep)
+        if parallel.cp > 1 and args.llama4:
+            raise ModelArgsError("context parallelism does not run Llama 4's layers yet (experts, chunked or "
+                                 "RoPE-less attention): set parallel.cp = 1")
         self.args = args
         self.group = parallel.mp_group
         # Context parallelism: this rank holds 2 of the 2 x cp chunks of every sequence (parallel.context).

@@ -106,10 +106,10 @@ def _share_meshes() -> None:
             _MESHES[key] = make(device_type, mesh_shape, **kwargs)
         return _MESHES[key]
 
-    def unflatten_mesh(mesh, sizes, names):
-        key = ("unflatten", id(mesh), tuple(sizes), tuple(names))  # mesh: a shared one, alive for good
+    def unflatten_mesh(mesh, sizes, names, dim=0):
+        key = ("unflatten", id(mesh), dim, tuple(sizes), tuple(names))  # mesh: a shared one, alive for good
         if key not in _MESHES:
-            _MESHES[key] = split(mesh, sizes, names)
+            _MESHES[key] = split(mesh, sizes, names, dim)
         return _MESHES[key]
 
     device.init_device_mesh, device.unflatten_mesh = init_device_mesh, unflatten_mesh
@@ -231,12 +231,12 @@ class WorkerPool:
 # --- helpers for case functions (they run inside the workers) ----------------------------------
 
 
-def parallel_dims(mp: int = 1, dp_shard: int = -1, dp_replicate: int = 1, cp: int = 1, pp: int = 1):
+def parallel_dims(mp: int = 1, dp_shard: int = -1, dp_replicate: int = 1, cp: int = 1, pp: int = 1, ep: int = 1):
     """A ParallelDims of the layout, inside a case (its groups end with the case: cheap to build, 20 ms at
     world 8 once the first mesh is made)."""
     import hybridpar
 
-    return hybridpar.init_parallel(mp=mp, dp_shard=dp_shard, dp_replicate=dp_replicate, cp=cp, pp=pp)
+    return hybridpar.init_parallel(mp=mp, dp_shard=dp_shard, dp_replicate=dp_replicate, cp=cp, pp=pp, ep=ep)
 
 
 def rel_err(actual, expected) -> float:

@@ -205,7 +205,7 @@ def classify(c: Command, known_env: str) -> Check:
     elif argv[0] == "bash":
         _bash_n(argv[1])
         reason = {"launch/local.sh": "4 processes for minutes", ".ci/run": "installs, then the whole suite",
-                  "bench/gpu/first_light.sh": "the GPU check (its CPU path runs in tests/bench/test_first_light.py)",
+                  "bench/gpu/first_light.sh": "the GPU check (its CPU path runs in tests/bench/test_first_light.py, which parses its flags here)",
                   "launch/llama3_8b_128k.sh": "a 16-rank dry run with a rehearsal (tests/launch/test_scripts.py runs it)",
                   "launch/llama3_405b.sh": "a 512-rank dry run with a rehearsal (tests/launch/test_scripts.py runs it)",
                   "launch/ft_local.sh": "replica groups for minutes (tests/replicas/test_replica_groups.py runs it)"}

@@ -130,10 +130,10 @@ def test_a_128_rank_context_parallel_job_is_rehearsed(tmp_path):
 def test_the_dry_run_rehearses_float8_and_counts_the_amax_all_reduces(tmp_path):
     """`hybridpar train --dry-run --config llama2_70b --world 128 --float8.recipe rowwise` on two of
     the 80 identical layers: torchao's casts run on fake tensors, and the collectives table counts
-    their amax all-reduces over mp on top of bf16's: per block, in forward the input and weight of
-    each of the 2 row-parallel linears (per token, per out-feature), again in full activation
-    checkpointing's recompute, and in backward the output gradient and weight of each of the 5
-    column-parallel ones: 2 x 2 x 2 + 5 x 2 = 18; nothing else changes."""
+    their amax all-reduces over mp on top of bf16's: per block, in forward one for the input and
+    weight of each of the 2 row-parallel linears (per token, per out-feature; stacked), again in full
+    activation checkpointing's recompute, and in backward one for the output gradient and weight of
+    each of the 5 column-parallel ones: 2 x 2 + 5 = 9; nothing else changes."""
     counts = {}
     for recipe in ("none", "rowwise"):
         flags = {"model.n_layers": 2, "float8.recipe": recipe, "output.run_dir": tmp_path / "run"}
@@ -144,4 +144,50 @@ def test_the_dry_run_rehearses_float8_and_counts_the_amax_all_reduces(tmp_path):
         counts[recipe] = {(c["dim"], c["op"]): c["calls"] for c in report["collectives"]}
         print(f"\n{recipe}: dry run in {seconds:.0f} s; mp all_reduce calls {counts[recipe][('mp', 'all_reduce')]}")
     amaxes = counts["rowwise"].pop(("mp", "all_reduce")) - counts["none"].pop(("mp", "all_reduce"))
-    assert amaxes == 2 * 18 and counts["rowwise"] == counts["none"]
+    assert amaxes == 2 * 9 and counts["rowwise"] == counts["none"]
+
+
+def _rehearsed(gpu: str, **flags):
+    """The in-process dry run of rank 0 of mp 2 x dp_shard 2 (the debug model, bf16 compute) on `gpu`:
+    its memory estimate and report."""
+    from hybridpar.cli.dryrun import dry_run
+    from hybridpar.config import load_config
+
+    flags = {"model.preset": "debug", "data.seq_len": 64, "parallel.mp": 2, "parallel.dp_shard": 2,
+             "fsdp.param_dtype": "bfloat16", **flags}
+    run = dry_run(load_config(None, [f"--{k}={v}" for k, v in flags.items()]), 4, 0, gpu=gpu, progress=False)
+    return run.memory, run.text()
+
+
+@pytest.mark.slow
+def test_the_dry_runs_memory_is_the_planners_float8_and_the_allocator_included():
+    """The dry run's memory line is hybridpar.plan's estimate of its layout: with float8 the weights FSDP
+    gathers in float8 (float8.fsdp_all_gather) take 1 byte, and nothing else changes (float8 saves for
+    backward what bf16 saves, and its forward's amaxes: tests/test_plan_float8.py); a GPU job's adds the
+    caching allocator's reserve."""
+    from hybridpar.models.args import ModelArgs
+    from hybridpar.plan.inputs import ALLOCATOR_OVERHEAD
+    from hybridpar.plan.memory import gathered_bytes, local_param_shapes
+
+    bf16, _ = _rehearsed("h100")
+    rowwise, said = _rehearsed("a100", **{"float8.recipe": "rowwise"})
+    gathered, report = _rehearsed("h100", **{"float8.recipe": "tensorwise", "float8.fsdp_all_gather": "true"})
+    cpu, cpu_report = _rehearsed("h100", **{"parallel.backend": "gloo"})
+    same = ("activations", "gathered_params", "grad_buffers", "transient", "allocator", "total")
+    assert {k: rowwise[k] for k in same} == {k: bf16[k] for k in same}
+    # The planner's gathered block: its float8 linears in 1 byte; two blocks gathered at once (full_shard).
+    block = local_param_shapes(ModelArgs.from_preset("debug"), 2)["block"]
+    halved = 2 * (gathered_bytes(block, 2) - gathered_bytes(block, 2, True))
+    assert halved > 0 and gathered["gathered_params"] == bf16["gathered_params"] - halved
+    for m in (bf16, gathered):
+        assert m["allocator"] == pytest.approx(ALLOCATOR_OVERHEAD * (m["total"] - m["allocator"]))
+    assert gathered["total"] == pytest.approx((bf16["total"] - bf16["allocator"] - halved) * (1 + ALLOCATOR_OVERHEAD))
+    assert "memory per rank (the planner's estimate for a step, float8 tensorwise, its linears' weights gathered " \
+           "in 1 byte): " in report and ", the allocator's reserve " in report, report
+    assert "ok   float8 matmuls: h100 has them" in report and "time per step (the planner, on h100" in report
+    # On a card without float8 matmuls the job would be refused: said, and no step time is priced.
+    assert "warn float8 matmuls: float8.recipe = \"rowwise\" and a100 (--gpu) has no float8 matmuls" in said, said
+    assert "step_s" not in rowwise and "time per step" not in said
+    # A CPU job has no caching allocator.
+    assert cpu["allocator"] == 0 and "allocator" not in cpu_report and cpu["total"] == pytest.approx(
+        bf16["total"] - bf16["allocator"])

@@ -322,6 +322,44 @@ def test_init_parallel_builds_the_documented_mesh(workers, name):
             assert seen["fairscale"] == {"mp": mine["mp"], "dp": mine["dp"]}, f"rank {rank}"
 
 
+def _case_expert_meshes(dims: dict) -> dict:
+    import torch.distributed as dist
+
+    parallel = parallel_dims(**dims)
+    ranks = dist.get_process_group_ranks
+    return {"ep_rank": parallel.ep_rank, "ep": ranks(parallel.ep_group),
+            "mp": ranks(parallel.expert_mesh.get_group("mp")),
+            "experts_fsdp": {n: ranks(parallel.expert_fsdp_mesh.get_group(n))
+                             for n in parallel.expert_fsdp_mesh.mesh_dim_names},
+            "describe": parallel.describe()}
+
+
+@pytest.mark.parametrize("world,dims", [(4, dict(ep=2)), (8, dict(mp=2, dp_replicate=2, ep=2)), (8, dict(ep=4))],
+                         ids=["dp_shard4-ep2", "mp2-hybrid2x2-ep2", "dp_shard8-ep4"])
+def test_expert_parallel_groups_are_neighbouring_shards_of_one_mp_rank(workers, world, dims):
+    """ep splits dp_shard as (dp_shard_mod_ep, ep), ep innermost: an ep group is ep neighbouring shard
+    indices; the experts' FSDP ranks are the dp ranks holding the same experts (same ep rank)."""
+    mp, replicate = dims.get("mp", 1), dims.get("dp_replicate", 1)
+    shard, ep = world // (mp * replicate), dims["ep"]
+    for rank, seen in enumerate(workers(world).run(_case_expert_meshes, dims)):
+        r, s, m = rank // (shard * mp), rank // mp % shard, rank % mp
+        at = lambda r, s: (r * shard + s) * mp + m  # noqa: E731
+        assert seen["ep_rank"] == s % ep and f"ep {s % ep}/{ep}" in seen["describe"]
+        assert seen["ep"] == [at(r, s - s % ep + k) for k in range(ep)], rank
+        assert seen["mp"] == [rank - m + k for k in range(mp)]
+        assert seen["experts_fsdp"] == {"dp_replicate": [at(k, s) for k in range(replicate)],
+                                        "dp_shard_mod_ep": [at(r, j * ep + s % ep) for j in range(shard // ep)]}, rank
+
+
+def test_an_ep_that_does_not_divide_dp_shard_is_refused_before_any_group():
+    from hybridpar.mesh.layout import MeshSizeError, ep_split
+
+    assert ep_split(6, 3) == 2
+    with pytest.raises(MeshSizeError, match=r"^ep = 4 does not divide dp_shard = 6: the experts are split over ep of "
+                                            r"the dp_shard ranks; choose an ep dividing 6 \(divisors: \[1, 2, 3, 6\]\)$"):
+        ep_split(6, 4)
+
+
 # --- launchers (real subprocesses) ---------------------------------------------------------------
 
 LAUNCHER_VARS = re.compile(

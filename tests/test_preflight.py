@@ -214,3 +214,65 @@ def test_the_405b_rehearsal_runs_with_a_micro_batch_of_8(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads((tmp_path / "dry.json").read_text())
     assert report["ok"] and report["layout"].startswith("pp 8 x dp_replicate 1 x dp_shard 8 x mp 8 = 512 ranks")
+
+
+LLAMA4 = LOCAL + ["--model.preset", "debug_llama4", "--data.seq_len", "64"]
+LLAMA4_LAYERS = "Llama 4's layers (experts, RoPE-less or chunked attention)"
+# What does not run a Llama 4 model yet (issue 52), each refused by name.
+LLAMA4_CASES = [
+    (LLAMA4 + ["--parallel.pp", "2"], 2,
+     f"parallel.pp = 2: pipeline parallelism does not cut {LLAMA4_LAYERS} yet; set parallel.pp = 1"),
+    (LLAMA4 + ["--parallel.cp", "2"], 2,
+     f"parallel.cp = 2: context parallelism does not run {LLAMA4_LAYERS} yet; set parallel.cp = 1"),
+    (LLAMA4 + ["--float8.recipe", "tensorwise"], 1,
+     "float8.recipe = 'tensorwise': the experts have no float8 matmuls yet; set float8.recipe = \"none\" for a "
+     "mixture-of-experts model"),
+    (LLAMA4 + ["--train.compile", "true"], 1,
+     "train.compile: the mixture-of-experts layers (data-dependent routing) are not compiled yet; set "
+     "train.compile = false"),
+]
+
+
+@pytest.mark.parametrize("flags,world,line", LLAMA4_CASES, ids=["pp", "cp", "float8", "compile"])
+def test_what_does_not_run_llama4_yet_is_refused_in_one_line(monkeypatch, capsys, tmp_path, flags, world, line):
+    _refused_alike(monkeypatch, capsys, tmp_path, flags, world, line)
+
+
+# parallel.ep (expert parallelism), each mistake in one line naming the key and what to change; with
+# what does not run experts yet (pipeline, context parallelism, float8) ep changes nothing.
+EP_CASES = [
+    (LOCAL + ["--parallel.ep", "2"], 2,
+     "parallel.ep = 2 splits a mixture of experts' experts, and this model is dense (no experts); set parallel.ep = 1"),
+    (LLAMA4 + ["--parallel.ep", "3"], 3,
+     "parallel.ep = 3 does not divide the model's 4 experts (n_experts, num_local_experts): each ep rank holds "
+     "n_experts / ep; choose a parallel.ep dividing 4"),
+    (LLAMA4 + ["--parallel.ep", "2", "--parallel.dp_replicate", "2"], 2,
+     "parallel.ep = 2 does not divide parallel.dp_shard = 1: the experts are split over ep of the dp_shard ranks (it "
+     "has none of its own); choose a parallel.ep dividing 1, or more dp_shard ranks"),
+    (LLAMA4 + ["--parallel.ep", "0"], 1, "parallel.ep must be a positive integer (1: no expert parallelism), got 0"),
+    (LLAMA4 + ["--parallel.ep", "2", "--parallel.pp", "2"], 4, LLAMA4_CASES[0][2]),
+    (LLAMA4 + ["--parallel.ep", "2", "--parallel.cp", "2"], 4, LLAMA4_CASES[1][2]),
+    (LLAMA4 + ["--parallel.ep", "2", "--float8.recipe", "tensorwise"], 2, LLAMA4_CASES[2][2]),
+]
+
+
+@pytest.mark.parametrize("flags,world,line", EP_CASES,
+                         ids=["dense", "experts", "dp_shard", "zero", "with-pp", "with-cp", "with-float8"])
+def test_an_ep_that_cannot_split_the_experts_is_refused_in_one_line(monkeypatch, capsys, tmp_path, flags, world, line):
+    _refused_alike(monkeypatch, capsys, tmp_path, flags, world, line)
+
+
+def test_the_dry_run_and_the_planner_refuse_a_mixture_of_experts_in_one_line(monkeypatch, capsys, tmp_path):
+    """The job takes the tiny Llama 4 (it passes the preflight); the rehearsal on fake tensors and the
+    planner's prices do not know experts yet."""
+    from hybridpar.config import find_config, load_config
+    from hybridpar.preflight import check_config
+
+    assert check_config(load_config(find_config("local"), LLAMA4[2:]), 2)[1].n_experts == 4
+    code, said, out = _dry_run(monkeypatch, capsys, LLAMA4, 2, tmp_path / "run")
+    assert (code, said, out) == (2, ["hybridpar: error: the dry run does not rehearse mixture-of-experts models yet "
+                                     "(4 experts: its fake tensors cannot route tokens); run the job itself, without "
+                                     "--dry-run"], "")
+    code = main(["plan", "--model", "llama4_scout", "--gpus", "64", "--global-batch", "64"])
+    assert (code, *_said(capsys)) == (2, ["hybridpar: error: the planner does not price mixture-of-experts models yet "
+                                          "(16 experts); plan a dense model"], "")

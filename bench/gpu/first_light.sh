@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check (issue 40): one command, one call of a lent GPU, <= 8 minutes on one H100.
 #   bash bench/gpu/first_light.sh                      # on the GPU machine: everything to $OUT
+#   bash bench/gpu/first_light.sh --float8             # the bf16 training pair, then the float8 sections (issue 50)
 #   bash bench/gpu/first_light.sh --device cpu --tiny  # the same code path on a CPU in seconds (CI)
 # Wheels the machine lacks (fairscale, crc32c, zstandard, torchtitan and its needs) travel in .whl/
 # (bench/gpu/README.md says how to fill it); they are installed into /tmp/site, nothing else changes.

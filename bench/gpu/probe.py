@@ -7,6 +7,7 @@ measured, and the disk's write rate (bench/gpu/first_light.py runs it first).
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import time
@@ -45,6 +46,14 @@ def nominal_peak(name: str) -> tuple[float, str]:
     return (peak or 0.0), ("" if peak else f"{name!r} is not in hybridpar's table")
 
 
+def torchao_version():
+    """torchao's version (float8 training's library), or None when it is not installed."""
+    try:
+        return importlib.metadata.version("torchao")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda")
@@ -52,7 +61,8 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true")
     args = p.parse_args()
     device = torch.device(args.device)
-    out = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": os.sys.version.split()[0]}
+    out = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": os.sys.version.split()[0],
+           "torchao": torchao_version()}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         out.update(card=props.name, memory_gib=props.total_memory / 2 ** 30, sms=props.multi_processor_count,

@@ -48,8 +48,11 @@ def _save_figures(events: list[dict], step: int) -> dict:
     written = [e for e in events if e["event"] == "checkpoint_written" and e["step"] == step]
     if not blocked or not written:
         return {}
-    w = written[-1]
-    return {"blocked_s": blocked[-1]["blocked_s"], "bytes": w["bytes"], "written_s": w["seconds"],
+    w, b = written[-1], blocked[-1]
+    # On a GPU the first async save also says how long it waited for its pinned host copy, made in
+    # the background from step 1 on (checkpoint.staging), and how long making it took.
+    staging = {k: b[k] for k in ("staging_wait_s", "staging_prepared_s") if k in b}
+    return {"blocked_s": b["blocked_s"], **staging, "bytes": w["bytes"], "written_s": w["seconds"],
             "gbs": w["bytes"] / max(w["seconds"], 1e-9) / 1e9}
 
 

@@ -15,6 +15,13 @@ Last line printed, also written to --json:  TITAN_JSON {"ok": true, "tokens_per_
 Any failure (no torchtitan, another API, out of memory) ends the same way with exit 0:
   TITAN_JSON {"ok": false, "why": "<stage>: <exception type>: <message>"}
 --ac N takes torchtitan's layer-selective AC instead (every Nth block fully recomputed).
+--float8 RECIPE first converts the model on meta with torchtitan's own float8 converter (the
+`quantize.linear.float8` model converter of its Trainer, torchao's Float8Linear, its llama3
+configs' filter: `output` stays bf16), set as torchtitan's float8 docs run each recipe: rowwise by
+recipe name; tensorwise with FSDP's float8 all-gather and the scales precomputed by the
+converter's hook after each optimizer step. torchtitan enables that all-gather only where it
+shards (dp_shard > 1); FSDP is applied here at world 1, and the all-gather with it. Off CUDA the
+converter emulates the float8 matmuls, eagerly only (it refuses compile there).
 Written for torchtitan 0.2.2 (Feb 2026, its CI on the torch nightlies that became 2.11; run here on
 torch 2.13 CPU). Importing its llama3 package needs, besides what the GPU machine has: tyro,
 docstring-parser, typeguard, torchdata, datasets 4.7, dill, multiprocess (carried as wheels), triton.
@@ -30,6 +37,9 @@ import statistics
 import sys
 import time
 from datetime import timedelta
+
+
+FLOAT8_RECIPES = ("none", "tensorwise", "rowwise")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -49,6 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="activation checkpointing: 'op' (selective, op level), N (selective, every Nth "
                         "block), 'full' or 'none'")
     p.add_argument("--compile", action="store_true", help="torch.compile each block and the loss")
+    p.add_argument("--float8", choices=FLOAT8_RECIPES, default="none",
+                   help="torchtitan's float8 training: rowwise, or tensorwise with FSDP's float8 all-gather")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--lr", type=float, default=3e-4)
@@ -107,6 +119,45 @@ def wrapped(model) -> dict:
             "compiled": count(OptimizedModule), "fsdp_units": count(FSDPModule)}
 
 
+class _ShardedDims:
+    """torchtitan's ParallelDims as its float8 converter reads it, with FSDP sharding: it gathers
+    weights in float8 only where dp_shard > 1, and here FSDP is applied at world 1 too."""
+
+    dp_shard_enabled = True
+
+    def __init__(self, dims) -> None:
+        self._dims = dims
+
+    def __getattr__(self, name: str):
+        return getattr(self._dims, name)
+
+
+def convert_float8(args, job, model, parallel_dims):
+    """torchtitan's float8 converter applied to `model` (on meta) as its Trainer applies
+    `model.converters`; (the converters, what they did)."""
+    import torchtitan.components.quantization  # noqa: F401 - registers torchtitan's converters
+    from torchtitan.protocols.model_converter import build_model_converters
+
+    job.model.converters = ["quantize.linear.float8"]
+    float8 = job.quantize.linear.float8
+    float8.filter_fqns = ["output"]  # torchtitan's llama3 train configs
+    float8.emulate = args.device != "cuda"
+    if args.float8 == "rowwise":
+        float8.recipe_name = "rowwise"
+    else:  # tensorwise: torchao's default config, as torchtitan builds it without a recipe name
+        float8.enable_fsdp_float8_all_gather = True
+        float8.precompute_float8_dynamic_scale_for_fsdp = True
+    converters = build_model_converters(job, _ShardedDims(parallel_dims))
+    converters.convert(model)
+    found = [c for c in converters.converters if hasattr(c, "config")]
+    config = found[0].config if found else None
+    return converters, {
+        "recipe": args.float8, "emulate": float8.emulate, "filter_fqns": list(float8.filter_fqns),
+        "linears": sum(type(m).__name__ == "Float8Linear" for m in model.modules()),
+        "fsdp_float8_all_gather": bool(getattr(config, "enable_fsdp_float8_all_gather", False)),
+        "precompute_scales": bool(getattr(found[0], "precompute_scale", False)) if found else False}
+
+
 def build(args, torch, stage: Stage):
     """torchtitan's model, parallelized the way its parallelize_llama does; (model, loss_fn, optimizers, info)."""
     stage.name = "import torchtitan's llama3"
@@ -137,6 +188,12 @@ def build(args, torch, stage: Stage):
     stage.name = "build on meta"
     with torch.device("meta"):
         model = Transformer(model_args)
+    dims = dict(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+    parallel_dims = ParallelDims(**accepted(ParallelDims, **dims))
+    converters, info = None, {}
+    if args.float8 != "none":  # where torchtitan's Trainer converts: on meta, before parallelizing
+        stage.name = "float8 conversion"
+        converters, info["float8"] = convert_float8(args, job, model, parallel_dims)
     n_params, flops_per_token = model_args.get_nparams_and_flops(model, args.seq)
 
     # the order of torchtitan's parallelize_llama: AC, then per-block compile, then FSDP
@@ -154,7 +211,7 @@ def build(args, torch, stage: Stage):
         titan_par.apply_fsdp, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, pp_enabled=False,
         cpu_offload=False, reshard_after_forward_policy="default"))
 
-    info = {"wrapped": wrapped(model)}
+    info["wrapped"] = wrapped(model)
     stage.name = "init weights"
     model.to_empty(device=args.device)
     with torch.no_grad():
@@ -163,10 +220,10 @@ def build(args, torch, stage: Stage):
 
     stage.name = "optimizer"
     job.optimizer = Optimizer(name="AdamW", lr=args.lr, implementation="fused")
-    dims = dict(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
-    parallel_dims = ParallelDims(**accepted(ParallelDims, **dims))
     optimizers = build_optimizers(**accepted(build_optimizers, model_parts=[model],
                                              optimizer_config=job.optimizer, parallel_dims=parallel_dims))
+    if converters is not None:  # the Trainer's hook: the float8 scales precomputed after each step
+        optimizers.register_step_post_hook(lambda *_, **__: converters.post_optimizer_hook([model]))
     loss_fn = build_cross_entropy_loss(job)
     info.update(torchtitan_version=getattr(torchtitan, "__version__", "unknown"), n_params=int(n_params),
                 flops_per_token_titan=float(flops_per_token))
@@ -222,6 +279,10 @@ def train(args, torch, stage: Stage) -> dict:
         print(f"titan: {stage.name}: {took:.3f} s, loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
 
     median = statistics.median(times)
+    if "float8" in info:  # evidence of the converter's hook: the weights whose scale it precomputed
+        info["float8"]["precomputed_scales"] = sum(
+            getattr(getattr(m.weight, "_local_tensor", None), "_precomputed_scale", None) is not None
+            for m in model.modules() if type(m).__name__ == "Float8Linear")
     cuda = args.device == "cuda"
     timed_peak = torch.cuda.max_memory_allocated() if cuda else 0
     return {"ok": True, **info, "torch": torch.__version__, "device": args.device,
@@ -239,6 +300,7 @@ def train(args, torch, stage: Stage) -> dict:
                          "selective op" if args.ac == "op" else f"selective every {args.ac} blocks",
                          "compile": "per TransformerBlock (fullgraph, inductor) + loss" if args.compile else "eager",
                          "mixed_precision": "FSDP2 param bfloat16, reduce float32", "mesh": "world 1, FSDP2",
+                         "float8": args.float8,
                          "optimizer": f"AdamW fused, lr {args.lr}, betas (0.9, 0.95), wd 0.1, clip 1.0",
                          "warmup": args.warmup, "steps": args.steps}}
 
@@ -265,6 +327,8 @@ def main(argv=None) -> int:
         result = train(args, torch, stage)
     except (Exception, KeyboardInterrupt) as err:  # the caller's table shows this one line
         result = {"ok": False, "why": f"{stage.name}: {one_line(err)}", "compile": args.compile}
+        if args.float8 != "none":
+            result["float8"] = {"recipe": args.float8}
         if "torch" in sys.modules:
             result["torch"] = sys.modules["torch"].__version__
     finally:

@@ -163,14 +163,19 @@ def run_tokenizer(src: Path) -> Optional[Path]:
     return found
 
 
-def _source_token_ids(src: Path) -> tuple[Optional[int], Optional[int]]:
-    """A Hugging Face source's own bos/eos ids (None for the formats that do not record them)."""
+def _source_token_ids(src: Path) -> tuple[Optional[int], Optional[Union[int, list[int]]]]:
+    """A Hugging Face source's own bos/eos ids (None for the formats that do not record them): its text
+    model's for a Llama 4 multimodal folder; the eos ids a list where the source lists several."""
+    from .hf_read import text_config
+
     kind, path = detect_format(src)
     if kind != "hf":
         return None, None
-    config = json.loads((path / "config.json").read_text())
+    config = text_config(json.loads((path / "config.json").read_text()), path / "config.json")[0]
     ids = [config.get(k) for k in ("bos_token_id", "eos_token_id")]
-    return tuple(i if isinstance(i, int) and not isinstance(i, bool) else None for i in ids)
+    one = lambda i: isinstance(i, int) and not isinstance(i, bool)  # noqa: E731
+    eos = ids[1] if one(ids[1]) or (isinstance(ids[1], list) and ids[1] and all(map(one, ids[1]))) else None
+    return (ids[0] if one(ids[0]) else None), eos
 
 
 def convert(src: Path, dst: Path, to: str, parallel: ParallelDims, mp_out: Optional[int] = None, *,

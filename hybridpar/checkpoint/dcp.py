@@ -38,7 +38,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -62,6 +61,7 @@ from ..safe_pickle import CheckpointReadError, SafeFileSystemReader
 from .matching import check_checkpoint, refuse_incomplete_save
 from .reader import CheckpointDamagedError, CheckpointError, SafeLoadPlanner
 from .space import checkpoint_bytes, join_dcp_writers, no_space_reasons, remove_folder
+from .staging import host_staging
 from .stages import Stages, gather_names, one_module, own_empty_groups
 from .verify import STEP_DIR, LoadCheck, share_load_failure
 
@@ -117,9 +117,21 @@ class Checkpointer:
         self.written: list[dict] = []  # rank 0: {"step", "bytes", "seconds"} of each save completed, for the run's events
         # Background writes run collectives of their own: give them a group apart from training's.
         self._async_group = dist.new_group(backend="gloo") if async_save else None
-        # A GPU's saves stage into one pinned host copy, made by the first and reused (docs/benchmarks.md).
-        cached = async_save and parallel.device.type == "cuda"
-        self._stager = BlockingAsyncStager(cache_staged_state_dict=True) if cached else None
+        # A GPU's saves stage into one pinned host copy, made in the background before the first
+        # (prepare_staging) and reused (checkpoint.staging; docs/benchmarks.md).
+        self.staging = host_staging(parallel.device) if async_save else None
+        self.last_staging: dict = {}  # how long the last save waited for that copy, if it did
+
+    def prepare_staging(self, model: Stages, optimizer: Optional[torch.optim.Optimizer]) -> bool:
+        """Start making the host copy a GPU's async saves stage into, in a background thread, once the
+        optimizer has its state (after a step or a load: torch's get_state_dict would otherwise make
+        it by stepping the optimizer); whether it has started. Cheap once it has; collective."""
+        if self.staging is None or self.staging.started:
+            return self.staging is not None
+        if optimizer is not None and not optimizer.state:
+            return False
+        self.staging.prepare(_state(one_module(model, optimizer), optimizer))
+        return True
 
     # --- saving ------------------------------------------------------------------------------
 
@@ -166,8 +178,10 @@ class Checkpointer:
             raise_if_any_failed(error, f"write {partial}", error_type=CheckpointError)
             writer = self._writer(partial)
             if self.async_save:
+                stager = self.staging.ready(state) if self.staging is not None else None
+                self.last_staging = self.staging.figures if self.staging is not None else {}
                 future = dcp.async_save(state, storage_writer=writer, process_group=self._async_group,
-                                        async_stager=self._stager)
+                                        async_stager=stager)
                 future.add_done_callback(lambda _: meta.setdefault("written_at", time.perf_counter()))
                 self._pending = (future, partial, meta, writer)
             else:
@@ -287,6 +301,8 @@ class Checkpointer:
 
     def close(self) -> None:
         self.wait()
+        if self.staging is not None:
+            self.staging.close()
         if self._async_group is not None:
             dist.destroy_process_group(self._async_group)
             self._async_group = None

@@ -30,7 +30,8 @@ from .stages import held
 
 # Fields that change the numbers but not the shapes: a model built with other values would load
 # without a shape error and compute something else, so the loader compares them.
-BEHAVIOUR_FIELDS = ("norm_eps", "rope_theta", "rope_scaling")
+BEHAVIOUR_FIELDS = ("norm_eps", "rope_theta", "rope_scaling", "experts_per_token", "nope_layers",
+                    "attn_temperature_tuning", "floor_scale", "attn_scale", "use_qk_norm", "attention_chunk_size")
 
 
 class ForeignCheckpointError(ValueError):
@@ -41,16 +42,25 @@ def model_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     """Every parameter of hybridpar.models.llama's Transformer of `args` (Meta's names), with its full shape; a
     tied model has no output head."""
     d, q, kv, hidden = args.dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim, args.ffn_hidden_dim
+    e, f = args.n_experts, args.expert_hidden_dim
     shapes = {"tok_embeddings.weight": (args.vocab_size, d)}
     for i in range(args.n_layers):
         p = f"layers.{i}."
         shapes.update({
             p + "attention.wq.weight": (q, d), p + "attention.wk.weight": (kv, d),
             p + "attention.wv.weight": (kv, d), p + "attention.wo.weight": (d, q),
-            p + "feed_forward.w1.weight": (hidden, d), p + "feed_forward.w2.weight": (d, hidden),
-            p + "feed_forward.w3.weight": (hidden, d),
-            p + "attention_norm.weight": (d,), p + "ffn_norm.weight": (d,),
         })
+        if args.is_moe_layer(i):  # models.moe's: the router, the stacked experts, the shared expert
+            shapes.update({
+                p + "feed_forward.router.weight": (e, d), p + "feed_forward.experts.w1": (e, f, d),
+                p + "feed_forward.experts.w2": (e, d, f), p + "feed_forward.experts.w3": (e, f, d),
+                p + "feed_forward.shared_expert.w1.weight": (f, d), p + "feed_forward.shared_expert.w2.weight": (d, f),
+                p + "feed_forward.shared_expert.w3.weight": (f, d),
+            })
+        else:
+            shapes.update({p + "feed_forward.w1.weight": (hidden, d), p + "feed_forward.w2.weight": (d, hidden),
+                           p + "feed_forward.w3.weight": (hidden, d)})
+        shapes.update({p + "attention_norm.weight": (d,), p + "ffn_norm.weight": (d,)})
     shapes["norm.weight"] = (d,)
     if not args.tie_embeddings:
         shapes["output.weight"] = (args.vocab_size, d)

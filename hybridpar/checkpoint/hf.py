@@ -1,6 +1,7 @@
 """Export to a Hugging Face Llama folder that transformers' LlamaForCausalLM loads: `config.json`
 (LlamaConfig fields), `generation_config.json` and the weights in safetensors shards with their
-index (hf_shards: transformers' layout, bfloat16 and 5GB shards by default), under HF's names:
+index (hf_shards: transformers' layout, bfloat16 and 5GB shards by default), under HF's names
+(a Llama 4 model: Llama4ForCausalLM's, hf_llama4):
 
     tok_embeddings / norm / output    model.embed_tokens / model.norm / lm_head
     layers.N.attention.wq/wk/wv/wo    model.layers.N.self_attn.q_proj/k_proj/v_proj/o_proj
@@ -33,6 +34,7 @@ from ..files import human_bytes, staged_folder, write_text_atomic
 from ..progress import note
 from .foreign import (ForeignCheckpointError, ForeignTarget, export_foreign, model_args, model_shapes, refuse_target,
                       write_files)
+from .hf_llama4 import HFTensor, llama4_config, llama4_tensors, to_llama4
 from .hf_shards import DEFAULT_MAX_SHARD_SIZE, parse_shard_size, plan_shards, write_index, write_shard
 
 CONFIG_JSON = "config.json"
@@ -89,8 +91,24 @@ def _to_hf_tensor(name: str, tensor: torch.Tensor, args: ModelArgs) -> torch.Ten
 
 
 def hf_state_dict(state: Mapping[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """Full tensors under Meta's names -> HF's names, wq/wk rows permuted for rotate-half RoPE."""
+    """Full tensors under Meta's names -> HF's names, wq/wk rows permuted for rotate-half RoPE; a Llama 4
+    model's every tensor (hf_llama4's layout, the experts fused)."""
+    if args.llama4:
+        return {t.name: to_hf(t, [state[p] for p in t.parts], args) for t in hf_tensors(args)}
     return {hf_name(name): _to_hf_tensor(name, tensor, args) for name, tensor in state.items()}
+
+
+def hf_tensors(args: ModelArgs) -> list[HFTensor]:
+    """Every tensor of the folder of `args`' model, in transformers' order, with the parameters it holds."""
+    if args.llama4:
+        return llama4_tensors(args)
+    shapes = model_shapes(args)
+    return [HFTensor(hf_name(name), shapes[name], (name,)) for name in hf_order(args)]
+
+
+def to_hf(tensor: HFTensor, parts: list[torch.Tensor], args: ModelArgs) -> torch.Tensor:
+    """The folder's tensor from its parts (full tensors in hybridpar's layout)."""
+    return to_llama4(tensor, parts) if args.llama4 else _to_hf_tensor(tensor.parts[0], parts[0], args)
 
 
 def default_token_ids(vocab_size: int) -> tuple[int, int]:
@@ -109,12 +127,13 @@ def _rope_scaling(args: ModelArgs) -> Optional[dict[str, Any]]:
 
 
 def hf_config(args: ModelArgs, *, dtype: torch.dtype = torch.float32, bos_token_id: Optional[int] = None,
-              eos_token_id: Optional[int] = None) -> dict[str, Any]:
-    """config.json of a LlamaForCausalLM with this shape; token ids left None: default_token_ids."""
+              eos_token_id: Optional[Union[int, list[int]]] = None) -> dict[str, Any]:
+    """config.json of a LlamaForCausalLM (Llama4ForCausalLM) with this shape; token ids left None:
+    default_token_ids; several eos ids as a list, as Llama 3.1 and 4 list theirs."""
     if dtype not in _DTYPE_NAMES:
         raise HFExportError(f"dtype {dtype} cannot be exported; use one of {', '.join(_DTYPE_NAMES.values())}")
     default_bos, default_eos = default_token_ids(args.vocab_size)
-    return {
+    config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": args.dim,
@@ -141,6 +160,10 @@ def hf_config(args: ModelArgs, *, dtype: torch.dtype = torch.float32, bos_token_
         "dtype": _DTYPE_NAMES[dtype],
         "torch_dtype": _DTYPE_NAMES[dtype],
     }
+    if args.llama4:  # Llama4TextConfig's fields; it has neither of LlamaConfig's two below
+        config.update(llama4_config(args))
+        del config["mlp_bias"], config["pretraining_tp"]
+    return config
 
 
 def _check_target(out_dir: Path, overwrite: bool) -> None:
@@ -183,13 +206,15 @@ class _HFTarget(ForeignTarget):
             max_bytes = parse_shard_size(max_shard_size)
         except ValueError as err:
             raise HFExportError(str(err)) from None
-        shapes = model_shapes(args)
-        self._order = hf_order(args)
-        self.plan = plan_shards([(hf_name(name), shapes[name]) for name in self._order], dtype, max_bytes)
+        tensors = hf_tensors(args)
+        self._order = [part for t in tensors for part in t.parts]
+        self.plan = plan_shards([(t.name, t.shape) for t in tensors], dtype, max_bytes)
         super().__init__(args, len(self.plan.files), dtype, extra_files)
         file_of = self.plan.file_of()
-        self._file_of = {name: file_of[hf_name(name)] for name in self._order}
-        self._meta_name = {hf_name(name): name for name in self._order}
+        self._tensor_of = {part: t for t in tensors for part in t.parts}
+        self._file_of = {part: file_of[t.name] for part, t in self._tensor_of.items()}
+        self._last_part = {t.name: t.parts[-1] for t in tensors}
+        self._waiting: dict[str, torch.Tensor] = {}  # parts of a tensor whose other parts are still to come
 
     def begin(self, folder: Path, overwrite: bool) -> None:
         try:
@@ -203,7 +228,7 @@ class _HFTarget(ForeignTarget):
         return self._order
 
     def last_piece(self, j: int) -> str:
-        return self._meta_name[self.plan.last_of(j)]
+        return self._last_part[self.plan.last_of(j)]
 
     def owner(self, name: str) -> int:
         return self._file_of[name]
@@ -211,8 +236,12 @@ class _HFTarget(ForeignTarget):
     def pieces(self, name: str, full: torch.Tensor, j: int) -> dict[str, torch.Tensor]:
         if self._file_of[name] != j:
             return {}
-        tensor = _to_hf_tensor(name, full.detach().to("cpu", self.dtype), self.args)
-        return {hf_name(name): _owning(tensor.contiguous())}
+        target = self._tensor_of[name]
+        self._waiting[name] = full.detach().to("cpu", self.dtype)
+        if name != target.parts[-1]:  # a Llama 4 expert's w1: gate_up_proj waits for its w3
+            return {}
+        tensor = to_hf(target, [self._waiting.pop(part) for part in target.parts], self.args)
+        return {target.name: _owning(tensor.contiguous())}
 
     def write_file(self, staged: Path, j: int, tensors: dict[str, torch.Tensor]) -> None:
         write_shard(staged / self.plan.file_names[j], tensors)

@@ -1,5 +1,7 @@
 """Import from a Hugging Face Llama folder: config.json plus model.safetensors, or sharded
-model-0000K-of-0000N.safetensors files with model.safetensors.index.json (bf16, fp16 or fp32).
+model-0000K-of-0000N.safetensors files with model.safetensors.index.json (bf16, fp16 or fp32). Llama
+1 to 3 (LlamaForCausalLM), Llama 4's text model (Llama4ForCausalLM, and the text part of a
+Llama4ForConditionalGeneration folder: hf_llama4's layout).
 
 read_hf_config turns config.json into ModelArgs, refusing (with the field named) what hybridpar's
 Llama cannot represent. load_hf_checkpoint fills a model at any mp, before FSDP: every rank opens
@@ -21,8 +23,9 @@ from hybridpar.models.fields import check_field, read_json_object
 from hybridpar.models.args import ModelArgs
 
 from ..mesh.ranks import mark_every_rank
-from .foreign import ForeignCheckpointError, ForeignSource, load_foreign, model_shapes
-from .hf import CONFIG_JSON, hf_name, rope_permutation
+from .foreign import ForeignCheckpointError, ForeignSource, load_foreign
+from .hf import CONFIG_JSON, hf_name, hf_tensors, rope_permutation
+from .hf_llama4 import TEXT_PREFIX, layer_types, llama4_block, moe_layers_from, nope_layers_from
 from .hf_shards import INDEX_FILE, WEIGHTS_FILE
 
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -59,9 +62,10 @@ def _field(config: dict, name: str, kind: type, where: Path, default: Any = ...)
 
 def _refuse_unsupported(config: dict, where: Path) -> None:
     model_type = config.get("model_type")
-    if model_type != "llama":
+    if model_type not in ("llama", "llama4_text"):
         raise HFImportError(
-            f"{where}: model_type = {model_type!r}; hybridpar imports Llama models only (model_type 'llama')"
+            f"{where}: model_type = {model_type!r}; hybridpar imports Llama models only (model_type 'llama', "
+            "'llama4_text', or 'llama4' for its text model)"
         )
     for name in ("attention_bias", "mlp_bias"):
         if _field(config, name, bool, where, default=False):
@@ -71,12 +75,12 @@ def _refuse_unsupported(config: dict, where: Path) -> None:
         raise HFImportError(f"{where}: hidden_act = {act!r}; hybridpar's feed-forward is SwiGLU (hidden_act 'silu')")
 
 
-def _rope_fields(config: dict, where: Path) -> dict:
+def _rope_fields(config: dict, where: Path, default_theta: float = 10000.0) -> dict:
     """rope_theta and the llama3 rescaling from either spelling: transformers 4's rope_theta +
     rope_scaling, or transformers 5's rope_parameters (which holds rope_theta too)."""
     key = "rope_parameters" if config.get("rope_parameters") is not None else "rope_scaling"
     rope = _field(config, key, dict, where, default={})
-    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    theta = rope.get("rope_theta", config.get("rope_theta", default_theta))
     fields: dict[str, Any] = {"rope_theta": float(_field({"rope_theta": theta}, "rope_theta", float, where))}
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind in ("default", None):
@@ -103,9 +107,71 @@ _HF_NAMES = {"dim": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "
              "max_seq_len": "max_position_embeddings"}
 
 
+# Llama 4's names where they differ, and Llama4TextConfig's defaults for the fields a config.json leaves out.
+_LLAMA4_NAMES = {**_HF_NAMES, "ffn_hidden_size": "intermediate_size_mlp", "expert_hidden_size": "intermediate_size",
+                 "n_experts": "num_local_experts", "experts_per_token": "num_experts_per_tok",
+                 "nope_layers": "no_rope_layers"}
+_LLAMA4_DEFAULTS = {"intermediate_size": 8192, "intermediate_size_mlp": 16384, "num_local_experts": 16,
+                    "num_experts_per_tok": 1, "interleave_moe_layer_step": 1, "no_rope_layer_interval": 4,
+                    "use_qk_norm": True, "attention_chunk_size": 8192, "attn_temperature_tuning": True,
+                    "floor_scale": 8192, "attn_scale": 0.1}
+
+
+def text_config(config: dict, where: Path) -> tuple[dict, str]:
+    """(the text model's config, where it is named in errors): a Llama4ForConditionalGeneration's
+    "text_config", else config.json itself."""
+    if config.get("model_type") != "llama4":
+        return config, str(where)
+    text = _field(config, "text_config", dict, where)
+    return {"model_type": "llama4_text", **text}, f"{where} text_config"
+
+
+def _llama4_fields(config: dict, where: str, n_layers: int) -> dict[str, Any]:
+    """ModelArgs' Llama 4 fields from a Llama4TextConfig's (its defaults where one is left out)."""
+    def get(name: str, kind: type) -> Any:
+        return _field(config, name, kind, where, default=_LLAMA4_DEFAULTS.get(name))
+
+    def positive(name: str) -> int:
+        value = get(name, int)
+        if value < 1:
+            raise HFImportError(f'{where}: "{name}" = {value} must be positive')
+        return value
+
+    flags = _field(config, "no_rope_layers", list, where, default=None)
+    if flags and (len(flags) < n_layers or any(f not in (0, 1) or isinstance(f, float) for f in flags)):
+        raise HFImportError(f'{where}: "no_rope_layers" must hold a 0 or 1 for each of the {n_layers} layers '
+                            f"(1: the layer uses RoPE), got {flags}")
+    nope = nope_layers_from(flags, positive("no_rope_layer_interval"), n_layers)
+    tuning = config.get("attn_temperature_tuning", True)  # a number in Meta's configs (4): true when not 0
+    if isinstance(tuning, float) or not isinstance(tuning, int):
+        raise HFImportError(f'{where}: "attn_temperature_tuning" must be true or false, got {tuning!r}')
+    floor = float(get("floor_scale", float))
+    if not floor.is_integer():
+        raise HFImportError(f'{where}: "floor_scale" must be a whole number of positions, got {floor}')
+    chunk = config["attention_chunk_size"] if "attention_chunk_size" in config else 8192  # null: no chunks
+    fields = dict(
+        ffn_hidden_size=get("intermediate_size_mlp", int), expert_hidden_size=get("intermediate_size", int),
+        n_experts=get("num_local_experts", int), experts_per_token=get("num_experts_per_tok", int),
+        moe_layers=moe_layers_from(_field(config, "moe_layers", list, where, default=None),
+                                   positive("interleave_moe_layer_step"), n_layers),
+        nope_layers=nope, use_qk_norm=get("use_qk_norm", bool), attn_temperature_tuning=bool(tuning),
+        floor_scale=int(floor), attn_scale=float(get("attn_scale", float)),
+        attention_chunk_size=None if chunk is None else _field(config, "attention_chunk_size", int, where),
+    )
+    given = _field(config, "layer_types", list, where, default=None)
+    expected = layer_types(ModelArgs(n_layers=n_layers, nope_layers=nope, attention_chunk_size=fields[
+        "attention_chunk_size"]))
+    if given is not None and given != expected:
+        raise HFImportError(f'{where}: "layer_types" = {given}, but hybridpar chunks the attention of exactly the '
+                            f"RoPE layers (no_rope_layers' ones) when attention_chunk_size is set: {expected}")
+    return fields
+
+
 def _hf_fields(config: dict, where: Path) -> dict[str, Any]:
     """ModelArgs' fields from config.json's, each of its type; what hybridpar cannot hold refused."""
+    config, where = text_config(config, where)
     _refuse_unsupported(config, where)
+    llama4 = config["model_type"] == "llama4_text"
     dim = _field(config, "hidden_size", int, where)
     n_heads = _field(config, "num_attention_heads", int, where)
     head_dim = _field(config, "head_dim", int, where, default=None)
@@ -115,20 +181,23 @@ def _hf_fields(config: dict, where: Path) -> dict[str, Any]:
             "hybridpar's Llama needs head_dim = hidden_size / num_attention_heads"
         )
     tied = _field(config, "tie_word_embeddings", bool, where, default=False)
-    return dict(
+    n_layers = _field(config, "num_hidden_layers", int, where)
+    fields = dict(
         dim=dim,
-        n_layers=_field(config, "num_hidden_layers", int, where),
+        n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=_field(config, "num_key_value_heads", int, where, default=n_heads),
         vocab_size=_field(config, "vocab_size", int, where),
-        ffn_hidden_size=_field(config, "intermediate_size", int, where),
         norm_eps=float(_field(config, "rms_norm_eps", float, where)),
         max_seq_len=_field(config, "max_position_embeddings", int, where),
         tie_embeddings=tied,
         # The output head and a tied embedding are both split on the vocabulary.
         embedding_split="vocab" if tied else "auto",
-        **_rope_fields(config, where),
+        **_rope_fields(config, where, 500000.0 if llama4 else 10000.0),  # Llama4TextConfig's default theta
     )
+    if llama4:
+        return {**fields, **_llama4_fields(config, where, n_layers)}
+    return {**fields, "ffn_hidden_size": _field(config, "intermediate_size", int, where)}
 
 
 def args_from_hf_config(config: dict, where: Path = Path(CONFIG_JSON), **overrides: Any) -> ModelArgs:
@@ -141,7 +210,8 @@ def args_from_hf_config(config: dict, where: Path = Path(CONFIG_JSON), **overrid
         raise mark_every_rank(err)
     except ValueError as err:  # ModelArgs' checks, which use ModelArgs' names
         name = str(err).split(" ", 1)[0]
-        hint = f" ({_HF_NAMES[name]} in {CONFIG_JSON})" if name in _HF_NAMES else ""
+        names = _LLAMA4_NAMES if text_config(config, where)[0].get("model_type") == "llama4_text" else _HF_NAMES
+        hint = f" ({names[name]} in {CONFIG_JSON})" if name in names else ""
         raise mark_every_rank(HFImportError(f"{where}: {err}{hint}")) from err
     return args
 
@@ -233,16 +303,17 @@ class _Files:
         self.handles = {}
 
 
-def _check_tensors(files: _Files, args: ModelArgs) -> None:
-    """Every tensor config.json implies is present, with its shape and a floating dtype."""
-    expected = {hf_name(name): shape for name, shape in model_shapes(args).items()}
-    names = {n for n in files.weight_map if not n.endswith(_IGNORED_SUFFIXES)}
+def _check_tensors(files: _Files, args: ModelArgs, prefix: str = "") -> None:
+    """Every tensor config.json implies is present (under `prefix`: a multimodal folder's text model,
+    whose other tensors are not read), with its shape and a floating dtype."""
+    expected = {prefix + t.name: t.shape for t in hf_tensors(args)}
+    names = {n for n in files.weight_map if n.startswith(prefix) and not n.endswith(_IGNORED_SUFFIXES)}
     # A tied folder may still carry lm_head.weight (transformers ignores it then): so do we.
-    names.discard("lm_head.weight") if args.tie_embeddings else None
+    names.discard(prefix + "lm_head.weight") if args.tie_embeddings else None
     missing, unexpected = sorted(set(expected) - names), sorted(names - set(expected))
     if missing or unexpected:
         hint = ""
-        if missing == ["lm_head.weight"]:
+        if missing == [prefix + "lm_head.weight"]:
             hint = " (lm_head.weight missing: a tied checkpoint; its config.json should say tie_word_embeddings: true)"
         raise HFImportError(
             f"{files.folder} does not match its config.json (num_hidden_layers = {args.n_layers}): missing "
@@ -267,11 +338,13 @@ class _HFSource(ForeignSource):
     error = HFImportError
 
     def __init__(self, folder: Path, config: Optional[dict] = None) -> None:
-        args = read_hf_config(folder) if config is None else args_from_hf_config(config, folder / CONFIG_JSON)
+        config = read_hf_json(folder) if config is None else config
+        args = args_from_hf_config(config, folder / CONFIG_JSON)
         super().__init__(folder, args, folder / CONFIG_JSON, "read_hf_config(folder)", CONFIG_JSON)
+        self.prefix = TEXT_PREFIX if config.get("model_type") == "llama4" else ""
         self.files = _Files(folder, _weight_map(folder))
         try:
-            _check_tensors(self.files, args)
+            _check_tensors(self.files, args, self.prefix)
         finally:
             self.files.close()  # header handles: each copy opens its tensor's file on its own
 
@@ -281,8 +354,9 @@ class _HFSource(ForeignSource):
                 f"with tie_embeddings = {self.args.tie_embeddings}, from read_hf_config(folder)")
 
     def _head_dim(self, name: str) -> Optional[int]:
-        """Rows per head for the RoPE-permuted projections (wq, wk), else None."""
-        return self.args.head_dim if name.endswith(("attention.wq.weight", "attention.wk.weight")) else None
+        """Rows per head for the RoPE-permuted projections (wq, wk; none in Llama 4's), else None."""
+        permuted = not self.args.llama4 and name.endswith(("attention.wq.weight", "attention.wk.weight"))
+        return self.args.head_dim if permuted else None
 
     def check_block(self, name: str, offset: Sequence[int], shape: Sequence[int]) -> None:
         head_dim = self._head_dim(name)
@@ -290,9 +364,15 @@ class _HFSource(ForeignSource):
             raise HFImportError(f"{name}: rows {offset[0]}..{offset[0] + shape[0]} do not cover whole heads")
 
     def read_into(self, name: str, offset: Sequence[int], out: torch.Tensor) -> None:
-        index = tuple(slice(o, o + n) for o, n in zip(offset, out.shape))
-        with _open(self.files.weight_map[hf_name(name)]) as handle:  # unmapped again after the block
-            block = handle.get_slice(hf_name(name))[index]
+        if self.args.llama4:  # its own names, the experts' weights fused and transposed
+            stored, index, transposed = llama4_block(name, offset, out.shape, self.args.expert_hidden_dim)
+        else:
+            stored, index, transposed = hf_name(name), tuple(slice(o, o + n) for o, n in zip(offset, out.shape)), False
+        stored = self.prefix + stored
+        with _open(self.files.weight_map[stored]) as handle:  # unmapped again after the block
+            block = handle.get_slice(stored)[index]
+        if transposed:
+            block = block.transpose(1, 2)
         head_dim = self._head_dim(name)
         if head_dim is not None:  # whole heads (check_block): undo HF's rotate-half order head by head
             block = block[torch.argsort(rope_permutation(out.shape[0] // head_dim, head_dim))]

@@ -86,6 +86,9 @@ def save_meta_checkpoint(
     folders keep it: tokenizer.model). Every rank returns the folder or raises.
     """
     args = model_args(model, MetaCheckpointError, "save_meta_checkpoint")
+    if args.llama4:
+        raise MetaCheckpointError("Meta's format is written for Llama 2 and 3; a Llama 4 model (experts, RoPE-less "
+                                  "or chunked attention) converts to hf or dcp (hybridpar convert --to hf)")
     _check_mp_out(args, mp_out)
     meta_ffn_fields(args)  # params.json must be able to state the feed-forward size: refuse before any write
     return export_foreign(_MetaTarget(args, mp_out, dtype, extra_files), model, Path(folder), overwrite)

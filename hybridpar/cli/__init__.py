@@ -261,11 +261,16 @@ def _build() -> _Parsers:
     plan.add_argument("--gemm-efficiency", type=float, help="fraction of the peak large matmuls sustain")
     plan.add_argument("--attention-efficiency", type=float, help="fraction of the peak flash attention sustains")
     plan.add_argument("--memory-gbs", type=float, help="device memory bandwidth, GB/s")
+    plan.add_argument("--sms", type=int, help="SMs per GPU (default: --gpu's): NCCL's kernels hold 16 of them while "
+                                              "FSDP's collectives overlap compute; 0: not priced")
     plan.add_argument("--intra-node-gbs", type=float,
                       help="bus bandwidth inside a node, GB/s as nccl-tests reports it (hybridpar doctor measures it)")
     plan.add_argument("--inter-node-gbs", type=float, help="bus bandwidth between nodes per GPU, GB/s")
     plan.add_argument("--reserve-gb", type=float,
-                      help="GiB per GPU kept free for the CUDA context, NCCL and fragmentation (default 4)")
+                      help="GiB per GPU kept free for the CUDA context and NCCL (default 4)")
+    plan.add_argument("--allocator-overhead", type=float,
+                      help="what the caching allocator reserves beyond the tensors, as a fraction of them "
+                           "(default 0.063, measured on an H200; cpu: 0)")
     plan.add_argument("--allow-cross-node-mp", action="store_true", help="also consider mp > GPUs per node")
     plan.add_argument("--zero2", action="store_true", help="also consider not resharding after forward (ZeRO-2)")
     plan.add_argument("--no-sequence-parallel", action="store_true",

@@ -295,14 +295,18 @@ def _plan_hardware(args: argparse.Namespace):
     from ..plan.hardware import spec
 
     given = {"gpu_mem_gib": args.gpu_mem_gb, "gpus_per_node": args.gpus_per_node,
-             "reserve_gib": args.reserve_gb, "gemm_efficiency": args.gemm_efficiency,
+             "reserve_gib": args.reserve_gb, "allocator_overhead": args.allocator_overhead,
+             "gemm_efficiency": args.gemm_efficiency,
              "attention_efficiency": args.attention_efficiency,
              "peak_flops": args.peak_tflops and args.peak_tflops * 1e12,
              "float8_peak_flops": None if args.float8_tflops is None else args.float8_tflops * 1e12,
-             "memory_bw": args.memory_gbs and args.memory_gbs * 1e9,
+             "memory_bw": args.memory_gbs and args.memory_gbs * 1e9, "sms": args.sms,
              "intra_node_busbw": args.intra_node_gbs and args.intra_node_gbs * 1e9,
              "inter_node_busbw": args.inter_node_gbs and args.inter_node_gbs * 1e9}
     overrides = {k: v for k, v in given.items() if v is not None}
+    if overrides.get("allocator_overhead", 0) < 0:
+        raise ValueError(f"--allocator-overhead {args.allocator_overhead:g} is negative: give a fraction of the "
+                         "tensors' bytes, 0 or more (0.063 was measured on an H200)")
     if args.gpu == "cpu":
         print(f"measuring this machine: kernel rates, then {max(args.gpus, 2)} gloo ranks (a few seconds)", flush=True)
         return measure_cpu(args.gpus, **overrides)

@@ -86,6 +86,9 @@ def dry_run(config: Union[Config, "Job"], world: Optional[int] = None, rank: int
     c = _the_rest(c, world)
     # The job's own checks, before anything is built: what the job would refuse is refused in its words.
     sizes, args = check_config(c, world, _shape(c, job))
+    if args.n_experts:
+        raise ConfigError(f"the dry run does not rehearse mixture-of-experts models yet ({args.n_experts} experts: "
+                          "its fake tensors cannot route tokens); run the job itself, without --dry-run")
     pp, dr, ds, cp, mp = sizes
     run.checks.append(Check("mesh", True, sizes_text(*sizes)))
     run.layout = f"{sizes_text(*sizes)} = {world} ranks, {c.fsdp.sharding_strategy}"
@@ -159,7 +162,10 @@ def _rehearse(run: DryRun, c: Config, world: int, sizes: list[int], args, target
     run.memory = _memory(c, args, parallel, gpu_mem_gib, gpus_per_node, gpu if target == "gpu" else "")
     if target == "gpu":
         _check(run, "memory", lambda: _fits(run.memory))
-        _check(run, "communication hidden", lambda: _hidden(run.memory), warn_only=True)
+        if c.float8.enabled:
+            _check(run, "float8 matmuls", lambda: _float8_card(c, run.memory), warn_only=True)
+        if "step_s" in run.memory:
+            _check(run, "communication hidden", lambda: _hidden(run.memory), warn_only=True)
     say("done")
 
 
@@ -355,8 +361,9 @@ def _checkpoint_files(c: Config, model, optimizer, world: int) -> dict:
 
 
 def _memory(c: Config, args, parallel, gpu_mem_gib: float, gpus_per_node: int, gpu: str) -> dict:
-    """The planner's per-rank estimate for this layout: the state above, plus what a step holds;
-    for a GPU job, also its step time on `gpu`."""
+    """The planner's per-rank estimate for this layout (float8 included: hybridpar.plan prices it):
+    the state above, plus what a step holds, plus a GPU's caching allocator's reserve; for a GPU job,
+    also its step time on `gpu`, unless float8 is on and `gpu` has no float8 matmuls."""
     from ..plan import GIB, Layout, Workload, estimate
     from ..plan.hardware import spec
 
@@ -372,18 +379,35 @@ def _memory(c: Config, args, parallel, gpu_mem_gib: float, gpus_per_node: int, g
     workload = Workload(seq_len=c.data.seq_len, micro_batch=c.data.micro_batch_size // m,
                         global_batch=c.data.micro_batch_size * c.train.grad_accum * parallel.dp_size,
                         param_dtype=c.fsdp.param_dtype, reduce_dtype=c.fsdp.reduce_dtype,
-                        grad_sync=c.train.grad_sync, compile=c.train.compile)
-    hw = spec(gpu or "a100", parallel.world_size, gpu_mem_gib=gpu_mem_gib, gpus_per_node=gpus_per_node)
+                        grad_sync=c.train.grad_sync, compile=c.train.compile, float8=c.float8.recipe,
+                        float8_all_gather=c.float8.fsdp_all_gather)
+    # A CPU job's memory has no caching allocator's reserve.
+    hw = spec(gpu or "a100", parallel.world_size, gpu_mem_gib=gpu_mem_gib, gpus_per_node=gpus_per_node,
+              **({} if gpu else {"allocator_overhead": 0.0}))
+    timed = bool(gpu) and (workload.float8 == "none" or hw.float8_peak_flops > 0)
+    if workload.float8 != "none" and not hw.float8_peak_flops:
+        # The memory does not depend on the float8 rate (a CPU emulates it; a card without it gets no time).
+        hw = dataclasses.replace(hw, float8_peak_flops=hw.peak_flops)
     est = estimate(args, layout, workload, hw)
     m = est.memory
     out = {"activations": m.activations, "gathered_params": m.gathered_params, "grad_buffers": m.grad_buffers,
-           "accumulated_grads": m.accumulated_grads, "transient": m.transient, "total": m.total,
-           "usable": hw.usable_bytes, "gpu_mem_gib": gpu_mem_gib, "reserve_gib": hw.reserve_gib,
-           "total_gib": m.total / GIB}
-    if gpu:
-        out.update(gpu=gpu, step_s=est.time.step, tp_s=est.time.tp_comm, fsdp_exposed_s=est.time.dp_exposed,
+           "accumulated_grads": m.accumulated_grads, "transient": m.transient, "allocator": m.allocator,
+           "total": m.total, "usable": hw.usable_bytes, "gpu_mem_gib": gpu_mem_gib, "reserve_gib": hw.reserve_gib,
+           "total_gib": m.total / GIB, "gpu": gpu, "float8": workload.float8,
+           "float8_gathered": workload.float8_gathered(layout.fsdp_shard)}
+    if timed:
+        out.update(step_s=est.time.step, tp_s=est.time.tp_comm, fsdp_exposed_s=est.time.dp_exposed,
                    tokens_per_s_per_gpu=est.tokens_per_s_per_gpu, mfu=est.mfu(hw.peak_flops))
     return out
+
+
+def _float8_card(c: Config, memory: dict) -> str:
+    """A warning when float8 is on and the card the planner prices (--gpu) has no float8 matmuls."""
+    if "step_s" not in memory:
+        raise ValueError(f"float8.recipe = \"{c.float8.recipe}\" and {memory['gpu']} (--gpu) has no float8 matmuls: "
+                         "the job would be refused on it, and its step time is not priced; --gpu names the job's "
+                         "card (h100, h100-500w)")
+    return f"{memory['gpu']} has them: the blocks' linears priced at its float8 rate"
 
 
 def _fits(memory: dict) -> str:

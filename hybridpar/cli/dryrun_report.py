@@ -74,10 +74,16 @@ def report(run: DryRun) -> str:
     if run.memory:
         m = run.memory
         lines.append("")
-        lines.append(f"memory per rank (the planner's estimate for a step): activations {human_bytes(m['activations'])}, "
+        float8 = ""
+        if m.get("float8", "none") != "none":  # priced by the planner: the weights FSDP gathers in float8
+            float8 = f", float8 {m['float8']}" + (", its linears' weights gathered in 1 byte" if m["float8_gathered"]
+                                                  else "")
+        lines.append(f"memory per rank (the planner's estimate for a step{float8}): activations "
+                     f"{human_bytes(m['activations'])}, "
                      f"gathered parameters {human_bytes(m['gathered_params'])}, gradient buffers "
-                     f"{human_bytes(m['grad_buffers'])}, working space {human_bytes(m['transient'])}; "
-                     f"peak {human_bytes(m['total'])} with the state")
+                     f"{human_bytes(m['grad_buffers'])}, working space {human_bytes(m['transient'])}"
+                     + (f", the allocator's reserve {human_bytes(m['allocator'])}" if m.get("allocator") else "")
+                     + f"; peak {human_bytes(m['total'])} with the state")
         if "step_s" in m:
             lines.append(f"time per step (the planner, on {m['gpu']}; hybridpar plan --gpu says what it assumes): "
                          f"{m['step_s']:.2f} s, of which tensor-parallel {m['tp_s']:.2f} s and exposed FSDP "

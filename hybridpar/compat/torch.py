@@ -116,6 +116,14 @@ def save_without_crc32():
     return serialization_config.patch({"save.compute_crc32": False})
 
 
+def dtensor_over(local: torch.Tensor, like):
+    """A DTensor laid out as DTensor `like` over `local`, wherever `local` lies: DTensor.from_local
+    would move a host tensor to the mesh's device (checkpoint staging wants it on the host)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, like._spec, requires_grad=False)
+
+
 def set_pg_timeout(timeout, group) -> None:
     """Change a live group's collective timeout: torch sets it only when a group is made."""
     dist.distributed_c10d._set_pg_timeout(timeout, group)
@@ -136,10 +144,11 @@ def flatten_mesh(mesh, name: str):
     return mesh._flatten(name)
 
 
-def unflatten_mesh(mesh, sizes: tuple[int, ...], names: tuple[str, ...]):
-    """A 1-D mesh split into named dims (FSDP's (dp_replicate, dp_shard_cp) under context parallelism),
-    without slicing flattened dims out of the root mesh, which torch deprecates."""
-    return mesh._unflatten(0, sizes, names)
+def unflatten_mesh(mesh, sizes: tuple[int, ...], names: tuple[str, ...], dim: int = 0):
+    """Mesh dim `dim` split into named dims (FSDP's (dp_replicate, dp_shard_cp) under context parallelism,
+    dp_shard's (dp_shard_mod_ep, ep) under expert parallelism), without slicing flattened dims out of
+    the root mesh, which torch deprecates."""
+    return mesh._unflatten(dim, sizes, names)
 
 
 def flight_recorder_dumps() -> list[bytes]:

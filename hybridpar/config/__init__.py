@@ -44,6 +44,8 @@ class ParallelConfig:
     dp_replicate: int = option(1, "replicas across nodes (hybrid sharding)")
     cp: int = option(1, "context-parallel ranks per sequence (long context): each holds 1/cp of every sequence")
     pp: int = option(1, "pipeline stages' ranks, the outermost dimension: each holds a share of the layers")
+    ep: int = option(1, "expert-parallel ranks, taken from dp_shard (no ranks of their own): each holds n_experts / ep "
+                        "of a mixture-of-experts model's experts; must divide dp_shard and n_experts")
     pp_layers: list = option(list, "each stage's transformer layers, in order, e.g. [4, 4, 3] or \"4,4,3\" "
                                    "(empty: split evenly, the embedding and the output counted as a layer each)")
     pp_schedule: str = option("1F1B", "1F1B, GPipe, Interleaved1F1B (2 stages per rank unless pp_layers says), "

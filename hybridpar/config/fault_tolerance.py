@@ -9,6 +9,7 @@ only when it is enabled).
     lighthouse  the torchft lighthouse's address ("": the TORCHFT_LIGHTHOUSE variable)
     min_groups  the fewest groups that may commit a step
     timeout     seconds a step waits for a silent group before the others go on without it
+    record_windows  debug: each group's windows.jsonl, the windows every step read and who committed it
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ class FaultToleranceConfig:
     min_groups: int = option(1, "the fewest groups that may commit a step")
     timeout: float = option(30.0, "seconds a step waits for a silent group (and the quorum for a joining one) "
                                   "before the others go on without it")
+    record_windows: bool = option(False, "debug: each group writes windows.jsonl in its run folder: the (source, "
+                                         "window) pairs each step read and the groups that committed each step")
 
     def validate(self) -> None:
         """ConfigError naming the fault_tolerance.* key (what needs no process group and no torchft)."""

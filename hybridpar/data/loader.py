@@ -239,6 +239,9 @@ class ResumableDataLoader:
             pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory,
             collate_fn=inputs_and_targets, persistent_workers=num_workers > 0)
         self._batches: Optional[Iterator] = None
+        # A list: each micro-batch handed out appends the whole group's (source, window) pairs (a replica
+        # group's record of what it read, hybridpar.replicas); None: no record.
+        self.record: Optional[list] = None
 
     def __iter__(self) -> "ResumableDataLoader":
         return self
@@ -257,7 +260,9 @@ class ResumableDataLoader:
             self._batches = None
             self.position.group(self.micro_batch_size * self.dp_size)  # raises SourceExhaustedError
             raise RuntimeError("the batch sampler ended before the data did") from None
-        self.position.group(self.micro_batch_size * self.dp_size)
+        pairs = self.position.group(self.micro_batch_size * self.dp_size)
+        if self.record is not None:
+            self.record.append(pairs)
         return batch
 
     @property

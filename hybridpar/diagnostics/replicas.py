@@ -30,7 +30,7 @@ class ReplicaMismatchError(RuntimeError):
     every_rank = True  # raised alike on every rank: hybridpar.mesh.ranks.raised_by_every_rank
 
 
-def _checksums(modules: Sequence[torch.nn.Module]) -> tuple[list[str], list[bool], list[int], torch.Tensor]:
+def checksums(modules: Sequence[torch.nn.Module]) -> tuple[list[str], list[bool], list[int], torch.Tensor]:
     """Names, whether each is replicated over mp, the index of its module, and [n, 2] checksums of the local shards."""
     names, mp_replicated, owner, sums = [], [], [], []
     for k, model in enumerate(modules):
@@ -62,7 +62,7 @@ def check_replicas(model: Union[torch.nn.Module, Sequence[torch.nn.Module]], par
     holds, `stages` their stage indices; default: the rank's pp coordinate). Only ranks of one stage
     hold copies of each other's values: each stage's are compared among themselves."""
     modules = [model] if isinstance(model, torch.nn.Module) else list(model)
-    names, mp_replicated, owner, local = _checksums(modules)
+    names, mp_replicated, owner, local = checksums(modules)
     if stages is None or len(stages) != len(modules):
         stages = [parallel.pp_rank] * len(modules)
     # The stages hold different parameters, so every rank's (stage, name, mp-replicated) come along

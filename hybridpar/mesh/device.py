@@ -12,6 +12,12 @@ those are the (dp_replicate, dp_shard) meshes and the dp group themselves. Every
 within one pipeline stage (the stage's layers are all FSDP and the loss know); `pp_group` joins the
 stages of one (dp, cp, mp) coordinate, for the pipeline's sends and receives.
 
+Expert parallelism (parallel.ep, models.moe) takes its ranks from dp_shard, no GPUs of its own: dp_shard
+splits as (dp_shard_mod_ep, ep), ep innermost, so an ep group is ep neighbouring shard indices
+(ep_rank = shard_idx % ep) of one mp rank. Each holds n_experts / ep of the experts, as DTensors on
+`expert_mesh` (ep, mp); FSDP shards them over `expert_fsdp_mesh` (dp_replicate, dp_shard_mod_ep),
+the data-parallel ranks holding the same experts, and everything else over the dp ranks as before.
+
 A model-parallel group is `mp` contiguous ranks (inside one node when mp divides the GPUs per node), exactly
 fairscale's `arange(world).reshape(dp, mp)` layout, and the flattened data-parallel group of a rank
 is fairscale's data-parallel group.
@@ -32,7 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..compat.torch import flatten_mesh, unflatten_mesh
 # The arithmetic lives in the torch-free layout module.
-from .layout import MESH_DIM_NAMES, MeshCoords, launch_env, resolve_sizes
+from .layout import MESH_DIM_NAMES, MeshCoords, ep_split, launch_env, resolve_sizes
 from .ranks import agree_attempt
 from .rendezvous import store_of_this_start, uses_agent_store, words_while
 
@@ -56,6 +62,10 @@ class ParallelDims:
     device: torch.device
     backend: str
     timeout: timedelta
+    # Expert parallelism; the meshes None at ep 1 (the experts are then laid out as every other weight).
+    ep: int = 1
+    expert_mesh: Optional[DeviceMesh] = None  # (ep, mp): the experts' DTensors, split on the expert (dim 0)
+    expert_fsdp_mesh: Optional[DeviceMesh] = None  # (dp_replicate, dp_shard_mod_ep): FSDP's for the experts
 
     @property
     def world_size(self) -> int:
@@ -98,6 +108,16 @@ class ParallelDims:
     def pp_rank(self) -> int:
         """This rank's pipeline stage (0 without pipeline parallelism)."""
         return self.coords.pp_rank
+
+    @property
+    def ep_rank(self) -> int:
+        """Which of the ep shares of the experts this rank holds (0 at ep 1)."""
+        return self.coords.shard_idx % self.ep
+
+    @property
+    def ep_group(self) -> Optional[dist.ProcessGroup]:
+        """The ranks exchanging tokens for their experts (one mp rank's), None without expert parallelism."""
+        return self.expert_mesh.get_group("ep") if self.ep > 1 else None
 
     @property
     def pp_mesh(self) -> DeviceMesh:
@@ -152,8 +172,9 @@ class ParallelDims:
         c = self.coords
         cp = f"cp {c.cp_rank}/{self.cp}, " if self.cp > 1 else ""
         pp = f"pp {c.pp_rank}/{self.pp}, " if self.pp > 1 else ""
+        ep = f"ep {self.ep_rank}/{self.ep}, " if self.ep > 1 else ""
         return (
-            f"rank {c.rank}/{self.world_size}: {pp}mp {c.mp_rank}/{self.mp}, {cp}dp {c.dp_rank}/{self.dp_size} "
+            f"rank {c.rank}/{self.world_size}: {pp}mp {c.mp_rank}/{self.mp}, {cp}{ep}dp {c.dp_rank}/{self.dp_size} "
             f"(replicate {c.replicate_idx}/{self.dp_replicate}, shard {c.shard_idx}/{self.dp_shard}), "
             f"{self.backend} on {self.device}"
         )
@@ -164,7 +185,9 @@ def mesh_groups(parallel: ParallelDims) -> list[tuple[str, object]]:
     named = [("mp", parallel.mp_group), ("cp", parallel.cp_group), ("dp_shard", parallel.dp_shard_group),
              ("dp_replicate", parallel.dp_replicate_group), ("dp", parallel.dp_group),
              ("dp_shard_cp", parallel.fsdp_mesh.get_group("dp_shard_cp") if parallel.cp > 1 else None),
-             ("dp_cp", parallel.dp_cp_group), ("pp", parallel.pp_group), ("world", dist.group.WORLD)]
+             ("dp_cp", parallel.dp_cp_group), ("pp", parallel.pp_group), ("ep", parallel.ep_group),
+             ("dp_shard_mod_ep", parallel.expert_fsdp_mesh.get_group("dp_shard_mod_ep") if parallel.ep > 1 else None),
+             ("world", dist.group.WORLD)]
     seen, out = set(), []
     for dim, group in named:
         if group is not None and group.group_name not in seen:
@@ -197,8 +220,10 @@ def init_parallel(
     pp: int = 1,
     timeout: Union[timedelta, float, None] = None,
     backend: Optional[str] = None,
+    ep: int = 1,
 ) -> ParallelDims:
-    """Initialise the process group (if needed) and build the (pp, dp_replicate, dp_shard, cp, mp) mesh.
+    """Initialise the process group (if needed) and build the (pp, dp_replicate, dp_shard, cp, mp) mesh;
+    with ep > 1 also the experts' meshes, ep taken from dp_shard (which it must divide).
 
     Works under torchrun, under plain srun (RANK etc. derived from SLURM_*), and with no launcher at
     all (world size 1). nccl + cuda when GPUs are present, gloo + cpu otherwise; `backend` overrides.
@@ -241,6 +266,7 @@ def init_parallel(
 
     device = torch.device("cuda", local_rank) if "nccl" in backend else torch.device("cpu")
     sizes = resolve_sizes(dist.get_world_size(), mp=mp, dp_shard=dp_shard, dp_replicate=dp_replicate, cp=cp, pp=pp)
+    ep_split(sizes[2], ep)  # refused before any group is made
     with words_while("making the mesh's groups", dist.get_rank()):
         mesh = init_device_mesh(device.type, sizes, mesh_dim_names=MESH_DIM_NAMES)
         dp_flat_mesh = flatten_mesh(mesh["dp_replicate", "dp_shard"], "dp")
@@ -249,6 +275,11 @@ def init_parallel(
         else:
             dp_cp_mesh = flatten_mesh(mesh["dp_replicate", "dp_shard", "cp"], "dp_cp")
             fsdp_mesh = unflatten_mesh(dp_cp_mesh, (sizes[1], sizes[2] * cp), ("dp_replicate", "dp_shard_cp"))
+        expert_mesh = expert_fsdp_mesh = None
+        if ep > 1:
+            split = unflatten_mesh(mesh, (sizes[2] // ep, ep), ("dp_shard_mod_ep", "ep"), dim=2)
+            expert_mesh, expert_fsdp_mesh = split["ep", "mp"], split["dp_replicate", "dp_shard_mod_ep"]
         agree_attempt(start)  # every rank is here: the name of this start for the store's keys
     return ParallelDims(*sizes, mesh=mesh, dp_flat_mesh=dp_flat_mesh, dp_cp_mesh=dp_cp_mesh, fsdp_mesh=fsdp_mesh,
-                        device=device, backend=backend, timeout=timeout)
+                        device=device, backend=backend, timeout=timeout, ep=ep, expert_mesh=expert_mesh,
+                        expert_fsdp_mesh=expert_fsdp_mesh)

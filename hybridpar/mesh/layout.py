@@ -65,6 +65,17 @@ def _shown(named):
     return [(n, v) for n, v in named if n not in ("cp", "pp") or v > 1]
 
 
+def ep_split(dp_shard: int, ep: int) -> int:
+    """dp_shard / ep: the FSDP ranks left to each expert, ep being taken from dp_shard; MeshSizeError
+    naming the sizes when ep does not divide it."""
+    if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
+        raise MeshSizeError(f"ep must be a positive integer, got {ep!r}")
+    if dp_shard % ep:
+        raise MeshSizeError(f"ep = {ep} does not divide dp_shard = {dp_shard}: the experts are split over ep of the "
+                            f"dp_shard ranks; choose an ep dividing {dp_shard} (divisors: {_divisors(dp_shard)})")
+    return dp_shard // ep
+
+
 def sizes_text(pp: int, dp_replicate: int, dp_shard: int, cp: int, mp: int) -> str:
     """'dp_replicate 1 x dp_shard 2 x mp 2' (pp and cp named only when > 1): how commands and reports state a mesh."""
     named = (("pp", pp), ("dp_replicate", dp_replicate), ("dp_shard", dp_shard), ("cp", cp), ("mp", mp))

@@ -22,6 +22,12 @@ the one of the unsplit tensor: float8 at any layout computes what it computes at
 (Sequence parallelism gathers the tokens before a column-parallel linear and scatters them after a
 row-parallel one: inside the linear they are whole over mp. Context parallelism gives each rank
 part of every sequence's tokens.)
+
+No amax is reduced twice: the backward takes the amaxes the forward reduced where they give its
+casts' (tensorwise: the input's and the weight's; rowwise_with_gw_hp: its tensorwise weight cast,
+the max of the forward's per-column amaxes), tensorwise's two casts of the output gradient share
+one, and the amaxes one pass of a linear reduces over one group go in one all-reduce
+(tests/parallel/test_float8_collectives.py counts them per block).
 """
 
 from __future__ import annotations
@@ -81,6 +87,17 @@ class _Cast:
     dim: Optional[int]  # the axiswise amax's dimension; None: tensorwise
     groups: tuple  # the process groups the amax is reduced over
 
+    def follows(self, earlier: "_Cast") -> bool:
+        """Its amax follows from `earlier`'s reduced amax of the same tensor: along the same axis it
+        is that amax; a tensorwise one is the max of its rows' (or columns') maxima."""
+        return self.dim == earlier.dim or self.dim is None
+
+    def amax_from(self, earlier: "_Cast", amax: torch.Tensor) -> tuple:
+        """(its amax, the groups still to reduce it over: the other axis's) from `earlier`'s (follows)."""
+        if self.dim == earlier.dim:
+            return amax, ()
+        return amax.amax(), tuple(g for g in self.groups if not any(g is e for e in earlier.groups))
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Float8Matmul:
@@ -116,28 +133,75 @@ class Float8Matmul:
             casts[name] = _Cast(cast, roles[tensor], dim if axiswise else None, groups)
         return cls(recipe, config, mm, casts)
 
-    def cast(self, t: torch.Tensor, name: str):
-        """`t` cast as torchao's `name` cast (a Float8TrainingTensor), its amax that of the unsplit tensor."""
-        cast = self.casts[name]
+    @property
+    def reused(self) -> tuple:
+        """The tensors ("input", "weight") whose forward amax a backward cast takes (_Cast.follows)."""
+        ahead = {"input": "cast_config_input", "weight": "cast_config_weight"}
+        return tuple(tensor for tensor, first in ahead.items() if self.casts[first] is not None and any(
+            _CASTS[name][0] == tensor and cast is not None and cast.follows(self.casts[first])
+            for name, cast in self.casts.items() if name != first))
+
+    def cast(self, tensors: dict, known: Optional[dict] = None) -> dict:
+        """The tensors of one pass ({cast name: tensor}) cast as torchao's casts of those names
+        (Float8TrainingTensors; a tensor as it is where the recipe keeps it in high precision or it
+        is float8 already), each amax that of the unsplit tensor: from `known` ({tensor: (_Cast,
+        reduced amax)} of an earlier pass) or a cast of the same tensor before it in this pass where
+        it follows (_Cast.follows), else taken here and reduced, this pass's amaxes over one group
+        in one all-reduce. Adds this pass's reduced amaxes to `known`."""
         # torchao is imported by now (Float8Matmul.of): no logger to quieten inside torch.compile's trace
         from torchao.float8.float8_training_tensor import Float8TrainingTensor, hp_tensor_and_scale_to_float8
-        # None: the recipe keeps it in high precision; float8 already: FSDP gathered the weight in
-        # float8 with the whole weight's tensorwise scale (float8.fsdp_all_gather): the same cast
-        if cast is None or isinstance(t, Float8TrainingTensor):
-            return t
         from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax
 
-        amax = tensor_to_amax(t, scaling_granularity=cast.config.scaling_granularity, axiswise_dim=cast.dim)
-        if cast.groups:
-            amax = amax.float()  # exact; gloo reduces no bfloat16
-            for group in cast.groups:  # a fresh tensor: reduced in place, as the region functions do
-                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-        scale = amax_to_scale(amax, cast.config.target_dtype, self.config.round_scales_to_power_of_2)
-        return hp_tensor_and_scale_to_float8(t, scale, cast.config.target_dtype, self.mm_config, cast.role, cast.dim)
+        known = {} if known is None else known
+        amaxes, groups, same = {}, {}, {}
+        for name, t in tensors.items():
+            cast, tensor = self.casts[name], _CASTS[name][0]
+            # float8 already: FSDP gathered the weight in float8 with the whole weight's tensorwise
+            # scale (float8.fsdp_all_gather): the same cast
+            if cast is None or isinstance(t, Float8TrainingTensor):
+                continue
+            twin = next((n for n in amaxes if _CASTS[n][0] == tensor and self.casts[n].dim == cast.dim), None)
+            if twin is not None:  # this pass casts the tensor twice alike (tensorwise's output gradient)
+                same[name] = twin
+                continue
+            earlier = known.get(tensor)
+            taken = cast.amax_from(*earlier) if earlier is not None and cast.follows(earlier[0]) else None
+            amaxes[name], groups[name] = taken or (tensor_to_amax(
+                t, scaling_granularity=cast.config.scaling_granularity, axiswise_dim=cast.dim), cast.groups)
+        amaxes = _reduced(amaxes, groups)
+        amaxes.update({name: amaxes[twin] for name, twin in same.items()})
+        out = {}
+        for name, t in tensors.items():
+            if name not in amaxes:
+                out[name] = t
+                continue
+            cast = self.casts[name]
+            known[_CASTS[name][0]] = (cast, amaxes[name])
+            scale = amax_to_scale(amaxes[name], cast.config.target_dtype, self.config.round_scales_to_power_of_2)
+            out[name] = hp_tensor_and_scale_to_float8(t, scale, cast.config.target_dtype, self.mm_config, cast.role,
+                                                      cast.dim)
+        return out
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         y = _Float8Linear.apply(x, weight.t(), self)
         return y if bias is None else y + bias.to(y.dtype)
+
+
+def _reduced(amaxes: dict, groups: dict) -> dict:
+    """amaxes ({name: tensor}) each reduced (MAX) over its groups ({name: process groups}): one
+    all-reduce per group of the amaxes it reduces, flattened into one buffer (MAX is elementwise:
+    exact), the groups in the order they first appear."""
+    amaxes = {name: a.float() if groups[name] else a for name, a in amaxes.items()}  # exact; gloo reduces no bfloat16
+    order = []
+    for name in amaxes:
+        order += [g for g in groups[name] if not any(g is o for o in order)]
+    for group in order:
+        names = [name for name in amaxes if any(g is group for g in groups[name])]
+        buffer = torch.cat([amaxes[name].reshape(-1) for name in names])  # a fresh tensor: reduced in place
+        dist.all_reduce(buffer, op=dist.ReduceOp.MAX, group=group)
+        for name, part in zip(names, buffer.split([amaxes[name].numel() for name in names])):
+            amaxes[name] = part.reshape(amaxes[name].shape)
+    return amaxes
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -145,23 +209,34 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 class _Float8Linear(torch.autograd.Function):
-    """y = x @ weight_t through `plan`'s casts: torchao's three float8 matmuls of a linear."""
+    """y = x @ weight_t through `plan`'s casts: torchao's three float8 matmuls of a linear. As
+    torchao's matmul_with_hp_or_float8_args it keeps the input and weight in high precision for the
+    backward, which casts them again; the amaxes of those the forward reduced (a scalar each,
+    tensorwise; rowwise a row, of which only rowwise_with_gw_hp's weight is read) are kept too, so
+    the backward reduces none of them again."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight_t: torch.Tensor, plan: Float8Matmul) -> torch.Tensor:
-        ctx.save_for_backward(x, weight_t)
+        known = {}
+        cast = plan.cast({"cast_config_input": _rows(x), "cast_config_weight": weight_t}, known)
+        kept = [known[tensor][1] if tensor in known and tensor in plan.reused else None for tensor in ("input", "weight")]
+        ctx.save_for_backward(x, weight_t, *kept)
         ctx.plan = plan
-        y = torch.mm(plan.cast(_rows(x), "cast_config_input"), plan.cast(weight_t, "cast_config_weight"))
+        y = torch.mm(cast["cast_config_input"], cast["cast_config_weight"])
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        x, weight_t = ctx.saved_tensors
-        plan, g, xs = ctx.plan, _rows(grad), _rows(x)
-        grad_x = torch.mm(plan.cast(g, "cast_config_grad_output"),
-                          plan.cast(weight_t, "cast_config_weight_for_grad_input").t())
-        grad_w = torch.mm(plan.cast(g, "cast_config_grad_output_for_grad_weight").t(),
-                          plan.cast(xs, "cast_config_input_for_grad_weight"))
+        x, weight_t, x_amax, weight_amax = ctx.saved_tensors
+        plan = ctx.plan
+        known = {tensor: (plan.casts[name], amax) for tensor, name, amax in
+                 (("input", "cast_config_input", x_amax), ("weight", "cast_config_weight", weight_amax))
+                 if amax is not None}
+        g, xs = _rows(grad), _rows(x)
+        cast = plan.cast({"cast_config_grad_output": g, "cast_config_weight_for_grad_input": weight_t,
+                          "cast_config_grad_output_for_grad_weight": g, "cast_config_input_for_grad_weight": xs}, known)
+        grad_x = torch.mm(cast["cast_config_grad_output"], cast["cast_config_weight_for_grad_input"].t())
+        grad_w = torch.mm(cast["cast_config_grad_output_for_grad_weight"].t(), cast["cast_config_input_for_grad_weight"])
         return grad_x.reshape(*x.shape[:-1], grad_x.shape[-1]), grad_w.t(), None
 
 

@@ -12,6 +12,10 @@ all-reducing across replicas; a 2-D FSDP2 mesh with dp_shard = 1 still all-reduc
 dp_replicate). `apply_fsdp` is the sharding, one named step after another; on gloo its last step
 hands FSDP's collectives to hybridpar.fastpaths.gloo_collectives. Activation checkpointing and
 compile come before it: hybridpar.build.build_model applies all of them, in order.
+
+Expert parallelism (parallel.ep > 1): each MoE layer's experts are an FSDP unit of their own, over
+the data-parallel ranks holding the same experts (parallel.expert_fsdp_mesh: dp / ep of them), the
+rest of the block over every dp rank as without experts; `expert_mesh_for` picks the mesh.
 """
 
 from __future__ import annotations
@@ -54,6 +58,14 @@ def dp_mesh_for(strategy: str, parallel: ParallelDims):
     return parallel.fsdp_mesh  # 2-D (dp_replicate, dp_shard x cp); no_shard is the case dp_shard x cp = 1
 
 
+def expert_mesh_for(strategy: str, parallel: ParallelDims):
+    """Under expert parallelism, the mesh a strategy shards the experts over (dp_mesh_for's, less the
+    ep ranks): the dp_shard / ep ranks holding the same experts, times dp_replicate for the hybrid ones."""
+    dp_mesh_for(strategy, parallel)  # the strategy's refusals
+    mesh = parallel.expert_fsdp_mesh
+    return mesh["dp_shard_mod_ep"] if strategy in ("full_shard", "shard_grad_op") else mesh
+
+
 def apply_activation_checkpointing(blocks: Union[Sequence[nn.Module], nn.ModuleDict], mode: str,
                                    every: int = 2) -> list[int]:
     """Recompute the activations of the chosen blocks in backward; returns their indices. The
@@ -80,9 +92,10 @@ def apply_fsdp(model: nn.Module, parallel: ParallelDims, config: Optional[FSDPCo
     # Under pipeline parallelism a block runs once per micro-batch: kept gathered through the step,
     # its parameters are all-gathered once per step, not per micro-batch (torchtitan does the same).
     reshard = config.sharding_strategy in ("full_shard", "hybrid_shard") and parallel.pp == 1
+    experts = _shard_experts(model, parallel, config.sharding_strategy, reshard, policies)  # before their blocks
     _shard_units(model, mesh, reshard, policies)
     _set_prefetch(model, config.forward_prefetch, config.backward_prefetch)
-    _gloo_collectives(model, config, parallel)
+    _gloo_collectives(model, config, parallel, experts)
     return model
 
 
@@ -132,6 +145,34 @@ def _shard_units(model: nn.Module, mesh, reshard: bool, policies: dict) -> None:
     fully_shard(model, mesh=mesh, reshard_after_forward=False, **policies)
 
 
+def _shard_experts(model: nn.Module, parallel: ParallelDims, strategy: str, reshard: bool, policies: dict
+                   ) -> list[nn.Module]:
+    """Under expert parallelism, each MoE layer's experts (models.moe.GroupedExperts) an FSDP unit over
+    expert_mesh_for's ranks; the units made, none at ep 1.
+
+    The gradient: train.step's gradient_scale scales each rank's loss by dp x cp / the global targets,
+    for FSDP's average over the dp x cp ranks to leave the global mean loss's gradient. An expert's
+    gradient on its rank already holds its whole ep group's tokens (the dispatch's backward brings
+    them), and its unit has dp x cp / ep ranks: their sum is every token's, so it is divided by dp x
+    cp, not by its ranks, and every layout computes world 1's gradient."""
+    if parallel.ep == 1:
+        return []
+    mesh = expert_mesh_for(strategy, parallel)
+    # Sums, then the division: gloo has no pre-multiplied sum. Not with one shard, where FSDP (torch
+    # 2.13) divides by the factor before its all-reduce and would divide again after.
+    sum_then_divide = mesh.size(mesh.ndim - 1) > 1
+    units = []
+    for block in model.layers.values():
+        experts = getattr(block.feed_forward, "experts", None)
+        if experts is None:  # a dense layer
+            continue
+        fully_shard(experts, mesh=mesh, reshard_after_forward=reshard, **policies)
+        experts.set_gradient_divide_factor(parallel.dp_size * parallel.cp)
+        experts.set_force_sum_reduction_for_comms(sum_then_divide)
+        units.append(experts)
+    return units
+
+
 def _units(model: nn.Module) -> list[nn.Module]:
     """The FSDP units below the root, in forward order."""
     if model.args.tie_embeddings:
@@ -149,10 +190,11 @@ def _set_prefetch(model: nn.Module, forward: int, backward: int) -> None:
             unit.set_modules_to_backward_prefetch(units[max(0, i - backward) : i][::-1])
 
 
-def _gloo_collectives(model: nn.Module, config: FSDPConfig, parallel: ParallelDims) -> None:
+def _gloo_collectives(model: nn.Module, config: FSDPConfig, parallel: ParallelDims,
+                      experts: list[nn.Module]) -> None:
     """On gloo, FSDP's collectives as all-to-alls (a fast path): when the config and the switch allow;
     otherwise FSDP's own, the units' holding float8-gathered weights moving bytes (gloo has no float8)."""
     if config.gloo_all_to_all and fastpaths.enabled():
-        use_gloo_collectives([*_units(model), model], parallel)
+        use_gloo_collectives([*_units(model), *experts, model], parallel)
     else:
         gather_float8_as_bytes([unit for unit in _units(model) if gathered_weights([unit])], parallel)

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
+from ..compat.torch import compute_local_shape_and_global_offset
 from ..mesh.layout import divide
 from ..mesh.device import ParallelDims
 from .mappings import (copy_to_region, enter_region, gather_from_region, leave_region, scatter_to_region,
@@ -47,9 +48,13 @@ def mp_parameter(
     init_method: Optional[InitMethod],
     dtype: Optional[torch.dtype] = None,
     device: Optional[torch.device] = None,
+    *,
+    experts: bool = False,
 ) -> nn.Parameter:
     """A DTensor parameter on the mp mesh: `init_method` fills the full tensor, this rank keeps its
-    slice (Shard) or all of it (Replicate). init_method=None leaves zeros (biases).
+    slice (Shard) or all of it (Replicate). init_method=None leaves zeros (biases). experts: stacked
+    experts (dim 0), which expert parallelism splits over the ep ranks too: on parallel.expert_mesh
+    (ep, mp), Shard(0) then `placement`.
     """
     device = torch.device(device) if device is not None else _default_device()
     dtype = dtype or torch.get_default_dtype()
@@ -60,12 +65,14 @@ def mp_parameter(
         full = torch.zeros(full_shape, dtype=torch.float32, device="cpu")
         if init_method is not None:
             init_method(full)
-    if isinstance(placement, Shard):
-        local = full.chunk(parallel.mp, dim=placement.dim)[parallel.mp_rank]
+    if experts and parallel.ep > 1:
+        mesh, placements = parallel.expert_mesh, [Shard(0), placement]
     else:
-        local = full
+        mesh, placements = parallel.mp_mesh, [placement]
+    shape, offset = compute_local_shape_and_global_offset(full.shape, mesh, placements)
+    local = full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
     local = local.to(device=device, dtype=dtype).contiguous()
-    return nn.Parameter(DTensor.from_local(local, parallel.mp_mesh, [placement], run_check=False))
+    return nn.Parameter(DTensor.from_local(local, mesh, placements, run_check=False))
 
 
 def set_sequence_parallel(model: nn.Module, on: bool) -> nn.Module:
@@ -168,10 +175,17 @@ class RowParallelLinear(nn.Module):
         self.bias = mp_parameter((out_features,), Replicate(), parallel, None, dtype, device) if bias else None
         self.float8 = None  # as ColumnParallelLinear's
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, reduce: bool = True) -> torch.Tensor:
+        """reduce=False: this rank's partial product, for a caller that adds others to it before one
+        reduction (the mixture of experts' shared expert); only without a bias."""
         if not self.input_is_parallel:
             x = scatter_to_region(x, self.group)
-        y = leave_region((self.float8 or F.linear)(x, local_tensor(self.weight)), self.group, self.sequence_parallel)
+        y = (self.float8 or F.linear)(x, local_tensor(self.weight))
+        if not reduce:
+            if self.bias is not None:
+                raise ValueError("RowParallelLinear: reduce=False leaves the bias to the caller; build it with bias=False")
+            return y
+        y = leave_region(y, self.group, self.sequence_parallel)
         # The bias is added once, after the sum, not on every rank's partial product.
         return y + local_tensor(self.bias) if self.bias is not None else y
 

@@ -14,8 +14,10 @@ published GPU runs (published.py); bench/planner.py checks it against bench/run.
 tests/test_plan_context.py checks context parallelism's terms and the attention bytes it keeps;
 tests/test_plan_pipeline.py pipeline parallelism's terms and the published pipelined runs.
 Workload.float8 prices float8 training (plan.compute: the linears at the float8 rate, their casts;
-tests/test_plan_float8.py). Not modelled: allocator fragmentation (keep a reserve), NCCL's latency,
-and the slowdown of kernels sharing a GPU with NCCL's.
+tests/test_plan_float8.py). The memory is what a GPU holds: the tensors, each counted as alive at
+once, plus the caching allocator's reserve on top (Hardware.allocator_overhead, measured on an H200).
+The compute FSDP's collectives overlap runs on the SMs NCCL's kernels leave (Hardware.sms,
+comm.overlapped). Not modelled: NCCL's latency.
 
 inputs: Layout, Workload, Hardware. hardware: named GPUs; cpu: this machine, measured. memory:
 parameters, activations, Memory. compute: the kernels' work. comm: collective bytes, calls and

@@ -23,6 +23,8 @@ class StepTime:
     tp_comm: float  # tensor-parallel collectives (on the critical path)
     dp_comm: float  # FSDP all-gathers, reduce-scatters and replica all-reduces
     dp_exposed: float  # the part of dp_comm that compute does not hide
+    # The compute slowed while FSDP's collectives overlap it, on the SMs their NCCL kernels leave (overlapped).
+    dp_contention: float = 0.0
     # Context parallelism's K/V all-gathers and dK/dV reduce-scatters, and the part compute does not hide.
     cp_comm: float = 0.0
     cp_exposed: float = 0.0
@@ -32,7 +34,17 @@ class StepTime:
 
     @property
     def step(self) -> float:
-        return self.compute + self.tp_comm + self.cp_exposed + self.dp_exposed + self.pp_comm + self.pp_bubble
+        return (self.compute + self.tp_comm + self.cp_exposed + self.dp_exposed + self.dp_contention + self.pp_comm
+                + self.pp_bubble)
+
+
+def overlapped(comm: float, busy: float, share: float) -> tuple[float, float]:
+    """(exposed, contention): what `comm` seconds of NCCL collectives issued beside `busy` seconds of
+    compute add to it. While they run their kernels hold `share` of the SMs (Hardware.nccl_share) and the
+    compute runs on the rest, so the pair takes max(busy + share x comm, comm): the part compute does not
+    hide, and where it hides more than that, the compute the held SMs slow."""
+    exposed = max(0.0, comm - busy)
+    return exposed, max(0.0, share * comm - exposed)
 
 
 def group_busbw(stride: int, size: int, hw: Hardware) -> float:

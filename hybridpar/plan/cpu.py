@@ -89,6 +89,7 @@ def measure_cpu(gpus: int, seconds: float = 0.25, **overrides) -> Hardware:
         attention_efficiency=attention / matmul, memory_bw=elementwise, memory_efficiency=1.0,
         op_overhead=ranks["op_seconds"], sync_wait=ranks["sync_wait"],
         cores=cores, intra_node_busbw=ranks["wire_rate"], inter_node_busbw=ranks["wire_rate"], reserve_gib=0.0,
+        allocator_overhead=0.0,  # no caching allocator (the figure is a GPU's: plan.inputs.ALLOCATOR_OVERHEAD)
         name=(f"cpu, measured: {cores} cores, {matmul / 1e9:.0f} GFLOP/s float32 matmul per core, elementwise "
               f"{elementwise / 1e9:.1f} GB/s, {ranks['op_seconds'] * 1e6:.0f} us per op; gloo at {max(gpus, 2)} ranks: "
               f"{ranks['wire_rate'] / 1e9:.2f} GB/s of wire per CPU-second, {ranks['sync_wait'] * 1e3:.2f} ms per "

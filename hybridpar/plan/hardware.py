@@ -1,7 +1,7 @@
 """Named hardware for `hybridpar plan --gpu NAME` (`--gpu cpu` measures this machine: plan/cpu.py).
 
-Each GPU entry states its datasheet figures (dense bf16 peak, memory and its bandwidth, NVLink and
-the network per GPU) and the fraction of each that kernels sustain. The fractions are properties
+Each GPU entry states its datasheet figures (dense bf16 peak, memory and its bandwidth, SMs, NVLink
+and the network per GPU) and the fraction of each that kernels sustain. The fractions are properties
 of the kernels on that chip, not of any one model: cuBLAS on large bf16 matrices, FlashAttention-2
 (what scaled_dot_product_attention runs on these GPUs), and elementwise kernels streaming memory.
 Bus bandwidths are what nccl-tests reports for rings of 8 GPUs over NVLink and between nodes.
@@ -60,27 +60,44 @@ def float8_peak_flops_of(device_name: str) -> float:
     return _lookup(DENSE_FLOAT8_PEAKS, device_name) or 0.0
 
 
+# The clock of an H100 under a power cap. NVIDIA's H100 datasheet rates the same 132 SMs at two
+# clocks: the NVL board at its 400 W (configurable 350-400 W) 835 dense bf16 TFLOP/s, the SXM board at
+# its 700 W 989. torchtitan's note puts its 500 W card's peak between the two; read off the line through
+# them at the cap (not their midpoint, which is the line at 550 W), 886/989 of the SXM's clock.
+H100_RATED_WATTS = (400, 700)  # the NVL's and the SXM's board power at the datasheet's figures
+
+
+def h100_clock_at(watts: float) -> float:
+    """The fraction of the 700 W SXM's clock an H100 board holds capped at `watts` (linear between the
+    NVL's and the SXM's rated figures)."""
+    (w0, w1), f0, f1 = H100_RATED_WATTS, peak_flops_of("H100 NVL"), peak_flops_of("H100 SXM")
+    return (f0 + (f1 - f0) * (watts - w0) / (w1 - w0)) / f1
+
+
+H100_500W_CLOCK = h100_clock_at(500)
+
+
 # name -> (description, Hardware fields). gpus and gpu_mem_gib's use are filled in by `spec`.
 GPUS: dict[str, tuple[str, dict]] = {
     "a100": ("A100 SXM4 80 GB (400 W): 312 TFLOP/s bfloat16, no float8 matmuls, HBM2e 2.04 TB/s, NVLink3 "
              "300 GB/s per direction, one 200 Gb/s NIC per GPU", dict(
                  gpu_mem_gib=80, peak_flops=peak_flops_of("A100"), float8_peak_flops=float8_peak_flops_of("A100"),
-                 gemm_efficiency=0.85, attention_efficiency=0.55,
+                 gemm_efficiency=0.85, attention_efficiency=0.55, sms=108,
                  memory_bw=2.04e12, memory_efficiency=0.8, intra_node_busbw=230e9, inter_node_busbw=23e9)),
     "h100": ("H100 SXM5 80 GB (700 W): 989 TFLOP/s bfloat16, 1,979 float8, HBM3 3.35 TB/s, NVLink4 450 GB/s per "
              "direction, one 400 Gb/s NIC per GPU", dict(
                  gpu_mem_gib=80, peak_flops=peak_flops_of("H100 SXM"), float8_peak_flops=float8_peak_flops_of("H100 SXM"),
-                 gemm_efficiency=0.7, attention_efficiency=0.35,
+                 gemm_efficiency=0.7, attention_efficiency=0.35, sms=132,
                  memory_bw=3.35e12, memory_efficiency=0.8, intra_node_busbw=370e9, inter_node_busbw=45e9)),
     # Meta's Grand Teton hosts, where torchtitan measured (docs/performance.md): the same SXM board
-    # with 96 GB of HBM2e at 2.4 TB/s, capped at 500 W. torchtitan quotes MFU against 989 but notes
-    # the capped card's real peak lies between the NVL's 835 and 989; its clock is taken as the
-    # midpoint, 912/989 of the SXM's, and the 700 W card's kernel fractions are scaled by it.
+    # with 96 GB of HBM2e at 2.4 TB/s (torchtitan's benchmarks/llama3_h100_202412_torchtitan.md),
+    # capped at 500 W. The 700 W card's kernel fractions, at the clock of the cap (H100_500W_CLOCK).
     "h100-500w": ("H100 SXM5 96 GB HBM2e capped at 500 W (Grand Teton): 989 TFLOP/s bfloat16 (1,979 float8) "
-                  "on paper, about 912/989 of it at its clock; HBM2e 2.4 TB/s, NVLink4, one 400 Gb/s NIC per GPU", dict(
+                  f"on paper, about {H100_500W_CLOCK * 989:.0f}/989 of it at the cap's clock; HBM2e 2.4 TB/s, "
+                  "NVLink4, one 400 Gb/s NIC per GPU", dict(
                       gpu_mem_gib=94, peak_flops=peak_flops_of("H100 SXM"),
-                      float8_peak_flops=float8_peak_flops_of("H100 SXM"), gemm_efficiency=0.7 * 912 / 989,
-                      attention_efficiency=0.35 * 912 / 989, memory_bw=2.4e12, memory_efficiency=0.8,
+                      float8_peak_flops=float8_peak_flops_of("H100 SXM"), gemm_efficiency=0.7 * H100_500W_CLOCK,
+                      attention_efficiency=0.35 * H100_500W_CLOCK, sms=132, memory_bw=2.4e12, memory_efficiency=0.8,
                       intra_node_busbw=370e9, inter_node_busbw=45e9)),
 }
 

@@ -7,7 +7,20 @@ import dataclasses
 from ..config.low_precision import RECIPES as FLOAT8_RECIPES  # the [float8] section's recipes ("none": bf16)
 
 GIB = 2**30
+# The SMs an NCCL collective's kernel holds while it runs, which no compute kernel shares: "NCCL uses the
+# minimal number of SMs to achieve the performance of the platform ... on DGX with 8 NICs ... 16 SMs" and
+# "NCCL CTAs won't share an SM with compute kernels" (its maintainer, github.com/NVIDIA/nccl/issues/689);
+# Meta profiling FSDP on H100 saw NCCL occupy ~10% of the 132 SMs (github.com/pytorch/pytorch/issues/143988).
+NCCL_SMS = 16
 MASTER_BYTES = 4  # the trainer builds the model in fp32: master params, grads and AdamW moments are fp32
+# What a GPU's caching allocator reserves beyond the tensors the planner counts (Memory.allocator), as a
+# fraction of them: the blocks a step frees (the activations, in backward) stay cached for what it makes
+# next (the gradients, of other sizes). Measured on one H200 (docs/benchmarks.md, first light), Llama 3
+# 8B's shape with 20 layers at world 1: torchtitan's allocator reserved 1.32x its peak allocation (114.7
+# of 86.9 GiB; compiled, 1.24x); hybridpar's peak allocation was 90.5 GiB, so at 1.32x its card held
+# about 119.4 GiB, where the planner's terms (each counted as alive at once) sum to 112.4: 6.3% more.
+# The GPU check now measures hybridpar's own (bench/gpu: planned/reserved).
+ALLOCATOR_OVERHEAD = 0.063
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,8 +142,15 @@ class Hardware:
     op_overhead: float = 0.0  # host seconds per op the device does not hide (CPU: dispatch)
     cores: int = 0  # >0: the ranks of a node share this many cores (CPU); communication does not overlap
     sync_wait: float = 0.0  # seconds a synchronising call adds when ranks share the cores (CPU)
-    reserve_gib: float = 4.0  # CUDA context, NCCL buffers, allocator fragmentation
+    reserve_gib: float = 4.0  # CUDA context, NCCL buffers
+    allocator_overhead: float = ALLOCATOR_OVERHEAD  # the caching allocator's reserve, of the rest (a CPU: 0)
+    sms: int = 0  # streaming multiprocessors; 0: NCCL's share of them not priced (a CPU, or not stated)
     name: str = ""
+
+    @property
+    def nccl_share(self) -> float:
+        """The share of the SMs an NCCL kernel holds: compute it overlaps runs on the rest (NCCL_SMS)."""
+        return min(1.0, NCCL_SMS / self.sms) if self.sms else 0.0
 
     @property
     def usable_bytes(self) -> float:
@@ -141,6 +161,8 @@ class Hardware:
                 else f"{self.peak_flops / 1e9:.0f} GFLOP/s")
         sustained = (f"matmul {self.gemm_efficiency:.2f} and attention {self.attention_efficiency:.2f} of {peak}, "
                      f"memory {self.memory_efficiency:.2f} of {self.memory_bw / 1e9:.4g} GB/s")
+        if self.sms:
+            sustained += f"; NCCL's kernels hold {min(NCCL_SMS, self.sms)} of its {self.sms} SMs while they overlap compute"
         if self.op_overhead:
             sustained += f", {self.op_overhead * 1e6:.1f} us per op"
         if self.cores:

@@ -153,7 +153,8 @@ def activation_bytes(args: ModelArgs, mp: int, micro_batch: int, seq_len: int, c
 
 @dataclasses.dataclass(frozen=True)
 class Memory:
-    """Peak bytes per rank by kind; everything is counted as alive at once (a little pessimistic)."""
+    """Peak bytes per rank by kind; everything is counted as alive at once (a little pessimistic
+    for the tensors, about what a caching allocator keeps), and `allocator` its reserve on top."""
 
     params: float  # fp32 master shard
     grads: float  # fp32 gradient shard
@@ -163,6 +164,7 @@ class Memory:
     grad_buffers: float  # one unit's unsharded gradient + its reduce-dtype copy
     activations: float  # saved for backward at the end of forward
     transient: float  # on top: the loss's logits peak, or a recomputed block + backward temporaries
+    allocator: float = 0.0  # what the caching allocator reserves beyond the tensors (Hardware.allocator_overhead)
 
     @property
     def state(self) -> float:

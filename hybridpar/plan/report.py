@@ -56,9 +56,11 @@ def breakdown(e: Estimate, hw: Hardware, plan: "Plan | None" = None) -> list[str
         f"  memory per GPU {_gib(m.total)} GiB of {_gib(e.usable_bytes)} usable: "
         f"params {_gib(m.params)} + grads {_gib(m.grads)} + AdamW {_gib(m.optimizer)}"
         f" + accumulated grads {_gib(m.accumulated_grads)} + gathered params {_gib(m.gathered_params)}"
-        f" + grad buffers {_gib(m.grad_buffers)} + activations {_gib(m.activations)} + transient {_gib(m.transient)}",
+        f" + grad buffers {_gib(m.grad_buffers)} + activations {_gib(m.activations)} + transient {_gib(m.transient)}"
+        + (f" + allocator {_gib(m.allocator)}" if m.allocator else ""),
         f"  step {_seconds(t.step)} s: compute {_seconds(t.compute)} + tensor-parallel {_seconds(t.tp_comm)}{cp}"
-        f" + exposed FSDP {_seconds(t.dp_exposed)} (of {_seconds(t.dp_comm)}); "
+        f" + exposed FSDP {_seconds(t.dp_exposed)} (of {_seconds(t.dp_comm)})"
+        + (f" + compute on the SMs NCCL leaves {_seconds(t.dp_contention)}" if t.dp_contention else "") + "; "
         f"{e.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, MFU {100 * e.mfu(hw.peak_flops):.0f}%",
     ]
     if e.layout.cp > 1 and plan is not None:
@@ -90,7 +92,7 @@ def _row(i: int, e: Estimate, hw: Hardware, width: int = 10, cp: bool = False) -
             f"{_gib(m.total):>6} "
             f"{_seconds(t.step):>7} {e.tokens_per_s_per_gpu:>10,.0f} {100 * e.mfu(hw.peak_flops):>4.0f}% "
             f"{_seconds(t.tp_comm):>6}" + (f" {_seconds(t.cp_exposed):>6}" if cp else "")
-            + f" {_seconds(t.dp_exposed):>7}")
+            + f" {_seconds(t.dp_exposed + t.dp_contention):>7}")
 
 
 def format_plan(plan: Plan, top: int = 10, model_name: str = "", model_flags: str = "") -> str:
@@ -108,6 +110,7 @@ def format_plan(plan: Plan, top: int = 10, model_name: str = "", model_flags: st
         f"assumed: {hw.describe()}; busbw {hw.intra_node_busbw / 1e9:.3g} GB/s inside a node, "
         f"{hw.inter_node_busbw / 1e9:.3g} GB/s per GPU between nodes; float32 master weights, "
         f"{w.param_dtype} compute, {w.reduce_dtype} gradient reduction" + (", compiled blocks" if w.compile else ""),
+        *([f"assumed: {allocator_assumed(hw)}"] if hw.allocator_overhead else []),
         *([f"assumed: {float8_assumed(w, hw)}"] if w.float8 != "none" else []),
         *([f"assumed: {CP_ASSUMED}"] if plan.context_parallel else []),
         "",
@@ -116,8 +119,9 @@ def format_plan(plan: Plan, top: int = 10, model_name: str = "", model_flags: st
     if fitting:
         out.append(f"{len(fitting)} of {len(plan.estimates)} layouts fit, the best first. GiB per GPU: state = float32 "
                    "params + grads + AdamW, accum = unsharded grads kept between micro-batches,")
-        out.append("act = saved activations, other = gathered params, buffers, peaks; "
-                   "fsdp s = FSDP time compute does not hide; micro = micro-batches per step.")
+        out.append("act = saved activations, other = gathered params, buffers, peaks, the allocator's reserve; "
+                   "fsdp s = FSDP's time in the step (what compute does not hide, and the compute its NCCL kernels' "
+                   "SMs slow); micro = micro-batches per step.")
         shown = fitting[:top]
         width, cp = max(10, *(len(e.layout.name) for e in shown)), any(e.layout.cp > 1 for e in shown)
         out.append(_header(width, cp))
@@ -148,6 +152,12 @@ def format_plan(plan: Plan, top: int = 10, model_name: str = "", model_flags: st
         out.append(f"{len(plan.skipped)} layouts skipped: the global batch of {w.global_batch} sequences is not a "
                    f"multiple of dp x micro-batch for dp in {dps}")
     return "\n".join(out)
+
+
+def allocator_assumed(hw: Hardware) -> str:
+    """The one line of what the memory assumes of the caching allocator (Hardware.allocator_overhead)."""
+    return (f"the caching allocator reserves {100 * hw.allocator_overhead:.1f}% more than the tensors counted "
+            "(blocks a step frees stay cached for what it makes next; measured on an H200, docs/planner.md)")
 
 
 def float8_assumed(w: Workload, hw: Hardware) -> str:
@@ -199,9 +209,11 @@ def plan_json(plan: Plan, model_name: str = "", model_flags: str = "") -> dict:
         m, t = e.memory, e.time
         return {**dataclasses.asdict(e.layout), "strategy": e.layout.strategy, "grad_accum": e.grad_accum,
                 "global_batch": e.global_batch, "fits": e.fits,
-                "memory_gib": {k: getattr(m, k) / GIB for k in ("state", "accumulated_grads", "activations", "total")},
+                "memory_gib": {k: getattr(m, k) / GIB for k in ("state", "accumulated_grads", "activations", "allocator",
+                                                                "total")},
                 "step_s": t.step, "tp_comm_s": t.tp_comm, "cp_comm_s": t.cp_exposed,
                 "pp_comm_s": t.pp_comm, "pp_bubble_s": t.pp_bubble, "fsdp_exposed_s": t.dp_exposed,
+                "fsdp_contention_s": t.dp_contention,
                 "tokens_per_s_per_gpu": e.tokens_per_s_per_gpu, "mfu": e.mfu(plan.hardware.peak_flops),
                 "config": config_flags(e, plan.workload, model_flags)}
 

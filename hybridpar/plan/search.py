@@ -11,7 +11,7 @@ from ..config.dtypes import dtype_bytes
 from ..config.sharding import AC_MODES
 from .async_tp import async_tp_seconds
 from .comm import (StepTime, all_gather_seconds, all_reduce_seconds, collective_bytes,
-                   flops_per_token, group_busbw)
+                   flops_per_token, group_busbw, overlapped)
 from .compute import head_work, micro_batch_work, step_work
 from .inputs import MASTER_BYTES, Hardware, Layout, Workload, check_float8
 from .memory import (Memory, ParamCounts, activation_bytes, gathered_bytes, gathered_kv_bytes, local_param_shapes,
@@ -112,12 +112,13 @@ def estimate(args: ModelArgs, layout: Layout, workload: Workload, hw: Hardware) 
     backward_work = acts.recompute + a * t * (2 * args.dim + 3 * args.ffn_hidden_dim // mp)
     if cp > 1:
         backward_work += gathered_kv_bytes(args, mp, b, s, a)
-    memory = Memory(
+    tensors = Memory(
         params=counts.sharded * MASTER_BYTES, grads=counts.sharded * MASTER_BYTES,
         optimizer=2 * counts.sharded * MASTER_BYTES, accumulated_grads=accumulated,
         gathered_params=gathered, grad_buffers=grad_buffers, activations=saved,
         transient=max(acts.loss_transient, backward_work),
     )
+    memory = dataclasses.replace(tensors, allocator=hw.allocator_overhead * tensors.total)
 
     # Compute: this rank's kernels for one micro-batch (its 1/mp share, recomputation included),
     # and per step FSDP's copies and the optimizer.
@@ -157,14 +158,15 @@ def estimate(args: ModelArgs, layout: Layout, workload: Workload, hw: Hardware) 
         sp = mp if layout.sequence_parallel and mp > 1 else 1
         hidden = b * s // cp // sp * args.dim * a
         pp_mb = 2 * v * hidden / group_busbw(layout.world // pp, pp, hw)
+    held = hw.nccl_share  # of the SMs, while a collective overlaps compute
+    last = overlapped(ag + rs + ar, busy, held)
     if pp > 1:  # the stage's parameters gathered once, its gradients reduced once per step
-        exposed = max(0.0, ag + rs + ar - busy)
-        dp_comm = ag + rs + ar
+        (exposed, contention), dp_comm = last, ag + rs + ar
     elif sync_every:  # every micro-batch gathers and reduces: sharded accumulation, more traffic
-        exposed = grad_accum * max(0.0, ag + rs + ar - busy)
+        exposed, contention = (grad_accum * x for x in last)
         dp_comm = grad_accum * (ag + rs + ar)
     else:
-        exposed = (grad_accum - 1) * max(0.0, ag - busy) + max(0.0, ag + rs + ar - busy)
+        exposed, contention = ((grad_accum - 1) * x + y for x, y in zip(overlapped(ag, busy, held), last))
         dp_comm = grad_accum * ag + rs + ar
     compute, tp, cp_time = grad_accum * compute_mb + step_extra, grad_accum * tp_mb, grad_accum * cp_mb
     if hw.cores:
@@ -177,13 +179,15 @@ def estimate(args: ModelArgs, layout: Layout, workload: Workload, hw: Hardware) 
         tp = share * tp + tp_calls * hw.sync_wait
         cp_time = share * cp_time + grad_accum * comm.cp_calls * hw.sync_wait
         dp_comm = exposed = share * dp_comm + dp_calls * hw.sync_wait
+        contention = 0.0  # exposed already: nothing overlaps
     pp_comm = grad_accum * pp_mb
     # The bubble: each rank idles (p - 1) / (v m + p - 1) of the pipelined part of the step.
     bubble = 0.0
     if pp > 1:
         share = bubble_fraction(pp, v, grad_accum)
         bubble = share / (1 - share) * (compute - step_extra + tp + cp_time + pp_comm)
-    time = StepTime(compute=compute, tp_comm=tp, dp_comm=dp_comm, dp_exposed=exposed, cp_comm=cp_time,
+    time = StepTime(compute=compute, tp_comm=tp, dp_comm=dp_comm, dp_exposed=exposed, dp_contention=contention,
+                    cp_comm=cp_time,
                     cp_exposed=cp_time, pp_comm=pp_comm, pp_bubble=bubble)
     tokens = global_batch * s
     return Estimate(
@@ -280,6 +284,9 @@ class Plan:
 
 def make_plan(args: ModelArgs, workload: Workload, hw: Hardware, **candidate_options) -> Plan:
     """Estimate every candidate layout and rank them: layouts that fit, by tokens/s per GPU."""
+    if args.n_experts:
+        raise ValueError(f"the planner does not price mixture-of-experts models yet ({args.n_experts} experts); "
+                         "plan a dense model")
     if workload.seq_len > args.max_seq_len:
         raise ValueError(f"seq_len = {workload.seq_len} is larger than the model's max_seq_len = {args.max_seq_len}")
     for name, value in (("gpus", hw.gpus), ("gpus_per_node", hw.gpus_per_node), ("seq_len", workload.seq_len),

@@ -13,6 +13,11 @@ Each group reads its own share of the data (its dp ranks among groups x dp_size)
 its own: the steps it took part in (`windows`, counted by every group from the all-reduce, so a
 group that returns learns its own count from its peers). A group that was away continues where its
 last committed step left it: no window of its share is skipped or read twice.
+
+A start of the job (or of every group, resuming) takes its first step with every group: one still
+setting up would otherwise find the others a step ahead and be healed to a step it never trained.
+The stop ballots of a stop signal travel in the groups' all-reduce, so every group of the quorum stops
+after the same step (the quorum's first group writes the checkpoint).
 """
 
 from __future__ import annotations
@@ -22,21 +27,24 @@ import os
 import re
 import socket
 import time
-import urllib.request
 from datetime import timedelta
-from typing import Optional
+from pathlib import Path
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..compat.torch import default_store
+from ..mesh.ranks import gather_objects
 from ..parallel.float8_gather import precompute_float8_scales
+from .check import check_groups
+from .quorum import join, nowhere, unwatched
+from .record import Membership, WindowsRecord
 
 log = logging.getLogger(__name__)
 
 STORE_KEY = "hybridpar/replicas/store"  # in this start's store: where the group's torchft store listens
-RETRY_S = 1.0  # seconds between tries at a quorum that did not form, or formed with too few groups
 
 
 class LoneGroup:
@@ -53,8 +61,8 @@ class LoneGroup:
     def begin_step(self, step: int) -> int:
         return step
 
-    def average(self, params) -> None:
-        pass
+    def average(self, params, ballot: Sequence[float] = ()) -> list[float]:
+        return list(ballot)
 
     def commit(self) -> bool:
         return True
@@ -65,17 +73,22 @@ class LoneGroup:
     def row(self) -> dict:
         return {}
 
+    def report(self) -> Optional[dict]:
+        return None
+
     def close(self) -> None:
         pass
 
 
-class GroupOutOfStep(RuntimeError):
-    """A group's ranks came out of the quorum at different steps: this group's failure."""
-
-
-def make_replicas(ft, grad_accum: int):
-    """ReplicaGroups for fault_tolerance.enabled, else the LoneGroup."""
-    return ReplicaGroups(ft, grad_accum) if ft.enabled else LoneGroup()
+def make_replicas(config):
+    """ReplicaGroups for fault_tolerance.enabled, else the LoneGroup (`config`: the group's, preflight.group_config)."""
+    ft = config.fault_tolerance
+    if not ft.enabled:
+        return LoneGroup()
+    # The first step's wait for every group stays inside set-up's bound, which the watchdog keeps.
+    return ReplicaGroups(ft, config.train.grad_accum, check_every=config.diagnostics.replica_check_every,
+                         start_wait=config.parallel.init_timeout / 2,
+                         record_to=Path(config.output.run_dir) / "windows.jsonl" if ft.record_windows else None)
 
 
 def _reason(error) -> str:
@@ -100,17 +113,29 @@ def _plain(tree):
 
 
 class ReplicaGroups:
-    def __init__(self, ft, grad_accum: int) -> None:
-        self.ft, self.grad_accum = ft, grad_accum
+    """check_every: diagnostics.replica_check_every (the groups' parameters are also compared after each
+    change of the quorum); start_wait: seconds the first step waits for every group; record_to: where
+    windows.jsonl goes (fault_tolerance.record_windows), None for no record."""
+
+    def __init__(self, ft, grad_accum: int, *, check_every: int = 0, start_wait: float = 300.0,
+                 record_to: Optional[Path] = None) -> None:
+        self.ft, self.grad_accum, self.check_every, self.start_wait = ft, grad_accum, check_every, start_wait
         self.windows = [0] * ft.groups  # steps each group's data went into, committed
-        self.members: Optional[list[int]] = None  # the groups of the last committed step
+        self.membership = Membership(ft.groups)  # the steps with fewer groups, the heals
+        self.record = WindowsRecord(record_to) if record_to is not None else None
         self.step = 0
         self.manager = None
         self.metrics = None
-        self.healed: Optional[dict] = None  # this start's heal: from which step, how long it took
-        self.fewer_since: Optional[float] = None  # when the groups last became fewer
-        self.fewer_steps = 0  # steps committed with fewer groups than the job has
-        self.first: Optional[float] = None  # a group starting at step 0: when it first asked for the quorum
+        self.healed: Optional[dict] = None  # this step's heal: from which step, how long it took
+        self._heal_row: dict = {}  # the step line's words of a heal, until a step is committed
+        self._started = False  # the first quorum of this start is done
+        self.at, self.waiting = nowhere, unwatched  # the supervisor's, from connect()
+        self._quorum_id: Optional[int] = None  # the last quorum's (torchft's): a new one is a changed quorum
+
+    @property
+    def members(self) -> Optional[list[int]]:
+        """The groups of the last committed step."""
+        return self.membership.members
 
     @property
     def parts(self) -> dict:
@@ -156,9 +181,7 @@ class ReplicaGroups:
             logging.getLogger(name).setLevel(level)
 
         self.modules, self.optimizer, self.scheduler, self.loader = modules, optimizer, scheduler, loader
-        self.device = parallel.device
         self.metrics, self.step, self.at, self.waiting = metrics, step, at, waiting
-        self.first = 0.0 if step == 0 else None
         self._seek()  # this group's own place in the data, whatever the checkpoint's loader said
         timeout = timedelta(seconds=self.ft.timeout)
         host, port = self._group_store()
@@ -224,101 +247,90 @@ class ReplicaGroups:
         self._before = self.loader.state_dict()
         self._asked = time.perf_counter()
         with self.waiting(f"the quorum of the replica groups before step {step + 1}") as say:
-            self._join(say)
+            join(self, say)
+            if not self._started:
+                self._wait_for_every_group(say)
         if self.healed is not None and dist.get_rank() == 0:
             log.info(f"hybridpar: replica group {self.ft.group} healed from a live group at step {self.step} "
                      f"(it was at step {self.healed['from_step']}) in {self.healed['seconds']:.1f} s")
         if self.healed is not None:
             self.metrics.continue_from(self.step)  # its log before it was away is kept
             self.metrics.event(self.step, "healed", group=self.ft.group, **self.healed)
+            self.membership.heals.append({"step": self.step, "from_step": self.healed["from_step"],
+                                          "seconds": self.healed["seconds"]})
+            self._heal_row = {"healed_from": self.healed["from_step"], "heal_s": self.healed["seconds"]}
+        self._check_groups()
+        if self.record is not None:
+            self.loader.record = []  # the loader notes each micro-batch's windows from here
         return self.step
 
-    def _join(self, say) -> None:
-        """Ask for the quorum until one of fault_tolerance.min_groups groups or more forms: one that does
-        not form in torchft's quorum timeout (the lighthouse gone, fewer groups than its --min-groups),
-        or forms with fewer groups, is waited out, said once per reason (rank 0) and in the heartbeat's
-        note (say), for the watchdog's line if the wait outlasts its limit."""
-        began, said = time.monotonic(), None
-        while (why := self._agreed(self._quorum())) is not None:
-            say(f"the quorum of the replica groups before step {self.step + 1} ({why})")
-            if why != said and dist.get_rank() == 0:
-                log.warning(f"hybridpar: replica group {self.ft.group} waits for the quorum before step "
-                            f"{self.step + 1}: {why}; it trains on when the quorum forms")
-            said = why
-            time.sleep(RETRY_S)
-        if said is not None and dist.get_rank() == 0:
-            log.warning(f"hybridpar: replica group {self.ft.group} is in a quorum of {self.manager.num_participants()} "
-                        f"group(s) after waiting {time.monotonic() - began:.1f} s; it trains step {self.step + 1}")
+    def _wait_for_every_group(self, say) -> None:
+        """The first quorum of this start: unless it healed this group, wait (start_wait at most) until
+        every group is in it. The group's ranks decide together: all wait, or none."""
+        self._started = True
+        waited, said = time.monotonic(), False
+        while all(gather_objects(self.healed is None and self.manager.errored() is None
+                                 and self.manager.num_participants() < self.ft.groups
+                                 and time.monotonic() - waited < self.start_wait)):
+            if not said and dist.get_rank() == 0:
+                log.info(f"hybridpar: replica group {self.ft.group} waits for every group before its first step "
+                         f"({self.manager.num_participants()} of {self.ft.groups} there; {self.start_wait:.0f} s "
+                         "at most, then it starts with those there)")
+                said = True
+            self.at("replica quorum: waiting for every group", step=self.step + 1)
+            time.sleep(1.0)
+            self._asked = time.perf_counter()
+            join(self, say)
 
-    def _agreed(self, why: Optional[str]) -> Optional[str]:
-        """Whether every rank of this group got the quorum, and at the same step (one all-reduce). If one
-        missed it, all ask again together: torchft's manager answers a group's ranks together, and a
-        rank that asked again alone would wait there for the others, gone on to train, until its quorum
-        timeout. Ranks at different steps were healed in part (the live peer of some failed meanwhile):
-        GroupOutOfStep, so that the group's launcher restarts it to be healed whole."""
-        votes = torch.tensor([float(why is not None), self.step, -self.step], dtype=torch.float64, device=self.device)
-        dist.all_reduce(votes, op=dist.ReduceOp.MAX)
-        missed, highest, lowest = votes[0].item(), int(votes[1].item()), -int(votes[2].item())
-        if missed:
-            return why or "another rank of this group missed it"
-        if highest != lowest:
-            raise GroupOutOfStep(f"replica group {self.ft.group}: its ranks left the quorum at steps {lowest} and "
-                                 f"{highest}, a heal from a live group reached some of them only (that group failed "
-                                 "meanwhile); the group stops so that its launcher restarts it to be healed again")
-        return None
+    def _check_groups(self) -> None:
+        """The replica check across groups (check.py) after a change of the quorum and every check_every steps."""
+        quorum = self.manager._quorum_id  # torchft's: one for every group of a quorum, a new one when it changes
+        changed, self._quorum_id = quorum != self._quorum_id, quorum
+        if not (changed or (self.check_every and (self.step + 1) % self.check_every == 0)):
+            return
+        self.at("replica check across groups", step=self.step + 1)
+        found = check_groups(self.manager, self.modules, group=self.ft.group, groups=self.ft.groups,
+                             healed=self.healed is not None, step=self.step + 1)
+        if found is None:  # the all-reduce failed: the step is not committed
+            return
+        if found["differ"] and dist.get_rank() == 0:
+            log.warning(f"hybridpar: {found['text']}; the group(s) {sorted(found['differ'])} leave the job to be "
+                        "healed again")
+        if changed or found["differ"]:
+            self.metrics.event(self.step + 1, "replica_check", groups=found["groups"], healed=found["healed"],
+                               differ=found["differ"])
 
-    def _quorum(self) -> Optional[str]:
-        """One try at the quorum: None when it formed with enough groups, else why not."""
-        try:
-            self.manager.start_quorum()
-        except Exception as err:
-            future = self.manager._quorum_future
-            if future is None or not future.done() or future.exception() is not err:
-                raise  # not the quorum's own failure (a heal's state that does not load is a bug to see)
-            # torchft 0.2 keeps a failed quorum's future and raises its error again at every start_quorum.
-            self.manager._quorum_future = None
-            return self._no_quorum()
-        found = self.manager.num_participants()
-        if found < self.ft.min_groups:
-            return f"{found} group(s) in it, fewer than fault_tolerance.min_groups = {self.ft.min_groups}"
-        if self.first is not None and found < self.ft.groups:
-            # The job's groups start together: one that began alone would heal the others as they come.
-            self.first = self.first or time.monotonic()
-            if time.monotonic() - self.first < 2 * self.ft.timeout:
-                return (f"{found} group(s) of {self.ft.groups} in it; the first step waits up to "
-                        f"{2 * self.ft.timeout:g} s for every group")
-        self.first = None
-        return None
-
-    def _no_quorum(self) -> str:
-        """Why no quorum formed in torchft's quorum timeout: the lighthouse does not answer, or what its
-        status says it waits for."""
-        address = self.ft.address()
-        try:
-            with urllib.request.urlopen(f"{address}/status", timeout=self.ft.timeout) as f:
-                status = f.read().decode(errors="replace")
-        except OSError as err:
-            reason = re.sub(r"^\[Errno \d+\]\s*", "", str(getattr(err, "reason", err)))
-            return f"the lighthouse at {address} does not answer: {reason}"
-        found = re.search(r"Next quorum status:\s*([^<\[]+)", status)
-        said = f"; the lighthouse: {found.group(1).strip()}" if found else ""
-        return f"no quorum in {2 * self.ft.timeout:g} s{said}"
-
-    def average(self, params) -> None:
-        """The mean of the groups' gradients, and which groups took part: one all-reduce."""
+    def average(self, params, ballot: Sequence[float] = ()) -> list[float]:
+        """The mean of the groups' gradients, which groups took part, and the sum of the stop ballots of
+        this rank and the same rank of every other group (stop.py): one all-reduce. Every group of the
+        quorum reads the same sum, so all stop after the same step. The sums of the ballots, or this
+        rank's own ballot when the all-reduce failed."""
+        if self.record is not None and dist.get_rank() == 0:  # before the all-reduce: a group killed in it
+            self.record.write(step=self.step + 1, read=self._share(self.loader.record))  # may count in the others
         grads = [_local(p.grad) for p in params if p.grad is not None]
-        mine = torch.zeros(self.ft.groups, dtype=torch.float32, device=grads[0].device if grads else None)
-        mine[self.ft.group] = 1.0
-        flat = torch.cat([g.reshape(-1).to(torch.float32) for g in grads] + [mine])
+        tail = torch.zeros(self.ft.groups + len(ballot), dtype=torch.float32, device=grads[0].device if grads else None)
+        tail[self.ft.group] = 1.0
+        tail[self.ft.groups:] = torch.tensor(list(ballot), dtype=torch.float32)
+        flat = torch.cat([g.reshape(-1).to(torch.float32) for g in grads] + [tail])
         # A wait for the other groups, not a collective of this one: ended by fault_tolerance.timeout if one is silent.
         with self.waiting(f"the other replica groups' gradients of step {self.step + 1}"):
             self.manager.allreduce(flat).wait()  # an error is torchft's: the step is then not committed
-        took_part = (flat[-self.ft.groups:] * self.manager.num_participants()).tolist()
-        self._members = [g for g, share in enumerate(took_part) if share > 0.5]
+        summed = (flat[flat.numel() - tail.numel():] * self.manager.num_participants()).tolist()
+        self._members = [g for g, share in enumerate(summed[:self.ft.groups]) if share > 0.5]
         offset = 0
         for g in grads:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
+        if self.manager.errored() is not None:
+            return list(ballot)
+        return [float(round(v)) for v in summed[self.ft.groups:]]
+
+    def _share(self, batches: list) -> list:
+        """This group's (source, window) pairs of micro-batches of the whole job (every group's readers)."""
+        readers = self.loader.dp_size
+        per_group = readers // self.ft.groups
+        return [[s, w] for pairs in batches for i, (s, w) in enumerate(pairs)
+                if i % readers // per_group == self.ft.group]
 
     def commit(self) -> bool:
         """Whether every group of this one's quorum finished the step; if not, its data is read again."""
@@ -330,35 +342,32 @@ class ReplicaGroups:
             return False
         for g in self._members:
             self.windows[g] += 1
-        if self._members != self.members:
-            self._changed(self._members)
-        if len(self._members) < self.ft.groups:
-            self.fewer_steps += 1
-        return True
-
-    def _changed(self, members: list[int]) -> None:
         step, was = self.step + 1, self.members
-        self.members = members
-        if was is None and len(members) == self.ft.groups:  # the first step, every group there: nothing to say
-            return
-        event = {"groups": members, "was": was}
-        if len(members) < len(was or range(self.ft.groups)):
-            self.fewer_since = self.fewer_since or time.monotonic()
-        elif len(members) == self.ft.groups and self.fewer_since is not None:
-            event["seconds_fewer"] = round(time.monotonic() - self.fewer_since, 1)
-            self.fewer_since = None
-        if dist.get_rank() == 0:
-            log.warning(f"hybridpar: step {step} committed by replica group(s) {members} of {self.ft.groups}"
-                        + (f" (was {was})" if was is not None else ""))
-        self.metrics.event(step, "groups", **event)
+        event = self.membership.committed(step, self._members)
+        if event is not None:
+            if dist.get_rank() == 0:
+                log.warning(f"hybridpar: step {step} committed by replica group(s) {self._members} of "
+                            f"{self.ft.groups}" + (f" (was {was})" if was is not None else ""))
+            self.metrics.event(step, "groups", **event)
+        if self.record is not None and dist.get_rank() == 0:
+            self.record.write(step=step, committed=self._members)
+        return True
 
     def writes_checkpoints(self) -> bool:
         """The quorum's first group writes the job's checkpoints; the others keep training."""
         return self.manager.participating_rank() == 0
 
     def row(self) -> dict:
-        return {"groups": len(self.members or ())}
+        """The step's numbers: the groups that committed it, and a heal before it (the step line says it)."""
+        healed, self._heal_row = self._heal_row, {}
+        return {"groups": len(self.members or ()), **healed}
+
+    def report(self) -> dict:
+        """summary.json's "replica_groups" (the summary's rows: record.summary_lines)."""
+        return self.membership.report(self.ft.group, self.windows)
 
     def close(self) -> None:
+        if self.record is not None:
+            self.record.close()
         if self.manager is not None:
             self.manager.shutdown(wait=False)

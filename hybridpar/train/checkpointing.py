@@ -4,6 +4,7 @@ checkpoint.init_from's weights), save, and say what each save wrote (events.json
     checkpoints = Checkpoints(config, parallel, job, supervisor, model=runner.modules, optimizer=optimizer,
                               args=args, parts={"scheduler": scheduler, "data": loader}, tokenizer=tokenizer)
     step = checkpoints.restore()        # 0, or the step the newest intact checkpoint holds
+    checkpoints.prepare_staging()       # after restore and each step: a GPU's async saves' host copy, made early
     checkpoints.save(step, metrics)     # the path written (an async save: its writes complete later)
     checkpoints.close(metrics)          # the last writes completed and reported
 
@@ -19,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from ..checkpoint.dcp import Checkpointer, complete_checkpoints, latest_checkpoint, params_dict
+from ..checkpoint.dcp import Checkpointer, complete_checkpoints, latest_checkpoint, params_dict, step_dir_name
 from ..config import Config, ConfigError
 from ..files import refuse_occupied
 from ..mesh.device import ParallelDims
@@ -35,6 +36,7 @@ class Checkpoints:
         self.params = params_dict(args)
         self.checkpointer = Checkpointer(config.checkpoint_dir(), parallel, keep=c.keep, async_save=c.async_save)
         self.resumed_from: Optional[Path] = None  # the checkpoint restore() resumed from
+        self.elsewhere: Optional[int] = None  # the last step this group left to another to save
 
     @property
     def folder(self) -> Path:
@@ -63,11 +65,17 @@ class Checkpoints:
             self.checkpointer.load(Path(self.settings.init_from), self.model, None, self.params)
         return 0
 
+    def prepare_staging(self) -> None:
+        """Before the first save: a GPU's async saves get their host copy made in the background
+        (checkpoint.staging), once the optimizer has its state. Collective; cheap once begun."""
+        self.checkpointer.prepare_staging(self.model, self.optimizer)
+
     def save(self, step: int, metrics) -> Path:
         """Checkpoint `step`; events.jsonl gets how long training waited for it (an async save: only
         the copy to host memory) and each completed save's size and write time. A replica group that
         does not write them (hybridpar.replicas) trains on: the newest checkpoint is returned."""
         if self.writes is not None and not self.writes():
+            self.elsewhere = step
             return self.latest()
         train_state = {name: part.state_dict() for name, part in self.parts.items()}
         if getattr(self.tokenizer, "path", None):  # for `convert --to hf`, which writes it beside the weights
@@ -76,8 +84,9 @@ class Checkpoints:
         begun = time.perf_counter()
         with self.supervisor.checkpointing():  # a large checkpoint's writes are not a hang
             path = self.checkpointer.save(step, self.model, self.optimizer, train_state, self.params)
+        # The first async save on a GPU also says how long it waited for its host copy, made in the background.
         metrics.event(step, "checkpoint", blocked_s=round(time.perf_counter() - begun, 3),
-                      async_save=self.checkpointer.async_save)
+                      async_save=self.checkpointer.async_save, **self.checkpointer.last_staging)
         self.report_written(metrics)
         return path
 
@@ -88,6 +97,13 @@ class Checkpoints:
         self.checkpointer.written.clear()
 
     def close(self, metrics) -> None:
-        """The last save's writes completed (and reported)."""
+        """The last save's writes completed (and reported). A replica group that left its last save to
+        another waits for it a little (half of checkpoint.exit_save_timeout, 10 s at most), so that what
+        it says at the end names it; then the newest complete one is the newest."""
         self.checkpointer.close()
         self.report_written(metrics)
+        if self.elsewhere is not None:
+            done = self.folder / step_dir_name(self.elsewhere) / "train_state.json"
+            waited = time.monotonic()
+            while not done.exists() and time.monotonic() - waited < min(10.0, self.settings.exit_save_timeout / 2):
+                time.sleep(0.2)

@@ -35,7 +35,7 @@ BOARD_TAGS = {
     "skipped_steps": "train/skipped_steps",
     "val_loss": "val/loss", "val_ppl": "val/ppl", "val_tokens": "val/tokens",
     "step_time": "perf/step_time_s", "tokens_per_s": "perf/tokens_per_s", "mfu": "perf/mfu",
-    "memory_gb": "memory/peak_gb", "eval_s": "perf/downstream_eval_s",
+    "memory_gb": "memory/peak_gb", "memory_reserved_gb": "memory/reserved_gb", "eval_s": "perf/downstream_eval_s",
 }
 BOARD_PREFIXES = {"tokens/": "train/tokens/", "val_loss/": "val/loss/", "straggler/": "straggler/", "eval/": "eval/"}
 
@@ -77,6 +77,16 @@ def memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def memory_figures(device: torch.device) -> dict:
+    """A step's memory in GB: memory_gb, the peak allocated (memory_bytes); on a GPU also
+    memory_reserved_gb, the peak the caching allocator reserved: what the card must hold, and what
+    the planner prices (hybridpar.plan: Hardware.allocator_overhead)."""
+    figures = {"memory_gb": memory_bytes(device) / 1e9}
+    if device.type == "cuda":
+        figures["memory_reserved_gb"] = torch.cuda.max_memory_reserved(device) / 1e9
+    return figures
 
 
 class WandbSettings(NamedTuple):
@@ -238,9 +248,11 @@ def log_row(window: list[dict]) -> dict:
         "loss": sum(m["loss"] for m in good) / len(good), "lr": last["lr"], "grad_norm": last["grad_norm"],
         "skipped_steps": sum(m["skipped"] for m in window), "step_time": seconds / len(window),
         "tokens_per_s": tokens / seconds, "mfu": sum(m["mfu"] * m["step_time"] for m in window) / seconds,
-        "memory_gb": last["memory_gb"],
+        "memory_gb": last["memory_gb"], **{k: last[k] for k in ("memory_reserved_gb",) if k in last},
         # replica groups (fault_tolerance): the fewest that committed a step of the interval
         **({"groups": min(m["groups"] for m in window)} if "groups" in last else {}),
+        # and a heal of this group from a live one in the interval (at the start of one of its steps)
+        **next(({"healed_from": m["healed_from"], "heal_s": m["heal_s"]} for m in window if "healed_from" in m), {}),
     }
 
 
@@ -254,6 +266,8 @@ def progress_line(step: int, steps: int, m: dict, elapsed: float, eta: Optional[
     )
     if "groups" in m:
         line += f"  groups {m['groups']}"
+    if "healed_from" in m:
+        line += f" (healed from step {m['healed_from']} in {m['heal_s']:.1f} s)"
     by_source = {k[len("tokens/"):]: v for k, v in m.items() if k.startswith("tokens/")}
     if by_source:  # a blend: each source's share of the tokens so far
         total = sum(by_source.values()) or 1

@@ -25,8 +25,10 @@ log = logging.getLogger(__name__)
 
 
 class RunLog:
-    def __init__(self, config: Config, metrics: MetricsWriter, loader, downstream, *, is_main: bool) -> None:
+    def __init__(self, config: Config, metrics: MetricsWriter, loader, downstream, replicas=None, *,
+                 is_main: bool) -> None:
         self.config, self.metrics, self.loader, self.downstream, self.is_main = config, metrics, loader, downstream, is_main
+        self.replicas = replicas  # the replica groups (hybridpar.replicas), whose record the summary gives
         self.run_dir = Path(config.output.run_dir)
         self.history: list[dict] = []  # every step's numbers
         self.clock: Optional[StepClock] = None  # the loop's: the progress line's elapsed time and ETA
@@ -84,11 +86,16 @@ class RunLog:
     def summary(self, *, steps: tuple[int, int], started: float, evaluations, peak_memory_gb: float,
                 checkpoint: Optional[Path], tokenizer, stopped: str, data_stopped: Optional[Exception],
                 has_validation: bool) -> None:
-        """Rank 0: the end-of-run block (summary.py) and summary.json."""
+        """Rank 0: the end-of-run block (summary.py) and summary.json. `steps`: (the step after the one
+        this start began at, the last); the steps trained are the history's (a replica group healed to
+        its peers' step trained from there)."""
         h, c = self.history, self.config
         seconds = sum(m["step_time"] for m in h)
+        ranges = step_ranges([m["step"] for m in h])
         text, done = summarise(
-            run_dir=self.run_dir, steps=steps, skipped=sum(m["skipped"] for m in h),
+            run_dir=self.run_dir, steps=(ranges[0][0], steps[1]) if ranges else steps, ranges=ranges,
+            replica_groups=self.replicas.report() if self.replicas is not None else None,
+            skipped=sum(m["skipped"] for m in h),
             tokens=sum(m["tokens"] for m in h), wall_seconds=time.perf_counter() - started,
             train_seconds=seconds, eval_seconds=evaluations.seconds,
             mfu=sum(m["mfu"] * m["step_time"] for m in h) / seconds if seconds else 0.0,
@@ -99,3 +106,14 @@ class RunLog:
             data_stop=data_stop.kind(data_stopped), downstream=self.downstream.scores)
         write_summary(self.run_dir, done)
         log.info(text)
+
+
+def step_ranges(steps: list[int]) -> list[tuple[int, int]]:
+    """[1, 2, 3, 27, 28] -> [(1, 3), (27, 28)]."""
+    ranges: list[tuple[int, int]] = []
+    for step in steps:
+        if ranges and step == ranges[-1][1] + 1:
+            ranges[-1] = (ranges[-1][0], step)
+        else:
+            ranges.append((step, step))
+    return ranges

@@ -12,6 +12,7 @@ from typing import Optional
 from .. import incidents
 from ..files import write_text_atomic
 from ..config import Config
+from ..replicas.record import summary_lines as replica_lines
 from .metrics import scores_text
 
 
@@ -44,13 +45,16 @@ def summarise(*, run_dir: Path, steps: tuple[int, int], skipped: int, tokens: fl
               train_loss: Optional[float], validation: Optional[dict], checkpoint: Optional[Path],
               tokenizer: Optional[Path], config_path: Path, config: Config, stopped: str = "",
               no_validation: str = "", sources: Optional[list] = None, data_stop: str = "",
-              downstream: Optional[dict] = None) -> tuple[str, dict]:
+              downstream: Optional[dict] = None, ranges: Optional[list[tuple[int, int]]] = None,
+              replica_groups: Optional[dict] = None) -> tuple[str, dict]:
     """(the printed block, the same as a dict for summary.json). `config`: the run's; `stopped`: what
     ended it before its train.steps ("SIGTERM", "a straggler", "the data": the trainer's stop_signal),
     "" for none; `no_validation`: why the run has no validation data (evaluate.missing_validation),
     "" when it has some. `data_stop`: "exhausted" or "damaged" when the data stopped the run
     (data_stop.py): the resume command says what to change. Each row's reason is derived from these.
-    `downstream`: the last downstream scores ({"eval/<task>/<metric>": value}, train/downstream.py)."""
+    `downstream`: the last downstream scores ({"eval/<task>/<metric>": value}, train/downstream.py).
+    `ranges`: the runs of steps trained when not one (a replica group healed to its peers' step trains
+    steps 1-8, 27-40); `replica_groups`: a fault-tolerant group's record (hybridpar.replicas.record)."""
     # Absolute: the commands printed must work from any folder, whatever the run was started with.
     run_dir, config_path = Path(run_dir).absolute(), Path(config_path).absolute()
     checkpoint = Path(checkpoint).absolute() if checkpoint is not None else None
@@ -70,7 +74,9 @@ def summarise(*, run_dir: Path, steps: tuple[int, int], skipped: int, tokens: fl
         "stopped": stopped or None,  # what ended the run before its train.steps
         "downstream": dict(downstream or {}),  # the last [eval] scores
     }
-    trained = (f"steps {first}-{last}" if last >= first else "no steps") + (f", {skipped} skipped" if skipped else "")
+    ranges = ranges or ([(first, last)] if last >= first else [])
+    trained = (("steps " + ", ".join(f"{a}-{b}" for a, b in ranges)) if ranges else "no steps") + (
+        f", {skipped} skipped" if skipped else "")
     by_source = sum(s["tokens"] for s in sources or []) or 1
     rows = [
         ("wall time", f"{_duration(wall_seconds)} ({_duration(train_seconds)} training"
@@ -87,17 +93,29 @@ def summarise(*, run_dir: Path, steps: tuple[int, int], skipped: int, tokens: fl
     ]
     if downstream:
         rows.append(("downstream", scores_text(downstream, ", ")))
+    if replica_groups is not None:
+        head, *more = replica_lines(replica_groups)
+        rows += [("replica groups", head), *(("", line) for line in more)]
+        done["replica_groups"] = replica_groups
     if checkpoint is not None:
-        resume, why = _resume(launch_command(config_path, run_dir) + ["--checkpoint.resume", "true"],
-                              config.train.steps, last, data_stop)
+        command = launch_command(config_path, run_dir)
+        if replica_groups is not None:  # the group's config.toml names its own folder: the job's is above it
+            command += ["--output.run_dir", str(run_dir.parent)]
+        resume, why = _resume(command + ["--checkpoint.resume", "true"], config.train.steps, last, data_stop)
+        if replica_groups is not None:
+            why = why[:-1] + "; every replica group so, each with its own --fault_tolerance.group, the lighthouse running)"
         commands = {"resume": shlex.join(resume) + why}
         if tokenizer is not None:
             commands["generate"] = shlex.join(["hybridpar", "generate", "--checkpoint", str(checkpoint),
                                                "--tokenizer", str(tokenizer), "--prompt", "def "])
         export = ["hybridpar", "convert", str(checkpoint), str(Path(run_dir) / "hf"), "--to", "hf"]
         commands["export to HF"] = shlex.join(export + (["--tokenizer", str(tokenizer)] if tokenizer else []))
-        rows += [("checkpoint", str(checkpoint)), *commands.items()]
+        shared = " (the job's newest; the first group of each step's quorum writes them)" if replica_groups else ""
+        rows += [("checkpoint", f"{checkpoint}{shared}"), *commands.items()]
         done["commands"] = commands
+    elif replica_groups is not None and config.checkpoint.at_end:
+        rows.append(("checkpoint", f"none in {config.checkpoint_dir()} when this group ended (the first group of each "
+                                   "step's quorum writes the job's checkpoints)"))
     else:
         rows.append(("checkpoint", _no_checkpoint(config, steps, how)))
     path = os.environ.get(incidents.INCIDENTS_ENV)

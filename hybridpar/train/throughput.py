@@ -2,7 +2,7 @@
 per token, each step's rates, and the run's peak memory (the largest rank's).
 
     throughput = Throughput(config, parallel, args)   # collective: the peak may be measured here
-    throughput.rates(tokens, seconds)   # {"tokens_per_s", "mfu", "memory_gb"} of one step
+    throughput.rates(tokens, seconds)   # {"tokens_per_s", "mfu", "memory_gb"[, "memory_reserved_gb"]} of one step
     throughput.peak_memory_gb(history)  # collective: the largest rank's peak
 """
 
@@ -18,7 +18,7 @@ from ..config import Config
 from ..mesh.device import ParallelDims
 from ..plan.hardware import peak_flops_of
 from ..progress import note
-from .metrics import flops_per_token, measure_matmul_peak, memory_bytes
+from .metrics import flops_per_token, measure_matmul_peak, memory_bytes, memory_figures
 
 
 def peak_flops(setting: float, device: torch.device, measure: Callable[[], float]) -> float:
@@ -57,11 +57,12 @@ class Throughput:
         self.flops_per_token = flops_per_token(args, config.data.seq_len)
 
     def rates(self, tokens: float, seconds: float) -> dict:
-        """One step's tokens per second, MFU (over every device of the world) and this rank's peak memory."""
+        """One step's tokens per second, MFU (over every device of the world) and this rank's peak memory
+        (on a GPU, allocated and reserved: metrics.memory_figures)."""
         tokens_per_s = tokens / seconds
         return {"tokens_per_s": tokens_per_s,
                 "mfu": self.flops_per_token * tokens_per_s / (self.peak_flops * self.parallel.world_size),
-                "memory_gb": memory_bytes(self.device) / 1e9}
+                **memory_figures(self.device)}
 
     def peak_memory_gb(self, history: list[dict]) -> float:
         """The largest rank's peak memory over the steps of `history` (now, without a step). Collective."""

@@ -73,10 +73,8 @@ class Trainer:
         self.data_stopped: Optional[Exception] = None  # what stopped the data, agreed by every rank (data_stop.py)
         try:
             self.parallel = p = parallel or init_parallel(
-                mp=c.parallel.mp, dp_shard=c.parallel.dp_shard, dp_replicate=c.parallel.dp_replicate,
-                cp=c.parallel.cp, pp=c.parallel.pp, timeout=c.parallel.init_timeout,
-                backend=c.parallel.backend or None,
-            )
+                mp=c.parallel.mp, dp_shard=c.parallel.dp_shard, dp_replicate=c.parallel.dp_replicate, cp=c.parallel.cp,
+                pp=c.parallel.pp, ep=c.parallel.ep, timeout=c.parallel.init_timeout, backend=c.parallel.backend or None)
             self.is_main, self.device = p.rank == 0, p.device
             self.global_batch = c.data.micro_batch_size * c.train.grad_accum * p.dp_size
             self.supervisor.start(p)  # from here on a rank that dies or hangs is reported
@@ -95,7 +93,7 @@ class Trainer:
         if c.output.wandb:
             require_wandb()
         self.downstream = Downstream(c, p, self.supervisor)  # the [eval] tasks read and checked
-        self.replicas = make_replicas(c.fault_tolerance, c.train.grad_accum)  # the other replica groups, if any
+        self.replicas = make_replicas(c)  # the other replica groups, if any
         self._phase("data")
         self._set_up_data(c, p)
         # Before the model is built and compiled: the compiler's start-up takes a share of the cores,
@@ -120,13 +118,14 @@ class Trainer:
                                        writes=self.replicas.writes_checkpoints)
         self._phase("checkpoint")
         self.step = self.start_step = self.checkpoints.restore()  # 0, or the step a resumed run continues from
+        self.checkpoints.prepare_staging()  # a resumed optimizer has its state: the first save's host copy, begun now
         self.run_dir = Path(c.output.run_dir)
         wandb = WandbSettings(c.output.wandb_project, c.output.wandb_mode, c.to_dict()) if c.output.wandb else None
         self.metrics = MetricsWriter(self.run_dir, enabled=self.is_main, tensorboard=c.output.tensorboard,
                                      start_step=self.step, wandb=wandb)
         self.replicas.connect(p, self.runner.modules, self.optimizer, self.scheduler, self.loader, step=self.step,
                               metrics=self.metrics, at=self.supervisor.phase, waiting=self.supervisor.waiting)
-        self.run_log = RunLog(c, self.metrics, self.loader, self.downstream, is_main=self.is_main)
+        self.run_log = RunLog(c, self.metrics, self.loader, self.downstream, self.replicas, is_main=self.is_main)
         self.history = self.run_log.history  # every step's numbers (run() returns them)
         self.evaluations = Evaluations(c, p, self.runner, self.val_dataset, self.downstream, self.supervisor,
                                        global_batch=self.global_batch, tokenizer=self.tokenizer, args=self.args)
@@ -195,8 +194,8 @@ class Trainer:
         mean_loss = self.runner.total(loss_sum).item() / global_targets
 
         self.supervisor.phase("optimizer")
-        self.replicas.average(self.params)  # the replica groups' mean gradient
-        grad_norm, votes = grad_norm_and_clip(self.params, c.optim.grad_clip, self.device, also_sum=self.stop.vote())
+        votes = self.replicas.average(self.params, self.stop.vote())  # the groups' mean gradient, their stop votes
+        grad_norm, votes = grad_norm_and_clip(self.params, c.optim.grad_clip, self.device, also_sum=votes)
         self.stop_signal = stopping.agreed(votes)
         lr = self.scheduler.get_last_lr()[0]
         if not self.replicas.commit():  # a group failed in it: the same data again
@@ -277,6 +276,7 @@ class Trainer:
                 self.data_stopped, self.stop_signal = stopped.error, "the data"
                 break
             clock.step_done(self.step)
+            self.checkpoints.prepare_staging()  # a fresh optimizer has its state after the first step
             row = dict(found)  # the straggler report's, when one was due
             if self.supervisor.excluding is not None:  # every rank agrees: save, stop, name the node
                 self.stop_signal = self.stop_signal or "a straggler"

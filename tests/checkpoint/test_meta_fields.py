@@ -54,7 +54,8 @@ def test_ffn_hidden_size_stated_with_metas_fields(dim, size, expected):
     assert feed_forward_size(4 * meta.dim, meta.multiple_of, meta.ffn_dim_multiplier) == size
 
 
-@pytest.mark.parametrize("preset", preset_names())
+# Llama 4's presets are not written in Meta's format (refused: tests/checkpoint/test_hf_llama4.py).
+@pytest.mark.parametrize("preset", [p for p in preset_names() if not ModelArgs.from_preset(p).llama4])
 def test_presets_keep_their_own_ffn_fields(preset):
     from hybridpar.checkpoint.meta import meta_params_json
 

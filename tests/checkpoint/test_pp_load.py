@@ -15,7 +15,7 @@ from tests.distributed import parallel_dims
 
 transformers = pytest.importorskip("transformers")
 
-from tests.checkpoint.hf_folders import make_hf_folder  # noqa: E402
+from tests.checkpoint.hf_folders import folder_tensors as _tensors, make_hf_folder  # noqa: E402
 
 N_STAGES = 3  # of 4 layers: embedding + layer 0 | layers 1-2 | layer 3 + norm + head
 
@@ -192,16 +192,6 @@ def _case_convert_to_hf(src: str, dst: str) -> None:
     from hybridpar.checkpoint.convert import convert
 
     convert(Path(src), Path(dst), "hf", parallel_dims(mp=1), dtype=torch.float32, max_shard_size="64KB")
-
-
-def _tensors(folder: Path) -> dict:
-    from safetensors import safe_open
-
-    out = {}
-    for path in folder.glob("model-*.safetensors"):
-        with safe_open(str(path), framework="pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
 
 
 @pytest.mark.slow

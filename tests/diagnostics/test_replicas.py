@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hybridpar.diagnostics.replicas import _checksums
+from hybridpar.diagnostics.replicas import checksums as _checksums
 from tests.distributed import parallel_dims
 from tests.runs import make_config
 

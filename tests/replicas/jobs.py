@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-import re
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -27,28 +27,35 @@ def steps(run: Path, group: int) -> list[dict]:
     return [r for r in rows(run / f"group-{group}" / "metrics.jsonl") if "loss" in r]
 
 
-def every_step_once(run: Path, group: int, last: int) -> bool:
-    """Group `group` logged every step to `last` once: from step 1, or from step 2 where the other group
-    asked for the first quorum before this one's manager was up, trained step 1 alone and healed it."""
-    done = [r["step"] for r in steps(run, group)]
-    return bool(done) and done[0] in (1, 2) and done == list(range(done[0], last + 1))
-
-
 def heals(run: Path, group: int = 1) -> int:
     """A group's heals so far (one at start-up too, when the other began a step before it)."""
     return sum(e["event"] == "healed" for e in rows(run / f"group-{group}" / "events.jsonl"))
 
 
 def ranks(run: Path, group: int) -> dict[int, int]:
-    """pid -> RANK of the training processes of `group` of the job in `run` now."""
-    pattern = f"--output.run_dir {re.escape(str(run))} .*--fault_tolerance.group {group}( |$)"
-    found = subprocess.run(["pgrep", "-f", "--", pattern], capture_output=True, text=True).stdout
+    """pid -> RANK of the training processes of `group` of the job in `run` now (not another test's)."""
+    found = subprocess.run(["pgrep", "-f", f"fault_tolerance.group {group}"], capture_output=True, text=True).stdout
     out = {}
     for pid in map(int, found.split()):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
         env = environ_of(pid)
-        if "LOCAL_RANK" in env and "TORCHELASTIC_RUN_ID" in env:  # a rank, not torchrun itself
+        # a rank (not torchrun itself) of this job
+        if str(run).encode() in argv and "LOCAL_RANK" in env and "TORCHELASTIC_RUN_ID" in env:
             out[pid] = int(env["RANK"])
     return out
+
+
+def stop_leftovers(run: Path) -> None:
+    """Ranks of this test's groups still running (a torchrun killed with the session leaves them)."""
+    for group in (0, 1):
+        for pid in ranks(run, group):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def start(corpus: dict, run: Path, steps: int, *flags: str, port: int = 0, **env) -> subprocess.Popen:
@@ -107,6 +114,7 @@ def watch(proc: subprocess.Popen, run: Path, fault: Optional[Fault] = None, also
     finally:
         out = proc.stdout.read() if proc.poll() is not None else ""
         stop_session(proc)
+        stop_leftovers(run)
     logs = {g: (run / f"group-{g}.log").read_text() if (run / f"group-{g}.log").exists() else "" for g in (0, 1)}
     return out, logs, seen
 

@@ -23,7 +23,7 @@ from hybridpar.config.fault_tolerance import FaultToleranceConfig
 from hybridpar.diagnostics.liveness import process_stopped
 from hybridpar.diagnostics.stragglers import Verdict, describe
 from hybridpar.mesh.layout import MeshCoords
-from hybridpar.replicas import groups
+from hybridpar.replicas import groups, quorum
 from tests.diagnostics.test_watchdog import _watchdog, clock  # noqa: F401 (clock: a fixture)
 from tests.distributed import free_port
 
@@ -123,6 +123,10 @@ class _Manager:
 
     def __init__(self, outcomes: list) -> None:
         self.outcomes, self._quorum_future, self.groups = list(outcomes), None, 0
+        self._quorum_id = 1  # one quorum throughout: no replica check across groups is due
+
+    def errored(self) -> None:
+        return None
 
     def start_quorum(self) -> None:
         if self._quorum_future is not None:
@@ -164,8 +168,7 @@ def lighthouse():
 
 def _groups(monkeypatch, address: str, outcomes: list, min_groups: int = 2):
     monkeypatch.setattr(dist, "get_rank", lambda: 0)
-    monkeypatch.setattr(dist, "all_reduce", lambda tensor, op: None)  # a group of one rank: its own word
-    monkeypatch.setattr(groups, "RETRY_S", 0.0)
+    monkeypatch.setattr(quorum, "RETRY_S", 0.0)
     ft = FaultToleranceConfig(enabled=True, groups=2, group=0, lighthouse=address, min_groups=min_groups, timeout=3.0)
     replicas = groups.ReplicaGroups(ft, grad_accum=1)
     notes: list[str] = []
@@ -181,7 +184,8 @@ def _groups(monkeypatch, address: str, outcomes: list, min_groups: int = 2):
             notes.append("done")
 
     replicas.manager, replicas.waiting, replicas.at = _Manager(outcomes), Waiting, lambda *a, **k: None
-    replicas.loader, replicas.device = type("Loader", (), {"state_dict": lambda self: {}})(), None
+    replicas._started, replicas._quorum_id = True, 1  # past the first step's wait for every group
+    replicas.loader = type("Loader", (), {"state_dict": lambda self: {}, "record": None})()
     return replicas, notes
 
 
@@ -236,8 +240,8 @@ def test_a_quorum_another_rank_missed_is_asked_again_by_every_rank(monkeypatch, 
     """This rank got the quorum, another of its group did not (its try timed out first): both ask again,
     or the other would ask alone and wait in torchft's manager for this one, gone on to train."""
     replicas, _ = _groups(monkeypatch, lighthouse, [2, 2], min_groups=1)
-    votes = iter([1.0, 0.0])  # the group's agreement: first a rank missed it, then none did
-    monkeypatch.setattr(dist, "all_reduce", lambda tensor, op: tensor.__setitem__(0, next(votes)))
+    other = iter([True, False])  # the other rank of the group: first it missed the quorum, then not
+    monkeypatch.setattr(quorum, "gather_objects", lambda mine: [mine, (next(other), mine[1])])
     replicas.begin_step(4)
     assert replicas.manager.outcomes == []
     assert _said(capsys)[0] == ("hybridpar: replica group 0 waits for the quorum before step 5: another rank of this "
@@ -249,32 +253,10 @@ def test_a_heal_that_reached_some_ranks_only_stops_the_group(monkeypatch, lighth
     quorum at the live group's step, this one at its own. Training on would run the ranks' collectives
     out of step (a hang at the first evaluation): the group stops, for its launcher to restart it."""
     replicas, _ = _groups(monkeypatch, lighthouse, [2], min_groups=1)
-    monkeypatch.setattr(dist, "all_reduce", lambda tensor, op: tensor.__setitem__(1, 4.0))  # another rank: step 4
-    with pytest.raises(groups.GroupOutOfStep, match=r"replica group 0: its ranks left the quorum at steps 0 and 4, a "
+    monkeypatch.setattr(quorum, "gather_objects", lambda mine: [mine, (False, 4)])  # another rank: step 4
+    with pytest.raises(quorum.GroupOutOfStep, match=r"replica group 0: its ranks left the quorum at steps 0 and 4, a "
                                                     r"heal from a live group reached some of them only"):
         replicas.begin_step(0)
-
-
-def test_the_first_step_waits_for_every_group_then_goes_on_with_those_there(monkeypatch, capsys, lighthouse):
-    """A job's groups start together: the first quorum waits up to 2 x fault_tolerance.timeout for all
-    of them (a group that began alone would heal the others as they come), then trains with those there."""
-    replicas, _ = _groups(monkeypatch, lighthouse, [1, 2], min_groups=1)
-    replicas.first = 0.0  # connect() at step 0
-    replicas.begin_step(0)  # group 1 is there at the second try
-    assert replicas.manager.outcomes == [] and replicas.first is None
-    assert _said(capsys)[0] == ("hybridpar: replica group 0 waits for the quorum before step 1: 1 group(s) of 2 in "
-                                "it; the first step waits up to 6 s for every group; it trains on when the quorum forms")
-    now = [100.0]  # each try at the quorum takes 4 s
-    monkeypatch.setattr(groups.time, "monotonic", lambda: now[0])
-    alone, _ = _groups(monkeypatch, lighthouse, [1, 1, 1, 1], min_groups=1)
-    alone.first, tries = 0.0, alone.manager.start_quorum
-
-    def slow() -> None:
-        tries()
-        now[0] += 4.0
-    alone.manager.start_quorum = slow
-    alone.begin_step(0)  # group 1 never came: the third try is past the 6 s, and group 0 trains alone
-    assert alone.manager.outcomes == [1] and alone.first is None
 
 
 def test_the_all_reduce_with_the_other_groups_is_a_wait_not_a_collective_of_this_group(monkeypatch, lighthouse):

@@ -5,6 +5,7 @@ import time
 import types
 
 import pytest
+import torch
 
 from hybridpar.train.metrics import MetricsWriter, board_tag, log_row, measure_matmul_peak, read_metrics
 
@@ -42,10 +43,10 @@ def test_the_matmul_peak_is_timed_from_start_together_on():
 
 
 def _every_key_the_trainer_logs():
-    """A log row as the trainer writes it (log_row's keys), with a blend's tokens, a validation and
-    a straggler report."""
+    """A log row as the trainer writes it on a GPU (log_row's keys), with a blend's tokens, a
+    validation and a straggler report."""
     step = {"loss": 3.0, "lr": 1e-3, "grad_norm": 0.5, "skipped": False, "tokens": 256, "step_time": 0.5,
-            "tokens_per_s": 512.0, "mfu": 0.1, "memory_gb": 1.5}
+            "tokens_per_s": 512.0, "mfu": 0.1, "memory_gb": 1.5, "memory_reserved_gb": 1.9}
     return {**log_row([step]), "tokens/code": 100, "tokens/web": 156, "val_loss": 3.1, "val_ppl": 22.2,
             "val_tokens": 64, "val_loss/code": 3.0, "val_loss/web": 3.2, "straggler/ratio": 1.1,
             "straggler/flagged": False, "straggler/host": "node1"}
@@ -63,7 +64,7 @@ def test_tensorboard_tags_are_grouped_and_metrics_jsonl_keeps_its_keys(tmp_path)
     events.Reload()
     assert set(events.Tags()["scalars"]) == {
         "train/loss", "train/lr", "train/grad_norm", "train/skipped_steps", "train/tokens/code", "train/tokens/web",
-        "perf/step_time_s", "perf/tokens_per_s", "perf/mfu", "memory/peak_gb",
+        "perf/step_time_s", "perf/tokens_per_s", "perf/mfu", "memory/peak_gb", "memory/reserved_gb",
         "val/loss", "val/ppl", "val/tokens", "val/loss/code", "val/loss/web",
         "straggler/ratio", "straggler/flagged"}  # text (the host) is not a scalar
     assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(7, 3.0)]
@@ -79,6 +80,22 @@ def test_wandb_gets_the_same_tags(tmp_path):
     writer.write(2, {"loss": 2.0, "memory_gb": 1.0, "tokens/code": 5, "note": "text"})
     writer.close()
     assert logged == [(2, {"train/loss": 2.0, "memory/peak_gb": 1.0, "train/tokens/code": 5})]
+
+
+def test_a_gpu_step_records_the_memory_the_allocator_reserved_beside_the_allocated(monkeypatch):
+    from hybridpar.train.metrics import memory_figures
+
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 90e9 if device == gpu else 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: 114e9 if device == gpu else 0)
+    assert memory_figures(gpu) == {"memory_gb": 90.0, "memory_reserved_gb": 114.0}
+    # The log row over several steps keeps the last step's, as it keeps the allocated peak.
+    step = {"loss": 3.0, "lr": 1e-3, "grad_norm": 0.5, "skipped": False, "tokens": 256, "step_time": 0.5,
+            "tokens_per_s": 512.0, "mfu": 0.1}
+    row = log_row([{**step, "memory_gb": 80.0, "memory_reserved_gb": 100.0}, {**step, **memory_figures(gpu)}])
+    assert (row["memory_gb"], row["memory_reserved_gb"]) == (90.0, 114.0)
+    # A CPU has no caching allocator: its figure is the process's peak resident set, and no other.
+    assert set(memory_figures(torch.device("cpu"))) == {"memory_gb"}
 
 
 def test_a_key_of_no_group_is_still_grouped():

@@ -151,3 +151,25 @@ def test_with_a_token_store_the_advice_is_the_split_it_was_prepared_with(tmp_pat
     assert whole == f"the token store {tmp_path / 'whole'} was prepared without a validation split: set data.val_source"
     with pytest.raises(ValueError, match="prepared without a validation split"):  # what "set data.val_fraction" led to
         given_store(tmp_path / "whole", tokenizer, 0.05)
+
+
+def test_a_replica_group_says_the_steps_it_trained_its_heal_and_the_steps_with_fewer_groups(tmp_path):
+    """A group restarted at step 10 and healed to its peers' step 26 trained steps 27-40 in this start,
+    not 1-40; its checkpoints are the job's, and the resume command names the job's run folder."""
+    config = load_config(None, ["--train.steps=40"])
+    config.fault_tolerance.enabled, config.fault_tolerance.groups, config.fault_tolerance.group = True, 2, 1
+    report = {"group": 1, "groups": 2, "steps_with_fewer_groups": 0, "fewer_groups": [],
+              "heals": [{"step": 26, "from_step": 10, "seconds": 0.5}], "windows": [40, 22]}
+    text, done = _summary(steps=(27, 40), ranges=[(27, 40)], replica_groups=report, config=config,
+                          run_dir=Path("run/group-1"), config_path=Path("run/group-1/config.toml"))
+    assert _row(text, "wall time").endswith("; steps 27-40") and done["first_step"] == 27
+    assert _row(text, "replica groups") == ("group 1 of 2; healed from a live group at step 26 (this start was at "
+                                            "step 10) in 0.5 s")
+    assert "steps committed with fewer groups: none that this group saw" in text
+    assert done["replica_groups"] == report
+    assert _row(text, "checkpoint").endswith("(the job's newest; the first group of each step's quorum writes them)")
+    argv, note = _resume(done)
+    assert argv[argv.index("--output.run_dir") + 1] == str(tmp_path / "run") and "--fault_tolerance.group" in note
+    # A group healed mid-run without a restart: both runs of steps.
+    text, _ = _summary(steps=(1, 40), ranges=[(1, 8), (27, 40)], config=config)
+    assert _row(text, "wall time").endswith("; steps 1-8, 27-40")

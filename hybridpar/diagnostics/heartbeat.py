@@ -52,8 +52,9 @@ class Heartbeat:
     _instances = 0
 
     def __init__(self, parallel: ParallelDims, *, timeout: float, trace_dir: Path, interval: float = 0.0,
-                 clock=time) -> None:
+                 clock=time, group: Optional[int] = None) -> None:
         self.parallel = parallel
+        self.group = group  # the replica group of a fault-tolerant job (fault_tolerance.group), named in reports
         self.rank, self.world_size = parallel.rank, parallel.world_size
         self.timeout = timeout
         self.interval = interval or default_interval(timeout)
@@ -73,6 +74,7 @@ class Heartbeat:
         self._main_thread = threading.main_thread().ident
         self._beat = 0
         self.state = "running"
+        self.waits = 0  # waits outside the job begun (Watchdog.waiting): the monitor tells one from the next
         self._dumped = False
         self._woken = threading.Event()
         self.published = threading.Event()
@@ -95,7 +97,7 @@ class Heartbeat:
         c = self.parallel.coords
         self.info = {
             "host": socket.gethostname(), "node": node_name(), "pid": os.getpid(),
-            "coords": MeshCoords.describe(c),  # also for a stand-in with the same fields
+            "coords": MeshCoords.describe(c, self.group),  # also for a stand-in with the same fields
             "groups": {g.group_name: {"dim": dim, "ranks": dist.get_process_group_ranks(g)} for dim, g in self._groups},
         }
 
@@ -133,7 +135,7 @@ class Heartbeat:
         self._beat += 1
         self._published_step = self._step
         beat = {"beat": self._beat, "step": self._step, "phase": self.phase, "seqs": self._seqs(),
-                "state": self.state, "timeout": self.timeout, "note": self.note}
+                "state": self.state, "timeout": self.timeout, "note": self.note, "waits": self.waits}
         self.put(f"beat/{self.rank}", json.dumps(beat))
         self.published.set()
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import time
 import traceback
 from pathlib import Path
@@ -69,6 +70,9 @@ class Monitor:
         self._all_beating = False
         self.dead: list[int] = []
         self.died: list[int] = []  # of those, the ranks whose process is known to be gone
+        self.frozen: dict[int, int] = {}  # of those, rank -> pid of the stopped processes on this host
+        self._waiting: dict[int, tuple[object, float]] = {}  # rank -> (its wait, monitor time it was first seen)
+        self._waits_said: Optional[float] = None  # when the wait last said (to say it once) began
         self._gone: set[int] = set()  # ranks a neighbour saw die (liveness.py)
         self.started = time.time()  # a hang_report.json older than this is an earlier attempt's
 
@@ -113,6 +117,10 @@ class Monitor:
             progress = (b["step"], b["phase"], tuple(sorted(b["seqs"].items())))
             if self._progress.get(r, (None,))[0] != progress:
                 self._progress[r] = (progress, now)
+            if b["state"] != "waiting":  # a wait is timed from when it was first seen, whatever it does meanwhile
+                self._waiting.pop(r, None)
+            elif self._waiting.get(r, (None,))[0] != b.get("waits"):
+                self._waiting[r] = (b.get("waits"), now)
 
     def _seen_dead(self) -> set[int]:
         """Ranks a neighbour saw die: one round trip while there are none."""
@@ -135,7 +143,11 @@ class Monitor:
             return None
         failed = self._states("failed", active)
         timeout = max(self._last.get(r, {}).get("timeout", self.beat.timeout) for r in active)
-        idle = now - max(self._progress[r][1] for r in active)
+        # A rank waiting for something outside the job (the replica groups' quorum) is not hung however
+        # long; the ranks that are not waiting are judged as ever, and a waiting rank's death still counts.
+        waiting = self._states("waiting", active)
+        judged = [r for r in active if r not in waiting] or active
+        idle = now - max(self._progress[r][1] for r in judged)
         # A failed rank stops beating once it has published its error and trace: not a death.
         died = sorted(r for r in self._seen_dead() if r in active and r not in failed)
         # A silent heartbeat is only a guess (C code holding the GIL through a long set-up step looks
@@ -155,6 +167,7 @@ class Monitor:
         unstarted = [r for r in active if self._beats[r][0] is None and now - self._beats[r][1] > timeout]
         self.dead = sorted(set(died + stopped + frozen + unstarted))
         self.died = died
+        self.frozen = {r: neighbours[r] for r in frozen}
         reasons = []
         if died:
             reasons.append(f"rank(s) {died} died (the process is gone: it exited, was killed or crashed)")
@@ -173,9 +186,21 @@ class Monitor:
         if failed and (knowing or idle > self.beat.dead_after()):
             notes = "; ".join(f"rank {r} {self._last[r]['note']}" for r in failed[:3])
             return f"rank(s) {failed} failed: {notes}"
-        if idle > timeout:
+        if len(waiting) == len(active):
+            self._waited(now, waiting, timeout)
+        elif idle > timeout:
             return f"no progress on any rank for {idle:.1f} s (timeout {timeout:g} s)"
         return None
+
+    def _waited(self, now: float, waiting: list[int], timeout: float) -> None:
+        """Every rank waits outside the job: said once a wait has lasted longer than the timeout."""
+        since = max(self._waiting[r][1] for r in waiting)
+        if now - since <= timeout or self._waits_said == since:
+            return
+        self._waits_said = since
+        what = self._last[waiting[0]].get("note") or "something outside the job"
+        log.warning(f"{self._who()}: every rank has waited {now - since:.0f} s for {what}, longer than the "
+                    f"watchdog's no-progress limit ({timeout:g} s): not a hang; training goes on when the wait ends")
 
     # --- reporting ------------------------------------------------------------------------------
 
@@ -193,13 +218,25 @@ class Monitor:
         text = self._write(reason, traces, gone)
         self.beat.put("verdict", text)
         self.beat.put("abort", "1")
+        self._end_stopped()
         self._exit(HANG_EXIT_CODE)
+
+    def _end_stopped(self) -> None:
+        """A stopped process cannot obey the verdict, and its launcher would wait its grace (torchrun's
+        30 s) before killing it: the ranks of this host stopped end now, so that the launcher restarts the job."""
+        for r, pid in sorted(self.frozen.items()):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError as err:  # gone meanwhile, or not ours to end
+                log.warning(f"{self._who()}: could not end stopped rank {r} (pid {pid}): {err}")
+            else:
+                log.error(f"{self._who()}: rank {r} (pid {pid}) was stopped and cannot exit by itself: killed")
 
     def _write(self, reason: str, traces: dict[int, RankTrace], gone: list[int]) -> str:
         """Analyse, print the report and write hang_report.json; the report's text."""
         last_issued = {r: self._last.get(r, {}).get("seqs", {}) for r in gone}
         step = max((last.get("step", 0) for last in self._last.values()), default=0)
-        headline = f"hybridpar watchdog at step {step}: {reason}"
+        headline = f"{self._who()} at step {step}: {reason}"
         try:
             verdict = flight.analyse(traces, gone, last_issued)
             verdict.gone = self._gone_info(gone)
@@ -239,7 +276,7 @@ class Monitor:
         reason = (f"the job's store (rank 0's, on node {nodes[0]}) has not answered rank {self.rank} for "
                   f"{seconds:.0f} s ({error}): rank 0 is {'gone' if gone else 'frozen'}")
         fault = {"kind": "death" if gone else "stall", "nodes": [nodes[0]], "ranks": [0]}
-        self._save(f"hybridpar watchdog at step {self.beat.step}: {reason}\n{describe_fault(fault)}",
+        self._save(f"{self._who()} at step {self.beat.step}: {reason}\n{describe_fault(fault)}",
                    {"reason": reason, "step": self.beat.step, "node_fault": fault, **verdict_time(seconds)})
         return f"{path} names node {nodes[0]}"
 
@@ -250,7 +287,14 @@ class Monitor:
         self._save(None, {"reason": reason, "step": self.beat.step, **self._when([0]),
                           "node_fault": {"nodes": [], "why": "the program's own fault (failed): rank 0 raised"}})
 
+    def _who(self) -> str:
+        """Who gives the verdict: the watchdog, of replica group G in a fault-tolerant job."""
+        group = self.beat.group
+        return "hybridpar watchdog" + (f" of replica group {group}" if group is not None else "")
+
     def _save(self, text: Optional[str], report: dict) -> None:
+        if self.beat.group is not None:
+            report = {**report, "group": self.beat.group}
         save_report(self.run_dir, text, report)
 
     def _when(self, culprits: list[int]) -> dict:
@@ -279,7 +323,7 @@ class Monitor:
         p, info = self.beat.parallel, {}
         for r in gone:
             entry = {}
-            entry["coords"] = MeshCoords.of(r, *p.sizes).describe()  # its stage too, under pipeline parallelism
+            entry["coords"] = MeshCoords.of(r, *p.sizes).describe(self.beat.group)  # its stage too, under pp
             last = self._last.get(r, {})
             entry.update({k: last[k] for k in ("step", "phase") if k in last})
             try:

@@ -120,21 +120,21 @@ def _seconds(x: float) -> str:
     return f"{x:.2f} s" if x >= 0.1 else f"{x * 1e3:.1f} ms"
 
 
-def describe(verdict: Verdict, step: int, coords: MeshCoords, host: str) -> str:
-    """The warning line for a straggler."""
-    return (f"straggler at step {step}: rank {verdict.rank} ({coords.describe()}, host {host}) computes "
+def describe(verdict: Verdict, step: int, coords: MeshCoords, host: str, group: Optional[int] = None) -> str:
+    """The warning line for a straggler (`group`: its replica group in a fault-tolerant job)."""
+    return (f"straggler at step {step}: rank {verdict.rank} ({coords.describe(group)}, host {host}) computes "
             f"{_seconds(verdict.compute)} per step against a median of {_seconds(verdict.median_compute)} "
             f"({verdict.ratio:.2f}x); the others wait for it")
 
 
-def metrics_row(verdict: Verdict, coords: MeshCoords, host: str) -> dict:
+def metrics_row(verdict: Verdict, coords: MeshCoords, host: str, group: Optional[int] = None) -> dict:
     """The report as metrics.jsonl fields (the numbers also go to TensorBoard, under straggler/)."""
     v = verdict
     return {"straggler/slowest_rank": v.rank, "straggler/compute_s": v.compute,
             "straggler/median_compute_s": v.median_compute, "straggler/ratio": v.ratio,
             "straggler/median_wait_s": v.median_wait, "straggler/spread_s": v.spread,
             "straggler/wait_share": v.wait_share, "straggler/over": v.over, "straggler/flagged": v.straggler,
-            "straggler/host": host, "straggler/coords": coords.describe()}
+            "straggler/host": host, "straggler/coords": coords.describe(group)}
 
 
 class StragglerMonitor:
@@ -142,12 +142,14 @@ class StragglerMonitor:
     `with monitor.timing(step):` around each step, then `monitor.report(step)` on every rank."""
 
     def __init__(self, parallel: ParallelDims, every: int, threshold: float, start_step: int = 0, *,
-                 exclude: float = 0.0, exclude_reports: int = 3, places: Optional[list] = None) -> None:
+                 exclude: float = 0.0, exclude_reports: int = 3, places: Optional[list] = None,
+                 group: Optional[int] = None) -> None:
         """start_step: the step this run starts from; its first step (lazy set-up, compilation) is not timed.
         exclude: a rank over this (higher) threshold in `exclude_reports` reports in a row is its
         node's fault: `excluding` says so on every rank (0: never). places: every rank's (host, node),
         if the caller has gathered them (else gathered here, a collective)."""
         self.parallel, self.threshold, self.start_step = parallel, threshold, start_step
+        self.group = group  # the replica group of a fault-tolerant job: named with the straggler
         self.exclude, self.exclude_reports = exclude, exclude_reports
         self._streak: tuple[Optional[int], int] = (None, 0)  # (rank, reports in a row) over `exclude`
         self.excluding: Optional[dict] = None
@@ -216,8 +218,8 @@ class StragglerMonitor:
         coords = MeshCoords.of(verdict.rank, *p.sizes)
         host = self.places[verdict.rank][0]
         if verdict.straggler:
-            log.info(describe(verdict, step, coords, host))
-        return metrics_row(verdict, coords, host)
+            log.info(describe(verdict, step, coords, host, self.group))
+        return metrics_row(verdict, coords, host, self.group)
 
     def _judge(self, verdict: Verdict, step: int) -> None:
         """A rank over `exclude` in `exclude_reports` reports in a row: `excluding` names it and its node."""
@@ -229,4 +231,5 @@ class StragglerMonitor:
         if self._streak[1] >= self.exclude_reports:
             host, node = self.places[verdict.rank]
             self.excluding = {"rank": verdict.rank, "host": host, "node": node, "ratio": round(verdict.ratio, 2),
+                              **({"group": self.group} if self.group is not None else {}),
                               "reports": self._streak[1], "step": step}

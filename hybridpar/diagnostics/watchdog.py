@@ -16,8 +16,9 @@ import logging
 import os
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 from ..mesh.device import ParallelDims
 from .heartbeat import HANG_EXIT_CODE, Heartbeat, default_interval
@@ -36,9 +37,10 @@ class Watchdog:
     This rank's heartbeat (`beat`) and the monitor that reads everyone's (`monitor`), one thread for both."""
 
     def __init__(self, parallel: ParallelDims, *, timeout: float, run_dir: Path, trace_dir: Path,
-                 interval: float = 0.0, exit_fn: Callable[[int], None] = os._exit) -> None:
+                 interval: float = 0.0, exit_fn: Callable[[int], None] = os._exit, group: Optional[int] = None) -> None:
         # This module's `time` is the clock of both, so a test that replaces it moves them all.
-        self.beat = Heartbeat(parallel, timeout=timeout, trace_dir=trace_dir, interval=interval, clock=time)
+        # group: the replica group of a fault-tolerant job, named with every rank in the verdicts.
+        self.beat = Heartbeat(parallel, timeout=timeout, trace_dir=trace_dir, interval=interval, clock=time, group=group)
         self.monitor = Monitor(self.beat, run_dir=run_dir, exit_fn=exit_fn)
         self.rank, self.world_size = parallel.rank, parallel.world_size
         self._exit = exit_fn
@@ -91,6 +93,28 @@ class Watchdog:
     def stop_requested(self, signal_name: str) -> None:
         """A stop signal arrived: said at once (Heartbeat.stop_requested)."""
         self.beat.stop_requested(signal_name)
+
+    @contextmanager
+    def waiting(self, what: str) -> Iterator[Callable[[str], None]]:
+        """Around a wait for something outside this job's ranks (`what`: the replica groups' quorum):
+        not a hang however long (its heartbeat says "waiting"; the monitor judges the ranks that are
+        not), said once when every rank has waited longer than the no-progress limit. Yields a
+        function that says what the wait is for now (the heartbeat's note)."""
+        beat = self.beat
+        if beat.state != "running":  # stopping, or failed: a wait now does not change what the monitor must know
+            yield lambda note: None
+            return
+        beat.state, beat.note = "waiting", what
+        beat.waits += 1
+
+        def say(note: str) -> None:
+            if beat.state == "waiting":
+                beat.note = note
+        try:
+            yield say
+        finally:
+            if beat.state == "waiting":
+                beat.state, beat.note = "running", ""
 
     def stopped(self, wait: float = 2.0) -> None:
         """The rank is about to exit on purpose (its stop ran out of time): not a death. Waits until
@@ -189,7 +213,8 @@ class Watchdog:
         """The job's store has not answered for `seconds` (`error`): its host, rank 0, is frozen or gone.
         Name its node if this rank is the one to (Monitor.store_lost), say so and exit."""
         said = self.monitor.store_lost(seconds, error)
-        log.error(f"hybridpar watchdog (rank {self.rank}): the job's store has not answered for {seconds:.0f} s ({error}); "
+        group = f" of replica group {self.beat.group}" if self.beat.group is not None else ""
+        log.error(f"hybridpar watchdog (rank {self.rank}{group}): the job's store has not answered for {seconds:.0f} s ({error}); "
                   f"the rank hosting it (rank 0) is frozen or gone ({said}). Exiting.")
         self._exit(HANG_EXIT_CODE)
 

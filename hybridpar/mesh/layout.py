@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import socket
-from typing import Mapping
+from typing import Mapping, Optional
 
 MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "mp")
 
@@ -123,11 +123,13 @@ class MeshCoords:
         replicate_idx, shard_idx = divmod(dp_rank, dp_shard)
         return MeshCoords(rank, replicate_idx, shard_idx, mp_rank, dp_rank, cp_rank, cp, pp_rank, pp)
 
-    def describe(self) -> str:
-        """'mp 1, dp 2 (replicate 1, shard 0)' ('pp 1, mp 1, cp 0, dp 2 (...)' with pp and cp): how reports place a rank."""
+    def describe(self, group: Optional[int] = None) -> str:
+        """'mp 1, dp 2 (replicate 1, shard 0)' ('pp 1, mp 1, cp 0, dp 2 (...)' with pp and cp): how reports place a rank;
+        'group 1, mp 1, ...' in replica group `group` of a fault-tolerant job (fault_tolerance.group)."""
+        where = f"group {group}, " if group is not None else ""
         pp = f"pp {self.pp_rank}, " if self.pp > 1 else ""
         cp = f"cp {self.cp_rank}, " if self.cp > 1 else ""
-        return f"{pp}mp {self.mp_rank}, {cp}dp {self.dp_rank} (replicate {self.replicate_idx}, shard {self.shard_idx})"
+        return f"{where}{pp}mp {self.mp_rank}, {cp}dp {self.dp_rank} (replicate {self.replicate_idx}, shard {self.shard_idx})"
 
 
 def group_ranks(pp: int, dp_replicate: int, dp_shard: int, cp: int, mp: int) -> dict[str, list[list[int]]]:

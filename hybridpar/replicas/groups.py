@@ -6,7 +6,8 @@ torchft's managed process group (what parallel.dp_replicate's all-reduce is in a
 step: the quorum (torchft's Manager, through the lighthouse: a group that is back is healed here from
 a live group's model, optimizer, schedule and step), the groups' mean gradient in one all-reduce,
 and the commit: a step some group failed in is not committed by the groups that saw it fail, and they
-do it again from the same data.
+do it again from the same data. A quorum that does not form (the lighthouse gone) or forms with fewer
+than fault_tolerance.min_groups groups is waited out, said, and not taken for a hang by the watchdog.
 
 Each group reads its own share of the data (its dp ranks among groups x dp_size), and its position is
 its own: the steps it took part in (`windows`, counted by every group from the all-reduce, so a
@@ -38,6 +39,7 @@ from ..compat.torch import default_store
 from ..mesh.ranks import gather_objects
 from ..parallel.float8_gather import precompute_float8_scales
 from .check import check_groups
+from .quorum import join, nowhere, unwatched
 from .record import Membership, WindowsRecord
 
 log = logging.getLogger(__name__)
@@ -127,6 +129,7 @@ class ReplicaGroups:
         self.healed: Optional[dict] = None  # this step's heal: from which step, how long it took
         self._heal_row: dict = {}  # the step line's words of a heal, until a step is committed
         self._started = False  # the first quorum of this start is done
+        self.at, self.waiting = nowhere, unwatched  # the supervisor's, from connect()
         self._quorum_id: Optional[int] = None  # the last quorum's (torchft's): a new one is a changed quorum
 
     @property
@@ -162,9 +165,10 @@ class ReplicaGroups:
 
     # --- set-up ----------------------------------------------------------------------------------
 
-    def connect(self, parallel, modules, optimizer, scheduler, loader, *, step: int, metrics, at) -> None:
+    def connect(self, parallel, modules, optimizer, scheduler, loader, *, step: int, metrics, at, waiting) -> None:
         """Join the job's groups: torchft's Manager for this rank, at `step` (0, or the checkpoint's).
-        at(phase, step=): where the supervisor is told this rank waits for the quorum."""
+        at(phase, step=): where the supervisor is told this rank waits for the quorum; waiting(what): the
+        supervisor's context around that wait, which is not a hang (Supervisor.waiting)."""
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's own log: every quorum and commit at its default
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 
@@ -177,14 +181,14 @@ class ReplicaGroups:
             logging.getLogger(name).setLevel(level)
 
         self.modules, self.optimizer, self.scheduler, self.loader = modules, optimizer, scheduler, loader
-        self.metrics, self.step, self.at = metrics, step, at
+        self.metrics, self.step, self.at, self.waiting = metrics, step, at, waiting
         self._seek()  # this group's own place in the data, whatever the checkpoint's loader said
         timeout = timedelta(seconds=self.ft.timeout)
         host, port = self._group_store()
         pg = (ProcessGroupNCCL if parallel.device.type == "cuda" else ProcessGroupGloo)(timeout=timeout)
         self.manager = Manager(
             pg=pg, load_state_dict=self._load, state_dict=self._state, min_replica_size=self.ft.min_groups,
-            # The quorum may wait the lighthouse's join timeout for a hung group first (kept below `timeout`).
+            # A try at the quorum may wait the lighthouse's join timeout for a hung group (keep it below 2 x timeout).
             use_async_quorum=False, timeout=timeout, quorum_timeout=2 * timeout, connect_timeout=timeout,
             rank=dist.get_rank(), world_size=dist.get_world_size(), store_addr=host, store_port=port,
             lighthouse_addr=self.ft.address(), replica_id=f"hybridpar_group_{self.ft.group}",
@@ -242,9 +246,10 @@ class ReplicaGroups:
         self.at("replica quorum", step=step + 1)
         self._before = self.loader.state_dict()
         self._asked = time.perf_counter()
-        self.manager.start_quorum()
-        if not self._started:
-            self._wait_for_every_group()
+        with self.waiting(f"the quorum of the replica groups before step {step + 1}") as say:
+            join(self, say)
+            if not self._started:
+                self._wait_for_every_group(say)
         if self.healed is not None and dist.get_rank() == 0:
             log.info(f"hybridpar: replica group {self.ft.group} healed from a live group at step {self.step} "
                      f"(it was at step {self.healed['from_step']}) in {self.healed['seconds']:.1f} s")
@@ -259,7 +264,7 @@ class ReplicaGroups:
             self.loader.record = []  # the loader notes each micro-batch's windows from here
         return self.step
 
-    def _wait_for_every_group(self) -> None:
+    def _wait_for_every_group(self, say) -> None:
         """The first quorum of this start: unless it healed this group, wait (start_wait at most) until
         every group is in it. The group's ranks decide together: all wait, or none."""
         self._started = True
@@ -275,7 +280,7 @@ class ReplicaGroups:
             self.at("replica quorum: waiting for every group", step=self.step + 1)
             time.sleep(1.0)
             self._asked = time.perf_counter()
-            self.manager.start_quorum()
+            join(self, say)
 
     def _check_groups(self) -> None:
         """The replica check across groups (check.py) after a change of the quorum and every check_every steps."""
@@ -307,7 +312,9 @@ class ReplicaGroups:
         tail[self.ft.group] = 1.0
         tail[self.ft.groups:] = torch.tensor(list(ballot), dtype=torch.float32)
         flat = torch.cat([g.reshape(-1).to(torch.float32) for g in grads] + [tail])
-        self.manager.allreduce(flat).wait()  # an error is torchft's: the step is then not committed
+        # A wait for the other groups, not a collective of this one: ended by fault_tolerance.timeout if one is silent.
+        with self.waiting(f"the other replica groups' gradients of step {self.step + 1}"):
+            self.manager.allreduce(flat).wait()  # an error is torchft's: the step is then not committed
         summed = (flat[flat.numel() - tail.numel():] * self.manager.num_participants()).tolist()
         self._members = [g for g, share in enumerate(summed[:self.ft.groups]) if share > 0.5]
         offset = 0

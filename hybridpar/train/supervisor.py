@@ -19,7 +19,7 @@ import os
 import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Iterator, Optional, Sequence, Union
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -90,9 +90,15 @@ class Supervisor:
         if self.watchdog is not None:
             self.watchdog.beat.nodes = {r: node for r, (_, node) in enumerate(self.places)}
 
+    @property
+    def group(self) -> Optional[int]:
+        """A fault-tolerant job's replica group (fault_tolerance.group): named in every verdict."""
+        ft = self.config.fault_tolerance
+        return ft.group if ft.enabled else None
+
     def _watch(self, timeout: float, step: int, phase: str) -> Watchdog:
         watchdog = Watchdog(self.parallel, timeout=timeout, run_dir=self.run_dir, trace_dir=self.trace_dir,
-                            interval=self.config.diagnostics.watchdog_interval)
+                            interval=self.config.diagnostics.watchdog_interval, group=self.group)
         watchdog.step, watchdog.phase = step, phase
         return watchdog.start()
 
@@ -126,7 +132,7 @@ class Supervisor:
             self.watchdog.stop_requested(self.stop.signal_name)
         self.stragglers = StragglerMonitor(self.parallel, d.straggler_every, d.straggler_threshold, step,
                                            exclude=d.straggler_exclude, exclude_reports=d.straggler_exclude_reports,
-                                           places=self.places)
+                                           places=self.places, group=self.group)
         self._running.enter_context(self.stragglers)  # collectives timed on measured steps; torch's own back at close
 
     def close(self, error: Optional[BaseException] = None) -> None:
@@ -197,7 +203,8 @@ class Supervisor:
     def straggler_stop(self, step: int, checkpoint: Optional[Path]) -> None:
         """Rank 0, once the checkpoint is written: the verdict for launch/slurm.sh, and one line."""
         x = self.excluding
-        line = (f"hybridpar: rank {x['rank']} (node {x['node']}, host {x['host']}) computed {x['ratio']}x the "
+        group = f"replica group {x['group']}, " if "group" in x else ""
+        line = (f"hybridpar: rank {x['rank']} ({group}node {x['node']}, host {x['host']}) computed {x['ratio']}x the "
                 f"others' median in {x['reports']} straggler reports in a row (diagnostics.straggler_exclude = "
                 f"{self.config.diagnostics.straggler_exclude}); saved step {step} ({checkpoint}) and stopped so "
                 f"that node {x['node']} can be left out (launch/slurm.sh excludes it and requeues the job)")
@@ -214,6 +221,18 @@ class Supervisor:
         with self.deadlines.checkpointing():
             yield
         self.phase(done, timeout=self.deadlines.no_progress_limit())
+
+    @contextmanager
+    def waiting(self, what: str) -> Iterator[Callable[[str], None]]:
+        """Around a wait for something outside this job's ranks, the replica groups' quorum (`what`):
+        not a hang however long, unlike a collective inside the job; said once it has lasted longer
+        than diagnostics.train_timeout (Watchdog.waiting). Yields a function that says what it waits
+        for now."""
+        if self.watchdog is None:
+            yield lambda note: None
+            return
+        with self.watchdog.waiting(what) as say:
+            yield say
 
     def _training_again(self, step: int) -> None:
         """Rank 0, after this run's first step: the run's incidents (launch/slurm.sh's) say when

@@ -124,7 +124,7 @@ class Trainer:
         self.metrics = MetricsWriter(self.run_dir, enabled=self.is_main, tensorboard=c.output.tensorboard,
                                      start_step=self.step, wandb=wandb)
         self.replicas.connect(p, self.runner.modules, self.optimizer, self.scheduler, self.loader, step=self.step,
-                              metrics=self.metrics, at=self.supervisor.phase)
+                              metrics=self.metrics, at=self.supervisor.phase, waiting=self.supervisor.waiting)
         self.run_log = RunLog(c, self.metrics, self.loader, self.downstream, self.replicas, is_main=self.is_main)
         self.history = self.run_log.history  # every step's numbers (run() returns them)
         self.evaluations = Evaluations(c, p, self.runner, self.val_dataset, self.downstream, self.supervisor,

@@ -183,7 +183,7 @@ def _watchdog(tmp_path, rank=0, world=2, timeout=60.0, interval=1.0) -> watchdog
     sizes = (1, 1, world, 1, 1)  # (pp, dp_replicate, dp_shard, cp, mp), as ParallelDims.sizes
     parallel = SimpleNamespace(rank=rank, world_size=world, coords=MeshCoords.of(rank, *sizes), sizes=sizes, cp=1,
                                mp_group=None, cp_group=None, dp_shard_group=None, dp_replicate_group=None,
-                               dp_group=None, dp_cp_group=None, pp=1, pp_group=None)
+                               dp_group=None, dp_cp_group=None, pp=1, pp_group=None, ep=1, ep_group=None)
     exits = []
     wd = watchdog.Watchdog(parallel, timeout=timeout, run_dir=tmp_path, trace_dir=tmp_path, interval=interval,
                            exit_fn=exits.append)

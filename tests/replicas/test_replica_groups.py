@@ -20,60 +20,28 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch.common import ROOT, environ_of, free_port, script_env, stop_session
+from tests.launch.common import stop_session
+from tests.replicas.jobs import TIMEOUT, start
+from tests.replicas.jobs import ranks as _ranks
+from tests.replicas.jobs import rows as _rows
+from tests.replicas.jobs import stop_leftovers as _stop_leftovers
 
 pytestmark = pytest.mark.slow
 
-STEPS, KILL_AT, TIMEOUT = 40, 8, 600
+STEPS, KILL_AT = 40, 8
 HEARTBEAT = 5.0  # hybridpar lighthouse's --heartbeat-timeout: how long a silent group stays in the quorum
 EVERY = 10  # checkpoint.every: a checkpoint while group 1 is away, and after it is back
 MORE, STOP_AFTER = 46, 42  # the resumed run's train.steps, and the step after which SIGTERM comes
 MICRO_BATCH = 4  # the local config's data.micro_batch_size (train.grad_accum 1, dp 1 inside a group)
 
 
-def _rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
 def _events(run: Path, group: int, kind: str) -> list[dict]:
     return [e for e in _rows(run / f"group-{group}" / "events.jsonl") if e["event"] == kind]
 
 
-def _ranks(run: Path, group: int) -> dict[int, int]:
-    """pid -> RANK of the training processes of `group` of the job in `run` now (not another test's)."""
-    found = subprocess.run(["pgrep", "-f", f"fault_tolerance.group {group}"], capture_output=True, text=True).stdout
-    ranks = {}
-    for pid in map(int, found.split()):
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        env = environ_of(pid)
-        # a rank (not torchrun itself) of this job
-        if str(run).encode() in argv and "LOCAL_RANK" in env and "TORCHELASTIC_RUN_ID" in env:
-            ranks[pid] = int(env["RANK"])
-    return ranks
-
-
 def _start(run: Path, corpus: dict, steps: int) -> subprocess.Popen:
-    env = script_env(RUN_DIR=str(run), LIGHTHOUSE_PORT=str(free_port()), FT_GROUPS="2", PROCS="2")
-    argv = ["bash", str(ROOT / "launch" / "ft_local.sh"), "--train.steps", str(steps), "--train.log_every", "1",
-            "--train.eval_every", str(STEPS), "--checkpoint.every", str(EVERY), "--fault_tolerance.timeout", "15",
-            "--fault_tolerance.record_windows", "true",
-            "--data.source", corpus["source"], "--data.tokenizer_vocab_size", "512", "--data.cache_dir", corpus["cache_dir"],
-            "--output.tensorboard", "false", "--output.plot", "false"]
-    return subprocess.Popen(argv, cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-
-
-def _stop_leftovers(run: Path) -> None:
-    """Ranks of this test's groups still running (a torchrun killed with the session leaves them)."""
-    for group in (0, 1):
-        for pid in _ranks(run, group):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    return start(corpus, run, steps, "--train.eval_every", str(STEPS), "--checkpoint.every", str(EVERY),
+                 "--fault_tolerance.timeout", "15", "--fault_tolerance.record_windows", "true")
 
 
 def _alone(changes: list[dict], before: int) -> int:

@@ -105,6 +105,102 @@ def training_again(path: Path, *, step: int, resumed_from: int, job: str, nodes:
     return True
 
 
+# --- replica groups (launch/slurm.sh --ft) -------------------------------------------------------
+
+
+class GroupWatch:
+    """What launch/slurm.sh --ft says of its replica groups while they train, each in <job>/group-<g>/:
+    a group's verdict (its hang_report.json), a group dropping out of the steps the others commit
+    (their `groups` events) and its return (its `healed` event, or the others' `groups`). poll()
+    returns the new lines; each fault goes to incidents.jsonl (action `train-on`: the others went on).
+    `nodes`: each group's nodes, comma-separated. What an earlier start of the job left is not news."""
+
+    def __init__(self, job_dir: Path, nodes: Sequence[str], incidents: Path, *, job: str, max_restarts: int) -> None:
+        self.job_dir, self.nodes, self.incidents = Path(job_dir), list(nodes), Path(incidents)
+        self.job, self.max_restarts = job, max_restarts
+        self.out: set[int] = set()  # groups said to be out of the others' steps
+        self.verdicts = {g: self._stamp(g) for g in range(len(self.nodes))}
+        self.seen = {g: set(self._lines(g)) for g in range(len(self.nodes))}
+
+    def _stamp(self, g: int) -> Optional[tuple]:
+        try:
+            st = os.stat(self.job_dir / f"group-{g}" / "hang_report.json")
+        except FileNotFoundError:
+            return None
+        return st.st_ino, st.st_mtime_ns
+
+    def _lines(self, g: int) -> list[str]:
+        try:
+            return (self.job_dir / f"group-{g}" / "events.jsonl").read_text().splitlines()
+        except FileNotFoundError:
+            return []
+
+    def _name(self, g: int) -> str:
+        return f"replica group {g} ({self.nodes[g]})"
+
+    def poll(self) -> list[str]:
+        said = []
+        for g in range(len(self.nodes)):
+            stamp = self._stamp(g)
+            if stamp is not None and stamp != self.verdicts[g]:
+                self.verdicts[g] = stamp
+                said += self._verdict(g)
+        new = []
+        for g in range(len(self.nodes)):
+            for line in self._lines(g):
+                if line in self.seen[g]:
+                    continue
+                try:
+                    new.append((g, json.loads(line)))
+                except json.JSONDecodeError:  # being written: read again next time
+                    continue
+                self.seen[g].add(line)
+        for g, event in sorted(new, key=lambda item: item[1].get("step", 0)):  # the groups' files in step order
+            said += self._event(g, event)
+        return said
+
+    def _verdict(self, g: int) -> list[str]:
+        try:
+            report = json.loads((self.job_dir / f"group-{g}" / "hang_report.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            return []
+        fault = report.get("node_fault") or {}
+        nodes = list(fault.get("nodes") or [])
+        left = self.max_restarts - int(report.get("attempt", 0))
+        then = (f"torchrun restarts the group ({left} of MAX_RESTARTS={self.max_restarts} left)" if left > 0 else
+                "no restart left: the group is out of this job")
+        why = f"{self._name(g)}: {then}; the other groups train on"
+        append(self.incidents, {**fault_event(report, {"action": "train-on", "nodes": nodes, "why": why}, self.job),
+                                "group": g})
+        self.out.add(g)
+        where = f"{fault.get('kind', 'fault')} on {', '.join(nodes)}" if nodes else "no node blamed"
+        reason = str(report.get("reason", "")).splitlines()[0][:200] if report.get("reason") else ""
+        return [f"slurm.sh: {self._name(g)}: verdict: {where} ({reason}); {then}, the other groups train on"]
+
+    def _event(self, g: int, event: dict) -> list[str]:
+        said, step = [], event.get("step")
+        if event.get("event") == "groups":
+            members, was = list(event.get("groups") or []), list(event.get("was") or [])
+            for x in (x for x in was if x not in members and x not in self.out and x < len(self.nodes)):
+                self.out.add(x)
+                line = (f"slurm.sh: {self._name(x)} dropped out of step {step}: group(s) "
+                        f"{', '.join(map(str, members))} commit it without it and train on")
+                now = time.time()
+                append(self.incidents, {"event": "fault", "job": self.job, "kind": "dropped", "group": x,
+                                        "nodes": self.nodes[x].split(","), "ranks": [], "reason": line, "step": step,
+                                        "fault_time": now, "verdict_time": now, "action": "train-on",
+                                        "why": f"{self._name(x)}: the other groups train on"})
+                said.append(line)
+            for x in (x for x in members if x in self.out and x not in was):
+                self.out.discard(x)
+                said.append(f"slurm.sh: {self._name(x)} is back: step {step} committed with it")
+        elif event.get("event") == "healed" and g in self.out:
+            self.out.discard(g)
+            said.append(f"slurm.sh: {self._name(g)} is back at step {step}: healed from a live group in "
+                        f"{event.get('seconds')} s (it was at step {event.get('from_step')})")
+        return said
+
+
 # --- the summary --------------------------------------------------------------------------------
 
 
@@ -139,7 +235,9 @@ def summary_lines(events: list[dict]) -> list[str]:
         if "stop" in inc:
             line += f"; stopped: {inc['stop'].get('why')}"
         again = inc.get("training_again")
-        if again:
+        if again and f.get("action") == "train-on":  # a replica group's: the others did not stop
+            line += f"; the group training again after {_seconds(again['time'], begun)}: the others lost no step"
+        elif again:
             lost = max(0, int(f.get("step", 0)) - 1 - int(again.get("resumed_from", 0)))
             line += (f"; training again after {_seconds(again['time'], begun)} on {again.get('nodes')} from step "
                      f"{again.get('resumed_from')}: {lost} step(s) lost")

@@ -132,11 +132,12 @@ def job_env(cluster: Cluster, run_dir: Path, **env) -> dict:
 
 
 def submit(cluster: Cluster, run_dir: Path, output: Path, steps: int, corpus, *, every: int = 2,
-           overrides: Sequence[str] = (), options: Sequence[str] = (), wait: bool = False,
-           **env) -> subprocess.CompletedProcess:
+           overrides: Sequence[str] = (), options: Sequence[str] = (), wait: bool = False, nodes: int = NODES,
+           sbatch_options: Sequence[str] = (), **env) -> subprocess.CompletedProcess:
     """sbatch launch/slurm.sh for a 2-node job of the tiny model (`wait`: until it ends; then its
-    returncode is the job's exit code, as `sbatch --wait` returns it); `options`: slurm.sh's own, before its --."""
-    cmd = ["sbatch", f"--nodes={NODES}", f"--output={output}", str(SLURM_SH), *options,
+    returncode is the job's exit code, as `sbatch --wait` returns it); `options`: slurm.sh's own, before its --;
+    `sbatch_options`: sbatch's."""
+    cmd = ["sbatch", f"--nodes={nodes}", *sbatch_options, f"--output={output}", str(SLURM_SH), *options,
            "--", *tiny_overrides(corpus, steps, every=every), *overrides]
     submitted = subprocess.run(cmd, cwd=ROOT, env=job_env(cluster, run_dir, **env), capture_output=True, text=True,
                                timeout=60)
@@ -170,6 +171,23 @@ def sbatch_wait(cluster: Cluster, run_dir: Path, output: Path, steps: int, corpu
     log = output.read_text() if output.exists() else ""
     assert result.returncode == 0, f"the job exited {result.returncode}\n{result.stderr}\n{log[-6000:]}\n{cluster.logs()}"
     return log, run_dir / f"job-{job_id(result)}"
+
+
+def rank_processes(job: str) -> list[tuple[int, dict]]:
+    """(pid, environment) of each training rank of job `job` now (torchrun's workers: they have RANK)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = dict(v.split("=", 1) for v in (entry / "environ").read_bytes().decode(errors="replace").split("\0")
+                       if "=" in v)
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if env.get("SLURM_JOB_ID") == job and "RANK" in env and b"hybridpar" in cmdline and b"train" in cmdline:
+            found.append((int(entry.name), env))
+    return found
 
 
 def wait_for_step(job_dir: Path, step: int, deadline: float, cluster: Cluster) -> None:

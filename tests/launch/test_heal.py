@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch.cluster import JOB_TIMEOUT, job_id, submit, wait_for_step
+from tests.launch.cluster import JOB_TIMEOUT, job_id, rank_processes, submit, wait_for_step
 from tests.launch.common import ROOT, metrics_by_step, tiny_overrides
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -54,20 +54,8 @@ def undisturbed(workers, corpus, tmp_path_factory):
 
 
 def _ranks(job: str) -> dict[int, tuple[str, int]]:
-    """rank -> (node, pid) of job `job`'s training ranks (torchrun's workers: they have RANK)."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            env = dict(v.split("=", 1) for v in (entry / "environ").read_bytes().decode(errors="replace").split("\0")
-                       if "=" in v)
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if env.get("SLURM_JOB_ID") == job and "RANK" in env and b"hybridpar" in cmdline and b"train" in cmdline:
-            found[int(env["RANK"])] = (env.get("SLURMD_NODENAME", "?"), int(entry.name))
-    return found
+    """rank -> (node, pid) of job `job`'s training ranks."""
+    return {int(env["RANK"]): (env.get("SLURMD_NODENAME", "?"), pid) for pid, env in rank_processes(job)}
 
 
 def _rank_pids(job: str, store_host: bool) -> tuple[str, list[int]]:

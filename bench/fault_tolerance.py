@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.death_repeat import corpus  # noqa: E402
-from tests.launch.cluster import JOB_TIMEOUT, job_id, local_cluster, rank_processes, submit  # noqa: E402
+from tests.launch.cluster import JOB_TIMEOUT, job_id, local_cluster, submit  # noqa: E402
 from tests.launch.common import free_port, script_env, stop_session  # noqa: E402
 from tests.launch.test_slurm_ft import KILL_AT, MODEL, STEPS, ft_round  # noqa: E402
 
@@ -86,7 +86,7 @@ def requeue_round(cluster, data: dict, folder: Path) -> dict:
     while not (checkpoint.is_dir() and any(r.get("step", 0) >= KILL_AT for r in _rows(job_dir / "metrics.jsonl"))):
         assert time.monotonic() < deadline, (job_dir / "job.log").read_text()[-4000:]
         time.sleep(0.2)
-    ranks = {int(env["RANK"]): (env.get("SLURMD_NODENAME"), pid) for pid, env in rank_processes(job)}
+    ranks = {int(env["RANK"]): (env.get("SLURMD_NODENAME"), pid) for pid, env in cluster.rank_processes(job)}
     node = next(n for n, _ in ranks.values() if n != ranks[0][0])
     killed, wall = time.monotonic(), time.time()
     for n, pid in ranks.values():

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch.cluster import JOB_TIMEOUT, job_id, rank_processes, submit
+from tests.launch.cluster import JOB_TIMEOUT, free_ports, job_id, submit
 from tests.launch.common import SLURM_SH, printed_command, run_script, script_env
 
 
@@ -85,10 +85,10 @@ def _rows(job_dir: Path, group: int, name: str = "metrics.jsonl") -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def _groups_pids(job: str) -> dict[int, dict[int, str]]:
+def _groups_pids(cluster, job: str) -> dict[int, dict[int, str]]:
     """group -> {pid: node} of job `job`'s ranks now (the group: its --fault_tolerance.group)."""
     found: dict[int, dict[int, str]] = {}
-    for pid, env in rank_processes(job):
+    for pid, env in cluster.rank_processes(job):
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
         except OSError:  # gone since
@@ -107,11 +107,12 @@ def ft_round(cluster, corpus, folder: Path, *, groups: int = GROUPS, steps: int 
     (bench/fault_tolerance.py runs it too)."""
     run_dir = folder / "run"
     # All the "nodes" are this machine: the groups' ranks use their agents' stores at the ports the
-    # script gave them, rather than each picking a free port for its own, beside two other groups' sockets.
+    # script gives them (RDZV_PORT + g, all free), rather than each picking a free port for its own,
+    # beside two other groups' sockets.
     started = time.monotonic()
     job = job_id(submit(cluster, run_dir, folder / "slurm.out", steps, corpus, every=10, nodes=groups,
                         sbatch_options=["--no-kill"], options=["--ft"], overrides=MODEL, PREFLIGHT=0, MAX_RESTARTS=3,
-                        TORCH_DISABLE_SHARE_RDZV_TCP_STORE=0))
+                        TORCH_DISABLE_SHARE_RDZV_TCP_STORE=0, RDZV_PORT=free_ports(groups + 1)))
     job_dir, checkpoint = run_dir / f"job-{job}", run_dir / "checkpoints" / f"step-{kill_at:08d}"
     deadline = time.monotonic() + JOB_TIMEOUT
     r = {"job": job, "job_dir": job_dir, "run_dir": run_dir, "seen": {}, "killed": None, "back_s": None,
@@ -119,13 +120,13 @@ def ft_round(cluster, corpus, folder: Path, *, groups: int = GROUPS, steps: int 
     try:
         while "JobState=COMPLETED" not in (shown := cluster.run("scontrol", "show", "job", job).stdout):
             assert time.monotonic() < deadline and "JobState=FAILED" not in shown, shown
-            for g, pids in _groups_pids(job).items():
+            for g, pids in _groups_pids(cluster, job).items():
                 r["seen"].setdefault(g, {}).update(pids)  # every rank pid of each group ever seen
             rows, killed = _rows(job_dir, 1), r["killed"]
             # (a group that starts late joins at the others' step: the kill waits until all train together)
             if killed is None and rows and rows[-1]["step"] >= kill_at and rows[-1].get("groups") == groups \
                     and checkpoint.is_dir():
-                victims = _groups_pids(job)[1]
+                victims = _groups_pids(cluster, job)[1]
                 r["node"], r["killed_at"], r["killed"] = next(iter(victims.values())), rows[-1]["step"], time.monotonic()
                 assert set(victims.values()) == {r["node"]}, victims
                 for pid in victims:
@@ -152,8 +153,9 @@ def test_a_nodes_killed_ranks_cost_their_group_steps_and_the_job_no_requeue(slur
     shown, log, job_dir, seen = r["shown"], r["log"], r["job_dir"], r["seen"]
     assert r["killed"] is not None, log[-6000:]
     node, killed_at, back = r["node"], r["killed_at"], r["back_s"]
-    print(f"\nkilled group 1's ranks on {node} after step {killed_at}; slurm.sh named it {r['named_s']:.1f} s later, "
-          f"group 1 trained again {back:.1f} s later, step {STEPS} {r['last_step_s']:.1f} s after the kill")
+    seconds = {k: "-" if r[k] is None else f"{r[k]:.1f}" for k in ("named_s", "back_s", "last_step_s")}
+    print(f"\nkilled group 1's ranks on {node} after step {killed_at}; slurm.sh named it {seconds['named_s']} s later, "
+          f"group 1 trained again {seconds['back_s']} s later, step {STEPS} {seconds['last_step_s']} s after the kill")
     # No requeue: the same start of the job, completed.
     assert "Restarts=0" in shown and "ExitCode=0:0" in shown and "requeue" not in log, shown + log[-6000:]
     # slurm.sh's lines name the node the group ran on: its restart by torchrun (no verdict: every rank of

@@ -105,6 +105,153 @@ def training_again(path: Path, *, step: int, resumed_from: int, job: str, nodes:
     return True
 
 
+# --- replica groups (launch/slurm.sh --ft) -------------------------------------------------------
+
+
+class GroupWatch:
+    """What launch/slurm.sh --ft says of its replica groups while they train, each in <job>/group-<g>/:
+    a group's verdict (its hang_report.json), its restart by its torchrun (a new attempt_<n>/ in its
+    torchrun/ logs: ranks that ended without a verdict, a node's processes killed), its dropping out
+    of the steps the others commit (their `groups` events), and its return (its `healed` event, or a
+    step it trained since). poll() returns the new lines; the first sign of each incident goes to
+    incidents.jsonl as a fault (action `train-on`: the others went on). `nodes`: each group's nodes,
+    comma-separated. What an earlier start of the job left is not news."""
+
+    def __init__(self, job_dir: Path, nodes: Sequence[str], incidents: Path, *, job: str, max_restarts: int) -> None:
+        self.job_dir, self.nodes, self.incidents = Path(job_dir), list(nodes), Path(incidents)
+        self.job, self.max_restarts = job, max_restarts
+        self.open: dict[int, int] = {}  # group -> the last step it trained before its open incident
+        groups = range(len(self.nodes))
+        self.verdicts = {g: self._stamp(g) for g in groups}
+        self.attempts = {g: self._attempts(g) for g in groups}
+        self.seen = {g: set(self._lines(g)) for g in groups}
+
+    def _folder(self, g: int) -> Path:
+        return self.job_dir / f"group-{g}"
+
+    def _stamp(self, g: int) -> Optional[tuple]:
+        try:
+            st = os.stat(self._folder(g) / "hang_report.json")
+        except FileNotFoundError:
+            return None
+        return st.st_ino, st.st_mtime_ns
+
+    def _attempts(self, g: int) -> set[str]:
+        """torchrun's attempt folders (<log-dir>/<run id>_<suffix>/attempt_<n>, one run id per start)."""
+        return {str(p.relative_to(self._folder(g))) for p in self._folder(g).glob("torchrun/*/attempt_*")}
+
+    def _lines(self, g: int) -> list[str]:
+        try:
+            return (self._folder(g) / "events.jsonl").read_text().splitlines()
+        except FileNotFoundError:
+            return []
+
+    def _last_step(self, g: int) -> int:
+        """The step of the group's last metrics row (its file's tail: a long run's file is large)."""
+        try:
+            with open(self._folder(g) / "metrics.jsonl", "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+                lines = f.read().decode(errors="replace").splitlines()
+        except FileNotFoundError:
+            return 0
+        for line in reversed(lines):
+            try:
+                return int(json.loads(line)["step"])
+            except (ValueError, KeyError, TypeError):
+                continue
+        return 0
+
+    def _name(self, g: int) -> str:
+        return f"replica group {g} ({self.nodes[g]})"
+
+    def _opens(self, g: int, step: int, fault: dict) -> bool:
+        """A new incident of group g (noted as a fault), unless one is open: then False."""
+        if g in self.open:
+            return False
+        self.open[g] = step
+        append(self.incidents, {"event": "fault", "job": self.job, "group": g, "ranks": [], "step": step + 1,
+                                "action": "train-on", **fault})
+        return True
+
+    def poll(self) -> list[str]:
+        said = []
+        for g in range(len(self.nodes)):
+            stamp = self._stamp(g)
+            if stamp is not None and stamp != self.verdicts[g]:
+                self.verdicts[g] = stamp
+                said += self._verdict(g)
+            attempts = self._attempts(g)
+            restarts = sorted(int(a.rsplit("_", 1)[1]) for a in attempts - self.attempts[g])
+            self.attempts[g] = attempts
+            if restarts and restarts[-1] > 0 and g not in self.open:  # (attempt_0: a new start of the job)
+                said += self._restarted(g, restarts[-1])
+        new = []
+        for g in range(len(self.nodes)):
+            for line in self._lines(g):
+                if line in self.seen[g]:
+                    continue
+                try:
+                    new.append((g, json.loads(line)))
+                except json.JSONDecodeError:  # being written: read again next time
+                    continue
+                self.seen[g].add(line)
+        for g, event in sorted(new, key=lambda item: item[1].get("step", 0)):  # the groups' files in step order
+            said += self._event(g, event)
+        for g, before in list(self.open.items()):
+            step = self._last_step(g)
+            if step > before:
+                del self.open[g]
+                said.append(f"slurm.sh: {self._name(g)} is back: it trained step {step}")
+        return said
+
+    def _verdict(self, g: int) -> list[str]:
+        try:
+            report = json.loads((self._folder(g) / "hang_report.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            return []
+        fault = report.get("node_fault") or {}
+        nodes = list(fault.get("nodes") or [])
+        left = self.max_restarts - int(report.get("attempt", 0))
+        then = (f"torchrun restarts the group ({left} of MAX_RESTARTS={self.max_restarts} left)" if left > 0 else
+                "no restart left: the group is out of this job")
+        why = f"{self._name(g)}: {then}; the other groups train on"
+        event = fault_event(report, {"action": "train-on", "nodes": nodes, "why": why}, self.job)
+        self._opens(g, int(report.get("step", 1)) - 1, {k: v for k, v in event.items() if k not in ("event", "job")})
+        where = f"{fault.get('kind', 'fault')} on {', '.join(nodes)}" if nodes else "no node blamed"
+        reason = str(report.get("reason") or "").splitlines()[0][:200] if report.get("reason") else ""
+        return [f"slurm.sh: {self._name(g)}: verdict: {where} ({reason}); {then}, the other groups train on"]
+
+    def _restarted(self, g: int, attempt: int) -> list[str]:
+        line = (f"slurm.sh: {self._name(g)}: restarted by its torchrun (attempt {attempt} of MAX_RESTARTS="
+                f"{self.max_restarts}): its ranks ended without a verdict (killed, or their node's processes lost); "
+                "the other groups train on")
+        now = time.time()
+        self._opens(g, self._last_step(g), {"kind": "restarted", "nodes": self.nodes[g].split(","), "reason": line,
+                                            "fault_time": now, "verdict_time": now,
+                                            "why": f"{self._name(g)}: the other groups train on"})
+        return [line]
+
+    def _event(self, g: int, event: dict) -> list[str]:
+        said, step = [], event.get("step")
+        if event.get("event") == "groups":
+            members, was = list(event.get("groups") or []), list(event.get("was") or [])
+            for x in (x for x in was if x not in members and x < len(self.nodes)):
+                line = (f"slurm.sh: {self._name(x)} dropped out of step {step}: group(s) "
+                        f"{', '.join(map(str, members))} commit it without it and train on")
+                now = time.time()
+                if x not in self.open or self.open[x] < step:  # each live group says it: once
+                    said.append(line)
+                self._opens(x, step - 1, {"kind": "dropped", "nodes": self.nodes[x].split(","), "reason": line,
+                                          "fault_time": now, "verdict_time": now,
+                                          "why": f"{self._name(x)}: the other groups train on"})
+                self.open[x] = step  # said: the other groups' same event is not said again
+        elif event.get("event") == "healed" and g in self.open:
+            del self.open[g]
+            said.append(f"slurm.sh: {self._name(g)} is back at step {step}: healed from a live group in "
+                        f"{event.get('seconds')} s (it was at step {event.get('from_step')})")
+        return said
+
+
 # --- the summary --------------------------------------------------------------------------------
 
 
@@ -139,7 +286,9 @@ def summary_lines(events: list[dict]) -> list[str]:
         if "stop" in inc:
             line += f"; stopped: {inc['stop'].get('why')}"
         again = inc.get("training_again")
-        if again:
+        if again and f.get("action") == "train-on":  # a replica group's: the others did not stop
+            line += f"; the group training again after {_seconds(again['time'], begun)}: the others lost no step"
+        elif again:
             lost = max(0, int(f.get("step", 0)) - 1 - int(again.get("resumed_from", 0)))
             line += (f"; training again after {_seconds(again['time'], begun)} on {again.get('nodes')} from step "
                      f"{again.get('resumed_from')}: {lost} step(s) lost")

@@ -28,6 +28,8 @@
 #   --procs-per-node / PROCS_PER_NODE  ranks per node (default: the GPUs the job has on the node, so
 #                                      request them with --gpus-per-node; set it on CPU nodes)
 #   --config / CONFIG                  a TOML file or a named config of hybridpar/configs (local)
+#   --ft / FT=1                        replica groups that fail alone (torchft; the sizes are a group's):
+#                                      launch/slurm_ft.sh (GROUP_NODES, MIN_GROUPS, LIGHTHOUSE_PORT)
 #   --dry-run / DRY_RUN=1              print the srun and torchrun commands and the mesh, then rehearse
 #                                      the job in this one process (hybridpar train --dry-run: the real
 #                                      model, sharding and one step as rank DRY_RUN_RANK of the world,
@@ -80,6 +82,7 @@ EXCLUDE_ON_FAULT=${EXCLUDE_ON_FAULT:-1}
 MAX_REQUEUES=${MAX_REQUEUES:-3}
 REQUEUE_DELAY=${REQUEUE_DELAY:-10}
 PYTHON=${PYTHON:-python3}
+FT=${FT:-0} GROUP_NODES=${GROUP_NODES:-1} RDZV_GIVEN=${RDZV_HOST:-}  # (--ft: given, every group meets there)
 
 set_option() {
   case $1 in
@@ -104,13 +107,14 @@ while (($#)); do
       set_option "${1%%=*}" "${1#*=}"
       shift ;;
     --dry-run) DRY_RUN=1; shift ;;
+    --ft) FT=1; shift ;;
     --) shift; overrides+=("$@"); break ;;
     *) overrides+=("$1"); shift ;;
   esac
 done
 
 is_int() { [[ $1 =~ ^-?[0-9]+$ ]]; }
-for name in MP CP PP DP_SHARD DP_REPLICATE MAX_RESTARTS MAX_REQUEUES REQUEUE_DELAY EXCLUDE_ON_FAULT; do
+for name in MP CP PP DP_SHARD DP_REPLICATE MAX_RESTARTS MAX_REQUEUES REQUEUE_DELAY EXCLUDE_ON_FAULT FT; do
   is_int "${!name}" || die "$name must be an integer, got '${!name}'"
 done
 
@@ -132,10 +136,10 @@ if [[ -z $PROCS_PER_NODE ]]; then
     die "no GPUs found: set PROCS_PER_NODE (or --procs-per-node), the ranks to start on each node"
   fi
 fi
-for name in NODES PROCS_PER_NODE; do
+for name in NODES PROCS_PER_NODE GROUP_NODES; do
   [[ ${!name} =~ ^[1-9][0-9]*$ ]] || die "$name must be a positive integer, got '${!name}'"
 done
-WORLD=$((NODES * PROCS_PER_NODE))
+WORLD=$((FT ? GROUP_NODES * PROCS_PER_NODE : NODES * PROCS_PER_NODE))  # with --ft: a replica group's
 
 # cp and pp appear in the commands, the sizes and the messages only when set: such jobs print as before.
 CP_WORD=""; CP_ARGS=(); CP_MESH=""; PP_WORD=""; PP_ARGS=(); PP_MESH=""
@@ -286,6 +290,10 @@ describe() {
   echo "mesh: $(quoted "${mesh_cmd[@]}")"
 }
 
+if ((FT)); then  # replica groups (torchft): launch/slurm_ft.sh beside this script's original, or in the submit folder
+  for ft in "$(dirname -- "${BASH_SOURCE[0]}")" "${HYBRIDPAR_HOME:-${SLURM_SUBMIT_DIR:-.}}/launch"; do [[ -f $ft/slurm_ft.sh ]] && break; done
+  source "$ft/slurm_ft.sh" || die "launch/slurm_ft.sh not found: submit from the repository root or set HYBRIDPAR_HOME"
+fi
 if [[ $DRY_RUN == 1 ]]; then
   echo "dry run: nothing is started"
   describe
@@ -402,24 +410,26 @@ stopped=$JOB_DIR/stopped.json  # written by rank 0 when the run stopped on a sig
 rm -f "$stopped"
 seen=$(verdict_id || true)  # a verdict of an earlier start of this job is not this one's
 status=0 action=""
-"${srun_cmd[@]}" "${torchrun_cmd[@]}" &
-srun_pid=$!
-while kill -0 "$srun_pid" 2>/dev/null; do
-  id=$(verdict_id || true)
-  if [[ -n $id && $id != "$seen" ]]; then
-    seen=$id
-    decide "$MAX_RESTARTS"
-    if [[ $action == exclude || $action == stop ]]; then  # torchrun would restart on that node
-      end_step "$srun_pid"
-      break
+if ((FT)); then ft_job; else  # the lighthouse and the groups: launch/slurm_ft.sh
+  "${srun_cmd[@]}" "${torchrun_cmd[@]}" &
+  srun_pid=$!
+  while kill -0 "$srun_pid" 2>/dev/null; do
+    id=$(verdict_id || true)
+    if [[ -n $id && $id != "$seen" ]]; then
+      seen=$id
+      decide "$MAX_RESTARTS"
+      if [[ $action == exclude || $action == stop ]]; then  # torchrun would restart on that node
+        end_step "$srun_pid"
+        break
+      fi
     fi
+    sleep 1
+  done
+  wait "$srun_pid" || status=$?
+  id=$(verdict_id || true)
+  if [[ $action != exclude && $action != stop && -n $id && $id != "$seen" ]]; then
+    decide 0  # a verdict as the step ended (a death, a straggler's stop): torchrun restarts no more
   fi
-  sleep 1
-done
-wait "$srun_pid" || status=$?
-id=$(verdict_id || true)
-if [[ $action != exclude && $action != stop && -n $id && $id != "$seen" ]]; then
-  decide 0  # a verdict as the step ended (a death, a straggler's stop): torchrun restarts no more
 fi
 act
 if [[ -f $stopped ]]; then

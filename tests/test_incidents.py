@@ -123,3 +123,63 @@ def test_the_script_side_records_and_prints_a_decision_without_torch(tmp_path):
     assert event["event"] == "fault" and event["kind"] == "death" and event["action"] == "restart"
     assert incidents_command.main(["note", str(path), "event=requeue", "job=7", "excluded=n2"]) == 0
     assert incidents.read(path)[-1]["excluded"] == "n2"
+
+
+def _event(job_dir, in_group: int, **event) -> None:
+    folder = job_dir / f"group-{in_group}"
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "events.jsonl", "a") as f:
+        f.write(json.dumps(event) + "\n")
+
+
+def test_launch_slurm_ft_says_a_groups_drop_out_verdict_restart_and_return_naming_its_nodes(tmp_path):
+    """GroupWatch (launch/slurm.sh --ft's watcher) on the files the groups write: what a former start
+    left is not news; a group the others commit without is named with its nodes, once; its return too;
+    a group's verdict, and a restart by its torchrun that no verdict or drop-out came before."""
+    job_dir, path = tmp_path / "job-7", tmp_path / "incidents.jsonl"
+    _event(job_dir, 0, step=3, event="groups", groups=[0, 1, 2], was=[0, 1])  # before this start
+    (job_dir / "group-2" / "torchrun" / "7-group2_ab" / "attempt_0").mkdir(parents=True)
+    watch = incidents.GroupWatch(job_dir, ["n1", "n2", "n3"], path, job="7", max_restarts=3)
+    assert watch.poll() == []
+    _event(job_dir, 0, step=11, event="groups", groups=[0, 2], was=[0, 1, 2])
+    _event(job_dir, 2, step=11, event="groups", groups=[0, 2], was=[0, 1, 2])  # every live group says it
+    assert watch.poll() == ["slurm.sh: replica group 1 (n2) dropped out of step 11: group(s) 0, 2 commit it "
+                            "without it and train on"]
+    _event(job_dir, 1, step=24, event="healed", group=1, from_step=20, to_step=24, seconds=0.6)
+    _event(job_dir, 0, step=25, event="groups", groups=[0, 1, 2], was=[0, 2])
+    assert watch.poll() == ["slurm.sh: replica group 1 (n2) is back at step 24: healed from a live group in 0.6 s "
+                            "(it was at step 20)"]
+    # Group 2 restarted by its torchrun with no verdict (every rank of its node killed), back without a heal.
+    (job_dir / "group-2" / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (29, 30)))
+    (job_dir / "group-2" / "torchrun" / "7-group2_ab" / "attempt_1").mkdir()
+    assert watch.poll() == ["slurm.sh: replica group 2 (n3): restarted by its torchrun (attempt 1 of MAX_RESTARTS=3): "
+                            "its ranks ended without a verdict (killed, or their node's processes lost); the other "
+                            "groups train on"]
+    assert watch.poll() == []
+    with open(job_dir / "group-2" / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 31}) + "\n")
+    assert watch.poll() == ["slurm.sh: replica group 2 (n3) is back: it trained step 31"]
+    (job_dir / "group-2" / "hang_report.json").write_text(json.dumps(_report(kind="death", attempt=3, step=32)))
+    [said] = watch.poll()
+    assert said.startswith("slurm.sh: replica group 2 (n3): verdict: death on n2 (") and said.endswith(
+        "); no restart left: the group is out of this job, the other groups train on"), said
+    dropped, restarted, verdict = incidents.read(path)
+    assert (dropped["kind"], dropped["group"], dropped["nodes"], dropped["step"], dropped["action"]) == (
+        "dropped", 1, ["n2"], 11, "train-on")
+    assert (restarted["kind"], restarted["group"], restarted["nodes"], restarted["step"]) == ("restarted", 2, ["n3"], 31)
+    assert (verdict["kind"], verdict["group"], verdict["action"], verdict["nodes"]) == ("death", 2, "train-on", ["n2"])
+    # The summary: the group trained again while the others lost nothing.
+    assert incidents.training_again(path, step=25, resumed_from=20, job="7", nodes="n[1-3]")
+    events = incidents.read(path)
+    events[-1]["time"] = events[2]["fault_time"] + 9.0
+    assert incidents.summary_lines(events)[-1].endswith("the group training again after 9.0 s: the others lost no step")
+
+
+def test_a_groups_summary_prints_the_command_that_starts_the_ft_job_again(tmp_path):
+    from hybridpar.train.summary import launch_command
+
+    environ = {"SLURM_JOB_ID": "7", "LAYOUT_FILE": "x", "MP": "2", "DP_SHARD": "1", "DP_REPLICATE": "1",
+               "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "FT_GROUPS": "3"}
+    assert launch_command(tmp_path / "c.toml", tmp_path / "run" / "job-7" / "group-1", environ) == [
+        "env", f"RUN_DIR={tmp_path / 'run'}", "MP=2", "DP_SHARD=1", "DP_REPLICATE=1", "PROCS_PER_NODE=2", "FT=1",
+        "GROUP_NODES=2", f"CONFIG={tmp_path / 'c.toml'}", "sbatch", "--nodes", "6", "--no-kill", "launch/slurm.sh", "--"]

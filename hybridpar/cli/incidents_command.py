@@ -1,4 +1,4 @@
-"""`python -m hybridpar.cli.incidents_command decide|note|summary`: launch/slurm.sh's record of a
+"""`python -m hybridpar.cli.incidents_command decide|note|summary|watch`: launch/slurm.sh's record of a
 run's faults, its arguments and its printed answer (the policy and the file: hybridpar.incidents).
 
 Torch-free and quick to start: the script calls it at every verdict and at the end of the job.
@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ..incidents import append, decide, fault_event, read, summary_lines
+from ..incidents import GroupWatch, append, decide, fault_event, read, summary_lines
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -35,7 +37,29 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("fields", nargs="+")
     s = sub.add_parser("summary", help="the incidents, one line each")
     s.add_argument("incidents", type=Path)
+    w = sub.add_parser("watch", help="launch/slurm.sh --ft: say each replica group's verdicts, drop-outs and "
+                                     "returns until SIGTERM")
+    w.add_argument("incidents", type=Path)
+    w.add_argument("job_dir", type=Path, help="the job's folder (the groups' group-<g>/ in it)")
+    w.add_argument("--job", required=True)
+    w.add_argument("--nodes", required=True, help="each group's nodes, comma-separated, the groups separated by ';'")
+    w.add_argument("--max-restarts", type=int, default=0, help="torchrun's restarts of each group")
+    w.add_argument("--interval", type=float, default=0.5, help="seconds between looks")
     return parser
+
+
+def _watch(args: argparse.Namespace) -> None:
+    """Until SIGTERM (then one last look): each new line at once."""
+    watch = GroupWatch(args.job_dir, args.nodes.split(";"), args.incidents, job=args.job,
+                       max_restarts=args.max_restarts)
+    stopped = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopped.set())
+    while True:
+        last = stopped.wait(args.interval)
+        for line in watch.poll():
+            print(line, flush=True)
+        if last:
+            return
 
 
 def _words(text: str) -> list[str]:
@@ -59,6 +83,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             name, _, value = field.partition("=")
             event[name] = value
         append(args.incidents, event)
+    elif args.command == "watch":
+        _watch(args)
     else:
         for line in summary_lines(read(args.incidents)):
             print(line)

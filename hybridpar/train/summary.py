@@ -31,6 +31,11 @@ def launch_command(config_path: Path, run_dir: Path, environ=os.environ) -> list
     nodes = max(1, int(environ.get("WORLD_SIZE", "1")) // max(1, int(local)))
     if environ.get("SLURM_JOB_ID") and environ.get("LAYOUT_FILE"):  # launch/slurm.sh: RUN_DIR/job-<id>
         layout = [f"{k}={environ[k]}" for k in ("MP", "DP_SHARD", "DP_REPLICATE") if k in environ]
+        groups = int(environ.get("FT_GROUPS", "0"))  # launch/slurm.sh --ft: RUN_DIR/job-<id>/group-<g>, a group's nodes
+        if groups:
+            return ["env", f"RUN_DIR={Path(run_dir).parent.parent}", *layout, f"PROCS_PER_NODE={local}", "FT=1",
+                    f"GROUP_NODES={nodes}", f"CONFIG={config_path}", "sbatch", "--nodes", str(nodes * groups),
+                    "--no-kill", "launch/slurm.sh", "--"]
         return ["env", f"RUN_DIR={Path(run_dir).parent}", *layout, f"PROCS_PER_NODE={local}",
                 f"CONFIG={config_path}", "sbatch", "--nodes", str(nodes), "launch/slurm.sh", "--"]
     if environ.get("TORCHELASTIC_RUN_ID"):  # torchrun

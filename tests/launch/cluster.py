@@ -40,6 +40,16 @@ def _ports_free(ports) -> bool:
     return True
 
 
+def free_ports(count: int) -> int:
+    """The first of `count` consecutive free ports (launch/slurm.sh --ft: RDZV_PORT + g for group g, then
+    the lighthouse's), below the kernel's ephemeral range and the Slurm daemons' (_port_base)."""
+    for _ in range(200):
+        base = random.randrange(10000, 15000 - count)
+        if _ports_free(range(base, base + count)):
+            return base
+    raise RuntimeError(f"no {count} consecutive free ports")
+
+
 def _port_base(nodes: int) -> int:
     """A base for the harness's ports (base, base+1, base+10..): not the default 16800, so a cluster
     someone else runs on this machine is left alone."""
@@ -90,6 +100,25 @@ class Cluster:
             time.sleep(1)
         return shown
 
+    def rank_processes(self, job: str) -> list[tuple[int, dict]]:
+        """(pid, environment) of each training rank of job `job` of this cluster now (torchrun's workers:
+        they have RANK). Its slurm.conf tells them from the ranks of another cluster's job of the same id
+        (the tests of another checkout may run one on this machine)."""
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                env = dict(v.split("=", 1) for v in (entry / "environ").read_bytes().decode(errors="replace").split("\0")
+                           if "=" in v)
+                cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if (env.get("SLURM_JOB_ID") == job and env.get("SLURM_CONF") == self.conf and "RANK" in env
+                    and b"hybridpar" in cmdline and b"train" in cmdline):
+                found.append((int(entry.name), env))
+        return found
+
     def cancel_all(self) -> None:
         """Cancel every job and wait until none is left (slurmd alone would not end running steps)."""
         jobs = self.run("squeue", "-h", "-o", "%i").stdout.split()
@@ -132,11 +161,12 @@ def job_env(cluster: Cluster, run_dir: Path, **env) -> dict:
 
 
 def submit(cluster: Cluster, run_dir: Path, output: Path, steps: int, corpus, *, every: int = 2,
-           overrides: Sequence[str] = (), options: Sequence[str] = (), wait: bool = False,
-           **env) -> subprocess.CompletedProcess:
+           overrides: Sequence[str] = (), options: Sequence[str] = (), wait: bool = False, nodes: int = NODES,
+           sbatch_options: Sequence[str] = (), **env) -> subprocess.CompletedProcess:
     """sbatch launch/slurm.sh for a 2-node job of the tiny model (`wait`: until it ends; then its
-    returncode is the job's exit code, as `sbatch --wait` returns it); `options`: slurm.sh's own, before its --."""
-    cmd = ["sbatch", f"--nodes={NODES}", f"--output={output}", str(SLURM_SH), *options,
+    returncode is the job's exit code, as `sbatch --wait` returns it); `options`: slurm.sh's own, before its --;
+    `sbatch_options`: sbatch's."""
+    cmd = ["sbatch", f"--nodes={nodes}", *sbatch_options, f"--output={output}", str(SLURM_SH), *options,
            "--", *tiny_overrides(corpus, steps, every=every), *overrides]
     submitted = subprocess.run(cmd, cwd=ROOT, env=job_env(cluster, run_dir, **env), capture_output=True, text=True,
                                timeout=60)

@@ -53,27 +53,15 @@ def undisturbed(workers, corpus, tmp_path_factory):
     return losses
 
 
-def _ranks(job: str) -> dict[int, tuple[str, int]]:
-    """rank -> (node, pid) of job `job`'s training ranks (torchrun's workers: they have RANK)."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            env = dict(v.split("=", 1) for v in (entry / "environ").read_bytes().decode(errors="replace").split("\0")
-                       if "=" in v)
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if env.get("SLURM_JOB_ID") == job and "RANK" in env and b"hybridpar" in cmdline and b"train" in cmdline:
-            found[int(env["RANK"])] = (env.get("SLURMD_NODENAME", "?"), int(entry.name))
-    return found
+def _ranks(cluster, job: str) -> dict[int, tuple[str, int]]:
+    """rank -> (node, pid) of job `job`'s training ranks."""
+    return {int(env["RANK"]): (env.get("SLURMD_NODENAME", "?"), pid) for pid, env in cluster.rank_processes(job)}
 
 
-def _rank_pids(job: str, store_host: bool) -> tuple[str, list[int]]:
+def _rank_pids(cluster, job: str, store_host: bool) -> tuple[str, list[int]]:
     """The node of rank 0 (it hosts the job's store), or the other one, and its ranks' pids, in rank order.
     torchrun numbers the nodes in rendezvous order, not Slurm's: rank 0 may be on either."""
-    ranks = _ranks(job)
+    ranks = _ranks(cluster, job)
     assert len(ranks) == 4, f"expected the 4 ranks of job {job}, found {ranks}"
     node = ranks[0][0] if store_host else next(n for n, _ in ranks.values() if n != ranks[0][0])
     return node, [pid for r, (n, pid) in sorted(ranks.items()) if n == node]
@@ -115,7 +103,7 @@ def _heal(slurm_cluster, corpus, tmp_path, fault: str, store_host: bool, **env) 
     hit: list[int] = []
     try:
         wait_for_step(job_dir, FAULT_AFTER, deadline, slurm_cluster)
-        node, hit = _rank_pids(job, store_host)
+        node, hit = _rank_pids(slurm_cluster, job, store_host)
         assert len(hit) == 2, f"expected 2 ranks of job {job} on {node}, found {hit}"
         fault_time = time.time()
         for pid in (hit if fault == "stall" else hit[-1:]):
@@ -217,7 +205,7 @@ def test_without_a_spare_node_the_job_says_so_and_stops(slurm_cluster, corpus, t
                             overrides=WATCH, PREFLIGHT=0))
         job_dir = run_dir / f"job-{job}"
         wait_for_step(job_dir, FAULT_AFTER, time.monotonic() + JOB_TIMEOUT, slurm_cluster)
-        node, hit = _rank_pids(job, store_host=False)
+        node, hit = _rank_pids(slurm_cluster, job, store_host=False)
         for pid in hit:
             os.kill(pid, signal.SIGSTOP)
         deadline = time.monotonic() + JOB_TIMEOUT

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.pipeline import SavedBytes, _unpack, evened, replay, stage_costs, wall_bubble
+from bench.pipeline import SavedBytes, _unpack
+from bench.pipeline_replay import evened, replay, stage_costs, wall_bubble
 from tests.distributed import child_pythonpath
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,6 +13,7 @@ checkout of hybridpar (an A/B of two versions).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -180,7 +181,8 @@ def run_case(case: dict) -> dict:
 
     torch.set_num_threads(1)
     args = ModelArgs.from_dict(case["shape"])
-    parallel = hybridpar.init_parallel(mp=case["mp"], dp_shard=case["dp_shard"], dp_replicate=case["dp_replicate"])
+    ep = {"ep": case["ep"]} if case.get("ep", 1) > 1 else {}  # a baseline checkout may predate parallel.ep
+    parallel = hybridpar.init_parallel(mp=case["mp"], dp_shard=case["dp_shard"], dp_replicate=case["dp_replicate"], **ep)
     dist.barrier()
     peak = measure_matmul_peak(seconds=case.get("peak_seconds", 1.0))  # every rank at once: same contention
     peak_cpu = cpu_matmul_peak(case.get("peak_seconds", 1.0) / 2)
@@ -198,24 +200,35 @@ def run_case(case: dict) -> dict:
     hwm_reset = reset_peak_rss()
     rss_after_setup = _vm("VmRSS")
 
-    out = {spec["name"]: {"losses": [], "step_times": [], "cpu_times": [], "setup_s": setup[spec["name"]]}
-           for spec in specs}
+    out = {spec["name"]: {"losses": [], "step_times": [], "cpu_times": [], "exchange_times": [], "exchange_cpu_times": [],
+                          "setup_s": setup[spec["name"]]} for spec in specs}
     names = [spec["name"] for spec in specs]
+    # case["time_exchange"]: the seconds of each step in expert parallelism's token exchange
+    exchange = None
+    if case.get("time_exchange"):
+        from bench.experts import ExchangeTimer
+
+        exchange = ExchangeTimer()
     for i in range(n_steps):
         for name in (names if i % 2 == 0 else names[::-1]):
             r = out[name]
             start, cpu_start = time.perf_counter(), time.process_time()
-            r["losses"].append(engines[name].step(*data[i]))
+            with exchange or contextlib.nullcontext():  # entering it zeroes its seconds
+                r["losses"].append(engines[name].step(*data[i]))
             r["step_times"].append(time.perf_counter() - start)
             # CPU seconds of this process (all its threads): the work, without the wait for a core.
             r["cpu_times"].append(time.process_time() - cpu_start)
+            if exchange is not None:
+                r["exchange_times"].append(exchange.seconds)
+                r["exchange_cpu_times"].append(exchange.cpu_seconds)
 
     for name in names:
         state = {}
 
         def probe(eng) -> None:
             params, grads, moments = state_tensors(eng)
-            state.update(parameters=unique_bytes(params), gradients=unique_bytes(grads), optimizer=unique_bytes(moments))
+            state.update(parameters=unique_bytes(params), gradients=unique_bytes(grads), optimizer=unique_bytes(moments),
+                         expert_parameters=unique_bytes(p for n, p in eng.model.named_parameters() if ".experts." in n))
 
         with CollectiveCounter() as counter:
             start, cpu_start = time.perf_counter(), time.process_time()

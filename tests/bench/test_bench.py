@@ -194,3 +194,31 @@ def test_float8_bench_trains_each_recipe_and_prices_its_emulation(tmp_path):
     assert len({r["final_train_loss"] for r in rows.values()}) == 3
     assert all(abs(r["val_ratio"] - 1) < 0.05 for r in rows.values())
     assert "not a speed" in proc.stdout
+
+
+@pytest.mark.slow
+def test_experts_bench_trains_ep1_and_ep2_and_times_the_exchange(tmp_path):
+    """bench/experts.py in its tiny mode (debug_llama4, one pair of one-step runs, one GEMM size):
+    ep 1 and ep 2 train to the same losses, ep 2 holds half the experts per rank and spends part of
+    its step in the all-to-all, and the grouped GEMM equals the loop exactly in fp32."""
+    out = tmp_path / "experts.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "experts.py"), "--shape", "debug_llama4", "--micro-batch", "2",
+         "--seq-len", "32", "--pairs", "1", "--steps", "1", "--gemm-experts", "4", "--gemm-tokens", "64",
+         "--gemm-repeats", "1", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=400,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    ep1, ep2 = report["summary"]["1"], report["summary"]["2"]
+    assert [r["ep"] for r in report["runs"]] == [1, 2] and ep1["tokens_per_s"] > 0 and ep2["tokens_per_s"] > 0
+    assert report["loss_max_rel_diff_ep1_ep2"] < 1e-5
+    # debug_llama4: 2 MoE layers of 4 experts, w1 w3 [32, 64] and w2 [64, 32] each, fp32; ep 2 halves them
+    experts = 2 * 4 * 3 * 32 * 64 * 4
+    assert ep2["expert_parameters_per_rank"] == [experts // 2] * 2, ep2
+    assert all(0 < share < 1 for share in ep2["exchange_share_per_rank"]) and "exchange_share_per_rank" not in ep1
+    assert all(rss > 0 for rss in ep1["peak_rss_train_per_rank"] + ep2["peak_rss_train_per_rank"])
+    rows = {r["dtype"]: r for r in report["gemm"]}
+    assert set(rows) == {"float32", "bfloat16"} and rows["float32"]["max_abs_diff"] == 0
+    assert all(r["grouped_s"] > 0 and r["loop_s"] > 0 for r in rows.values())
+    assert "not a GPU" in proc.stdout

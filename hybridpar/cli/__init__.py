@@ -178,6 +178,8 @@ def _build() -> _Parsers:
     ev.add_argument("--tasks", required=True, help="lm-eval task names, comma-separated (local ones with --include-path)")
     ev.add_argument("--mp", type=int, default=1, help="model-parallel size (run under torchrun: the other ranks share "
                                                      "the requests; default 1)")
+    ev.add_argument("--ep", type=int, default=1, help="expert-parallel size: a mixture of experts' experts split over "
+                                                     "that many of the data-parallel ranks (default 1)")
     ev.add_argument("--include-path", default=None, metavar="DIR", help="a folder of lm-eval task files (YAML) of your own")
     ev.add_argument("--limit", type=float, default=None, metavar="N",
                     help="at most N examples per task (a fraction below 1: that share of them)")

@@ -262,7 +262,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     made_group = not dist.is_initialized()  # a caller's own process group is left to the caller
     try:
-        output = evaluate_checkpoint(args.checkpoint, args.tasks, mp=args.mp, tokenizer=args.tokenizer,
+        output = evaluate_checkpoint(args.checkpoint, args.tasks, mp=args.mp, ep=args.ep, tokenizer=args.tokenizer,
                                      include_path=args.include_path, limit=args.limit, num_fewshot=args.num_fewshot,
                                      dtype=args.dtype)
         if output is not None:

@@ -157,7 +157,7 @@ def _parse_hybridpar(argv: list[str], world: Optional[int], where: str) -> None:
                 check_values(config, world)
     else:
         assert not extra, f"{where}: hybridpar {' '.join(argv)}: unrecognised {extra}"
-        if args.command == "eval" and world:  # mp x dp ranks, ep of the dp ones
+        if args.command in ("eval", "convert") and world:  # mp x dp ranks, ep of the dp ones
             from hybridpar.mesh.layout import ep_split
 
             ep_split(resolve_sizes(world, args.mp)[2], args.ep)

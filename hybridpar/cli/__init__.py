@@ -110,6 +110,9 @@ def _build() -> _Parsers:
     convert.add_argument("--mp", type=int, default=1,
                          help="model-parallel size to load at (under torchrun with that many ranks: spreads the work; "
                               "default 1)")
+    convert.add_argument("--ep", type=int, default=1,
+                         help="expert-parallel size to load a mixture of experts at: its experts split over that many "
+                              "of the ranks --mp leaves (default 1)")
     convert.add_argument("--meta-files", type=int, default=None, metavar="N",
                          help="--to meta: the number of consolidated.NN.pth files written, the model-parallel size "
                               "Meta's code loads them at (default: --mp)")

@@ -157,6 +157,10 @@ def _parse_hybridpar(argv: list[str], world: Optional[int], where: str) -> None:
                 check_values(config, world)
     else:
         assert not extra, f"{where}: hybridpar {' '.join(argv)}: unrecognised {extra}"
+        if args.command in ("eval", "convert") and world:  # mp x dp ranks, ep of the dp ones
+            from hybridpar.mesh.layout import ep_split
+
+            ep_split(resolve_sizes(world, args.mp)[2], args.ep)
 
 
 def classify(c: Command, known_env: str) -> Check:
@@ -397,6 +401,8 @@ BOUNDS = [
     ("planner.md", "(the test allows {}%)", "test_plan.py", r"^TOLERANCE = 0\.0?(\d+)"),
     ("data.md", "The tests hold a preparation process to {} MB", "data/test_bounded_memory.py", r"^PEAK_MB = (\d+)"),
     ("evaluation.md", "word and byte perplexities agree within {}", "evaluate/test_lm_eval.py", r"^BOUND = (\S+)"),
+    ("evaluation.md", "every log-likelihood and perplexity agrees within {}", "evaluate/test_llama4_eval.py",
+     r"^BOUND = (\S+)"),
     ("training.md", "5 steps' losses within {} of the same recipe", "train/test_float8_training.py", r"^LOSS_BOUND, \S+ = (\S+),"),
     ("training.md", "step 1's gradients within {} (measured", "train/test_float8_training.py", r"^LOSS_BOUND, \S+ = \S+, (\S+)"),
 ]

@@ -211,6 +211,10 @@ def convert(src: Path, dst: Path, to: str, parallel: ParallelDims, mp_out: Optio
     if max_seq_len is not None and max_seq_len < 1:
         raise ValueError(f"--max-seq-len must be a positive number of tokens, got {max_seq_len}")
     dst = Path(dst)
+    if to == "meta":  # refused from the source's config, before its weights load
+        from .meta_write import refuse_llama4
+
+        refuse_llama4(read_args(*detect_format(Path(src))))
     if to == "dcp":  # rank 0 looks (one view of the file system); every rank refuses alike
         on_rank0(lambda: refuse_occupied(dst, OCCUPIED_ADVICE, error_type=CheckpointError, overwrite=overwrite),
                  f"check {dst}", error_type=CheckpointError)

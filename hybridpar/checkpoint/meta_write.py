@@ -34,6 +34,15 @@ def _check_mp_out(args: ModelArgs, mp_out: int) -> None:
                                   "(convert's --meta-files)") from err
 
 
+def refuse_llama4(args: ModelArgs) -> None:
+    """MetaCheckpointError for a Llama 4 model: hybridpar writes Meta's Llama 2 and 3 layout only."""
+    # Meta's own Llama 4 checkpoints (its llama-models code) are another layout (experts fused as
+    # moe_w_in_eD_F ..., a params.json with moe_args) that no loader here can check an export against.
+    if args.llama4:
+        raise MetaCheckpointError("Meta's format is written for Llama 2 and 3; a Llama 4 model (experts, RoPE-less "
+                                  "or chunked attention) converts to hf or dcp (hybridpar convert --to hf)")
+
+
 class _MetaTarget(ForeignTarget):
     """mp_out consolidated files, each parameter split along split_dim. A tied model's output.weight
     is written as a copy of tok_embeddings (as Meta's Llama 3.2 files)."""
@@ -86,9 +95,7 @@ def save_meta_checkpoint(
     folders keep it: tokenizer.model). Every rank returns the folder or raises.
     """
     args = model_args(model, MetaCheckpointError, "save_meta_checkpoint")
-    if args.llama4:
-        raise MetaCheckpointError("Meta's format is written for Llama 2 and 3; a Llama 4 model (experts, RoPE-less "
-                                  "or chunked attention) converts to hf or dcp (hybridpar convert --to hf)")
+    refuse_llama4(args)
     _check_mp_out(args, mp_out)
     meta_ffn_fields(args)  # params.json must be able to state the feed-forward size: refuse before any write
     return export_foreign(_MetaTarget(args, mp_out, dtype, extra_files), model, Path(folder), overwrite)

@@ -110,6 +110,9 @@ def _build() -> _Parsers:
     convert.add_argument("--mp", type=int, default=1,
                          help="model-parallel size to load at (under torchrun with that many ranks: spreads the work; "
                               "default 1)")
+    convert.add_argument("--ep", type=int, default=1,
+                         help="expert-parallel size to load a mixture of experts at: its experts split over that many "
+                              "of the ranks --mp leaves (default 1)")
     convert.add_argument("--meta-files", type=int, default=None, metavar="N",
                          help="--to meta: the number of consolidated.NN.pth files written, the model-parallel size "
                               "Meta's code loads them at (default: --mp)")
@@ -178,6 +181,8 @@ def _build() -> _Parsers:
     ev.add_argument("--tasks", required=True, help="lm-eval task names, comma-separated (local ones with --include-path)")
     ev.add_argument("--mp", type=int, default=1, help="model-parallel size (run under torchrun: the other ranks share "
                                                      "the requests; default 1)")
+    ev.add_argument("--ep", type=int, default=1, help="expert-parallel size: a mixture of experts' experts split over "
+                                                     "that many of the data-parallel ranks (default 1)")
     ev.add_argument("--include-path", default=None, metavar="DIR", help="a folder of lm-eval task files (YAML) of your own")
     ev.add_argument("--limit", type=float, default=None, metavar="N",
                     help="at most N examples per task (a fraction below 1: that share of them)")

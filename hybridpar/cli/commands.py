@@ -130,7 +130,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from ..checkpoint.convert import convert
     from ..mesh.device import init_parallel
 
-    parallel = init_parallel(mp=args.mp)
+    made_group = not dist.is_initialized()  # a caller's own process group is left to the caller
+    parallel = init_parallel(mp=args.mp, ep=args.ep)
     try:
         written = convert(Path(args.src), Path(args.dst), args.to, parallel, mp_out=args.meta_files,
                           bos_id=args.bos_id, eos_id=args.eos_id, max_seq_len=args.max_seq_len,
@@ -140,7 +141,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         if parallel.rank == 0:
             print(f"wrote {written} ({args.to})")
     finally:
-        if dist.is_initialized():
+        if made_group and dist.is_initialized():
             dist.destroy_process_group()
     return 0
 
@@ -262,7 +263,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     made_group = not dist.is_initialized()  # a caller's own process group is left to the caller
     try:
-        output = evaluate_checkpoint(args.checkpoint, args.tasks, mp=args.mp, tokenizer=args.tokenizer,
+        output = evaluate_checkpoint(args.checkpoint, args.tasks, mp=args.mp, ep=args.ep, tokenizer=args.tokenizer,
                                      include_path=args.include_path, limit=args.limit, num_fewshot=args.num_fewshot,
                                      dtype=args.dtype)
         if output is not None:

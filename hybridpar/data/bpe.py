@@ -84,6 +84,7 @@ class TiktokenBPE:
     """Meta's Llama 3 tokenizer.model: BPE ranks, Llama 3's split pattern, 256 specials after them."""
 
     kind = "tiktoken"
+    adds_bos = False  # Meta's tokenizer.py adds bos only when asked
     unk_id = pad_id = -1
 
     def __init__(self, path: Path) -> None:
@@ -162,6 +163,10 @@ class HuggingFaceBPE:
         config_path = path.with_name("tokenizer_config.json")
         config = _read_json(config_path) if config_path.is_file() else {}
         self.bos_id, self.eos_id, self.pad_id = hf_special_ids(self._tok, spec, config)
+        # transformers' default encoding adds what the post-processor's template puts first (Llama 3's
+        # and 4's put <|begin_of_text|>): lm-eval's Hugging Face backend scores with it.
+        first = _template_ends(spec.get("post_processor"))[0]
+        self.adds_bos = self.bos_id >= 0 and self._id(first) == self.bos_id
         unk = (spec.get("model") or {}).get("unk_token")
         self.unk_id = self._id(unk)
         self.sha256 = hf_sha256(path, config)

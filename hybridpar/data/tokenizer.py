@@ -83,6 +83,13 @@ class Tokenizer:
     def pad_id(self) -> int:
         return self._impl.pad_id
 
+    @property
+    def adds_bos(self) -> bool:
+        """Whether the tokenizer's own default encoding puts bos first (a tokenizer.json whose
+        post-processor does, as Llama 3's and 4's): what transformers' tokenizer does with it, and so
+        lm-eval's Hugging Face backend. encode() adds bos only when asked, whatever this says."""
+        return self._impl.adds_bos
+
     @cached_property
     def sha256(self) -> str:
         """Of the model file (and a tokenizer_config.json read beside a tokenizer.json): what a
@@ -175,6 +182,7 @@ class _SentencePiece:
     """A sentencepiece model behind the Tokenizer interface, ids exactly as the processor gives them."""
 
     kind = "sentencepiece"
+    adds_bos = False  # sentencepiece adds bos only when asked
 
     def __init__(self, path: Path) -> None:
         self._sp = _load_processor(path)

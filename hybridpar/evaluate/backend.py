@@ -26,6 +26,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from ..mesh.ranks import broadcast_from_rank0, gather_objects, mark_every_rank
 from .loading import Loaded, load
 from .scoring import DEFAULT_BATCH_TOKENS, score
+from .tasks import generate_at_ep
 
 # lm-evaluation-harness's default for generate_until without max_gen_toks (its Hugging Face backend's).
 DEFAULT_MAX_GEN_TOKS = 256
@@ -35,14 +36,15 @@ GENERATE_BATCH = 16
 
 @register_model("hybridpar")
 class HybridparLM(TemplateLM):
-    """`lm_eval --model hybridpar --model_args checkpoint=PATH[,tokenizer=PATH,mp=N,dtype=float32,batch_tokens=N]`
+    """`lm_eval --model hybridpar --model_args checkpoint=PATH[,tokenizer=PATH,mp=N,ep=N,dtype=float32,batch_tokens=N]`
     through `python -m hybridpar.evaluate` (which registers it), or HybridparLM(loaded=...) in a program.
 
     Under torchrun every rank builds it: rank 0 goes on to run the harness, the others serve rank 0's
     commands here and leave the process when it is done (SystemExit 0)."""
 
     def __init__(self, checkpoint: Optional[str] = None, tokenizer: Optional[str] = None, mp: int = 1,
-                 dtype: Optional[str] = None, batch_tokens: int = DEFAULT_BATCH_TOKENS, add_bos_token: bool = False,
+                 dtype: Optional[str] = None, batch_tokens: int = DEFAULT_BATCH_TOKENS, add_bos_token=None,
+                 ep: int = 1,
                  *, loaded: Optional[Loaded] = None, on_command: Optional[Callable[[str], None]] = None,
                  **harness_options: Any) -> None:
         super().__init__()
@@ -51,10 +53,12 @@ class HybridparLM(TemplateLM):
             if checkpoint is None:
                 raise ValueError("the hybridpar model needs --model_args checkpoint=PATH (a hybridpar checkpoint, a "
                                  "run's checkpoints folder, a Meta folder or a Hugging Face folder)")
-            loaded = load(checkpoint, tokenizer=tokenizer, mp=int(mp), dtype=dtype)
+            loaded = load(checkpoint, tokenizer=tokenizer, mp=int(mp), ep=int(ep), dtype=dtype)
         self.loaded = loaded
         self.batch_tokens = int(batch_tokens)
-        self.add_bos_token = str(add_bos_token).lower() not in ("false", "0", "no")
+        # Unset: as the tokenizer's own default encoding (transformers' tokenizer, so lm-eval's hf backend).
+        self.add_bos_token = loaded.tokenizer.adds_bos if add_bos_token is None else \
+            str(add_bos_token).lower() not in ("false", "0", "no")
         # The harness's batch_size, max_batch_size and device are its Hugging Face backend's knobs: batches
         # here are by tokens (batch_tokens), and the device is the mesh's.
         del harness_options
@@ -117,6 +121,9 @@ class HybridparLM(TemplateLM):
         return totals
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        ep = self.loaded.parallel.ep
+        if ep > 1:  # rank 0 alone, before any command: the others learn of it from stop()
+            raise ValueError(generate_at_ep(f"{len(requests)} requests", f"ep={ep}", "ep=1"))
         prompts = []
         for context, gen_kwargs in (req.args for req in requests):
             options = dict(gen_kwargs or {})

@@ -51,11 +51,12 @@ def checkpoint_step(checkpoint: str | Path) -> Optional[int]:
     return int(json.loads((path / "train_state.json").read_text())["step"])
 
 
-def load(checkpoint: str | Path, *, tokenizer: Optional[str] = None, mp: int = 1, dtype: Optional[str] = None,
-         parallel=None):
+def load(checkpoint: str | Path, *, tokenizer: Optional[str] = None, mp: int = 1, ep: int = 1,
+         dtype: Optional[str] = None, parallel=None):
     """A Loaded (hybridpar.evaluate.backend) of `checkpoint` at model-parallel size mp (the rest of the
-    world data-parallel): the model in eval mode, its tokenizer, its args and step. Collective: rank 0
-    finds the tokenizer (said once; a checkpoint that is not there, refused once)."""
+    world data-parallel, ep of those ranks splitting a mixture of experts' experts): the model in eval
+    mode, its tokenizer, its args and step. Collective: rank 0 finds the tokenizer (said once; a
+    checkpoint that is not there, refused once)."""
     from ..checkpoint.convert import load_model
     from ..data import Tokenizer, check_vocab
     from ..mesh.device import init_parallel
@@ -63,7 +64,7 @@ def load(checkpoint: str | Path, *, tokenizer: Optional[str] = None, mp: int = 1
 
     if dtype:
         dtypes.check(dtype, "dtype")
-    parallel = parallel or init_parallel(mp=mp)
+    parallel = parallel or init_parallel(mp=mp, ep=ep)
     path = on_rank0(lambda: checkpoint_tokenizer(checkpoint, tokenizer), "find the tokenizer", error_type=ConfigError)
     tok = Tokenizer(path)
     dtype = dtype or ("bfloat16" if parallel.device.type == "cuda" else "float32")

@@ -10,34 +10,37 @@ from ..config.evaluation import COMMAND_FLAGS, harness_fewshot, harness_limit, r
 from ..config.options import ConfigError
 from ..mesh.ranks import on_rank0
 from .loading import checkpoint_tokenizer, load
-from .tasks import check_tasks, fewshot_of, task_manager, task_names
+from .tasks import check_expert_parallel, check_tasks, fewshot_of, task_manager, task_names
 
 
-def evaluate_checkpoint(checkpoint: str | Path, tasks: str | Sequence[str], *, mp: int = 1,
+def evaluate_checkpoint(checkpoint: str | Path, tasks: str | Sequence[str], *, mp: int = 1, ep: int = 1,
                         tokenizer: Optional[str] = None, include_path: Optional[str] = None,
                         limit: Optional[float] = None, num_fewshot: Optional[int] = None, dtype: Optional[str] = None,
-                        batch_tokens: Optional[int] = None, add_bos_token: bool = False, log_samples: bool = False,
-                        parallel=None) -> Optional[dict]:
+                        batch_tokens: Optional[int] = None, add_bos_token: Optional[bool] = None,
+                        log_samples: bool = False, parallel=None) -> Optional[dict]:
     """Run lm-evaluation-harness's tasks on a checkpoint. Collective: every rank calls it; rank 0 gets the
     harness's output (its `results`, `versions`, `n-shot`, ... and `samples` with log_samples) with
     `checkpoint` and `step` added, the others None. The settings are `hybridpar eval`'s (limit: None,
     N >= 1 documents or a share below 1; num_fewshot: None for each task's own, or K >= 0). Before the
     model loads, rank 0 finds the tokenizer and checks the tasks (a ConfigError on every rank, one line
-    per task that cannot run, said once)."""
+    per task that cannot run, said once). ep > 1 splits a mixture of experts' experts over ep of the
+    data-parallel ranks (generating tasks refused); add_bos_token None: as the tokenizer's own default
+    encoding (Tokenizer.adds_bos), as the harness's Hugging Face backend encodes."""
     require_lm_eval()
     names = task_names(tasks)
     limit = harness_limit(limit, COMMAND_FLAGS.limit, zero_is_all=False)
     num_fewshot = harness_fewshot(num_fewshot, COMMAND_FLAGS.num_fewshot)
     from ..mesh.device import init_parallel
 
-    parallel = parallel or init_parallel(mp=mp)
+    parallel = parallel or init_parallel(mp=mp, ep=ep)
     manager = None
 
     def check() -> str:
         nonlocal manager
         found = str(checkpoint_tokenizer(checkpoint, tokenizer))  # refused before the work when there is none
         manager = task_manager(include_path, names)
-        check_tasks(names, manager, num_fewshot=num_fewshot, include_path=include_path)
+        kinds = check_tasks(names, manager, num_fewshot=num_fewshot, include_path=include_path)
+        check_expert_parallel(names, kinds, parallel.ep)
         return found
 
     tokenizer = on_rank0(check, "check the tasks", error_type=ConfigError)

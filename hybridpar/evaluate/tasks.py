@@ -77,6 +77,23 @@ def check_tasks(names: Sequence[str], manager, *, num_fewshot: Optional[int] = N
     return kinds
 
 
+def generate_at_ep(what: str, at: str, instead: str) -> str:
+    """The line refusing generation (`what`: the tasks, or the harness's requests) at expert parallelism
+    (`at`: the user's setting of it, as "--ep 2"; `instead`: the same at 1)."""
+    # Each data-parallel rank generates its own prompts for its own number of steps; the ep ranks must
+    # run every forward together (their tokens go to each other's experts).
+    return (f"{what} generate text (generate_until), which hybridpar eval does not run at {at}: the ep ranks run "
+            f"every forward together and generation runs each rank's own number of steps; score them at {instead} "
+            "(each rank holding every expert)")
+
+
+def check_expert_parallel(names: Sequence[str], kinds: dict[str, set[str]], ep: int) -> None:
+    """ConfigError naming the tasks of `names` that generate text when ep > 1 (kinds: check_tasks')."""
+    generating = [name for name in names if "generate_until" in kinds[name]]
+    if ep > 1 and generating:
+        raise ConfigError(generate_at_ep(f"--tasks: {', '.join(generating)}", f"--ep {ep}", "--ep 1"))
+
+
 def _no_task_files(include_path: Optional[str]) -> str:
     """What a folder of task files without any says ("" for one that has some, or none given)."""
     if include_path and not any(Path(include_path).rglob("*.yaml")):

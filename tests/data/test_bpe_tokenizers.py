@@ -1,6 +1,7 @@
 """Llama 3's tiktoken tokenizer.model and Hugging Face tokenizer.json, on files the tests make:
 ids equal the libraries' own, exact round trips, bos/eos, kind from the contents, folders, errors."""
 
+import json
 import pickle
 
 import numpy as np
@@ -82,6 +83,21 @@ def test_hf_special_ids_and_the_config_beside_it(hf_tokenizer, bpe_files, tmp_pa
     configured = Tokenizer(copy)
     assert (configured.bos_id, configured.eos_id, configured.pad_id) == (n_words, n_words + 9, n_words + 2)
     assert configured.sha256 != tok.sha256  # the config changes eos, so token files must not be shared
+
+
+def test_adds_bos_says_what_the_tokenizers_own_encoding_puts_first(hf_tokenizer, tiktoken_tokenizer, tokenizer,
+                                                                   bpe_files, tmp_path):
+    """A tokenizer.json whose post-processor puts bos first (Llama 3's and 4's) adds it, as the `tokenizers`
+    library's default encoding does; without that post-processor, and sentencepiece and tiktoken files, not."""
+    from tokenizers import Tokenizer as Library
+
+    assert hf_tokenizer.adds_bos and not tiktoken_tokenizer.adds_bos and not tokenizer.adds_bos
+    assert Library.from_file(str(bpe_files[0])).encode("a").ids[0] == hf_tokenizer.bos_id
+    spec = json.loads(bpe_files[0].read_text())
+    spec["post_processor"] = None
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    assert not Tokenizer(tmp_path / "tokenizer.json").adds_bos
+    assert Library.from_file(str(tmp_path / "tokenizer.json")).encode("a").ids[0] != hf_tokenizer.bos_id
 
 
 def test_kind_comes_from_the_contents_not_the_name(bpe_files, tokenizer, tmp_path):

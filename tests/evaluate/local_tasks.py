@@ -1,6 +1,7 @@
 """Task files the evaluation tests write: a multiple-choice task, a rolling-loglikelihood (perplexity) task
 and a generation task, each a YAML over a local JSON file (no network); and a loglikelihood task over
-the requests a test makes for its model (write_loglikelihood_task)."""
+the requests a test makes for its model (write_loglikelihood_task); per_request and relative_errors
+read the harness's samples back."""
 
 from __future__ import annotations
 
@@ -57,3 +58,36 @@ def write_loglikelihood_task(folder: Path, requests: list[dict]) -> None:
         f"dataset_kwargs:\n  data_files:\n    test: {folder / 'll.jsonl'}\n"
         "test_split: test\noutput_type: loglikelihood\ndoc_to_text: context\ndoc_to_target: continuation\n"
         "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\nmetadata:\n  version: 1.0\n")
+
+
+def per_request(output: dict, greedy: bool = False) -> dict:
+    """{(task, doc_id, choice): log-likelihood} of every request (a document's, for perplexity); with
+    greedy, {...: whether the continuation is the greedy one} of the multiple-choice and loglikelihood
+    requests."""
+    found = {}
+    for task, samples in output["samples"].items():
+        for sample in samples if task != "tiny_gen" else []:
+            for k, resp in enumerate(sample["resps"]):
+                pair = isinstance(resp[0], (list, tuple))
+                if pair or not greedy:
+                    found[(task, sample["doc_id"], k)] = (bool(resp[0][1]) if greedy else float(resp[0][0])) \
+                        if pair else float(resp[0])
+    return found
+
+
+def relative_errors(output: dict, reference: dict) -> dict:
+    """{quantity: relative error} of the harness's output against the reference's: every request's
+    log-likelihood together and each on its own, and tiny_ppl's perplexities."""
+    import torch
+
+    from tests.distributed import rel_err
+
+    ours, theirs = per_request(output), per_request(reference)
+    keys = sorted(theirs)
+    errors = {"loglikelihoods": rel_err(torch.tensor([ours[k] for k in keys]), torch.tensor([theirs[k] for k in keys]))}
+    for k in keys:  # each request on its own, too
+        errors[f"{k[0]}[{k[1]}][{k[2]}]"] = abs(ours[k] - theirs[k]) / abs(theirs[k])
+    for metric in ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"):
+        mine, ref = output["results"]["tiny_ppl"][metric], reference["results"]["tiny_ppl"][metric]
+        errors[metric] = abs(mine - ref) / abs(ref)
+    return errors

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from tests.distributed import child_pythonpath
-from tests.evaluate.local_tasks import QUESTIONS, write_loglikelihood_task, write_tasks
+from tests.evaluate.local_tasks import (QUESTIONS, per_request, relative_errors, write_loglikelihood_task,
+                                        write_tasks)
 
 pytest.importorskip("lm_eval", reason="the eval extra (lm-eval) is not installed")
 os.environ["HF_DATASETS_OFFLINE"] = "1"  # no network: every dataset is a local file
@@ -115,26 +116,7 @@ def reference(saved):
                            device="cpu", batch_size=4)
 
 
-def _per_request(output: dict, greedy: bool = False) -> dict:
-    """{(task, doc_id, choice): log-likelihood} of every request (a document's, for perplexity); with
-    greedy, {...: whether the continuation is the greedy one} of the multiple-choice and loglikelihood
-    requests."""
-    found = {}
-    for task, samples in output["samples"].items():
-        for sample in samples if task != "tiny_gen" else []:
-            for k, resp in enumerate(sample["resps"]):
-                pair = isinstance(resp[0], (list, tuple))
-                if pair or not greedy:
-                    found[(task, sample["doc_id"], k)] = (bool(resp[0][1]) if greedy else float(resp[0][0])) \
-                        if pair else float(resp[0])
-    return found
-
-
 def _compare(output: dict, reference: dict, check_close, label: str) -> None:
-    import torch
-
-    from tests.distributed import rel_err
-
     for task in COMPARED.split(","):
         assert output["results"][task].keys() == reference["results"][task].keys()
     # Greedy continuations cut at the stop string, as text up to the first byte that is no UTF-8 (the random
@@ -147,20 +129,13 @@ def _compare(output: dict, reference: dict, check_close, label: str) -> None:
     for metric in ("acc,none", "acc_norm,none"):  # accuracies identical
         assert output["results"]["tiny_mc"][metric] == reference["results"]["tiny_mc"][metric], metric
     made = [("tiny_ll", s["doc_id"], 0) for s in reference["samples"]["tiny_ll"] if s["doc"]["made_greedy"]]
-    greedy = _per_request(reference, greedy=True)
+    greedy = per_request(reference, greedy=True)
     assert made and all(greedy[k] for k in made), ("the model's own greedy continuations", greedy)
-    assert _per_request(output, greedy=True) == greedy
-    ours, theirs = _per_request(output), _per_request(reference)
+    assert per_request(output, greedy=True) == greedy
+    ours, theirs = per_request(output), per_request(reference)
     assert ours.keys() == theirs.keys()
     assert len(ours) == sum(len(q[1]) for q in QUESTIONS) + 4 + len(reference["samples"]["tiny_ll"])
-    keys = sorted(theirs)
-    errors = {"loglikelihoods": rel_err(torch.tensor([ours[k] for k in keys]), torch.tensor([theirs[k] for k in keys]))}
-    for k in keys:  # each request on its own, too
-        errors[f"{k[0]}[{k[1]}][{k[2]}]"] = abs(ours[k] - theirs[k]) / abs(theirs[k])
-    for metric in ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"):
-        mine, ref = output["results"]["tiny_ppl"][metric], reference["results"]["tiny_ppl"][metric]
-        errors[metric] = abs(mine - ref) / abs(ref)
-    check_close(label, errors, BOUND)
+    check_close(label, relative_errors(output, reference), BOUND)
 
 
 def _case_evaluate(root: str, mp: int, limit, source: str = "ckpt") -> dict:

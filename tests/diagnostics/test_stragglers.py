@@ -95,6 +95,14 @@ def test_warning_names_rank_coordinates_and_host():
     assert metrics_row(v, pp, "node7")["straggler/coords"] == "pp 1, mp 1, dp 0 (replicate 0, shard 0)"
 
 
+def test_a_straggler_holding_hot_experts_says_so():
+    v = analyse([0.20, 0.41], [0.2, 0.0], threshold=1.5, previous=1)
+    hot = "ep rank 1 (experts 2-3) got 100% of layer 1's routed tokens: its experts are hot, not its node slow"
+    assert describe(v, 4, MeshCoords.of(1, 1, 1, 2, 1, 1), "node7", hot=hot) == (
+        "straggler at step 4: rank 1 (mp 0, dp 1 (replicate 0, shard 1), host node7) computes 0.41 s per step against "
+        f"a median of 0.20 s (2.05x); the others wait for it; {hot}")
+
+
 # --- the collective timer, on stand-ins for torch.distributed's functions -------------------------
 
 

@@ -103,8 +103,8 @@ def test_the_routing_bias_resumes_from_a_checkpoint(workers, check_close, corpus
 
 
 def _case_hot(config, slow_rank: int, sleep_s: float) -> dict:
-    """Train with the routing bias of layer 1 forcing its tokens to experts 2 and 3 (ep rank 1's), that
-    rank sleeping in its forward as the hot experts' compute would keep it; rank 0's output and files."""
+    """Train with the router of layer 1 forced to experts 2 and 3 (ep rank 1's) by its routing bias, the
+    same on every rank (a logit of 100 more than the others', whatever the token), that rank sleeping in its forward as the hot experts' compute would keep it; rank 0's output and files."""
     import contextlib
     import io
     import time
@@ -119,14 +119,14 @@ def _case_hot(config, slow_rank: int, sleep_s: float) -> dict:
     layer.balance.bias = torch.tensor([0.0, 0.0, 100.0, 100.0])
     if dist.get_rank() == slow_rank:
         trainer.model.register_forward_pre_hook(lambda module, args: time.sleep(sleep_s))
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         trainer.run()
     named = [trainer.balance.hot_rank(r) for r in range(dist.get_world_size())]
     if dist.get_rank() != 0:
         return None
     run = trainer.metrics.jsonl_path.parent
-    return {"out": out.getvalue(), "rows": read_metrics(run / "metrics.jsonl"), "events": read_metrics(run / "events.jsonl"),
+    return {"out": out.getvalue(), "err": err.getvalue(), "rows": read_metrics(run / "metrics.jsonl"), "events": read_metrics(run / "events.jsonl"),
             "named": named}
 
 
@@ -143,7 +143,7 @@ def test_a_router_forced_to_one_ep_ranks_experts_is_named_hot(workers, corpus, t
     assert all(r["experts/tokens/layer1"][:2] == [0, 0] and r["experts/imbalance"] == 2.0 for r in rows)
     assert [(e["step"], e["rank"], e["line"]) for e in result["events"] if e["event"] == "hot_experts"] == [(1, 1, line)]
     assert result["named"] == [None, line]  # global rank 1 is ep rank 1
-    assert f"step 1: {line}" in result["out"]  # said once, when it began
+    assert result["err"].count(line) == 1 and f"step 1: {line}" in result["err"]  # a warning when it began
     assert f"hot: {line}" in result["out"]  # and on the step lines
     stragglers = [line for line in result["out"].splitlines() if line.startswith("straggler at step 4: rank 1 ")]
     assert len(stragglers) == 1 and stragglers[0].endswith(f"the others wait for it; {line}")

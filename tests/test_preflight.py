@@ -280,12 +280,16 @@ MOE_CASES = [*((LOCAL + [f"--moe.{key}", value], 1, f"moe.{key} = {value} balanc
                for key, value in (("router_aux_loss_coef", "0.01"), ("bias_update_rate", "0.001"))),
              (LLAMA4 + ["--moe.router_aux_loss_coef", "-0.1"], 1,
               "moe.router_aux_loss_coef must be >= 0, got -0.1; change moe.router_aux_loss_coef"),
-             (LLAMA4 + ["--moe.hot_ratio", "1"], 1, "moe.hot_ratio must be > 1, got 1.0; change moe.hot_ratio")]
+             (LLAMA4 + ["--moe.hot_ratio", "1"], 1, "moe.hot_ratio must be > 1, got 1.0; change moe.hot_ratio"),
+             (LLAMA4 + ["--moe.bias_update_rate", "0.001", "--fault_tolerance.enabled", "true"], 1,
+              "moe.bias_update_rate with fault_tolerance.enabled: each replica group would move its routing bias by its "
+              "own tokens alone (the groups share gradients, not token counts); set moe.bias_update_rate = 0 or "
+              "fault_tolerance.enabled = false")]
 
 
 @pytest.mark.parametrize("flags,world,line", EP_CASES + MOE_CASES,
                          ids=["dense", "experts", "dp_shard", "zero", "with-pp", "with-cp", "with-float8",
-                              "aux-dense", "bias-dense", "negative", "hot_ratio"])
+                              "aux-dense", "bias-dense", "negative", "hot_ratio", "bias-replica-groups"])
 def test_an_ep_or_a_balance_that_cannot_act_on_the_experts_is_refused_in_one_line(monkeypatch, capsys, tmp_path, flags,
                                                                                   world, line):
     _refused_alike(monkeypatch, capsys, tmp_path, flags, world, line)

@@ -1,7 +1,7 @@
 """A mixture of experts' load balance through the Trainer ([moe], hybridpar.train.experts): the tiny
 Llama 4 trained with the router's auxiliary loss and DeepSeek-V3's bias update gives world 1's losses,
 auxiliary losses, tokens per expert and routing bias at ep 2 of dp_shard 4 and at ep 2 x mp 2
-(sequence parallel); the bias resumes from a checkpoint (saved at world 1, resumed at ep 2); the
+(sequence parallel), and at ep 2 with 2 micro-batches a step as world 1 with 2; the bias resumes from a checkpoint (saved at world 1, resumed at ep 2); the
 tokens per expert in metrics.jsonl sum to the step's tokens x top-k; a router forced to one ep
 rank's experts is reported as hot, with that ep rank named, in the step line, events.jsonl and
 the straggler report."""
@@ -91,6 +91,16 @@ def test_the_balancing_losses_and_bias_at_ep_equal_world1(workers, check_close, 
     for r in rows:
         assert sum(r["experts/tokens/layer1"]) == sum(r["experts/tokens/layer3"]) == tokens[r["step"]] * TOP_K
         assert sum(r["experts/ep_tokens"]) == 2 * tokens[r["step"]] * TOP_K and len(r["experts/ep_tokens"]) == 2
+
+
+@pytest.mark.slow
+def test_with_micro_batches_the_balancing_equals_world1s_with_as_many(workers, check_close, corpus, tmp_path):
+    """grad_accum 2: the auxiliary loss of each micro-batch of the global batch (every dp rank's i-th
+    together), their mean; the bias from the step's tokens of both."""
+    flags = {"grad_accum": 2, "steps": 4}
+    ref = workers(1).run(_case_train, _config(corpus, tmp_path / "world1", dp=1, **flags))[0]
+    result = workers(2).run(_case_train, _config(corpus, tmp_path / "ep2", dp=2, **{"parallel.ep": 2, **flags}))[0]
+    _compare(check_close, "debug_llama4 ep2 with [moe] balancing vs world 1, 2 micro-batches", result, ref)
 
 
 @pytest.mark.slow

@@ -226,8 +226,9 @@ class StragglerMonitor:
         return {**metrics_row(verdict, coords, host, self.group), **({"straggler/hot_experts": hot} if hot else {})}
 
     def _judge(self, verdict: Verdict, step: int) -> None:
-        """A rank over `exclude` in `exclude_reports` reports in a row: `excluding` names it and its node."""
-        if not self.exclude or verdict.ratio <= self.exclude:
+        """A rank over `exclude` in `exclude_reports` reports in a row: `excluding` names it and its node;
+        not a rank whose experts are hot (`hot`, the same on every rank): its node is not at fault."""
+        if not self.exclude or verdict.ratio <= self.exclude or (self.hot is not None and self.hot(verdict.rank)):
             self._streak = (None, 0)
             return
         rank, count = self._streak

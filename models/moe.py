@@ -20,6 +20,13 @@ the (ep, mp) mesh, Shard(0) then the mp split, so a checkpoint holds the whole [
 tensors); the sorted slots go to their experts' ranks and come back by all-to-all
 (hybridpar.parallel.experts' dispatch and combine) between sort_by_expert and the return to token order.
 
+Load balance (hybridpar.train.experts sets a MoE's `balance`, a LayerBalance, when it trains one):
+the tokens each expert gets are counted; DeepSeek-V3's per-expert bias joins the logits for the
+choice of experts only (the weights stay the logits' sigmoid); the Switch / transformers
+load-balancing loss, E x sum_e f_e P_e (f_e: the share of the micro-batch's tokens choosing e, their
+counts summed over dp x cp first, one all-reduce of E numbers; P_e: the mean softmax probability of
+e), rides on the layer's output into the backward (with_aux_loss): the same loss at every layout.
+
 Tensor parallelism: every rank routes alike, runs every expert on its slice of the hidden size,
 and the experts' and the shared expert's partial sums leave the region in one reduction (an
 all-reduce; a reduce-scatter under sequence parallelism). The router reads the layer's input as it
@@ -29,11 +36,14 @@ tokens do, so their gradient is summed over mp once.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.distributed.tensor import Replicate, Shard
 
 from hybridpar.mesh.device import ParallelDims
@@ -74,10 +84,66 @@ def expert_matmul(x: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor, 
     return torch.cat([rows @ w.t() for rows, w in zip(x.split(counts.tolist()), weights)])
 
 
-def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights, experts), each [tokens, top_k]: the largest logits' experts and the logits' sigmoid."""
-    top, experts = torch.topk(logits, top_k, dim=-1)
+def route(logits: torch.Tensor, top_k: int, bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, experts), each [tokens, top_k]: the largest logits' experts and the logits' sigmoid.
+    bias [n_experts] (DeepSeek-V3's balancing): added to the logits for the choice only."""
+    if bias is None:
+        top, experts = torch.topk(logits, top_k, dim=-1)
+    else:
+        experts = torch.topk(logits + bias.to(logits.dtype), top_k, dim=-1).indices
+        top = logits.gather(-1, experts)
     return torch.sigmoid(top.float()).to(logits.dtype), experts
+
+
+def load_balancing_loss(logits: torch.Tensor, counts: torch.Tensor, top_k: int,
+                        group: Optional[ProcessGroup] = None) -> torch.Tensor:
+    """This rank's part of n_experts x sum_e f_e P_e over the tokens of `group` (dp x cp), the
+    Switch Transformer's and transformers' load_balancing_loss_func: f_e the share of the tokens
+    choosing expert e (counts [n_experts] of this rank's logits [n, n_experts], summed over the
+    group: not differentiable), P_e their mean softmax probability of e. Summed over the group's
+    ranks it is the loss of all their tokens; k for tokens spread evenly over the experts."""
+    total = counts.to(torch.float64)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(total, group=group)
+    tokens = total.sum() / top_k
+    share = (total / tokens).to(torch.float32)
+    probabilities = torch.softmax(logits.float(), dim=-1).sum(0) / tokens.to(torch.float32)
+    return logits.shape[-1] * (share * probabilities).sum()
+
+
+class _AuxLoss(torch.autograd.Function):
+    """x unchanged; the backward gives the loss riding on it the gradient `scale`."""
+
+    @staticmethod
+    def forward(ctx, x, loss, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.full((), ctx.scale, dtype=torch.float32, device=grad.device), None
+
+
+def with_aux_loss(x: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:
+    """x, with `loss` (a scalar) differentiated as if `scale` x loss were added to what x's backward
+    starts from: an auxiliary loss without a second backward or a change to the model's outputs."""
+    return _AuxLoss.apply(x, loss, scale)
+
+
+@dataclasses.dataclass
+class LayerBalance:
+    """What a trainer watching a MoE layer's load balance sets on it (hybridpar.train.experts): `load`
+    the tokens this rank sent to each expert since the trainer last read it, `aux` the auxiliary
+    loss's weighted sum since then; `bias` DeepSeek-V3's routing bias (None: off); the auxiliary
+    loss weighted by `aux_weight` (0: off), its gradient scaled by `aux_scale` (the trainer's
+    gradient scale: FSDP's average undone, the mp ranks' copies counted once), its counts summed over `group`."""
+
+    load: torch.Tensor
+    aux: torch.Tensor
+    bias: Optional[torch.Tensor] = None
+    aux_weight: float = 0.0
+    aux_scale: float = 1.0
+    group: Optional[ProcessGroup] = None
 
 
 def sort_by_expert(experts: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,12 +162,12 @@ class Router(nn.Module):
         self.top_k, self.group, self.sequence_parallel = top_k, parallel.mp_group, sequence_parallel
         self.weight = mp_parameter((n_experts, dim), Replicate(), parallel, _normal(init_std), dtype, device)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: the layer's tokens as they arrive [n, dim] -> route() of every token of the region."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: the layer's tokens as they arrive [n, dim] -> the logits of every token of the region [N, n_experts]."""
         weight = local_tensor(self.weight)
         if self.sequence_parallel:  # each rank's tokens give part of the weight's gradient
             weight = copy_to_region(weight, self.group)
-        return route(enter_region(F.linear(x, weight), self.group, self.sequence_parallel), self.top_k)
+        return enter_region(F.linear(x, weight), self.group, self.sequence_parallel)
 
 
 class GroupedExperts(nn.Module):
@@ -146,14 +212,22 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(args.n_experts, args.dim, args.expert_hidden_dim, parallel, init_std, out_std,
                                       dtype, device)
         self.shared_expert = shared_expert
+        self.balance: Optional[LayerBalance] = None  # set by a trainer (hybridpar.train.experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [batch, seq, dim], or this rank's tokens [n, dim] under sequence parallelism: the same layout back."""
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
-        weights, experts = self.router(tokens)
+        logits, balance = self.router(tokens), self.balance
+        weights, experts = route(logits, self.top_k, balance.bias if balance is not None else None)
         tokens = enter_region(tokens, self.group, self.sequence_parallel)  # every token of the region
         order, counts = sort_by_expert(experts, self.n_experts)
+        aux = None
+        if balance is not None and self.training:
+            balance.load += counts
+            if balance.aux_weight:
+                aux = balance.aux_weight * load_balancing_loss(logits, counts, self.top_k, balance.group)
+                balance.aux += aux.detach()
         slots = tokens.repeat_interleave(self.top_k, dim=0) if self.top_k > 1 else tokens
         routed = slots[order] * weights.flatten()[order, None]
         if self.ep_group is None:
@@ -164,4 +238,6 @@ class MoE(nn.Module):
         # Back to slot order (each slot written once), then each token's top_k outputs summed.
         routed = torch.zeros_like(routed).index_copy(0, order, routed).view(-1, self.top_k, shape[-1]).sum(1)
         out = leave_region(routed + self.shared_expert.partial(tokens), self.group, self.sequence_parallel)
+        if aux is not None:
+            out = with_aux_loss(out, aux, balance.aux_scale)
         return out if self.sequence_parallel else out.view(shape)

@@ -256,10 +256,6 @@ EP_CASES = [
 ]
 
 
-@pytest.mark.parametrize("flags,world,line", EP_CASES,
-                         ids=["dense", "experts", "dp_shard", "zero", "with-pp", "with-cp", "with-float8"])
-def test_an_ep_that_cannot_split_the_experts_is_refused_in_one_line(monkeypatch, capsys, tmp_path, flags, world, line):
-    _refused_alike(monkeypatch, capsys, tmp_path, flags, world, line)
 
 
 def test_the_dry_run_and_the_planner_refuse_a_mixture_of_experts_in_one_line(monkeypatch, capsys, tmp_path):
@@ -276,3 +272,24 @@ def test_the_dry_run_and_the_planner_refuse_a_mixture_of_experts_in_one_line(mon
     code = main(["plan", "--model", "llama4_scout", "--gpus", "64", "--global-batch", "64"])
     assert (code, *_said(capsys)) == (2, ["hybridpar: error: the planner does not price mixture-of-experts models yet "
                                           "(16 experts); plan a dense model"], "")
+
+
+# [moe] (a mixture of experts' load balance): balancing on a dense model, or a value out of range.
+MOE_CASES = [*((LOCAL + [f"--moe.{key}", value], 1, f"moe.{key} = {value} balances a mixture of experts' router, "
+                f"and this model is dense (no experts); set moe.{key} = 0")
+               for key, value in (("router_aux_loss_coef", "0.01"), ("bias_update_rate", "0.001"))),
+             (LLAMA4 + ["--moe.router_aux_loss_coef", "-0.1"], 1,
+              "moe.router_aux_loss_coef must be >= 0, got -0.1; change moe.router_aux_loss_coef"),
+             (LLAMA4 + ["--moe.hot_ratio", "1"], 1, "moe.hot_ratio must be > 1, got 1.0; change moe.hot_ratio"),
+             (LLAMA4 + ["--moe.bias_update_rate", "0.001", "--fault_tolerance.enabled", "true"], 1,
+              "moe.bias_update_rate with fault_tolerance.enabled: each replica group would move its routing bias by its "
+              "own tokens alone (the groups share gradients, not token counts); set moe.bias_update_rate = 0 or "
+              "fault_tolerance.enabled = false")]
+
+
+@pytest.mark.parametrize("flags,world,line", EP_CASES + MOE_CASES,
+                         ids=["dense", "experts", "dp_shard", "zero", "with-pp", "with-cp", "with-float8",
+                              "aux-dense", "bias-dense", "negative", "hot_ratio", "bias-replica-groups"])
+def test_an_ep_or_a_balance_that_cannot_act_on_the_experts_is_refused_in_one_line(monkeypatch, capsys, tmp_path, flags,
+                                                                                  world, line):
+    _refused_alike(monkeypatch, capsys, tmp_path, flags, world, line)

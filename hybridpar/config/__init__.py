@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 from .evaluation import EvalConfig
+from .experts import MoEConfig
 from .sharding import FSDPConfig
 from .fault_tolerance import FaultToleranceConfig
 from .low_precision import Float8Config
@@ -169,6 +170,7 @@ class Config:
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     fsdp: FSDPConfig = dataclasses.field(default_factory=FSDPConfig)
     float8: Float8Config = dataclasses.field(default_factory=Float8Config)
+    moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)  # a mixture of experts' load balance
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
@@ -250,7 +252,8 @@ _RANGES = tuple((key, 1, None) for key in ("train.steps", "train.grad_accum", "t
     ("optim.min_lr_ratio", 0, 1), ("optim.warmup_steps", 0, None), ("optim.weight_decay", 0, None),
     ("optim.grad_clip", 0, None), ("data.num_workers", 0, None), ("data.max_bad_records", 0, None),
     ("checkpoint.every", 0, None), ("train.peak_flops", 0, None), ("parallel.init_timeout", 0.0, None), ("diagnostics.train_timeout", 0, None),
-    ("diagnostics.data_guard_every", 0, None), ("diagnostics.replica_check_every", 0, None))
+    ("diagnostics.data_guard_every", 0, None), ("diagnostics.replica_check_every", 0, None),
+    ("moe.router_aux_loss_coef", 0, None), ("moe.bias_update_rate", 0, None), ("moe.hot_ratio", 1.0, None))
 
 def profile_range(text: str) -> Optional[range]:
     """train.profile_steps as the steps it names: "20-22" -> 20, 21, 22; "5" -> 5; "" -> None."""

@@ -26,8 +26,16 @@ def check_llama4(config, args, pp: int, cp: int) -> None:
 
 def check_experts(config, args, dp_shard: int) -> None:
     """parallel.ep (expert parallelism): a model with experts, ep dividing them and dp_shard, whose
-    ranks it takes (check_llama4 has refused what does not run experts yet)."""
+    ranks it takes (check_llama4 has refused what does not run experts yet); [moe]'s balancing: a model with experts."""
     ep = config.parallel.ep
+    for key in ("router_aux_loss_coef", "bias_update_rate"):
+        if getattr(config.moe, key) and not args.n_experts:
+            raise ConfigError(f"moe.{key} = {getattr(config.moe, key)} balances a mixture of experts' router, and this "
+                              f"model is dense (no experts); set moe.{key} = 0")
+    if config.moe.bias_update_rate and config.fault_tolerance.enabled:
+        raise ConfigError("moe.bias_update_rate with fault_tolerance.enabled: each replica group would move its routing "
+                          "bias by its own tokens alone (the groups share gradients, not token counts); set "
+                          "moe.bias_update_rate = 0 or fault_tolerance.enabled = false")
     if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
         raise ConfigError(f"parallel.ep must be a positive integer (1: no expert parallelism), got {ep!r}")
     if ep == 1:

@@ -120,11 +120,13 @@ def _seconds(x: float) -> str:
     return f"{x:.2f} s" if x >= 0.1 else f"{x * 1e3:.1f} ms"
 
 
-def describe(verdict: Verdict, step: int, coords: MeshCoords, host: str, group: Optional[int] = None) -> str:
-    """The warning line for a straggler (`group`: its replica group in a fault-tolerant job)."""
+def describe(verdict: Verdict, step: int, coords: MeshCoords, host: str, group: Optional[int] = None,
+             hot: Optional[str] = None) -> str:
+    """The warning line for a straggler (`group`: its replica group in a fault-tolerant job; `hot`: why
+    it computes more, when its experts are hot)."""
     return (f"straggler at step {step}: rank {verdict.rank} ({coords.describe(group)}, host {host}) computes "
             f"{_seconds(verdict.compute)} per step against a median of {_seconds(verdict.median_compute)} "
-            f"({verdict.ratio:.2f}x); the others wait for it")
+            f"({verdict.ratio:.2f}x); the others wait for it" + (f"; {hot}" if hot else ""))
 
 
 def metrics_row(verdict: Verdict, coords: MeshCoords, host: str, group: Optional[int] = None) -> dict:
@@ -143,13 +145,14 @@ class StragglerMonitor:
 
     def __init__(self, parallel: ParallelDims, every: int, threshold: float, start_step: int = 0, *,
                  exclude: float = 0.0, exclude_reports: int = 3, places: Optional[list] = None,
-                 group: Optional[int] = None) -> None:
+                 group: Optional[int] = None, hot: Optional[Callable[[int], Optional[str]]] = None) -> None:
         """start_step: the step this run starts from; its first step (lazy set-up, compilation) is not timed.
         exclude: a rank over this (higher) threshold in `exclude_reports` reports in a row is its
         node's fault: `excluding` says so on every rank (0: never). places: every rank's (host, node),
         if the caller has gathered them (else gathered here, a collective)."""
         self.parallel, self.threshold, self.start_step = parallel, threshold, start_step
         self.group = group  # the replica group of a fault-tolerant job: named with the straggler
+        self.hot = hot  # rank -> why it computes more when its experts are hot (hybridpar.train.experts), or None
         self.exclude, self.exclude_reports = exclude, exclude_reports
         self._streak: tuple[Optional[int], int] = (None, 0)  # (rank, reports in a row) over `exclude`
         self.excluding: Optional[dict] = None
@@ -217,13 +220,15 @@ class StragglerMonitor:
         self.over = verdict.rank if verdict.over else None
         coords = MeshCoords.of(verdict.rank, *p.sizes)
         host = self.places[verdict.rank][0]
+        hot = self.hot(verdict.rank) if self.hot is not None and verdict.over else None
         if verdict.straggler:
-            log.info(describe(verdict, step, coords, host, self.group))
-        return metrics_row(verdict, coords, host, self.group)
+            log.info(describe(verdict, step, coords, host, self.group, hot))
+        return {**metrics_row(verdict, coords, host, self.group), **({"straggler/hot_experts": hot} if hot else {})}
 
     def _judge(self, verdict: Verdict, step: int) -> None:
-        """A rank over `exclude` in `exclude_reports` reports in a row: `excluding` names it and its node."""
-        if not self.exclude or verdict.ratio <= self.exclude:
+        """A rank over `exclude` in `exclude_reports` reports in a row: `excluding` names it and its node;
+        not a rank whose experts are hot (`hot`, the same on every rank): its node is not at fault."""
+        if not self.exclude or verdict.ratio <= self.exclude or (self.hot is not None and self.hot(verdict.rank)):
             self._streak = (None, 0)
             return
         rank, count = self._streak

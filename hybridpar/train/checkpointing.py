@@ -9,7 +9,8 @@ checkpoint.init_from's weights), save, and say what each save wrote (events.json
     checkpoints.close(metrics)          # the last writes completed and reported
 
 `parts` are the objects whose state_dict() goes into train_state.json under their names (and back
-into load_state_dict() on resume): the learning-rate schedule and the loader's position.
+into load_state_dict() on resume): the learning-rate schedule and the loader's position. A part
+with a true `optional_state` keeps its own state when the checkpoint has none of it.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ class Checkpoints:
         if found is not None:
             self.resumed_from, state = found
             for name, part in self.parts.items():
-                part.load_state_dict(state[name])
+                if name in state or not getattr(part, "optional_state", False):  # else: saved before it existed
+                    part.load_state_dict(state[name])
             return state["step"]
         if self.settings.init_from and self.init_from is None:
             self.checkpointer.load(Path(self.settings.init_from), self.model, None, self.params)

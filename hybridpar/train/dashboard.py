@@ -53,7 +53,8 @@ def plot_dashboard(jsonl_path: Path, png_path: Path, title: Optional[str] = None
 def draw_dashboard(rows: list[dict], events: list[dict], title: str, grad_clip: float = 0.0):
     """The figure: loss (training, validation, each source's validation), learning rate,
     throughput with MFU, gradient norm with skipped steps, step time, peak memory, a blend's
-    tokens per source and the downstream scores; resumes as dashed lines on every panel."""
+    tokens per source, the downstream scores and a mixture of experts' load (each ep rank's share
+    of the routed tokens, at ep 1 each expert's); resumes as dashed lines on every panel."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on training nodes
@@ -67,6 +68,7 @@ def draw_dashboard(rows: list[dict], events: list[dict], title: str, grad_clip: 
     sources = sorted({k.split("/", 1)[1] for r in train for k in r if k.startswith("tokens/")})
     # Downstream scores (train/downstream.py): "eval/<task>/<metric>", their stderrs left out.
     scores = sorted({k for r in rows for k in r if k.startswith("eval/") and not k.endswith("_stderr")})
+    loads = expert_loads(rows)
 
     def series(key: str, scale: float = 1.0, of: list = train) -> tuple[list[int], list[float]]:
         """(steps, values) of the rows that have a finite `key`: a skipped step's NaN breaks no line."""
@@ -101,7 +103,7 @@ def draw_dashboard(rows: list[dict], events: list[dict], title: str, grad_clip: 
         return f": up to {max(values):.3g} {unit} above the scale" if max(values) > 1.15 * top else ""
 
     plt.rcParams.update({"font.size": 10})
-    n_rows = 4 if sources or scores else 3
+    n_rows = 3 + math.ceil(sum(map(bool, (sources, scores, loads))) / 2)
     fig, axes = plt.subplots(n_rows, 2, figsize=(12, 3.2 * n_rows), sharex=True)
     flat = list(axes.flat)
     loss_ax, lr_ax, speed_ax, norm_ax, time_ax, memory_ax = flat[:6]
@@ -154,6 +156,14 @@ def draw_dashboard(rows: list[dict], events: list[dict], title: str, grad_clip: 
         for key in scores:
             draw(score_ax, *series(key, of=rows), lw=1.5, label=key[len("eval/"):])
         score_ax.set_title("downstream scores ([eval])")
+    if loads:  # a mixture of experts: who got how much of the routed tokens
+        load_ax = extra.pop(0)
+        name, steps, shares = loads
+        for i, column in enumerate(zip(*shares)):
+            draw(load_ax, steps, [100 * x for x in column], lw=1.5, label=f"{name} {i}")
+        load_ax.axhline(100 / len(shares[0]), color="gray", lw=1, ls=":", label="even share")
+        load_ax.set_title(f"routed tokens per {name} (%, all MoE layers)")
+        load_ax.set_ylim(0, 100)
     if len(extra) == 1:
         extra[0].set_visible(False)
         flat[5].xaxis.set_tick_params(labelbottom=True)  # the hidden panel's column still needs its steps
@@ -186,6 +196,20 @@ def draw_dashboard(rows: list[dict], events: list[dict], title: str, grad_clip: 
         if ax.get_visible() and ax.get_legend_handles_labels()[1]:
             place_legend(ax, renderer)
     return fig
+
+
+def expert_loads(rows: list[dict]) -> Optional[tuple[str, list[int], list[list[float]]]]:
+    """A mixture of experts' rows (hybridpar.train.experts): ("ep rank", steps, each step's share of the
+    routed tokens per ep rank), or per "expert" (its MoE layers summed) at ep 1; None without them."""
+    found = [r for r in rows if "experts/ep_tokens" in r]
+    if not found:
+        return None
+    if len(found[0]["experts/ep_tokens"]) > 1:
+        name, counts = "ep rank", [r["experts/ep_tokens"] for r in found]
+    else:
+        name = "expert"
+        counts = [[sum(c) for c in zip(*(v for k, v in r.items() if k.startswith("experts/tokens/")))] for r in found]
+    return name, [r["step"] for r in found], [[x / (sum(c) or 1) for x in c] for c in counts]
 
 
 def _line_points(line, dense: int = 20, most: int = 4000) -> np.ndarray:

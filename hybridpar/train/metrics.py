@@ -32,12 +32,13 @@ EVENTS = "events.jsonl"  # beside metrics.jsonl: {"step", "event": "resumed" | "
 # metrics.jsonl keeps its keys (the summary, the dashboard and scripts read them).
 BOARD_TAGS = {
     "loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
-    "skipped_steps": "train/skipped_steps",
+    "skipped_steps": "train/skipped_steps", "aux_loss": "train/aux_loss",
     "val_loss": "val/loss", "val_ppl": "val/ppl", "val_tokens": "val/tokens",
     "step_time": "perf/step_time_s", "tokens_per_s": "perf/tokens_per_s", "mfu": "perf/mfu",
     "memory_gb": "memory/peak_gb", "memory_reserved_gb": "memory/reserved_gb", "eval_s": "perf/downstream_eval_s",
 }
-BOARD_PREFIXES = {"tokens/": "train/tokens/", "val_loss/": "val/loss/", "straggler/": "straggler/", "eval/": "eval/"}
+BOARD_PREFIXES = {"tokens/": "train/tokens/", "val_loss/": "val/loss/", "straggler/": "straggler/", "eval/": "eval/",
+                  "experts/": "experts/"}
 
 
 def board_tag(key: str) -> str:
@@ -185,8 +186,7 @@ class MetricsWriter:
                 if self._file is None:
                     self._open()
                 self._file.write(json.dumps({"step": step, **values}) + "\n")
-                numbers = {board_tag(k): v for k, v in values.items()
-                           if isinstance(v, (int, float))}  # bools too (flags)
+                numbers = board_numbers(values)
                 if self._tb is not None:
                     for tag, value in numbers.items():
                         self._tb.add_scalar(tag, value, step)
@@ -234,6 +234,18 @@ def _quiet_tensorboard_full_disk() -> None:
     threading.excepthook = hook
 
 
+def board_numbers(values: dict) -> dict:
+    """The numbers of a metrics row by TensorBoard / W&B tag (bools too: flags); a list of numbers
+    (the tokens per expert) as one tag per element, "<tag>/<index>"."""
+    numbers = {}
+    for key, value in values.items():
+        if isinstance(value, (int, float)):
+            numbers[board_tag(key)] = value
+        elif isinstance(value, list) and all(isinstance(x, (int, float)) for x in value):
+            numbers.update({f"{board_tag(key)}/{i}": x for i, x in enumerate(value)})
+    return numbers
+
+
 def read_metrics(jsonl_path: Path) -> list[dict]:
     with open(jsonl_path) as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -268,6 +280,10 @@ def progress_line(step: int, steps: int, m: dict, elapsed: float, eta: Optional[
         line += f"  groups {m['groups']}"
     if "healed_from" in m:
         line += f" (healed from step {m['healed_from']} in {m['heal_s']:.1f} s)"
+    if "aux_loss" in m:  # a mixture of experts' load-balancing loss (hybridpar.train.experts)
+        line += f"  aux_loss {m['aux_loss']:.4f}"
+    if "experts/hot" in m:
+        line += f"  hot: {m['experts/hot']}"
     by_source = {k[len("tokens/"):]: v for k, v in m.items() if k.startswith("tokens/")}
     if by_source:  # a blend: each source's share of the tokens so far
         total = sum(by_source.values()) or 1

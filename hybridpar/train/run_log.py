@@ -17,6 +17,7 @@ from ..mesh.layout import sizes_text
 from . import data_stop, stop as stopping
 from .clock import StepClock
 from .dashboard import plot_dashboard
+from .experts import AUX_LOSS, PREFIX as EXPERTS
 from .metrics import MetricsWriter, log_row, progress_line, validation_text
 from .summary import summarise, write_summary
 from .validation import missing_validation
@@ -33,6 +34,7 @@ class RunLog:
         self.history: list[dict] = []  # every step's numbers
         self.clock: Optional[StepClock] = None  # the loop's: the progress line's elapsed time and ETA
         self.window: list[dict] = []  # the steps since the last progress line
+        self.hot: Optional[int] = None  # the ep rank whose experts were hot at the last step
 
     def begin(self, args, parallel, global_batch: int, *, has_validation: bool, resumed_from: Optional[Path],
               step: int) -> None:
@@ -57,6 +59,9 @@ class RunLog:
         """Step m["step"] done: `m` the trainer's step numbers, `row` what came with it (a straggler
         report, evaluations)."""
         step, steps = m["step"], self.config.train.steps
+        # A mixture of experts' numbers (hybridpar.train.experts), in metrics.jsonl every step.
+        row = {**{k: v for k, v in m.items() if k.startswith(EXPERTS) or k == AUX_LOSS}, **row}
+        self._hot(step, m)
         self.history.append(m)
         self.window.append(m)
         if m["skipped"]:
@@ -75,6 +80,15 @@ class RunLog:
             self.metrics.write(step, row)
             if self.is_main and validation_text(row):
                 log.info(f"step {step:>5}/{steps}{validation_text(row)}")
+
+    def _hot(self, step: int, m: dict) -> None:
+        """An ep rank's experts hot from this step on (or another's than before): said once, and an event."""
+        hot = m.get(EXPERTS + "hot_rank")
+        if hot is not None and hot != self.hot:
+            self.metrics.event(step, "hot_experts", rank=hot, line=m[EXPERTS + "hot"])  # on the dashboard
+            if self.is_main:
+                log.warning(f"step {step}: {m[EXPERTS + 'hot']}")
+        self.hot = hot
 
     def end(self, profiler) -> None:
         """Rank 0, after the last step: the profiled steps' table, the dashboard (loss.png)."""

@@ -56,6 +56,8 @@ class Supervisor:
         self.watchdog: Optional[Watchdog] = None
         self.deadlines: Optional[Deadlines] = None
         self.stragglers: Optional[StragglerMonitor] = None
+        # rank -> why it computes more (its experts are hot: hybridpar.train.experts), or None
+        self.hot_experts: Optional[Callable[[int], Optional[str]]] = None
         self.model: Union[torch.nn.Module, Sequence[torch.nn.Module], None] = None  # or the stage modules
         self.stages: Optional[Sequence[int]] = None  # their stage ids
         self.places: Optional[list] = None  # every rank's (host, node), once the mesh exists
@@ -132,7 +134,7 @@ class Supervisor:
             self.watchdog.stop_requested(self.stop.signal_name)
         self.stragglers = StragglerMonitor(self.parallel, d.straggler_every, d.straggler_threshold, step,
                                            exclude=d.straggler_exclude, exclude_reports=d.straggler_exclude_reports,
-                                           places=self.places, group=self.group)
+                                           places=self.places, group=self.group, hot=self.hot_experts)
         self._running.enter_context(self.stragglers)  # collectives timed on measured steps; torch's own back at close
 
     def close(self, error: Optional[BaseException] = None) -> None:

@@ -46,6 +46,7 @@ from . import data_stop, stop as stopping
 from .checkpointing import Checkpoints
 from .clock import StepClock
 from .downstream import Downstream, Evaluations
+from .experts import ExpertBalance
 from .metrics import MetricsWriter, WandbSettings, require_wandb
 from .optim import apply_update, build_optimizer, grad_norm_and_clip, lr_lambda
 from .profile import StepProfiler
@@ -109,12 +110,14 @@ class Trainer:
                               float8=c.float8)
         self.runner = make_runner(stages, self.layout, p, grad_sync=c.train.grad_sync)
         self.params = [param for part in self.runner.modules for param in part.parameters()]
+        self.balance = ExpertBalance(c, p, self.runner.modules, self.supervisor)  # a mixture of experts' load balance
         self.optimizer = build_optimizer(self.runner.modules, c.optim)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(c.optim.warmup_steps, c.train.steps, c.optim.min_lr_ratio))
         self.checkpoints = Checkpoints(c, p, self.job, self.supervisor, model=self.runner.modules,
                                        optimizer=self.optimizer, args=self.args, tokenizer=self.tokenizer,
-                                       parts={"scheduler": self.scheduler, "data": self.loader, **self.replicas.parts},
+                                       parts={"scheduler": self.scheduler, "data": self.loader, **self.replicas.parts,
+                                              **self.balance.parts},
                                        writes=self.replicas.writes_checkpoints)
         self._phase("checkpoint")
         self.step = self.start_step = self.checkpoints.restore()  # 0, or the step a resumed run continues from
@@ -136,16 +139,13 @@ class Trainer:
         # sources were walked by resolve_job: the data takes them from the job.
         try:
             self.tokenizer, self.loader, self.val_dataset = build_training_data(
-                c, p, on_tokenizer=self._fit_vocab, on_progress=self._data_progress, walked_sources=self.job.sources,
-                data_rank=self.replicas.data_rank(p))
+                c, p, on_tokenizer=self._fit_vocab, on_progress=lambda text: self._phase(f"data: {text}"),
+                walked_sources=self.job.sources, data_rank=self.replicas.data_rank(p))
         except DataFormatError:  # every rank meets it; the last out removes the store: none leaves first
             wait_for_every_rank("data")
             raise
         self._phase("data: waiting for every rank's data")
         wait_for_every_rank("data")  # nodes preparing into caches of their own may finish minutes apart
-
-    def _data_progress(self, text: str) -> None:
-        self._phase(f"data: {text}")
 
     def _fit_vocab(self, tokenizer) -> None:
         """Before the loader is built: a vocab_size of -1 (Llama 2's params.json) becomes the
@@ -209,7 +209,7 @@ class Trainer:
         elapsed = time.perf_counter() - start
         return {"step": self.step, "loss": mean_loss, "lr": lr, "grad_norm": grad_norm, "skipped": skipped,
                 "tokens": global_targets, "step_time": elapsed, **self.throughput.rates(global_targets, elapsed),
-                "data_guard_s": guard_seconds, **self.replicas.row()}
+                "data_guard_s": guard_seconds, **self.replicas.row(), **self.balance.finish_step(skipped)}
 
     def run(self) -> list[dict]:
         error = None

@@ -4,6 +4,7 @@ and a slow collective blame nobody; the analysis and the collective timer on the
 import re
 
 import pytest
+import torch
 
 from hybridpar.diagnostics.stragglers import CollectiveTimer, analyse, analyse_stages, describe, metrics_row
 from hybridpar.mesh.layout import MeshCoords
@@ -93,6 +94,28 @@ def test_warning_names_rank_coordinates_and_host():
     assert describe(v, 200, pp, "node7").startswith("straggler at step 200: rank 3 (pp 1, mp 1, dp 0 (replicate 0, "
                                                     "shard 0), host node7)")
     assert metrics_row(v, pp, "node7")["straggler/coords"] == "pp 1, mp 1, dp 0 (replicate 0, shard 0)"
+
+
+def test_a_straggler_holding_hot_experts_is_not_its_nodes_fault():
+    import types
+
+    from hybridpar.diagnostics.stragglers import StragglerMonitor
+
+    parallel = types.SimpleNamespace(world_size=2, device=torch.device("cpu"))
+    monitor = StragglerMonitor(parallel, 2, 1.5, exclude=3.0, exclude_reports=1, places=[("vm", "node0")] * 2,
+                               hot=lambda rank: "its experts are hot" if rank == 1 else None)
+    monitor._judge(analyse([0.1, 0.5], [0.4, 0.0], threshold=1.5), step=2)
+    assert monitor.excluding is None  # rank 1, 5x: its experts, not its node
+    monitor._judge(analyse([0.5, 0.1], [0.0, 0.4], threshold=1.5), step=4)
+    assert monitor.excluding == {"rank": 0, "host": "vm", "node": "node0", "ratio": 5.0, "reports": 1, "step": 4}
+
+
+def test_a_straggler_holding_hot_experts_says_so():
+    v = analyse([0.20, 0.41], [0.2, 0.0], threshold=1.5, previous=1)
+    hot = "ep rank 1 (experts 2-3) got 100% of layer 1's routed tokens: its experts are hot, not its node slow"
+    assert describe(v, 4, MeshCoords.of(1, 1, 1, 2, 1, 1), "node7", hot=hot) == (
+        "straggler at step 4: rank 1 (mp 0, dp 1 (replicate 0, shard 1), host node7) computes 0.41 s per step against "
+        f"a median of 0.20 s (2.05x); the others wait for it; {hot}")
 
 
 # --- the collective timer, on stand-ins for torch.distributed's functions -------------------------

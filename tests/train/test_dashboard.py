@@ -97,3 +97,22 @@ def test_smoothed_is_the_centred_mean():
     values = [float(v) for v in (3, 1, 4, 1, 5, 9, 2)]
     naive = [sum(values[max(0, i - 2): i + 3]) / len(values[max(0, i - 2): i + 3]) for i in range(len(values))]
     assert smoothed(values, 2) == pytest.approx(naive)
+
+
+def test_a_mixture_of_experts_has_its_load_panel(tmp_path):
+    """Each ep rank's share of the routed tokens (at ep 1 each expert's, its layers summed), and the even share."""
+    rows = _rows(30, sources=("code", "web"))
+    for r in rows:
+        r.update({"experts/tokens/layer1": [10, 30, 50, 10], "experts/tokens/layer3": [30, 10, 10, 50],
+                  "experts/ep_tokens": [80, 120]})
+    fig = draw_dashboard(rows, [], "moe")
+    _check_readable(fig)
+    panel = next(ax for ax in fig.axes if ax.get_title().startswith("routed tokens per ep rank"))
+    lines = {line.get_label(): list(line.get_ydata()) for line in panel.get_lines()}
+    assert lines["ep rank 0"] == [40.0] * 30 and lines["ep rank 1"] == [60.0] * 30 and lines["even share"] == [50, 50]
+    fig.savefig(tmp_path / "moe.png")
+    for r in rows:
+        r["experts/ep_tokens"] = [200]
+    panel = next(ax for ax in draw_dashboard(rows, [], "ep 1").axes if ax.get_title().startswith("routed tokens per"))
+    assert panel.get_title() == "routed tokens per expert (%, all MoE layers)"
+    assert [line.get_ydata()[0] for line in panel.get_lines()] == [20.0, 20.0, 30.0, 30.0, 25]

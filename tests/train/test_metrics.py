@@ -52,16 +52,22 @@ def _every_key_the_trainer_logs():
             "straggler/flagged": False, "straggler/host": "node1"}
 
 
-def test_tensorboard_tags_are_grouped_and_metrics_jsonl_keeps_its_keys(tmp_path):
+def _written(tmp_path, step: int, row: dict):
+    """`row` through a MetricsWriter with TensorBoard: metrics.jsonl's rows, TensorBoard's events read back."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    row = _every_key_the_trainer_logs()
     writer = MetricsWriter(tmp_path, enabled=True, tensorboard=True)
-    writer.write(7, row)
+    writer.write(step, row)
     writer.close()
-    assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 7, **row}]
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
+    return read_metrics(tmp_path / "metrics.jsonl"), events
+
+
+def test_tensorboard_tags_are_grouped_and_metrics_jsonl_keeps_its_keys(tmp_path):
+    row = _every_key_the_trainer_logs()
+    rows, events = _written(tmp_path, 7, row)
+    assert rows == [{"step": 7, **row}]
     assert set(events.Tags()["scalars"]) == {
         "train/loss", "train/lr", "train/grad_norm", "train/skipped_steps", "train/tokens/code", "train/tokens/web",
         "perf/step_time_s", "perf/tokens_per_s", "perf/mfu", "memory/peak_gb", "memory/reserved_gb",
@@ -100,3 +106,19 @@ def test_a_gpu_step_records_the_memory_the_allocator_reserved_beside_the_allocat
 
 def test_a_key_of_no_group_is_still_grouped():
     assert board_tag("data_guard_s") == "other/data_guard_s"
+
+
+def test_a_mixture_of_experts_row_gives_a_scalar_per_expert_and_its_step_line_says_what_is_hot(tmp_path):
+    from hybridpar.train.metrics import progress_line
+
+    hot = "ep rank 1 (experts 2-3) got 80% of layer 1's routed tokens"
+    row = {"aux_loss": 0.21, "experts/tokens/layer1": [10, 10, 40, 40], "experts/ep_tokens": [20, 80],
+           "experts/imbalance": 1.6, "experts/hot": hot, "experts/hot_rank": 1}
+    rows, events = _written(tmp_path, 3, row)
+    assert rows == [{"step": 3, **row}]
+    assert set(events.Tags()["scalars"]) == {
+        "train/aux_loss", *(f"experts/tokens/layer1/{e}" for e in range(4)), "experts/ep_tokens/0",
+        "experts/ep_tokens/1", "experts/imbalance", "experts/hot_rank"}
+    assert [(e.step, e.value) for e in events.Scalars("experts/tokens/layer1/2")] == [(3, 40.0)]
+    step = {"loss": 3.0, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 512.0, "mfu": 0.1, "memory_gb": 1.0}
+    assert progress_line(3, 10, {**step, **row}, 1.0, None).endswith(f"  aux_loss 0.2100  hot: {hot}")

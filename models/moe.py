@@ -153,6 +153,15 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, shape[-1])
         weights, experts = self.router(tokens)
         tokens = enter_region(tokens, self.group, self.sequence_parallel)  # every token of the region
+        routed = self.routed(tokens, weights, experts)
+        out = leave_region(routed + self.shared_expert.partial(tokens), self.group, self.sequence_parallel)
+        return out if self.sequence_parallel else out.view(shape)
+
+    # Left eager under train.compile (the rest of the block compiles around it): how many tokens
+    # each expert gets is data (read on the host for the loop and ep's split sizes).
+    @torch.compiler.disable
+    def routed(self, tokens: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The routed experts' partial sums for tokens [n, dim] (route()'s weights and experts): [n, dim]."""
         order, counts = sort_by_expert(experts, self.n_experts)
         slots = tokens.repeat_interleave(self.top_k, dim=0) if self.top_k > 1 else tokens
         routed = slots[order] * weights.flatten()[order, None]
@@ -162,6 +171,4 @@ class MoE(nn.Module):
             routed, local_counts, exchange = dispatch(routed, counts, self.ep_group)
             routed = combine(self.experts(routed, local_counts), exchange)
         # Back to slot order (each slot written once), then each token's top_k outputs summed.
-        routed = torch.zeros_like(routed).index_copy(0, order, routed).view(-1, self.top_k, shape[-1]).sum(1)
-        out = leave_region(routed + self.shared_expert.partial(tokens), self.group, self.sequence_parallel)
-        return out if self.sequence_parallel else out.view(shape)
+        return torch.zeros_like(routed).index_copy(0, order, routed).view(-1, self.top_k, tokens.shape[-1]).sum(1)

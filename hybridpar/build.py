@@ -19,7 +19,7 @@ from .config.low_precision import Float8Config
 from .config.sharding import FSDPConfig
 from . import progress
 from .mesh.device import ParallelDims
-from .parallel.float8 import convert_to_float8, emulated_note
+from .parallel.float8 import convert_to_float8, emulated_note, experts_note
 from .parallel.float8_gather import gather_in_float8, precompute_at_first_forward
 from .parallel.fsdp import apply_activation_checkpointing, apply_fsdp, check_compiler, compile_blocks, dp_mesh_for
 
@@ -64,9 +64,9 @@ def build_model(args: ModelArgs, parallel: ParallelDims, *, device: Optional[tor
         convert_to_float8(model, parallel, float8, device=parallel.device)
         if gathered:
             gather_in_float8(model, dp_mesh_for(fsdp.sharding_strategy, parallel).mesh.shape[-1])
-        note = emulated_note(parallel.device)
-        if note and not rehearsal and (part is None or part.get("embedding", True)):  # once: rank 0's first stage
-            progress.note(note)
+        for note in (emulated_note(parallel.device), experts_note(args.n_experts)):
+            if note and not rehearsal and (part is None or part.get("embedding", True)):  # once: rank 0's first stage
+                progress.note(note)
     if fsdp is None:
         return model
     # 4. Activation checkpointing: inserts no wrapper module, so parameter names stay Meta's; chosen

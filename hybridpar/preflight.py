@@ -102,7 +102,7 @@ def check_config(config: Config, world_size: int, args=None, *, training: bool =
     check_float8_setup(config)
     pp, cp, mp = sizes[0], sizes[3], sizes[4]
     args = check_shape(config, model_shape(config) if args is None else args, mp, cp)
-    check_llama4(config, args, pp, cp)
+    check_llama4(args, cp)
     check_experts(config, args, sizes[2])
     check_float8_gather(config, args, mp, sizes[2] * cp)
     p, d = config.parallel, config.data

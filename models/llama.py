@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Replicate
 
+from hybridpar.config.llama4 import context_parallel_gaps
 from hybridpar.mesh.device import ParallelDims
 from hybridpar.parallel import (
     ColumnParallelLinear,
@@ -313,9 +314,8 @@ class Transformer(nn.Module):
     ) -> None:
         super().__init__()
         args.check(parallel.mp, parallel.ep)
-        if parallel.cp > 1 and args.llama4:
-            raise ModelArgsError("context parallelism does not run Llama 4's layers yet (experts, chunked or "
-                                 "RoPE-less attention): set parallel.cp = 1")
+        if parallel.cp > 1 and context_parallel_gaps(args):
+            raise ModelArgsError(f"{context_parallel_gaps(args)}: set parallel.cp = 1")
         self.args = args
         self.group = parallel.mp_group
         # Context parallelism: this rank holds 2 of the 2 x cp chunks of every sequence (parallel.context).

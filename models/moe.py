@@ -218,11 +218,23 @@ class MoE(nn.Module):
         """x [batch, seq, dim], or this rank's tokens [n, dim] under sequence parallelism: the same layout back."""
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
-        logits, balance = self.router(tokens), self.balance
-        weights, experts = route(logits, self.top_k, balance.bias if balance is not None else None)
+        logits = self.router(tokens)
+        weights, experts = route(logits, self.top_k, self.balance.bias if self.balance is not None else None)
         tokens = enter_region(tokens, self.group, self.sequence_parallel)  # every token of the region
+        routed = self.routed(tokens, logits, weights, experts)
+        out = leave_region(routed + self.shared_expert.partial(tokens), self.group, self.sequence_parallel)
+        return out if self.sequence_parallel else out.view(shape)
+
+    # Left eager under train.compile (the rest of the block compiles around it): how many tokens
+    # each expert gets is data (read on the host for the loop and ep's split sizes), and the load
+    # balance's counts are state the trainer reads.
+    @torch.compiler.disable
+    def routed(self, tokens: torch.Tensor, logits: torch.Tensor, weights: torch.Tensor,
+               experts: torch.Tensor) -> torch.Tensor:
+        """The routed experts' partial sums for tokens [n, dim] (route()'s weights and experts of the
+        router's `logits`): [n, dim], carrying the auxiliary loss's gradient where [moe] asks for it."""
         order, counts = sort_by_expert(experts, self.n_experts)
-        aux = None
+        balance, aux = self.balance, None
         if balance is not None and self.training:
             balance.load += counts
             if balance.aux_weight:
@@ -232,12 +244,9 @@ class MoE(nn.Module):
         routed = slots[order] * weights.flatten()[order, None]
         if self.ep_group is None:
             routed = self.experts(routed, counts)
-        else:  # to the ranks holding their experts and back
+        else:
             routed, local_counts, exchange = dispatch(routed, counts, self.ep_group)
             routed = combine(self.experts(routed, local_counts), exchange)
         # Back to slot order (each slot written once), then each token's top_k outputs summed.
-        routed = torch.zeros_like(routed).index_copy(0, order, routed).view(-1, self.top_k, shape[-1]).sum(1)
-        out = leave_region(routed + self.shared_expert.partial(tokens), self.group, self.sequence_parallel)
-        if aux is not None:
-            out = with_aux_loss(out, aux, balance.aux_scale)
-        return out if self.sequence_parallel else out.view(shape)
+        routed = torch.zeros_like(routed).index_copy(0, order, routed).view(-1, self.top_k, tokens.shape[-1]).sum(1)
+        return routed if aux is None else with_aux_loss(routed, aux, balance.aux_scale)

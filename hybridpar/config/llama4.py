@@ -1,32 +1,42 @@
 """What a Llama 4 model (mixture-of-experts layers, RoPE-less or chunked attention) needs of a training
-config, checked by hybridpar.preflight before any process group: what does not run its layers yet,
-and parallel.ep (expert parallelism) against the model's experts and the mesh."""
+config, checked by hybridpar.preflight before any process group: what context parallelism does not
+run of its layers yet, and parallel.ep (expert parallelism) against the model's experts and the mesh."""
 
 from __future__ import annotations
 
 from .options import ConfigError
 
 
-def check_llama4(config, args, pp: int, cp: int) -> None:
-    """What does not run Llama 4's layers yet (experts, RoPE-less or chunked attention): refused by name."""
-    if not args.llama4:
-        return
-    what = "Llama 4's layers (experts, RoPE-less or chunked attention)"
-    if pp > 1:
-        raise ConfigError(f"parallel.pp = {pp}: pipeline parallelism does not cut {what} yet; set parallel.pp = 1")
-    if cp > 1:
-        raise ConfigError(f"parallel.cp = {cp}: context parallelism does not run {what} yet; set parallel.cp = 1")
-    if args.n_experts and config.float8.enabled:
-        raise ConfigError(f"float8.recipe = {config.float8.recipe!r}: the experts have no float8 matmuls yet; set "
-                          'float8.recipe = "none" for a mixture-of-experts model')
-    if args.n_experts and config.train.compile:
-        raise ConfigError("train.compile: the mixture-of-experts layers (data-dependent routing) are not compiled yet; "
-                          "set train.compile = false")
+def check_llama4(args, cp: int) -> None:
+    """What does not run Llama 4's layers yet: under context parallelism, chunked local attention,
+    temperature-tuned RoPE-less layers and experts (context_parallel_gaps), refused by name."""
+    gaps = context_parallel_gaps(args)
+    if cp > 1 and gaps:
+        raise ConfigError(f"parallel.cp = {cp}: {gaps}; set parallel.cp = 1")
+
+
+def context_parallel_gaps(args) -> str:
+    """What of a model (ModelArgs) context parallelism does not run yet, said as one clause ("" if nothing):
+    its attention masks the all-gathered keys causally only and scales no query by its global position
+    (qk norm, per token, it runs), and expert parallelism takes its ranks (and the experts' FSDP groups)
+    from dp_shard without cp's."""
+    gaps = []
+    if args.attention_chunk_size is not None:
+        gaps.append(f"chunked local attention (attention_chunk_size = {args.attention_chunk_size})")
+    if args.nope_layers and args.attn_temperature_tuning:
+        gaps.append("RoPE-less layers' temperature tuning by position (attn_temperature_tuning)")
+    if args.n_experts:
+        gaps.append(f"routed experts (n_experts = {args.n_experts})")
+    if not gaps:
+        return ""
+    listed = gaps[0] if len(gaps) == 1 else f"{', '.join(gaps[:-1])} or {gaps[-1]}"
+    return f"context parallelism does not run Llama 4's {listed} yet"
 
 
 def check_experts(config, args, dp_shard: int) -> None:
     """parallel.ep (expert parallelism): a model with experts, ep dividing them and dp_shard, whose
-    ranks it takes (check_llama4 has refused what does not run experts yet); [moe]'s balancing: a model with experts."""
+    ranks it takes (check_llama4 has refused context parallelism with experts); [moe]'s balancing: a model
+    with experts."""
     ep = config.parallel.ep
     for key in ("router_aux_loss_coef", "bias_update_rate"):
         if getattr(config.moe, key) and not args.n_experts:

@@ -277,3 +277,12 @@ def emulated_note(device: torch.device) -> Optional[str]:
         return None
     return (f"float8: no CUDA device here ({torch.device(device).type}), so torchao emulates the float8 matmuls "
             "in fp32: float8's numbers, slower than bf16")
+
+
+def experts_note(n_experts: int) -> Optional[str]:
+    """The line a run with float8 says once when its model has routed experts (which no float8
+    matmul runs: they are grouped GEMMs, not linears), else None."""
+    if not n_experts:
+        return None
+    return (f"float8: the {n_experts} routed experts and their router stay in high precision (fsdp.param_dtype); "
+            "float8 runs in the linears of attention, the shared experts and the dense feed-forward layers")

@@ -170,9 +170,10 @@ def test_without_the_amax_reduction_the_layouts_differ(workers, recipe, mp, cp, 
     assert worst > 100 * BOUND
 
 
-def _case_build(recipe: str) -> dict:
+def _case_build(recipe: str, preset: str = "tiny") -> dict:
     """build_model with and without float8 at mp 2 x dp 2 (FSDP, sequence parallelism, full AC): the
-    linears it converts, the state_dicts, one forward and backward, the notes it logs."""
+    linears it converts, the state_dicts, one forward and backward, the notes it logs. The tiny
+    preset cut to 2 layers, or `preset` whole."""
     import logging
 
     from hybridpar.build import build_model
@@ -180,7 +181,8 @@ def _case_build(recipe: str) -> dict:
     from hybridpar.config.sharding import FSDPConfig
     from hybridpar.models.args import ModelArgs
 
-    parallel, args = parallel_dims(mp=2), ModelArgs.from_preset("tiny", n_layers=2)
+    parallel = parallel_dims(mp=2)
+    args = ModelArgs.from_preset("tiny", n_layers=2) if preset == "tiny" else ModelArgs.from_preset(preset)
     notes = []
     handler = logging.Handler()
     handler.emit = lambda record: notes.append(record.getMessage())
@@ -222,6 +224,21 @@ def test_build_model_converts_the_linears_and_keeps_the_state(workers, recipe):
         assert high != low and abs(low - high) < 0.1 * abs(high), result["losses"]  # float8, near high precision
         assert result["notes"] == (["float8: no CUDA device here (cpu), so torchao emulates the float8 matmuls in "
                                     "fp32: float8's numbers, slower than bf16"] if rank == 0 else []), result["notes"]
+
+
+def test_float8_leaves_the_routed_experts_in_high_precision(workers):
+    """Llama 4 (issue 52): float8 in attention's, the dense layers' and the shared experts' linears;
+    the routed experts (grouped GEMMs) and the router in high precision, which rank 0 says once."""
+    results = workers(4).run(_case_build, "tensorwise", "debug_llama4")
+    dense = {0: "feed_forward", 2: "feed_forward", 1: "feed_forward.shared_expert", 3: "feed_forward.shared_expert"}
+    expected = sorted([f"layers.{i}.attention.{w}" for i in range(4) for w in ("wq", "wk", "wv", "wo")]
+                      + [f"layers.{i}.{ffn}.{w}" for i, ffn in dense.items() for w in ("w1", "w2", "w3")])
+    for rank, result in enumerate(results):
+        assert result["converted"] == expected, result["converted"]
+        assert result["same state"] and result["grads finite"]
+        assert result["notes"][1:] == (["float8: the 4 routed experts and their router stay in high precision "
+                                        "(fsdp.param_dtype); float8 runs in the linears of attention, the shared "
+                                        "experts and the dense feed-forward layers"] if rank == 0 else []), result["notes"]
 
 
 def _case_skip(mp: int, skip: list) -> list:

@@ -38,7 +38,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from hybridpar.mesh.device import ParallelDims
 from hybridpar.parallel import copy_to_region, enter_region, leave_region
-from hybridpar.parallel.experts import combine, dispatch
+from hybridpar.parallel.experts import balanced_counts, combine, dispatch
 from hybridpar.parallel.layers import local_tensor, mp_parameter
 
 from .args import ModelArgs
@@ -80,10 +80,13 @@ def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]
     return torch.sigmoid(top.float()).to(logits.dtype), experts
 
 
-def sort_by_expert(experts: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sort_by_expert(experts: torch.Tensor, n_experts: int, balanced: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(order, counts): the token slots (token t's j-th choice is slot t * top_k + j) in expert order,
-    stable, and how many each expert gets [n_experts]."""
+    stable, and how many each expert gets [n_experts]; `balanced`: balanced_counts instead of counting."""
     flat = experts.flatten()
+    if balanced:
+        return torch.argsort(flat, stable=True), torch.tensor(balanced_counts(flat.numel(), n_experts),
+                                                              device=flat.device)
     return torch.argsort(flat, stable=True), torch.bincount(flat, minlength=n_experts)
 
 
@@ -146,6 +149,9 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(args.n_experts, args.dim, args.expert_hidden_dim, parallel, init_std, out_std,
                                       dtype, device)
         self.shared_expert = shared_expert
+        # Every expert routed balanced_counts' share of the slots, whatever the router chose: the dry run's
+        # rehearsal on fake tensors (which have no values to count nor exchange sizes to read back).
+        self.balanced = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [batch, seq, dim], or this rank's tokens [n, dim] under sequence parallelism: the same layout back."""
@@ -153,13 +159,13 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, shape[-1])
         weights, experts = self.router(tokens)
         tokens = enter_region(tokens, self.group, self.sequence_parallel)  # every token of the region
-        order, counts = sort_by_expert(experts, self.n_experts)
+        order, counts = sort_by_expert(experts, self.n_experts, self.balanced)
         slots = tokens.repeat_interleave(self.top_k, dim=0) if self.top_k > 1 else tokens
         routed = slots[order] * weights.flatten()[order, None]
         if self.ep_group is None:
             routed = self.experts(routed, counts)
         else:  # to the ranks holding their experts and back
-            routed, local_counts, exchange = dispatch(routed, counts, self.ep_group)
+            routed, local_counts, exchange = dispatch(routed, counts, self.ep_group, self.balanced)
             routed = combine(self.experts(routed, local_counts), exchange)
         # Back to slot order (each slot written once), then each token's top_k outputs summed.
         routed = torch.zeros_like(routed).index_copy(0, order, routed).view(-1, self.top_k, shape[-1]).sum(1)

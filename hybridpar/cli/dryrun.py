@@ -86,9 +86,6 @@ def dry_run(config: Union[Config, "Job"], world: Optional[int] = None, rank: int
     c = _the_rest(c, world)
     # The job's own checks, before anything is built: what the job would refuse is refused in its words.
     sizes, args = check_config(c, world, _shape(c, job))
-    if args.n_experts:
-        raise ConfigError(f"the dry run does not rehearse mixture-of-experts models yet ({args.n_experts} experts: "
-                          "its fake tensors cannot route tokens); run the job itself, without --dry-run")
     pp, dr, ds, cp, mp = sizes
     run.checks.append(Check("mesh", True, sizes_text(*sizes)))
     run.layout = f"{sizes_text(*sizes)} = {world} ranks, {c.fsdp.sharding_strategy}"
@@ -137,7 +134,7 @@ def _rehearse(run: DryRun, c: Config, world: int, sizes: list[int], args, target
 
     pp, dr, ds, cp, mp = sizes
     say(f"mesh of {world} ranks on a fake process group")
-    parallel = init_parallel(mp=mp, dp_shard=ds, dp_replicate=dr, cp=cp, pp=pp)
+    parallel = init_parallel(mp=mp, dp_shard=ds, dp_replicate=dr, cp=cp, pp=pp, ep=c.parallel.ep)
     if not _check(run, "sharding strategy",
                   lambda: _strategy_detail(dp_mesh_for(c.fsdp.sharding_strategy, parallel))):
         return
@@ -148,6 +145,8 @@ def _rehearse(run: DryRun, c: Config, world: int, sizes: list[int], args, target
                           sequence_parallel=c.parallel.sequence_parallel, fsdp=c.fsdp, float8=c.float8)
     runner = make_runner(stages, layout, parallel, grad_sync=c.train.grad_sync)
     run.parameters = [row for stage in stages for row in _placements(stage)]
+    if args.n_experts:
+        run.routing = _balanced_routing(stages, args, c, parallel)
     say("one training step on fake tensors (forward, backward, optimizer)")
     with fake_tensors(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
@@ -167,6 +166,19 @@ def _rehearse(run: DryRun, c: Config, world: int, sizes: list[int], args, target
         if "step_s" in run.memory:
             _check(run, "communication hidden", lambda: _hidden(run.memory), warn_only=True)
     say("done")
+
+
+def _balanced_routing(stages, args, c: Config, parallel) -> str:
+    """Fake tensors have no values to route by: every MoE layer's experts get an equal share of the
+    token slots (models.moe.MoE.balanced), through the grouped matmul the GPUs run. What that rehearses."""
+    from hybridpar.models.moe import MoE
+
+    for module in (m for stage in stages for m in stage.modules() if isinstance(m, MoE)):
+        module.balanced, module.experts.grouped = True, True
+    slots = c.data.micro_batch_size * c.data.seq_len * args.experts_per_token
+    return (f"balanced (fake tensors have no values to route by): each of the {args.n_experts} experts gets "
+            f"{slots / args.n_experts:g} of a micro-batch's {slots} token slots (tokens x top-k {args.experts_per_token}) "
+            f"from every rank; {args.n_experts // parallel.ep} experts per ep rank (ep {parallel.ep})")
 
 
 @contextlib.contextmanager
@@ -375,7 +387,8 @@ def _memory(c: Config, args, parallel, gpu_mem_gib: float, gpus_per_node: int, g
     layout = Layout(mp=parallel.mp, dp_shard=parallel.dp_shard, dp_replicate=parallel.dp_replicate, cp=parallel.cp,
                     ac=c.fsdp.activation_checkpointing, ac_every=c.fsdp.ac_every,
                     reshard_after_forward=c.fsdp.sharding_strategy in ("full_shard", "hybrid_shard"),
-                    sequence_parallel=p.sequence_parallel, pp=p.pp, pp_schedule=p.pp_schedule, v=stages // p.pp)
+                    sequence_parallel=p.sequence_parallel, pp=p.pp, pp_schedule=p.pp_schedule, v=stages // p.pp,
+                    ep=parallel.ep)
     workload = Workload(seq_len=c.data.seq_len, micro_batch=c.data.micro_batch_size // m,
                         global_batch=c.data.micro_batch_size * c.train.grad_accum * parallel.dp_size,
                         param_dtype=c.fsdp.param_dtype, reduce_dtype=c.fsdp.reduce_dtype,
@@ -395,8 +408,12 @@ def _memory(c: Config, args, parallel, gpu_mem_gib: float, gpus_per_node: int, g
            "total": m.total, "usable": hw.usable_bytes, "gpu_mem_gib": gpu_mem_gib, "reserve_gib": hw.reserve_gib,
            "total_gib": m.total / GIB, "gpu": gpu, "float8": workload.float8,
            "float8_gathered": workload.float8_gathered(layout.fsdp_shard)}
+    if args.n_experts:  # the routed experts' share (hybridpar.plan.experts)
+        x = est.experts
+        out.update(experts_per_rank=x.experts_per_rank, expert_state=x.sharded * 4 * PARAM_BYTES,
+                   all_to_all_bytes=x.all_to_all_mb * est.grad_accum, all_to_all_leaving=x.leaving_share)
     if timed:
-        out.update(step_s=est.time.step, tp_s=est.time.tp_comm, fsdp_exposed_s=est.time.dp_exposed,
+        out.update(all_to_all_s=est.time.ep_comm, step_s=est.time.step, tp_s=est.time.tp_comm, fsdp_exposed_s=est.time.dp_exposed,
                    tokens_per_s_per_gpu=est.tokens_per_s_per_gpu, mfu=est.mfu(hw.peak_flops))
     return out
 

@@ -134,14 +134,14 @@ def expert_terms(args: ModelArgs, layout: Layout, workload: Workload) -> ExpertT
     work = n * (forward + backward) + recomputed * forward + fsdp_copies
 
     exchanges = 4 * n + 2 * recomputed  # dispatch and combine, forward and backward; a recomputed forward's again
-    # Each exchange of slots follows the tokens-per-expert one (E int64 counts) in the dispatch.
-    a2a = exchanges * slots * d * a + (2 * n + recomputed) * E * 8
+    # Each forward's dispatch exchanges the tokens per expert first (E int64 counts; no backward).
+    a2a = exchanges * slots * d * a + (n + recomputed) * E * 8
     router_tp = 2 * n * t * E * a if mp > 1 else 0.0
     gather = gathers * padded * a if ds > 1 else 0.0
     return ExpertTerms(
         experts_per_rank=E // ep, local=local, sharded=sharded, expert_unit=unit,
         gathered=(min(2, n) if layout.reshard_after_forward else n) * unit * a, saved_mb=(n - recomputed) * per_layer,
         transient_mb=transient, work_mb=work, all_to_all_mb=a2a if ep > 1 else 0.0,
-        all_to_all_calls_mb=(exchanges + 2 * n + recomputed) if ep > 1 else 0, router_tp_mb=router_tp,
+        all_to_all_calls_mb=(exchanges + n + recomputed) if ep > 1 else 0, router_tp_mb=router_tp,
         gather_mb=gather, reduce=n * padded * r if ds > 1 else 0.0,
         replica_reduce=sharded * r if layout.dp_replicate > 1 else 0.0, expert_fsdp=es, ep=ep)

@@ -87,8 +87,8 @@ def dry_run(config: Union[Config, "Job"], world: Optional[int] = None, rank: int
     # The job's own checks, before anything is built: what the job would refuse is refused in its words.
     sizes, args = check_config(c, world, _shape(c, job))
     pp, dr, ds, cp, mp = sizes
-    run.checks.append(Check("mesh", True, sizes_text(*sizes)))
-    run.layout = f"{sizes_text(*sizes)} = {world} ranks, {c.fsdp.sharding_strategy}"
+    run.checks.append(Check("mesh", True, sizes_text(*sizes, ep=c.parallel.ep)))
+    run.layout = f"{sizes_text(*sizes, ep=c.parallel.ep)} = {world} ranks, {c.fsdp.sharding_strategy}"
     run.pp = pp
     run.checks.append(Check("model shape", True, f"{args.num_params() / 1e9:.2f}B parameters, {args.n_heads} heads, "
                                                  f"{args.kv_heads} kv heads"))

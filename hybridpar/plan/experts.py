@@ -113,10 +113,13 @@ def expert_terms(args: ModelArgs, layout: Layout, workload: Workload) -> ExpertT
     t = workload.micro_batch * workload.seq_len // layout.cp  # this rank's tokens
     slots = t * k  # token slots routed by this rank, and (balanced) received by its experts
     t_sp = t // mp if layout.sequence_parallel and mp > 1 else t  # the router reads the layer's input as it arrives
-    # Saved for backward (models.moe, eager): the slots scaled by their weights (the multiply's input), the
-    # experts' input (the grouped matmuls'), their SwiGLU's three inputs and w2's, the routing weights
-    # (fp32 sigmoid, their compute-dtype copy), the top-k indices and the sorting and exchange indices (int64).
-    per_layer = 2 * a * slots * d + 4 * a * slots * h + slots * (12 + a + 3 * 8)
+    # Saved for backward (models.moe, eager; tests/test_plan.py measures them): at dim, the slots in expert
+    # order (the weights' multiply's input), the experts' input (the grouped matmuls') and their output
+    # (index_copy's source back to slot order; under ep also the combined rows); at hidden / mp, the SwiGLU's
+    # three inputs and w2's; the top-k indices (int64), their fp32 sigmoid and its weights in slot order,
+    # the expert order (int64) and under ep the exchange's index (int64).
+    exchanged = 1 if ep > 1 else 0
+    per_layer = (3 + exchanged) * a * slots * d + 4 * a * slots * h + slots * (12 + a + 8 + 8 * exchanged)
     checkpointed = set(range(args.n_layers)) if layout.ac == "full" else \
         set(range(0, args.n_layers, layout.ac_every)) if layout.ac == "selective" else set()
     recomputed = len([i for i in layers if i in checkpointed])

@@ -177,8 +177,9 @@ def _balanced_routing(stages, args, c: Config, parallel) -> str:
         module.balanced, module.experts.grouped = True, True
     slots = c.data.micro_batch_size * c.data.seq_len * args.experts_per_token
     return (f"balanced (fake tensors have no values to route by): each of the {args.n_experts} experts gets "
-            f"{slots / args.n_experts:g} of a micro-batch's {slots} token slots (tokens x top-k {args.experts_per_token}) "
-            f"from every rank; {args.n_experts // parallel.ep} experts per ep rank (ep {parallel.ep})")
+            f"{slots / args.n_experts:g} of a micro-batch's {slots} token slots (tokens x top-k {args.experts_per_token})"
+            + (" from every ep rank" if parallel.ep > 1 else "")
+            + f"; {args.n_experts // parallel.ep} experts per ep rank (ep {parallel.ep})")
 
 
 @contextlib.contextmanager

@@ -171,3 +171,10 @@ class MoE(nn.Module):
         routed = torch.zeros_like(routed).index_copy(0, order, routed).view(-1, self.top_k, shape[-1]).sum(1)
         out = leave_region(routed + self.shared_expert.partial(tokens), self.group, self.sequence_parallel)
         return out if self.sequence_parallel else out.view(shape)
+
+
+def balance_routing(modules) -> None:
+    """Every MoE layer of these modules routes balanced_counts' share of the slots to each expert, through
+    the grouped matmul (counts that are never read back): what runs on fake tensors (the dry run)."""
+    for module in (m for part in modules for m in part.modules() if isinstance(m, MoE)):
+        module.balanced, module.experts.grouped = True, True

@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from ..checkpoint.stages import one_module
 from ..config import Config, ConfigError
-from .dryrun_report import Check, DryRun
+from .dryrun_report import Check, DryRun, routing_text
 from ..files import human_bytes
 from ..mesh.layout import sizes_text
 from ..progress import note
@@ -146,7 +146,10 @@ def _rehearse(run: DryRun, c: Config, world: int, sizes: list[int], args, target
     runner = make_runner(stages, layout, parallel, grad_sync=c.train.grad_sync)
     run.parameters = [row for stage in stages for row in _placements(stage)]
     if args.n_experts:
-        run.routing = _balanced_routing(stages, args, c, parallel)
+        from hybridpar.models.moe import balance_routing
+
+        balance_routing(stages)  # fake tensors have no values to route by
+        run.routing = routing_text(args, c.data.micro_batch_size * c.data.seq_len, parallel.ep)
     say("one training step on fake tensors (forward, backward, optimizer)")
     with fake_tensors(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
@@ -166,20 +169,6 @@ def _rehearse(run: DryRun, c: Config, world: int, sizes: list[int], args, target
         if "step_s" in run.memory:
             _check(run, "communication hidden", lambda: _hidden(run.memory), warn_only=True)
     say("done")
-
-
-def _balanced_routing(stages, args, c: Config, parallel) -> str:
-    """Fake tensors have no values to route by: every MoE layer's experts get an equal share of the
-    token slots (models.moe.MoE.balanced), through the grouped matmul the GPUs run. What that rehearses."""
-    from hybridpar.models.moe import MoE
-
-    for module in (m for stage in stages for m in stage.modules() if isinstance(m, MoE)):
-        module.balanced, module.experts.grouped = True, True
-    slots = c.data.micro_batch_size * c.data.seq_len * args.experts_per_token
-    return (f"balanced (fake tensors have no values to route by): each of the {args.n_experts} experts gets "
-            f"{slots / args.n_experts:g} of a micro-batch's {slots} token slots (tokens x top-k {args.experts_per_token})"
-            + (" from every ep rank" if parallel.ep > 1 else "")
-            + f"; {args.n_experts // parallel.ep} experts per ep rank (ep {parallel.ep})")
 
 
 @contextlib.contextmanager

@@ -107,6 +107,14 @@ def report(run: DryRun) -> str:
     return "\n".join(lines)
 
 
+def routing_text(args, tokens: int, ep: int) -> str:
+    """How a rehearsal routes a mixture of experts' `tokens` per micro-batch (models.moe.balance_routing)."""
+    slots = tokens * args.experts_per_token
+    return (f"balanced (fake tensors have no values to route by): each of the {args.n_experts} experts gets "
+            f"{slots / args.n_experts:g} of a micro-batch's {slots} token slots (tokens x top-k {args.experts_per_token})"
+            + (" from every ep rank" if ep > 1 else "") + f"; {args.n_experts // ep} experts per ep rank (ep {ep})")
+
+
 def experts_line(run: DryRun) -> str:
     """A mixture of experts' rehearsal: its routing, the experts this rank holds, and the all-to-alls,
     planned and as the step issued them."""

@@ -122,3 +122,17 @@ def test_an_ep_the_experts_or_dp_shard_do_not_allow_is_refused():
         estimate(args, Layout(mp=8, dp_shard=8, ep=16), w, hw)
     with pytest.raises(ValueError, match="^ep = 2: a dense model has no experts"):
         estimate(ModelArgs.from_preset("llama3_8b"), Layout(mp=1, dp_shard=8, ep=2), w, spec("h100", 8))
+
+
+def test_the_plans_json_gives_active_parameters_ep_and_the_all_to_all():
+    from hybridpar.plan import plan_json
+
+    args = ModelArgs.from_preset("llama4_scout")
+    data = plan_json(make_plan(args, Workload(seq_len=8192), spec("h100", 64)), "llama4_scout", "--model.preset llama4_scout")
+    assert data["parameters"] == _by_hand(16, 48, False) and data["active_parameters"] == _by_hand(16, 48, True)
+    at_ep = [row for row in data["layouts"] if row["ep"] > 1]
+    assert at_ep and all(row["all_to_all_bytes"] > 0 and row["all_to_all_s"] > 0 for row in at_ep)
+    assert all(row["all_to_all_bytes"] == 0 for row in data["layouts"] if row["ep"] == 1)
+    best = data["layouts"][0]  # fitting layouts first, the fastest first
+    assert best["fits"] and best["config"] == data["best"] and best["ep"] > 1
+    assert f"--parallel.ep {best['ep']} " in data["best"]

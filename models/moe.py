@@ -66,12 +66,14 @@ def grouped_mm_allowed(x: torch.Tensor, weights: torch.Tensor) -> bool:
     return allowed and all(n * x.element_size() % 16 == 0 for n in weights.shape[1:])
 
 
-def expert_matmul(x: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor, grouped: bool) -> torch.Tensor:
+def expert_matmul(x: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor, grouped: bool,
+                  splits: Optional[list[int]] = None) -> torch.Tensor:
     """Rows x [n, in] sorted by expert (counts[e] rows for expert e) times their expert's weights[e]^T:
-    [n, out]. grouped: one torch._grouped_mm; else a matmul per expert (counts read on the host)."""
+    [n, out]. grouped: one torch._grouped_mm; else a matmul per expert (counts read on the host, unless
+    `splits` gives them there: balanced routing)."""
     if grouped:
         return torch._grouped_mm(x, weights.transpose(-2, -1), offs=torch.cumsum(counts, 0, dtype=torch.int32))
-    return torch.cat([rows @ w.t() for rows, w in zip(x.split(counts.tolist()), weights)])
+    return torch.cat([rows @ w.t() for rows, w in zip(x.split(counts.tolist() if splits is None else splits), weights)])
 
 
 def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,12 +125,13 @@ class GroupedExperts(nn.Module):
                                experts=True)
         self.grouped: Optional[bool] = None
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x [n, dim] sorted by expert, counts [this rank's experts] -> this rank's partial sums [n, dim]."""
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, splits: Optional[list[int]] = None) -> torch.Tensor:
+        """x [n, dim] sorted by expert, counts [this rank's experts] (`splits`: the same on the host, where
+        known) -> this rank's partial sums [n, dim]."""
         w1, w3, w2 = (local_tensor(w) for w in (self.w1, self.w3, self.w2))
         grouped = self.grouped if self.grouped is not None else grouped_mm_allowed(x, w1) and grouped_mm_allowed(x, w2)
-        hidden = F.silu(expert_matmul(x, w1, counts, grouped)) * expert_matmul(x, w3, counts, grouped)
-        return expert_matmul(hidden, w2, counts, grouped)
+        hidden = F.silu(expert_matmul(x, w1, counts, grouped, splits)) * expert_matmul(x, w3, counts, grouped, splits)
+        return expert_matmul(hidden, w2, counts, grouped, splits)
 
     def extra_repr(self) -> str:
         return f"experts={self.w1.shape[0]}, dim={self.w1.shape[2]}, hidden={self.w1.shape[1]}, grouped={self.grouped}"
@@ -163,18 +166,19 @@ class MoE(nn.Module):
         slots = tokens.repeat_interleave(self.top_k, dim=0) if self.top_k > 1 else tokens
         routed = slots[order] * weights.flatten()[order, None]
         if self.ep_group is None:
-            routed = self.experts(routed, counts)
+            routed = self.experts(routed, counts, balanced_counts(len(order), self.n_experts) if self.balanced else None)
         else:  # to the ranks holding their experts and back
             routed, local_counts, exchange = dispatch(routed, counts, self.ep_group, self.balanced)
-            routed = combine(self.experts(routed, local_counts), exchange)
+            routed = combine(self.experts(routed, local_counts, exchange.counts), exchange)
         # Back to slot order (each slot written once), then each token's top_k outputs summed.
         routed = torch.zeros_like(routed).index_copy(0, order, routed).view(-1, self.top_k, shape[-1]).sum(1)
         out = leave_region(routed + self.shared_expert.partial(tokens), self.group, self.sequence_parallel)
         return out if self.sequence_parallel else out.view(shape)
 
 
-def balance_routing(modules) -> None:
-    """Every MoE layer of these modules routes balanced_counts' share of the slots to each expert, through
-    the grouped matmul (counts that are never read back): what runs on fake tensors (the dry run)."""
+def balance_routing(modules, grouped: bool) -> None:
+    """Every MoE layer of these modules routes balanced_counts' share of the slots to each expert, the
+    sizes known on the host: what runs on fake tensors (the dry run), through the grouped matmul or the
+    loop (`grouped`: fake tensors have torch._grouped_mm's shapes in bf16 only)."""
     for module in (m for part in modules for m in part.modules() if isinstance(m, MoE)):
-        module.balanced, module.experts.grouped = True, True
+        module.balanced, module.experts.grouped = True, grouped

@@ -148,7 +148,7 @@ def _rehearse(run: DryRun, c: Config, world: int, sizes: list[int], args, target
     if args.n_experts:
         from hybridpar.models.moe import balance_routing
 
-        balance_routing(stages)  # fake tensors have no values to route by
+        balance_routing(stages, grouped=c.fsdp.param_dtype == "bfloat16")  # fake tensors have no values to route by
         run.routing = routing_text(args, c.data.micro_batch_size * c.data.seq_len, parallel.ep)
     say("one training step on fake tensors (forward, backward, optimizer)")
     with fake_tensors(), warnings.catch_warnings():

@@ -16,7 +16,7 @@ go back to theirs. Every rank of the ep group must run the same layers' forwards
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,7 @@ class Exchange(NamedTuple):
     received: list[int]
     index: torch.Tensor
     group: ProcessGroup
+    counts: Optional[list[int]] = None  # the rows per local expert on the host, where known (balanced)
 
 
 def dispatch(x: torch.Tensor, counts: torch.Tensor, group: ProcessGroup,
@@ -104,4 +105,5 @@ def _dispatch_balanced(x: torch.Tensor, n_experts: int, ep: int, group: ProcessG
     # Regrouped by expert, then source rank, as dispatch does.
     index = [s * sum(mine) + sum(mine[:e]) + i for e in range(local) for s in range(ep) for i in range(mine[e])]
     index = torch.tensor(index, dtype=torch.long, device=x.device)
-    return rows[index], torch.tensor([c * ep for c in mine], device=x.device), Exchange(sent, received, index, group)
+    local_counts = [c * ep for c in mine]
+    return rows[index], torch.tensor(local_counts, device=x.device), Exchange(sent, received, index, group, local_counts)

@@ -57,7 +57,7 @@ def _case_balanced_exchange(slots: int, n_experts: int, dim: int = 8) -> dict:
     back = combine(balanced[0], balanced[2])
     return {"rows": torch.equal(counted[0], balanced[0]), "counts": counted[1].tolist() == balanced[1].tolist(),
             "exchange": (counted[2].sent, counted[2].received) == (balanced[2].sent, balanced[2].received)
-            and torch.equal(counted[2].index, balanced[2].index),
+            and torch.equal(counted[2].index, balanced[2].index) and balanced[2].counts == counted[1].tolist(),
             "back": torch.equal(back, x)}
 
 

@@ -12,7 +12,8 @@ checkpoint's files follow from the state.
 
 The job it rehearses runs on GPUs unless parallel.backend is "gloo": the CPU fast paths
 (hybridpar.fastpaths) are then off, so the collectives are the ones nccl would run. torch.compile is
-not rehearsed (it compiles kernels, not layouts).
+not rehearsed (it compiles kernels, not layouts). A mixture of experts is routed balanced (fake tensors
+have no values to route by: models.moe.balance_routing), and the report says so.
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from hybridpar.mesh.device import ParallelDims
 from hybridpar.parallel import copy_to_region, enter_region, leave_region
-from hybridpar.parallel.experts import combine, dispatch
+from hybridpar.parallel.experts import balanced_counts, combine, dispatch
 from hybridpar.parallel.layers import local_tensor, mp_parameter
 
 from .args import ModelArgs
@@ -76,12 +76,14 @@ def grouped_mm_allowed(x: torch.Tensor, weights: torch.Tensor) -> bool:
     return allowed and all(n * x.element_size() % 16 == 0 for n in weights.shape[1:])
 
 
-def expert_matmul(x: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor, grouped: bool) -> torch.Tensor:
+def expert_matmul(x: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor, grouped: bool,
+                  splits: Optional[list[int]] = None) -> torch.Tensor:
     """Rows x [n, in] sorted by expert (counts[e] rows for expert e) times their expert's weights[e]^T:
-    [n, out]. grouped: one torch._grouped_mm; else a matmul per expert (counts read on the host)."""
+    [n, out]. grouped: one torch._grouped_mm; else a matmul per expert (counts read on the host, unless
+    `splits` gives them there: balanced routing)."""
     if grouped:
         return torch._grouped_mm(x, weights.transpose(-2, -1), offs=torch.cumsum(counts, 0, dtype=torch.int32))
-    return torch.cat([rows @ w.t() for rows, w in zip(x.split(counts.tolist()), weights)])
+    return torch.cat([rows @ w.t() for rows, w in zip(x.split(counts.tolist() if splits is None else splits), weights)])
 
 
 def route(logits: torch.Tensor, top_k: int, bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,10 +148,13 @@ class LayerBalance:
     group: Optional[ProcessGroup] = None
 
 
-def sort_by_expert(experts: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sort_by_expert(experts: torch.Tensor, n_experts: int, balanced: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(order, counts): the token slots (token t's j-th choice is slot t * top_k + j) in expert order,
-    stable, and how many each expert gets [n_experts]."""
+    stable, and how many each expert gets [n_experts]; `balanced`: balanced_counts instead of counting."""
     flat = experts.flatten()
+    if balanced:
+        return torch.argsort(flat, stable=True), torch.tensor(balanced_counts(flat.numel(), n_experts),
+                                                              device=flat.device)
     return torch.argsort(flat, stable=True), torch.bincount(flat, minlength=n_experts)
 
 
@@ -186,12 +191,13 @@ class GroupedExperts(nn.Module):
                                experts=True)
         self.grouped: Optional[bool] = None
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x [n, dim] sorted by expert, counts [this rank's experts] -> this rank's partial sums [n, dim]."""
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, splits: Optional[list[int]] = None) -> torch.Tensor:
+        """x [n, dim] sorted by expert, counts [this rank's experts] (`splits`: the same on the host, where
+        known) -> this rank's partial sums [n, dim]."""
         w1, w3, w2 = (local_tensor(w) for w in (self.w1, self.w3, self.w2))
         grouped = self.grouped if self.grouped is not None else grouped_mm_allowed(x, w1) and grouped_mm_allowed(x, w2)
-        hidden = F.silu(expert_matmul(x, w1, counts, grouped)) * expert_matmul(x, w3, counts, grouped)
-        return expert_matmul(hidden, w2, counts, grouped)
+        hidden = F.silu(expert_matmul(x, w1, counts, grouped, splits)) * expert_matmul(x, w3, counts, grouped, splits)
+        return expert_matmul(hidden, w2, counts, grouped, splits)
 
     def extra_repr(self) -> str:
         return f"experts={self.w1.shape[0]}, dim={self.w1.shape[2]}, hidden={self.w1.shape[1]}, grouped={self.grouped}"
@@ -213,6 +219,9 @@ class MoE(nn.Module):
                                       dtype, device)
         self.shared_expert = shared_expert
         self.balance: Optional[LayerBalance] = None  # set by a trainer (hybridpar.train.experts)
+        # Every expert routed balanced_counts' share of the slots, whatever the router chose: the dry run's
+        # rehearsal on fake tensors (which have no values to count nor exchange sizes to read back).
+        self.balanced = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [batch, seq, dim], or this rank's tokens [n, dim] under sequence parallelism: the same layout back."""
@@ -233,7 +242,7 @@ class MoE(nn.Module):
                experts: torch.Tensor) -> torch.Tensor:
         """The routed experts' partial sums for tokens [n, dim] (route()'s weights and experts of the
         router's `logits`): [n, dim], carrying the auxiliary loss's gradient where [moe] asks for it."""
-        order, counts = sort_by_expert(experts, self.n_experts)
+        order, counts = sort_by_expert(experts, self.n_experts, self.balanced)
         balance, aux = self.balance, None
         if balance is not None and self.training:
             balance.load += counts
@@ -243,10 +252,18 @@ class MoE(nn.Module):
         slots = tokens.repeat_interleave(self.top_k, dim=0) if self.top_k > 1 else tokens
         routed = slots[order] * weights.flatten()[order, None]
         if self.ep_group is None:
-            routed = self.experts(routed, counts)
-        else:
-            routed, local_counts, exchange = dispatch(routed, counts, self.ep_group)
-            routed = combine(self.experts(routed, local_counts), exchange)
+            routed = self.experts(routed, counts, balanced_counts(len(order), self.n_experts) if self.balanced else None)
+        else:  # to the ranks holding their experts and back
+            routed, local_counts, exchange = dispatch(routed, counts, self.ep_group, self.balanced)
+            routed = combine(self.experts(routed, local_counts, exchange.counts), exchange)
         # Back to slot order (each slot written once), then each token's top_k outputs summed.
         routed = torch.zeros_like(routed).index_copy(0, order, routed).view(-1, self.top_k, tokens.shape[-1]).sum(1)
         return routed if aux is None else with_aux_loss(routed, aux, balance.aux_scale)
+
+
+def balance_routing(modules, grouped: bool) -> None:
+    """Every MoE layer of these modules routes balanced_counts' share of the slots to each expert, the
+    sizes known on the host: what runs on fake tensors (the dry run), through the grouped matmul or the
+    loop (`grouped`: fake tensors have torch._grouped_mm's shapes in bf16 only)."""
+    for module in (m for part in modules for m in part.modules() if isinstance(m, MoE)):
+        module.balanced, module.experts.grouped = True, grouped

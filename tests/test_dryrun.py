@@ -191,3 +191,44 @@ def test_the_dry_runs_memory_is_the_planners_float8_and_the_allocator_included()
     # A CPU job has no caching allocator.
     assert cpu["allocator"] == 0 and "allocator" not in cpu_report and cpu["total"] == pytest.approx(
         bf16["total"] - bf16["allocator"])
+
+
+@pytest.mark.slow
+def test_the_256_rank_llama4_maverick_job_is_rehearsed_with_balanced_routing(tmp_path):
+    """Llama 4 Maverick, 400.7B parameters, at mp 8 x dp_shard 32 with its 128 experts over ep 8 (16 per
+    rank): rank 0's step on fake tensors, every layer, the tokens routed balanced (fake tensors have no
+    values to route by; the report says so). The state it holds, counted on the real model, is what the
+    planner prices exactly; the all-to-alls the step issues are the bytes the planner prices."""
+    from hybridpar.models.args import ModelArgs
+    from hybridpar.plan import Layout, Workload, estimate
+    from hybridpar.plan.hardware import spec
+
+    flags = {"model.preset": "llama4_maverick", "parallel.mp": 8, "parallel.ep": 8, "parallel.dp_shard": 32,
+             "data.seq_len": 8192, "data.micro_batch_size": 1, "fsdp.param_dtype": "bfloat16",
+             "fsdp.activation_checkpointing": "full", "gpu": "h100", "output.run_dir": tmp_path / "run"}
+    result, seconds = _dry_run(flags, 256, 0, tmp_path / "dry.json")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((tmp_path / "dry.json").read_text())
+    print(f"\n256-rank Maverick dry run: {seconds:.0f} s; {report['layout']}")
+    assert report["ok"] and report["layout"].startswith("dp_replicate 1 x dp_shard 32 (ep 8) x mp 8 = 256 ranks")
+    assert report["routing"].startswith("balanced (fake tensors have no values to route by)")
+    assert "16 experts per ep rank" in report["routing"] and "routing balanced" in result.stdout
+    planned = estimate(ModelArgs.from_preset("llama4_maverick"), Layout(mp=8, dp_shard=32, ep=8, ac="full"),
+                       Workload(seq_len=8192), spec("h100", 256))
+    tensors = sum(max(1, len(row["layers"])) for row in report["parameters"])  # AdamW's step: an fp32 scalar each
+    assert report["state_bytes"]["parameters"] == report["state_bytes"]["gradients"] == planned.memory.params
+    assert report["state_bytes"]["optimizer"] == planned.memory.optimizer + 4 * tensors
+    issued = [c for c in report["collectives"] if c["dim"] == "ep"]
+    assert [c["op"] for c in issued] == ["all_to_all"] and issued[0]["group_size"] == 8
+    assert issued[0]["payload"] == planned.experts.all_to_all_mb == report["memory"]["all_to_all_bytes"]
+    assert report["memory"]["experts_per_rank"] == 16
+    assert "all-to-all per step 11.3 GiB planned, 11.3 GiB issued" in result.stdout
+
+
+def test_an_ep_that_does_not_divide_the_experts_fails_the_dry_run_in_one_line(tmp_path):
+    flags = {"model.preset": "debug_llama4", "parallel.ep": 3, "parallel.dp_shard": 6, "data.seq_len": 64}
+    result, _ = _dry_run(flags, 6, 0, tmp_path / "dry.json")
+    said = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and result.stdout == "" and not (tmp_path / "dry.json").exists()
+    assert len(said) == 1 and said[0].startswith("hybridpar: error: parallel.ep = 3 does not divide the model's 4 "
+                                                 "experts"), said

@@ -350,6 +350,24 @@ def test_expert_parallel_groups_are_neighbouring_shards_of_one_mp_rank(workers, 
         assert seen["mp"] == [rank - m + k for k in range(mp)]
         assert seen["experts_fsdp"] == {"dp_replicate": [at(k, s) for k in range(replicate)],
                                         "dp_shard_mod_ep": [at(r, j * ep + s % ep) for j in range(shard // ep)]}, rank
+        # What `hybridpar mesh --ep` prints, by arithmetic, is what the mesh made.
+        printed = group_ranks(1, replicate, shard, 1, mp, ep=ep)
+        assert seen["ep"] in printed["ep"] and seen["experts_fsdp"]["dp_shard_mod_ep"] in printed["dp_shard_mod_ep"]
+
+
+def test_hybridpar_mesh_shows_the_ep_groups_and_ranks(capsys):
+    from hybridpar import cli
+
+    assert cli.main(["mesh", "--world", "16", "--mp", "2", "--ep", "4"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "world 16 = dp_replicate 1 x dp_shard 8 (ep 4) x mp 2"
+    assert out[1].split()[-1] == "ep_rank" and [row.split()[-1] for row in out[2:18:2]] == list("01230123")
+    assert "ep groups (4): [0, 2, 4, 6] [1, 3, 5, 7] [8, 10, 12, 14] [9, 11, 13, 15]" in out
+    assert "dp_shard_mod_ep groups (8): [0, 8] [1, 9] [2, 10] [3, 11] [4, 12] [5, 13] [6, 14] [7, 15]" in out
+    assert cli.main(["mesh", "--world", "16", "--mp", "2", "--ep", "3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["hybridpar: error: ep = 3 does not divide dp_shard = 8: the experts are split over ep of the "
+                   "dp_shard ranks; choose an ep dividing 8 (divisors: [1, 2, 4, 8])"]
 
 
 def test_an_ep_that_does_not_divide_dp_shard_is_refused_before_any_group():

@@ -203,6 +203,9 @@ CASES = [  # (model overrides, mp, dp_shard, micro_batch, seq_len, FSDP param_dt
     # Sequence parallelism: norms on T/mp tokens, the linears save the all-gathered input.
     ({}, 2, 2, 2, 128, "bfloat16", True),
     ({"n_kv_heads": 2, "embedding_split": "dim"}, 4, 1, 2, 64, "float32", True),
+    # A mixture of experts (plan.experts): 4 experts top-2 and a shared expert on layers 1 and 3, dense 0 and 2.
+    ({"n_experts": 4, "experts_per_token": 2, "moe_layers": [1, 3], "expert_hidden_size": 128}, 2, 2, 2, 128,
+     "float32", False),
 ]
 
 

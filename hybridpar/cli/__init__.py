@@ -80,6 +80,8 @@ def _build() -> _Parsers:
     mesh.add_argument("--dp-replicate", type=int, default=1)
     mesh.add_argument("--cp", type=int, default=1, help="context-parallel ranks per sequence")
     mesh.add_argument("--pp", type=int, default=1, help="pipeline stages (the outermost dimension)")
+    mesh.add_argument("--ep", type=int, default=1, help="expert-parallel ranks, taken from dp_shard (a mixture of "
+                                                        "experts: each holds n_experts / ep of them)")
     mesh.add_argument("--procs-per-node", type=int, default=0, help="to show node boundaries")
     train = command(
         "train", cmd_train, help="train a model (under torchrun or srun; a world of one without)",

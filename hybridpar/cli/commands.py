@@ -31,9 +31,10 @@ class RunFailed(Exception):
 def cmd_mesh(args: argparse.Namespace) -> int:
     """Print the rank layout a job of this shape would use, without starting any process."""
     sizes = resolve_sizes(args.world, args.mp, args.dp_shard, args.dp_replicate, args.cp, args.pp)
-    pp, cp, mp = sizes[0], *sizes[3:]
+    pp, cp, mp, ep = sizes[0], *sizes[3:], args.ep
+    groups = group_ranks(*sizes, ep=ep)  # refuses an ep not dividing dp_shard
     per_node = args.procs_per_node
-    print(f"world {args.world} = {sizes_text(*sizes)}")
+    print(f"world {args.world} = {sizes_text(*sizes, ep=ep)}")
     if per_node and mp > per_node:
         print(f"warning: mp={mp} spans nodes of {per_node} processes: tensor-parallel traffic leaves the node")
     elif per_node and cp * mp > per_node:
@@ -41,14 +42,17 @@ def cmd_mesh(args: argparse.Namespace) -> int:
               "all-gathers of context parallelism leave the node")
     cp_head = f" {'cp_rank':>8}" if cp > 1 else ""
     pp_head = f" {'pp_rank':>8}" if pp > 1 else ""
-    print(f"{'rank':>5} {'node':>5}{pp_head} {'mp_rank':>8}{cp_head} {'dp_rank':>8} {'replicate':>10} {'shard':>6}")
+    ep_head = f" {'ep_rank':>8}" if ep > 1 else ""
+    print(f"{'rank':>5} {'node':>5}{pp_head} {'mp_rank':>8}{cp_head} {'dp_rank':>8} {'replicate':>10} {'shard':>6}{ep_head}")
     for rank in range(args.world):
         c = MeshCoords.of(rank, *sizes)
         node = rank // per_node if per_node else 0
         cp_cell = f" {c.cp_rank:>8}" if cp > 1 else ""
         pp_cell = f" {c.pp_rank:>8}" if pp > 1 else ""
-        print(f"{rank:>5} {node:>5}{pp_cell} {c.mp_rank:>8}{cp_cell} {c.dp_rank:>8} {c.replicate_idx:>10} {c.shard_idx:>6}")
-    for kind, groups in group_ranks(*sizes).items():
+        ep_cell = f" {c.shard_idx % ep:>8}" if ep > 1 else ""  # the share of the experts it holds
+        print(f"{rank:>5} {node:>5}{pp_cell} {c.mp_rank:>8}{cp_cell} {c.dp_rank:>8} {c.replicate_idx:>10} "
+              f"{c.shard_idx:>6}{ep_cell}")
+    for kind, groups in groups.items():
         shown = groups if len(groups) <= 8 else groups[:4] + ["..."] + groups[-2:]
         print(f"{kind} groups ({len(groups)}): {' '.join(str(g) for g in shown)}")
     return 0

@@ -12,7 +12,8 @@ checkpoint's files follow from the state.
 
 The job it rehearses runs on GPUs unless parallel.backend is "gloo": the CPU fast paths
 (hybridpar.fastpaths) are then off, so the collectives are the ones nccl would run. torch.compile is
-not rehearsed (it compiles kernels, not layouts).
+not rehearsed (it compiles kernels, not layouts). A mixture of experts is routed balanced (fake tensors
+have no values to route by: models.moe.balance_routing), and the report says so.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from ..checkpoint.stages import one_module
 from ..config import Config, ConfigError
-from .dryrun_report import Check, DryRun
+from .dryrun_report import Check, DryRun, routing_text
 from ..files import human_bytes
 from ..mesh.layout import sizes_text
 from ..progress import note
@@ -86,12 +87,9 @@ def dry_run(config: Union[Config, "Job"], world: Optional[int] = None, rank: int
     c = _the_rest(c, world)
     # The job's own checks, before anything is built: what the job would refuse is refused in its words.
     sizes, args = check_config(c, world, _shape(c, job))
-    if args.n_experts:
-        raise ConfigError(f"the dry run does not rehearse mixture-of-experts models yet ({args.n_experts} experts: "
-                          "its fake tensors cannot route tokens); run the job itself, without --dry-run")
     pp, dr, ds, cp, mp = sizes
-    run.checks.append(Check("mesh", True, sizes_text(*sizes)))
-    run.layout = f"{sizes_text(*sizes)} = {world} ranks, {c.fsdp.sharding_strategy}"
+    run.checks.append(Check("mesh", True, sizes_text(*sizes, ep=c.parallel.ep)))
+    run.layout = f"{sizes_text(*sizes, ep=c.parallel.ep)} = {world} ranks, {c.fsdp.sharding_strategy}"
     run.pp = pp
     run.checks.append(Check("model shape", True, f"{args.num_params() / 1e9:.2f}B parameters, {args.n_heads} heads, "
                                                  f"{args.kv_heads} kv heads"))
@@ -137,7 +135,7 @@ def _rehearse(run: DryRun, c: Config, world: int, sizes: list[int], args, target
 
     pp, dr, ds, cp, mp = sizes
     say(f"mesh of {world} ranks on a fake process group")
-    parallel = init_parallel(mp=mp, dp_shard=ds, dp_replicate=dr, cp=cp, pp=pp)
+    parallel = init_parallel(mp=mp, dp_shard=ds, dp_replicate=dr, cp=cp, pp=pp, ep=c.parallel.ep)
     if not _check(run, "sharding strategy",
                   lambda: _strategy_detail(dp_mesh_for(c.fsdp.sharding_strategy, parallel))):
         return
@@ -148,6 +146,11 @@ def _rehearse(run: DryRun, c: Config, world: int, sizes: list[int], args, target
                           sequence_parallel=c.parallel.sequence_parallel, fsdp=c.fsdp, float8=c.float8)
     runner = make_runner(stages, layout, parallel, grad_sync=c.train.grad_sync)
     run.parameters = [row for stage in stages for row in _placements(stage)]
+    if args.n_experts:
+        from hybridpar.models.moe import balance_routing
+
+        balance_routing(stages, grouped=c.fsdp.param_dtype == "bfloat16")  # fake tensors have no values to route by
+        run.routing = routing_text(args, c.data.micro_batch_size * c.data.seq_len, parallel.ep)
     say("one training step on fake tensors (forward, backward, optimizer)")
     with fake_tensors(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
@@ -375,7 +378,8 @@ def _memory(c: Config, args, parallel, gpu_mem_gib: float, gpus_per_node: int, g
     layout = Layout(mp=parallel.mp, dp_shard=parallel.dp_shard, dp_replicate=parallel.dp_replicate, cp=parallel.cp,
                     ac=c.fsdp.activation_checkpointing, ac_every=c.fsdp.ac_every,
                     reshard_after_forward=c.fsdp.sharding_strategy in ("full_shard", "hybrid_shard"),
-                    sequence_parallel=p.sequence_parallel, pp=p.pp, pp_schedule=p.pp_schedule, v=stages // p.pp)
+                    sequence_parallel=p.sequence_parallel, pp=p.pp, pp_schedule=p.pp_schedule, v=stages // p.pp,
+                    ep=parallel.ep)
     workload = Workload(seq_len=c.data.seq_len, micro_batch=c.data.micro_batch_size // m,
                         global_batch=c.data.micro_batch_size * c.train.grad_accum * parallel.dp_size,
                         param_dtype=c.fsdp.param_dtype, reduce_dtype=c.fsdp.reduce_dtype,
@@ -395,8 +399,12 @@ def _memory(c: Config, args, parallel, gpu_mem_gib: float, gpus_per_node: int, g
            "total": m.total, "usable": hw.usable_bytes, "gpu_mem_gib": gpu_mem_gib, "reserve_gib": hw.reserve_gib,
            "total_gib": m.total / GIB, "gpu": gpu, "float8": workload.float8,
            "float8_gathered": workload.float8_gathered(layout.fsdp_shard)}
+    if args.n_experts:  # the routed experts' share (hybridpar.plan.experts)
+        x = est.experts
+        out.update(experts_per_rank=x.experts_per_rank, expert_state=x.sharded * 4 * PARAM_BYTES,
+                   all_to_all_bytes=x.all_to_all_mb * est.grad_accum, all_to_all_leaving=x.leaving_share)
     if timed:
-        out.update(step_s=est.time.step, tp_s=est.time.tp_comm, fsdp_exposed_s=est.time.dp_exposed,
+        out.update(all_to_all_s=est.time.ep_comm, step_s=est.time.step, tp_s=est.time.tp_comm, fsdp_exposed_s=est.time.dp_exposed,
                    tokens_per_s_per_gpu=est.tokens_per_s_per_gpu, mfu=est.mfu(hw.peak_flops))
     return out
 

@@ -32,6 +32,7 @@ class DryRun:
     collectives: list[dict] = dataclasses.field(default_factory=list)  # per (dim, op): calls, payload, wire
     memory: dict = dataclasses.field(default_factory=dict)  # the planner's estimate for this layout
     checkpoint: dict = dataclasses.field(default_factory=dict)
+    routing: str = ""  # a mixture of experts': how the rehearsal routed the tokens (hybridpar.cli.dryrun)
     seconds: float = 0.0
 
     @property
@@ -84,9 +85,12 @@ def report(run: DryRun) -> str:
                      f"{human_bytes(m['grad_buffers'])}, working space {human_bytes(m['transient'])}"
                      + (f", the allocator's reserve {human_bytes(m['allocator'])}" if m.get("allocator") else "")
                      + f"; peak {human_bytes(m['total'])} with the state")
+        if "experts_per_rank" in m:
+            lines.append(experts_line(run))
         if "step_s" in m:
+            ep = f", all-to-all {m['all_to_all_s']:.2f} s" if m.get("all_to_all_bytes") else ""
             lines.append(f"time per step (the planner, on {m['gpu']}; hybridpar plan --gpu says what it assumes): "
-                         f"{m['step_s']:.2f} s, of which tensor-parallel {m['tp_s']:.2f} s and exposed FSDP "
+                         f"{m['step_s']:.2f} s, of which tensor-parallel {m['tp_s']:.2f} s{ep} and exposed FSDP "
                          f"{m['fsdp_exposed_s']:.2f} s; {m['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, "
                          f"MFU {100 * m['mfu']:.0f}%")
     if run.checkpoint:
@@ -101,6 +105,28 @@ def report(run: DryRun) -> str:
         lines.append(f"  {status} {check.name}: {check.detail}")
     lines.append(f"dry run {'passed' if run.ok else 'FAILED'} in {run.seconds:.0f} s")
     return "\n".join(lines)
+
+
+def routing_text(args, tokens: int, ep: int) -> str:
+    """How a rehearsal routes a mixture of experts' `tokens` per micro-batch (models.moe.balance_routing)."""
+    slots = tokens * args.experts_per_token
+    return (f"balanced (fake tensors have no values to route by): each of the {args.n_experts} experts gets "
+            f"{slots / args.n_experts:g} of a micro-batch's {slots} token slots (tokens x top-k {args.experts_per_token})"
+            + (" from every ep rank" if ep > 1 else "") + f"; {args.n_experts // ep} experts per ep rank (ep {ep})")
+
+
+def experts_line(run: DryRun) -> str:
+    """A mixture of experts' rehearsal: its routing, the experts this rank holds, and the all-to-alls,
+    planned and as the step issued them."""
+    m = run.memory
+    counted = sum(r["payload"] for r in run.collectives if r["dim"] == "ep" and r["op"] == "all_to_all")
+    line = (f"experts (routing {run.routing}): this rank holds {m['experts_per_rank']} of each MoE layer's experts, "
+            f"{human_bytes(m['expert_state'])} of float32 parameters, gradients and AdamW state (the planner)")
+    if not m["all_to_all_bytes"]:
+        return line + "; no all-to-all at ep 1"
+    return (line + f"; all-to-all per step {human_bytes(m['all_to_all_bytes'])} planned, {human_bytes(counted)} issued "
+            f"(dispatch and combine, forward and backward), {100 * m['all_to_all_leaving']:.0f}% of it leaving the rank"
+            + (f": {m['all_to_all_s']:.2f} s on {m['gpu']}" if "all_to_all_s" in m else ""))
 
 
 def _row_name(row: dict) -> str:

@@ -76,10 +76,11 @@ def ep_split(dp_shard: int, ep: int) -> int:
     return dp_shard // ep
 
 
-def sizes_text(pp: int, dp_replicate: int, dp_shard: int, cp: int, mp: int) -> str:
-    """'dp_replicate 1 x dp_shard 2 x mp 2' (pp and cp named only when > 1): how commands and reports state a mesh."""
+def sizes_text(pp: int, dp_replicate: int, dp_shard: int, cp: int, mp: int, ep: int = 1) -> str:
+    """'dp_replicate 1 x dp_shard 2 x mp 2' (pp and cp named only when > 1): how commands and reports state a
+    mesh; with expert parallelism 'dp_shard 32 (ep 8) x mp 8': ep takes its ranks from dp_shard."""
     named = (("pp", pp), ("dp_replicate", dp_replicate), ("dp_shard", dp_shard), ("cp", cp), ("mp", mp))
-    return " x ".join(f"{n} {v}" for n, v in _shown(named))
+    return " x ".join(f"{n} {v}" + (f" (ep {ep})" if n == "dp_shard" and ep > 1 else "") for n, v in _shown(named))
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -132,12 +133,13 @@ class MeshCoords:
         return f"{where}{pp}mp {self.mp_rank}, {cp}dp {self.dp_rank} (replicate {self.replicate_idx}, shard {self.shard_idx})"
 
 
-def group_ranks(pp: int, dp_replicate: int, dp_shard: int, cp: int, mp: int) -> dict[str, list[list[int]]]:
+def group_ranks(pp: int, dp_replicate: int, dp_shard: int, cp: int, mp: int, ep: int = 1) -> dict[str, list[list[int]]]:
     """Every group of every kind as lists of global ranks, in the mesh's order (group_ranks(*sizes)). With cp > 1 also the
     cp groups, dp_shard_cp (FSDP's shards: every rank of a replica holding the same mp shard) and
     dp_cp (every rank holding a copy of the same mp shard: the loss and replicated gradients); with pp > 1
     also the pp groups (one rank per stage: the pipeline's sends and receives). Every other group lies
-    within one stage: the stages hold different layers."""
+    within one stage: the stages hold different layers. With ep > 1 also the ep groups (ep neighbouring
+    shard indices: the experts' all-to-alls) and dp_shard_mod_ep (the shards holding the same experts)."""
     def rank(p: int, r: int, s: int, c: int, m: int) -> int:
         return (((p * dp_replicate + r) * dp_shard + s) * cp + c) * mp + m
 
@@ -154,6 +156,11 @@ def group_ranks(pp: int, dp_replicate: int, dp_shard: int, cp: int, mp: int) -> 
         groups["dp_cp"] = [[rank(p, r, s, c, m) for r in R for s in S for c in C] for p in P for m in M]
     if pp > 1:
         groups["pp"] = [[rank(p, r, s, c, m) for p in P] for r in R for s in S for c in C for m in M]
+    if ep > 1:
+        E, O = range(ep), range(ep_split(dp_shard, ep))
+        groups["ep"] = [[rank(p, r, o * ep + e, c, m) for e in E] for p in P for r in R for o in O for c in C for m in M]
+        groups["dp_shard_mod_ep"] = [[rank(p, r, o * ep + e, c, m) for o in O]
+                                     for p in P for r in R for e in E for c in C for m in M]
     return groups
 
 

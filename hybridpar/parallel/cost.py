@@ -8,10 +8,11 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 
 def bus_factor(op: str, n: int) -> float:
     """busbw / algbw for a collective over n ranks: the fraction of the whole buffer that each
-    rank's link carries in a ring (2(n-1)/n for all_reduce, (n-1)/n for the other two)."""
+    rank's link carries in a ring (2(n-1)/n for all_reduce, (n-1)/n for the other two); all_to_all's
+    (n-1)/n is the share of the buffer that leaves the rank (the rest stays on it)."""
     if op == "all_reduce":
         return 2 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter"):
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
         return (n - 1) / n
     raise ValueError(f"unknown collective {op!r}; choose from {', '.join(COLLECTIVES)}")
 

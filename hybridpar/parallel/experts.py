@@ -16,7 +16,7 @@ go back to theirs. Every rank of the ep group must run the same layers' forwards
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -55,16 +55,21 @@ class Exchange(NamedTuple):
     received: list[int]
     index: torch.Tensor
     group: ProcessGroup
+    counts: Optional[list[int]] = None  # the rows per local expert on the host, where known (balanced)
 
 
-def dispatch(x: torch.Tensor, counts: torch.Tensor, group: ProcessGroup) -> tuple[torch.Tensor, torch.Tensor, Exchange]:
+def dispatch(x: torch.Tensor, counts: torch.Tensor, group: ProcessGroup,
+             balanced: bool = False) -> tuple[torch.Tensor, torch.Tensor, Exchange]:
     """x [n, dim]: this rank's token slots sorted by expert, counts [E] of them per expert. Returns the
     slots of this rank's experts from every rank of `group`, sorted by expert [m, dim], how many each
-    of its E / ep experts has [E / ep], and the Exchange that combine reverses."""
+    of its E / ep experts has [E / ep], and the Exchange that combine reverses. `balanced`: every rank's
+    counts are models.moe.balanced_counts of its n slots, known without reading them (fake tensors)."""
     ep = dist.get_world_size(group)
     # Each rank's counts for this rank's experts: the one exchange whose sizes are known beforehand.
     theirs = torch.empty_like(counts)
     dist.all_to_all_single(theirs, counts, group=group)
+    if balanced:
+        return _dispatch_balanced(x, counts.numel(), ep, group)
     theirs = theirs.view(ep, -1)  # [source rank, local expert]
     sent, received = counts.view(ep, -1).sum(1).tolist(), theirs.sum(1).tolist()
     rows = all_to_all(x, received, sent, group)  # by source rank, then expert
@@ -80,3 +85,25 @@ def combine(y: torch.Tensor, exchange: Exchange) -> torch.Tensor:
     """The experts' outputs y (dispatch's row order) back to the ranks and order their slots came from."""
     rows = torch.zeros_like(y).index_copy(0, exchange.index, y)
     return all_to_all(rows, exchange.sent, exchange.received, exchange.group)
+
+
+def balanced_counts(slots: int, n_experts: int) -> list[int]:
+    """`slots` token slots shared by the experts as evenly as they go (the first ones one more): the
+    routing a dry run rehearses, whose fake tensors have no values to count (hybridpar.cli.dryrun)."""
+    return [slots // n_experts + (e < slots % n_experts) for e in range(n_experts)]
+
+
+def _dispatch_balanced(x: torch.Tensor, n_experts: int, ep: int, group: ProcessGroup):
+    """dispatch's exchange for balanced counts, every size computed on the host: every rank sends each
+    expert the same number of slots, so a rank receives from each source its own experts' counts."""
+    local = n_experts // ep
+    counts = balanced_counts(x.shape[0], n_experts)
+    mine = counts[dist.get_rank(group) * local:][:local]  # what each source sends to each of this rank's experts
+    sent = [sum(counts[r * local:(r + 1) * local]) for r in range(ep)]
+    received = [sum(mine)] * ep
+    rows = all_to_all(x, received, sent, group)  # by source rank, then expert
+    # Regrouped by expert, then source rank, as dispatch does.
+    index = [s * sum(mine) + sum(mine[:e]) + i for e in range(local) for s in range(ep) for i in range(mine[e])]
+    index = torch.tensor(index, dtype=torch.long, device=x.device)
+    local_counts = [c * ep for c in mine]
+    return rows[index], torch.tensor(local_counts, device=x.device), Exchange(sent, received, index, group, local_counts)

@@ -31,11 +31,13 @@ class StepTime:
     # Pipeline parallelism: the stages' activation and gradient sends, and the bubble (idle seconds).
     pp_comm: float = 0.0
     pp_bubble: float = 0.0
+    # Expert parallelism's all-to-alls (dispatch and combine), on the critical path (plan.experts).
+    ep_comm: float = 0.0
 
     @property
     def step(self) -> float:
         return (self.compute + self.tp_comm + self.cp_exposed + self.dp_exposed + self.dp_contention + self.pp_comm
-                + self.pp_bubble)
+                + self.pp_bubble + self.ep_comm)
 
 
 def overlapped(comm: float, busy: float, share: float) -> tuple[float, float]:

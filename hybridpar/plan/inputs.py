@@ -40,6 +40,7 @@ class Layout:
     pp: int = 1  # parallel.pp: pipeline stages, the outermost dimension (hybridpar.plan.pipeline_cost)
     pp_schedule: str = "1F1B"  # parallel.pp_schedule (GPipe, 1F1B, Interleaved1F1B, ZBVZeroBubble)
     v: int = 1  # virtual stages per rank: 1 for GPipe and 1F1B, 2 for ZBV, 2 or more interleaved
+    ep: int = 1  # parallel.ep: the experts split over ep of the dp_shard ranks (a mixture of experts; plan.experts)
 
     @property
     def dp(self) -> int:
@@ -75,14 +76,16 @@ class Layout:
     def name(self) -> str:
         cp = f"_cp{self.cp}" if self.cp > 1 else ""
         pp = f"pp{self.pp}{'v' + str(self.v) if self.v > 1 else ''}_" if self.pp > 1 else ""
-        return f"{pp}mp{self.mp}{cp}_dp{self.dp}"
+        ep = f"_ep{self.ep}" if self.ep > 1 else ""
+        return f"{pp}mp{self.mp}{cp}{ep}_dp{self.dp}"
 
     def describe(self) -> str:
         ac = {"none": "no AC", "full": "full AC", "selective": f"AC every {self.ac_every}"}[self.ac]
         sp = ", sequence parallel" if self.sequence_parallel and self.mp > 1 else ""
         cp = f" x cp {self.cp}" if self.cp > 1 else ""
         pp = f"pp {self.pp} ({self.pp_schedule}, {self.v} stage(s) per rank) x " if self.pp > 1 else ""
-        return (f"{pp}mp {self.mp}{cp} x dp_shard {self.dp_shard} x dp_replicate {self.dp_replicate} "
+        ep = f" (ep {self.ep} of them)" if self.ep > 1 else ""
+        return (f"{pp}mp {self.mp}{cp} x dp_shard {self.dp_shard}{ep} x dp_replicate {self.dp_replicate} "
                 f"({self.strategy}, {ac}{sp})")
 
 

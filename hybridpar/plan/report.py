@@ -10,13 +10,18 @@ import re
 from ..config.dtypes import dtype_bytes
 from .comm import group_busbw
 from .compute import micro_batch_work
-from .inputs import GIB, Hardware, Workload
+from .inputs import GIB, MASTER_BYTES, Hardware, Workload
 from .memory import gathered_kv_bytes
 from .search import Estimate, Plan, estimate, larger_cp
 
 # The one line the report states when it considered context parallelism (plan.search prices it so).
 CP_ASSUMED = ("context parallelism: each block's K|V all-gather and dK|dV reduce-scatter wait for their result "
               "(hybridpar.parallel.context gathers before the attention that needs it): compute hides none of them")
+
+# The line a mixture of experts' plan states (plan.experts prices it so).
+EXPERTS_ASSUMED = ("balanced routing (each GPU's experts get as many token slots as it sends); the all-to-alls wait "
+                   "for their result (compute hides none); the experts' FSDP over the dp_shard / ep GPUs holding "
+                   "them; the layers' other parts priced as a dense block of their mean feed-forward size")
 
 _BATCH = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*(tok|tokens|t)?\s*$")
 
@@ -51,6 +56,8 @@ def breakdown(e: Estimate, hw: Hardware, plan: "Plan | None" = None) -> list[str
     cp = f" + context-parallel {_seconds(t.cp_exposed)}" if e.layout.cp > 1 else ""
     if e.layout.pp > 1:
         cp += f" + pipeline sends {_seconds(t.pp_comm)} + bubble {_seconds(t.pp_bubble)}"
+    if e.layout.ep > 1:
+        cp += f" + all-to-all {_seconds(t.ep_comm)}"
     lines = [
         f"{e.layout.describe()}: {e.grad_accum} micro-batch(es) per step",
         f"  memory per GPU {_gib(m.total)} GiB of {_gib(e.usable_bytes)} usable: "
@@ -63,6 +70,8 @@ def breakdown(e: Estimate, hw: Hardware, plan: "Plan | None" = None) -> list[str
         + (f" + compute on the SMs NCCL leaves {_seconds(t.dp_contention)}" if t.dp_contention else "") + "; "
         f"{e.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, MFU {100 * e.mfu(hw.peak_flops):.0f}%",
     ]
+    if e.experts.expert_unit:
+        lines.append("  " + experts_line(e, hw))
     if e.layout.cp > 1 and plan is not None:
         lay, w = e.layout, plan.workload
         kv = gathered_kv_bytes(plan.args, lay.mp, w.micro_batch, w.seq_len, dtype_bytes(w.param_dtype))
@@ -76,13 +85,29 @@ def breakdown(e: Estimate, hw: Hardware, plan: "Plan | None" = None) -> list[str
     return lines
 
 
-def _header(width: int, cp: bool) -> str:
+def experts_line(e: Estimate, hw: Hardware) -> str:
+    """A mixture of experts' share of e (plan.experts): the experts per rank, their state, the all-to-alls."""
+    x, lay = e.experts, e.layout
+    state = x.sharded * 4 * MASTER_BYTES  # fp32 parameters, gradients and AdamW's two moments
+    line = (f"experts: {x.experts_per_rank} of each MoE layer's on a GPU (ep {lay.ep}), FSDP-sharded over "
+            f"{x.expert_fsdp} GPU(s) holding the same ones, the rest over dp_shard {lay.fsdp_shard}: "
+            f"{_gib(state)} GiB of the state")
+    if lay.ep == 1:
+        return line + "; no all-to-all at ep 1"
+    sent = x.all_to_all_mb * e.grad_accum
+    return (line + f"; all-to-all {sent / GIB:,.2f} GiB per step (dispatch and combine, forward and backward, "
+            f"tokens x top-k x dim), {100 * x.leaving_share:.0f}% of it leaving the GPU "
+            f"({(x.leaving_share * sent) / GIB:,.2f} GiB): {_seconds(e.time.ep_comm)} s")
+
+
+def _header(width: int, cp: bool, ep: bool = False) -> str:
     return (f"{'#':>3} {'layout':<{width}} {'mp':>3} {'shard':>5} {'repl':>5} {'AC':<9} {'micro':>5} "
             f"{'state':>6} {'accum':>6} {'act':>6} {'other':>6} {'total':>6} {'step s':>7} {'tok/s/GPU':>10} "
-            f"{'MFU':>5} {'tp s':>6}" + (f" {'cp s':>6}" if cp else "") + f" {'fsdp s':>7}")
+            f"{'MFU':>5} {'tp s':>6}" + (f" {'cp s':>6}" if cp else "") + (f" {'a2a s':>6}" if ep else "")
+            + f" {'fsdp s':>7}")
 
 
-def _row(i: int, e: Estimate, hw: Hardware, width: int = 10, cp: bool = False) -> str:
+def _row(i: int, e: Estimate, hw: Hardware, width: int = 10, cp: bool = False, ep: bool = False) -> str:
     lay, m, t = e.layout, e.memory, e.time
     ac = {"none": "none", "full": "full", "selective": f"every {lay.ac_every}"}[lay.ac]
     ac += "" if lay.reshard_after_forward else " z2"
@@ -92,6 +117,7 @@ def _row(i: int, e: Estimate, hw: Hardware, width: int = 10, cp: bool = False) -
             f"{_gib(m.total):>6} "
             f"{_seconds(t.step):>7} {e.tokens_per_s_per_gpu:>10,.0f} {100 * e.mfu(hw.peak_flops):>4.0f}% "
             f"{_seconds(t.tp_comm):>6}" + (f" {_seconds(t.cp_exposed):>6}" if cp else "")
+            + (f" {_seconds(t.ep_comm):>6}" if ep else "")
             + f" {_seconds(t.dp_exposed + t.dp_contention):>7}")
 
 
@@ -102,8 +128,8 @@ def format_plan(plan: Plan, top: int = 10, model_name: str = "", model_flags: st
     batch = (f"global batch {w.global_batch} sequences ({w.global_batch * w.seq_len / 2**20:.2f}M tokens)"
              if w.global_batch else "global batch = dp x micro-batch (no accumulation; --global-batch to fix it)")
     out = [
-        f"{model_name or 'model'}: {args.num_params() / 1e9:.2f}B parameters, {args.n_layers} layers, dim {args.dim}, "
-        f"{args.n_heads} heads / {args.kv_heads} kv heads, vocab {args.vocab_size}",
+        f"{model_name or 'model'}: {args.num_params() / 1e9:.2f}B parameters{active_text(args, w.seq_len)}, {args.n_layers} "
+        f"layers, dim {args.dim}, {args.n_heads} heads / {args.kv_heads} kv heads, vocab {args.vocab_size}",
         f"{hw.gpus} GPUs ({nodes} node(s) x {hw.gpus_per_node}) of {hw.gpu_mem_gib:g} GiB, "
         f"{hw.reserve_gib:g} GiB reserved; seq_len {w.seq_len}, micro-batch {w.micro_batch}, {batch}",
         f"hardware: {hw.name or 'custom'}",
@@ -113,6 +139,7 @@ def format_plan(plan: Plan, top: int = 10, model_name: str = "", model_flags: st
         *([f"assumed: {allocator_assumed(hw)}"] if hw.allocator_overhead else []),
         *([f"assumed: {float8_assumed(w, hw)}"] if w.float8 != "none" else []),
         *([f"assumed: {CP_ASSUMED}"] if plan.context_parallel else []),
+        *([f"assumed: {EXPERTS_ASSUMED}"] if args.n_experts else []),
         "",
     ]
     fitting = plan.fitting
@@ -121,11 +148,12 @@ def format_plan(plan: Plan, top: int = 10, model_name: str = "", model_flags: st
                    "params + grads + AdamW, accum = unsharded grads kept between micro-batches,")
         out.append("act = saved activations, other = gathered params, buffers, peaks, the allocator's reserve; "
                    "fsdp s = FSDP's time in the step (what compute does not hide, and the compute its NCCL kernels' "
-                   "SMs slow); micro = micro-batches per step.")
+                   "SMs slow); micro = micro-batches per step" + ("; a2a s = expert parallelism's all-to-alls." if args.n_experts else "."))
         shown = fitting[:top]
         width, cp = max(10, *(len(e.layout.name) for e in shown)), any(e.layout.cp > 1 for e in shown)
-        out.append(_header(width, cp))
-        out.extend(_row(i + 1, e, hw, width, cp) for i, e in enumerate(shown))
+        ep = bool(args.n_experts)  # a2a s: expert parallelism's all-to-alls
+        out.append(_header(width, cp, ep))
+        out.extend(_row(i + 1, e, hw, width, cp, ep) for i, e in enumerate(shown))
         if len(fitting) > top:
             out.append(f"    ... {len(fitting) - top} more (--top N)")
         out.append("")
@@ -140,7 +168,7 @@ def format_plan(plan: Plan, top: int = 10, model_name: str = "", model_flags: st
         smallest = min(too_big, key=lambda e: e.memory.total)
         out.append(f"{len(too_big)} layouts need more than {_gib(hw.usable_bytes)} GiB (smallest of them: "
                    f"{smallest.layout.describe()}, {_gib(smallest.memory.total)} GiB)")
-    if fitting and not plan.pipeline:
+    if fitting and not plan.pipeline and not args.llama4:
         out.append(f"pipeline parallelism not needed: {len(fitting)} layouts fit without it (--pp N prices one)")
     elif plan.pipeline:
         out.append(f"pipeline parallelism considered (pp {', '.join(map(str, plan.pipeline))}): "
@@ -152,6 +180,17 @@ def format_plan(plan: Plan, top: int = 10, model_name: str = "", model_flags: st
         out.append(f"{len(plan.skipped)} layouts skipped: the global batch of {w.global_batch} sequences is not a "
                    f"multiple of dp x micro-batch for dp in {dps}")
     return "\n".join(out)
+
+
+def active_text(args, seq_len: int) -> str:
+    """' (17.17B active per token: ...)' for a mixture of experts; '' for a dense model."""
+    if not args.n_experts:
+        return ""
+    moe = len([i for i in range(args.n_layers) if args.is_moe_layer(i)])
+    return (f" ({args.num_params(active=True) / 1e9:.2f}B active per token: {args.experts_per_token} of "
+            f"{args.n_experts} experts and the shared expert in {moe} MoE layers, the dense ones whole; "
+            f"{args.flops_per_token(seq_len) / 1e9:,.1f} GFLOP per token trained: 6 x the active matmul "
+            "parameters, and the attention's)")
 
 
 def allocator_assumed(hw: Hardware) -> str:
@@ -190,6 +229,7 @@ def config_flags(e: Estimate, w: Workload, model_flags: str = "") -> str:
              f"--data.micro_batch_size {batch} --train.grad_accum {accum}",
              f"--parallel.mp {lay.mp} --parallel.dp_shard {lay.dp_shard} --parallel.dp_replicate {lay.dp_replicate}",
              f"--parallel.cp {lay.cp}" if lay.cp > 1 else "",
+             f"--parallel.ep {lay.ep}" if lay.ep > 1 else "",
              f"--parallel.pp {lay.pp} --parallel.pp_schedule {lay.pp_schedule} --parallel.pp_microbatches "
              f"{e.grad_accum}" if lay.pp > 1 else "",
              f"--parallel.sequence_parallel {'true' if lay.sequence_parallel else 'false'}",
@@ -211,13 +251,15 @@ def plan_json(plan: Plan, model_name: str = "", model_flags: str = "") -> dict:
                 "global_batch": e.global_batch, "fits": e.fits,
                 "memory_gib": {k: getattr(m, k) / GIB for k in ("state", "accumulated_grads", "activations", "allocator",
                                                                 "total")},
-                "step_s": t.step, "tp_comm_s": t.tp_comm, "cp_comm_s": t.cp_exposed,
+                "step_s": t.step, "tp_comm_s": t.tp_comm, "cp_comm_s": t.cp_exposed, "all_to_all_s": t.ep_comm,
+                "all_to_all_bytes": e.experts.all_to_all_mb * e.grad_accum,
                 "pp_comm_s": t.pp_comm, "pp_bubble_s": t.pp_bubble, "fsdp_exposed_s": t.dp_exposed,
                 "fsdp_contention_s": t.dp_contention,
                 "tokens_per_s_per_gpu": e.tokens_per_s_per_gpu, "mfu": e.mfu(plan.hardware.peak_flops),
                 "config": config_flags(e, plan.workload, model_flags)}
 
-    return {"model": model_name, "parameters": plan.args.num_params(), "workload": dataclasses.asdict(plan.workload),
+    return {"model": model_name, "parameters": plan.args.num_params(),
+            "active_parameters": plan.args.num_params(active=True), "workload": dataclasses.asdict(plan.workload),
             "hardware": dataclasses.asdict(plan.hardware), "layouts": [layout(e) for e in plan.estimates],
             "best": config_flags(plan.fitting[0], plan.workload, model_flags) if plan.fitting else None,
             "rejected": {str(mp): why for mp, why in plan.rejected.items()}}

@@ -9,10 +9,12 @@ from hybridpar.models.args import ModelArgs
 
 from ..config.dtypes import dtype_bytes
 from ..config.sharding import AC_MODES
+from ..parallel.cost import collective_seconds
 from .async_tp import async_tp_seconds
 from .comm import (StepTime, all_gather_seconds, all_reduce_seconds, collective_bytes,
                    flops_per_token, group_busbw, overlapped)
-from .compute import head_work, micro_batch_work, step_work
+from .compute import OPTIMIZER_BYTES, Work, head_work, micro_batch_work, step_work
+from .experts import ExpertTerms, check_experts, dense_skeleton, expert_terms
 from .inputs import MASTER_BYTES, Hardware, Layout, Workload, check_float8
 from .memory import (Memory, ParamCounts, activation_bytes, gathered_bytes, gathered_kv_bytes, local_param_shapes,
                      param_counts)
@@ -33,6 +35,7 @@ class Estimate:
     tokens_per_step: int
     model_flops_per_step: float  # the trainer's MFU numerator (no recomputation)
     usable_bytes: float
+    experts: ExpertTerms = ExpertTerms()  # a mixture of experts' routed experts (plan.experts): their share
 
     @property
     def fits(self) -> bool:
@@ -69,6 +72,15 @@ def estimate(args: ModelArgs, layout: Layout, workload: Workload, hw: Hardware) 
     global_batch = layout.dp * workload.micro_batch * grad_accum
     b, s, pp = workload.micro_batch, workload.seq_len, layout.pp
     whole = args
+    check_experts(args, layout.ep)
+    if layout.dp_shard % layout.ep:
+        raise ValueError(f"ep = {layout.ep} does not divide dp_shard = {layout.dp_shard}: the experts are split over "
+                         "ep of the dp_shard ranks")
+    if args.llama4 and (pp > 1 or cp > 1):
+        raise ValueError(f"pp = {pp}, cp = {cp}: Llama 4's layers run without pipeline and context parallelism "
+                         "(hybridpar.config.llama4): plan them with --pp 1 --cp 1")
+    moe = expert_terms(args, layout, workload)  # zeros for a dense model
+    args = dense_skeleton(args)  # the rest priced as a dense model (plan.experts)
     if pp > 1:
         # A pipeline rank holds its stages' blocks: priced as the rank with most of them, and FSDP
         # does not reshard between micro-batches (one all-gather per step), so hybridpar's pipeline
@@ -101,10 +113,11 @@ def estimate(args: ModelArgs, layout: Layout, workload: Workload, hw: Hardware) 
     kept_blocks = counts.n_layers if not layout.reshard_after_forward else min(2, L)  # current + prefetched
     # A block's float8 linears are gathered in 1 byte with float8.fsdp_all_gather.
     block = gathered_bytes(local_param_shapes(args, mp)["block"], a, workload.float8_gathered(layout.fsdp_shard))
-    gathered = (counts.embedding + counts.output + counts.root) * a + kept_blocks * block
-    grad_buffers = _grad_buffers(args, counts, a, r)
+    gathered = (counts.embedding + counts.output + counts.root) * a + kept_blocks * block + moe.gathered
+    # A MoE layer's experts' unsharded gradients beside its block's.
+    grad_buffers = _grad_buffers(args, counts, a, r) + moe.expert_unit * (a + r)
     sync_every = workload.grad_sync == "every"
-    accumulated = counts.total * r if grad_accum > 1 and not sync_every else 0.0
+    accumulated = (counts.total + moe.local) * r if grad_accum > 1 and not sync_every else 0.0
     # Backward of a block: its recomputation (AC) plus gradient temporaries of a few [T, D] and
     # [T, ffn/mp] tensors (dL/dh, and the three SwiGLU input gradients); with context parallelism
     # also the gradient of the block's gathered K|V before its reduce-scatter.
@@ -112,11 +125,12 @@ def estimate(args: ModelArgs, layout: Layout, workload: Workload, hw: Hardware) 
     backward_work = acts.recompute + a * t * (2 * args.dim + 3 * args.ffn_hidden_dim // mp)
     if cp > 1:
         backward_work += gathered_kv_bytes(args, mp, b, s, a)
+    sharded = counts.sharded + moe.sharded
     tensors = Memory(
-        params=counts.sharded * MASTER_BYTES, grads=counts.sharded * MASTER_BYTES,
-        optimizer=2 * counts.sharded * MASTER_BYTES, accumulated_grads=accumulated,
-        gathered_params=gathered, grad_buffers=grad_buffers, activations=saved,
-        transient=max(acts.loss_transient, backward_work),
+        params=sharded * MASTER_BYTES, grads=sharded * MASTER_BYTES,
+        optimizer=2 * sharded * MASTER_BYTES, accumulated_grads=accumulated,
+        gathered_params=gathered, grad_buffers=grad_buffers, activations=saved + moe.saved_mb,
+        transient=max(acts.loss_transient, backward_work + moe.transient_mb),
     )
     memory = dataclasses.replace(tensors, allocator=hw.allocator_overhead * tensors.total)
 
@@ -127,13 +141,15 @@ def estimate(args: ModelArgs, layout: Layout, workload: Workload, hw: Hardware) 
     gathers = (2 if layout.reshard_after_forward else 1) * (grad_accum if pp == 1 else 1)
     dp_calls = (grad_accum if pp == 1 else 1) * comm.fsdp_gather_calls + reductions * comm.fsdp_reduce_calls \
         + comm.replica_calls
-    work = micro_batch_work(args, layout, workload, comm.tp_calls + comm.cp_calls)
+    work = micro_batch_work(args, layout, workload, comm.tp_calls + comm.cp_calls) + moe.work_mb
     if pp > 1:  # the middle ranks' blocks, or the last rank's one fewer and the head
         head = head_work(args, mp, b * s // cp, a)
         work = max(work + (-1) * head, micro_batch_work(dataclasses.replace(args, n_layers=L - 1), layout, workload,
                                                        comm.tp_calls + comm.cp_calls), key=lambda w: w.seconds(hw))
     compute_mb = work.seconds(hw)
-    step_extra = step_work(args, layout, workload, gathers, reductions, dp_calls).seconds(hw)
+    # The experts' shards through the optimizer, their gradients into the reduce-scatter's buffer.
+    moe_step = Work(memory_bytes=moe.sharded * OPTIMIZER_BYTES + reductions * moe.local * (a + 2 * r))
+    step_extra = (step_work(args, layout, workload, gathers, reductions, dp_calls) + moe_step).seconds(hw)
     # The mesh (dp_replicate, dp_shard, cp, mp), mp innermost: FSDP's group is the dp_shard x cp
     # ranks mp apart, the cp group the cp ranks mp apart, the replicas mp x cp x dp_shard apart.
     fs = layout.fsdp_shard
@@ -149,7 +165,17 @@ def estimate(args: ModelArgs, layout: Layout, workload: Workload, hw: Hardware) 
     ag = all_gather_seconds(comm.fsdp_all_gather, fs, fs_bw)
     rs = all_gather_seconds(comm.fsdp_reduce_scatter, fs, fs_bw)
     ar = all_reduce_seconds(comm.replica_all_reduce, dr, dr_bw)
-    busy = compute_mb + tp_mb + cp_mb
+    if moe.expert_unit:
+        # The ep group: ep neighbouring dp_shard ranks, mp x cp apart; the experts' FSDP group the
+        # dp_shard / ep ranks holding the same experts, mp x cp x ep apart (hybridpar.mesh.device).
+        es, ep_bw = moe.expert_fsdp, group_busbw(mp * cp, layout.ep, hw)
+        tp_mb += all_gather_seconds(moe.router_tp_mb, mp, mp_bw)
+        ag += all_gather_seconds(moe.gather_mb, es, group_busbw(mp * cp * layout.ep, es, hw))
+        rs += all_gather_seconds(moe.reduce, es, group_busbw(mp * cp * layout.ep, es, hw))
+        ar += all_reduce_seconds(moe.replica_reduce, dr, dr_bw)
+    # Expert parallelism's all-to-alls wait for their result: the experts need the tokens, the layer their outputs.
+    ep_mb = collective_seconds("all_to_all", moe.all_to_all_mb, layout.ep, ep_bw) if moe.all_to_all_mb else 0.0
+    busy = compute_mb + tp_mb + cp_mb + ep_mb
     pp_mb = 0.0
     if pp > 1:
         # Each of a rank's v stages receives a micro-batch's hidden state and sends its own, and the
@@ -169,6 +195,7 @@ def estimate(args: ModelArgs, layout: Layout, workload: Workload, hw: Hardware) 
         exposed, contention = ((grad_accum - 1) * x + y for x, y in zip(overlapped(ag, busy, held), last))
         dp_comm = grad_accum * ag + rs + ar
     compute, tp, cp_time = grad_accum * compute_mb + step_extra, grad_accum * tp_mb, grad_accum * cp_mb
+    ep_time = grad_accum * ep_mb
     if hw.cores:
         # CPU ranks: communication is core time too (gloo copies), so nothing hides it, and ranks
         # beyond the node's cores queue for them; each synchronising call also waits for peers
@@ -178,6 +205,7 @@ def estimate(args: ModelArgs, layout: Layout, workload: Workload, hw: Hardware) 
         compute = share * compute
         tp = share * tp + tp_calls * hw.sync_wait
         cp_time = share * cp_time + grad_accum * comm.cp_calls * hw.sync_wait
+        ep_time = share * ep_time + grad_accum * moe.all_to_all_calls_mb * hw.sync_wait
         dp_comm = exposed = share * dp_comm + dp_calls * hw.sync_wait
         contention = 0.0  # exposed already: nothing overlaps
     pp_comm = grad_accum * pp_mb
@@ -188,11 +216,12 @@ def estimate(args: ModelArgs, layout: Layout, workload: Workload, hw: Hardware) 
         bubble = share / (1 - share) * (compute - step_extra + tp + cp_time + pp_comm)
     time = StepTime(compute=compute, tp_comm=tp, dp_comm=dp_comm, dp_exposed=exposed, dp_contention=contention,
                     cp_comm=cp_time,
-                    cp_exposed=cp_time, pp_comm=pp_comm, pp_bubble=bubble)
+                    cp_exposed=cp_time, pp_comm=pp_comm, pp_bubble=bubble, ep_comm=ep_time)
     tokens = global_batch * s
     return Estimate(
         layout=original, grad_accum=grad_accum, global_batch=global_batch, memory=memory, time=time,
         tokens_per_step=tokens, model_flops_per_step=flops_per_token(whole, s) * tokens, usable_bytes=hw.usable_bytes,
+        experts=moe,
     )
 
 
@@ -256,8 +285,17 @@ def candidate_layouts(args: ModelArgs, hw: Hardware, *, allow_cross_node_mp: boo
                     for reshard in (True, False) if zero2 else (True,):
                         if not reshard and ds * n_cp == 1:
                             continue  # nothing is sharded: ZeRO-2 is the same layout
-                        layouts.append(Layout(mp, ds, dp // ds, ac, ac_every, reshard, sequence_parallel, n_cp))
+                        layouts += [Layout(mp, ds, dp // ds, ac, ac_every, reshard, sequence_parallel, n_cp, ep=ep)
+                                    for ep in expert_parallel_sizes(args, ds, n_cp)]
     return layouts, rejected
+
+
+def expert_parallel_sizes(args: ModelArgs, dp_shard: int, cp: int = 1) -> list[int]:
+    """The ep sizes a layout of dp_shard ranks can split the experts over (each dividing both; hybridpar
+    runs them without context parallelism); [1] for a dense model."""
+    if not args.n_experts or cp > 1:
+        return [1]
+    return [ep for ep in divisors(dp_shard) if args.n_experts % ep == 0]
 
 
 @dataclasses.dataclass
@@ -284,9 +322,10 @@ class Plan:
 
 def make_plan(args: ModelArgs, workload: Workload, hw: Hardware, **candidate_options) -> Plan:
     """Estimate every candidate layout and rank them: layouts that fit, by tokens/s per GPU."""
-    if args.n_experts:
-        raise ValueError(f"the planner does not price mixture-of-experts models yet ({args.n_experts} experts); "
-                         "plan a dense model")
+    if args.n_experts and (workload.float8 != "none" or workload.compile):
+        what = f"--float8 {workload.float8}" if workload.float8 != "none" else "--compile"
+        raise ValueError(f"{what}: the job refuses it for a mixture of experts (hybridpar.config.llama4: the experts "
+                         f"have no float8 matmuls, nor compiled routing, yet); plan {args.n_experts} experts without it")
     if workload.seq_len > args.max_seq_len:
         raise ValueError(f"seq_len = {workload.seq_len} is larger than the model's max_seq_len = {args.max_seq_len}")
     for name, value in (("gpus", hw.gpus), ("gpus_per_node", hw.gpus_per_node), ("seq_len", workload.seq_len),
@@ -305,6 +344,11 @@ def make_plan(args: ModelArgs, workload: Workload, hw: Hardware, **candidate_opt
     pp = candidate_options.pop("pp", 0)
     if pp < 0 or (pp and hw.gpus % pp):
         raise ValueError(f"pp must divide the {hw.gpus} GPUs (0: the planner chooses), got {pp}")
+    if args.llama4 and (cp > 1 or pp > 1):
+        raise ValueError(f"--{'cp' if cp > 1 else 'pp'} {max(cp, pp)}: Llama 4's layers run without pipeline and "
+                         "context parallelism yet (the job refuses them, hybridpar.config.llama4); leave it out")
+    if args.llama4:  # neither is searched either
+        cp, pp = 1, 1
     layouts, rejected = candidate_layouts(args, hw, seq_len=workload.seq_len, cp=cp, pp=max(pp, 1),
                                           **candidate_options)
     if cp > 1 and not layouts:

@@ -44,7 +44,7 @@ class RunLog:
         write_text_atomic(run_dir / "config.toml", dump_toml(c))
         (run_dir / stopping.MARKER).unlink(missing_ok=True)  # it told of an earlier run's end
         log.info(f"hybridpar: {args.num_params() / 1e6:.1f}M parameters, {parallel.world_size} ranks = "
-                 f"{sizes_text(*parallel.sizes)}, {c.fsdp.sharding_strategy}, global batch {global_batch} "
+                 f"{sizes_text(*parallel.sizes, ep=parallel.ep)}, {c.fsdp.sharding_strategy}, global batch {global_batch} "
                  f"x {c.data.seq_len} tokens, {self.loader.windows} sequences in the data")
         if not has_validation and (c.train.eval_every or c.train.eval_steps):
             log.warning("hybridpar: warning: train.eval_every / train.eval_steps are set, but the run has no "

@@ -45,6 +45,28 @@ def test_dispatch_and_combine_bring_every_slot_to_its_expert_and_back(workers, c
         assert r["counts"] and r["out"] == 0 and r["grad"] == 0, r
 
 
+def _case_balanced_exchange(slots: int, n_experts: int, dim: int = 8) -> dict:
+    """dispatch with balanced=True (the dry run's: sizes computed on the host, nothing read back) against
+    the counted dispatch of the same balanced counts: the same rows, counts and exchange."""
+    from hybridpar.parallel.experts import balanced_counts, combine, dispatch
+
+    parallel = parallel_dims(ep=dist.get_world_size())
+    counts = torch.tensor(balanced_counts(slots, n_experts))
+    x = torch.randn(slots, dim, generator=torch.Generator().manual_seed(parallel.ep_rank))
+    counted, balanced = (dispatch(x, counts, parallel.ep_group, b) for b in (False, True))
+    back = combine(balanced[0], balanced[2])
+    return {"rows": torch.equal(counted[0], balanced[0]), "counts": counted[1].tolist() == balanced[1].tolist(),
+            "exchange": (counted[2].sent, counted[2].received) == (balanced[2].sent, balanced[2].received)
+            and torch.equal(counted[2].index, balanced[2].index) and balanced[2].counts == counted[1].tolist(),
+            "back": torch.equal(back, x)}
+
+
+@pytest.mark.parametrize("slots,n_experts", [(16, 4), (10, 4), (3, 8)], ids=["even", "uneven", "fewer-slots"])
+def test_the_dry_runs_balanced_dispatch_is_the_counted_one_of_balanced_counts(workers, slots, n_experts):
+    for r in workers(2).run(_case_balanced_exchange, slots, n_experts):
+        assert all(r.values()), r
+
+
 def _case_ep_matches_world1(mp: int, ep: int, sequence_parallel: bool) -> dict:
     from hybridpar.models.args import ModelArgs
     from hybridpar.models.llama import Transformer

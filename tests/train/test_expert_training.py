@@ -146,3 +146,28 @@ def test_an_ep2_checkpoint_resumes_at_another_ep(workers, check_close, corpus, r
     result = _merged(workers(4).run(_case_train, config))
     assert result["experts"][1][0] == 1  # ep 1: 4 experts over FSDP's 4 ranks; ep 4: one each, FSDP over 1
     _compare(check_close, f"debug_llama4 ep2 -> ep{ep} from step 10", result, reference, since=10)
+
+
+def test_the_runs_first_line_names_ep(tmp_path, caplog):
+    """The train start line states the mesh with ep where ep > 1 (the experts' share of dp_shard)."""
+    import logging
+    from types import SimpleNamespace
+
+    from hybridpar.config import Config
+    from hybridpar.models.args import ModelArgs
+    from hybridpar.train.run_log import RunLog
+
+    c = Config()
+    c.output.run_dir = str(tmp_path / "run")
+    run_log = RunLog(c, metrics=None, loader=SimpleNamespace(windows=10), downstream=None, is_main=True)
+    logger = logging.getLogger("hybridpar.train.run_log")  # hybridpar's loggers do not propagate (progress.py)
+    logger.addHandler(caplog.handler)
+    try:
+        for ep, mesh in ((2, "dp_replicate 1 x dp_shard 4 (ep 2) x mp 2,"), (1, "dp_replicate 1 x dp_shard 4 x mp 2,")):
+            caplog.clear()
+            with caplog.at_level(logging.INFO, logger="hybridpar.train.run_log"):
+                run_log.begin(ModelArgs.from_preset("debug_llama4"), SimpleNamespace(sizes=(1, 1, 4, 1, 2), ep=ep,
+                              world_size=8), 8, has_validation=True, resumed_from=None, step=0)
+            assert f"8 ranks = {mesh}" in caplog.text, caplog.text
+    finally:
+        logger.removeHandler(caplog.handler)

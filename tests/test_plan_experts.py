@@ -1,0 +1,138 @@
+"""The planner on a mixture of experts (hybridpar.plan.experts): Llama 4 Scout's and Maverick's parameters,
+expert state per ep rank, all-to-all bytes and FLOPs against hand arithmetic from the presets' shapes,
+and their plans on H100s. (The dry run's state, counted on the real model, is held to the planner's in
+tests/test_dryrun.py.)"""
+
+import dataclasses
+
+import pytest
+
+from hybridpar.models.args import ModelArgs
+from hybridpar.plan import Layout, Workload, estimate, make_plan
+from hybridpar.plan.experts import dense_skeleton, expert_terms
+from hybridpar.plan.hardware import spec
+
+D, L, KV, VOCAB, HIDDEN, DENSE = 5120, 48, 8 * 128, 202048, 8192, 16384  # both presets' shapes
+ATTENTION = 2 * D * D + 2 * D * KV + 2 * D  # wq, wo; wk, wv; the two norms
+EXPERT = 3 * D * HIDDEN  # one SwiGLU of the experts' hidden size (each routed expert, and the shared one)
+ENDS = 2 * VOCAB * D + D  # the embedding, the output head, the final norm
+
+
+def _by_hand(n_experts: int, moe: int, active: bool) -> int:
+    experts = 1 if active else n_experts  # experts_per_token = 1 in both
+    return L * ATTENTION + moe * ((experts + 1) * EXPERT + n_experts * D) + (L - moe) * 3 * D * DENSE + ENDS
+
+
+def test_scout_and_maverick_total_and_active_parameters_by_hand():
+    scout, maverick = ModelArgs.from_preset("llama4_scout"), ModelArgs.from_preset("llama4_maverick")
+    assert scout.num_params() == _by_hand(16, 48, False) and round(scout.num_params() / 1e9, 1) == 107.8
+    assert scout.num_params(active=True) == _by_hand(16, 48, True) and round(scout.num_params(active=True) / 1e9, 1) == 17.2
+    assert maverick.num_params() == _by_hand(128, 24, False) and round(maverick.num_params() / 1e9, 1) == 400.7
+    assert maverick.num_params(active=True) == _by_hand(128, 24, True)
+    # The planner's state of the whole model on one rank: every parameter once, fp32 params, grads, 2 moments.
+    for args in (scout, maverick):
+        e = estimate(args, Layout(mp=1, dp_shard=1), Workload(seq_len=8192), spec("h100", 1))
+        assert e.memory.params == 4 * args.num_params() and e.memory.optimizer == 8 * args.num_params()
+        skeleton = dense_skeleton(args)
+        assert skeleton.num_params() + expert_terms(args, Layout(1, 1), Workload(8192)).local == args.num_params()
+
+
+def test_expert_state_per_ep_rank_and_the_rest_over_every_dp_rank():
+    """Maverick at mp 8 x dp_shard 32, ep 8: each rank holds 128 / 8 = 16 experts of each of the 24 MoE
+    layers, their hidden size / 8, FSDP-sharded over the 32 / 8 = 4 ranks holding the same ones; the
+    routers over all 32."""
+    args = ModelArgs.from_preset("llama4_maverick")
+    x = expert_terms(args, Layout(mp=8, dp_shard=32, ep=8), Workload(seq_len=8192))
+    assert x.experts_per_rank == 16 and x.expert_fsdp == 4
+    assert x.expert_unit == 16 * EXPERT // 8
+    assert x.sharded == 24 * (4 * EXPERT // 8 + 128 * D // 32)
+    at_ep1 = expert_terms(args, Layout(mp=8, dp_shard=32), Workload(seq_len=8192))
+    assert at_ep1.experts_per_rank == 128 and at_ep1.sharded == x.sharded  # 128 / 32 = 16 / 4 experts' worth either way
+    assert at_ep1.expert_unit == 8 * x.expert_unit and at_ep1.all_to_all_mb == 0
+
+
+@pytest.mark.parametrize("ac,recomputed", [("none", 0), ("full", 24), ("selective", 0)])
+def test_all_to_all_bytes_per_step_by_hand(ac, recomputed):
+    """Dispatch and combine, forward and backward (again in a recomputed layer's forward): tokens x top-k x
+    dim in bf16 each, plus the tokens-per-expert counts (128 int64) before each forward dispatch; (ep - 1) / ep of
+    it leaves the rank, over the 45 GB/s a GPU has between nodes (the ep group spans 8 nodes at mp 8).
+    Maverick's MoE layers are the odd ones: AC every 2 recomputes none of them."""
+    args, tokens = ModelArgs.from_preset("llama4_maverick"), 2 * 8192
+    layout, workload = Layout(mp=8, dp_shard=32, ep=8, ac=ac), Workload(seq_len=8192, micro_batch=2, global_batch=128)
+    e = estimate(args, layout, workload, spec("h100", 256))
+    per_micro_batch = (4 * 24 + 2 * recomputed) * tokens * D * 2 + (24 + recomputed) * 128 * 8
+    assert e.grad_accum == 2 and e.experts.all_to_all_mb == per_micro_batch
+    assert e.experts.leaving_share == 7 / 8
+    assert e.time.ep_comm == pytest.approx(2 * per_micro_batch * 7 / 8 / 45e9)
+
+
+def test_flops_are_six_times_the_active_parameters_and_the_attention():
+    args = ModelArgs.from_preset("llama4_scout")
+    e = estimate(args, Layout(mp=8, dp_shard=8, ep=8), Workload(seq_len=8192), spec("h100", 64))
+    matmuls = _by_hand(16, 48, True) - VOCAB * D  # the embedding's lookup is free; the head is a matmul
+    assert e.model_flops_per_step == (6 * matmuls + 12 * L * D * 8192) * e.tokens_per_step
+
+
+@pytest.mark.parametrize("preset,gpus", [("llama4_scout", 64), ("llama4_maverick", 256)])
+def test_the_planner_prices_scout_and_maverick_on_h100_searching_ep(preset, gpus):
+    args, hw = ModelArgs.from_preset(preset), spec("h100", gpus)
+    plan = make_plan(args, Workload(seq_len=8192), hw)
+    assert plan.fitting and all(e.memory.total <= hw.usable_bytes for e in plan.fitting)
+    eps = {e.layout.ep for e in plan.estimates}
+    assert {1, 2, 8} <= eps and all(args.n_experts % ep == 0 and e.layout.dp_shard % ep == 0
+                                    for e in plan.estimates for ep in [e.layout.ep])
+    assert all(e.layout.pp == e.layout.cp == 1 for e in plan.estimates)  # the job refuses both with Llama 4
+    best = plan.fitting[0]
+    assert best.layout.ep > 1 and best.time.ep_comm > 0
+    # Experts shrink the state as ep grows only through who shards them: the same layout at ep 1 holds as much
+    # state but all-gathers every expert over dp_shard.
+    same = estimate(args, dataclasses.replace(best.layout, ep=1), Workload(seq_len=8192), hw)
+    assert same.memory.state == pytest.approx(best.memory.state, rel=0.01)
+    assert same.memory.gathered_params > best.memory.gathered_params
+
+
+def test_cli_plans_maverick_with_active_parameters_and_the_ep_flag(capsys):
+    from hybridpar import cli
+
+    assert cli.main(["plan", "--model", "llama4_maverick", "--gpus", "256", "--gpu", "h100", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "400.71B parameters (17.18B active per token: 1 of 128 experts and the shared expert in 24 MoE layers" in out
+    assert "assumed: balanced routing" in out and "a2a s" in out
+    best = out.split("\nbest: ")[1]
+    assert "all-to-all" in best and "of each MoE layer's on a GPU" in best and "--parallel.ep " in best
+
+
+@pytest.mark.parametrize("argv,said", [
+    (["--pp", "2"], "--pp 2: Llama 4's layers run without pipeline and context parallelism yet"),
+    (["--float8", "tensorwise"], "--float8 tensorwise: the job refuses it for a mixture of experts"),
+])
+def test_cli_refuses_what_the_job_refuses_of_llama4_in_one_line(capsys, argv, said):
+    from hybridpar import cli
+
+    assert cli.main(["plan", "--model", "llama4_scout", "--gpus", "64", "--gpu", "h100", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and said in err[0], err
+
+
+def test_an_ep_the_experts_or_dp_shard_do_not_allow_is_refused():
+    args, w, hw = ModelArgs.from_preset("llama4_scout"), Workload(seq_len=8192), spec("h100", 64)
+    with pytest.raises(ValueError, match="^ep = 32 does not divide the model's 16 experts"):
+        estimate(args, Layout(mp=2, dp_shard=32, ep=32), w, hw)
+    with pytest.raises(ValueError, match="^ep = 16 does not divide dp_shard = 8"):
+        estimate(args, Layout(mp=8, dp_shard=8, ep=16), w, hw)
+    with pytest.raises(ValueError, match="^ep = 2: a dense model has no experts"):
+        estimate(ModelArgs.from_preset("llama3_8b"), Layout(mp=1, dp_shard=8, ep=2), w, spec("h100", 8))
+
+
+def test_the_plans_json_gives_active_parameters_ep_and_the_all_to_all():
+    from hybridpar.plan import plan_json
+
+    args = ModelArgs.from_preset("llama4_scout")
+    data = plan_json(make_plan(args, Workload(seq_len=8192), spec("h100", 64)), "llama4_scout", "--model.preset llama4_scout")
+    assert data["parameters"] == _by_hand(16, 48, False) and data["active_parameters"] == _by_hand(16, 48, True)
+    at_ep = [row for row in data["layouts"] if row["ep"] > 1]
+    assert at_ep and all(row["all_to_all_bytes"] > 0 and row["all_to_all_s"] > 0 for row in at_ep)
+    assert all(row["all_to_all_bytes"] == 0 for row in data["layouts"] if row["ep"] == 1)
+    best = data["layouts"][0]  # fitting layouts first, the fastest first
+    assert best["fits"] and best["config"] == data["best"] and best["ep"] > 1
+    assert f"--parallel.ep {best['ep']} " in data["best"]

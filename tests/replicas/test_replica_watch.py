@@ -143,6 +143,9 @@ class _Manager:
     def num_participants(self) -> int:
         return self.groups
 
+    def participating_rank(self) -> int:
+        return 0
+
 
 class _Status(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
@@ -241,7 +244,7 @@ def test_a_quorum_another_rank_missed_is_asked_again_by_every_rank(monkeypatch, 
     or the other would ask alone and wait in torchft's manager for this one, gone on to train."""
     replicas, _ = _groups(monkeypatch, lighthouse, [2, 2], min_groups=1)
     other = iter([True, False])  # the other rank of the group: first it missed the quorum, then not
-    monkeypatch.setattr(quorum, "gather_objects", lambda mine: [mine, (next(other), mine[1])])
+    monkeypatch.setattr(quorum, "gather_objects", lambda mine: [mine, (next(other), mine[1], "")])
     replicas.begin_step(4)
     assert replicas.manager.outcomes == []
     assert _said(capsys)[0] == ("hybridpar: replica group 0 waits for the quorum before step 5: another rank of this "
@@ -253,7 +256,7 @@ def test_a_heal_that_reached_some_ranks_only_stops_the_group(monkeypatch, lighth
     quorum at the live group's step, this one at its own. Training on would run the ranks' collectives
     out of step (a hang at the first evaluation): the group stops, for its launcher to restart it."""
     replicas, _ = _groups(monkeypatch, lighthouse, [2], min_groups=1)
-    monkeypatch.setattr(quorum, "gather_objects", lambda mine: [mine, (False, 4)])  # another rank: step 4
+    monkeypatch.setattr(quorum, "gather_objects", lambda mine: [mine, (False, 4, "")])  # another rank: step 4
     with pytest.raises(quorum.GroupOutOfStep, match=r"replica group 0: its ranks left the quorum at steps 0 and 4, a "
                                                     r"heal from a live group reached some of them only"):
         replicas.begin_step(0)

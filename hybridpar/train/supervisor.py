@@ -28,7 +28,7 @@ from ..checkpoint.dcp import latest_checkpoint
 from ..config import Config
 from ..diagnostics.data_guard import check_data, step_fingerprint
 from ..diagnostics.monitor import save_report, verdict_time
-from ..diagnostics.node_fault import place
+from ..diagnostics.node_fault import place, then as node_fault_then
 from ..diagnostics.replicas import check_replicas
 from ..diagnostics.stragglers import StragglerMonitor
 from ..diagnostics.timeouts import Deadlines, apply_env_defaults, restore_env
@@ -204,10 +204,14 @@ class Supervisor:
         """Rank 0, once the checkpoint is written: the verdict for launch/slurm.sh, and one line."""
         x = self.excluding
         group = f"replica group {x['group']}, " if "group" in x else ""
+        # A replica group exits as failed (Trainer.exit_code): one that ends 0 has finished its training.
+        node = x["node"]
+        then = (f"; {node_fault_then(x['group'])}; to leave node {node} out now, resubmit with --exclude {node}"
+                if "group" in x else
+                f" so that node {node} can be left out (launch/slurm.sh excludes it and requeues the job)")
         line = (f"hybridpar: rank {x['rank']} ({group}node {x['node']}, host {x['host']}) computed {x['ratio']}x the "
                 f"others' median in {x['reports']} straggler reports in a row (diagnostics.straggler_exclude = "
-                f"{self.config.diagnostics.straggler_exclude}); saved step {step} ({checkpoint}) and stopped so "
-                f"that node {x['node']} can be left out (launch/slurm.sh excludes it and requeues the job)")
+                f"{self.config.diagnostics.straggler_exclude}); saved step {step} ({checkpoint}) and stopped{then}")
         fault = {"kind": "straggler", "nodes": [x["node"]], "ranks": [x["rank"]]}
         save_report(self.run_dir, None, {"reason": line, "step": step, "node_fault": fault, **verdict_time(0.0),
                                          "straggler": x, "checkpoint": str(checkpoint)})

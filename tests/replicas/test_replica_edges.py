@@ -18,9 +18,76 @@ from tests.distributed import free_port
 from tests.launch.common import stop_session
 from tests.replicas.jobs import rows, start, steps, stop_leftovers
 
-pytestmark = pytest.mark.slow
-
 BOUND = 240  # seconds a job of these tests may take (the machine is shared: generous)
+
+
+class _Stop:
+    """The supervisor's StopRequest as the quorum reads it."""
+
+    def __init__(self) -> None:
+        self.signal_name = ""
+
+    @property
+    def requested(self) -> bool:
+        return bool(self.signal_name)
+
+
+def test_a_try_at_the_quorum_is_left_when_a_stop_signal_comes(monkeypatch):
+    """torchft's try at the quorum waits for a lighthouse that is gone (2 x fault_tolerance.timeout): a
+    stop signal 0.3 s into it ends the wait at once (the try left to its thread, its heal refused), and
+    the group's ranks agree to stop: QuorumStopped, naming why the quorum had not formed."""
+    import threading
+
+    from hybridpar.config.fault_tolerance import FaultToleranceConfig
+    from hybridpar.replicas import groups, quorum
+
+    monkeypatch.setattr(groups.dist, "get_rank", lambda: 0)
+    ft = FaultToleranceConfig(enabled=True, groups=2, lighthouse="http://localhost:1", timeout=30.0)
+    replicas = groups.ReplicaGroups(ft, grad_accum=1)
+    released = threading.Event()
+    replicas.manager = type("Manager", (), {"start_quorum": lambda self: released.wait(60)})()
+    replicas.stop = stop = _Stop()
+    threading.Timer(0.3, lambda: setattr(stop, "signal_name", "SIGTERM")).start()
+    began = time.monotonic()
+    with pytest.raises(quorum.QuorumStopped) as stopped:
+        quorum.join(replicas, lambda note: None)
+    released.set()
+    assert time.monotonic() - began < 5
+    assert (stopped.value.signal_name, stopped.value.step, stopped.value.group) == ("SIGTERM", 0, 0)
+    assert stopped.value.waited_for == "its try at the quorum was not answered yet"
+    with pytest.raises(quorum.QuorumStopped):  # a heal that comes now is not loaded: what is saved is whole
+        replicas._load({})
+
+
+def test_a_stopped_waits_line_says_what_was_saved_or_why_not(tmp_path):
+    from hybridpar.replicas.quorum import QuorumStopped
+
+    stopped = QuorumStopped("SIGUSR1", 6, "the lighthouse at http://n0:29510 does not answer: Connection refused", 1)
+    head = ("hybridpar: stopped on SIGUSR1 while replica group 1 waited for the quorum before step 7 (the lighthouse at "
+            "http://n0:29510 does not answer: Connection refused); ")
+    tail = ". To continue, run the same command again."
+    six, four = tmp_path / "step-00000006", tmp_path / "step-00000004"
+    assert stopped.line(six, six, True) == head + f"saved step 6: {six}" + tail
+    assert stopped.line(None, six, False) == head + f"step 6 is saved already: {six}" + tail
+    assert stopped.line(None, four, False) == head + ("step 6 not saved by this group: the first group of its last "
+                                                      f"quorum writes the job's checkpoints (the newest: {four})") + tail
+    assert QuorumStopped("SIGTERM", 0, "x", 0).line(None, None, True).endswith("(x); no step trained, nothing to save" +
+                                                                                 tail)
+
+
+def test_a_lighthouse_that_does_not_answer_is_one_line_naming_where_its_address_comes_from(monkeypatch):
+    from hybridpar.config.fault_tolerance import FaultToleranceConfig
+    from hybridpar.replicas import quorum
+
+    port = free_port()
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", f"http://127.0.0.1:{port}")
+    with pytest.raises(quorum.LighthouseUnreachable) as refused:
+        quorum.reach(FaultToleranceConfig(enabled=True, groups=2, group=1), 1, 1.0)
+    assert str(refused.value) == (
+        f"replica group 1 cannot reach the lighthouse at http://127.0.0.1:{port} (TORCHFT_LIGHTHOUSE) in 1 s "
+        f"(fault_tolerance.timeout): Connection refused; start it there (`hybridpar lighthouse --port {port}`) or "
+        "correct TORCHFT_LIGHTHOUSE; the group exits for its launcher to try again")
+    assert refused.value.every_rank  # said once, by the group's rank 0 (reporting.report_error)
 
 
 def _ended(proc: subprocess.Popen, run, seconds: float = BOUND) -> str:
@@ -31,6 +98,7 @@ def _ended(proc: subprocess.Popen, run, seconds: float = BOUND) -> str:
         stop_leftovers(run)
 
 
+@pytest.mark.slow
 def test_a_group_started_without_its_lighthouse_says_so_once_and_exits_for_torchrun_to_retry(corpus, tmp_path):
     """fault_tolerance.lighthouse names a port nothing listens on: each of torchrun's two tries says one
     line (rank 0 of the group, not each rank), no traceback, and the group exits non-zero."""
@@ -76,6 +144,7 @@ def _signal_when(run, proc, ready, what: str) -> float:
     return time.monotonic()
 
 
+@pytest.mark.slow
 def test_a_stop_signal_ends_a_wait_for_too_few_groups(corpus, tmp_path):
     """min_groups 2 and one group started: it waits for the quorum before step 1; SIGTERM ends the
     wait within seconds (not start_wait's minutes), saying it had trained nothing to save."""
@@ -102,6 +171,7 @@ def test_a_stop_signal_ends_a_wait_for_too_few_groups(corpus, tmp_path):
     assert 'hybridpar/' not in log and not (run / "group-0" / "hang_report.json").exists(), log[-3000:]
 
 
+@pytest.mark.slow
 def test_a_stop_signal_ends_a_wait_for_a_lighthouse_that_is_gone_and_saves_the_last_step(corpus, tmp_path):
     """One group trains, its lighthouse is killed after step 3 and SIGTERM follows 3 s later: the group,
     waiting for a quorum (a try of torchft's may wait 2 x fault_tolerance.timeout, 90 s), leaves the

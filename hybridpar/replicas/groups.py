@@ -58,6 +58,7 @@ class LoneGroup:
     """A job that is one group: nothing to agree on, every step committed."""
 
     parts: dict = {}
+    stopped = None  # (ReplicaGroups: the QuorumStopped it raised)
 
     def data_rank(self, parallel) -> tuple[int, int]:
         return parallel.dp_rank, parallel.dp_size
@@ -87,8 +88,9 @@ class LoneGroup:
         pass
 
 
-def make_replicas(config):
-    """ReplicaGroups for fault_tolerance.enabled, else the LoneGroup (`config`: the group's, preflight.group_config)."""
+def make_replicas(config, stop=None):
+    """ReplicaGroups for fault_tolerance.enabled, else the LoneGroup (`config`: the group's, preflight.group_config;
+    `stop`: the supervisor's StopRequest, whose signal ends a wait for the quorum)."""
     ft = config.fault_tolerance
     if not ft.enabled:
         return LoneGroup()
@@ -96,7 +98,7 @@ def make_replicas(config):
     d = config.diagnostics
     return ReplicaGroups(ft, config.train.grad_accum, check_every=d.replica_check_every,
                          start_wait=config.parallel.init_timeout / 2,
-                         laggards=Laggards(ft.group, ft.groups, d.straggler_every, d.straggler_threshold),
+                         laggards=Laggards(ft.group, ft.groups, d.straggler_every, d.straggler_threshold), stop=stop,
                          record_to=Path(config.output.run_dir) / "windows.jsonl" if ft.record_windows else None)
 
 
@@ -125,10 +127,10 @@ class ReplicaGroups:
     """check_every: diagnostics.replica_check_every (the groups' parameters are also compared after each
     change of the quorum); start_wait: seconds the first step waits for every group; record_to: where
     windows.jsonl goes (fault_tolerance.record_windows), None for no record; laggards: the judge of the
-    groups' step times (None: no judging)."""
+    groups' step times (None: no judging); stop: the supervisor's StopRequest (None: a wait is not stopped)."""
 
     def __init__(self, ft, grad_accum: int, *, check_every: int = 0, start_wait: float = 300.0,
-                 record_to: Optional[Path] = None, laggards: Optional[Laggards] = None) -> None:
+                 record_to: Optional[Path] = None, laggards: Optional[Laggards] = None, stop=None) -> None:
         self.ft, self.grad_accum, self.check_every, self.start_wait = ft, grad_accum, check_every, start_wait
         self.windows = [0] * ft.groups  # steps each group's data went into, committed
         self.membership = Membership(ft.groups)  # the steps with fewer groups, the heals
@@ -142,7 +144,7 @@ class ReplicaGroups:
         self.at, self.waiting = nowhere, unwatched  # the supervisor's, from connect()
         self._quorum_id: Optional[int] = None  # the last quorum's (torchft's): a new one is a changed quorum
         self.laggards = laggards or Laggards(ft.group, ft.groups, 0, 2.0)
-        self.stop = None  # the supervisor's StopRequest, from connect(): a stop signal ends a wait for the quorum
+        self.stop, self.stopped = stop, None  # a stop signal ends a wait for the quorum: the QuorumStopped raised
         self.first = False  # the first group of the last quorum that formed: it writes the job's checkpoints
         self._lock = threading.Lock()  # a heal's load against a group leaving its wait (abandon)
         self._leaving = False
@@ -183,13 +185,11 @@ class ReplicaGroups:
 
     # --- set-up ----------------------------------------------------------------------------------
 
-    def connect(self, parallel, modules, optimizer, scheduler, loader, *, step: int, metrics, at, waiting,
-                stop=None) -> None:
+    def connect(self, parallel, modules, optimizer, scheduler, loader, *, step: int, metrics, at, waiting) -> None:
         """Join the job's groups: torchft's Manager for this rank, at `step` (0, or the checkpoint's).
         at(phase, step=): where the supervisor is told this rank waits for the quorum; waiting(what): the
-        supervisor's context around that wait, which is not a hang (Supervisor.waiting); stop: the
-        supervisor's StopRequest, whose signal ends a wait for the quorum. LighthouseUnreachable on every
-        rank when the lighthouse does not answer within fault_tolerance.timeout."""
+        supervisor's context around that wait, which is not a hang (Supervisor.waiting). LighthouseUnreachable
+        on every rank when the lighthouse does not answer within fault_tolerance.timeout."""
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's own log: every quorum and commit at its default
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 
@@ -200,7 +200,7 @@ class ReplicaGroups:
             logging.getLogger(name).setLevel(level)
 
         self.modules, self.optimizer, self.scheduler, self.loader = modules, optimizer, scheduler, loader
-        self.metrics, self.step, self.at, self.waiting, self.stop = metrics, step, at, waiting, stop
+        self.metrics, self.step, self.at, self.waiting = metrics, step, at, waiting
         self._seek()  # this group's own place in the data, whatever the checkpoint's loader said
         timeout = timedelta(seconds=self.ft.timeout)
         host, port = self._group_store()
@@ -340,9 +340,9 @@ class ReplicaGroups:
         # A stop signal ended the wait (every rank of a quorum of all groups trains the step, then stops).
         signals = gather_objects(self.stop.signal_name if self.stop is not None else "")
         if any(signals) and self.healed is None and self.manager.num_participants() < self.ft.groups:
-            raise QuorumStopped(next(s for s in signals if s), self.step,
-                                f"{self.manager.num_participants()} of {self.ft.groups} groups there before its first step",
-                                self.ft.group)
+            self.stopped = QuorumStopped(next(s for s in signals if s), self.step, f"{self.manager.num_participants()} "
+                                         f"of {self.ft.groups} groups there before its first step", self.ft.group)
+            raise self.stopped
 
     def _check_groups(self) -> None:
         """The replica check across groups (check.py) after a change of the quorum and every check_every steps."""

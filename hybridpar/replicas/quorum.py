@@ -54,10 +54,12 @@ class QuorumStopped(Exception):
     def __init__(self, signal_name: str, step: int, waited_for: str, group: int) -> None:
         super().__init__(f"stopped on {signal_name} while waiting for the quorum before step {step + 1} ({waited_for})")
         self.signal_name, self.step, self.waited_for, self.group = signal_name, step, waited_for, group
+        self.saved: Optional[Path] = None  # what the group then saved (the trainer's)
 
-    def line(self, saved: Optional[Path], newest: Optional[Path], writes: bool) -> str:
-        """The stop's line (the group's rank 0): `saved` what the group wrote, `newest` the newest
-        checkpoint now, `writes` whether the group was the first of its last quorum."""
+    def line(self, newest: Optional[Path], writes: bool) -> str:
+        """The stop's line (the group's rank 0): `newest` the newest checkpoint now, `writes` whether the
+        group was the first of its last quorum."""
+        saved = self.saved
         if saved is not None:
             kept = f"saved step {self.step}: {saved}"
         elif newest is not None and newest.name == step_dir_name(self.step):
@@ -89,13 +91,17 @@ def join(replicas, say: Callable[[str], None]) -> None:
     reached one of them meanwhile."""
     ft, manager = replicas.ft, replicas.manager
     began, said = time.monotonic(), None
-    while (why := agreed(asked(replicas), replicas.step, ft.group, replicas.stop, said)) is not None:
-        say(f"the quorum of the replica groups before step {replicas.step + 1} ({why})")
-        if why != said and dist.get_rank() == 0:
-            log.warning(f"hybridpar: replica group {ft.group} waits for the quorum before step "
-                        f"{replicas.step + 1}: {why}; it trains on when the quorum forms")
-        said = why
-        time.sleep(RETRY_S)
+    try:
+        while (why := agreed(asked(replicas), replicas.step, ft.group, replicas.stop, said)) is not None:
+            say(f"the quorum of the replica groups before step {replicas.step + 1} ({why})")
+            if why != said and dist.get_rank() == 0:
+                log.warning(f"hybridpar: replica group {ft.group} waits for the quorum before step "
+                            f"{replicas.step + 1}: {why}; it trains on when the quorum forms")
+            said = why
+            time.sleep(RETRY_S)
+    except QuorumStopped as stopped:
+        replicas.stopped = stopped  # for the trainer's stop line
+        raise
     if said is not None and dist.get_rank() == 0:
         log.warning(f"hybridpar: replica group {ft.group} is in a quorum of {manager.num_participants()} "
                     f"group(s) after waiting {time.monotonic() - began:.1f} s; it trains step {replicas.step + 1}")

@@ -200,6 +200,23 @@ class Supervisor:
         and stops, and straggler_stop() names the node."""
         return self.stragglers.excluding if self.stragglers is not None else None
 
+    @property
+    def exit_code(self) -> int:
+        """The exit status of a run that ended: 0, or 1 for a replica group stopped to leave a straggling node
+        (its launcher restarts it; a group that ends with 0 has finished, for launch/slurm.sh --ft)."""
+        return int(self.config.fault_tolerance.enabled and self.excluding is not None)
+
+    def say_stopped(self, step: int, checkpoint: Optional[Path], signal_name: str, *, waited=None,
+                    writes: bool = True) -> None:
+        """Rank 0, once a stop has saved: the straggler's verdict, or stopped.json (launch/slurm.sh requeues
+        on it) and the stop's line; `waited`: a replica group's QuorumStopped, `writes`: whether it writes."""
+        if self.excluding is not None:
+            self.straggler_stop(step, checkpoint)
+            return
+        stopping.write_marker(self.run_dir, signal_name, step, checkpoint)
+        log.info(waited.line(checkpoint, writes) if waited is not None else
+                 stopping.stopped_line(signal_name, step, checkpoint, self.config.checkpoint.resume))
+
     def straggler_stop(self, step: int, checkpoint: Optional[Path]) -> None:
         """Rank 0, once the checkpoint is written: the verdict for launch/slurm.sh, and one line."""
         x = self.excluding

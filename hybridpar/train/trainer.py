@@ -32,7 +32,6 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
-from ..checkpoint.dcp import step_dir_name
 from ..config import Config, profile_range
 from ..data import build_training_data, check_vocab
 from ..data.streams import DataFormatError
@@ -72,8 +71,6 @@ class Trainer:
         self.stop = self.supervisor.stop
         self.stop_signal = ""  # the stop signal every rank agreed on (at the end of a step), if any
         self.data_stopped: Optional[Exception] = None  # what stopped the data, agreed by every rank (data_stop.py)
-        self.quorum_stopped: Optional[QuorumStopped] = None  # a stop signal while the replica group waited
-        self.quorum_saved: Optional[Path] = None  # what the group then saved
         try:
             self.parallel = p = parallel or init_parallel(
                 mp=c.parallel.mp, dp_shard=c.parallel.dp_shard, dp_replicate=c.parallel.dp_replicate, cp=c.parallel.cp,
@@ -96,7 +93,7 @@ class Trainer:
         if c.output.wandb:
             require_wandb()
         self.downstream = Downstream(c, p, self.supervisor)  # the [eval] tasks read and checked
-        self.replicas = make_replicas(c)  # the other replica groups, if any
+        self.replicas = make_replicas(c, self.stop)  # the other replica groups, if any
         self._phase("data")
         self._set_up_data(c, p)
         # Before the model is built and compiled: the compiler's start-up takes a share of the cores,
@@ -127,8 +124,7 @@ class Trainer:
         self.metrics = MetricsWriter(self.run_dir, enabled=self.is_main, tensorboard=c.output.tensorboard,
                                      start_step=self.step, wandb=wandb)
         self.replicas.connect(p, self.runner.modules, self.optimizer, self.scheduler, self.loader, step=self.step,
-                              metrics=self.metrics, at=self.supervisor.phase, waiting=self.supervisor.waiting,
-                              stop=self.stop)
+                              metrics=self.metrics, at=self.supervisor.phase, waiting=self.supervisor.waiting)
         self.run_log = RunLog(c, self.metrics, self.loader, self.downstream, self.replicas, is_main=self.is_main)
         self.history = self.run_log.history  # every step's numbers (run() returns them)
         self.evaluations = Evaluations(c, p, self.runner, self.val_dataset, self.downstream, self.supervisor,
@@ -244,15 +240,8 @@ class Trainer:
         if self.is_main:
             self.run_log.end(self.profiler)
         if self.stop_signal and self.is_main and self.data_stopped is None:  # the data's stop: said after the summary
-            path = self.checkpoints.latest()
-            if self.supervisor.excluding is not None:
-                self.supervisor.straggler_stop(self.step, path)
-            elif self.quorum_stopped is not None:
-                stopping.write_marker(self.run_dir, self.stop_signal, self.step, path)
-                log.info(self.quorum_stopped.line(self.quorum_saved, path, self.replicas.writes_checkpoints()))
-            else:
-                stopping.write_marker(self.run_dir, self.stop_signal, self.step, path)
-                log.info(stopping.stopped_line(self.stop_signal, self.step, path, c.checkpoint.resume))
+            self.supervisor.say_stopped(self.step, self.checkpoints.latest(), self.stop_signal,
+                                        waited=self.replicas.stopped, writes=self.replicas.writes_checkpoints())
         self._summary()
         if self.data_stopped is not None:  # an error every rank raises alike, or the end asked for
             data_stop.finish(self.data_stopped, self.step, self.checkpoints.latest() if self.step else None,
@@ -268,22 +257,6 @@ class Trainer:
                 peak_memory_gb=peak_memory_gb, checkpoint=self.checkpoints.latest(), tokenizer=self.tokenizer,
                 stopped=self.stop_signal, data_stopped=self.data_stopped, has_validation=self.validator is not None)
 
-    @property
-    def exit_code(self) -> int:
-        """The exit status of a run that ended: 0, or 1 for a replica group stopped to leave a straggling node
-        (its launcher restarts it; a group that ends with 0 has finished, for launch/slurm.sh --ft)."""
-        return int(self.config.fault_tolerance.enabled and self.supervisor.excluding is not None)
-
-    def _save_unsaved(self) -> Optional[Path]:
-        """A replica group stopped while it waited for the quorum: its last committed step, saved unless it
-        is saved already, no step was trained, or another group writes the checkpoints. The path written."""
-        newest = self.checkpoints.latest()
-        if self.step == 0 or (newest is not None and newest.name == step_dir_name(self.step)):
-            return None
-        if not self.replicas.writes_checkpoints():
-            return None
-        return self.save_checkpoint()
-
     def _train_loop(self, saved_at: Optional[int]) -> Optional[int]:
         """Train to train.steps: log, report stragglers, evaluate, save checkpoints; the step last saved."""
         c = self.config
@@ -298,11 +271,9 @@ class Trainer:
             except data_stop.DataStopped as stopped:  # every rank, before the step trained: save the last one
                 self.data_stopped, self.stop_signal = stopped.error, "the data"
                 break
-            except QuorumStopped as stopped:  # every rank of the group, waiting for the quorum: save what it holds
-                self.quorum_stopped, self.stop_signal, self.step = stopped, stopped.signal_name, stopped.step
-                with clock.pause():
-                    self.quorum_saved = self._save_unsaved()
-                saved_at = self.step
+            except QuorumStopped as stopped:  # every rank of the group, waiting for a quorum: save what it holds
+                self.stop_signal, self.step, saved_at = stopped.signal_name, stopped.step, stopped.step
+                stopped.saved = self.checkpoints.save_if_new(self.step, self.metrics)
                 break
             clock.step_done(self.step)
             self.checkpoints.prepare_staging()  # a fresh optimizer has its state after the first step

@@ -67,12 +67,12 @@ def test_a_stopped_waits_line_says_what_was_saved_or_why_not(tmp_path):
             "http://n0:29510 does not answer: Connection refused); ")
     tail = ". To continue, run the same command again."
     six, four = tmp_path / "step-00000006", tmp_path / "step-00000004"
-    assert stopped.line(six, six, True) == head + f"saved step 6: {six}" + tail
-    assert stopped.line(None, six, False) == head + f"step 6 is saved already: {six}" + tail
-    assert stopped.line(None, four, False) == head + ("step 6 not saved by this group: the first group of its last "
-                                                      f"quorum writes the job's checkpoints (the newest: {four})") + tail
-    assert QuorumStopped("SIGTERM", 0, "x", 0).line(None, None, True).endswith("(x); no step trained, nothing to save" +
-                                                                                 tail)
+    assert stopped.line(six, False) == head + f"step 6 is saved already: {six}" + tail
+    assert stopped.line(four, False) == head + ("step 6 not saved by this group: the first group of its last quorum "
+                                                f"writes the job's checkpoints (the newest: {four})") + tail
+    assert QuorumStopped("SIGTERM", 0, "x", 0).line(None, True).endswith("(x); no step trained, nothing to save" + tail)
+    stopped.saved = six
+    assert stopped.line(six, True) == head + f"saved step 6: {six}" + tail
 
 
 def test_a_lighthouse_that_does_not_answer_is_one_line_naming_where_its_address_comes_from(monkeypatch):

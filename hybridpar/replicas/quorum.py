@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 
 RETRY_S = 1.0  # seconds between tries at a quorum that did not form, or formed with too few groups
 POLL_S = 0.2  # how often a rank waiting for its try at the quorum looks for a stop signal
+# Seconds a try at the quorum may still take after a stop signal: one that forms the quorum trains the
+# step, and the stop ballots end every group after it (a preemption signals them all at once).
+STOP_GRACE_S = 5.0
 
 
 class GroupOutOfStep(RuntimeError):
@@ -135,9 +138,9 @@ STOPPING = "a stop signal came"  # what a rank that left its try at the quorum f
 
 
 def asked(replicas) -> Optional[str]:
-    """ask() for `replicas`' quorum in a thread of its own, waited for until it ends or a stop signal
-    comes (then STOPPING: the try goes on unheeded, and the group leaves; replicas.abandon() keeps a
-    heal that comes later from loading)."""
+    """ask() for `replicas`' quorum in a thread of its own, waited for until it ends, or STOP_GRACE_S
+    after a stop signal (then STOPPING: the try goes on unheeded, and the group leaves; replicas.abandon()
+    keeps a heal that comes later from loading)."""
     stop = replicas.stop
     if stop is None:
         return ask(replicas.manager, replicas.ft, replicas.formed)
@@ -153,6 +156,7 @@ def asked(replicas) -> Optional[str]:
     thread.start()
     while thread.is_alive() and not stop.requested:
         thread.join(POLL_S)
+    thread.join(STOP_GRACE_S)
     if thread.is_alive():
         replicas.abandon()
         if not thread.is_alive():  # it ended meanwhile: its outcome stands

@@ -192,6 +192,8 @@ def ask(manager, ft, formed: Callable[[], None] = lambda: None) -> Optional[str]
 
 def status(address: str, timeout: float) -> tuple[Optional[str], str]:
     """(the lighthouse's status page, "") or (None, why it does not answer). An HTTP error is an answer."""
+    if urllib.parse.urlsplit(address).scheme not in ("http", "https"):  # torchft too needs the scheme
+        return None, f"{address} is not a URL (write it as http://HOST:PORT)"
     try:
         with urllib.request.urlopen(f"{address}/status", timeout=timeout) as f:
             return f.read().decode(errors="replace"), ""
@@ -199,6 +201,7 @@ def status(address: str, timeout: float) -> tuple[Optional[str], str]:
         return "", f"HTTP {err.code}"
     except OSError as err:
         return None, re.sub(r"^\[Errno -?\d+\]\s*", "", str(getattr(err, "reason", err)))
+
 
 
 def reach(ft, group: int, seconds: float) -> None:

@@ -97,6 +97,10 @@ def test_a_lighthouse_that_does_not_answer_is_one_line_naming_where_its_address_
         f"(fault_tolerance.timeout): Connection refused; start it there (`hybridpar lighthouse --port {port}`) or "
         "correct TORCHFT_LIGHTHOUSE; the group exits for its launcher to try again")
     assert refused.value.every_rank  # said once, by the group's rank 0 (reporting.report_error)
+    with pytest.raises(quorum.LighthouseUnreachable, match=rf"\(fault_tolerance.lighthouse\) in 0.5 s \(fault_tolerance."
+                                                           rf"timeout\): 127.0.0.1:{port} is not a URL \(write it as "
+                                                           r"http://HOST:PORT\); start it there"):
+        quorum.reach(FaultToleranceConfig(enabled=True, groups=2, lighthouse=f"127.0.0.1:{port}"), 0, 0.5)
 
 
 def _ended(proc: subprocess.Popen, run, seconds: float = BOUND) -> str:

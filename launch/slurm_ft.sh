@@ -9,8 +9,9 @@
 # MAX_RESTARTS restarts), a world of mp x cp x pp x dp_shard: the sizes are a group's, and the
 # groups are the replicas (DP_REPLICATE stays 1). Submit with sbatch --no-kill: without it Slurm
 # ends the whole job when one of its nodes fails. What the job does about a failure:
-#   - a group's rank dies or hangs: its torchrun restarts the group, which rejoins healed from a
-#     live group, while the others train on; no requeue. A group whose torchrun has spent its
+#   - a group's rank dies or hangs (or, over diagnostics.straggler_exclude, stops its group with exit
+#     1): its torchrun restarts the group, which rejoins healed from a live group, while the others
+#     train on; no requeue. A group whose torchrun has spent its
 #     restarts (or whose node is lost) is out for the rest of this job; the others train on.
 #   - every group gone before one finished: the newest group verdict decides as in a job without
 #     --ft (a node's fault: excluded, the job requeued; anything else: the job fails).

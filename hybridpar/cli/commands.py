@@ -95,7 +95,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         # loaded node. Everything is written and closed: leave now.
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+        os._exit(trainer.supervisor.exit_code)
     return 0
 
 

@@ -241,7 +241,8 @@ class Monitor:
             verdict = flight.analyse(traces, gone, last_issued)
             verdict.gone = self._gone_info(gone)
             fault = node_fault(verdict.findings, self.died, self._nodes(), self.world_size)
-            text = flight.format_report(verdict, headline, self.world_size) + "\n" + describe_fault(fault)
+            text = (flight.format_report(verdict, headline, self.world_size) + "\n"
+                    + describe_fault(fault, self.beat.group))
             report = {"reason": reason, "step": step, "node_fault": fault, **self._when(verdict.culprits),
                       **verdict.to_json()}
         except Exception:  # a bug in the analysis must not cost the report, nor the other ranks' exit
@@ -276,7 +277,7 @@ class Monitor:
         reason = (f"the job's store (rank 0's, on node {nodes[0]}) has not answered rank {self.rank} for "
                   f"{seconds:.0f} s ({error}): rank 0 is {'gone' if gone else 'frozen'}")
         fault = {"kind": "death" if gone else "stall", "nodes": [nodes[0]], "ranks": [0]}
-        self._save(f"{self._who()} at step {self.beat.step}: {reason}\n{describe_fault(fault)}",
+        self._save(f"{self._who()} at step {self.beat.step}: {reason}\n{describe_fault(fault, self.beat.group)}",
                    {"reason": reason, "step": self.beat.step, "node_fault": fault, **verdict_time(seconds)})
         return f"{path} names node {nodes[0]}"
 

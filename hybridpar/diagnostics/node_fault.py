@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Optional
 
 from .liveness import says_peer_loss
 
@@ -59,9 +59,18 @@ def node_fault(findings: Iterable, died: Iterable[int], nodes: Mapping[int, str]
     return {"kind": kind, "nodes": sorted({nodes[r] for r in culprits}), "ranks": culprits}
 
 
-def describe(fault: dict) -> str:
-    """One line for the verdict's text."""
+def describe(fault: dict, group: Optional[int] = None) -> str:
+    """One line for the verdict's text (`group`: the rank's replica group in a fault-tolerant job)."""
     if not fault["nodes"]:
         return f"node fault: none ({fault['why']})"
-    return (f"node fault: {', '.join(fault['nodes'])} ({fault['kind']} of rank(s) {fault['ranks']}); "
-            "launch/slurm.sh excludes it and requeues the job (EXCLUDE_ON_FAULT)")
+    return f"node fault: {', '.join(fault['nodes'])} ({fault['kind']} of rank(s) {fault['ranks']}); " + then(group)
+
+
+def then(group: Optional[int] = None) -> str:
+    """What launch/slurm.sh does about a node's fault: a plain job is requeued without the node; a replica
+    group (launch/slurm.sh --ft) is restarted by its torchrun and rejoins while the others train on."""
+    if group is None:
+        return "launch/slurm.sh excludes it and requeues the job (EXCLUDE_ON_FAULT)"
+    return (f"under launch/slurm.sh --ft its torchrun restarts replica group {group} on the same node(s) "
+            "(MAX_RESTARTS) and it rejoins healed while the other groups train on, no requeue; the job is requeued "
+            "without the node only when every group is gone")

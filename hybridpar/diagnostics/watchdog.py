@@ -22,7 +22,7 @@ from typing import Callable, Iterator, Optional
 
 from ..mesh.device import ParallelDims
 from .heartbeat import HANG_EXIT_CODE, Heartbeat, default_interval
-from .liveness import is_peer_loss
+from .liveness import lost_in_collective
 from .monitor import Monitor
 from .timeouts import BACKSTOP_GRACE
 from .wrap import listeners
@@ -141,7 +141,8 @@ class Watchdog:
         if self._thread is None:
             return
         beat = self.beat
-        if error is not None and self.world_size > 1 and is_peer_loss(error) and self._thread.is_alive():
+        # (an error every rank raised alike is no peer's loss, whatever its text: a lighthouse's "Connection refused")
+        if error is not None and self.world_size > 1 and lost_in_collective(error) and self._thread.is_alive():
             beat.state = "lost_peer"
             beat.record_failure(error)
             beat.wake()
@@ -153,7 +154,7 @@ class Watchdog:
             self._busy_since = beat.clock.monotonic()
             beat.record_failure(error)
             self._busy_since = None
-            if self.rank == 0 and self.world_size > 1 and isinstance(error, Exception) and not is_peer_loss(error):
+            if self.rank == 0 and self.world_size > 1 and isinstance(error, Exception) and not lost_in_collective(error):
                 self.monitor.own_failure(error)
         self._end("failed" if error is not None else "done")
 

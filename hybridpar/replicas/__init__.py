@@ -6,11 +6,13 @@ from a live group's state over the network, never from disk.
     replicas = make_replicas(config.fault_tolerance, grad_accum)    # LoneGroup when off
     loader = ... data_rank=replicas.data_rank(parallel) ...          # each group its own share
     replicas.connect(parallel, modules, optimizer, scheduler, loader, step=step)
-    step = replicas.begin_step(step)     # the quorum; a joining group is healed here
+    step = replicas.begin_step(step)     # the quorum; a joining group is healed here (QuorumStopped: a
+                                         # stop signal while it waited)
     replicas.average(params)             # the groups' mean gradient
     if replicas.commit(): optimizer.step()    # else the step is done again, from the same data
 """
 
 from .groups import LoneGroup, make_replicas
+from .quorum import QuorumStopped
 
-__all__ = ["LoneGroup", "make_replicas"]
+__all__ = ["LoneGroup", "QuorumStopped", "make_replicas"]

@@ -17,7 +17,12 @@ last committed step left it: no window of its share is skipped or read twice.
 A start of the job (or of every group, resuming) takes its first step with every group: one still
 setting up would otherwise find the others a step ahead and be healed to a step it never trained.
 The stop ballots of a stop signal travel in the groups' all-reduce, so every group of the quorum stops
-after the same step (the quorum's first group writes the checkpoint).
+after the same step (the quorum's first group writes the checkpoint). A stop signal while the group
+waits for a quorum ends the wait (QuorumStopped, quorum.py): the trainer saves the group's last
+committed step if the group was the first of its last quorum.
+
+The all-reduce also carries each group's own time from its quorum to its gradients (laggards.py): a
+whole group slower than the others, which they all wait for, is named.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import logging
 import os
 import re
 import socket
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -36,10 +42,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..compat.torch import default_store
-from ..mesh.ranks import gather_objects
+from ..mesh.ranks import gather_objects, on_rank0
 from ..parallel.float8_gather import precompute_float8_scales
 from .check import check_groups
-from .quorum import join, nowhere, unwatched
+from .laggards import Laggards, line as laggard_line
+from .quorum import LighthouseUnreachable, QuorumStopped, join, nowhere, reach, unreachable, unwatched
 from .record import Membership, WindowsRecord
 
 log = logging.getLogger(__name__)
@@ -51,6 +58,7 @@ class LoneGroup:
     """A job that is one group: nothing to agree on, every step committed."""
 
     parts: dict = {}
+    stopped = None  # (ReplicaGroups: the QuorumStopped it raised)
 
     def data_rank(self, parallel) -> tuple[int, int]:
         return parallel.dp_rank, parallel.dp_size
@@ -80,14 +88,17 @@ class LoneGroup:
         pass
 
 
-def make_replicas(config):
-    """ReplicaGroups for fault_tolerance.enabled, else the LoneGroup (`config`: the group's, preflight.group_config)."""
+def make_replicas(config, stop=None):
+    """ReplicaGroups for fault_tolerance.enabled, else the LoneGroup (`config`: the group's, preflight.group_config;
+    `stop`: the supervisor's StopRequest, whose signal ends a wait for the quorum)."""
     ft = config.fault_tolerance
     if not ft.enabled:
         return LoneGroup()
     # The first step's wait for every group stays inside set-up's bound, which the watchdog keeps.
-    return ReplicaGroups(ft, config.train.grad_accum, check_every=config.diagnostics.replica_check_every,
+    d = config.diagnostics
+    return ReplicaGroups(ft, config.train.grad_accum, check_every=d.replica_check_every,
                          start_wait=config.parallel.init_timeout / 2,
+                         laggards=Laggards(ft.group, ft.groups, d.straggler_every, d.straggler_threshold), stop=stop,
                          record_to=Path(config.output.run_dir) / "windows.jsonl" if ft.record_windows else None)
 
 
@@ -115,10 +126,11 @@ def _plain(tree):
 class ReplicaGroups:
     """check_every: diagnostics.replica_check_every (the groups' parameters are also compared after each
     change of the quorum); start_wait: seconds the first step waits for every group; record_to: where
-    windows.jsonl goes (fault_tolerance.record_windows), None for no record."""
+    windows.jsonl goes (fault_tolerance.record_windows), None for no record; laggards: the judge of the
+    groups' step times (None: no judging); stop: the supervisor's StopRequest (None: a wait is not stopped)."""
 
     def __init__(self, ft, grad_accum: int, *, check_every: int = 0, start_wait: float = 300.0,
-                 record_to: Optional[Path] = None) -> None:
+                 record_to: Optional[Path] = None, laggards: Optional[Laggards] = None, stop=None) -> None:
         self.ft, self.grad_accum, self.check_every, self.start_wait = ft, grad_accum, check_every, start_wait
         self.windows = [0] * ft.groups  # steps each group's data went into, committed
         self.membership = Membership(ft.groups)  # the steps with fewer groups, the heals
@@ -131,6 +143,14 @@ class ReplicaGroups:
         self._started = False  # the first quorum of this start is done
         self.at, self.waiting = nowhere, unwatched  # the supervisor's, from connect()
         self._quorum_id: Optional[int] = None  # the last quorum's (torchft's): a new one is a changed quorum
+        self.laggards = laggards or Laggards(ft.group, ft.groups, 0, 2.0)
+        self.stop, self.stopped = stop, None  # a stop signal ends a wait for the quorum: the QuorumStopped raised
+        self.first = False  # the first group of the last quorum that formed: it writes the job's checkpoints
+        self._lock = threading.Lock()  # a heal's load against a group leaving its wait (abandon)
+        self._leaving = False
+        self._began = time.perf_counter()  # when the step's own work began (the quorum done)
+        self._waited = 0.0  # seconds the last all-reduce with the other groups took
+        self._times: list[float] = []  # the groups' slots of laggards.py, from the last all-reduce
 
     @property
     def members(self) -> Optional[list[int]]:
@@ -168,11 +188,10 @@ class ReplicaGroups:
     def connect(self, parallel, modules, optimizer, scheduler, loader, *, step: int, metrics, at, waiting) -> None:
         """Join the job's groups: torchft's Manager for this rank, at `step` (0, or the checkpoint's).
         at(phase, step=): where the supervisor is told this rank waits for the quorum; waiting(what): the
-        supervisor's context around that wait, which is not a hang (Supervisor.waiting)."""
+        supervisor's context around that wait, which is not a hang (Supervisor.waiting). LighthouseUnreachable
+        on every rank when the lighthouse does not answer within fault_tolerance.timeout."""
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's own log: every quorum and commit at its default
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
-
-        from .transport import WeightsOnlyTransport
 
         # torchft's Python log says each step's quorum and commit, and warns that gloo has no NCCL flight
         # recorder to reset; its exceptions are said in one line by commit(), not as torchft's tracebacks.
@@ -186,7 +205,23 @@ class ReplicaGroups:
         timeout = timedelta(seconds=self.ft.timeout)
         host, port = self._group_store()
         pg = (ProcessGroupNCCL if parallel.device.type == "cuda" else ProcessGroupGloo)(timeout=timeout)
-        self.manager = Manager(
+        # torchft connects to the lighthouse first and fails with its traceback on rank 0 alone (the
+        # others wait for it): rank 0 tries first, and every rank says the same line if it does not answer.
+        at("set-up: the lighthouse")
+        on_rank0(lambda: reach(self.ft, self.ft.group, self.ft.timeout), "reach the lighthouse",
+                 error_type=LighthouseUnreachable)
+        try:
+            self.manager = self._manager(Manager, pg, timeout, host, port, step)
+        except RuntimeError as err:  # gone since: rank 0 says it (the others are ended by the launcher)
+            if f"failed to connect to {self.ft.address()}" not in str(err):
+                raise
+            why = str(err).rsplit(": ", 1)[-1]
+            raise LighthouseUnreachable(unreachable(self.ft, self.ft.group, why, self.ft.timeout)) from None
+
+    def _manager(self, Manager, pg, timeout: timedelta, host: str, port: int, step: int):  # noqa: N803 (torchft's class)
+        from .transport import WeightsOnlyTransport
+
+        manager = Manager(
             pg=pg, load_state_dict=self._load, state_dict=self._state, min_replica_size=self.ft.min_groups,
             # A try at the quorum may wait the lighthouse's join timeout for a hung group (keep it below 2 x timeout).
             use_async_quorum=False, timeout=timeout, quorum_timeout=2 * timeout, connect_timeout=timeout,
@@ -194,7 +229,8 @@ class ReplicaGroups:
             lighthouse_addr=self.ft.address(), replica_id=f"hybridpar_group_{self.ft.group}",
             checkpoint_transport=WeightsOnlyTransport(timeout=timeout, num_chunks=0),
             init_sync=False)  # every group builds the same weights from the same seed
-        self.manager.load_state_dict({"step": step, "batches_committed": 0})
+        manager.load_state_dict({"step": step, "batches_committed": 0})
+        return manager
 
     def _group_store(self) -> tuple[str, int]:
         """A store of this start for torchft's keys (the launcher's keeps a dead attempt's), on rank 0's
@@ -216,6 +252,13 @@ class ReplicaGroups:
                 "scheduler": self.scheduler.state_dict(), "step": self.step, "windows": list(self.windows)}
 
     def _load(self, state: dict) -> None:
+        with self._lock:  # whole or not at all: a group leaving its wait (abandon) saves what it holds
+            if self._leaving:
+                raise QuorumStopped(self.stop.signal_name, self.step, "a heal that came after the stop signal",
+                                    self.ft.group)
+            self._load_state(state)
+
+    def _load_state(self, state: dict) -> None:
         was = self.step
         params = self._params()
         with torch.no_grad():
@@ -262,16 +305,29 @@ class ReplicaGroups:
         self._check_groups()
         if self.record is not None:
             self.loader.record = []  # the loader notes each micro-batch's windows from here
+        self._began = time.perf_counter()
         return self.step
+
+    def formed(self) -> None:
+        """A quorum formed (with enough groups or not): is this group its first, the one that writes?"""
+        self.first = self.manager.participating_rank() == 0
+
+    def abandon(self) -> None:
+        """A stop signal ended this rank's wait for a try at the quorum that goes on in torchft's thread: a
+        heal it brings later is not loaded (one loading now completes first), so what is saved is whole."""
+        with self._lock:
+            self._leaving = True
 
     def _wait_for_every_group(self, say) -> None:
         """The first quorum of this start: unless it healed this group, wait (start_wait at most) until
-        every group is in it. The group's ranks decide together: all wait, or none."""
+        every group is in it. The group's ranks decide together: all wait, or none; a stop signal ends
+        the wait (QuorumStopped)."""
         self._started = True
         waited, said = time.monotonic(), False
         while all(gather_objects(self.healed is None and self.manager.errored() is None
-                                 and self.manager.num_participants() < self.ft.groups
-                                 and time.monotonic() - waited < self.start_wait)):
+                                          and self.manager.num_participants() < self.ft.groups
+                                          and time.monotonic() - waited < self.start_wait
+                                          and (self.stop is None or not self.stop.requested))):
             if not said and dist.get_rank() == 0:
                 log.info(f"hybridpar: replica group {self.ft.group} waits for every group before its first step "
                          f"({self.manager.num_participants()} of {self.ft.groups} there; {self.start_wait:.0f} s "
@@ -281,6 +337,12 @@ class ReplicaGroups:
             time.sleep(1.0)
             self._asked = time.perf_counter()
             join(self, say)
+        # A stop signal ended the wait (every rank of a quorum of all groups trains the step, then stops).
+        signals = gather_objects(self.stop.signal_name if self.stop is not None else "")
+        if any(signals) and self.healed is None and self.manager.num_participants() < self.ft.groups:
+            self.stopped = QuorumStopped(next(s for s in signals if s), self.step, f"{self.manager.num_participants()} "
+                                         f"of {self.ft.groups} groups there before its first step", self.ft.group)
+            raise self.stopped
 
     def _check_groups(self) -> None:
         """The replica check across groups (check.py) after a change of the quorum and every check_every steps."""
@@ -303,27 +365,33 @@ class ReplicaGroups:
     def average(self, params, ballot: Sequence[float] = ()) -> list[float]:
         """The mean of the groups' gradients, which groups took part, and the sum of the stop ballots of
         this rank and the same rank of every other group (stop.py): one all-reduce. Every group of the
-        quorum reads the same sum, so all stop after the same step. The sums of the ballots, or this
-        rank's own ballot when the all-reduce failed."""
+        quorum reads the same sum, so all stop after the same step. The groups' step times travel in it
+        too (laggards.py). The sums of the ballots, or this rank's own ballot when the all-reduce failed."""
+        own = time.perf_counter() - self._began
         if self.record is not None and dist.get_rank() == 0:  # before the all-reduce: a group killed in it
             self.record.write(step=self.step + 1, read=self._share(self.loader.record))  # may count in the others
         grads = [_local(p.grad) for p in params if p.grad is not None]
-        tail = torch.zeros(self.ft.groups + len(ballot), dtype=torch.float32, device=grads[0].device if grads else None)
-        tail[self.ft.group] = 1.0
-        tail[self.ft.groups:] = torch.tensor(list(ballot), dtype=torch.float32)
+        member = [0.0] * self.ft.groups
+        member[self.ft.group] = 1.0
+        # [which groups took part, the stop ballots, the groups' own seconds of the step, their last waits]
+        tail = torch.tensor(member + list(ballot) + self.laggards.tail(own, self._waited), dtype=torch.float32,
+                            device=grads[0].device if grads else None)
         flat = torch.cat([g.reshape(-1).to(torch.float32) for g in grads] + [tail])
         # A wait for the other groups, not a collective of this one: ended by fault_tolerance.timeout if one is silent.
+        began = time.perf_counter()
         with self.waiting(f"the other replica groups' gradients of step {self.step + 1}"):
             self.manager.allreduce(flat).wait()  # an error is torchft's: the step is then not committed
+        self._waited = time.perf_counter() - began
         summed = (flat[flat.numel() - tail.numel():] * self.manager.num_participants()).tolist()
         self._members = [g for g, share in enumerate(summed[:self.ft.groups]) if share > 0.5]
+        self._times = summed[self.ft.groups + len(ballot):]
         offset = 0
         for g in grads:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
         if self.manager.errored() is not None:
             return list(ballot)
-        return [float(round(v)) for v in summed[self.ft.groups:]]
+        return [float(round(v)) for v in summed[self.ft.groups:self.ft.groups + len(ballot)]]
 
     def _share(self, batches: list) -> list:
         """This group's (source, window) pairs of micro-batches of the whole job (every group's readers)."""
@@ -351,11 +419,17 @@ class ReplicaGroups:
             self.metrics.event(step, "groups", **event)
         if self.record is not None and dist.get_rank() == 0:
             self.record.write(step=step, committed=self._members)
+        found = self.laggards.add(step, self._members, self._times)
+        if found is not None:
+            if dist.get_rank() == 0:
+                log.warning(laggard_line(found))
+            self.metrics.event(step, "straggler_group", **{k: v for k, v in found.items() if k != "step"})
         return True
 
     def writes_checkpoints(self) -> bool:
-        """The quorum's first group writes the job's checkpoints; the others keep training."""
-        return self.manager.participating_rank() == 0
+        """The first group of the last quorum that formed writes the job's checkpoints; the others keep
+        training (a group stopped while waiting for a quorum: of the last one it was in)."""
+        return self.first
 
     def row(self) -> dict:
         """The step's numbers: the groups that committed it, and a heal before it (the step line says it)."""

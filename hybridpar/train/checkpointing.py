@@ -92,6 +92,15 @@ class Checkpoints:
         self.report_written(metrics)
         return path
 
+    def save_if_new(self, step: int, metrics) -> Optional[Path]:
+        """Checkpoint `step` unless no step was trained, it is the newest checkpoint already, or another
+        replica group writes the checkpoints (a group stopped while it waited for a quorum): the path written."""
+        newest = self.latest()
+        if step == 0 or (newest is not None and newest.name == step_dir_name(step)) or (
+                self.writes is not None and not self.writes()):
+            return None
+        return self.save(step, metrics)
+
     def report_written(self, metrics) -> None:
         """events.jsonl gets each completed save's size and write time (rank 0 completes them)."""
         for done in self.checkpointer.written:

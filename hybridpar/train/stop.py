@@ -152,6 +152,6 @@ def expired_line(stop: StopRequest, where: str, previous: Optional[Path]) -> str
             f"{stop.timeout:g} s (rank 0 was {where}): exiting without a new checkpoint; {kept}")
 
 
-def write_marker(run_dir: Path, signal_name: str, step: int, checkpoint: Path) -> None:
+def write_marker(run_dir: Path, signal_name: str, step: int, checkpoint: Optional[Path]) -> None:
     write_text_atomic(Path(run_dir) / MARKER, json.dumps(
-        {"signal": signal_name, "step": step, "checkpoint": str(checkpoint)}, indent=1))
+        {"signal": signal_name, "step": step, "checkpoint": str(checkpoint) if checkpoint else None}, indent=1))

@@ -28,7 +28,7 @@ from ..checkpoint.dcp import latest_checkpoint
 from ..config import Config
 from ..diagnostics.data_guard import check_data, step_fingerprint
 from ..diagnostics.monitor import save_report, verdict_time
-from ..diagnostics.node_fault import place
+from ..diagnostics.node_fault import place, then as node_fault_then
 from ..diagnostics.replicas import check_replicas
 from ..diagnostics.stragglers import StragglerMonitor
 from ..diagnostics.timeouts import Deadlines, apply_env_defaults, restore_env
@@ -202,14 +202,35 @@ class Supervisor:
         and stops, and straggler_stop() names the node."""
         return self.stragglers.excluding if self.stragglers is not None else None
 
+    @property
+    def exit_code(self) -> int:
+        """The exit status of a run that ended: 0, or 1 for a replica group stopped to leave a straggling node
+        (its launcher restarts it; a group that ends with 0 has finished, for launch/slurm.sh --ft)."""
+        return int(self.config.fault_tolerance.enabled and self.excluding is not None)
+
+    def say_stopped(self, step: int, checkpoint: Optional[Path], signal_name: str, *, waited=None,
+                    writes: bool = True) -> None:
+        """Rank 0, once a stop has saved: the straggler's verdict, or stopped.json (launch/slurm.sh requeues
+        on it) and the stop's line; `waited`: a replica group's QuorumStopped, `writes`: whether it writes."""
+        if self.excluding is not None:
+            self.straggler_stop(step, checkpoint)
+            return
+        stopping.write_marker(self.run_dir, signal_name, step, checkpoint)
+        log.info(waited.line(checkpoint, writes) if waited is not None else
+                 stopping.stopped_line(signal_name, step, checkpoint, self.config.checkpoint.resume))
+
     def straggler_stop(self, step: int, checkpoint: Optional[Path]) -> None:
         """Rank 0, once the checkpoint is written: the verdict for launch/slurm.sh, and one line."""
         x = self.excluding
         group = f"replica group {x['group']}, " if "group" in x else ""
+        # A replica group exits as failed (Trainer.exit_code): one that ends 0 has finished its training.
+        node = x["node"]
+        then = (f"; {node_fault_then(x['group'])}; to leave node {node} out now, resubmit with --exclude {node}"
+                if "group" in x else
+                f" so that node {node} can be left out (launch/slurm.sh excludes it and requeues the job)")
         line = (f"hybridpar: rank {x['rank']} ({group}node {x['node']}, host {x['host']}) computed {x['ratio']}x the "
                 f"others' median in {x['reports']} straggler reports in a row (diagnostics.straggler_exclude = "
-                f"{self.config.diagnostics.straggler_exclude}); saved step {step} ({checkpoint}) and stopped so "
-                f"that node {x['node']} can be left out (launch/slurm.sh excludes it and requeues the job)")
+                f"{self.config.diagnostics.straggler_exclude}); saved step {step} ({checkpoint}) and stopped{then}")
         fault = {"kind": "straggler", "nodes": [x["node"]], "ranks": [x["rank"]]}
         save_report(self.run_dir, None, {"reason": line, "step": step, "node_fault": fault, **verdict_time(0.0),
                                          "straggler": x, "checkpoint": str(checkpoint)})

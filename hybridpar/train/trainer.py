@@ -41,7 +41,7 @@ from ..pipeline.runner import make_runner
 from ..pipeline.schedules import StageLayout
 from ..pipeline.cutting import build_stages
 from ..preflight import Job, as_job, world_size_from_env
-from ..replicas import make_replicas
+from ..replicas import QuorumStopped, make_replicas
 from . import data_stop, stop as stopping
 from .checkpointing import Checkpoints
 from .clock import StepClock
@@ -94,7 +94,7 @@ class Trainer:
         if c.output.wandb:
             require_wandb()
         self.downstream = Downstream(c, p, self.supervisor)  # the [eval] tasks read and checked
-        self.replicas = make_replicas(c)  # the other replica groups, if any
+        self.replicas = make_replicas(c, self.stop)  # the other replica groups, if any
         self._phase("data")
         self._set_up_data(c, p)
         # Before the model is built and compiled: the compiler's start-up takes a share of the cores,
@@ -240,12 +240,8 @@ class Trainer:
         if self.is_main:
             self.run_log.end(self.profiler)
         if self.stop_signal and self.is_main and self.data_stopped is None:  # the data's stop: said after the summary
-            path = self.checkpoints.latest()
-            if self.supervisor.excluding is not None:
-                self.supervisor.straggler_stop(self.step, path)
-            else:
-                stopping.write_marker(self.run_dir, self.stop_signal, self.step, path)
-                log.info(stopping.stopped_line(self.stop_signal, self.step, path, c.checkpoint.resume))
+            self.supervisor.say_stopped(self.step, self.checkpoints.latest(), self.stop_signal,
+                                        waited=self.replicas.stopped, writes=self.replicas.writes_checkpoints())
         self._summary()
         if self.data_stopped is not None:  # an error every rank raises alike, or the end asked for
             data_stop.finish(self.data_stopped, self.step, self.checkpoints.latest() if self.step else None,
@@ -274,6 +270,10 @@ class Trainer:
                     continue
             except data_stop.DataStopped as stopped:  # every rank, before the step trained: save the last one
                 self.data_stopped, self.stop_signal = stopped.error, "the data"
+                break
+            except QuorumStopped as stopped:  # every rank of the group, waiting for a quorum: save what it holds
+                self.stop_signal, self.step, saved_at = stopped.signal_name, stopped.step, stopped.step
+                stopped.saved = self.checkpoints.save_if_new(self.step, self.metrics)
                 break
             clock.step_done(self.step)
             self.checkpoints.prepare_staging()  # a fresh optimizer has its state after the first step

@@ -61,8 +61,9 @@ def stop_leftovers(run: Path) -> None:
 def start(corpus: dict, run: Path, steps: int, *flags: str, port: int = 0, **env) -> subprocess.Popen:
     """launch/ft_local.sh: a lighthouse on `port` (0: a free one) and two groups of mp 2 training the
     local config for `steps` steps (validated at the last), `flags` overriding the config; `env`: the
-    script's variables (RESTARTS...)."""
-    env = script_env(RUN_DIR=str(run), LIGHTHOUSE_PORT=str(port or free_port()), FT_GROUPS="2", PROCS="2", **env)
+    script's variables (RESTARTS, FT_GROUPS...)."""
+    env = script_env(**{"RUN_DIR": str(run), "LIGHTHOUSE_PORT": str(port or free_port()), "FT_GROUPS": "2", "PROCS": "2",
+                        **env})
     argv = ["bash", str(ROOT / "launch" / "ft_local.sh"), "--train.steps", str(steps), "--train.log_every", "1",
             "--train.eval_every", str(steps), "--checkpoint.every", "0",
             "--data.source", corpus["source"], "--data.tokenizer_vocab_size", "512", "--data.cache_dir", corpus["cache_dir"],

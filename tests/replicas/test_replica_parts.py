@@ -185,6 +185,9 @@ class FakeManager:
     def num_participants(self) -> int:
         return self.now
 
+    def participating_rank(self) -> int:
+        return 0
+
     def errored(self):
         return None
 
@@ -280,7 +283,8 @@ def test_the_groups_average_their_gradients_and_add_their_stop_ballots(monkeypat
     all groups of the quorum stop after the same step (a SIGTERM seen by group 1 only stops group 0 too)."""
     model = torch.nn.Linear(2, 1, bias=False)
     model.weight.grad = torch.tensor([[1.0, 3.0]])
-    theirs = torch.tensor([3.0, 5.0, 0.0, 1.0, 1.0, 0.0, 0.0])  # group 1's gradient, its one-hot, SIGTERM noted
+    # group 1's gradient, its one-hot, SIGTERM noted, its seconds of the step and its last wait (laggards.py)
+    theirs = torch.tensor([3.0, 5.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
     replicas = _groups(monkeypatch, 0, FakeManager([2], lambda tensor, op: theirs), model)
     replicas.manager.start_quorum()
     assert replicas.average(list(model.parameters()), [0.0, 0.0, 0.0]) == [1.0, 0.0, 0.0]

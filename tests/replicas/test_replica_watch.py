@@ -76,7 +76,7 @@ def test_a_rank_stuck_while_the_others_wait_for_the_quorum_is_still_a_hang(tmp_p
         assert wd.monitor.check() == "no progress on any rank for 61.0 s (timeout 60 s)"
 
 
-def test_a_stopped_rank_is_ended_after_the_verdict_and_every_line_names_its_group(tmp_path, clock):
+def test_a_stopped_rank_is_ended_after_the_verdict_and_every_line_names_its_group(tmp_path, clock, capsys):
     """A rank of this host stopped (SIGSTOP) cannot obey the verdict: the monitor kills it (torchrun
     would wait 30 s first). The verdict names group 1 with the rank, in the text and the report."""
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -106,6 +106,52 @@ def test_a_stopped_rank_is_ended_after_the_verdict_and_every_line_names_its_grou
     assert wd.beat.has("verdict")
     text = wd.beat.get_many(["verdict"])[0].decode()
     assert text.startswith("hybridpar watchdog of replica group 1 at step 6: rank(s) [1] are stopped"), text
+    # Its advice: what launch/slurm.sh --ft does about a group's node fault, not a plain job's requeue.
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("node fault:")]
+    assert said == ["node fault: n1 (stall of rank(s) [1]); " + FT_THEN], said
+
+
+# What launch/slurm.sh --ft does about a node's fault in a group (slurm_ft.sh): the group restarts, no requeue.
+FT_THEN = ("under launch/slurm.sh --ft its torchrun restarts replica group 1 on the same node(s) (MAX_RESTARTS) and it "
+           "rejoins healed while the other groups train on, no requeue; the job is requeued without the node only when "
+           "every group is gone")
+
+
+def test_every_advice_of_a_requeue_is_a_groups_restart_under_fault_tolerance(tmp_path, capsys):
+    """The verdicts' node-fault line, the line of a rank's node lost with rank 0, and a straggler's stop:
+    in a plain job launch/slurm.sh requeues without the node; in a replica group (slurm.sh --ft) its
+    torchrun restarts the group, which exits as failed for it (exit 1: a group that ends 0 has finished)."""
+    from types import SimpleNamespace
+
+    from hybridpar.config import Config
+    from hybridpar.diagnostics.node_fault import describe as describe_fault
+    from hybridpar.train.supervisor import Supervisor
+
+    fault = {"kind": "death", "nodes": ["n2"], "ranks": [3]}
+    assert describe_fault(fault) == ("node fault: n2 (death of rank(s) [3]); launch/slurm.sh excludes it and requeues "
+                                     "the job (EXCLUDE_ON_FAULT)")
+    assert describe_fault(fault, 1) == "node fault: n2 (death of rank(s) [3]); " + FT_THEN
+    wd = _watchdog(tmp_path, rank=1)
+    wd.beat.group, wd.beat.nodes, wd.beat.step = 1, {0: "n0", 1: "n1"}, 7
+    wd.monitor.store_lost(40.0, ConnectionResetError("Connection reset by peer"))
+    assert json.loads((tmp_path / "hang_report.json").read_text())["group"] == 1
+    assert "node fault: n0 (death of rank(s) [0]); " + FT_THEN in capsys.readouterr().err.splitlines()
+
+    x = {"rank": 3, "host": "h2", "node": "n2", "ratio": 3.4, "reports": 2, "step": 12}
+    for group in (None, 1):
+        config = Config()
+        config.output.run_dir = str(tmp_path / f"run-{group}")
+        config.fault_tolerance.enabled = group is not None
+        supervisor = Supervisor(config)
+        supervisor.stragglers = SimpleNamespace(excluding=dict(x, **({"group": group} if group is not None else {})))
+        supervisor.straggler_stop(12, tmp_path / "step-00000012")
+        line = json.loads((tmp_path / f"run-{group}" / "hang_report.json").read_text())["reason"]  # the line said
+        head = (f"hybridpar: rank 3 ({'replica group 1, ' if group else ''}node n2, host h2) computed 3.4x the others' "
+                "median in 2 straggler reports in a row (diagnostics.straggler_exclude = 3.0); saved step 12 "
+                f"({tmp_path / 'step-00000012'}) and stopped")
+        assert line == head + (" so that node n2 can be left out (launch/slurm.sh excludes it and requeues the job)"
+                               if group is None else f"; {FT_THEN}; to leave node n2 out now, resubmit with --exclude n2")
+        assert supervisor.exit_code == (group is not None)
 
 
 def test_a_straggler_is_named_with_its_group():
@@ -142,6 +188,9 @@ class _Manager:
 
     def num_participants(self) -> int:
         return self.groups
+
+    def participating_rank(self) -> int:
+        return 0
 
 
 class _Status(http.server.BaseHTTPRequestHandler):
@@ -241,7 +290,7 @@ def test_a_quorum_another_rank_missed_is_asked_again_by_every_rank(monkeypatch, 
     or the other would ask alone and wait in torchft's manager for this one, gone on to train."""
     replicas, _ = _groups(monkeypatch, lighthouse, [2, 2], min_groups=1)
     other = iter([True, False])  # the other rank of the group: first it missed the quorum, then not
-    monkeypatch.setattr(quorum, "gather_objects", lambda mine: [mine, (next(other), mine[1])])
+    monkeypatch.setattr(quorum, "gather_objects", lambda mine: [mine, (next(other), mine[1], "")])
     replicas.begin_step(4)
     assert replicas.manager.outcomes == []
     assert _said(capsys)[0] == ("hybridpar: replica group 0 waits for the quorum before step 5: another rank of this "
@@ -253,7 +302,7 @@ def test_a_heal_that_reached_some_ranks_only_stops_the_group(monkeypatch, lighth
     quorum at the live group's step, this one at its own. Training on would run the ranks' collectives
     out of step (a hang at the first evaluation): the group stops, for its launcher to restart it."""
     replicas, _ = _groups(monkeypatch, lighthouse, [2], min_groups=1)
-    monkeypatch.setattr(quorum, "gather_objects", lambda mine: [mine, (False, 4)])  # another rank: step 4
+    monkeypatch.setattr(quorum, "gather_objects", lambda mine: [mine, (False, 4, "")])  # another rank: step 4
     with pytest.raises(quorum.GroupOutOfStep, match=r"replica group 0: its ranks left the quorum at steps 0 and 4, a "
                                                     r"heal from a live group reached some of them only"):
         replicas.begin_step(0)

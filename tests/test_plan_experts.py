@@ -81,7 +81,8 @@ def test_the_planner_prices_scout_and_maverick_on_h100_searching_ep(preset, gpus
     eps = {e.layout.ep for e in plan.estimates}
     assert {1, 2, 8} <= eps and all(args.n_experts % ep == 0 and e.layout.dp_shard % ep == 0
                                     for e in plan.estimates for ep in [e.layout.ep])
-    assert all(e.layout.pp == e.layout.cp == 1 for e in plan.estimates)  # the job refuses both with Llama 4
+    # cp: the job refuses it with Llama 4; pp: layouts fit without it, so it is not searched.
+    assert all(e.layout.pp == e.layout.cp == 1 for e in plan.estimates) and not plan.pipeline
     best = plan.fitting[0]
     assert best.layout.ep > 1 and best.time.ep_comm > 0
     # Experts shrink the state as ep grows only through who shards them: the same layout at ep 1 holds as much
@@ -102,16 +103,84 @@ def test_cli_plans_maverick_with_active_parameters_and_the_ep_flag(capsys):
     assert "all-to-all" in best and "of each MoE layer's on a GPU" in best and "--parallel.ep " in best
 
 
-@pytest.mark.parametrize("argv,said", [
-    (["--pp", "2"], "--pp 2: Llama 4's layers run without pipeline and context parallelism yet"),
-    (["--float8", "tensorwise"], "--float8 tensorwise: the job refuses it for a mixture of experts"),
-])
-def test_cli_refuses_what_the_job_refuses_of_llama4_in_one_line(capsys, argv, said):
+def test_cli_refuses_context_parallelism_for_llama4_in_one_line_as_the_job_does(capsys):
+    """The job's line (hybridpar.config.llama4.check_llama4: tests/test_preflight.py) names what cp does not run;
+    the planner's names the same, and the flag to change."""
     from hybridpar import cli
+    from hybridpar.config.llama4 import context_parallel_gaps
 
-    assert cli.main(["plan", "--model", "llama4_scout", "--gpus", "64", "--gpu", "h100", *argv]) == 2
+    args = ModelArgs.from_preset("llama4_scout")
+    assert cli.main(["plan", "--model", "llama4_scout", "--gpus", "64", "--gpu", "h100", "--cp", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and said in err[0], err
+    assert len(err) == 1 and err[0].endswith(f"--cp 2: {context_parallel_gaps(args)} (hybridpar.config.llama4); plan "
+                                             "it with --cp 1"), err
+    assert "routed experts (n_experts = 16)" in err[0] and "pipeline" not in err[0]
+    with pytest.raises(ValueError, match=r"^cp = 2: context parallelism does not run Llama 4's .* plan it with --cp 1$"):
+        estimate(args, Layout(mp=8, dp_shard=4, cp=2), Workload(seq_len=8192), spec("h100", 64))
+
+
+def _stage_experts(n_moe: int, n_experts: int, mp: int, ep: int) -> int:
+    """Elements of n_moe MoE layers' routed experts and routers on one rank, by hand."""
+    return n_moe * (n_experts // ep * EXPERT // mp + n_experts * D)
+
+
+@pytest.mark.parametrize("preset,gpus,moe", [("llama4_scout", 64, 48), ("llama4_maverick", 256, 24)])
+def test_pipeline_stages_hold_their_share_of_the_experts(preset, gpus, moe):
+    """--pp 2: every layout a pipeline of two stages (1F1B, interleaved), each rank holding half the MoE layers
+    (Scout's 48 all MoE; Maverick's odd 24 of 48), so half the experts' state of the same layout without pp."""
+    args, hw = ModelArgs.from_preset(preset), spec("h100", gpus)
+    workload = Workload(seq_len=8192, global_batch=4 * gpus)
+    plan = make_plan(args, workload, hw, pp=2)
+    assert plan.fitting and plan.pipeline == (2,) and all(e.layout.pp == 2 for e in plan.estimates)
+    assert {e.layout.pp_schedule for e in plan.estimates} == {"1F1B", "Interleaved1F1B"}
+    for e in plan.fitting[:5]:
+        lay = e.layout
+        assert e.memory.total <= hw.usable_bytes and e.time.pp_bubble > 0 and e.tokens_per_s_per_gpu > 0
+        assert e.experts.local == _stage_experts(moe // 2, args.n_experts, lay.mp, lay.ep)
+        whole = estimate(args, dataclasses.replace(lay, pp=1, pp_schedule="1F1B", v=1),
+                         dataclasses.replace(workload, global_batch=0), spec("h100", gpus // 2))
+        assert whole.experts.local == 2 * e.experts.local and whole.experts.sharded == 2 * e.experts.sharded
+        # Per step the stage's experts gather once and their all-to-alls carry each micro-batch's tokens.
+        assert e.experts.all_to_all_mb == pytest.approx(whole.experts.all_to_all_mb / 2, rel=1e-3)
+
+
+def test_the_search_tries_pipeline_stages_for_llama4_when_nothing_fits_without():
+    """Scout on 16 H100s fits no layout without pp: the planner tries pp as for a dense model."""
+    args = ModelArgs.from_preset("llama4_scout")
+    plan = make_plan(args, Workload(seq_len=8192, global_batch=64), spec("h100", 16))
+    assert plan.pipeline == (2, 4, 8, 16) and any(e.layout.pp > 1 for e in plan.estimates)
+
+
+def test_float8_speeds_up_only_the_dense_skeleton():
+    """float8 runs in the skeleton's linears (attention, the shared expert, the dense layers); the routed
+    experts, the router and the all-to-alls stay bf16: float8 saves, on the same layout, exactly what it saves
+    on the skeleton alone."""
+    args, hw = ModelArgs.from_preset("llama4_scout"), spec("h100", 64)
+    f8, bf16 = Workload(seq_len=8192, float8="tensorwise", compile=True), Workload(seq_len=8192, compile=True)
+    plan = make_plan(args, f8, hw)
+    assert plan.fitting
+    best = plan.fitting[0]
+    same = estimate(args, best.layout, bf16, hw)
+    assert best.experts.work_mb == same.experts.work_mb and best.time.ep_comm == same.time.ep_comm > 0
+    skeleton, dense = dense_skeleton(args), dataclasses.replace(best.layout, ep=1)
+    saved = estimate(skeleton, dense, bf16, hw).time.compute - estimate(skeleton, dense, f8, hw).time.compute
+    assert saved > 0 and same.time.compute - best.time.compute == pytest.approx(saved, rel=1e-6)
+    # Faster per step; in compute by less than the skeleton's own ratio, the experts' share unchanged.
+    assert best.time.step < same.time.step and best.tokens_per_s_per_gpu > same.tokens_per_s_per_gpu
+    ratio = estimate(skeleton, dense, bf16, hw).time.compute / estimate(skeleton, dense, f8, hw).time.compute
+    assert 1 < same.time.compute / best.time.compute < ratio
+
+
+def test_compile_fuses_the_blocks_and_leaves_the_routed_experts_eager():
+    """train.compile: the blocks' elementwise chains fused, MoE.routed eager (the experts' work unchanged)."""
+    args, hw = ModelArgs.from_preset("llama4_maverick"), spec("h100", 256)
+    compiled, eager = Workload(seq_len=8192, compile=True), Workload(seq_len=8192)
+    plan = make_plan(args, compiled, hw)
+    assert plan.fitting and plan.fitting[0].memory.total <= hw.usable_bytes
+    best = plan.fitting[0]
+    same = estimate(args, best.layout, eager, hw)
+    assert best.experts.work_mb == same.experts.work_mb
+    assert best.time.compute < same.time.compute and best.tokens_per_s_per_gpu > same.tokens_per_s_per_gpu
 
 
 def test_an_ep_the_experts_or_dp_shard_do_not_allow_is_refused():

@@ -6,6 +6,7 @@ world up to the Trainer (a stand-in that fails the test if reached), the dry run
 process group."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -274,6 +275,17 @@ def test_the_dry_run_and_the_planner_take_a_mixture_of_experts(monkeypatch, caps
     code = main(["plan", "--model", "llama4_scout", "--gpus", "64", "--global-batch", "64"])
     said, out = _said(capsys)
     assert code == 0 and "107.77B parameters (17.17B active per token" in out, (said, out)
+
+
+@pytest.mark.slow
+def test_the_dry_run_rehearses_a_mixture_of_experts_in_pipeline_stages(monkeypatch, capsys, tmp_path):
+    """pp 2 x ep 2 (world 4): each stage's MoE layer rehearsed with balanced routing, and the planner's
+    all-to-all bytes for the stage's experts equal those the real code issues (the planner refused pp before)."""
+    code, said, out = _dry_run(monkeypatch, capsys, LLAMA4 + ["--parallel.pp", "2", "--parallel.ep", "2"], 4,
+                               tmp_path / "run")
+    assert code == 0 and "ok   mesh: pp 2 x dp_replicate 1 x dp_shard 2 (ep 2) x mp 1" in out, (said, out)
+    planned = re.search(r"all-to-all per step (\S+ \S+) planned, (\S+ \S+) issued", out)
+    assert planned and planned[1] == planned[2], out
 
 
 

@@ -15,12 +15,18 @@ all-to-alls (parallel.experts: dispatch and combine, forward and backward, again
 block) carry tokens x top-k x dim in the compute dtype, of which (ep - 1) / ep leaves the rank; they
 wait for their result, so compute hides none of them. The FLOPs the trainer's MFU counts are
 6 x the active parameters per token (ModelArgs.flops_per_token) plus the attention's.
+
+Under pipeline parallelism a rank holds its stages' MoE layers only (`layers`: search.estimate passes
+those of the rank holding most of them). float8 (parallel.float8) converts the skeleton's linears only:
+the experts' grouped matmuls, the router and the all-to-alls stay in the compute dtype. train.compile
+compiles the blocks around MoE.routed, which stays eager: the experts' SwiGLU is priced unfused.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Optional, Sequence
 
 from hybridpar.models.args import ModelArgs
 
@@ -72,6 +78,7 @@ class ExpertTerms:
     saved_mb: float = 0.0  # activations the MoE layers that are not checkpointed keep for backward
     transient_mb: float = 0.0  # on top in backward: a recomputed MoE layer's, and the experts' gradient temporaries
     work_mb: Work = Work()  # the experts' and routers' kernels, recomputation included
+    gather_copies: Work = Work()  # FSDP's copies into and out of one pass of the experts' all-gathers
     all_to_all_mb: float = 0.0  # bytes this rank hands to the ep group's all-to-alls (as nccl-tests counts them)
     all_to_all_calls_mb: int = 0
     router_tp_mb: float = 0.0  # the routers' logits entering the tensor-parallel region (all-gather / all-reduce)
@@ -93,14 +100,18 @@ def expert_shapes(args: ModelArgs, mp: int, ep: int) -> list[tuple[int, ...]]:
     return [(e, h, d), (e, h, d), (e, d, h)]
 
 
-def expert_terms(args: ModelArgs, layout: Layout, workload: Workload) -> ExpertTerms:
-    """The experts' and routers' share of `layout` for one micro-batch and step (ExpertTerms)."""
+def expert_terms(args: ModelArgs, layout: Layout, workload: Workload,
+                 layers: Optional[Sequence[int]] = None) -> ExpertTerms:
+    """The experts' and routers' share of `layout` for one micro-batch and step (ExpertTerms), over the
+    MoE layers among `layers` (a pipeline rank's; None: the whole model's)."""
     if not args.n_experts:
         return ExpertTerms()
     mp, ep, ds = layout.mp, layout.ep, layout.fsdp_shard
     a, r = dtype_bytes(workload.param_dtype), dtype_bytes(workload.reduce_dtype)
-    layers = moe_layers(args)
+    layers = moe_layers(args) if layers is None else [i for i in layers if args.is_moe_layer(i)]
     n = len(layers)
+    if not n:  # a pipeline rank holding dense layers only
+        return ExpertTerms(experts_per_rank=args.n_experts // ep, expert_fsdp=ds // ep, ep=ep)
     d, h, k, E = args.dim, args.expert_hidden_dim // mp, args.experts_per_token, args.n_experts
     shapes, router = expert_shapes(args, mp, ep), (E, d)
     es = ds // ep  # FSDP's ranks for the experts: those of the dp_shard ranks holding the same ones
@@ -128,13 +139,14 @@ def expert_terms(args: ModelArgs, layout: Layout, workload: Workload) -> ExpertT
 
     expert_fwd, expert_bwd = linear_work([(d, h), (d, h), (h, d)], slots, a)
     router_fwd, router_bwd = linear_work([(d, E)], t_sp, a)
-    swiglu, copies = elementwise_bytes(a, workload.compile)["swiglu"], 2 * a * slots * d * SLOT_COPIES
+    # MoE.routed runs eager under train.compile too: its SwiGLU unfused.
+    swiglu, copies = elementwise_bytes(a, False)["swiglu"], 2 * a * slots * d * SLOT_COPIES
     forward = expert_fwd + router_fwd + Work(memory_bytes=swiglu[0] * slots * h + copies)
     backward = expert_bwd + router_bwd + Work(memory_bytes=swiglu[1] * slots * h + copies)
     gathers = 2 * n if layout.reshard_after_forward else n
     # FSDP's copies into and out of the experts' all-gathers (as plan.compute.step_work's for the rest).
     fsdp_copies = Work(memory_bytes=gathers * 2 * unit * a if es > 1 else 0.0)
-    work = n * (forward + backward) + recomputed * forward + fsdp_copies
+    work = n * (forward + backward) + recomputed * forward
 
     exchanges = 4 * n + 2 * recomputed  # dispatch and combine, forward and backward; a recomputed forward's again
     # Each forward's dispatch exchanges the tokens per expert first (E int64 counts; no backward).
@@ -144,7 +156,7 @@ def expert_terms(args: ModelArgs, layout: Layout, workload: Workload) -> ExpertT
     return ExpertTerms(
         experts_per_rank=E // ep, local=local, sharded=sharded, expert_unit=unit,
         gathered=(min(2, n) if layout.reshard_after_forward else n) * unit * a, saved_mb=(n - recomputed) * per_layer,
-        transient_mb=transient, work_mb=work, all_to_all_mb=a2a if ep > 1 else 0.0,
+        transient_mb=transient, work_mb=work, gather_copies=fsdp_copies, all_to_all_mb=a2a if ep > 1 else 0.0,
         all_to_all_calls_mb=(exchanges + n + recomputed) if ep > 1 else 0, router_tp_mb=router_tp,
         gather_mb=gather, reduce=n * padded * r if ds > 1 else 0.0,
         replica_reduce=sharded * r if layout.dp_replicate > 1 else 0.0, expert_fsdp=es, ep=ep)

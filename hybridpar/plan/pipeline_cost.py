@@ -19,6 +19,14 @@ def stage_units(n_layers: int, pp: int, v: int = 1, schedule: str = "1F1B") -> i
     return max(sum(units[s] for s in stage_ids(r, pp, v, schedule)) for r in range(pp))
 
 
+def rank_layers(n_layers: int, pp: int, v: int = 1, schedule: str = "1F1B") -> list[list[int]]:
+    """The transformer layers (their global indices) each of the pp ranks holds, over its stages."""
+    counts = stage_layer_counts(n_layers, pp * v)
+    starts = [sum(counts[:s]) for s in range(len(counts))]
+    return [sorted(i for s in stage_ids(r, pp, v, schedule) for i in range(starts[s], starts[s] + counts[s]))
+            for r in range(pp)]
+
+
 def bubble_fraction(pp: int, v: int, m: int) -> float:
     """The share of a step a rank idles: (p - 1) / (v m + p - 1) (Narayanan et al. 2021, eq. 1 and
     its interleaved form)."""

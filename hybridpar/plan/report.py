@@ -168,7 +168,7 @@ def format_plan(plan: Plan, top: int = 10, model_name: str = "", model_flags: st
         smallest = min(too_big, key=lambda e: e.memory.total)
         out.append(f"{len(too_big)} layouts need more than {_gib(hw.usable_bytes)} GiB (smallest of them: "
                    f"{smallest.layout.describe()}, {_gib(smallest.memory.total)} GiB)")
-    if fitting and not plan.pipeline and not args.llama4:
+    if fitting and not plan.pipeline:
         out.append(f"pipeline parallelism not needed: {len(fitting)} layouts fit without it (--pp N prices one)")
     elif plan.pipeline:
         out.append(f"pipeline parallelism considered (pp {', '.join(map(str, plan.pipeline))}): "

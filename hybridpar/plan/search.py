@@ -8,6 +8,7 @@ from typing import Iterable, Optional
 from hybridpar.models.args import ModelArgs
 
 from ..config.dtypes import dtype_bytes
+from ..config.llama4 import context_parallel_gaps
 from ..config.sharding import AC_MODES
 from ..parallel.cost import collective_seconds
 from .async_tp import async_tp_seconds
@@ -19,7 +20,7 @@ from .inputs import MASTER_BYTES, Hardware, Layout, Workload, check_float8
 from .memory import (Memory, ParamCounts, activation_bytes, gathered_bytes, gathered_kv_bytes, local_param_shapes,
                      param_counts)
 from ..pipeline.schedules import least_microbatches, max_stages, rounds_of, stages_per_rank
-from .pipeline_cost import bubble_fraction, in_flight, schedule_stages, stage_units
+from .pipeline_cost import bubble_fraction, in_flight, rank_layers, schedule_stages, stage_units
 
 STEP_SCALARS = 3  # the trainer's all-reduces per step: target tokens, the loss, the gradient norm
 CP_NEEDED = 1 / 3  # context_parallel_needed: the share of memory one sequence's activations may take at cp 1
@@ -76,11 +77,10 @@ def estimate(args: ModelArgs, layout: Layout, workload: Workload, hw: Hardware) 
     if layout.dp_shard % layout.ep:
         raise ValueError(f"ep = {layout.ep} does not divide dp_shard = {layout.dp_shard}: the experts are split over "
                          "ep of the dp_shard ranks")
-    if args.llama4 and (pp > 1 or cp > 1):
-        raise ValueError(f"pp = {pp}, cp = {cp}: Llama 4's layers run without pipeline and context parallelism "
-                         "(hybridpar.config.llama4): plan them with --pp 1 --cp 1")
-    moe = expert_terms(args, layout, workload)  # zeros for a dense model
-    args = dense_skeleton(args)  # the rest priced as a dense model (plan.experts)
+    gaps = context_parallel_gaps(args)
+    if cp > 1 and gaps:
+        raise ValueError(f"cp = {cp}: {gaps} (hybridpar.config.llama4): plan it with --cp 1")
+    args, layers = dense_skeleton(args), None  # the rest priced as a dense model (plan.experts)
     if pp > 1:
         # A pipeline rank holds its stages' blocks: priced as the rank with most of them, and FSDP
         # does not reshard between micro-batches (one all-gather per step), so hybridpar's pipeline
@@ -96,6 +96,10 @@ def estimate(args: ModelArgs, layout: Layout, workload: Workload, hw: Hardware) 
                              f"{needed}, in rounds of {pp}")
         args = dataclasses.replace(args, n_layers=stage_units(args.n_layers, pp, v, schedule))
         layout = dataclasses.replace(layout, reshard_after_forward=False)
+        # A mixture of experts' routed experts: those of the rank holding most MoE layers.
+        layers = max(rank_layers(whole.n_layers, pp, v, schedule),
+                     key=lambda held: sum(whole.is_moe_layer(i) for i in held))
+    moe = expert_terms(whole, layout, workload, layers)  # zeros for a dense model
     L = args.n_layers
 
     counts = param_counts(args, mp, layout.fsdp_shard)
@@ -108,7 +112,8 @@ def estimate(args: ModelArgs, layout: Layout, workload: Workload, hw: Hardware) 
     saved = acts.saved
     if pp > 1:  # the micro-batches in flight on the first rank; the head's of one micro-batch
         ends = acts.head + acts.embedding
-        saved = in_flight(layout.pp_schedule, pp, v, grad_accum) * (saved - ends) + ends
+        flight = in_flight(layout.pp_schedule, pp, v, grad_accum)
+        saved, moe = flight * (saved - ends) + ends, dataclasses.replace(moe, saved_mb=flight * moe.saved_mb)
 
     kept_blocks = counts.n_layers if not layout.reshard_after_forward else min(2, L)  # current + prefetched
     # A block's float8 linears are gathered in 1 byte with float8.fsdp_all_gather.
@@ -141,14 +146,18 @@ def estimate(args: ModelArgs, layout: Layout, workload: Workload, hw: Hardware) 
     gathers = (2 if layout.reshard_after_forward else 1) * (grad_accum if pp == 1 else 1)
     dp_calls = (grad_accum if pp == 1 else 1) * comm.fsdp_gather_calls + reductions * comm.fsdp_reduce_calls \
         + comm.replica_calls
-    work = micro_batch_work(args, layout, workload, comm.tp_calls + comm.cp_calls) + moe.work_mb
+    work = micro_batch_work(args, layout, workload, comm.tp_calls + comm.cp_calls)
     if pp > 1:  # the middle ranks' blocks, or the last rank's one fewer and the head
         head = head_work(args, mp, b * s // cp, a)
         work = max(work + (-1) * head, micro_batch_work(dataclasses.replace(args, n_layers=L - 1), layout, workload,
                                                        comm.tp_calls + comm.cp_calls), key=lambda w: w.seconds(hw))
+    # The experts' FSDP copies come with each micro-batch's all-gathers; under pp with the step's one.
+    work += moe.work_mb + (moe.gather_copies if pp == 1 else Work())
     compute_mb = work.seconds(hw)
     # The experts' shards through the optimizer, their gradients into the reduce-scatter's buffer.
     moe_step = Work(memory_bytes=moe.sharded * OPTIMIZER_BYTES + reductions * moe.local * (a + 2 * r))
+    if pp > 1:
+        moe_step += moe.gather_copies
     step_extra = (step_work(args, layout, workload, gathers, reductions, dp_calls) + moe_step).seconds(hw)
     # The mesh (dp_replicate, dp_shard, cp, mp), mp innermost: FSDP's group is the dp_shard x cp
     # ranks mp apart, the cp group the cp ranks mp apart, the replicas mp x cp x dp_shard apart.
@@ -322,10 +331,6 @@ class Plan:
 
 def make_plan(args: ModelArgs, workload: Workload, hw: Hardware, **candidate_options) -> Plan:
     """Estimate every candidate layout and rank them: layouts that fit, by tokens/s per GPU."""
-    if args.n_experts and (workload.float8 != "none" or workload.compile):
-        what = f"--float8 {workload.float8}" if workload.float8 != "none" else "--compile"
-        raise ValueError(f"{what}: the job refuses it for a mixture of experts (hybridpar.config.llama4: the experts "
-                         f"have no float8 matmuls, nor compiled routing, yet); plan {args.n_experts} experts without it")
     if workload.seq_len > args.max_seq_len:
         raise ValueError(f"seq_len = {workload.seq_len} is larger than the model's max_seq_len = {args.max_seq_len}")
     for name, value in (("gpus", hw.gpus), ("gpus_per_node", hw.gpus_per_node), ("seq_len", workload.seq_len),
@@ -344,11 +349,11 @@ def make_plan(args: ModelArgs, workload: Workload, hw: Hardware, **candidate_opt
     pp = candidate_options.pop("pp", 0)
     if pp < 0 or (pp and hw.gpus % pp):
         raise ValueError(f"pp must divide the {hw.gpus} GPUs (0: the planner chooses), got {pp}")
-    if args.llama4 and (cp > 1 or pp > 1):
-        raise ValueError(f"--{'cp' if cp > 1 else 'pp'} {max(cp, pp)}: Llama 4's layers run without pipeline and "
-                         "context parallelism yet (the job refuses them, hybridpar.config.llama4); leave it out")
-    if args.llama4:  # neither is searched either
-        cp, pp = 1, 1
+    gaps = context_parallel_gaps(args)
+    if cp > 1 and gaps:  # as the job refuses it (hybridpar.config.llama4.check_llama4)
+        raise ValueError(f"--cp {cp}: {gaps} (hybridpar.config.llama4); plan it with --cp 1")
+    if gaps:  # nor searched
+        cp = 1
     layouts, rejected = candidate_layouts(args, hw, seq_len=workload.seq_len, cp=cp, pp=max(pp, 1),
                                           **candidate_options)
     if cp > 1 and not layouts:

@@ -31,9 +31,8 @@ from typing import Optional, Sequence
 from hybridpar.models.args import ModelArgs
 
 from ..config.dtypes import dtype_bytes
-from ..parallel.cost import collective_seconds
 from .compute import Work, elementwise_bytes, linear_work
-from .inputs import MASTER_BYTES, Hardware, Layout, Workload
+from .inputs import Layout, Workload
 from .memory import sharded_numel
 
 # Copies of the routed token slots a MoE layer makes, each reading and writing tokens x top-k x dim:

@@ -75,6 +75,9 @@ class Monitor:
         self._waits_said: Optional[float] = None  # when the wait last said (to say it once) began
         self._gone: set[int] = set()  # ranks a neighbour saw die (liveness.py)
         self.started = time.time()  # a hang_report.json older than this is an earlier attempt's
+        # For a mixture of experts' run: why a rank computes more (the ep rank holding the last step's
+        # hot experts, hybridpar.train.experts), else None; a culprit's is said in the verdict.
+        self.hot: Optional[Callable[[int], Optional[str]]] = None
 
     def rank0_gone(self) -> bool:
         """Rank 1's question before it takes over: has rank 0 died, or its heartbeat stopped?"""
@@ -245,6 +248,10 @@ class Monitor:
                     + describe_fault(fault, self.beat.group))
             report = {"reason": reason, "step": step, "node_fault": fault, **self._when(verdict.culprits),
                       **verdict.to_json()}
+            hot = self._hot(verdict.culprits or self.dead)
+            if hot:
+                text += f"\n{hot}"
+                report["hot_experts"] = hot
         except Exception:  # a bug in the analysis must not cost the report, nor the other ranks' exit
             error = traceback.format_exc()
             text = f"{headline}\nthe analysis of the traces failed:\n{error}"
@@ -256,6 +263,12 @@ class Monitor:
         log.error("\n" + text + "\n")
         self._save(None, report)
         return text
+
+    def _hot(self, ranks: list[int]) -> Optional[str]:
+        """The hot experts' line of the first of `ranks` that holds them (None: none does, or no experts)."""
+        if self.hot is None:
+            return None
+        return next((line for line in map(self.hot, ranks) if line), None)
 
     def store_lost(self, seconds: float, error: BaseException) -> str:
         """This rank has not reached the job's store for `seconds`: its host, rank 0, is frozen or

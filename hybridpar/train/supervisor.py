@@ -102,7 +102,13 @@ class Supervisor:
         watchdog = Watchdog(self.parallel, timeout=timeout, run_dir=self.run_dir, trace_dir=self.trace_dir,
                             interval=self.config.diagnostics.watchdog_interval, group=self.group)
         watchdog.step, watchdog.phase = step, phase
+        watchdog.monitor.hot = self._hot
         return watchdog.start()
+
+    def _hot(self, rank: int) -> Optional[str]:
+        """Why `rank` computes more, if it holds the last step's hot experts (hot_experts, set by the trainer's
+        expert balance once the supervisor is made); for the verdicts."""
+        return self.hot_experts(rank) if self.hot_experts is not None else None
 
     def set_up(self, start_step: int, model: Union[torch.nn.Module, Sequence[torch.nn.Module]],
                stages: Optional[Sequence[int]] = None) -> None:

@@ -360,6 +360,30 @@ def test_a_stopped_neighbour_is_a_stall_and_its_node_is_named(tmp_path, clock):
     assert report["step"] == 6 and report["quiet_s"] == pytest.approx(30.0) and report["attempt"] == 0
 
 
+def test_a_stalled_rank_holding_hot_experts_is_said_so_in_the_verdict(tmp_path, clock):
+    """Issue 52: the hang report names an ep rank whose experts are hot (the trainer's expert balance
+    tells the monitor which rank holds them); a rank that holds none gets no such line."""
+    hot = "ep rank 1 (experts 2-3) got 100% of layer 1's routed tokens (an even share: 50%): its experts are hot, " \
+          "not its node slow"
+    for holder, said in ((1, True), (0, False)):
+        run = tmp_path / str(holder)
+        run.mkdir()
+        wd = _watchdog(run)
+        wd.monitor.hot = lambda rank, holder=holder: hot if rank == holder else None
+        wd.beat.put("beat/1", json.dumps({"beat": 1, "step": 6, "phase": "forward", "seqs": {}, "state": "running",
+                                          "timeout": 60.0, "note": ""}))
+        wd.beat.publish()
+        assert wd.monitor.check() is None
+        clock.now += 61
+        wd.beat.publish()
+        reason = wd.monitor.check()
+        assert reason is not None and "[1]" in reason, reason
+        wd.monitor.report(reason)
+        report = json.loads((run / "hang_report.json").read_text())
+        assert (report.get("hot_experts") == hot) is said, report
+        assert report.get("hot_experts") is None or said
+
+
 def test_a_failing_analysis_still_writes_a_report_and_stops_the_job(tmp_path, clock, monkeypatch):
     def broken(*args, **kwargs):
         raise ValueError("a bug in the analysis")

@@ -347,7 +347,10 @@ class ReplicaGroups:
     def _check_groups(self) -> None:
         """The replica check across groups (check.py) after a change of the quorum and every check_every steps."""
         quorum = self.manager._quorum_id  # torchft's: one for every group of a quorum, a new one when it changes
-        changed, self._quorum_id = quorum != self._quorum_id, quorum
+        # Agreed by the group's ranks: each rank's manager may see another quorum id (tries at the quorum
+        # differ per rank, and a restarted lighthouse numbers them afresh); a check made by some ranks
+        # only would run its collectives against the others' step (a hang, or mixed all-reduces).
+        changed, self._quorum_id = any(gather_objects(quorum != self._quorum_id)), quorum
         if not (changed or (self.check_every and (self.step + 1) % self.check_every == 0)):
             return
         self.at("replica check across groups", step=self.step + 1)

@@ -251,6 +251,22 @@ def test_the_first_step_waits_for_every_group_then_the_groups_are_compared(monke
     assert manager.quorums == 4 and len(replicas.metrics.seen) == 1
 
 
+def test_a_new_quorum_seen_by_another_rank_of_the_group_checks_on_every_rank(monkeypatch):
+    """The check's collectives run on every rank of the group or none: a rank whose own quorum id did not
+    change checks too when another rank's did (the full suite once hung with rank 1 in the check's gather and
+    rank 0 in the next forward, after a restarted lighthouse numbered its quorums afresh)."""
+    import hybridpar.replicas.groups as groups
+
+    model = torch.nn.Linear(4, 3)
+    manager = FakeManager([1, 1, 2], _other_row(model, 1, healed=False))
+    replicas = _groups(monkeypatch, 0, manager, model)
+    replicas.begin_step(0)
+    assert len(replicas.metrics.seen) == 1
+    monkeypatch.setattr(groups, "gather_objects", lambda mine: [mine, True])  # rank 1 saw a new quorum
+    replicas.begin_step(0)  # this rank's quorum id is the same
+    assert len(replicas.metrics.seen) == 2 and replicas.metrics.seen[-1]["event"] == "replica_check"
+
+
 @pytest.mark.parametrize("group", [0, 1])
 def test_a_group_healed_to_other_parameters_is_named_and_leaves(monkeypatch, capsys, group):
     """Group 1 healed in this step holds another weight than group 0: group 1 raises (its launcher restarts

@@ -261,11 +261,16 @@ def test_a_dead_rank_of_a_pipeline_is_placed_by_its_stage(tmp_path):
     assert "       rank 3: pp 1, mp 1, dp 0 (replicate 0, shard 0) on ?" in report, report
 
 
+def _put_beat(wd, beat: int, step: int, *, phase: str = "forward", state: str = "running", note: str = "") -> None:
+    """Rank 1's heartbeat as its own watchdog would publish it (timeout 60 s, no collectives issued)."""
+    wd.beat.put("beat/1", json.dumps({"beat": beat, "step": step, "phase": phase, "seqs": {}, "state": state,
+                                      "timeout": 60.0, "note": note}))
+
+
 def test_a_rank_that_raised_and_exited_is_reported_as_failed_not_gone(tmp_path, clock):
     wd = _watchdog(tmp_path)
     note = "raised RuntimeError: boom"
-    wd.beat.put("beat/1", json.dumps({"beat": 7, "step": 3, "phase": "forward", "seqs": {}, "state": "failed",
-                                  "timeout": 60.0, "note": note}))
+    _put_beat(wd, 7, 3, state="failed", note=note)
     wd.beat.put("trace/1", json.dumps(dataclasses.asdict(_trace(1, {}, note=note))))
     wd.beat.publish()
     assert wd.monitor.check() is None
@@ -287,8 +292,7 @@ def test_a_failure_the_others_already_know_is_reported_at_once(tmp_path, clock, 
     heartbeat has gone stale or the stop's deadline has run out."""
     wd = _watchdog(tmp_path, world=3)
     note = "raised ValueError: planted"
-    wd.beat.put("beat/1", json.dumps({"beat": 7, "step": 3, "phase": "forward", "seqs": {}, "state": "failed",
-                                  "timeout": 60.0, "note": note}))
+    _put_beat(wd, 7, 3, state="failed", note=note)
     wd.beat.put("beat/2", json.dumps({"beat": 7, "step": 3, "phase": "forward", "seqs": {}, "state": "running",
                                   "timeout": 60.0, "note": ""}))
     wd.beat.publish()
@@ -312,8 +316,7 @@ def test_a_stop_on_request_is_neither_a_teardown_nor_a_death(tmp_path, clock):
     wd = _watchdog(tmp_path)
 
     def beat(n, state):
-        wd.beat.put("beat/1", json.dumps({"beat": n, "step": 3, "phase": "checkpoint", "seqs": {}, "state": state,
-                                      "timeout": 60.0, "note": "stopping on SIGTERM"}))
+        _put_beat(wd, n, 3, phase="checkpoint", state=state, note="stopping on SIGTERM")
         wd.beat.publish()
 
     beat(1, "stopping")
@@ -338,8 +341,7 @@ def test_a_stopped_neighbour_is_a_stall_and_its_node_is_named(tmp_path, clock):
     try:
         wd = _watchdog(tmp_path)
         wd.beat.neighbours, wd.beat.nodes = {1: child.pid}, {0: "n1", 1: "n2"}
-        wd.beat.put("beat/1", json.dumps({"beat": 1, "step": 6, "phase": "forward", "seqs": {}, "state": "running",
-                                          "timeout": 60.0, "note": ""}))
+        _put_beat(wd, 1, 6)
         wd.beat.publish()
         assert wd.monitor.check() is None
         clock.now += 30
@@ -370,8 +372,7 @@ def test_a_stalled_rank_holding_hot_experts_is_said_so_in_the_verdict(tmp_path, 
         run.mkdir()
         wd = _watchdog(run)
         wd.monitor.hot = lambda rank, holder=holder: hot if rank == holder else None
-        wd.beat.put("beat/1", json.dumps({"beat": 1, "step": 6, "phase": "forward", "seqs": {}, "state": "running",
-                                          "timeout": 60.0, "note": ""}))
+        _put_beat(wd, 1, 6)
         wd.beat.publish()
         assert wd.monitor.check() is None
         clock.now += 61

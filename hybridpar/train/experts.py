@@ -120,6 +120,12 @@ class ExpertBalance:
         for layer, module in zip(self.layers, self.modules):
             module.balance.bias.copy_(torch.tensor(state["bias"][str(layer)], dtype=torch.float32))
 
+    def discard(self) -> None:
+        """A step the replica groups did not commit is trained again: its counts are not that step's."""
+        for m in self.modules:
+            m.balance.load.zero_()
+            m.balance.aux.zero_()
+
     def finish_step(self, skipped: bool) -> dict:
         """Every rank, after the optimizer step: the step's tokens per expert over the global batch (one
         all-reduce over dp x cp), the bias update (not after a skipped step), the metrics."""

@@ -200,6 +200,7 @@ class Trainer:
         lr = self.scheduler.get_last_lr()[0]
         if not self.replicas.commit():  # a group failed in it: the same data again
             self.optimizer.zero_grad(set_to_none=True)
+            self.balance.discard()
             return None
         skipped = apply_update(self.optimizer, self.scheduler, mean_loss, grad_norm, on_nonfinite=c.train.on_nonfinite,
                                step=self.step + 1)

@@ -4,7 +4,7 @@ auxiliary losses, tokens per expert and routing bias at ep 2 of dp_shard 4 and a
 (sequence parallel), and at ep 2 with 2 micro-batches a step as world 1 with 2; the bias resumes from a checkpoint (saved at world 1, resumed at ep 2); the
 tokens per expert in metrics.jsonl sum to the step's tokens x top-k; a router forced to one ep
 rank's experts is reported as hot, with that ep rank named, in the step line, events.jsonl and
-the straggler report."""
+the straggler report; a step trained again (not committed by the replica groups) counts its tokens once."""
 
 import shutil
 from pathlib import Path
@@ -158,3 +158,26 @@ def test_a_router_forced_to_one_ep_ranks_experts_is_named_hot(workers, corpus, t
     stragglers = [line for line in result["out"].splitlines() if line.startswith("straggler at step 4: rank 1 ")]
     assert len(stragglers) == 1 and stragglers[0].endswith(f"the others wait for it; {line}")
     assert [r["straggler/hot_experts"] for r in result["rows"] if "straggler/slowest_rank" in r] == [line] * 2
+
+
+def _case_redone(config) -> list:
+    """Train with step 1's first try not committed (as the replica groups answer when a group failed in
+    it): each committed step's tokens and its metrics.jsonl row."""
+    from hybridpar.train import Trainer
+    from hybridpar.train.metrics import read_metrics
+
+    trainer = Trainer(config)
+    answers = iter([False])
+    trainer.replicas.commit = lambda: next(answers, True)
+    tokens = {m["step"]: m["tokens"] for m in trainer.run()}
+    return [(tokens[r["step"]], r) for r in read_metrics(trainer.metrics.jsonl_path) if "experts/tokens/layer1" in r]
+
+
+@pytest.mark.slow
+def test_a_step_trained_again_counts_its_tokens_per_expert_once(workers, corpus, tmp_path):
+    rows = workers(1).run(_case_redone, _config(corpus, tmp_path, dp=1, steps=2))[0]
+    print(f"\nsteps {[r['step'] for _, r in rows]}: routed {[sum(r['experts/tokens/layer1']) for _, r in rows]}, "
+          f"tokens {[t for t, _ in rows]}")
+    assert [r["step"] for _, r in rows] == [1, 2]
+    for tokens, r in rows:  # not 2x on step 1: the try that was not committed counts nothing
+        assert sum(r["experts/tokens/layer1"]) == sum(r["experts/tokens/layer3"]) == tokens * TOP_K

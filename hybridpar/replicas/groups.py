@@ -39,12 +39,13 @@ from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from ..compat.torch import default_store
 from ..mesh.ranks import gather_objects, on_rank0
 from ..parallel.float8_gather import precompute_float8_scales
+from ..parallel.layers import local_tensor
 from .check import check_groups
+from .heal import group_state, load_group_state
 from .laggards import Laggards, line as laggard_line
 from .quorum import LighthouseUnreachable, QuorumStopped, join, nowhere, reach, unreachable, unwatched
 from .record import Membership, WindowsRecord
@@ -108,19 +109,6 @@ def _reason(error) -> str:
         return "a group of its quorum failed in it"
     text = re.sub(r"^\[[^\]]*\]\s*", "", " ".join(str(error.original_exception).split()))
     return text.split(". ")[0][:160]
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _plain(tree):
-    """A state dict's DTensors as their local shards: what a peer at the same rank holds."""
-    if isinstance(tree, dict):
-        return {k: _plain(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_plain(v) for v in tree)
-    return _local(tree).detach() if isinstance(tree, torch.Tensor) else tree
 
 
 class ReplicaGroups:
@@ -248,8 +236,7 @@ class ReplicaGroups:
         return [p for m in self.modules for p in m.parameters()]
 
     def _state(self) -> dict:
-        return {"model": [_local(p).detach() for p in self._params()], "optimizer": _plain(self.optimizer.state_dict()),
-                "scheduler": self.scheduler.state_dict(), "step": self.step, "windows": list(self.windows)}
+        return group_state(self._params(), self.optimizer, self.scheduler, self.step, self.windows)
 
     def _load(self, state: dict) -> None:
         with self._lock:  # whole or not at all: a group leaving its wait (abandon) saves what it holds
@@ -260,22 +247,7 @@ class ReplicaGroups:
 
     def _load_state(self, state: dict) -> None:
         was = self.step
-        params = self._params()
-        with torch.no_grad():
-            for p, value in zip(params, state["model"], strict=True):
-                _local(p).copy_(value)
-        optimizer = state["optimizer"]
-        ordered = [p for group in self.optimizer.param_groups for p in group["params"]]  # the state's numbering
-        for index, entry in optimizer["state"].items():  # each state tensor shaped as its parameter: sharded alike
-            p = ordered[int(index)]
-            if isinstance(p, DTensor):
-                optimizer["state"][index] = {
-                    k: DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                          stride=p.stride()) if v.shape == _local(p).shape and v.dim() else v
-                    for k, v in entry.items()}
-        self.optimizer.load_state_dict(optimizer)
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.windows, self.step = [int(w) for w in state["windows"]], int(state["step"])
+        self.step, self.windows = load_group_state(state, self._params(), self.optimizer, self.scheduler)
         self._seek()
         precompute_float8_scales(self.modules)  # new weights: new float8 scales for the all-gathers (if any)
         # seconds: the quorum, the transfer from the live group and this load together
@@ -373,7 +345,7 @@ class ReplicaGroups:
         own = time.perf_counter() - self._began
         if self.record is not None and dist.get_rank() == 0:  # before the all-reduce: a group killed in it
             self.record.write(step=self.step + 1, read=self._share(self.loader.record))  # may count in the others
-        grads = [_local(p.grad) for p in params if p.grad is not None]
+        grads = [local_tensor(p.grad) for p in params if p.grad is not None]
         member = [0.0] * self.ft.groups
         member[self.ft.group] = 1.0
         # [which groups took part, the stop ballots, the groups' own seconds of the step, their last waits]

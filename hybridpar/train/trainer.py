@@ -1,9 +1,8 @@
 """The training loop: tensor parallelism inside model-parallel groups, FSDP across data-parallel ranks.
 
 One optimizer step:
-  1. fetch `grad_accum` micro-batches and count the targets of the whole global batch (one
-     all-reduce of two numbers over the dp group: the count, and whether any rank's data stopped,
-     a damaged store or a source run out, which stops every rank here: data_stop.py);
+  1. fetch `grad_accum` micro-batches and count the targets of the whole global batch (one all-reduce over dp:
+     the count, and whether any rank's data stopped, a damaged store or a source run out: data_stop.py);
   2. forward + backward each micro-batch with loss = sum of token losses / global target count,
      through the step runner (hybridpar.pipeline.runner: the whole model, or this rank's pipeline
      stages); gradients are synchronised only after the last micro-batch (train.grad_sync = "last",
@@ -11,13 +10,13 @@ One optimizer step:
   3. clip by the norm of the whole model's gradient (across mp and dp);
   4. AdamW step, learning-rate schedule step, metrics.
 
-Normalising by the global target count makes the result independent of how the batch is split
-over ranks and micro-batches: any layout computes the gradient of the same mean loss.
+Normalising by the global target count makes the result independent of how the batch is split over ranks
+and micro-batches: any layout computes the gradient of the same mean loss.
 
-The Trainer composes its parts, each made once what it needs exists: the supervisor (diagnostics,
-stop signals), the data, Throughput (MFU's terms), the model's stages and their runner, the
-optimizer and schedule, Checkpoints (restore, save), the metrics, Evaluations (validation and the
-[eval] tasks) and the profiler.
+The Trainer composes its parts, each made once what it needs exists: the supervisor (diagnostics, stop
+signals), the replica groups (hybridpar.replicas), the data, Throughput (MFU's terms), the model's stages
+and their runner, ExpertBalance (a mixture of experts' load), the optimizer and schedule, Checkpoints
+(restore, save), the metrics, Evaluations (validation and the [eval] tasks) and the profiler.
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ comm.overlapped). Not modelled: NCCL's latency.
 inputs: Layout, Workload, Hardware. hardware: named GPUs; cpu: this machine, measured. memory:
 parameters, activations, Memory. compute: the kernels' work. comm: collective bytes, calls and
 times. async_tp: torch's asynchronous TP, for published runs. pipeline_cost: pp's stages, bubble and
-in-flight micro-batches. search: estimate, candidate_layouts, make_plan. report: the text. published: the check.
+in-flight micro-batches. layouts: candidate_layouts, the sizes each dimension may take. search: estimate,
+make_plan. report: the text. published: the check.
 """
 
 from ..config.dtypes import dtype_bytes
@@ -33,7 +34,8 @@ from .inputs import GIB, MASTER_BYTES, Hardware, Layout, Workload
 from .memory import (Activations, Memory, ParamCounts, activation_bytes, kv_heads_per_rank, local_param_shapes,
                      param_counts)
 from .report import breakdown, config_flags, format_plan, no_fit_message, parse_global_batch, plan_json
-from .search import Estimate, Plan, candidate_layouts, divisors, estimate, make_plan
+from .layouts import candidate_layouts, divisors
+from .search import Estimate, Plan, estimate, make_plan
 
 __all__ = [
     "AC_MODES", "GIB", "MASTER_BYTES", "dtype_bytes",

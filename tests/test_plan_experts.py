@@ -4,6 +4,7 @@ and their plans on H100s. (The dry run's state, counted on the real model, is he
 tests/test_dryrun.py.)"""
 
 import dataclasses
+import json
 
 import pytest
 
@@ -205,3 +206,69 @@ def test_the_plans_json_gives_active_parameters_ep_and_the_all_to_all():
     best = data["layouts"][0]  # fitting layouts first, the fastest first
     assert best["fits"] and best["config"] == data["best"] and best["ep"] > 1
     assert f"--parallel.ep {best['ep']} " in data["best"]
+
+
+# --- --ep N: the planner prices the ep the user intends to run ---------------------------------------
+
+
+def test_a_fixed_ep_keeps_only_its_layouts_each_estimated_as_in_the_full_search():
+    """make_plan(ep=8) (`--ep 8`): Scout on 64 H100s, only ep 8 layouts, exactly the full search's ep 8 ones and
+    their estimates; --ep 1 (every GPU holds all 16 experts) is a plan too, without all-to-alls."""
+    args, w, hw = ModelArgs.from_preset("llama4_scout"), Workload(seq_len=8192), spec("h100", 64)
+    fixed, free = make_plan(args, w, hw, ep=8), make_plan(args, w, hw)
+    assert fixed.expert_parallel == 8 and fixed.fitting and {e.layout.ep for e in fixed.estimates} == {8}
+    assert {e.layout for e in fixed.estimates} == {e.layout for e in free.estimates if e.layout.ep == 8}
+    best = fixed.fitting[0]
+    lay = best.layout
+    same = [e for e in free.find(lay.mp, lay.dp_shard, lay.dp_replicate, lay.ac, ep=8)
+            if e.layout == lay]
+    assert same == [best] and best.time.ep_comm > 0
+    assert len(free.find(lay.mp, lay.dp_shard, lay.dp_replicate, lay.ac)) > len(same)  # other eps, without ep=
+    whole = make_plan(args, w, hw, ep=1)
+    assert whole.fitting and all(e.layout.ep == 1 and e.experts.experts_per_rank == 16 and e.time.ep_comm == 0
+                                 for e in whole.estimates)
+
+
+def test_cli_plans_a_fixed_ep_end_to_end(capsys, tmp_path):
+    from hybridpar import cli
+
+    path = tmp_path / "plan.json"
+    assert cli.main(["plan", "--model", "llama4_scout", "--gpus", "64", "--gpu", "h100", "--ep", "8", "--top", "100",
+                     "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    table = out.split("\n  # layout ")[1].split("\n\n")[0].splitlines()[1:]  # the rows under the header
+    rows = [line.split()[1] for line in table if not line.startswith("    ...")]
+    assert rows and all("_ep8_" in name for name in rows), rows
+    assert "(ep 8 of them)" in out.split("\nbest: ")[1].splitlines()[0] and "--parallel.ep 8 " in out
+    assert "expert parallelism: ep 8 only (--ep 8); without --ep the planner searches every ep" in out
+    data = json.loads(path.read_text())
+    assert data["layouts"] and {row["ep"] for row in data["layouts"]} == {8} and "--parallel.ep 8 " in data["best"]
+
+
+SCOUT_64 = ["--model", "llama4_scout", "--gpus", "64", "--gpu", "h100"]
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["--model", "llama3_8b", "--gpus", "8", "--gpu", "h100", "--ep", "2"],
+     "--ep 2: a dense model has no experts to split (n_experts = 0); drop --ep"),
+    ([*SCOUT_64, "--ep", "3"],
+     "--ep 3 does not divide the model's 16 experts (n_experts): choose an --ep dividing 16 (1, 2, 4, 8, 16)"),
+    ([*SCOUT_64, "--ep", "-1"], "--ep -1: ep must be 1 or more (0, or no --ep: the planner chooses)"),
+    (["--model", "llama4_scout", "--gpus", "8", "--gpu", "h100", "--ep", "16"],
+     "--ep 16 fits no layout of 8 GPUs: ep takes its ranks from dp_shard and must divide it, and dp_shard is at "
+     "most 8 here; choose an ep that fits (1, 2, 4, 8), or more GPUs"),
+    (["--model", "llama4_scout", "--gpus", "16", "--gpu", "h100", "--ep", "8", "--pp", "4"],
+     "--ep 8 fits no layout of 16 GPUs at --pp 4: ep takes its ranks from dp_shard and must divide it, and dp_shard "
+     "is at most 4 here; choose an ep that fits (1, 2, 4), or more GPUs or fewer pipeline stages"),
+    (["--model", "llama4_scout", "--gpus", "16", "--gpu", "h100", "--ep", "8", "--global-batch", "4"],
+     "global batch 4 is not a multiple of dp x micro-batch (1) for any data-parallel size of 16 GPUs that ep 8 "
+     "divides ([8, 16]): choose a global batch divisible by one of them, or a smaller --ep"),
+    ([*SCOUT_64, "--ep", "8", "--cp", "2"], "--cp 2: {gaps} (hybridpar.config.llama4); plan it with --cp 1"),
+], ids=["dense", "not-dividing-the-experts", "negative", "above-dp_shard", "above-a-stage's-dp_shard", "batch", "cp"])
+def test_an_ep_the_model_or_the_gpus_do_not_allow_is_one_line(capsys, argv, line):
+    from hybridpar import cli
+    from hybridpar.config.llama4 import context_parallel_gaps
+
+    line = line.format(gaps=context_parallel_gaps(ModelArgs.from_preset("llama4_scout")))
+    assert cli.main(["plan", *argv]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"hybridpar: error: {line}"]

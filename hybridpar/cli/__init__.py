@@ -288,6 +288,9 @@ def _build() -> _Parsers:
     plan.add_argument("--pp", type=int, default=0,
                       help="pipeline parallelism: plan with this many stages only (1: none); default: pipeline "
                            "stages are considered when no layout fits without them")
+    plan.add_argument("--ep", type=int, default=0,
+                      help="expert parallelism (a mixture of experts): plan with this ep only (1: every GPU holds all "
+                           "the experts); default: every ep dividing the experts and dp_shard")
     plan.add_argument("--ac-every", type=int, default=2, help="selective AC: checkpoint every k-th block (default 2)")
     plan.add_argument("--top", type=int, default=10, help="layouts to list (default 10)")
     plan.add_argument("--json", default="", metavar="PATH",

@@ -341,7 +341,7 @@ def _plan_model(args: argparse.Namespace):
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    """Per-GPU memory and step time of every (pp, mp, cp, dp_shard, dp_replicate, AC) layout; 1 when none fits."""
+    """Per-GPU memory and step time of every (pp, mp, cp, dp_shard, ep, dp_replicate, AC) layout; 1 when none fits."""
     from ..plan import Workload, format_plan, make_plan, parse_global_batch, plan_json
 
     if args.published:
@@ -366,7 +366,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     hardware = _plan_hardware(args)
     plan = make_plan(model, workload, hardware, allow_cross_node_mp=args.allow_cross_node_mp,
                      zero2=args.zero2, ac_every=args.ac_every, sequence_parallel=not args.no_sequence_parallel,
-                     cp=args.cp, pp=args.pp)
+                     cp=args.cp, pp=args.pp, ep=args.ep)
     print(format_plan(plan, top=args.top, model_name=Path(args.model).name, model_flags=model_flags))
     if args.json:
         from ..files import write_text_atomic

@@ -33,6 +33,7 @@ from hybridpar.models.args import ModelArgs
 from ..config.dtypes import dtype_bytes
 from .compute import Work, elementwise_bytes, linear_work
 from .inputs import Layout, Workload
+from .layouts import divisors
 from .memory import sharded_numel
 
 # Copies of the routed token slots a MoE layer makes, each reading and writing tokens x top-k x dim:
@@ -55,13 +56,15 @@ def moe_layers(args: ModelArgs) -> list[int]:
     return [i for i in range(args.n_layers) if args.is_moe_layer(i)]
 
 
-def check_experts(args: ModelArgs, ep: int) -> None:
-    """ValueError, in one line, for an ep the model's experts do not allow."""
+def check_experts(args: ModelArgs, ep: int, flag: bool = False) -> None:
+    """ValueError, in one line, for an ep the model's experts do not allow (`flag`: said as `--ep N`, the
+    plan command's, else as a layout's `ep = N`)."""
+    said = f"--ep {ep}" if flag else f"ep = {ep}"
     if ep > 1 and not args.n_experts:
-        raise ValueError(f"ep = {ep}: a dense model has no experts to split; use --ep 1")
+        raise ValueError(f"{said}: a dense model has no experts to split (n_experts = 0); drop --ep")
     if args.n_experts and args.n_experts % ep:
-        raise ValueError(f"ep = {ep} does not divide the model's {args.n_experts} experts: choose an --ep dividing "
-                         f"{args.n_experts}")
+        raise ValueError(f"{said} does not divide the model's {args.n_experts} experts (n_experts): choose an --ep "
+                         f"dividing {args.n_experts} ({', '.join(map(str, divisors(args.n_experts)))})")
 
 
 @dataclasses.dataclass(frozen=True)

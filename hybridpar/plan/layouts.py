@@ -31,16 +31,16 @@ def context_parallel_sizes(world: int, seq_len: int, split: int = 1) -> list[int
 def candidate_layouts(args: ModelArgs, hw: Hardware, *, allow_cross_node_mp: bool = False,
                       ac_modes: Iterable[str] = AC_MODES, zero2: bool = False, ac_every: int = 2,
                       sequence_parallel: bool = True, seq_len: int = 0,
-                      cp: int = 0, pp: int = 1) -> tuple[list[Layout], dict[int, str]]:
+                      cp: int = 0, pp: int = 1, ep: int = 0) -> tuple[list[Layout], dict[int, str]]:
     """Every layout of hw.gpus ranks the model can run; and the rejected mp sizes with the reason.
-    cp 0 considers every context-parallel size (context_parallel_sizes), cp N only N. pp > 1: layouts
-    of pp stages (1F1B, and Interleaved1F1B at 2 stages per rank where the layers allow) over the
-    hw.gpus / pp ranks of each."""
+    cp 0 considers every context-parallel size (context_parallel_sizes), cp N only N; ep likewise
+    (expert_parallel_sizes). pp > 1: layouts of pp stages (1F1B, and Interleaved1F1B at 2 stages per
+    rank where the layers allow) over the hw.gpus / pp ranks of each."""
     if pp > 1:
         inner, rejected = candidate_layouts(args, dataclasses.replace(hw, gpus=hw.gpus // pp),
                                             allow_cross_node_mp=allow_cross_node_mp, ac_modes=ac_modes, zero2=False,
                                             ac_every=ac_every, sequence_parallel=sequence_parallel, seq_len=seq_len,
-                                            cp=cp)
+                                            cp=cp, ep=ep)
         schedules = [(name, stages_per_rank(name)) for name in ("1F1B", "Interleaved1F1B")
                      if pp * stages_per_rank(name) <= max_stages(args.n_layers)]
         return [dataclasses.replace(lay, pp=pp, pp_schedule=name, v=v) for lay in inner for name, v in schedules
@@ -73,14 +73,23 @@ def candidate_layouts(args: ModelArgs, hw: Hardware, *, allow_cross_node_mp: boo
                     for reshard in (True, False) if zero2 else (True,):
                         if not reshard and ds * n_cp == 1:
                             continue  # nothing is sharded: ZeRO-2 is the same layout
-                        layouts += [Layout(mp, ds, dp // ds, ac, ac_every, reshard, sequence_parallel, n_cp, ep=ep)
-                                    for ep in expert_parallel_sizes(args, ds, n_cp)]
+                        layouts += [Layout(mp, ds, dp // ds, ac, ac_every, reshard, sequence_parallel, n_cp, ep=n)
+                                    for n in expert_parallel_sizes(args, ds, n_cp, ep)]
     return layouts, rejected
 
 
-def expert_parallel_sizes(args: ModelArgs, dp_shard: int, cp: int = 1) -> list[int]:
+def expert_parallel_sizes(args: ModelArgs, dp_shard: int, cp: int = 1, only: int = 0) -> list[int]:
     """The ep sizes a layout of dp_shard ranks can split the experts over (each dividing both; hybridpar
-    runs them without context parallelism); [1] for a dense model."""
-    if not args.n_experts or cp > 1:
-        return [1]
-    return [ep for ep in divisors(dp_shard) if args.n_experts % ep == 0]
+    runs them without context parallelism); [1] for a dense model. `only` N > 0: N alone, if it is one."""
+    sizes = [1] if not args.n_experts or cp > 1 else [ep for ep in divisors(dp_shard) if args.n_experts % ep == 0]
+    return [ep for ep in sizes if ep == only] if only else sizes
+
+
+def no_layout_for_ep(ep: int, every: list[Layout], gpus: int, pp: int) -> str:
+    """The line for an --ep no layout takes, where `every` are the layouts of any ep: it takes its ranks
+    from dp_shard, which it must divide."""
+    eps, widest = sorted({lay.ep for lay in every}), max(lay.dp_shard for lay in every)
+    stages = f" at --pp {pp}" if pp > 1 else ""
+    return (f"--ep {ep} fits no layout of {gpus} GPUs{stages}: ep takes its ranks from dp_shard and must divide it, "
+            f"and dp_shard is at most {widest} here; choose an ep that fits ({', '.join(map(str, eps))}), or more GPUs"
+            + (" or fewer pipeline stages" if pp > 1 else ""))

@@ -173,6 +173,9 @@ def format_plan(plan: Plan, top: int = 10, model_name: str = "", model_flags: st
     elif plan.pipeline:
         out.append(f"pipeline parallelism considered (pp {', '.join(map(str, plan.pipeline))}): "
                    "the bubble (p - 1) / (v m + p - 1) is in each step time")
+    if plan.expert_parallel and args.n_experts:
+        out.append(f"expert parallelism: ep {plan.expert_parallel} only (--ep {plan.expert_parallel}); without --ep "
+                   "the planner searches every ep dividing the experts and dp_shard")
     for mp, reason in sorted(plan.rejected.items()):
         out.append(f"mp {mp} not considered: {reason}")
     if plan.skipped:
@@ -295,6 +298,9 @@ def no_fit_message(plan: Plan) -> str:
         hints.append("--micro-batch 1")
     if not plan.pipeline:
         hints.append("pipeline parallelism (--pp N: N stages each hold 1/N of the layers' state)")
+    if plan.expert_parallel and plan.args.n_experts:
+        hints.append(f"another --ep, or none (the planner searches every ep; ep {plan.expert_parallel} sets how many "
+                     "experts a GPU gathers)")
     hints.append(f"a shorter --seq-len (activations {_gib(m.activations)} GiB)")
     return (f"no layout fits: the smallest needs {_gib(m.total)} GiB per GPU ({least.layout.name}, "
             f"{least.layout.describe()}), but {hw.gpu_mem_gib:g} GiB less the {hw.reserve_gib:g} GiB reserve "

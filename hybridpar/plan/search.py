@@ -17,7 +17,7 @@ from .comm import (StepTime, all_gather_seconds, all_reduce_seconds, collective_
 from .compute import OPTIMIZER_BYTES, Work, head_work, micro_batch_work, step_work
 from .experts import ExpertTerms, check_experts, dense_skeleton, expert_terms
 from .inputs import MASTER_BYTES, Hardware, Layout, Workload, check_float8
-from .layouts import candidate_layouts
+from .layouts import candidate_layouts, no_layout_for_ep
 from .memory import (Memory, ParamCounts, activation_bytes, gathered_bytes, gathered_kv_bytes, local_param_shapes,
                      param_counts)
 from ..pipeline.schedules import least_microbatches, max_stages, rounds_of
@@ -245,16 +245,17 @@ class Plan:
     skipped: list[tuple[Layout, str]]  # layouts the global batch does not divide
     context_parallel: bool = False  # layouts with cp > 1 were considered
     pipeline: tuple[int, ...] = ()  # the pp sizes > 1 considered
+    expert_parallel: int = 0  # --ep N: layouts with ep N only (0: every ep the experts and dp_shard allow)
 
     @property
     def fitting(self) -> list[Estimate]:
         return [e for e in self.estimates if e.fits]
 
     def find(self, mp: int, dp_shard: int, dp_replicate: int, ac: Optional[str] = None, cp: int = 1,
-             pp: int = 1) -> list[Estimate]:
+             pp: int = 1, ep: Optional[int] = None) -> list[Estimate]:
         return [e for e in self.estimates if (e.layout.mp, e.layout.cp, e.layout.dp_shard, e.layout.dp_replicate,
                                               e.layout.pp) == (mp, cp, dp_shard, dp_replicate, pp)
-                and (ac is None or e.layout.ac == ac)]
+                and (ac is None or e.layout.ac == ac) and (ep is None or e.layout.ep == ep)]
 
 
 def make_plan(args: ModelArgs, workload: Workload, hw: Hardware, **candidate_options) -> Plan:
@@ -277,16 +278,25 @@ def make_plan(args: ModelArgs, workload: Workload, hw: Hardware, **candidate_opt
     pp = candidate_options.pop("pp", 0)
     if pp < 0 or (pp and hw.gpus % pp):
         raise ValueError(f"pp must divide the {hw.gpus} GPUs (0: the planner chooses), got {pp}")
+    ep = candidate_options.pop("ep", 0)
+    if ep < 0:
+        raise ValueError(f"--ep {ep}: ep must be 1 or more (0, or no --ep: the planner chooses)")
+    if ep:
+        check_experts(args, ep, flag=True)
     gaps = context_parallel_gaps(args)
     if cp > 1 and gaps:  # as the job refuses it (hybridpar.config.llama4.check_llama4)
         raise ValueError(f"--cp {cp}: {gaps} (hybridpar.config.llama4); plan it with --cp 1")
     if gaps:  # nor searched
         cp = 1
-    layouts, rejected = candidate_layouts(args, hw, seq_len=workload.seq_len, cp=cp, pp=max(pp, 1),
+    layouts, rejected = candidate_layouts(args, hw, seq_len=workload.seq_len, cp=cp, pp=max(pp, 1), ep=ep,
                                           **candidate_options)
     if cp > 1 and not layouts:
         raise ValueError(f"cp = {cp} fits no layout of {hw.gpus} GPUs: cp must divide gpus / mp and seq_len "
                          f"{workload.seq_len} be a multiple of 2 x cp (x mp with sequence parallelism)")
+    if ep and not layouts:
+        every = candidate_layouts(args, hw, seq_len=workload.seq_len, cp=cp, pp=max(pp, 1), **candidate_options)[0]
+        if every:  # else no mp runs at all: the report's reasons say why
+            raise ValueError(no_layout_for_ep(ep, every, hw.gpus, pp))
     estimates, skipped = [], []
 
     def add(candidates: list[Layout]) -> None:
@@ -306,15 +316,16 @@ def make_plan(args: ModelArgs, workload: Workload, hw: Hardware, **candidate_opt
     if not pp and not any(e.fits for e in estimates):
         tried = tuple(n for n in (2 ** k for k in range(1, 12)) if hw.gpus % n == 0 and n <= max_stages(args.n_layers))
         for n in tried:
-            add(candidate_layouts(args, hw, seq_len=workload.seq_len, cp=cp, pp=n, **candidate_options)[0])
+            add(candidate_layouts(args, hw, seq_len=workload.seq_len, cp=cp, pp=n, ep=ep, **candidate_options)[0])
     if skipped and not estimates:
         dps = sorted({lay.dp for lay, _ in skipped})
+        at_ep = f" that ep {ep} divides" if ep > 1 else ""
         raise ValueError(f"global batch {workload.global_batch} is not a multiple of dp x micro-batch "
-                         f"({workload.micro_batch}) for any data-parallel size of {hw.gpus} GPUs ({dps}): "
-                         "choose a global batch divisible by one of them")
+                         f"({workload.micro_batch}) for any data-parallel size of {hw.gpus} GPUs{at_ep} ({dps}): "
+                         "choose a global batch divisible by one of them" + (", or a smaller --ep" if ep > 1 else ""))
     estimates.sort(key=lambda e: (not e.fits, -e.tokens_per_s_per_gpu if e.fits else e.memory.total, e.memory.total))
     considered = any(e.layout.cp > 1 for e in estimates) or any(lay.cp > 1 for lay, _ in skipped)
-    return Plan(args, workload, hw, estimates, rejected, skipped, considered, tried)
+    return Plan(args, workload, hw, estimates, rejected, skipped, considered, tried, ep)
 
 
 def context_parallel_needed(estimates: list[Estimate], hw: Hardware) -> bool:

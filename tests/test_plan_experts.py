@@ -272,3 +272,29 @@ def test_an_ep_the_model_or_the_gpus_do_not_allow_is_one_line(capsys, argv, line
     line = line.format(gaps=context_parallel_gaps(ModelArgs.from_preset("llama4_scout")))
     assert cli.main(["plan", *argv]) == 2
     assert capsys.readouterr().err.splitlines() == [f"hybridpar: error: {line}"]
+
+
+def test_with_ep_fixed_the_report_says_which_stages_it_left_out_and_what_more_gpus_buy(capsys):
+    """Scout on 16 H100s fits nothing without pp. At --ep 8 only pp 2 leaves a stage a dp_shard of 8: pp 4, 8, 16
+    are named as left out, not as considered. At --ep 16 no stage has room, and mp is held at 1 (ep takes all 16
+    GPUs' dp_shard): more GPUs do help, at mp 2, which the hint names instead of 'more GPUs will not do'."""
+    from hybridpar import cli
+
+    args, w, hw = ModelArgs.from_preset("llama4_scout"), Workload(seq_len=8192, global_batch=64), spec("h100", 16)
+    plan = make_plan(args, w, hw, ep=8)
+    assert plan.pipeline == (2,) and plan.pipeline_left == (4, 8, 16)
+    assert {e.layout.pp for e in plan.estimates} == {1, 2} and {e.layout.ep for e in plan.estimates} == {8}
+    assert cli.main(["plan", "--model", "llama4_scout", "--gpus", "16", "--gpu", "h100", "--global-batch", "64",
+                     "--ep", "16"]) == 1
+    out = capsys.readouterr().out
+    assert "pp 2, 4, 8, 16 not considered: stages of 8, 4, 2, 1 GPUs take no layout (ep 16 must divide their " \
+           "dp_shard)" in out and "pipeline parallelism considered" not in out
+    hints = next(line for line in out.splitlines() if line.startswith("no layout fits"))
+    assert "pipeline parallelism (--pp N" not in hints and "more GPUs will not do" not in hints
+    assert "another --ep, or none" in hints
+    at_mp = {mp: estimate(args, Layout(mp=mp, dp_shard=16, ep=16, ac="full"), w, spec("h100", 16 * mp))
+             for mp in (1, 2)}
+    other = {mp: e.memory.total - e.memory.state for mp, e in at_mp.items()}
+    assert other[1] > hw.usable_bytes > other[2]
+    assert (f"more GPUs: activations and buffers alone need {other[1] / 2**30:.1f} GiB at mp 1, all that ep 16 leaves "
+            f"of 16 GPUs; mp 2 on 32 GPUs needs {other[2] / 2**30:.1f} GiB of them") in hints

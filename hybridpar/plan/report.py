@@ -12,7 +12,7 @@ from .comm import group_busbw
 from .compute import micro_batch_work
 from .inputs import GIB, MASTER_BYTES, Hardware, Workload
 from .memory import gathered_kv_bytes
-from .search import Estimate, Plan, estimate, larger_cp
+from .search import Estimate, Plan, estimate, larger_cp, larger_mp
 
 # The one line the report states when it considered context parallelism (plan.search prices it so).
 CP_ASSUMED = ("context parallelism: each block's K|V all-gather and dK|dV reduce-scatter wait for their result "
@@ -173,6 +173,11 @@ def format_plan(plan: Plan, top: int = 10, model_name: str = "", model_flags: st
     elif plan.pipeline:
         out.append(f"pipeline parallelism considered (pp {', '.join(map(str, plan.pipeline))}): "
                    "the bubble (p - 1) / (v m + p - 1) is in each step time")
+    if plan.pipeline_left:
+        why = (f"ep {plan.expert_parallel} must divide their dp_shard" if plan.expert_parallel > 1
+               else "the --cp given must divide their GPUs / mp")
+        out.append(f"pp {', '.join(map(str, plan.pipeline_left))} not considered: stages of "
+                   f"{', '.join(str(hw.gpus // n) for n in plan.pipeline_left)} GPUs take no layout ({why})")
     if plan.expert_parallel and args.n_experts:
         out.append(f"expert parallelism: ep {plan.expert_parallel} only (--ep {plan.expert_parallel}); without --ep "
                    "the planner searches every ep dividing the experts and dp_shard")
@@ -284,11 +289,16 @@ def no_fit_message(plan: Plan) -> str:
         hints.append(f"more GPUs (about {gpus}: the sharded state, {_gib(m.state)} GiB here, divides by mp x dp_shard)")
     else:
         bigger = larger_cp(plan, least)
+        wider = larger_mp(plan, least) if plan.expert_parallel > 1 and not bigger else None
         if bigger:
             hints.append(f"context parallelism: activations and buffers alone need {_gib(other)} GiB at cp "
                          f"{least.layout.cp}; cp {bigger.layout.cp} on {bigger.layout.world} GPUs cuts each sequence "
                          f"over {bigger.layout.cp} GPUs ({_gib(bigger.memory.total - bigger.memory.state)} GiB of "
                          "them)")
+        elif wider:  # a fixed ep took the ranks a larger mp needs
+            hints.append(f"more GPUs: activations and buffers alone need {_gib(other)} GiB at mp {least.layout.mp}, "
+                         f"all that ep {plan.expert_parallel} leaves of {hw.gpus} GPUs; mp {wider.layout.mp} on "
+                         f"{wider.layout.world} GPUs needs {_gib(wider.memory.total - wider.memory.state)} GiB of them")
         else:
             hints.append(f"more GPUs will not do: activations and buffers alone need {_gib(other)} GiB")
     if least.grad_accum > 1:
@@ -296,11 +306,11 @@ def no_fit_message(plan: Plan) -> str:
                      "gradients: a smaller --global-batch or a larger --micro-batch)")
     if plan.workload.micro_batch > 1:
         hints.append("--micro-batch 1")
-    if not plan.pipeline:
+    if not plan.pipeline and not plan.pipeline_left:
         hints.append("pipeline parallelism (--pp N: N stages each hold 1/N of the layers' state)")
     if plan.expert_parallel and plan.args.n_experts:
         hints.append(f"another --ep, or none (the planner searches every ep; ep {plan.expert_parallel} sets how many "
-                     "experts a GPU gathers)")
+                     "experts a GPU gathers and which pipeline stages have room)")
     hints.append(f"a shorter --seq-len (activations {_gib(m.activations)} GiB)")
     return (f"no layout fits: the smallest needs {_gib(m.total)} GiB per GPU ({least.layout.name}, "
             f"{least.layout.describe()}), but {hw.gpu_mem_gib:g} GiB less the {hw.reserve_gib:g} GiB reserve "

@@ -246,6 +246,7 @@ class Plan:
     context_parallel: bool = False  # layouts with cp > 1 were considered
     pipeline: tuple[int, ...] = ()  # the pp sizes > 1 considered
     expert_parallel: int = 0  # --ep N: layouts with ep N only (0: every ep the experts and dp_shard allow)
+    pipeline_left: tuple[int, ...] = ()  # pp sizes tried whose stages have no layout at the ep (or cp) given
 
     @property
     def fitting(self) -> list[Estimate]:
@@ -312,11 +313,15 @@ def make_plan(args: ModelArgs, workload: Workload, hw: Hardware, **candidate_opt
         add([lay for lay in layouts if lay.cp > 1])
     # Pipeline stages when nothing fits without them: every power of two dividing the GPUs that the
     # layers allow (stages divide the state and the activations; the bubble costs time).
-    tried = (pp,) if pp > 1 else ()
+    # A stage's GPUs may leave no dp_shard that a fixed ep (or cp) divides: that pp is left out, and said so.
+    tried, left = ((pp,) if pp > 1 else ()), ()
     if not pp and not any(e.fits for e in estimates):
-        tried = tuple(n for n in (2 ** k for k in range(1, 12)) if hw.gpus % n == 0 and n <= max_stages(args.n_layers))
-        for n in tried:
-            add(candidate_layouts(args, hw, seq_len=workload.seq_len, cp=cp, pp=n, ep=ep, **candidate_options)[0])
+        sizes = [n for n in (2 ** k for k in range(1, 12)) if hw.gpus % n == 0 and n <= max_stages(args.n_layers)]
+        staged = {n: candidate_layouts(args, hw, seq_len=workload.seq_len, cp=cp, pp=n, ep=ep, **candidate_options)[0]
+                  for n in sizes}
+        for n in sizes:
+            add(staged[n])
+        tried, left = tuple(n for n in sizes if staged[n]), tuple(n for n in sizes if not staged[n])
     if skipped and not estimates:
         dps = sorted({lay.dp for lay, _ in skipped})
         at_ep = f" that ep {ep} divides" if ep > 1 else ""
@@ -325,7 +330,7 @@ def make_plan(args: ModelArgs, workload: Workload, hw: Hardware, **candidate_opt
                          "choose a global batch divisible by one of them" + (", or a smaller --ep" if ep > 1 else ""))
     estimates.sort(key=lambda e: (not e.fits, -e.tokens_per_s_per_gpu if e.fits else e.memory.total, e.memory.total))
     considered = any(e.layout.cp > 1 for e in estimates) or any(lay.cp > 1 for lay, _ in skipped)
-    return Plan(args, workload, hw, estimates, rejected, skipped, considered, tried, ep)
+    return Plan(args, workload, hw, estimates, rejected, skipped, considered, tried, ep, left)
 
 
 def context_parallel_needed(estimates: list[Estimate], hw: Hardware) -> bool:
@@ -360,4 +365,23 @@ def larger_cp(plan: "Plan", e: Estimate) -> Optional[Estimate]:
             if bigger.memory.total - bigger.memory.state < hw.usable_bytes:
                 return bigger
         cp *= 2
+    return None
+
+
+def larger_mp(plan: "Plan", e: Estimate) -> Optional[Estimate]:
+    """With an ep fixed, the GPUs may leave e's layout only a small mp beside the ep's dp_shard: e's layout at
+    the smallest larger mp inside a node whose activations and buffers fit, on as many more GPUs; None when
+    no mp gets there."""
+    lay, w, hw = e.layout, plan.workload, plan.hardware
+    for mp in range(2 * lay.mp, hw.gpus_per_node + 1, lay.mp):
+        try:
+            plan.args.check(mp)
+            if lay.sequence_parallel and w.seq_len % mp:
+                continue
+            wider = estimate(plan.args, dataclasses.replace(lay, mp=mp), w,
+                             dataclasses.replace(hw, gpus=hw.gpus * mp // lay.mp))
+        except ValueError:  # the model does not split over this mp
+            continue
+        if wider.memory.total - wider.memory.state < hw.usable_bytes:
+            return wider
     return None

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch.common import stop_session
+from tests.launch.common import ROOT, stop_session
 from tests.replicas.jobs import TIMEOUT, start
 from tests.replicas.jobs import ranks as _ranks
 from tests.replicas.jobs import rows as _rows
@@ -39,9 +39,25 @@ def _events(run: Path, group: int, kind: str) -> list[dict]:
     return [e for e in _rows(run / f"group-{group}" / "events.jsonl") if e["event"] == kind]
 
 
-def _start(run: Path, corpus: dict, steps: int) -> subprocess.Popen:
+# Group 1's ranks, once its torchrun restarted them, wait until the file RETURN_WHEN exists (the test
+# writes it when group 0 has committed a step alone): on a quiet machine a restart can be back within group
+# 0's next try at the quorum (the lighthouse waits for a group that heartbeated lately), which then includes
+# it and no step is committed alone; held back longer, group 1 can find group 0 done with every step.
+RETURN_LATE = """
+import os
+cmdline = open("/proc/self/cmdline", "rb").read().split(b"\\0")
+if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0" and b"--fault_tolerance.group" in cmdline and \\
+        cmdline[cmdline.index(b"--fault_tolerance.group") + 1] == b"1":
+    import time
+    deadline = time.monotonic() + 120
+    while not os.path.exists(os.environ["RETURN_WHEN"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+"""
+
+
+def _start(run: Path, corpus: dict, steps: int, **env) -> subprocess.Popen:
     return start(corpus, run, steps, "--train.eval_every", str(STEPS), "--checkpoint.every", str(EVERY),
-                 "--fault_tolerance.timeout", "15", "--fault_tolerance.record_windows", "true")
+                 "--fault_tolerance.timeout", "15", "--fault_tolerance.record_windows", "true", **env)
 
 
 def _alone(changes: list[dict], before: int) -> int:
@@ -57,7 +73,10 @@ def _windows(run: Path, step: int) -> list[int]:
 
 def test_a_killed_group_drops_out_and_rejoins_while_the_other_trains_on(corpus, tmp_path):
     run = tmp_path / "run"
-    proc = _start(run, corpus, STEPS)
+    (tmp_path / "inject").mkdir()
+    (tmp_path / "inject" / "sitecustomize.py").write_text(RETURN_LATE)
+    go = tmp_path / "group 0 trained alone"
+    proc = _start(run, corpus, STEPS, PYTHONPATH=f"{tmp_path / 'inject'}{os.pathsep}{ROOT}", RETURN_WHEN=go)
     seen, killed, healed = {}, None, None  # group 0's rank pids ever seen; when the kill and the heal came
     try:
         deadline = time.monotonic() + TIMEOUT
@@ -69,6 +88,8 @@ def test_a_killed_group_drops_out_and_rejoins_while_the_other_trains_on(corpus, 
                 victim = next(pid for pid, rank in _ranks(run, 1).items() if rank == 1)
                 os.kill(victim, signal.SIGKILL)
                 killed, heals = time.monotonic(), len(_events(run, 1, "healed"))
+            if killed and not go.exists() and _events(run, 0, "groups"):
+                go.touch()
             if killed and healed is None and len(_events(run, 1, "healed")) > heals:
                 healed = time.monotonic() - killed
             time.sleep(0.05)

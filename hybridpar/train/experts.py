@@ -121,7 +121,8 @@ class ExpertBalance:
             module.balance.bias.copy_(torch.tensor(state["bias"][str(layer)], dtype=torch.float32))
 
     def discard(self) -> None:
-        """A step the replica groups did not commit is trained again: its counts are not that step's."""
+        """The counts so far, gone: after a step's metrics, or a step the replica groups did not commit (it is
+        trained again, and its first try's counts are not that step's)."""
         for m in self.modules:
             m.balance.load.zero_()
             m.balance.aux.zero_()
@@ -139,10 +140,9 @@ class ExpertBalance:
         counts = packed[:-1].view(len(balances), -1)
         rate = self.settings.bias_update_rate
         for b, load in zip(balances, counts):
-            b.load.zero_()
-            b.aux.zero_()
             if b.bias is not None and not skipped:
                 b.bias += rate * torch.sign(load.mean() - load).float()
+        self.discard()  # packed holds the counts: the next step counts from zero
         return self._row(counts.cpu(), float(packed[-1]))
 
     def _row(self, counts: torch.Tensor, aux: float) -> dict:
